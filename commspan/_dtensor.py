@@ -1,0 +1,60 @@
+"""DTensor helpers: placement strings and a module's parameter summary.
+
+Placements are written the way DTensor prints them: ``S(0)``, ``R``,
+``P(sum)``; a multi-dimensional mesh joins them with commas (``S(0),R``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from commspan import semconv
+
+__all__ = ["DTensor", "param_summary", "placements_str"]
+
+try:
+    from torch.distributed.tensor import DTensor
+except Exception:  # pragma: no cover - torch built without distributed
+    DTensor = None  # type: ignore[assignment,misc]
+
+
+def placements_str(placements: Sequence[Any] | None) -> str:
+    """``(Shard(dim=0), Replicate())`` -> ``"S(0),R"``."""
+    if not placements:
+        return ""
+    return ",".join(_one(p) for p in placements)
+
+
+def _one(p: Any) -> str:
+    name = type(p).__name__
+    if name in ("Shard", "_StridedShard"):
+        return f"S({p.dim})"
+    if name == "Replicate":
+        return "R"
+    if name in ("Partial", "_Partial", "_NormPartial", "MaskPartial"):
+        return f"P({getattr(p, 'reduce_op', 'sum')})"
+    return str(p)
+
+
+def param_summary(module: torch.nn.Module) -> dict[str, Any]:
+    """Span attributes describing ``module``'s direct parameters (empty if none)."""
+    names: list[str] = []
+    placements: list[str] = []
+    shapes: list[str] = []
+    for name, param in module.named_parameters(recurse=False):
+        names.append(name)
+        data = param.data if isinstance(param, torch.nn.Parameter) else param
+        if DTensor is not None and isinstance(data, DTensor):
+            placements.append(placements_str(data.placements))
+        else:
+            placements.append("")
+        shapes.append("x".join(str(int(s)) for s in param.shape))
+    if not names:
+        return {}
+    return {
+        semconv.PARAM_NAMES: names,
+        semconv.PARAM_PLACEMENTS: placements,
+        semconv.PARAM_SHAPES: shapes,
+    }

@@ -1,0 +1,410 @@
+"""Collective counts per module and phase, derived from commspan's spans.
+
+The :class:`Aggregator` is an ordinary OpenTelemetry span processor. It reads
+only what the spans carry: the per-op count attributes of module and rank
+spans (``commspan.collectives.<phase>.<op>``), their parameter attributes, and
+their collective events. So the same numbers come out of a live run, of JSONL
+files written by :class:`~commspan.exporters.JsonlSpanExporter`
+(:meth:`Aggregator.from_jsonl`), and of any backend the spans were sent to.
+
+Example:
+    >>> from commspan import CommSpanMode
+    >>> mode = CommSpanMode()
+    >>> with mode:
+    ...     pass  # model(x).sum().backward()
+    >>> mode.aggregator.comm_counts()
+    {}
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Mapping
+
+from opentelemetry.context import Context
+from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
+
+from commspan import semconv
+
+__all__ = ["Aggregator", "CollectiveSummary"]
+
+Counts = dict[str, dict[str, dict[str, int]]]
+_PHASE_ORDER = [p.value for p in semconv.Phase]
+_PATHLIKE = (str, os.PathLike)
+
+
+@dataclass(frozen=True)
+class CollectiveSummary:
+    """Collectives of one kind issued directly by one module (not its children).
+
+    Attributes:
+        fqn: module that issued them (``Global`` outside any module).
+        phase: ``forward``, ``backward`` or ``recompute``.
+        op: canonical op name.
+        src: DTensor placements before the redistribution, ``""`` if none.
+        dst: DTensor placements after it, ``""`` if none.
+        count: how many.
+        bytes: input bytes, summed.
+    """
+
+    fqn: str
+    phase: str
+    op: str
+    src: str
+    dst: str
+    count: int
+    bytes: int
+
+
+class _ModuleRecord:
+    __slots__ = ("fqn", "type", "depth", "first_seen", "params")
+
+    def __init__(self, fqn: str, mtype: str, depth: int, first_seen: int) -> None:
+        self.fqn = fqn
+        self.type = mtype
+        self.depth = depth
+        self.first_seen = first_seen
+        self.params: dict[str, tuple[str, str]] = {}
+
+
+# Live view of still-open frames: yields (fqn, attributes, counts{(phase, op): n}).
+LiveView = Callable[[], Iterable[tuple[str, Mapping[str, Any], Mapping[tuple[str, str], int]]]]
+
+
+class Aggregator(SpanProcessor):
+    """Counts collectives per module and phase from commspan spans.
+
+    A collective counts for the module that issued it, for every module
+    enclosing it, and for ``Global``. Counts accumulate until :meth:`reset`
+    (``CommSpanMode`` resets its aggregator each time it is entered).
+
+    Args:
+        rank: only count spans of this rank (``None``: every span given).
+    """
+
+    def __init__(self, rank: int | None = None) -> None:
+        self._rank = rank
+        self._lock = threading.Lock()
+        self._live: LiveView | None = None
+        self.reset()
+
+    # ------------------------------------------------------------ processor API
+    def on_start(self, span: Span, parent_context: Context | None = None) -> None:
+        """Nothing to do when a span starts."""
+
+    def on_end(self, span: ReadableSpan) -> None:
+        """Fold one finished span into the counts."""
+        attrs = span.attributes
+        if not attrs:
+            return
+        fqn = attrs.get(semconv.MODULE_FQN)
+        if fqn is None:
+            return
+        if self._rank is not None and _rank_of(span) not in (None, self._rank):
+            return
+        events = [(e.name, e.attributes or {}) for e in span.events]
+        with self._lock:
+            self._add(str(fqn), attrs, span.start_time or 0, events)
+
+    def shutdown(self) -> None:
+        """Nothing to release."""
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        """Nothing is buffered; always ``True``."""
+        return True
+
+    # ------------------------------------------------------------ state
+    def reset(self) -> None:
+        """Forget every count."""
+        self._counts: Counts = {}
+        self._modules: dict[str, _ModuleRecord] = {}
+        self._summaries: dict[tuple[str, str, str, str, str], list[int]] = {}
+        self._seen_global = False
+
+    def attach_live(self, live: LiveView | None) -> None:
+        """Let queries include frames that are still open (used by ``CommSpanMode``)."""
+        self._live = live
+
+    def _add(
+        self,
+        fqn: str,
+        attrs: Mapping[str, Any],
+        start: int,
+        events: list[tuple[str, Mapping[str, Any]]],
+    ) -> None:
+        _fold_counts(self._counts, fqn, attrs)
+        if fqn == semconv.GLOBAL_FQN:
+            self._seen_global = True
+        else:
+            self._note_module(fqn, attrs, start)
+        for name, ev in events:
+            op = ev.get(semconv.COLL_OP)
+            if op is None:
+                continue
+            key = (
+                str(ev.get(semconv.MODULE_FQN, fqn)),
+                str(ev.get(semconv.PHASE, "")),
+                str(op),
+                str(ev.get(semconv.REDIST_SRC, "")),
+                str(ev.get(semconv.REDIST_DST, "")),
+            )
+            slot = self._summaries.get(key)
+            if slot is None:
+                slot = self._summaries[key] = [0, 0]
+            slot[0] += 1
+            slot[1] += int(ev.get(semconv.TENSOR_BYTES, 0) or 0)
+
+    def _note_module(self, fqn: str, attrs: Mapping[str, Any], start: int) -> None:
+        rec = self._modules.get(fqn)
+        depth = int(attrs.get(semconv.MODULE_DEPTH, 1) or 1)
+        if rec is None:
+            rec = self._modules[fqn] = _ModuleRecord(
+                fqn, str(attrs.get(semconv.MODULE_TYPE, "")), depth, start
+            )
+        elif start < rec.first_seen:
+            rec.first_seen = start
+            rec.depth = depth
+        names = attrs.get(semconv.PARAM_NAMES)
+        if names:
+            placements = list(attrs.get(semconv.PARAM_PLACEMENTS) or [""] * len(names))
+            shapes = list(attrs.get(semconv.PARAM_SHAPES) or [""] * len(names))
+            for i, name in enumerate(names):
+                rec.params[str(name)] = (str(shapes[i]), str(placements[i]))
+
+    # ------------------------------------------------------------ queries
+    def _snapshot(self) -> tuple[Counts, dict[str, _ModuleRecord]]:
+        with self._lock:
+            counts = {f: {p: dict(o) for p, o in ph.items()} for f, ph in self._counts.items()}
+            modules = dict(self._modules)
+        if self._live is not None:
+            for fqn, attrs, live_counts in self._live():
+                for (phase, op), n in live_counts.items():
+                    slot = counts.setdefault(fqn, {}).setdefault(phase, {})
+                    slot[op] = slot.get(op, 0) + n
+                if fqn != semconv.GLOBAL_FQN and fqn not in modules:
+                    modules[fqn] = _ModuleRecord(
+                        fqn,
+                        str(attrs.get(semconv.MODULE_TYPE, "")),
+                        int(attrs.get(semconv.MODULE_DEPTH, 1) or 1),
+                        0,
+                    )
+        return counts, modules
+
+    def module_counts(self) -> dict[str, dict[str, dict[str, int]]]:
+        """``{module fqn: {phase: {op: count}}}``, ``Global`` included.
+
+        Example:
+            ``agg.module_counts()["MLPModule.net2"]["forward"]["all_reduce"] == 1``
+        """
+        counts, _ = self._snapshot()
+        return counts
+
+    def comm_counts(self, phase: str | None = None) -> dict[str, int]:
+        """``{op: count}`` over the whole rank (optionally one phase)."""
+        counts, _ = self._snapshot()
+        out: dict[str, int] = {}
+        for ph, ops in counts.get(semconv.GLOBAL_FQN, {}).items():
+            if phase is not None and ph != phase:
+                continue
+            for op, n in ops.items():
+                out[op] = out.get(op, 0) + n
+        return out
+
+    def total_count(self, phase: str | None = None) -> int:
+        """Number of collectives over the whole rank (optionally one phase)."""
+        return sum(self.comm_counts(phase).values())
+
+    def modules(self) -> list[str]:
+        """Module names in the order they first ran."""
+        _, modules = self._snapshot()
+        return [m.fqn for m in sorted(modules.values(), key=lambda m: m.first_seen)]
+
+    def parameter_info(self) -> dict[str, dict[str, dict[str, str]]]:
+        """``{module fqn: {param: {"shape": "16x10", "placements": "S(0)"}}}``."""
+        _, modules = self._snapshot()
+        return {
+            m.fqn: {n: {"shape": s, "placements": p} for n, (s, p) in m.params.items()}
+            for m in sorted(modules.values(), key=lambda m: m.first_seen)
+            if m.params
+        }
+
+    def sharding_info(self) -> dict[str, str]:
+        """``{"<module fqn>.<param>": placements}`` for every DTensor parameter."""
+        return {
+            f"{fqn}.{name}": p["placements"]
+            for fqn, params in self.parameter_info().items()
+            for name, p in params.items()
+            if p["placements"]
+        }
+
+    def collectives(
+        self, fqn: str | None = None, phase: str | None = None, op: str | None = None
+    ) -> list[CollectiveSummary]:
+        """Collectives grouped by issuing module, phase, op and placements."""
+        with self._lock:
+            items = list(self._summaries.items())
+        out = [
+            CollectiveSummary(k[0], k[1], k[2], k[3], k[4], v[0], v[1])
+            for k, v in items
+            if (fqn is None or k[0] == fqn)
+            and (phase is None or k[1] == phase)
+            and (op is None or k[2] == op)
+        ]
+        out.sort(key=lambda s: (s.fqn, _phase_rank(s.phase), s.op, s.src, s.dst))
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        """The module tree as JSON-ready data.
+
+        Each node: ``{"fqn", "type", "counts": {phase: {op: n}}, "parameters",
+        "children": [...]}``; the root is ``Global``.
+        """
+        counts, modules = self._snapshot()
+        return _tree(counts, modules)
+
+    def table(self, noise_level: int = 0) -> str:
+        """The module tree with collective counts per phase, as text.
+
+        Args:
+            noise_level: ``0`` modules and counts; ``1`` adds module types and
+                parameter shapes and placements.
+
+        Raises:
+            ValueError: ``noise_level`` is not 0 or 1.
+        """
+        if noise_level not in (0, 1):
+            raise ValueError(
+                f"noise_level={noise_level!r} is not supported; use 0 (modules and "
+                "counts) or 1 (also module types and parameter placements)"
+            )
+        lines: list[str] = []
+        _render(self.to_dict(), 0, noise_level, lines)
+        return "\n".join(lines) + "\n"
+
+    # ------------------------------------------------------------ offline
+    @classmethod
+    def from_jsonl(
+        cls, *paths: str | os.PathLike[str], rank: int | str | None = None
+    ) -> Aggregator:
+        """Build an aggregator from files written by ``JsonlSpanExporter``.
+
+        Args:
+            paths: JSONL files, or directories holding ``*.jsonl`` files.
+            rank: which rank to count. ``None`` requires the files to hold one
+                rank only; ``"all"`` sums every rank.
+
+        Raises:
+            ValueError: no path given, or several ranks found and ``rank=None``.
+            FileNotFoundError: a path does not exist.
+        """
+        from commspan.exporters.jsonl import read_spans
+
+        if not paths:
+            raise ValueError("paths is empty; pass at least one JSONL file or directory")
+        files = list(_expand(paths))
+        if rank is not None and rank != "all" and not isinstance(rank, int):
+            raise ValueError(f"rank={rank!r} is not valid; pass an int, 'all' or None")
+        agg = cls()
+        ranks: set[Any] = set()
+        for span in read_spans(*files):
+            attrs = span.attributes
+            fqn = attrs.get(semconv.MODULE_FQN)
+            if fqn is None:
+                continue
+            r = span.rank
+            ranks.add(r)
+            if isinstance(rank, int) and r != rank:
+                continue
+            agg._add(str(fqn), attrs, span.start_time, span.events)
+        if rank is None and len(ranks) > 1:
+            raise ValueError(
+                f"rank=None but the files hold spans of ranks {sorted(ranks, key=str)}; "
+                "pass rank=<n> for one rank or rank='all' to sum them"
+            )
+        return agg
+
+
+# ------------------------------------------------------------------ helpers
+def _fold_counts(counts: Counts, fqn: str, attrs: Mapping[str, Any]) -> None:
+    per_module = None
+    for key, value in attrs.items():
+        if not key.startswith(semconv.COUNT_PREFIX):
+            continue
+        parsed = semconv.parse_count_key(key)
+        if parsed is None:
+            continue
+        phase, op = parsed
+        if per_module is None:
+            per_module = counts.setdefault(fqn, {})
+        slot = per_module.setdefault(phase, {})
+        slot[op] = slot.get(op, 0) + int(value)
+
+
+def _rank_of(span: ReadableSpan) -> int | None:
+    r = span.resource.attributes.get(semconv.RANK) if span.resource else None
+    return int(r) if isinstance(r, int) else None  # type: ignore[arg-type]
+
+
+def _phase_rank(phase: str) -> int:
+    return _PHASE_ORDER.index(phase) if phase in _PHASE_ORDER else len(_PHASE_ORDER)
+
+
+def _expand(paths: Iterable[str | os.PathLike[str]]) -> Iterator[Path]:
+    for p in paths:
+        path = Path(p)
+        if path.is_dir():
+            yield from sorted(path.glob("*.jsonl"))
+        elif path.exists():
+            yield path
+        else:
+            raise FileNotFoundError(f"paths: {str(path)!r} does not exist")
+
+
+def _parent_fqn(fqn: str, known: Mapping[str, Any]) -> str:
+    head = fqn
+    while "." in head:
+        head = head.rsplit(".", 1)[0]
+        if head in known:
+            return head
+    return semconv.GLOBAL_FQN
+
+
+def _tree(counts: Counts, modules: dict[str, _ModuleRecord]) -> dict[str, Any]:
+    def node(fqn: str, mtype: str, params: dict[str, tuple[str, str]]) -> dict[str, Any]:
+        ph = counts.get(fqn, {})
+        return {
+            "fqn": fqn,
+            "type": mtype,
+            "counts": {p: dict(sorted(ph[p].items())) for p in _PHASE_ORDER if ph.get(p)},
+            "parameters": {n: {"shape": s, "placements": pl} for n, (s, pl) in params.items()},
+            "children": [],
+        }
+
+    root = node(semconv.GLOBAL_FQN, "", {})
+    nodes: dict[str, dict[str, Any]] = {semconv.GLOBAL_FQN: root}
+    ordered = sorted(modules.values(), key=lambda m: m.first_seen)
+    for m in ordered:
+        nodes[m.fqn] = node(m.fqn, m.type, m.params)
+    for m in ordered:
+        nodes[_parent_fqn(m.fqn, nodes)]["children"].append(nodes[m.fqn])
+    return root
+
+
+def _render(node: dict[str, Any], depth: int, noise: int, lines: list[str]) -> None:
+    pad = "  " * depth
+    title = node["fqn"]
+    if noise >= 1 and node["type"]:
+        title += f" ({node['type']})"
+    lines.append(pad + title)
+    if noise >= 1:
+        for name, p in node["parameters"].items():
+            where = p["placements"] or "local"
+            lines.append(f"{pad}  - {name}: {p['shape']} {where}")
+    for phase, ops in node["counts"].items():
+        ops_text = ", ".join(f"{op} {n}" for op, n in ops.items())
+        lines.append(f"{pad}  *{phase}: {ops_text}")
+    for child in node["children"]:
+        _render(child, depth + 1, noise, lines)

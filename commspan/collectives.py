@@ -1,0 +1,233 @@
+"""The one table that says what a collective is, and what its arguments mean.
+
+Every op overload of the packets below is a collective (or a point-to-point
+op) for commspan; everything else, ``wait_tensor`` included, is not. Native
+functional collectives (``_c10d_functional``), the legacy Python ones
+(``c10d_functional``), their autograd variants and the ``c10d`` ops all map to
+one canonical name, e.g. ``all_reduce``.
+
+Example:
+    >>> import torch
+    >>> from commspan.collectives import canonical_name
+    >>> canonical_name(torch.ops._c10d_functional.all_reduce.default)
+    'all_reduce'
+    >>> canonical_name(torch.ops.c10d_functional.all_reduce)
+    'all_reduce'
+    >>> canonical_name(torch.ops.aten.mm.default) is None
+    True
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+from commspan import semconv
+
+__all__ = [
+    "CollectiveInfo",
+    "build_overload_table",
+    "canonical_name",
+    "collective_packets",
+]
+
+_log = logging.getLogger(__name__)
+
+# (namespace, packet name) -> (canonical name, kind)
+_TABLE: dict[tuple[str, str], tuple[str, str]] = {}
+
+
+def _add(ns: str, names: dict[str, str], kind: str = semconv.KIND_COLLECTIVE) -> None:
+    for packet, canonical in names.items():
+        _TABLE[(ns, packet)] = (canonical, kind)
+
+
+_FUNCOL = {
+    "all_gather_into_tensor": "all_gather_into_tensor",
+    "all_gather_into_tensor_out": "all_gather_into_tensor",
+    "all_gather_into_tensor_coalesced": "all_gather_into_tensor_coalesced",
+    "all_reduce": "all_reduce",
+    "all_reduce_": "all_reduce",
+    "all_reduce_coalesced": "all_reduce_coalesced",
+    "all_reduce_coalesced_": "all_reduce_coalesced",
+    "all_to_all_single": "all_to_all_single",
+    "broadcast": "broadcast",
+    "broadcast_": "broadcast",
+    "reduce_scatter_tensor": "reduce_scatter_tensor",
+    "reduce_scatter_tensor_out": "reduce_scatter_tensor",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter_tensor_coalesced",
+}
+_FUNCOL_P2P = {"isend": "send", "irecv": "recv", "batch_p2p_ops": "batch_p2p"}
+_add("_c10d_functional", _FUNCOL)
+_add("_c10d_functional", _FUNCOL_P2P, semconv.KIND_P2P)
+_add("c10d_functional", _FUNCOL)
+_add("c10d_functional", _FUNCOL_P2P, semconv.KIND_P2P)
+_add(
+    "_c10d_functional_autograd",
+    {
+        "all_gather_into_tensor": "all_gather_into_tensor",
+        "all_to_all_single": "all_to_all_single",
+        "reduce_scatter_tensor": "reduce_scatter_tensor",
+    },
+)
+_add(
+    "c10d",
+    {
+        "_allgather_base_": "all_gather_into_tensor",
+        "_reduce_scatter_base_": "reduce_scatter_tensor",
+        "allgather_": "all_gather",
+        "allgather_coalesced_": "all_gather_coalesced",
+        "allgather_into_tensor_coalesced_": "all_gather_into_tensor_coalesced",
+        "allreduce_": "all_reduce",
+        "allreduce_coalesced_": "all_reduce_coalesced",
+        "alltoall_": "all_to_all",
+        "alltoall_base_": "all_to_all_single",
+        "broadcast_": "broadcast",
+        "gather_": "gather",
+        "scatter_": "scatter",
+        "reduce_": "reduce",
+        "reduce_scatter_": "reduce_scatter",
+        "reduce_scatter_tensor_coalesced_": "reduce_scatter_tensor_coalesced",
+    },
+)
+_add("c10d", {"send": "send", "recv_": "recv", "recv_any_source_": "recv"}, semconv.KIND_P2P)
+_add("_dtensor", {"shard_dim_alltoall": "shard_dim_alltoall"})
+
+# Schema argument names, in order of preference, for each role.
+_INPUT_ARGS = ("input_tensors", "input_tensor", "inputs", "input", "input_list", "shard",
+               "self", "tensors", "tensor")
+_GROUP_ARGS = ("group_name", "process_group")
+_REDUCE_ARGS = ("reduce_op", "reduceOp")
+_PEER_ARGS = ("dst", "src", "peer_list")
+_RANKS_ARGS = ("ranks",)
+
+
+@dataclass(frozen=True)
+class CollectiveInfo:
+    """What commspan knows about one collective op overload.
+
+    Attributes:
+        name: canonical op name, e.g. ``all_reduce``.
+        kind: ``collective`` or ``p2p``.
+        overload: full overload name, e.g. ``_c10d_functional.all_reduce.default``.
+        packet: the overload's packet (e.g. ``torch.ops._c10d_functional.all_reduce``).
+        input_index / group_index / reduce_index / peer_index / ranks_index:
+            positions of those arguments in the op schema (``-1`` when absent).
+        arg_names: schema argument names, to find arguments passed by keyword.
+    """
+
+    name: str
+    kind: str
+    overload: str
+    packet: Any
+    input_index: int
+    group_index: int
+    reduce_index: int
+    peer_index: int
+    ranks_index: int
+    arg_names: tuple[str, ...]
+
+
+def _packet(ns: str, name: str) -> Any:
+    try:
+        return getattr(getattr(torch.ops, ns), name)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def collective_packets() -> Iterator[tuple[Any, str, str]]:
+    """Yield ``(packet, canonical name, kind)`` for every packet this torch build has."""
+    _load_op_libraries()
+    for (ns, name), (canonical, kind) in _TABLE.items():
+        packet = _packet(ns, name)
+        if packet is not None:
+            yield packet, canonical, kind
+
+
+def _index(names: tuple[str, ...], wanted: tuple[str, ...]) -> int:
+    for w in wanted:
+        if w in names:
+            return names.index(w)
+    return -1
+
+
+def _info(overload: Any, canonical: str, kind: str) -> CollectiveInfo:
+    names = tuple(a.name for a in overload._schema.arguments)
+    peer = _index(names, _PEER_ARGS) if kind == semconv.KIND_P2P else -1
+    return CollectiveInfo(
+        name=canonical,
+        kind=kind,
+        overload=str(overload),
+        packet=overload.overloadpacket,
+        input_index=_index(names, _INPUT_ARGS),
+        group_index=_index(names, _GROUP_ARGS),
+        reduce_index=_index(names, _REDUCE_ARGS),
+        peer_index=peer,
+        ranks_index=_index(names, _RANKS_ARGS),
+        arg_names=names,
+    )
+
+
+def build_overload_table() -> dict[Any, CollectiveInfo]:
+    """Map every collective ``OpOverload`` (and its packet) to its :class:`CollectiveInfo`.
+
+    Built once per mode; the dispatch hot path is a single dict lookup in it.
+    """
+    table: dict[Any, CollectiveInfo] = {}
+    for packet, canonical, kind in collective_packets():
+        first: CollectiveInfo | None = None
+        for overload_name in packet.overloads():
+            overload = getattr(packet, overload_name)
+            info = _info(overload, canonical, kind)
+            table[overload] = info
+            first = first or info
+        if first is not None:
+            table[packet] = first
+    return table
+
+
+_CANONICAL: dict[Any, str] | None = None
+
+
+def canonical_name(op: Any) -> str | None:
+    """Canonical collective name of an op overload or packet, or ``None`` if not one.
+
+    Also accepts a canonical name or an overload name string
+    (``"_c10d_functional.all_reduce.default"``).
+    """
+    global _CANONICAL
+    if _CANONICAL is None:
+        names: dict[Any, str] = {}
+        for key, info in build_overload_table().items():
+            names[key] = info.name
+            names[info.overload] = info.name
+            names[info.overload.rsplit(".", 1)[0]] = info.name
+            names[info.name] = info.name
+        _CANONICAL = names
+    try:
+        return _CANONICAL.get(op)
+    except TypeError:
+        return None
+
+
+_LOADED = False
+
+
+def _load_op_libraries() -> None:
+    """Import the Python modules that register the functional collective ops."""
+    global _LOADED
+    if _LOADED:
+        return
+    _LOADED = True
+    for mod in (
+        "torch.distributed._functional_collectives",
+        "torch.distributed._functional_collectives_impl",
+        "torch.distributed.tensor",
+    ):
+        try:
+            __import__(mod)
+        except Exception as exc:  # pragma: no cover - depends on the torch build
+            _log.debug("commspan: could not import %s: %s", mod, exc)

@@ -1,0 +1,363 @@
+"""The TorchDispatchMode that recognises collectives and describes them.
+
+For every aten op the mode sees, the hot path is one check (a tensor
+subclass such as DTensor is involved: let it run first, its local ops come
+back here) and one dict lookup (is this a collective?). A collective is
+described (op, tensors, process group, sequence number, reduce op, peer,
+DTensor redistribution) and handed to a callback; the mode itself does no IO
+and no counting.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from commspan import semconv
+from commspan._dtensor import DTensor as _DTensor
+from commspan._dtensor import placements_str
+from commspan.collectives import CollectiveInfo, build_overload_table
+
+__all__ = ["CollectiveDispatchMode", "describe"]
+
+_log = logging.getLogger(__name__)
+_Tensor = torch.Tensor
+
+CollectiveCallback = Callable[[CollectiveInfo, dict[str, Any]], None]
+
+try:  # DTensor reports redistributions to the active DebugMode (torch >= 2.10 or so)
+    from torch.utils._debug_mode import DebugMode as _DebugMode
+    import torch.distributed.tensor._redistribute as _redistribute_mod
+
+    REDISTRIBUTE_HOOK = callable(getattr(_DebugMode, "record_redistribute_calls", None)) and (
+        hasattr(_redistribute_mod, "get_active_debug_mode")
+    )
+except Exception:  # pragma: no cover - older torch: no placements on events
+    REDISTRIBUTE_HOOK = False
+
+_ModeBase: Any = _DebugMode if REDISTRIBUTE_HOOK else TorchDispatchMode
+
+
+def _op_name(op: Any) -> str:
+    if op is None:
+        return ""
+    name = str(op)
+    return name
+
+
+class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
+    """Calls ``on_collective(info, attributes)`` before each collective op runs.
+
+    On torch builds whose DTensor reports redistributions to the active
+    ``torch.utils._debug_mode.DebugMode`` (torch 2.13 does), this mode is such
+    a mode, without DebugMode's own recording, so each collective carries the
+    placements before and after the redistribution that issued it and the
+    DTensor op that needed it. Elsewhere it is a plain ``TorchDispatchMode``
+    and those attributes are absent.
+
+    Args:
+        on_collective: receives the op's :class:`CollectiveInfo` and its event
+            attributes (everything but module and phase).
+    """
+
+    # DebugMode's switches: commspan records none of what DebugMode records.
+    record_torchfunction = False
+    record_nn_module = False
+    record_stack_trace = False
+    record_faketensor = False
+    record_realtensor = False
+    record_tensor_attributes = False
+    record_ids = False
+    record_output = False
+    record_profiler_context = False
+    record_localtensor = False
+    store_original_args = False
+    run_compile_with_interpreter = False
+    supports_higher_order_operators = True
+
+    def __init__(self, on_collective: CollectiveCallback) -> None:
+        # DebugMode.__init__ sets up op recording (and imports the compiler
+        # stack); the plain TorchDispatchMode initialisation is all we need.
+        TorchDispatchMode.__init__(self)
+        self._table = build_overload_table()
+        self._on_collective = on_collective
+        self.groups = _GroupCache()
+        self._tls = threading.local()
+        self.errors = 0
+
+    def __getattr__(self, name: str) -> Any:
+        # torch internals probe DebugMode flags added in newer releases
+        if name.startswith("record_"):
+            return False
+        raise AttributeError(name)
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
+        if types and _defers(types):
+            # DTensor runs first: its local ops (collectives included) come back here
+            if REDISTRIBUTE_HOOK:
+                self._tls.op = func
+            return NotImplemented
+        info = self._table.get(func)
+        if info is not None:
+            self._collective(info, args, kwargs)
+        if kwargs:
+            return func(*args, **kwargs)
+        return func(*args)
+
+    def _collective(self, info: CollectiveInfo, args: Any, kwargs: Any) -> None:
+        try:
+            attrs = describe(info, args, kwargs, self.groups)
+            redist = self.current_redistribution()
+            if redist is not None:
+                attrs[semconv.REDIST_SRC] = redist[0]
+                attrs[semconv.REDIST_DST] = redist[1]
+                if redist[2]:
+                    attrs[semconv.REDIST_OP] = redist[2]
+            self._on_collective(info, attrs)
+        except Exception:  # tracing never breaks the step
+            self.errors += 1
+            if self.errors == 1:
+                _log.warning(
+                    "commspan: could not record collective %s (further errors are "
+                    "counted, not logged)",
+                    info.overload,
+                    exc_info=True,
+                )
+
+    # ------------------------------------------------ DTensor's debug-mode hooks
+    def _stack(self) -> list[tuple[str, str, str]]:
+        stack = getattr(self._tls, "stack", None)
+        if stack is None:
+            stack = self._tls.stack = []
+        return stack
+
+    def current_redistribution(self) -> tuple[str, str, str] | None:
+        """``(src, dst, op)`` of the redistribution running now, if any."""
+        stack = getattr(self._tls, "stack", None)
+        return stack[-1] if stack else None
+
+    @contextlib.contextmanager
+    def record_redistribute_calls(
+        self, arg: Any, src: Any, dst: Any, *rest: Any, **kwargs: Any
+    ) -> Iterator[None]:
+        """Called by DTensor around every redistribution (a context manager)."""
+        stack = self._stack()
+        try:
+            entry = self._redistribution(arg, src, dst, stack, rest, kwargs)
+        except Exception:
+            entry = None
+        if entry is None:
+            yield
+            return
+        stack.append(entry)
+        try:
+            yield
+        finally:
+            stack.pop()
+
+    def _redistribution(
+        self, arg: Any, src: Any, dst: Any, stack: list[tuple[str, str, str]],
+        rest: tuple[Any, ...], kwargs: dict[str, Any],
+    ) -> tuple[str, str, str]:
+        for spec in (src, dst):
+            mesh = getattr(spec, "mesh", None)
+            if mesh is not None:
+                self.groups.add_mesh(mesh)
+        src_s = placements_str(getattr(src, "placements", src))
+        dst_s = placements_str(getattr(dst, "placements", dst))
+        if isinstance(arg, int):  # implicit: sharding propagation of a DTensor op
+            op = getattr(self._tls, "op", None)
+            return src_s, dst_s, _op_name(op)
+        if stack:  # the inner call of an implicit redistribution: keep its op
+            return src_s, dst_s, stack[-1][2]
+        explicit = kwargs.get("is_explicit", rest[1] if len(rest) > 1 else False)
+        if explicit:
+            return src_s, dst_s, "redistribute"
+        node = torch._C._current_autograd_node()
+        return src_s, dst_s, node.name() if node is not None else "redistribute"
+
+    def record_output_placements(self, *args: Any, **kwargs: Any) -> None:
+        """DTensor reports every op's output placements; commspan does not need them."""
+
+    def record_triton_kernel(self, *args: Any, **kwargs: Any) -> None:
+        """Called by the inductor launcher under DebugMode; ignored."""
+
+
+def _defers(types: Any) -> bool:
+    if _DTensor is None:
+        return False
+    for t in types:
+        if issubclass(t, _DTensor):
+            return True
+    return False
+
+
+def _arg(info: CollectiveInfo, args: Any, kwargs: Any, index: int) -> Any:
+    if index < 0:
+        return None
+    if index < len(args):
+        return args[index]
+    if kwargs:
+        return kwargs.get(info.arg_names[index])
+    return None
+
+
+def _tensor_list(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, _Tensor):
+        return [value]
+    out: list[torch.Tensor] = []
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            if isinstance(item, _Tensor):
+                out.append(item)
+            elif isinstance(item, (list, tuple)):
+                out.extend(t for t in item if isinstance(t, _Tensor))
+    return out
+
+
+def describe(
+    info: CollectiveInfo, args: Any, kwargs: Any, groups: _GroupCache
+) -> dict[str, Any]:
+    """Event attributes of one collective call (no module, phase or placements)."""
+    attrs: dict[str, Any] = {
+        semconv.COLL_OP: info.name,
+        semconv.COLL_OVERLOAD: info.overload,
+        semconv.COLL_KIND: info.kind,
+    }
+    tensors = _tensor_list(_arg(info, args, kwargs, info.input_index))
+    if tensors:
+        first = tensors[0]
+        attrs[semconv.TENSOR_SHAPE] = list(first.shape)
+        attrs[semconv.TENSOR_DTYPE] = str(first.dtype).removeprefix("torch.")
+        attrs[semconv.TENSOR_BYTES] = sum(t.numel() * t.element_size() for t in tensors)
+        attrs[semconv.TENSOR_COUNT] = len(tensors)
+    group = _arg(info, args, kwargs, info.group_index)
+    if group is None and info.ranks_index >= 0:
+        group = _legacy_group(_arg(info, args, kwargs, info.ranks_index))
+    g = groups.get(group)
+    if g is not None:
+        name, size, ranks = g
+        attrs[semconv.PG_NAME] = name
+        attrs[semconv.PG_SIZE] = size
+        attrs[semconv.PG_RANKS] = ranks
+        mesh_dim = groups.mesh_dims.get(name)
+        if mesh_dim is not None:
+            attrs[semconv.MESH_DIM] = mesh_dim
+        attrs[semconv.COLL_SEQ] = groups.next_seq(name)
+    reduce_op = _reduce_name(_arg(info, args, kwargs, info.reduce_index))
+    if reduce_op is not None:
+        attrs[semconv.COLL_REDUCE_OP] = reduce_op
+    if info.peer_index >= 0:
+        peer = _arg(info, args, kwargs, info.peer_index)
+        if isinstance(peer, int):
+            attrs[semconv.COLL_PEER] = peer
+        elif isinstance(peer, (list, tuple)) and all(isinstance(p, int) for p in peer):
+            attrs[semconv.COLL_PEER] = list(peer)
+    return attrs
+
+
+def _legacy_group(ranks: Any) -> Any:
+    if isinstance(ranks, (list, tuple)):
+        return tuple(int(r) for r in ranks)
+    return None
+
+
+_REDUCE_NAMES: dict[int, str] = {}
+
+
+def _reduce_name(value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return value.lower()
+    try:
+        import torch.distributed as dist
+
+        if not _REDUCE_NAMES:
+            for name, member in dist.ReduceOp.RedOpType.__members__.items():
+                _REDUCE_NAMES[int(member.value)] = name.lower()
+        if isinstance(value, torch.ScriptObject):
+            code = value.op()  # type: ignore[attr-defined]
+        elif isinstance(value, dist.ReduceOp):
+            code = value.op  # type: ignore[attr-defined]
+        else:
+            code = value
+        code = int(getattr(code, "value", code))
+        return _REDUCE_NAMES.get(code, str(code))
+    except Exception:
+        return str(value)
+
+
+class _GroupCache:
+    """Process group -> ``(name, size, global ranks)``, resolved once; mesh dims."""
+
+    def __init__(self) -> None:
+        self._by_key: dict[Any, tuple[str, int, list[int]] | None] = {}
+        self._seq: dict[str, int] = {}
+        self.mesh_dims: dict[str, int] = {}
+        self._meshes: set[int] = set()
+
+    def add_mesh(self, mesh: Any) -> None:
+        """Learn which mesh dimension each of ``mesh``'s process groups is."""
+        key = id(mesh)
+        if key in self._meshes:
+            return
+        self._meshes.add(key)
+        try:
+            for dim in range(mesh.ndim):
+                self.mesh_dims[str(mesh.get_group(dim).group_name)] = dim
+        except Exception as exc:
+            _log.debug("commspan: cannot read the groups of mesh %r: %s", mesh, exc)
+
+    def next_seq(self, name: str) -> int:
+        n = self._seq.get(name, 0) + 1
+        self._seq[name] = n
+        return n
+
+    def get(self, group: Any) -> tuple[str, int, list[int]] | None:
+        if group is None:
+            return None
+        key = group if isinstance(group, (str, tuple, int)) else id(group)
+        try:
+            return self._by_key[key]
+        except KeyError:
+            pass
+        value = self._resolve(group)
+        self._by_key[key] = value
+        return value
+
+    def _resolve(self, group: Any) -> tuple[str, int, list[int]] | None:
+        try:
+            import torch.distributed as dist
+            from torch.distributed import distributed_c10d as c10d
+
+            if isinstance(group, tuple):  # legacy funcol: ranks list
+                ranks = list(group)
+                pg = c10d._resolve_group_name_by_ranks_and_tag(ranks, "")
+                name = pg.group_name if pg is not None else "ranks:" + ",".join(map(str, ranks))
+                return name, len(ranks), ranks
+            if isinstance(group, str):
+                pg = c10d._resolve_process_group(group)
+            elif isinstance(group, torch.ScriptObject):
+                pg = dist.ProcessGroup.unbox(group)
+            else:
+                pg = group
+            name = str(pg.group_name)
+            ranks = list(dist.get_process_group_ranks(pg))
+            return name, int(pg.size()), ranks
+        except Exception as exc:
+            _log.debug("commspan: cannot resolve process group %r: %s", group, exc)
+            if isinstance(group, str):
+                return group, 0, []
+            return None

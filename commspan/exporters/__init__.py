@@ -1,0 +1,17 @@
+"""Span exporters: JSONL files and OTLP (gRPC, HTTP/protobuf).
+
+Both are ordinary OpenTelemetry ``SpanExporter``s: pass them to
+``CommSpanMode(exporters=[...])`` or to any SDK span processor.
+"""
+
+from commspan.exporters.jsonl import JsonlSpanExporter, SpanRecord, encode_spans, read_spans
+from commspan.exporters.otlp import PROTOCOLS, otlp_exporter
+
+__all__ = [
+    "JsonlSpanExporter",
+    "PROTOCOLS",
+    "SpanRecord",
+    "encode_spans",
+    "otlp_exporter",
+    "read_spans",
+]

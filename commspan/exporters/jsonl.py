@@ -1,0 +1,319 @@
+"""JSONL span files: one line per exported batch, in OTLP/JSON.
+
+Each line is one ``ExportTraceServiceRequest`` in the OTLP/JSON encoding, the
+format the OpenTelemetry Collector's ``file`` exporter writes and its
+``otlpjson`` receiver reads, so the files replay into any collector. See
+``docs/jsonl.md``.
+
+Example:
+    >>> import tempfile, pathlib
+    >>> from commspan.exporters import JsonlSpanExporter
+    >>> d = tempfile.mkdtemp()
+    >>> exporter = JsonlSpanExporter(pathlib.Path(d) / "trace-rank{rank}.jsonl")
+    >>> exporter.shutdown()
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import orjson
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+from commspan import semconv
+
+__all__ = ["JsonlSpanExporter", "SpanRecord", "encode_spans", "read_spans"]
+
+_log = logging.getLogger(__name__)
+DEFAULT_FILENAME = "commspan-rank{rank}.jsonl"
+
+
+class JsonlSpanExporter(SpanExporter):
+    """Write spans to a JSONL file, one OTLP/JSON request per line.
+
+    Each ``export`` call appends one whole line with a single ``write``, so a
+    crash loses at most the spans not yet exported, never part of a line.
+
+    Args:
+        path: file to append to, or a directory (the file is then
+            ``commspan-rank{rank}.jsonl`` inside it). ``{rank}`` and
+            ``{run_id}`` in the name are filled from the first spans'
+            resource, so every rank writes its own file.
+        fsync: also ``fsync`` after every line (durable, slower).
+
+    Raises:
+        TypeError: ``path`` is not a str or path.
+
+    Example:
+        >>> from commspan import CommSpanMode
+        >>> from commspan.exporters import JsonlSpanExporter
+        >>> mode = CommSpanMode(exporters=[JsonlSpanExporter("/tmp/commspan-doc")])
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, fsync: bool = False) -> None:
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(
+                f"path={path!r} is not valid; pass a file path or a directory (str or Path)"
+            )
+        self._template = os.fspath(path)
+        self._fsync = fsync
+        self._fd: int | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+        self.path: Path | None = None
+        self.lines_written = 0
+        self.bytes_written = 0
+
+    def _open(self, first: ReadableSpan) -> int:
+        res = first.resource.attributes if first.resource is not None else {}
+        rank = res.get(semconv.RANK)
+        if rank is None:
+            rank = _dist_rank()
+        run_id = res.get(semconv.RUN_ID, "run")
+        template = self._template
+        if template.endswith(os.sep) or os.path.isdir(template):
+            template = os.path.join(template, DEFAULT_FILENAME)
+        path = Path(template.format(rank=rank, run_id=run_id))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        return self._fd
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        """Append one line holding ``spans``."""
+        if not spans:
+            return SpanExportResult.SUCCESS
+        with self._lock:
+            if self._closed:
+                return SpanExportResult.FAILURE
+            fd = self._fd if self._fd is not None else self._open(spans[0])
+            data = encode_spans(spans) + b"\n"
+            view = memoryview(data)
+            while view:
+                n = os.write(fd, view)
+                view = view[n:]
+            if self._fsync:
+                os.fsync(fd)
+            self.lines_written += 1
+            self.bytes_written += len(data)
+        return SpanExportResult.SUCCESS
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        """Lines are written unbuffered; nothing to flush."""
+        return True
+
+    def shutdown(self) -> None:
+        """Close the file; later exports fail."""
+        with self._lock:
+            self._closed = True
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+
+
+def _dist_rank() -> int:
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return int(dist.get_rank())
+    except Exception:
+        pass
+    return int(os.environ.get("RANK", "0") or 0)
+
+
+# ------------------------------------------------------------------ encoding
+def _value(v: Any) -> dict[str, Any]:
+    t = type(v)
+    if t is str:
+        return {"stringValue": v}
+    if t is int:
+        return {"intValue": str(v)}
+    if t is bool:
+        return {"boolValue": v}
+    if t is float:
+        return {"doubleValue": v}
+    if t is list or t is tuple:
+        return {"arrayValue": {"values": [_value(x) for x in v]}}
+    if isinstance(v, bool):
+        return {"boolValue": bool(v)}
+    if isinstance(v, int):
+        return {"intValue": str(int(v))}
+    if isinstance(v, float):
+        return {"doubleValue": float(v)}
+    if isinstance(v, (list, tuple)):
+        return {"arrayValue": {"values": [_value(x) for x in v]}}
+    return {"stringValue": str(v)}
+
+
+def _attrs(attrs: Any) -> list[dict[str, Any]]:
+    if not attrs:
+        return []
+    return [{"key": k, "value": _value(v)} for k, v in attrs.items()]
+
+
+def _span(span: ReadableSpan) -> dict[str, Any]:
+    ctx = span.context
+    out: dict[str, Any] = {
+        "traceId": f"{ctx.trace_id:032x}" if ctx else "",
+        "spanId": f"{ctx.span_id:016x}" if ctx else "",
+        "name": span.name,
+        "kind": span.kind.value + 1,
+        "startTimeUnixNano": str(span.start_time or 0),
+        "endTimeUnixNano": str(span.end_time or 0),
+        "attributes": _attrs(span.attributes),
+    }
+    parent = span.parent
+    if parent is not None:
+        out["parentSpanId"] = f"{parent.span_id:016x}"
+    events = span.events
+    if events:
+        out["events"] = [
+            {"timeUnixNano": str(e.timestamp), "name": e.name, "attributes": _attrs(e.attributes)}
+            for e in events
+        ]
+    status = span.status
+    code = status.status_code.value
+    out["status"] = {"code": code, "message": status.description} if code and (
+        status.description
+    ) else ({"code": code} if code else {})
+    return out
+
+
+def encode_spans(spans: Sequence[ReadableSpan]) -> bytes:
+    """Encode spans as one OTLP/JSON ``ExportTraceServiceRequest`` (no newline)."""
+    groups: dict[int, tuple[Any, dict[tuple[str, str, str], list[dict[str, Any]]]]] = {}
+    for span in spans:
+        res = span.resource
+        slot = groups.get(id(res))
+        if slot is None:
+            slot = groups[id(res)] = (res, {})
+        scope = span.instrumentation_scope
+        key = (
+            scope.name if scope else "",
+            (scope.version or "") if scope else "",
+            (scope.schema_url or "") if scope else "",
+        )
+        slot[1].setdefault(key, []).append(_span(span))
+    resource_spans = []
+    for res, scopes in groups.values():
+        resource_spans.append(
+            {
+                "resource": {"attributes": _attrs(res.attributes if res else {})},
+                "scopeSpans": [
+                    {"scope": {"name": n, "version": v}, "schemaUrl": u, "spans": s}
+                    for (n, v, u), s in scopes.items()
+                ],
+            }
+        )
+    return orjson.dumps({"resourceSpans": resource_spans})
+
+
+# ------------------------------------------------------------------ reading
+@dataclass
+class SpanRecord:
+    """A span read back from a JSONL file.
+
+    Attributes:
+        events: ``(name, attributes)`` pairs, in order.
+        event_times: timestamps of those events (ns).
+        rank: ``commspan.rank`` of the span's resource, if any.
+    """
+
+    name: str
+    trace_id: str
+    span_id: str
+    parent_span_id: str
+    start_time: int
+    end_time: int
+    attributes: dict[str, Any]
+    events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    event_times: list[int] = field(default_factory=list)
+    status_code: int = 0
+    status_message: str = ""
+    rank: int | None = None
+    resource: dict[str, Any] = field(default_factory=dict)
+
+
+def _decode_value(v: dict[str, Any]) -> Any:
+    for key, val in v.items():
+        if key == "stringValue":
+            return val
+        if key == "intValue":
+            return int(val)
+        if key == "doubleValue":
+            return float(val)
+        if key == "boolValue":
+            return bool(val)
+        if key == "arrayValue":
+            return [_decode_value(x) for x in val.get("values", [])]
+        if key == "kvlistValue":
+            return {kv["key"]: _decode_value(kv["value"]) for kv in val.get("values", [])}
+        if key == "bytesValue":
+            return val
+    return None
+
+
+def _decode_attrs(items: list[dict[str, Any]] | None) -> dict[str, Any]:
+    if not items:
+        return {}
+    return {a["key"]: _decode_value(a.get("value", {})) for a in items}
+
+
+def read_spans(*paths: str | os.PathLike[str]) -> Iterator[SpanRecord]:
+    """Yield every span in JSONL files written by :class:`JsonlSpanExporter`.
+
+    A truncated last line (a crash mid-write) is skipped with a warning; any
+    other line that is not valid JSON raises ``ValueError`` naming file and line.
+    """
+    for p in paths:
+        path = Path(p)
+        with path.open("rb") as fh:
+            lines = fh.read().split(b"\n")
+        last = len(lines) - 1
+        while last >= 0 and not lines[last].strip():
+            last -= 1
+        for i, line in enumerate(lines):
+            if not line.strip():
+                continue
+            try:
+                doc = orjson.loads(line)
+            except orjson.JSONDecodeError as exc:
+                if i == last:
+                    _log.warning("commspan: %s: skipping truncated last line %d", path, i + 1)
+                    continue
+                raise ValueError(f"{path}:{i + 1}: not a JSON line ({exc})") from None
+            yield from _records(doc)
+
+
+def _records(doc: dict[str, Any]) -> Iterator[SpanRecord]:
+    for rs in doc.get("resourceSpans", ()):
+        res = _decode_attrs(rs.get("resource", {}).get("attributes"))
+        rank = res.get(semconv.RANK)
+        rank = int(rank) if isinstance(rank, int) else None
+        for ss in rs.get("scopeSpans", ()):
+            for s in ss.get("spans", ()):
+                events = s.get("events") or ()
+                status = s.get("status") or {}
+                yield SpanRecord(
+                    name=s.get("name", ""),
+                    trace_id=s.get("traceId", ""),
+                    span_id=s.get("spanId", ""),
+                    parent_span_id=s.get("parentSpanId", ""),
+                    start_time=int(s.get("startTimeUnixNano", 0)),
+                    end_time=int(s.get("endTimeUnixNano", 0)),
+                    attributes=_decode_attrs(s.get("attributes")),
+                    events=[(e.get("name", ""), _decode_attrs(e.get("attributes")))
+                            for e in events],
+                    event_times=[int(e.get("timeUnixNano", 0)) for e in events],
+                    status_code=int(status.get("code", 0) or 0),
+                    status_message=status.get("message", ""),
+                    rank=rank,
+                    resource=res,
+                )

@@ -1,0 +1,394 @@
+"""Global nn.Module hooks -> an ordered stack of (module, phase) frames.
+
+Forward: a global forward pre-hook opens a frame, a global forward hook
+(``always_call=True``) closes it. A module that has forward hooks of its own
+(tensor-parallel output hooks, for instance) is closed by a hook of ours
+registered after them, so the collectives those hooks issue belong to it.
+A forward that runs while autograd executes backward is a recompute
+(activation checkpointing).
+
+Backward: each forward call leaves gradient hooks on its outputs (the module's
+backward starts when one of their gradients is ready) and on its inputs (it
+ends when all of theirs are). Backward frames nest the way the forward calls
+nested: when a module's backward starts, the frames of modules that are not
+its forward ancestors are finished. What is left open when autograd finishes
+is closed by an engine callback. Hooks hold no tensor and no module, and hooks
+left on leaf tensors are removed, so nothing grows step after step.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+import weakref
+from typing import Any, Callable, Protocol
+
+import torch
+from torch.nn.modules.module import (
+    register_module_forward_hook,
+    register_module_forward_pre_hook,
+)
+
+from commspan import semconv
+from commspan._dtensor import param_summary
+from commspan.semconv import Phase
+from commspan.spans import Frame, SpanRecorder
+
+__all__ = ["ModuleHooks", "ModuleTracker"]
+
+_log = logging.getLogger(__name__)
+_Tensor = torch.Tensor
+_graph_task_id = torch._C._current_graph_task_id
+
+try:  # torch.compile'd regions: leave them alone, as torch's own trackers do
+    from torch._dynamo.eval_frame import _is_in_optimized_module as _in_compiled
+except Exception:  # pragma: no cover - depends on the torch build
+
+    def _in_compiled() -> bool:
+        return False
+
+
+class ModuleHooks(Protocol):
+    """Optional observer of module events (the compat ModTracker uses it)."""
+
+    def pre_fw(self, module: torch.nn.Module, args: Any) -> None: ...
+    def post_fw(self, module: torch.nn.Module, args: Any, output: Any) -> None: ...
+    def pre_bw(self, module: torch.nn.Module | None, grads: Any) -> None: ...
+    def post_bw(self, module: torch.nn.Module | None, grads: Any) -> None: ...
+
+
+class _ModInfo:
+    __slots__ = ("fqn", "type", "params", "local_hooked")
+
+    def __init__(self, fqn: str, mtype: str) -> None:
+        self.fqn = fqn
+        self.type = mtype
+        self.params: dict[str, Any] | None = None
+        self.local_hooked = False
+
+
+class _Call:
+    """One forward (or recompute) call of a module, as its backward sees it."""
+
+    __slots__ = (
+        "info",
+        "module",
+        "parent",
+        "frame",
+        "bw_frame",
+        "bw_started",
+        "bw_finished",
+        "inputs_left",
+        "depth",
+    )
+
+    def __init__(
+        self, info: _ModInfo, module: Any, parent: _Call | None, frame: Frame, depth: int
+    ) -> None:
+        self.info = info
+        self.module = module  # weakref.ref to the module
+        self.parent = parent
+        self.frame = frame
+        self.bw_frame: Frame | None = None
+        self.bw_started = False
+        self.bw_finished = False
+        self.inputs_left = 0
+        self.depth = depth
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    """Tensors that require grad inside ``obj`` (args tuples, dicts, lists)."""
+    if isinstance(obj, _Tensor):
+        return [obj] if obj.requires_grad else []
+    out: list[torch.Tensor] = []
+    if isinstance(obj, (tuple, list)):
+        for item in obj:
+            if isinstance(item, _Tensor):
+                if item.requires_grad:
+                    out.append(item)
+            elif isinstance(item, (tuple, list, dict)):
+                out.extend(_tensors(item))
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            out.extend(_tensors(item))
+    return out
+
+
+class ModuleTracker:
+    """Turns module hooks into frames on a :class:`SpanRecorder`.
+
+    Args:
+        recorder: where frames go.
+        observer: optional :class:`ModuleHooks` called at each module event.
+        record_params: put parameter names, shapes and placements on forward spans.
+    """
+
+    def __init__(
+        self,
+        recorder: SpanRecorder,
+        observer: ModuleHooks | None = None,
+        record_params: bool = True,
+    ) -> None:
+        self.recorder = recorder
+        self.observer = observer
+        self.record_params = record_params
+        self._known: weakref.WeakKeyDictionary[torch.nn.Module, _ModInfo] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._calls: list[_Call] = []
+        self._handles: list[Any] = []
+        self._local: list[Any] = []
+        self._leaf_handles: list[Any] = []
+        self._tasks: set[int] = set()
+        self._bw_open: list[_Call] = []
+        self.active = False
+        self.internal_errors = 0
+
+    # ------------------------------------------------------------ install
+    def install(self) -> None:
+        """Register the global hooks (idempotent)."""
+        if self._handles:
+            return
+        self._handles = [
+            register_module_forward_pre_hook(self._pre_fw),
+            register_module_forward_hook(self._post_fw, always_call=True),
+        ]
+        self.active = True
+
+    def uninstall(self) -> None:
+        """Remove every hook this tracker registered; forget open calls."""
+        self.active = False
+        for h in self._handles + self._local + self._leaf_handles:
+            h.remove()
+        self._handles, self._local, self._leaf_handles = [], [], []
+        for info in list(self._known.values()):
+            info.local_hooked = False
+        self._calls.clear()
+        self._bw_open.clear()
+        self._tasks.clear()
+
+    def reset_step(self) -> None:
+        """Drop per-step state (leaf hooks of a backward that never ran, open calls)."""
+        for h in self._leaf_handles:
+            h.remove()
+        self._leaf_handles = []
+        self._calls.clear()
+        self._bw_open.clear()
+        self._tasks.clear()
+
+    # ------------------------------------------------------------ names
+    def fqn(self, module: torch.nn.Module) -> str | None:
+        """The name the tracker knows ``module`` by, or ``None``."""
+        info = self._known.get(module)
+        return info.fqn if info is not None else None
+
+    def _info(self, module: torch.nn.Module) -> _ModInfo:
+        info = self._known.get(module)
+        if info is not None:
+            return info
+        root = type(module).__name__
+        known = self._known
+        for name, sub in module.named_modules():
+            if sub not in known:
+                known[sub] = _ModInfo(f"{root}.{name}" if name else root, type(sub).__name__)
+        return known[module]
+
+    def open_fqns(self) -> set[str]:
+        """Names of the modules with an open (not finished) frame, plus ``Global``."""
+        return {f.fqn for f in self.recorder.stack if not f.done}
+
+    # ------------------------------------------------------------ forward
+    def _pre_fw(self, module: torch.nn.Module, args: Any) -> None:
+        if not self.active or _in_compiled():
+            return
+        try:
+            info = self._info(module)
+            task = _graph_task_id()
+            phase = Phase.RECOMPUTE if task != -1 else Phase.FORWARD
+            parent = self._calls[-1] if self._calls else None
+            depth = parent.depth + 1 if parent is not None else 1
+            attrs: dict[str, Any] = {
+                semconv.MODULE_FQN: info.fqn,
+                semconv.MODULE_TYPE: info.type,
+                semconv.PHASE: phase.value,
+                semconv.MODULE_DEPTH: depth,
+            }
+            if self.record_params and phase is Phase.FORWARD:
+                if info.params is None:
+                    info.params = param_summary(module)
+                if info.params:
+                    attrs.update(info.params)
+            frame = self.recorder.push(info.fqn, phase, attrs, task)
+            call = _Call(info, weakref.ref(module), parent, frame, depth)
+            self._calls.append(call)
+            if module._forward_hooks and not info.local_hooked:
+                # closes after the module's own forward hooks (e.g. TP output hooks)
+                self._local.append(
+                    module.register_forward_hook(self._local_post_fw, always_call=True)
+                )
+                info.local_hooked = True
+            if torch.is_grad_enabled():
+                self._watch_inputs(call, args)
+            if self.observer is not None:
+                self.observer.pre_fw(module, args)
+        except Exception:  # never break the user's step
+            self._internal_error()
+
+    def _post_fw(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if not self.active or _in_compiled():
+            return
+        info = self._known.get(module)
+        if info is None or info.local_hooked:
+            return
+        self._finish_forward(module, args, output)
+
+    def _local_post_fw(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if not self.active or _in_compiled():
+            return
+        self._finish_forward(module, args, output)
+
+    def _finish_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        try:
+            calls = self._calls
+            idx = len(calls) - 1
+            while idx >= 0 and calls[idx].module() is not module:
+                idx -= 1
+            if idx < 0:
+                return
+            call = calls[idx]
+            del calls[idx:]
+            error = sys.exc_info()[1] if output is None else None
+            if self.observer is not None:
+                self.observer.post_fw(module, args, output)
+            if error is not None:
+                self._record_exception(call.frame, error)
+            self.recorder.close_now(call.frame, error)
+            if output is not None and torch.is_grad_enabled():
+                self._watch_outputs(call, output)
+        except Exception:
+            self._internal_error()
+
+    def _record_exception(self, frame: Frame, error: BaseException) -> None:
+        if frame.error is None and not getattr(error, "_commspan_recorded", False):
+            self.recorder.add_plain_event(
+                frame,
+                semconv.EVENT_EXCEPTION,
+                {
+                    semconv.EXCEPTION_TYPE: type(error).__qualname__,
+                    semconv.EXCEPTION_MESSAGE: str(error),
+                },
+            )
+            try:
+                error._commspan_recorded = True  # type: ignore[attr-defined]
+            except Exception:
+                pass
+
+    # ------------------------------------------------------------ backward
+    def _watch_inputs(self, call: _Call, args: Any) -> None:
+        tensors = _tensors(args)
+        if not tensors:
+            return
+        call.inputs_left = len(tensors)
+        hook = functools.partial(self._input_grad_ready, call)
+        for t in tensors:
+            self._register(t, hook)
+
+    def _watch_outputs(self, call: _Call, output: Any) -> None:
+        tensors = _tensors(output)
+        if not tensors:
+            return
+        hook = functools.partial(self._output_grad_ready, call)
+        for t in tensors:
+            self._register(t, hook)
+
+    def _register(self, t: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> None:
+        handle = t.register_hook(hook)
+        if t.grad_fn is None:  # a leaf keeps its hooks: remove ours after backward
+            self._leaf_handles.append(handle)
+
+    def _output_grad_ready(self, call: _Call, grad: Any) -> None:
+        if call.bw_started or not self.active:
+            return
+        try:
+            call.bw_started = True
+            task = _graph_task_id()
+            if task not in self._tasks:
+                self._tasks.add(task)
+                torch.autograd.Variable._execution_engine.queue_callback(
+                    functools.partial(self._backward_done, task)
+                )
+            ancestor = call.parent
+            while ancestor is not None and (
+                ancestor.bw_frame is None or ancestor.bw_frame.closed
+            ):
+                ancestor = ancestor.parent
+            under = ancestor.bw_frame if ancestor is not None else self._task_base(task)
+            info = call.info
+            attrs: dict[str, Any] = {
+                semconv.MODULE_FQN: info.fqn,
+                semconv.MODULE_TYPE: info.type,
+                semconv.PHASE: Phase.BACKWARD.value,
+                semconv.MODULE_DEPTH: call.depth,
+            }
+            call.bw_frame = self.recorder.push(info.fqn, Phase.BACKWARD, attrs, task, under)
+            self._bw_open.append(call)
+            if self.observer is not None:
+                self.observer.pre_bw(call.module(), grad)
+        except Exception:
+            self._internal_error()
+
+    def _task_base(self, task: int) -> Frame | None:
+        """The frame a parentless backward frame of ``task`` goes under."""
+        stack = self.recorder.stack
+        for idx in range(1, len(stack)):
+            if stack[idx].task == task and stack[idx].phase is Phase.BACKWARD:
+                return stack[idx - 1]
+        return None
+
+    def _input_grad_ready(self, call: _Call, grad: Any) -> None:
+        if call.bw_finished or not self.active:
+            return
+        try:
+            call.inputs_left -= 1
+            if call.inputs_left > 0:
+                return
+            self._finish_backward(call, grad)
+        except Exception:
+            self._internal_error()
+
+    def _finish_backward(self, call: _Call, grad: Any) -> None:
+        call.bw_finished = True
+        if self.observer is not None:
+            self.observer.post_bw(call.module(), grad)
+        if call.bw_frame is not None:
+            self.recorder.pop(call.bw_frame)
+
+    def _backward_done(self, task: int) -> None:
+        try:
+            self._tasks.discard(task)
+            pending = [c for c in self._bw_open if c.bw_frame is not None
+                       and c.bw_frame.task == task]
+            if self.observer is not None:
+                for call in reversed(pending):
+                    if not call.bw_finished:
+                        call.bw_finished = True
+                        self.observer.post_bw(call.module(), None)
+            self.recorder.close_task(task)
+            self._bw_open = [c for c in self._bw_open if c not in pending]
+            if not self._tasks:
+                for h in self._leaf_handles:
+                    h.remove()
+                self._leaf_handles = []
+        except Exception:
+            self._internal_error()
+
+    # ------------------------------------------------------------ misc
+    def _internal_error(self) -> None:
+        self.internal_errors += 1
+        if self.internal_errors == 1:
+            _log.warning(
+                "commspan: internal error while tracking modules; tracing of this "
+                "call is incomplete (further errors are counted, not logged)",
+                exc_info=True,
+            )

@@ -1,0 +1,202 @@
+"""The names commspan gives its spans, events and attributes: the one place they live.
+
+Every other module imports names from here; ``docs/schema.md`` is checked
+against this module by ``tests/test_semconv.py``. Changing a name here is a
+schema change: bump :data:`SCHEMA_VERSION` and note it in ``CHANGELOG.md``.
+
+Example:
+    >>> from commspan import semconv
+    >>> semconv.MODULE_FQN
+    'commspan.module.fqn'
+    >>> semconv.count_key(semconv.Phase.FORWARD, "all_reduce")
+    'commspan.collectives.forward.all_reduce'
+"""
+
+from __future__ import annotations
+
+import enum
+from functools import lru_cache
+
+__all__ = [
+    "ATTRIBUTES",
+    "COUNT_PREFIX",
+    "EVENT_EXCEPTION",
+    "GLOBAL_FQN",
+    "INSTRUMENTATION_SCOPE",
+    "Phase",
+    "SCHEMA_URL",
+    "SCHEMA_VERSION",
+    "SPAN_RANK",
+    "SPAN_SESSION",
+    "SPAN_STEP",
+    "count_key",
+    "module_span_name",
+    "parse_count_key",
+]
+
+SCHEMA_VERSION = "1"
+"""Version of commspan's span schema; bumped whenever a name below changes."""
+
+SCHEMA_URL = f"https://commspan.dev/schemas/{SCHEMA_VERSION}"
+"""Schema URL recorded on the instrumentation scope of every span."""
+
+INSTRUMENTATION_SCOPE = "commspan"
+"""Instrumentation scope name of every span commspan emits."""
+
+
+class Phase(str, enum.Enum):
+    """The phase a module span or a collective belongs to."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    RECOMPUTE = "recompute"
+    """The forward re-run during backward by activation checkpointing."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+GLOBAL_FQN = "Global"
+"""Pseudo module name of the per-rank root span; its counts cover the whole rank."""
+
+# ---------------------------------------------------------------- span names
+SPAN_STEP = "commspan.step"
+"""Trace root of one training step (emitted by one process for all ranks)."""
+SPAN_SESSION = "commspan.session"
+"""Trace root covering a ``with CommSpanMode():`` block used without steps."""
+SPAN_RANK = "commspan.rank"
+"""Per-rank span under the trace root; parent of that rank's module spans."""
+
+
+def module_span_name(fqn: str, phase: Phase) -> str:
+    """Name of a module span, e.g. ``"MLPModule.net2 forward"``."""
+    return f"{fqn} {phase.value}"
+
+
+EVENT_EXCEPTION = "exception"
+"""OpenTelemetry's standard event name for a recorded exception."""
+
+# ---------------------------------------------------------- span attributes
+RUN_ID = "commspan.run_id"
+STEP = "commspan.step"
+RANK = "commspan.rank"
+LOCAL_RANK = "commspan.local_rank"
+WORLD_SIZE = "commspan.world_size"
+SCHEMA = "commspan.schema_version"
+
+MODULE_FQN = "commspan.module.fqn"
+MODULE_TYPE = "commspan.module.type"
+MODULE_DEPTH = "commspan.module.depth"
+PHASE = "commspan.phase"
+PARAM_NAMES = "commspan.module.param_names"
+PARAM_PLACEMENTS = "commspan.module.param_placements"
+PARAM_SHAPES = "commspan.module.param_shapes"
+
+COUNT_PREFIX = "commspan.collectives."
+"""Prefix of per-op collective counts on module and rank spans.
+
+``commspan.collectives.<phase>.<op>`` is the number of ``<op>`` collectives of
+``<phase>`` issued inside the span or any span nested in it (a module that is
+open twice in one chain, e.g. a recompute inside its own backward, counts an op
+once). Summing it over the spans of one module gives the module's count.
+"""
+COUNT_TOTAL = "total"
+"""``commspan.collectives.<phase>.total``: all ops of that phase, same rules."""
+SELF_COUNT = "commspan.collectives.self"
+"""Number of collective events attached to this very span."""
+
+# ---------------------------------------------------------- event attributes
+COLL_OP = "commspan.collective.op"
+COLL_OVERLOAD = "commspan.collective.overload"
+COLL_KIND = "commspan.collective.kind"
+COLL_SEQ = "commspan.collective.seq"
+COLL_REDUCE_OP = "commspan.collective.reduce_op"
+COLL_PEER = "commspan.collective.peer"
+PG_NAME = "commspan.pg.name"
+PG_SIZE = "commspan.pg.size"
+PG_RANKS = "commspan.pg.ranks"
+MESH_DIM = "commspan.mesh.dim"
+TENSOR_SHAPE = "commspan.tensor.shape"
+TENSOR_DTYPE = "commspan.tensor.dtype"
+TENSOR_BYTES = "commspan.tensor.bytes"
+TENSOR_COUNT = "commspan.tensor.count"
+REDIST_SRC = "commspan.redistribute.src"
+REDIST_DST = "commspan.redistribute.dst"
+REDIST_OP = "commspan.redistribute.op"
+
+KIND_COLLECTIVE = "collective"
+KIND_P2P = "p2p"
+
+# -------------------------------------------------- OpenTelemetry conventions
+EXCEPTION_TYPE = "exception.type"
+EXCEPTION_MESSAGE = "exception.message"
+SERVICE_NAME = "service.name"
+SERVICE_INSTANCE_ID = "service.instance.id"
+HOST_NAME = "host.name"
+PROCESS_PID = "process.pid"
+
+ATTRIBUTES: dict[str, str] = {
+    RUN_ID: "Run identifier shared by all ranks of one run (resource and rank span).",
+    STEP: "Step index given to ``mode.step(i)`` (step root and rank span).",
+    RANK: "Global rank of the process (resource and rank span).",
+    LOCAL_RANK: "Rank within the node (resource).",
+    WORLD_SIZE: "Number of ranks (resource and rank span).",
+    SCHEMA: "commspan span schema version (rank span).",
+    MODULE_FQN: "Module name: root class name + dotted path, e.g. ``MLPModule.net2``; "
+    "``Global`` on the rank span. Also copied onto every collective event.",
+    MODULE_TYPE: "Class name of the module, e.g. ``Linear``.",
+    MODULE_DEPTH: "Nesting depth of the module call (root module = 1).",
+    PHASE: "``forward``, ``backward`` or ``recompute``. Also copied onto every event.",
+    PARAM_NAMES: "Names of the module's direct parameters (forward spans).",
+    PARAM_PLACEMENTS: "DTensor placements of those parameters, e.g. ``S(0)``; "
+    "empty string for a plain tensor (forward spans).",
+    PARAM_SHAPES: "Global shapes of those parameters, e.g. ``16x10`` (forward spans).",
+    COUNT_PREFIX + "<phase>.<op>": "Collectives of that phase and op inside the span's "
+    "subtree (int).",
+    COUNT_PREFIX + "<phase>.total": "All collectives of that phase inside the subtree (int).",
+    SELF_COUNT: "Collective events attached to this span itself (int).",
+    COLL_OP: "Canonical op name (also the event name), e.g. ``all_reduce``.",
+    COLL_OVERLOAD: "Full op overload, e.g. ``_c10d_functional.all_reduce.default``.",
+    COLL_KIND: "``collective`` or ``p2p`` (send/recv).",
+    COLL_SEQ: "Per-rank, per-process-group sequence number, from 1.",
+    COLL_REDUCE_OP: "Reduce op, e.g. ``sum``, when the op has one.",
+    COLL_PEER: "Peer rank of a point-to-point op, when known.",
+    PG_NAME: "Process group name.",
+    PG_SIZE: "Process group size.",
+    PG_RANKS: "Global ranks of the process group.",
+    MESH_DIM: "DeviceMesh dimension the process group belongs to, when known.",
+    TENSOR_SHAPE: "Shape of the (first) input tensor.",
+    TENSOR_DTYPE: "Dtype of the input tensor(s), e.g. ``float32``.",
+    TENSOR_BYTES: "Bytes of all input tensors of the op.",
+    TENSOR_COUNT: "Number of input tensors (coalesced and list ops).",
+    REDIST_SRC: "DTensor placements before the redistribution that issued the op.",
+    REDIST_DST: "DTensor placements after it.",
+    REDIST_OP: "The DTensor op that needed the redistribution, or ``redistribute``.",
+    EXCEPTION_TYPE: "Exception class (on the ``exception`` event).",
+    EXCEPTION_MESSAGE: "Exception message (on the ``exception`` event).",
+}
+"""Every attribute commspan writes, with its meaning (the source of docs/schema.md)."""
+
+
+@lru_cache(maxsize=None)
+def count_key(phase: Phase | str, op: str) -> str:
+    """Attribute key holding the subtree count of ``op`` collectives in ``phase``."""
+    return f"{COUNT_PREFIX}{Phase(phase).value}.{op}"
+
+
+def parse_count_key(key: str) -> tuple[str, str] | None:
+    """Split a count attribute key into ``(phase, op)``; ``None`` if it is not one.
+
+    ``commspan.collectives.self`` and ``…<phase>.total`` are not per-op counts
+    and also return ``None``.
+    """
+    if not key.startswith(COUNT_PREFIX):
+        return None
+    rest = key[len(COUNT_PREFIX) :]
+    phase, sep, op = rest.partition(".")
+    if not sep or op == COUNT_TOTAL or phase not in _PHASE_VALUES:
+        return None
+    return phase, op
+
+
+_PHASE_VALUES = frozenset(p.value for p in Phase)

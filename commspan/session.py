@@ -1,0 +1,482 @@
+"""CommSpanMode: the context manager that wires capture, spans and processors.
+
+Flow of information (one direction)::
+
+    nn.Module hooks ─┐
+                     ├─> SpanRecorder frames ─> ReadableSpan ─> processors
+    dispatch mode ───┘                                          ├ Aggregator (in-process)
+                                                                ├ ExportQueue ─> JSONL / OTLP
+                                                                └ a TracerProvider's processors
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import time
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+
+import torch
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import SpanExporter
+
+from commspan import semconv
+from commspan.aggregate import Aggregator
+from commspan.collectives import CollectiveInfo
+from commspan.dispatch import CollectiveDispatchMode
+from commspan.export import ExportQueue
+from commspan.module_tracker import ModuleHooks, ModuleTracker
+from commspan.spans import Frame, SpanRecorder, derive_ids
+
+__all__ = ["CommSpanMode", "Sampler"]
+
+_log = logging.getLogger(__name__)
+_graph_task_id = torch._C._current_graph_task_id
+
+Sampler = Callable[[int], bool]
+"""Decides, from the step index, whether a step is traced."""
+
+
+def _version() -> str:
+    from commspan import __version__
+
+    return __version__
+
+
+def _dist_info() -> tuple[int, int, int]:
+    """(rank, local rank, world size); (0, 0, 1) without torch.distributed."""
+    local = int(os.environ.get("LOCAL_RANK", "0") or 0)
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), local, dist.get_world_size()
+    except Exception:
+        pass
+    rank = int(os.environ.get("RANK", "0") or 0)
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    return rank, local, world
+
+
+class CommSpanMode:
+    """Record module calls as spans and collectives as span events.
+
+    Wrap a training step (or a whole loop) in ``with CommSpanMode():``. Every
+    ``nn.Module`` call becomes a span per phase (forward, backward, recompute),
+    nested as the modules nest; every collective the dispatch mode observes
+    becomes an event on the innermost module span. ``with mode.step(i):``
+    inside the context makes one trace per step, shared by all ranks.
+
+    Args:
+        tracer_provider: an SDK ``TracerProvider`` whose span processors also
+            receive commspan's spans (its resource is merged into commspan's).
+            commspan never sets the global provider.
+        exporters: ``SpanExporter`` instances (e.g. ``JsonlSpanExporter``,
+            ``otlp_exporter()``); each gets its own background export queue.
+        aggregator: ``True`` (default) for a built-in :class:`Aggregator`, an
+            ``Aggregator`` instance to use, or ``False`` for none.
+        run_id: identifier shared by all ranks of the run; default from
+            ``COMMSPAN_RUN_ID``, then ``TORCHELASTIC_RUN_ID``, then random.
+        sample: which steps to trace: ``None`` (all), an int ``N`` (every Nth
+            step: 0, N, 2N, …), a collection of step indices, or a callable
+            ``step -> bool``. Untraced steps record and export nothing.
+        record_params: put parameter names, shapes and placements on forward spans.
+        resource_attributes: extra resource attributes for every span.
+        export_queue_size: spans each exporter queue holds before dropping.
+        flush_timeout_s: how long leaving the context waits for exporters.
+
+    Raises:
+        TypeError: an argument has the wrong type (the message says which).
+
+    Example:
+        >>> import torch
+        >>> from commspan import CommSpanMode
+        >>> model = torch.nn.Linear(4, 4)
+        >>> mode = CommSpanMode()
+        >>> with mode:
+        ...     model(torch.ones(2, 4)).sum().backward()
+        >>> mode.aggregator.modules()
+        ['Linear']
+        >>> mode.aggregator.total_count()
+        0
+    """
+
+    def __init__(
+        self,
+        *,
+        tracer_provider: TracerProvider | None = None,
+        exporters: Sequence[SpanExporter] = (),
+        aggregator: bool | Aggregator = True,
+        run_id: str | None = None,
+        sample: int | Iterable[int] | Sampler | None = None,
+        record_params: bool = True,
+        resource_attributes: Mapping[str, Any] | None = None,
+        export_queue_size: int = 65536,
+        flush_timeout_s: float = 5.0,
+        _observer: ModuleHooks | None = None,
+    ) -> None:
+        if tracer_provider is not None and not isinstance(tracer_provider, TracerProvider):
+            raise TypeError(
+                f"tracer_provider={tracer_provider!r} is not an "
+                "opentelemetry.sdk.trace.TracerProvider; pass an SDK TracerProvider "
+                "or use exporters=[...]"
+            )
+        if isinstance(exporters, SpanExporter) or not all(
+            isinstance(e, SpanExporter) for e in exporters
+        ):
+            raise TypeError(
+                f"exporters={exporters!r} must be a list of "
+                "opentelemetry.sdk.trace.export.SpanExporter instances"
+            )
+        if isinstance(aggregator, Aggregator):
+            self.aggregator: Aggregator | None = aggregator
+        elif aggregator is True:
+            self.aggregator = Aggregator()
+        elif aggregator is False or aggregator is None:
+            self.aggregator = None
+        else:
+            raise TypeError(
+                f"aggregator={aggregator!r} is not valid; pass True, False or an Aggregator"
+            )
+        if run_id is not None and (not isinstance(run_id, str) or not run_id):
+            raise TypeError(f"run_id={run_id!r} is not valid; pass a non-empty str")
+        if flush_timeout_s <= 0:
+            raise ValueError(f"flush_timeout_s={flush_timeout_s!r} must be > 0 seconds")
+        self._sampler = _make_sampler(sample)
+        self._tracer_provider = tracer_provider
+        self._queues = [ExportQueue(e, max_queue_size=export_queue_size) for e in exporters]
+        self._user_run_id = run_id
+        self.run_id = run_id or ""
+        self._record_params = record_params
+        self._extra_resource = dict(resource_attributes or {})
+        self._flush_timeout = flush_timeout_s
+        self._observer = _observer
+
+        self._processors: list[Callable[[ReadableSpan], None]] = []
+        self._recorder: SpanRecorder | None = None
+        self._tracker: ModuleTracker | None = None
+        self._dispatch: CollectiveDispatchMode | None = None
+        self._active = False
+        self._in_step = False
+        self._paused = False
+        self._rank, self._local_rank, self._world = 0, 0, 1
+        self._root_key: str | None = None
+        self._root_start = 0
+        self._root_attrs: dict[str, Any] = {}
+        self._sessions = 0
+        self.resource: Resource | None = None
+        self._stats = {
+            "spans": 0,
+            "collectives": 0,
+            "steps_traced": 0,
+            "steps_skipped": 0,
+            "processor_errors": 0,
+        }
+
+    # ------------------------------------------------------------ context
+    def __enter__(self) -> CommSpanMode:
+        if self._active:
+            raise RuntimeError(
+                "this CommSpanMode is already active; leave it before entering it "
+                "again, or create a second CommSpanMode"
+            )
+        self._rank, self._local_rank, self._world = _dist_info()
+        if not self.run_id:
+            from commspan.run_id import resolve_run_id
+
+            self.run_id = resolve_run_id(self._user_run_id)
+        self.resource = self._build_resource()
+        if self.aggregator is not None:
+            self.aggregator.reset()
+        self._recorder = SpanRecorder(self._emit, self.resource, _version())
+        self._recorder.on_empty = self._ensure_root
+        self._tracker = ModuleTracker(
+            self._recorder, observer=self._observer, record_params=self._record_params
+        )
+        self._processors = self._build_processors()
+        if self.aggregator is not None:
+            self.aggregator.attach_live(self._live)
+        self._dispatch = CollectiveDispatchMode(self._on_collective)
+        self._active = True
+        self._paused = False
+        self._start_capture()
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        try:
+            if self._in_step:
+                self._in_step = False
+            self._stop_capture()
+            self._end_root(exc)
+            if self._tracker is not None:
+                self._tracker.uninstall()
+        finally:
+            self._active = False
+            if self.aggregator is not None:
+                self.aggregator.attach_live(None)
+            self.flush(self._flush_timeout)
+
+    def _start_capture(self) -> None:
+        assert self._tracker is not None and self._dispatch is not None
+        self._tracker.install()
+        self._dispatch.__enter__()
+
+    def _stop_capture(self) -> None:
+        if self._dispatch is not None:
+            self._dispatch.__exit__(None, None, None)
+        if self._tracker is not None:
+            self._tracker.active = False
+
+    # ------------------------------------------------------------ steps
+    @contextlib.contextmanager
+    def step(self, index: int) -> Iterator[bool]:
+        """Trace one training step as its own trace, shared by all ranks.
+
+        Yields ``True`` when the step is traced, ``False`` when sampled out.
+
+        Raises:
+            RuntimeError: used outside ``with mode:`` or inside another step.
+            TypeError: ``index`` is not an int.
+
+        Example:
+            >>> from commspan import CommSpanMode
+            >>> mode = CommSpanMode()
+            >>> with mode:
+            ...     for i in range(2):
+            ...         with mode.step(i):
+            ...             pass  # forward, backward, optimizer step
+        """
+        if not isinstance(index, int) or isinstance(index, bool):
+            raise TypeError(f"index={index!r} is not valid; pass the step number as an int")
+        if not self._active:
+            raise RuntimeError(
+                "mode.step() was called outside the mode; use it inside `with mode:`"
+            )
+        if self._in_step:
+            raise RuntimeError(
+                f"mode.step({index}) was entered inside another step; steps do not nest"
+            )
+        self._end_root(None)
+        traced = self._sampler(index)
+        self._in_step = True
+        if not traced:
+            self._stats["steps_skipped"] += 1
+            self._pause()
+            try:
+                yield False
+            finally:
+                self._in_step = False
+                self._resume()
+            return
+        self._stats["steps_traced"] += 1
+        self._begin_root(f"step/{index}", semconv.SPAN_STEP, {semconv.STEP: index})
+        error: BaseException | None = None
+        try:
+            yield True
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            self._in_step = False
+            self._end_root(error)
+            if self._tracker is not None:
+                self._tracker.reset_step()
+
+    def _pause(self) -> None:
+        self._paused = True
+        self._stop_capture()
+
+    def _resume(self) -> None:
+        if self._active and self._paused:
+            self._paused = False
+            assert self._tracker is not None
+            self._tracker.active = True
+            assert self._dispatch is not None
+            self._dispatch.__enter__()
+
+    # ------------------------------------------------------------ roots
+    def _begin_root(self, key: str, root_name: str, attrs: dict[str, Any]) -> Frame:
+        assert self._recorder is not None
+        trace_id, root_span_id = derive_ids(self.run_id, key)
+        self._root_key = key
+        self._root_start = time.time_ns()
+        self._root_attrs = {semconv.RUN_ID: self.run_id, **attrs}
+        self._root_name = root_name
+        rank_attrs = {
+            semconv.MODULE_FQN: semconv.GLOBAL_FQN,
+            semconv.RANK: self._rank,
+            semconv.WORLD_SIZE: self._world,
+            semconv.RUN_ID: self.run_id,
+            semconv.SCHEMA: semconv.SCHEMA_VERSION,
+            **attrs,
+        }
+        return self._recorder.begin(trace_id, root_span_id, rank_attrs)
+
+    def _ensure_root(self) -> None:
+        """Open a session trace for activity outside any step."""
+        if self._recorder is not None and self._recorder.root is None:
+            self._sessions += 1
+            self._begin_root(f"session/{self._sessions}", semconv.SPAN_SESSION, {})
+
+    def _end_root(self, error: BaseException | None) -> None:
+        rec = self._recorder
+        if rec is None or rec.root is None:
+            return
+        rec.end(error)
+        if self._rank == 0 and self._root_key is not None:
+            _, root_span_id = derive_ids(self.run_id, self._root_key)
+            rec.emit_span(
+                self._root_name,
+                root_span_id,
+                None,
+                self._root_start,
+                time.time_ns(),
+                {**self._root_attrs, semconv.WORLD_SIZE: self._world},
+                error,
+            )
+        self._root_key = None
+
+    # ------------------------------------------------------------ capture
+    def _on_collective(self, info: CollectiveInfo, attrs: dict[str, Any]) -> None:
+        rec = self._recorder
+        if rec is None:
+            return
+        if rec.root is None:
+            self._ensure_root()
+        top = rec.stack[-1]
+        if top.phase is not None:
+            phase = top.phase.value
+        else:
+            phase = "backward" if _graph_task_id() != -1 else "forward"
+        attrs[semconv.MODULE_FQN] = top.fqn
+        attrs[semconv.PHASE] = phase
+        self._stats["collectives"] += 1
+        rec.add_event(info.name, info.name, phase, attrs)
+
+    def _emit(self, span: ReadableSpan) -> None:
+        self._stats["spans"] += 1
+        for on_end in self._processors:
+            try:
+                on_end(span)
+            except Exception:
+                self._stats["processor_errors"] += 1
+                if self._stats["processor_errors"] == 1:
+                    _log.warning(
+                        "commspan: a span processor raised; the span is lost for it "
+                        "(further errors are counted in mode.stats())",
+                        exc_info=True,
+                    )
+
+    def _live(self) -> Iterator[tuple[str, Mapping[str, Any], Mapping[tuple[str, str], int]]]:
+        rec = self._recorder
+        if rec is None or not self._active:
+            return
+        for frame in list(rec.stack):
+            yield frame.fqn, frame.attrs, dict(frame.counts)
+
+    def _build_processors(self) -> list[Callable[[ReadableSpan], None]]:
+        procs: list[Callable[[ReadableSpan], None]] = []
+        if self.aggregator is not None:
+            procs.append(self.aggregator.on_end)
+        procs.extend(q.on_end for q in self._queues)
+        if self._tracer_provider is not None:
+            active: SpanProcessor | None = getattr(
+                self._tracer_provider, "_active_span_processor", None
+            )
+            if active is not None:
+                procs.append(active.on_end)
+        return procs
+
+    def _build_resource(self) -> Resource:
+        attrs: dict[str, Any] = {
+            semconv.SERVICE_INSTANCE_ID: str(self._rank),
+            semconv.HOST_NAME: socket.gethostname(),
+            semconv.PROCESS_PID: os.getpid(),
+            semconv.RANK: self._rank,
+            semconv.LOCAL_RANK: self._local_rank,
+            semconv.WORLD_SIZE: self._world,
+            semconv.RUN_ID: self.run_id,
+        }
+        base = Resource.create({semconv.SERVICE_NAME: _service_name()})
+        if self._tracer_provider is not None:
+            base = base.merge(self._tracer_provider.resource)
+        return base.merge(Resource(attrs)).merge(Resource(self._extra_resource))
+
+    # ------------------------------------------------------------ public extras
+    @property
+    def active(self) -> bool:
+        """Whether the mode is entered."""
+        return self._active
+
+    @property
+    def rank(self) -> int:
+        """The rank the mode recorded on entry."""
+        return self._rank
+
+    def stats(self) -> dict[str, Any]:
+        """Counters: spans, collectives, steps traced/skipped, export drops and failures.
+
+        Example:
+            >>> from commspan import CommSpanMode
+            >>> CommSpanMode().stats()["spans_dropped"]
+            0
+        """
+        out: dict[str, Any] = dict(self._stats)
+        out["internal_errors"] = (self._tracker.internal_errors if self._tracker else 0) + (
+            self._dispatch.errors if self._dispatch else 0
+        )
+        out["exporters"] = [q.stats() for q in self._queues]
+        out["spans_dropped"] = sum(q.dropped for q in self._queues)
+        out["spans_failed"] = sum(q.failed for q in self._queues)
+        return out
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait (bounded) until every exporter has written what was queued."""
+        timeout = self._flush_timeout if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout
+        ok = True
+        for q in self._queues:
+            left = max(0.0, deadline - time.monotonic())
+            ok = q.force_flush(int(left * 1000)) and ok
+        return ok
+
+    def shutdown(self, timeout_s: float | None = None) -> None:
+        """Flush and close every exporter (bounded by ``timeout_s``)."""
+        timeout = self._flush_timeout if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout
+        for q in self._queues:
+            q.shutdown(max(0.0, deadline - time.monotonic()))
+
+
+def _service_name() -> str:
+    if os.environ.get("OTEL_SERVICE_NAME"):
+        return os.environ["OTEL_SERVICE_NAME"]
+    for item in os.environ.get("OTEL_RESOURCE_ATTRIBUTES", "").split(","):
+        key, _, value = item.partition("=")
+        if key.strip() == semconv.SERVICE_NAME and value.strip():
+            return value.strip()
+    return "commspan"
+
+
+def _make_sampler(sample: int | Iterable[int] | Sampler | None) -> Sampler:
+    if sample is None:
+        return lambda i: True
+    if isinstance(sample, bool):
+        raise TypeError(f"sample={sample!r} is not valid; pass N, a set of steps or a callable")
+    if isinstance(sample, int):
+        if sample < 1:
+            raise ValueError(f"sample={sample!r} is not valid; every Nth step needs N >= 1")
+        n = sample
+        return lambda i: i % n == 0
+    if callable(sample):
+        return sample
+    try:
+        steps = frozenset(int(s) for s in sample)
+    except TypeError:
+        raise TypeError(
+            f"sample={sample!r} is not valid; pass N, a collection of step ints or a callable"
+        ) from None
+    return lambda i: i in steps
