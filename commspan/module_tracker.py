@@ -81,6 +81,7 @@ class _Call:
         "bw_finished",
         "inputs_left",
         "depth",
+        "task",
     )
 
     def __init__(
@@ -95,6 +96,7 @@ class _Call:
         self.bw_finished = False
         self.inputs_left = 0
         self.depth = depth
+        self.task = -1  # graph task a recompute ran in
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
@@ -221,6 +223,7 @@ class ModuleTracker:
                     attrs.update(info.params)
             frame = self.recorder.push(info.fqn, phase, attrs, task)
             call = _Call(info, weakref.ref(module), parent, frame, depth)
+            call.task = task
             self._calls.append(call)
             if module._forward_hooks and not info.local_hooked:
                 # closes after the module's own forward hooks (e.g. TP output hooks)
@@ -311,32 +314,47 @@ class ModuleTracker:
         if call.bw_started or not self.active:
             return
         try:
-            call.bw_started = True
             task = _graph_task_id()
+            if call.task == task:
+                # a recompute's hooks on tensors of the graph being executed:
+                # the original forward call's hooks already cover them
+                return
             if task not in self._tasks:
                 self._tasks.add(task)
                 torch.autograd.Variable._execution_engine.queue_callback(
                     functools.partial(self._backward_done, task)
                 )
+            # The module's backward starts; so do those of its forward ancestors
+            # that have not started yet (they enclose it).
+            chain = [call]
             ancestor = call.parent
-            while ancestor is not None and (
-                ancestor.bw_frame is None or ancestor.bw_frame.closed
+            while ancestor is not None and ancestor.bw_frame is None:
+                chain.append(ancestor)
+                ancestor = ancestor.parent
+            while ancestor is not None and ancestor.bw_frame is not None and (
+                ancestor.bw_frame.closed
             ):
                 ancestor = ancestor.parent
             under = ancestor.bw_frame if ancestor is not None else self._task_base(task)
-            info = call.info
-            attrs: dict[str, Any] = {
-                semconv.MODULE_FQN: info.fqn,
-                semconv.MODULE_TYPE: info.type,
-                semconv.PHASE: Phase.BACKWARD.value,
-                semconv.MODULE_DEPTH: call.depth,
-            }
-            call.bw_frame = self.recorder.push(info.fqn, Phase.BACKWARD, attrs, task, under)
-            self._bw_open.append(call)
-            if self.observer is not None:
-                self.observer.pre_bw(call.module(), grad)
+            for c in reversed(chain):
+                self._open_backward(c, task, under, grad)
+                under = None
         except Exception:
             self._internal_error()
+
+    def _open_backward(self, call: _Call, task: int, under: Frame | None, grad: Any) -> None:
+        call.bw_started = True
+        info = call.info
+        attrs: dict[str, Any] = {
+            semconv.MODULE_FQN: info.fqn,
+            semconv.MODULE_TYPE: info.type,
+            semconv.PHASE: Phase.BACKWARD.value,
+            semconv.MODULE_DEPTH: call.depth,
+        }
+        call.bw_frame = self.recorder.push(info.fqn, Phase.BACKWARD, attrs, task, under)
+        self._bw_open.append(call)
+        if self.observer is not None:
+            self.observer.pre_bw(call.module(), grad)
 
     def _task_base(self, task: int) -> Frame | None:
         """The frame a parentless backward frame of ``task`` goes under."""
@@ -350,6 +368,8 @@ class ModuleTracker:
         if call.bw_finished or not self.active:
             return
         try:
+            if call.task == _graph_task_id():
+                return
             call.inputs_left -= 1
             if call.inputs_left > 0:
                 return
