@@ -6,7 +6,7 @@ Placements are written the way DTensor prints them: ``S(0)``, ``R``,
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -20,11 +20,24 @@ except Exception:  # pragma: no cover - torch built without distributed
     DTensor = None  # type: ignore[assignment,misc]
 
 
+_CACHE: dict[Any, str] = {}
+
+
 def placements_str(placements: Sequence[Any] | None) -> str:
     """``(Shard(dim=0), Replicate())`` -> ``"S(0),R"``."""
     if not placements:
         return ""
-    return ",".join(_one(p) for p in placements)
+    try:
+        return _CACHE[placements]
+    except (KeyError, TypeError):
+        pass
+    text = ",".join(_one(p) for p in placements)
+    try:
+        if len(_CACHE) < 4096:
+            _CACHE[placements] = text
+    except TypeError:
+        pass
+    return text
 
 
 def _one(p: Any) -> str:
@@ -38,8 +51,13 @@ def _one(p: Any) -> str:
     return str(p)
 
 
-def param_summary(module: torch.nn.Module) -> dict[str, Any]:
-    """Span attributes describing ``module``'s direct parameters (empty if none)."""
+def param_summary(
+    module: torch.nn.Module, on_mesh: Callable[[Any], None] | None = None
+) -> dict[str, Any]:
+    """Span attributes describing ``module``'s direct parameters (empty if none).
+
+    ``on_mesh`` is called with the DeviceMesh of each DTensor parameter.
+    """
     names: list[str] = []
     placements: list[str] = []
     shapes: list[str] = []
@@ -48,6 +66,8 @@ def param_summary(module: torch.nn.Module) -> dict[str, Any]:
         data = param.data if isinstance(param, torch.nn.Parameter) else param
         if DTensor is not None and isinstance(data, DTensor):
             placements.append(placements_str(data.placements))
+            if on_mesh is not None:
+                on_mesh(data.device_mesh)
         else:
             placements.append("")
         shapes.append("x".join(str(int(s)) for s in param.shape))

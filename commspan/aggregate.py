@@ -105,7 +105,8 @@ class Aggregator(SpanProcessor):
             return
         if self._rank is not None and _rank_of(span) not in (None, self._rank):
             return
-        events = [(e.name, e.attributes or {}) for e in span.events]
+        span_events = span.events
+        events = [(e.name, e.attributes or {}) for e in span_events] if span_events else ()
         with self._lock:
             self._add(str(fqn), attrs, span.start_time or 0, events)
 
@@ -133,9 +134,10 @@ class Aggregator(SpanProcessor):
         fqn: str,
         attrs: Mapping[str, Any],
         start: int,
-        events: list[tuple[str, Mapping[str, Any]]],
+        events: Iterable[tuple[str, Mapping[str, Any]]],
     ) -> None:
-        _fold_counts(self._counts, fqn, attrs)
+        if _has_counts(attrs):
+            _fold_counts(self._counts, fqn, attrs)
         if fqn == semconv.GLOBAL_FQN:
             self._seen_global = True
         else:
@@ -159,14 +161,16 @@ class Aggregator(SpanProcessor):
 
     def _note_module(self, fqn: str, attrs: Mapping[str, Any], start: int) -> None:
         rec = self._modules.get(fqn)
-        depth = int(attrs.get(semconv.MODULE_DEPTH, 1) or 1)
         if rec is None:
+            depth = int(attrs.get(semconv.MODULE_DEPTH, 1) or 1)
             rec = self._modules[fqn] = _ModuleRecord(
                 fqn, str(attrs.get(semconv.MODULE_TYPE, "")), depth, start
             )
         elif start < rec.first_seen:
             rec.first_seen = start
-            rec.depth = depth
+            rec.depth = int(attrs.get(semconv.MODULE_DEPTH, 1) or 1)
+        elif rec.params:
+            return
         names = attrs.get(semconv.PARAM_NAMES)
         if names:
             placements = list(attrs.get(semconv.PARAM_PLACEMENTS) or [""] * len(names))
@@ -328,12 +332,26 @@ class Aggregator(SpanProcessor):
 
 
 # ------------------------------------------------------------------ helpers
+_TOTAL_KEYS = tuple(
+    f"{semconv.COUNT_PREFIX}{p.value}.{semconv.COUNT_TOTAL}" for p in semconv.Phase
+)
+_PARSED: dict[str, tuple[str, str] | None] = {}
+
+
+def _has_counts(attrs: Mapping[str, Any]) -> bool:
+    for key in _TOTAL_KEYS:
+        if key in attrs:
+            return True
+    return False
+
+
 def _fold_counts(counts: Counts, fqn: str, attrs: Mapping[str, Any]) -> None:
     per_module = None
     for key, value in attrs.items():
-        if not key.startswith(semconv.COUNT_PREFIX):
-            continue
-        parsed = semconv.parse_count_key(key)
+        try:
+            parsed = _PARSED[key]
+        except KeyError:
+            parsed = _PARSED[key] = semconv.parse_count_key(key)
         if parsed is None:
             continue
         phase, op = parsed

@@ -171,11 +171,22 @@ def _info(overload: Any, canonical: str, kind: str) -> CollectiveInfo:
     )
 
 
+_OVERLOADS: dict[Any, CollectiveInfo] | None = None
+
+
 def build_overload_table() -> dict[Any, CollectiveInfo]:
     """Map every collective ``OpOverload`` (and its packet) to its :class:`CollectiveInfo`.
 
-    Built once per mode; the dispatch hot path is a single dict lookup in it.
+    Built once per process (a copy is returned); the dispatch hot path is a
+    single dict lookup in it.
     """
+    global _OVERLOADS
+    if _OVERLOADS is None:
+        _OVERLOADS = _build_overload_table()
+    return dict(_OVERLOADS)
+
+
+def _build_overload_table() -> dict[Any, CollectiveInfo]:
     table: dict[Any, CollectiveInfo] = {}
     for packet, canonical, kind in collective_packets():
         first: CollectiveInfo | None = None

@@ -59,13 +59,22 @@ class ModuleHooks(Protocol):
 
 
 class _ModInfo:
-    __slots__ = ("fqn", "type", "params", "local_hooked")
+    __slots__ = ("fqn", "type", "params", "local_hooked", "attrs", "names")
 
     def __init__(self, fqn: str, mtype: str) -> None:
         self.fqn = fqn
         self.type = mtype
         self.params: dict[str, Any] | None = None
         self.local_hooked = False
+        self.attrs: dict[Phase, dict[str, Any]] = {
+            phase: {
+                semconv.MODULE_FQN: fqn,
+                semconv.MODULE_TYPE: mtype,
+                semconv.PHASE: phase.value,
+            }
+            for phase in Phase
+        }
+        self.names = {phase: semconv.module_span_name(fqn, phase) for phase in Phase}
 
 
 class _Call:
@@ -131,8 +140,10 @@ class ModuleTracker:
         recorder: SpanRecorder,
         observer: ModuleHooks | None = None,
         record_params: bool = True,
+        on_mesh: Callable[[Any], None] | None = None,
     ) -> None:
         self.recorder = recorder
+        self.on_mesh = on_mesh
         self.observer = observer
         self.record_params = record_params
         self._known: weakref.WeakKeyDictionary[torch.nn.Module, _ModInfo] = (
@@ -210,18 +221,14 @@ class ModuleTracker:
             phase = Phase.RECOMPUTE if task != -1 else Phase.FORWARD
             parent = self._calls[-1] if self._calls else None
             depth = parent.depth + 1 if parent is not None else 1
-            attrs: dict[str, Any] = {
-                semconv.MODULE_FQN: info.fqn,
-                semconv.MODULE_TYPE: info.type,
-                semconv.PHASE: phase.value,
-                semconv.MODULE_DEPTH: depth,
-            }
+            attrs = info.attrs[phase].copy()
+            attrs[semconv.MODULE_DEPTH] = depth
             if self.record_params and phase is Phase.FORWARD:
                 if info.params is None:
-                    info.params = param_summary(module)
+                    info.params = param_summary(module, self.on_mesh)
                 if info.params:
                     attrs.update(info.params)
-            frame = self.recorder.push(info.fqn, phase, attrs, task)
+            frame = self.recorder.push(info.fqn, phase, attrs, task, name=info.names[phase])
             call = _Call(info, weakref.ref(module), parent, frame, depth)
             call.task = task
             self._calls.append(call)
@@ -305,10 +312,13 @@ class ModuleTracker:
         for t in tensors:
             self._register(t, hook)
 
-    def _register(self, t: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> None:
-        handle = t.register_hook(hook)
-        if t.grad_fn is None:  # a leaf keeps its hooks: remove ours after backward
-            self._leaf_handles.append(handle)
+    def _register(self, t: torch.Tensor, hook: Callable[[Any], None]) -> None:
+        node = t.grad_fn
+        if node is not None:
+            # fires when the gradient w.r.t. ``t`` is complete; dies with the graph
+            node.register_prehook(hook)
+        else:  # a leaf keeps its hooks: remove ours after backward
+            self._leaf_handles.append(t.register_hook(hook))
 
     def _output_grad_ready(self, call: _Call, grad: Any) -> None:
         if call.bw_started or not self.active:
@@ -345,13 +355,11 @@ class ModuleTracker:
     def _open_backward(self, call: _Call, task: int, under: Frame | None, grad: Any) -> None:
         call.bw_started = True
         info = call.info
-        attrs: dict[str, Any] = {
-            semconv.MODULE_FQN: info.fqn,
-            semconv.MODULE_TYPE: info.type,
-            semconv.PHASE: Phase.BACKWARD.value,
-            semconv.MODULE_DEPTH: call.depth,
-        }
-        call.bw_frame = self.recorder.push(info.fqn, Phase.BACKWARD, attrs, task, under)
+        attrs = info.attrs[Phase.BACKWARD].copy()
+        attrs[semconv.MODULE_DEPTH] = call.depth
+        call.bw_frame = self.recorder.push(
+            info.fqn, Phase.BACKWARD, attrs, task, under, info.names[Phase.BACKWARD]
+        )
         self._bw_open.append(call)
         if self.observer is not None:
             self.observer.pre_bw(call.module(), grad)

@@ -162,12 +162,14 @@ class CommSpanMode:
         self._active = False
         self._in_step = False
         self._paused = False
+        self._popped = False
         self._rank, self._local_rank, self._world = 0, 0, 1
         self._root_key: str | None = None
         self._root_start = 0
         self._root_attrs: dict[str, Any] = {}
         self._sessions = 0
         self.resource: Resource | None = None
+        self._resource_key: tuple[Any, ...] | None = None
         self._stats = {
             "spans": 0,
             "collectives": 0,
@@ -188,18 +190,24 @@ class CommSpanMode:
             from commspan.run_id import resolve_run_id
 
             self.run_id = resolve_run_id(self._user_run_id)
-        self.resource = self._build_resource()
+        key = (self._rank, self._local_rank, self._world, self.run_id)
+        if self.resource is None or self._resource_key != key:
+            self.resource = self._build_resource()
+            self._resource_key = key
         if self.aggregator is not None:
             self.aggregator.reset()
         self._recorder = SpanRecorder(self._emit, self.resource, _version())
         self._recorder.on_empty = self._ensure_root
+        self._dispatch = CollectiveDispatchMode(self._on_collective)
         self._tracker = ModuleTracker(
-            self._recorder, observer=self._observer, record_params=self._record_params
+            self._recorder,
+            observer=self._observer,
+            record_params=self._record_params,
+            on_mesh=self._dispatch.groups.add_mesh,
         )
         self._processors = self._build_processors()
         if self.aggregator is not None:
             self.aggregator.attach_live(self._live)
-        self._dispatch = CollectiveDispatchMode(self._on_collective)
         self._active = True
         self._paused = False
         self._start_capture()
@@ -225,8 +233,9 @@ class CommSpanMode:
         self._dispatch.__enter__()
 
     def _stop_capture(self) -> None:
-        if self._dispatch is not None:
+        if self._dispatch is not None and not (self._paused and self._popped):
             self._dispatch.__exit__(None, None, None)
+        self._popped = False
         if self._tracker is not None:
             self._tracker.active = False
 
@@ -286,16 +295,24 @@ class CommSpanMode:
                 self._tracker.reset_step()
 
     def _pause(self) -> None:
+        """Stop capturing for an untraced step (hooks off, dispatch mode popped)."""
         self._paused = True
-        self._stop_capture()
+        if self._tracker is not None:
+            self._tracker.active = False
+        # The dispatch mode leaves the stack only when it is on top; under a
+        # mode pushed later it stays, and its callback ignores what it sees.
+        self._popped = _top_dispatch_mode() is self._dispatch
+        if self._popped and self._dispatch is not None:
+            self._dispatch.__exit__(None, None, None)
 
     def _resume(self) -> None:
         if self._active and self._paused:
             self._paused = False
-            assert self._tracker is not None
+            assert self._tracker is not None and self._dispatch is not None
             self._tracker.active = True
-            assert self._dispatch is not None
-            self._dispatch.__enter__()
+            if self._popped:
+                self._dispatch.__enter__()
+                self._popped = False
 
     # ------------------------------------------------------------ roots
     def _begin_root(self, key: str, root_name: str, attrs: dict[str, Any]) -> Frame:
@@ -342,7 +359,7 @@ class CommSpanMode:
     # ------------------------------------------------------------ capture
     def _on_collective(self, info: CollectiveInfo, attrs: dict[str, Any]) -> None:
         rec = self._recorder
-        if rec is None:
+        if rec is None or self._paused:
             return
         if rec.root is None:
             self._ensure_root()
@@ -449,6 +466,15 @@ class CommSpanMode:
         deadline = time.monotonic() + timeout
         for q in self._queues:
             q.shutdown(max(0.0, deadline - time.monotonic()))
+
+
+def _top_dispatch_mode() -> Any:
+    try:
+        from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+        return _get_current_dispatch_mode()
+    except Exception:  # pragma: no cover
+        return None
 
 
 def _service_name() -> str:

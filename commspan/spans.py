@@ -213,6 +213,7 @@ class SpanRecorder:
         attrs: dict[str, Any],
         task: int = -1,
         under: Frame | None = None,
+        name: str | None = None,
     ) -> Frame:
         """Open a module frame on top of the stack.
 
@@ -235,7 +236,7 @@ class SpanRecorder:
             SpanContext(self.trace_id, span_id, False, _SAMPLED),
             fqn,
             phase,
-            semconv.module_span_name(fqn, phase),
+            name or semconv.module_span_name(fqn, phase),
             attrs,
             parent.context if parent is not None else None,
             task,

@@ -1,0 +1,181 @@
+"""The ways a block of training steps is run: without tracing, with a do-nothing
+dispatch mode, with torch's CommDebugMode, and with commspan configured four ways.
+
+A variant runs a *block* of consecutive steps. The benchmark times the whole
+block, so everything a variant costs is counted: entering and leaving its
+context (commspan's leave waits for its exporters to flush), and the CPU of
+commspan's background export threads (``time.process_time`` counts every
+thread of the process).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from typing import Any, Callable, Sequence
+
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["ALL_VARIANTS", "LABELS", "PassThroughMode", "Variant", "available", "make_variant"]
+
+try:
+    from torch.distributed.tensor import DTensor as _DTensor
+except Exception:  # pragma: no cover - torch without distributed
+    _DTensor = None
+
+StepFn = Callable[[], Any]
+
+# key -> label; the order is the order of the table
+LABELS: dict[str, str] = {
+    "none": "no mode",
+    "none_aa": "no mode again (A/A noise check)",
+    "floor": "pass-through dispatch mode (floor)",
+    "cdm": "torch CommDebugMode (fresh per step)",
+    "cs_agg": "commspan, aggregator only",
+    "cs_jsonl": "commspan + JSONL",
+    "cs_otlp": "commspan + OTLP/HTTP (local receiver)",
+    "cs_sampled_out": "commspan, sampled-out step",
+}
+ALL_VARIANTS: tuple[str, ...] = tuple(LABELS)
+
+# sample=N traces steps 0, N, 2N, ...; the benchmark numbers steps from 1, so none is traced
+SAMPLED_OUT_N = 1_000_000_000
+
+
+class PassThroughMode(TorchDispatchMode):
+    """The floor: a dispatch mode that only runs each op.
+
+    Like any mode that must work with DTensor, it returns ``NotImplemented``
+    when a tensor subclass is involved, so DTensor runs first and its local
+    ops come back through the mode.
+    """
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
+        if _DTensor is not None:
+            for t in types:
+                if issubclass(t, _DTensor):
+                    return NotImplemented
+        if kwargs:
+            return func(*args, **kwargs)
+        return func(*args)
+
+
+class Variant:
+    """Runs a block of steps one way; ``close()`` releases what it holds."""
+
+    key = ""
+
+    def run_block(self, step: StepFn, indices: Sequence[int]) -> None:
+        raise NotImplementedError
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+class _NoMode(Variant):
+    def run_block(self, step: StepFn, indices: Sequence[int]) -> None:
+        for _ in indices:
+            step()
+
+
+class _Floor(Variant):
+    def run_block(self, step: StepFn, indices: Sequence[int]) -> None:
+        with PassThroughMode():
+            for _ in indices:
+                step()
+
+
+class _CommDebug(Variant):
+    """torch's CommDebugMode, a fresh context per step (one context cannot span two
+    steps in torch 2.13: it raises IndexError)."""
+
+    def __init__(self) -> None:
+        from torch.distributed.tensor.debug import CommDebugMode
+
+        self._cls = CommDebugMode
+        self.collectives = 0
+
+    def run_block(self, step: StepFn, indices: Sequence[int]) -> None:
+        for _ in indices:
+            mode = self._cls()
+            with mode:
+                step()
+            self.collectives = mode.get_total_counts()
+
+    def stats(self) -> dict[str, Any]:
+        return {"collectives_last_step": self.collectives}
+
+
+class _CommSpan(Variant):
+    """One ``CommSpanMode`` per variant, entered once per block, ``mode.step(i)`` per step."""
+
+    def __init__(self, exporters: list[Any], sample: int | None = None) -> None:
+        from commspan import CommSpanMode
+
+        self.mode = CommSpanMode(exporters=exporters, sample=sample)
+        self._exporters = exporters
+
+    def run_block(self, step: StepFn, indices: Sequence[int]) -> None:
+        mode = self.mode
+        with mode:
+            for i in indices:
+                with mode.step(i):
+                    step()
+
+    def stats(self) -> dict[str, Any]:
+        s = self.mode.stats()
+        return {k: v for k, v in s.items() if isinstance(v, (int, float, str, list))}
+
+    def close(self) -> None:
+        self.mode.shutdown()
+
+
+def available(keys: Sequence[str]) -> tuple[list[str], dict[str, str]]:
+    """The variants this machine can run, and why the others cannot."""
+    ok: list[str] = []
+    missing: dict[str, str] = {}
+    for key in keys:
+        if key not in LABELS:
+            raise ValueError(f"variant {key!r} is not one of {ALL_VARIANTS}")
+        if key == "cdm":
+            try:
+                import numpy  # noqa: F401  # CommDebugMode imports it
+
+                from torch.distributed.tensor.debug import CommDebugMode  # noqa: F401
+            except Exception as exc:
+                missing[key] = f"{type(exc).__name__}: {exc} (pip install numpy)"
+                continue
+        ok.append(key)
+    return ok, missing
+
+
+def make_variant(key: str, *, otlp_endpoint: str | None = None, tmpdir: str | None = None) -> Variant:
+    """Build variant ``key`` (JSONL files go to ``tmpdir``)."""
+    if key in ("none", "none_aa"):
+        v: Variant = _NoMode()
+    elif key == "floor":
+        v = _Floor()
+    elif key == "cdm":
+        v = _CommDebug()
+    elif key == "cs_agg":
+        v = _CommSpan([])
+    elif key in ("cs_jsonl", "cs_sampled_out"):
+        from commspan.exporters import JsonlSpanExporter
+
+        out = tmpdir or tempfile.mkdtemp(prefix="commspan-bench-")
+        exporter = JsonlSpanExporter(f"{out}/{key}-rank{{rank}}.jsonl")
+        v = _CommSpan([exporter], sample=SAMPLED_OUT_N if key == "cs_sampled_out" else None)
+    elif key == "cs_otlp":
+        if otlp_endpoint is None:
+            raise ValueError("variant cs_otlp needs otlp_endpoint")
+        from commspan.exporters import otlp_exporter
+
+        v = _CommSpan([otlp_exporter(protocol="http/protobuf", endpoint=otlp_endpoint)])
+    else:
+        raise ValueError(f"variant {key!r} is not one of {ALL_VARIANTS}")
+    v.key = key
+    return v

@@ -1,0 +1,389 @@
+"""Helpers for asserting on the collectives a piece of code issues, in tests.
+
+:func:`capture` runs a block under a fresh :class:`~commspan.CommSpanMode` and
+yields a :class:`CommCapture` to assert on afterwards (the way structlog's
+``capture_logs`` yields the log entries). The ``assert_*`` helpers check the
+common properties and, when they fail, show the whole module table, so the
+failure says what *did* happen.
+
+Example:
+    >>> import torch
+    >>> from commspan.testing import assert_no_comm, capture
+    >>> model = torch.nn.Linear(4, 4)
+    >>> with capture() as cap:
+    ...     model(torch.ones(2, 4)).sum().backward()
+    >>> assert_no_comm(cap, phase=None)
+    >>> cap.aggregator.modules()
+    ['Linear']
+
+With pytest, the ``commspan_capture`` fixture (registered by the plugin that
+ships with commspan) does the same without the ``with`` block.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Mapping, Sequence, Union
+
+from opentelemetry.sdk.trace import ReadableSpan
+
+from commspan import semconv
+from commspan.aggregate import Aggregator, CollectiveSummary
+from commspan.session import CommSpanMode
+
+__all__ = [
+    "AggregatorLike",
+    "CommCapture",
+    "assert_counts",
+    "assert_no_comm",
+    "assert_placements",
+    "capture",
+    "fresh_mode",
+]
+
+_PHASES = tuple(p.value for p in semconv.Phase)
+
+
+class _RecordingAggregator(Aggregator):
+    """An :class:`Aggregator` that also keeps every finished span, in order."""
+
+    def reset(self) -> None:
+        super().reset()
+        self.spans: list[ReadableSpan] = []
+
+    def on_end(self, span: ReadableSpan) -> None:
+        self.spans.append(span)
+        super().on_end(span)
+
+
+class CommCapture:
+    """What :func:`capture` yields: the mode, its aggregator and its finished spans.
+
+    The counts stay readable after the ``with`` block ends, and the
+    ``assert_*`` helpers of this module accept the capture itself.
+
+    Attributes:
+        mode: the :class:`~commspan.CommSpanMode` the block ran under.
+        aggregator: its :class:`~commspan.Aggregator`.
+
+    Example:
+        >>> from commspan.testing import capture
+        >>> with capture() as cap:
+        ...     pass
+        >>> cap.counts("Global", "forward")
+        {}
+    """
+
+    def __init__(self, mode: CommSpanMode, aggregator: _RecordingAggregator) -> None:
+        self.mode = mode
+        self.aggregator: Aggregator = aggregator
+        self._recording = aggregator
+
+    @property
+    def spans(self) -> list[ReadableSpan]:
+        """Every span the mode finished, in the order they ended (children first)."""
+        return list(self._recording.spans)
+
+    def counts(self, fqn: str = semconv.GLOBAL_FQN, phase: str | None = None) -> dict[str, int]:
+        """``{op: count}`` of module ``fqn`` (subtree-inclusive), one phase or all summed.
+
+        Example:
+            ``cap.counts("MLP.net2", "forward") == {"all_reduce": 1}``
+        """
+        return _counts(self.aggregator, fqn, _check_phase(phase, allow_none=True))
+
+    def table(self, noise_level: int = 1) -> str:
+        """The module table (see :meth:`commspan.Aggregator.table`)."""
+        return self.aggregator.table(noise_level=noise_level)
+
+    def assert_counts(self, fqn: str, phase: str, expected: Mapping[str, int]) -> None:
+        """Same as :func:`assert_counts` on this capture."""
+        assert_counts(self, fqn, phase, expected)
+
+    def assert_no_comm(self, phase: str | None = "forward", fqn: str | None = None) -> None:
+        """Same as :func:`assert_no_comm` on this capture."""
+        assert_no_comm(self, phase=phase, fqn=fqn)
+
+    def assert_placements(
+        self, fqn: str, op: str, src: Any, dst: Any, phase: str | None = None
+    ) -> None:
+        """Same as :func:`assert_placements` on this capture."""
+        assert_placements(self, fqn, op, src, dst, phase=phase)
+
+    def __repr__(self) -> str:
+        return (
+            f"CommCapture(modules={len(self.aggregator.modules())}, "
+            f"collectives={self.aggregator.total_count()}, spans={len(self._recording.spans)})"
+        )
+
+
+AggregatorLike = Union[Aggregator, CommSpanMode, CommCapture]
+"""What the ``assert_*`` helpers accept: an aggregator, a mode that has one, or a capture."""
+
+
+@contextlib.contextmanager
+def capture(**mode_kwargs: Any) -> Iterator[CommCapture]:
+    """Run the block under a fresh ``CommSpanMode`` and yield what it recorded.
+
+    Args:
+        mode_kwargs: passed to :class:`~commspan.CommSpanMode` (e.g.
+            ``record_params=False``, ``exporters=[...]``); ``aggregator`` is
+            not accepted, the capture brings its own.
+
+    Yields:
+        A :class:`CommCapture`, filled while the block runs and readable after.
+        When the block ends the mode is left and its exporters shut down.
+
+    Raises:
+        TypeError: ``aggregator`` was passed, or ``CommSpanMode`` rejects an argument.
+
+    Example:
+        >>> import torch
+        >>> from commspan.testing import capture
+        >>> with capture(record_params=False) as cap:
+        ...     _ = torch.nn.ReLU()(torch.ones(2))
+        >>> [s.name for s in cap.spans]
+        ['ReLU forward', 'commspan.rank', 'commspan.session']
+    """
+    if "aggregator" in mode_kwargs:
+        raise TypeError(
+            f"aggregator={mode_kwargs['aggregator']!r} is not accepted by capture(); "
+            "it brings its own aggregator (use cap.aggregator)"
+        )
+    aggregator = _RecordingAggregator()
+    mode = CommSpanMode(aggregator=aggregator, **mode_kwargs)
+    cap = CommCapture(mode, aggregator)
+    try:
+        with mode:
+            yield cap
+    finally:
+        mode.shutdown()
+
+
+@contextlib.contextmanager
+def fresh_mode(shutdown_timeout_s: float = 5.0, **mode_kwargs: Any) -> Iterator[CommSpanMode]:
+    """Yield a new ``CommSpanMode`` (not entered); clean up after the block.
+
+    On the way out the mode is left if the block left it entered, and its
+    exporters are shut down (bounded by ``shutdown_timeout_s``), so no export
+    thread outlives the test. This is what the ``commspan_mode`` fixture uses.
+
+    Args:
+        shutdown_timeout_s: bound on the exporters' final flush, in seconds.
+        mode_kwargs: passed to :class:`~commspan.CommSpanMode`.
+
+    Example:
+        >>> from commspan.testing import fresh_mode
+        >>> with fresh_mode() as mode:
+        ...     with mode:
+        ...         pass
+        >>> mode.active
+        False
+    """
+    mode = CommSpanMode(**mode_kwargs)
+    try:
+        yield mode
+    finally:
+        if mode.active:
+            mode.__exit__(None, None, None)
+        mode.shutdown(timeout_s=shutdown_timeout_s)
+
+
+# ------------------------------------------------------------------ assertions
+def assert_counts(
+    agg: AggregatorLike, fqn: str, phase: str, expected: Mapping[str, int]
+) -> None:
+    """Assert the collectives of module ``fqn`` in ``phase`` are exactly ``expected``.
+
+    Counts are subtree-inclusive (a module counts what its children issue),
+    as in :meth:`commspan.Aggregator.module_counts`. An op missing from
+    ``expected`` must not occur; an op expected with ``0`` must not occur.
+
+    Args:
+        agg: an :class:`~commspan.Aggregator`, a ``CommSpanMode`` or a :class:`CommCapture`.
+        fqn: module name, e.g. ``"MLP.net2"``, or ``"Global"`` for the whole rank.
+        phase: ``"forward"``, ``"backward"`` or ``"recompute"``.
+        expected: ``{op: count}``, e.g. ``{"all_reduce": 1}``.
+
+    Raises:
+        AssertionError: the counts differ; the message shows both and the module table.
+        ValueError: ``phase`` is not a phase or a count is negative.
+
+    Example:
+        >>> from commspan.testing import assert_counts, capture
+        >>> with capture() as cap:
+        ...     pass
+        >>> assert_counts(cap, "Global", "forward", {})
+    """
+    aggregator = _aggregator(agg)
+    ph = _check_phase(phase, allow_none=False)
+    for op, n in expected.items():
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"expected[{op!r}]={n!r} is not valid; counts are ints >= 0")
+    want = {op: n for op, n in expected.items() if n}
+    got = _counts(aggregator, fqn, ph)
+    if got == want:
+        return
+    diff = ", ".join(
+        f"{op}: expected {want.get(op, 0)}, got {got.get(op, 0)}"
+        for op in sorted(set(want) | set(got))
+        if want.get(op, 0) != got.get(op, 0)
+    )
+    raise AssertionError(
+        f"collectives of {fqn!r} in {ph}: expected {want}, got {got} ({diff})"
+        f"{_unknown_hint(aggregator, fqn)}\n{_table(aggregator)}"
+    )
+
+
+def assert_no_comm(
+    agg: AggregatorLike, phase: str | None = "forward", fqn: str | None = None
+) -> None:
+    """Assert no collective was issued in ``phase`` (inside ``fqn``, or anywhere).
+
+    Args:
+        agg: an :class:`~commspan.Aggregator`, a ``CommSpanMode`` or a :class:`CommCapture`.
+        phase: the phase to check; ``None`` checks every phase.
+        fqn: a module whose subtree must be silent; ``None`` means the whole rank.
+
+    Raises:
+        AssertionError: some collective was issued; the message lists them and
+            shows the module table.
+        ValueError: ``phase`` is not a phase.
+
+    Example:
+        >>> import torch
+        >>> from commspan.testing import assert_no_comm, capture
+        >>> with capture() as cap:
+        ...     _ = torch.nn.Linear(2, 2)(torch.ones(1, 2))
+        >>> assert_no_comm(cap, "forward", fqn="Linear")
+    """
+    aggregator = _aggregator(agg)
+    ph = _check_phase(phase, allow_none=True)
+    where = fqn if fqn is not None else semconv.GLOBAL_FQN
+    got = _counts(aggregator, where, ph)
+    if not got:
+        return
+    issued = [
+        f"{s.fqn} {s.phase} {s.op} x{s.count}"
+        + (f" ({s.src} -> {s.dst})" if s.src or s.dst else "")
+        for s in aggregator.collectives(phase=ph)
+        if fqn is None or s.fqn == fqn or s.fqn.startswith(fqn + ".")
+    ]
+    scope = f"inside {fqn!r}" if fqn is not None else "on this rank"
+    raise AssertionError(
+        f"expected no collectives in {ph or 'any phase'} {scope}, got {got}"
+        + (f"; issued by: {'; '.join(issued)}" if issued else "")
+        + f"\n{_table(aggregator)}"
+    )
+
+
+def assert_placements(
+    agg: AggregatorLike,
+    fqn: str,
+    op: str,
+    src: str | Sequence[Any],
+    dst: str | Sequence[Any],
+    phase: str | None = None,
+) -> None:
+    """Assert module ``fqn`` issued ``op``, and always for a ``src -> dst`` redistribution.
+
+    Only the collectives the module issued itself count (not its children's).
+    Placements are written the way commspan records them: ``"P(sum)"``,
+    ``"R"``, ``"S(0)"``, comma-joined on a multi-dimensional mesh
+    (``"S(0),R"``); a sequence of DTensor placements is converted.
+
+    Args:
+        agg: an :class:`~commspan.Aggregator`, a ``CommSpanMode`` or a :class:`CommCapture`.
+        fqn: the issuing module, e.g. ``"MLP.net2"``.
+        op: canonical op name, e.g. ``"all_reduce"``.
+        src: placements before the redistribution, e.g. ``"P(sum)"`` or ``[Partial()]``.
+        dst: placements after it, e.g. ``"R"`` or ``[Replicate()]``.
+        phase: only collectives of this phase; ``None`` for every phase.
+
+    Raises:
+        AssertionError: the module issued no ``op`` (in ``phase``), or some of
+            them had other placements; the message lists what was seen and
+            shows the module table.
+        ValueError: ``phase`` is not a phase.
+
+    Example:
+        ``assert_placements(cap, "MLP.net2", "all_reduce", "P(sum)", "R", phase="forward")``
+    """
+    aggregator = _aggregator(agg)
+    ph = _check_phase(phase, allow_none=True)
+    want = (_placements(src), _placements(dst))
+    seen: list[CollectiveSummary] = aggregator.collectives(fqn=fqn, phase=ph, op=op)
+    wrong = [s for s in seen if (s.src, s.dst) != want]
+    if seen and not wrong:
+        return
+    where = f"{fqn!r}" + (f" in {ph}" if ph else "")
+    if not seen:
+        others = sorted({f"{s.phase} {s.op}" for s in aggregator.collectives(fqn=fqn)})
+        detail = f"{where} issued no {op}" + (
+            f" (it issued: {', '.join(others)})" if others else " (it issued no collectives)"
+        )
+    else:
+        found = "; ".join(
+            f"{s.phase} {s.src or '?'} -> {s.dst or '?'} x{s.count}" for s in seen
+        )
+        detail = f"{op} of {where}: expected every one {want[0]} -> {want[1]}, got {found}"
+    raise AssertionError(f"{detail}{_unknown_hint(aggregator, fqn)}\n{_table(aggregator)}")
+
+
+# ------------------------------------------------------------------ helpers
+def _aggregator(agg: AggregatorLike) -> Aggregator:
+    if isinstance(agg, Aggregator):
+        return agg
+    if isinstance(agg, CommCapture):
+        return agg.aggregator
+    if isinstance(agg, CommSpanMode):
+        if agg.aggregator is None:
+            raise ValueError(
+                "agg is a CommSpanMode created with aggregator=False; it counts nothing "
+                "to assert on (create it with aggregator=True)"
+            )
+        return agg.aggregator
+    raise TypeError(
+        f"agg={agg!r} is not valid; pass an Aggregator, a CommSpanMode or a CommCapture"
+    )
+
+
+def _check_phase(phase: Any, *, allow_none: bool) -> str | None:
+    if phase is None and allow_none:
+        return None
+    value = getattr(phase, "value", phase)
+    if value not in _PHASES:
+        allowed = ", ".join(repr(p) for p in _PHASES) + (" or None" if allow_none else "")
+        raise ValueError(f"phase={phase!r} is not valid; use {allowed}")
+    return str(value)
+
+
+def _counts(aggregator: Aggregator, fqn: str, phase: str | None) -> dict[str, int]:
+    per_phase = aggregator.module_counts().get(fqn, {})
+    out: dict[str, int] = {}
+    for ph, ops in per_phase.items():
+        if phase is not None and ph != phase:
+            continue
+        for op, n in ops.items():
+            if n:
+                out[op] = out.get(op, 0) + n
+    return out
+
+
+def _placements(value: str | Sequence[Any]) -> str:
+    if isinstance(value, str):
+        return value.replace(" ", "")
+    from commspan._dtensor import placements_str
+
+    return placements_str(list(value))
+
+
+def _unknown_hint(aggregator: Aggregator, fqn: str) -> str:
+    modules = aggregator.modules()
+    if fqn == semconv.GLOBAL_FQN or fqn in modules:
+        return ""
+    return f"; no module named {fqn!r} ran (modules: {', '.join(modules) or 'none'})"
+
+
+def _table(aggregator: Aggregator) -> str:
+    return "module table (noise_level=1):\n" + aggregator.table(noise_level=1)

@@ -1,0 +1,191 @@
+"""A tensor-parallel toy Transformer on 4 CPU ranks, traced by commspan.
+
+Run it with one command (it spawns its own gloo ranks), or under torchrun::
+
+    python examples/tp_transformer.py [--out DIR] [--steps N]
+    torchrun --nproc-per-node 4 examples/tp_transformer.py
+
+Every rank writes its spans to ``DIR/commspan-rank<r>.jsonl`` (default
+``./commspan-out``). With ``OTEL_EXPORTER_OTLP_ENDPOINT`` set (e.g.
+``http://localhost:4318`` for Jaeger) the spans also go to that backend, one
+trace per step. Rank 0 prints the collectives each module issued.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.utils.checkpoint import checkpoint
+
+from commspan import CommSpanMode
+from commspan.exporters import JsonlSpanExporter, otlp_exporter
+
+WORLD_SIZE = 4
+
+
+@dataclass
+class Config:
+    vocab: int = 8
+    max_seq: int = 16
+    dim: int = 16
+    n_heads: int = 4
+    n_layers: int = 2
+    checkpointed: tuple[int, ...] = (1,)  # blocks re-run in backward (activation checkpointing)
+
+
+class Attention(nn.Module):
+    def __init__(self, c: Config) -> None:
+        super().__init__()
+        self.n_heads = c.n_heads
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(c.dim, c.dim, bias=False) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape  # under TP, q/k/v are this rank's heads only
+        q, k, v = (w(x).view(b, s, self.n_heads, -1).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(o.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, c: Config) -> None:
+        super().__init__()
+        self.w1, self.w2 = nn.Linear(c.dim, 4 * c.dim), nn.Linear(4 * c.dim, c.dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.gelu(self.w1(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, c: Config) -> None:
+        super().__init__()
+        self.attention_norm, self.attention = nn.LayerNorm(c.dim), Attention(c)
+        self.ffn_norm, self.feed_forward = nn.LayerNorm(c.dim), FeedForward(c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, c: Config) -> None:
+        super().__init__()
+        self.checkpointed = set(c.checkpointed)
+        self.tok_embeddings = nn.Embedding(c.vocab, c.dim)
+        self.pos_embeddings = nn.Embedding(c.max_seq, c.dim)
+        self.layers = nn.ModuleList(Block(c) for _ in range(c.n_layers))
+        self.norm = nn.LayerNorm(c.dim)
+        self.output = nn.Linear(c.dim, c.vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens) + self.pos_embeddings(torch.arange(tokens.shape[1]))
+        for i, layer in enumerate(self.layers):
+            h = checkpoint(layer, h, use_reentrant=False) if i in self.checkpointed else layer(h)
+        return self.output(self.norm(h))
+
+
+def parallelize(model: Transformer, mesh: DeviceMesh) -> Transformer:
+    """Megatron-style tensor parallelism over a 1-D mesh."""
+    parallelize_module(model, mesh, {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
+        "pos_embeddings": RowwiseParallel(input_layouts=Replicate()),
+        "output": ColwiseParallel(output_layouts=Replicate()),
+    })
+    for block in model.layers:
+        parallelize_module(block, mesh, {
+            "attention.wq": ColwiseParallel(use_local_output=True),
+            "attention.wk": ColwiseParallel(use_local_output=True),
+            "attention.wv": ColwiseParallel(use_local_output=True),
+            "attention.wo": RowwiseParallel(),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(),
+        })
+        block.attention.n_heads //= mesh.size()  # each rank owns n_heads / tp heads
+    return model
+
+
+def train(out: Path, steps: int) -> None:
+    """One rank: build the model, train ``steps`` steps under commspan."""
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    config = Config()
+    torch.manual_seed(0)  # same weights and data on every rank
+    model = parallelize(Transformer(config), mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    path = out / f"commspan-rank{rank}.jsonl"
+    path.unlink(missing_ok=True)  # JsonlSpanExporter appends; start afresh
+    exporters = [JsonlSpanExporter(path)]
+    if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+        exporters.append(otlp_exporter())
+
+    tokens = torch.randint(0, config.vocab, (2, 9))  # one toy batch, learnt by heart
+    mode = CommSpanMode(exporters=exporters)
+    with mode:
+        for i in range(steps):
+            with mode.step(i):  # one trace per step, shared by all ranks
+                logits = model(tokens[:, :-1])
+                loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            if rank == 0:
+                print(f"step {i}: loss {loss.item():.4f}")
+    mode.shutdown()
+    dist.barrier()  # every rank's file is complete
+
+    if rank == 0:
+        print(f"\nCollectives per module on rank 0, summed over {steps} steps:")
+        print(mode.aggregator.table(noise_level=1))
+        print("Spans written to:")
+        for file in sorted(out.glob("commspan-rank*.jsonl")):
+            print(f"  {file}")
+
+
+def _rank_main(rank: int, port: int, out: Path, steps: int) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE
+    )
+    try:
+        train(out, steps)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("commspan-out"), help="JSONL directory")
+    parser.add_argument("--steps", type=int, default=3, help="training steps")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if "RANK" in os.environ:  # launched by torchrun: this process is one rank
+        dist.init_process_group("gloo")
+        try:
+            train(args.out, args.steps)
+        finally:
+            dist.destroy_process_group()
+    else:  # start the ranks ourselves; forked ranks reuse the imported torch (CPU only)
+        torch.multiprocessing.start_processes(
+            _rank_main, (_free_port(), args.out, args.steps), WORLD_SIZE, start_method="fork"
+        )
+
+
+if __name__ == "__main__":
+    main()

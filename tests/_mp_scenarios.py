@@ -1,0 +1,263 @@
+"""Scenarios run by each spawned gloo rank for tests/test_multiprocess.py.
+
+Run as ``python tests/_mp_scenarios.py OUT_DIR`` with ``RANK``, ``WORLD_SIZE``,
+``MASTER_ADDR`` and ``MASTER_PORT`` set. Every scenario writes one JSONL file
+per rank (through ``JsonlSpanExporter`` with ``{rank}`` in the path) and the
+rank's in-process view (aggregator results, run ids) to
+``OUT_DIR/<scenario>/rank<r>.result.json``; the parent test compares them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
+
+from commspan import Aggregator, CommSpanMode
+from commspan.exporters import JsonlSpanExporter
+
+ENV_RUN_ID_VALUE = "mp-env-run-id"
+"""The ``COMMSPAN_RUN_ID`` the run-id scenario sets before its second mode."""
+
+STEPS = 2
+DIM = 16
+
+
+class MLP(torch.nn.Module):
+    """Two linears; tensor-parallel as ColwiseParallel + RowwiseParallel."""
+
+    def __init__(self, dim: int = DIM) -> None:
+        super().__init__()
+        self.net1 = torch.nn.Linear(dim, 2 * dim)
+        self.relu = torch.nn.ReLU()
+        self.net2 = torch.nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net2(self.relu(self.net1(x)))
+
+
+class MLPStack(torch.nn.Module):
+    """MLP blocks in a ModuleList; blocks listed in ``checkpointed`` run under checkpoint."""
+
+    def __init__(self, n_blocks: int = 2, checkpointed: tuple[int, ...] = (1,),
+                 use_reentrant: bool = False) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(MLP() for _ in range(n_blocks))
+        self.checkpointed = checkpointed
+        self.use_reentrant = use_reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            if i in self.checkpointed:
+                x = checkpoint(layer, x, use_reentrant=self.use_reentrant)
+            else:
+                x = layer(x)
+        return x
+
+
+def parallelize_mlp(mlp: MLP, mesh: Any) -> MLP:
+    """Shard ``mlp`` over ``mesh``: net1 column-wise, net2 row-wise."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    parallelize_module(mlp, mesh, {"net1": ColwiseParallel(), "net2": RowwiseParallel()})
+    return mlp
+
+
+def tp_mlp_stack(mesh: Any, **kwargs: Any) -> MLPStack:
+    """An :class:`MLPStack` whose blocks are tensor-parallel over ``mesh`` (seeded)."""
+    torch.manual_seed(0)
+    model = MLPStack(**kwargs)
+    for layer in model.layers:
+        parallelize_mlp(layer, mesh)  # type: ignore[arg-type]
+    return model
+
+
+class C10dOps(torch.nn.Module):
+    """Issues one of each c10d collective, then a ring send/recv."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        t = x.clone()
+        dist.all_reduce(t)
+        dist.broadcast(t, src=0)
+        gathered = torch.empty(world * t.numel(), dtype=t.dtype)
+        dist.all_gather_into_tensor(gathered, t)
+        scattered = torch.empty(t.numel(), dtype=t.dtype)
+        dist.reduce_scatter_tensor(scattered, gathered)
+        exchanged = torch.empty_like(gathered)
+        dist.all_to_all_single(exchanged, gathered)
+        return exchanged
+
+
+class Ring(torch.nn.Module):
+    """Sends to rank+1 and receives from rank-1 (even ranks send first)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        out = torch.empty_like(x)
+        if rank % 2 == 0:
+            dist.send(x, dst=(rank + 1) % world)
+            dist.recv(out, src=(rank - 1) % world)
+        else:
+            dist.recv(out, src=(rank - 1) % world)
+            dist.send(x, dst=(rank + 1) % world)
+        return out
+
+
+class Comms(torch.nn.Module):
+    """Root of the c10d scenario: ``Comms.ops`` then ``Comms.ring``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = C10dOps()
+        self.ring = Ring()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ring(self.ops(x))
+
+
+# ---------------------------------------------------------------- helpers
+def _aggregate_view(agg: Aggregator) -> dict[str, Any]:
+    return {
+        "module_counts": agg.module_counts(),
+        "comm_counts": agg.comm_counts(),
+        "parameter_info": agg.parameter_info(),
+        "sharding_info": agg.sharding_info(),
+        "collectives": [list(vars(s).values()) for s in agg.collectives()],
+        "table": agg.table(1),
+    }
+
+
+def _write(out: Path, name: str, rank: int, data: dict[str, Any]) -> None:
+    d = out / name
+    d.mkdir(parents=True, exist_ok=True)
+    (d / f"rank{rank}.result.json").write_text(json.dumps(data, sort_keys=True))
+
+
+def _train_steps(model: torch.nn.Module, mode: CommSpanMode, make_input: Callable[[], Any],
+                 steps: int = STEPS) -> list[float]:
+    losses = []
+    with mode:
+        for i in range(steps):
+            with mode.step(i):
+                loss = model(make_input()).float().pow(2).mean()
+                loss.backward()
+                losses.append(float(loss.detach().full_tensor()
+                                    if hasattr(loss, "full_tensor") else loss.detach()))
+    return losses
+
+
+# ---------------------------------------------------------------- scenarios
+def scenario_run_id(out: Path, rank: int) -> None:
+    """Run ids: agreed over the process group without env vars, then taken from the env."""
+    assert "COMMSPAN_RUN_ID" not in os.environ and "TORCHELASTIC_RUN_ID" not in os.environ
+    agreed = CommSpanMode(aggregator=False)
+    with agreed:
+        pass
+    os.environ["COMMSPAN_RUN_ID"] = ENV_RUN_ID_VALUE
+    try:
+        from_env = CommSpanMode(aggregator=False)
+        with from_env:
+            pass
+    finally:
+        del os.environ["COMMSPAN_RUN_ID"]
+    _write(out, "run_id", rank, {"agreed": agreed.run_id, "from_env": from_env.run_id})
+
+
+def scenario_tp_mlp(out: Path, rank: int) -> None:
+    """Tensor-parallel MLP stack with a checkpointed block, two steps, one trace per step."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = tp_mlp_stack(mesh)
+    exporter = JsonlSpanExporter(out / "tp_mlp" / "trace-rank{rank}.jsonl")
+    mode = CommSpanMode(exporters=[exporter])
+
+    def make_input() -> torch.Tensor:
+        torch.manual_seed(1)
+        return torch.randn(4, DIM, requires_grad=True)
+
+    losses = _train_steps(model, mode, make_input)
+    mode.shutdown()
+    assert mode.aggregator is not None
+    _write(out, "tp_mlp", rank, {"run_id": mode.run_id, "losses": losses,
+                                 "stats": mode.stats(), **_aggregate_view(mode.aggregator)})
+
+
+def scenario_tp_transformer(out: Path, rank: int) -> None:
+    """The colleague's toy Transformer (tests/models.py), tensor-parallel, with checkpointing."""
+    build = _transformer_builder()
+    if build is None:
+        _write(out, "tp_transformer", rank, {"skipped": "tests/models.py has no usable builder"})
+        return
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model, make_input = build(mesh)
+    exporter = JsonlSpanExporter(out / "tp_transformer" / "trace-rank{rank}.jsonl")
+    mode = CommSpanMode(exporters=[exporter])
+    losses = _train_steps(model, mode, make_input)
+    mode.shutdown()
+    assert mode.aggregator is not None
+    _write(out, "tp_transformer", rank, {"run_id": mode.run_id, "losses": losses,
+                                         "stats": mode.stats(),
+                                         **_aggregate_view(mode.aggregator)})
+
+
+def _transformer_builder() -> Callable[[Any], tuple[torch.nn.Module, Callable[[], Any]]] | None:
+    """``mesh -> (TP Transformer with checkpointing, input factory)`` from tests/models.py."""
+    return None
+
+
+def scenario_c10d(out: Path, rank: int) -> None:
+    """Plain c10d collectives and a send/recv ring inside module calls, one step."""
+    exporter = JsonlSpanExporter(out / "c10d" / "trace-rank{rank}.jsonl")
+    mode = CommSpanMode(exporters=[exporter])
+    model = Comms()
+    with mode:
+        with mode.step(0):
+            model(torch.full((4,), float(rank + 1)))
+    mode.shutdown()
+    assert mode.aggregator is not None
+    _write(out, "c10d", rank, {"run_id": mode.run_id, **_aggregate_view(mode.aggregator)})
+
+
+SCENARIOS: dict[str, Callable[[Path, int], None]] = {
+    "run_id": scenario_run_id,
+    "tp_mlp": scenario_tp_mlp,
+    "tp_transformer": scenario_tp_transformer,
+    "c10d": scenario_c10d,
+}
+
+
+def main(argv: list[str]) -> int:
+    """Initialise gloo from the environment, run every scenario, report timings."""
+    out = Path(argv[1])
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    timings: dict[str, float] = {}
+    try:
+        for name, scenario in SCENARIOS.items():
+            t0 = time.perf_counter()
+            scenario(out, rank)
+            timings[name] = time.perf_counter() - t0
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    (out / f"timings-rank{rank}.json").write_text(json.dumps(timings))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
