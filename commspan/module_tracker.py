@@ -157,6 +157,7 @@ class ModuleTracker:
         self._bw_open: list[_Call] = []
         self.active = False
         self.internal_errors = 0
+        self._last_error = 0
 
     # ------------------------------------------------------------ install
     def install(self) -> None:
@@ -280,7 +281,9 @@ class ModuleTracker:
             self._internal_error()
 
     def _record_exception(self, frame: Frame, error: BaseException) -> None:
-        if frame.error is None and not getattr(error, "_commspan_recorded", False):
+        """Put an ``exception`` event on the innermost frame the error left."""
+        if frame.error is None and id(error) != self._last_error:
+            self._last_error = id(error)  # an id, so no traceback is kept alive
             self.recorder.add_plain_event(
                 frame,
                 semconv.EVENT_EXCEPTION,
@@ -289,10 +292,6 @@ class ModuleTracker:
                     semconv.EXCEPTION_MESSAGE: str(error),
                 },
             )
-            try:
-                error._commspan_recorded = True  # type: ignore[attr-defined]
-            except Exception:
-                pass
 
     # ------------------------------------------------------------ backward
     def _watch_inputs(self, call: _Call, args: Any) -> None:

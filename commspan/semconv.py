@@ -96,9 +96,12 @@ COUNT_PREFIX = "commspan.collectives."
 """Prefix of per-op collective counts on module and rank spans.
 
 ``commspan.collectives.<phase>.<op>`` is the number of ``<op>`` collectives of
-``<phase>`` issued inside the span or any span nested in it (a module that is
-open twice in one chain, e.g. a recompute inside its own backward, counts an op
-once). Summing it over the spans of one module gives the module's count.
+``<phase>`` issued inside the span or any span nested in it, with two rules: a
+module open twice in one chain (a recompute inside its own backward) counts an
+op once, and a span of another phase counts the op only if its module encloses
+the issuing module by name (a recompute that runs inside ``w2``'s backward is
+not charged to ``w2``). Summing it over the spans of one module gives the
+module's count.
 """
 COUNT_TOTAL = "total"
 """``commspan.collectives.<phase>.total``: all ops of that phase, same rules."""

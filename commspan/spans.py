@@ -283,17 +283,37 @@ class SpanRecorder:
 
     # ------------------------------------------------------------ events
     def add_event(self, name: str, op: str, phase: str, attrs: dict[str, Any]) -> None:
-        """Attach a collective event to the innermost frame and count it up the chain."""
+        """Attach a collective event to the innermost frame and count it up the chain.
+
+        The event counts once per module name (at its innermost frame), for the
+        root, and for every frame of the same phase; a frame of another phase
+        (a backward frame around a recompute) counts it only when its module
+        encloses the event's module by name, so a recompute triggered inside
+        one module's backward is not charged to that module.
+        """
         stack = self.stack
         if not stack:
-            return
-        stack[-1].events.append((name, _now(), attrs))
-        stack[-1].self_count += 1
+            if self.on_empty is None:
+                return
+            self.on_empty()
+            stack = self.stack
+        top = stack[-1]
+        top.events.append((name, _now(), attrs))
+        top.self_count += 1
         key = (phase, op)
+        owner = top.fqn
         seen: set[str] = set()
         for frame in reversed(stack):
             fqn = frame.fqn
             if fqn in seen:
+                continue
+            frame_phase = frame.phase
+            if (
+                frame_phase is not None
+                and frame_phase.value != phase
+                and owner != fqn
+                and not owner.startswith(fqn + ".")
+            ):
                 continue
             seen.add(fqn)
             counts = frame.counts

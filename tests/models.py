@@ -289,7 +289,9 @@ class CompatCounts:
 
     def module_count(self, fqn: str, op: str, phase: str | None = None) -> int:
         """``op`` collectives inside module ``fqn`` (one phase, or all; backward includes recompute)."""
-        per_module = self.comm_mode.comm_module_counts[fqn]
+        per_module = self.comm_mode.comm_module_counts.get(fqn)
+        if per_module is None:  # like the reference, modules without collectives are absent
+            return 0
         if phase is None:
             return per_module[self._packet(op)]
         return per_module[phase][self._packet(op)]

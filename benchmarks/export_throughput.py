@@ -1,0 +1,188 @@
+"""Exporter throughput: JSONL spans/s and ``Aggregator.from_jsonl`` events/s.
+
+Runs in one spawned process with one thread. The spans are real: those of a
+few traced steps of the tensor-parallel model over torch's fake process
+group (world 4), collected by a span exporter that keeps what commspan hands
+it. They are then written again and again by a ``JsonlSpanExporter`` to a
+file in a temporary directory (page cache; files are replaced between timed
+passes so they stay small), and a file of many steps is read back with
+``Aggregator.from_jsonl``.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from benchmarks.common import quiet
+from benchmarks.model import ModelConfig
+
+__all__ = ["run_export_throughput"]
+
+LARGE_BATCH = 4096  # the export queue's largest batch
+
+
+def _capture(cfg: ModelConfig, steps: int) -> list[list[Any]]:
+    """The spans commspan hands its exporters for ``steps`` traced steps, per step."""
+    import torch.distributed as dist
+    from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from benchmarks.model import build_model, make_batch, train_step
+    from commspan import CommSpanMode
+
+    class Keep(SpanExporter):
+        def __init__(self) -> None:
+            self.spans: list[Any] = []
+
+        def export(self, spans: Sequence[Any]) -> SpanExportResult:
+            self.spans.extend(spans)
+            return SpanExportResult.SUCCESS
+
+        def shutdown(self) -> None:
+            pass
+
+    if not dist.is_initialized():
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    mesh = init_device_mesh("cpu", (4,))
+    model = build_model(cfg, mesh)
+    batch = make_batch(cfg)
+    train_step(model, batch)  # warm-up, untraced
+    per_step: list[list[Any]] = []
+    keep = Keep()
+    mode = CommSpanMode(exporters=[keep])
+    for i in range(steps):
+        with mode:
+            with mode.step(i):
+                train_step(model, batch)
+        # leaving the mode flushed its exporter: these are step i's spans
+        per_step.append(list(keep.spans))
+        keep.spans.clear()
+    mode.shutdown()
+    return per_step
+
+
+def _events(spans: Sequence[Any]) -> int:
+    return sum(len(getattr(s, "events", ()) or ()) for s in spans)
+
+
+def _time_exports(
+    batch: list[Any], directory: Path, min_seconds: float, repeats: int
+) -> dict[str, float]:
+    """Best of ``repeats`` passes of at least ``min_seconds`` exporting ``batch``."""
+    from commspan.exporters import JsonlSpanExporter
+
+    best_wall = best_cpu = 0.0
+    nbytes = 0
+    for rep in range(repeats):
+        path = directory / f"throughput-{rep}.jsonl"
+        exporter = JsonlSpanExporter(path)
+        exporter.export(batch)  # opens the file; not timed
+        n = 0
+        w0, c0 = time.perf_counter(), time.process_time()
+        while True:
+            for _ in range(8):
+                exporter.export(batch)
+            n += 8
+            w1 = time.perf_counter()
+            if w1 - w0 >= min_seconds:
+                break
+        c1 = time.process_time()
+        exporter.shutdown()
+        nbytes = path.stat().st_size // (n + 1)
+        path.unlink()
+        best_wall = max(best_wall, n * len(batch) / (w1 - w0))
+        best_cpu = max(best_cpu, n * len(batch) / max(c1 - c0, 1e-9))
+    return {"spans_per_s": best_wall, "spans_per_cpu_s": best_cpu, "bytes_per_batch": nbytes}
+
+
+def _worker(cfg_dict: dict[str, Any], capture_steps: int, file_steps: int, min_seconds: float,
+            repeats: int) -> dict[str, Any]:
+    quiet()
+    from commspan import Aggregator
+    from commspan.exporters import JsonlSpanExporter
+
+    per_step = _capture(ModelConfig(**cfg_dict), capture_steps)
+    counts = [len(s) for s in per_step]
+    if not all(counts):
+        raise RuntimeError(f"a traced step produced no span: spans per step {counts}")
+    all_spans = [s for step in per_step for s in step]
+    one_step = per_step[-1]
+    spans_per_step = len(all_spans) / len(per_step)
+    events_per_step = _events(all_spans) / len(per_step)
+
+    with tempfile.TemporaryDirectory(prefix="commspan-bench-export-") as tmp:
+        d = Path(tmp)
+        small = _time_exports(one_step, d, min_seconds, repeats)
+        large_batch = (all_spans * (LARGE_BATCH // len(all_spans) + 1))[:LARGE_BATCH]
+        large = _time_exports(large_batch, d, min_seconds, repeats)
+
+        # a file of many steps, one line per step (as a small export batch writes)
+        path = d / "steps.jsonl"
+        exporter = JsonlSpanExporter(path)
+        for i in range(file_steps):
+            exporter.export(per_step[i % len(per_step)])
+        exporter.shutdown()
+        n_spans = sum(len(per_step[i % len(per_step)]) for i in range(file_steps))
+        n_events = sum(_events(per_step[i % len(per_step)]) for i in range(file_steps))
+        times = []
+        agg = None
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            agg = Aggregator.from_jsonl(path)
+            times.append(time.perf_counter() - t0)
+        assert agg is not None
+        ingested = agg.total_count()
+        size = path.stat().st_size
+    best = min(times)
+    return {
+        "config": cfg_dict,
+        "captured_steps": len(per_step),
+        "spans_per_step": spans_per_step,
+        "events_per_step": events_per_step,
+        "repeats": repeats,
+        "min_seconds_per_pass": min_seconds,
+        "jsonl": {
+            "batch_spans": len(one_step),
+            "spans_per_s": small["spans_per_s"],
+            "spans_per_cpu_s": small["spans_per_cpu_s"],
+            "bytes_per_span": small["bytes_per_batch"] / len(one_step),
+            "large_batch_spans": len(large_batch),
+            "large_spans_per_s": large["spans_per_s"],
+            "large_spans_per_cpu_s": large["spans_per_cpu_s"],
+        },
+        "from_jsonl": {
+            "steps": file_steps,
+            "spans": n_spans,
+            "events": n_events,
+            "collectives_counted": ingested,
+            "bytes": size,
+            "seconds": best,
+            "events_per_s": n_events / best,
+            "spans_per_s": n_spans / best,
+            "seconds_all": times,
+        },
+        "pid_cpu_affinity": len(os.sched_getaffinity(0)),
+    }
+
+
+def run_export_throughput(
+    cfg: ModelConfig,
+    *,
+    capture_steps: int = 3,
+    file_steps: int = 300,
+    min_seconds: float = 1.0,
+    repeats: int = 3,
+    timeout_s: float = 300.0,
+) -> dict[str, Any]:
+    """Run the throughput measurements in a fresh process and return them."""
+    from benchmarks.common import run_in_subprocess
+
+    return run_in_subprocess(
+        _worker, cfg.as_dict(), capture_steps, file_steps, min_seconds, repeats,
+        timeout_s=timeout_s,
+    )

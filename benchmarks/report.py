@@ -1,0 +1,219 @@
+"""Plain-text tables of the results and the targets of issue 4."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+__all__ = ["TARGETS", "evaluate_targets", "format_report"]
+
+# (key, description, metric path, comparison, threshold)
+TARGETS: list[tuple[str, str, str, str, float]] = [
+    ("full_tracing_wall", "commspan + JSONL, wall step time vs no mode", "step.cs_jsonl.wall_ratio",
+     "<=", 1.10),
+    ("above_floor_vs_cdm", "commspan + JSONL cost above floor / CommDebugMode's (CPU)",
+     "step.cs_jsonl.cpu_above_floor_vs_cdm", "<=", 0.25),
+    ("sampled_out", "sampled-out step, CPU step time vs no mode", "step.cs_sampled_out.cpu_ratio",
+     "<=", 1.02),
+    ("jsonl_spans_per_s", "JsonlSpanExporter spans/s (one core)", "export.jsonl.spans_per_s",
+     ">=", 200_000),
+    ("from_jsonl_events_per_s", "Aggregator.from_jsonl events/s",
+     "export.from_jsonl.events_per_s", ">=", 500_000),
+    ("rss_growth", "RSS growth over the traced steps, commspan + JSONL (MB)",
+     "memory.commspan_jsonl.growth_mb", "<", 20.0),
+]
+
+
+def _lookup(results: dict[str, Any], path: str) -> Any:
+    section, *rest = path.split(".")
+    node: Any = results.get(section)
+    if section == "step" and node is not None:
+        node = node.get("variants")
+    for part in rest:
+        if not isinstance(node, dict):
+            return None
+        node = node.get(part)
+    return node
+
+
+def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    for key, desc, path, op, threshold in TARGETS:
+        value = _lookup(results, path)
+        if not isinstance(value, (int, float)) or math.isnan(value):
+            verdict = "n/a"
+        elif op == "<=":
+            verdict = "PASS" if value <= threshold else "FAIL"
+        elif op == "<":
+            verdict = "PASS" if value < threshold else "FAIL"
+        else:
+            verdict = "PASS" if value >= threshold else "FAIL"
+        out.append(
+            {"target": key, "description": desc, "value": value, "op": op,
+             "threshold": threshold, "verdict": verdict}
+        )
+    return out
+
+
+def _table(headers: list[str], rows: list[list[str]], right: set[int] | None = None) -> str:
+    right = right if right is not None else set(range(1, len(headers)))
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
+              for i, h in enumerate(headers)]
+
+    def line(cells: list[str]) -> str:
+        return "| " + " | ".join(
+            c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))
+        ) + " |"
+
+    sep = "|" + "|".join(
+        ("-" * (w + 1) + ":") if i in right else ("-" * (w + 2)) for i, w in enumerate(widths)
+    ) + "|"
+    return "\n".join([line(headers), sep, *(line(r) for r in rows)])
+
+
+def _f(value: Any, fmt: str = "{:.1f}") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    return fmt.format(value)
+
+
+def _step_section(step: dict[str, Any]) -> str:
+    cfg = step["config"]
+    plan = step["plan"]
+    head = (
+        f"Step time: {step['world_size']} ranks over {step['backend']}, TP Transformer dim "
+        f"{cfg['dim']}, {cfg['n_heads']} heads, {cfg['n_layers']} layers (checkpoint every "
+        f"{cfg['checkpoint_every']}nd), vocab {cfg['vocab']}, seq {cfg['seq']}, batch "
+        f"{cfg['batch']}; {'with' if plan['optimizer'] else 'no'} optimizer step; "
+        f"{step['rounds_measured']} rounds x {plan['steps_per_round']} steps per variant "
+        f"after {plan['warmup']} warm-up rounds; medians over rounds and ranks"
+    )
+    rows = []
+    for k, v in step["variants"].items():
+        rows.append([
+            v["label"],
+            _f(v["cpu_ms_median"]),
+            f"{_f(v['cpu_ms_min'])}–{_f(v['cpu_ms_max'])}",
+            _f(v["wall_ms_median"]),
+            _f(v.get("cpu_ratio"), "×{:.3f}"),
+            _f(v.get("wall_ratio"), "×{:.3f}"),
+            _f(v.get("cpu_above_floor_vs_cdm"), "{:.2f}") if k.startswith("cs_") else "",
+            _f(v.get("wall_above_floor_vs_cdm"), "{:.2f}") if k.startswith("cs_") else "",
+        ])
+    table = _table(
+        ["variant", "CPU ms/step", "CPU min–max", "wall ms/step", "CPU ratio",
+         "wall ratio", "above floor / CDM (CPU)", "(wall)"],
+        rows,
+    )
+    notes = []
+    if step.get("unavailable"):
+        notes.append("not run: " + "; ".join(f"{k}: {v}" for k, v in step["unavailable"].items()))
+    otlp = step.get("otlp_receiver") or {}
+    if otlp.get("requests"):
+        notes.append(
+            f"OTLP receiver: {otlp['requests']} requests, {otlp['bytes'] / 1e6:.1f} MB received"
+        )
+    s0 = step.get("variant_stats_rank0", {}).get("cs_jsonl") or {}
+    if s0.get("steps_traced"):
+        notes.append(
+            f"rank 0, commspan + JSONL: {s0['spans'] / s0['steps_traced']:.0f} spans and "
+            f"{s0['collectives'] / s0['steps_traced']:.0f} collectives per traced step"
+            f", {s0.get('spans_dropped', 0)} spans dropped"
+        )
+    return "\n".join([head, "", table, *([""] + notes if notes else [])])
+
+
+def _export_section(export: dict[str, Any]) -> str:
+    j, f = export["jsonl"], export["from_jsonl"]
+    rows = [
+        ["JsonlSpanExporter.export, one step per batch", f"{j['spans_per_s']:,.0f} spans/s",
+         f"{j['batch_spans']} spans/batch, {j['bytes_per_span']:.0f} B/span, "
+         f"CPU {j['spans_per_cpu_s']:,.0f} spans/s"],
+        ["JsonlSpanExporter.export, large batches", f"{j['large_spans_per_s']:,.0f} spans/s",
+         f"{j['large_batch_spans']} spans/batch"],
+        ["Aggregator.from_jsonl", f"{f['events_per_s']:,.0f} events/s",
+         f"{f['spans_per_s']:,.0f} spans/s; file of {f['steps']} steps, {f['spans']:,} spans, "
+         f"{f['events']:,} events, {f['bytes'] / 1e6:.1f} MB"],
+    ]
+    head = (
+        f"Exporter throughput: spans of {export['captured_steps']} real traced steps "
+        f"({export['spans_per_step']:.0f} spans, {export['events_per_step']:.0f} collective "
+        f"events per step; fake process group, world 4, one thread), best of "
+        f"{export['repeats']} timed passes"
+    )
+    return "\n".join([head, "", _table(["what", "rate", "details"], rows, right={1})])
+
+
+def _memory_section(memory: dict[str, Any]) -> str:
+    rows = []
+    for key, v in memory["variants"].items():
+        if v.get("error"):
+            rows.append([v["label"], "–", "–", "–", "–", v["error"].splitlines()[0][:80]])
+            continue
+        rows.append([
+            v["label"],
+            f"{v['steps_done']}",
+            _f(v["rss_after_warmup_mb"]),
+            _f(v["rss_end_mb"]),
+            _f(v["growth_mb"], "{:+.1f}"),
+            f"{v['ms_per_step']:.1f} ms/step" + (f"; {v['note']}" if v.get("note") else ""),
+        ])
+    cfg = memory["config"]
+    head = (
+        f"Memory: RSS of one process (fake process group, world 4), TP Transformer dim "
+        f"{cfg['dim']}, {cfg['n_layers']} layers; {memory['warmup_steps']} warm-up steps, then "
+        f"{memory['steps']} steps; RSS read after gc.collect()"
+    )
+    table = _table(
+        ["variant", "steps", "RSS after warm-up MB", "RSS at end MB", "growth MB", "notes"],
+        rows, right={1, 2, 3, 4},
+    )
+    return "\n".join([head, "", table])
+
+
+def _profile_section(profile: dict[str, Any]) -> str:
+    rows = [
+        [r["function"], f"{r['cumtime_ms_per_step']:.2f}", f"{r['tottime_ms_per_step']:.2f}",
+         f"{r['calls_per_step']:.0f}"]
+        for r in profile["top"]
+    ]
+    head = (
+        f"Where commspan's time goes (cProfile, one process, fake PG, commspan + JSONL, "
+        f"{profile['steps']} traced steps; profiled step {profile['profiled_ms_per_step']:.1f} ms "
+        f"vs {profile['unprofiled_ms_per_step']:.1f} ms unprofiled; times are per step and "
+        f"inflated by the profiler)"
+    )
+    table = _table(["commspan function", "cum ms", "own ms", "calls"], rows)
+    return "\n".join([head, "", table])
+
+
+def format_report(results: dict[str, Any]) -> str:
+    parts = []
+    machine = results.get("machine", {})
+    parts.append(
+        f"commspan benchmarks — {machine.get('cpu_model', '?')}, {machine.get('nproc', '?')} "
+        f"cores, torch {machine.get('torch', '?')}, python {machine.get('python', '?')}, "
+        f"commspan {machine.get('commspan', '?')} ({machine.get('git', '?')}); "
+        f"mode {results.get('mode', '?')}"
+    )
+    for name, fn in (("step", _step_section), ("export", _export_section),
+                     ("memory", _memory_section), ("profile", _profile_section)):
+        if name in results:
+            data = results[name]
+            if isinstance(data, dict) and data.get("error"):
+                parts.append(f"{name}: ERROR\n{data['error']}")
+            else:
+                parts.append(fn(data))
+    targets = results.get("targets") or []
+    if targets:
+        rows = [
+            [t["description"], _f(t["value"], "{:,.3f}" if abs(t["value"] or 0) < 100 else
+                                  "{:,.0f}") if isinstance(t["value"], (int, float)) else "–",
+             f"{t['op']} {t['threshold']:,g}", t["verdict"]]
+            for t in targets
+        ]
+        parts.append(
+            "Targets (issue 4; a measurement, never a failure of this command)\n\n"
+            + _table(["target", "measured", "target", "verdict"], rows, right={1, 2})
+        )
+    return "\n\n".join(parts) + "\n"

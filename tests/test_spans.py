@@ -1,0 +1,318 @@
+"""The span tree commspan emits is well formed, and its counts follow from its events.
+
+One module-scoped run of the tensor-parallel toy Transformer (fake process
+group, 3 blocks: block 1 checkpointed without reentrancy, block 2 with it),
+two ``mode.step(i)`` steps plus an eval forward outside any step, is captured
+synchronously through a ``TracerProvider`` with an in-memory exporter; every
+test checks one invariant over all of its spans.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import pytest
+import torch
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from commspan import CommSpanMode, semconv
+from models import ModelArgs, Transformer, make_batch, parallelize, train_step
+
+ROOT_NAMES = {semconv.SPAN_STEP, semconv.SPAN_SESSION}
+PHASES = {p.value for p in semconv.Phase}
+STEPS = 2
+
+
+@dataclass
+class Run:
+    """Everything one traced run produced."""
+
+    spans: list[ReadableSpan]
+    mode: CommSpanMode
+    by_id: dict[tuple[int, int], ReadableSpan] = field(default_factory=dict)
+    children: dict[tuple[int, int], list[ReadableSpan]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.by_id = {_key(s): s for s in self.spans}
+        self.children = defaultdict(list)
+        for s in self.spans:
+            if s.parent is not None:
+                self.children[(s.context.trace_id, s.parent.span_id)].append(s)
+
+    def parent(self, span: ReadableSpan) -> ReadableSpan | None:
+        """The parent span, ``None`` for a trace root."""
+        if span.parent is None:
+            return None
+        return self.by_id[(span.context.trace_id, span.parent.span_id)]
+
+    def ancestors(self, span: ReadableSpan) -> Iterator[ReadableSpan]:
+        """Parent, grandparent, ... up to the trace root."""
+        cur = self.parent(span)
+        while cur is not None:
+            yield cur
+            cur = self.parent(cur)
+
+    def module_spans(self) -> list[ReadableSpan]:
+        """Spans of module calls (every span but the trace roots and rank spans)."""
+        return [s for s in self.spans if _phase(s) in PHASES]
+
+    def rank_spans(self) -> list[ReadableSpan]:
+        """The per-rank spans (one per trace in a single process)."""
+        return [s for s in self.spans if s.name == semconv.SPAN_RANK]
+
+
+def _key(span: ReadableSpan) -> tuple[int, int]:
+    return span.context.trace_id, span.context.span_id
+
+
+def _phase(span: ReadableSpan) -> str | None:
+    value = (span.attributes or {}).get(semconv.PHASE)
+    return str(value) if value is not None else None
+
+
+def _fqn(span: ReadableSpan) -> str | None:
+    value = (span.attributes or {}).get(semconv.MODULE_FQN)
+    return str(value) if value is not None else None
+
+
+def _collective_events(span: ReadableSpan) -> list[tuple[str, str]]:
+    """``(phase, op)`` of every collective event attached to ``span``."""
+    out = []
+    for e in span.events:
+        attrs = e.attributes or {}
+        if semconv.COLL_OP in attrs:
+            out.append((str(attrs[semconv.PHASE]), str(attrs[semconv.COLL_OP])))
+    return out
+
+
+def _count_attrs(span: ReadableSpan) -> dict[tuple[str, str], int]:
+    out: dict[tuple[str, str], int] = {}
+    for key, value in (span.attributes or {}).items():
+        parsed = semconv.parse_count_key(key)
+        if parsed is not None:
+            out[parsed] = int(value)  # type: ignore[arg-type]
+    return out
+
+
+@pytest.fixture(scope="module")
+def run(fake_pg: None) -> Run:
+    """Two traced training steps of the TP Transformer and one untraced-by-step eval forward."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (4,))
+    args = ModelArgs(n_layers=3, checkpoint={1: False, 2: True})
+    model = parallelize(Transformer(args), mesh)
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    mode = CommSpanMode(tracer_provider=provider, run_id="test-spans")
+    with mode:
+        for i in range(STEPS):
+            with mode.step(i):
+                train_step(model, *make_batch(args, seed=i))
+        with torch.no_grad():  # outside any step: a session trace
+            model(make_batch(args)[0])
+    return Run(list(exporter.get_finished_spans()), mode)
+
+
+def test_run_produced_spans_with_checkpointing(run: Run) -> None:
+    """The run has forward, backward and recompute module spans and collective events."""
+    phases = Counter(_phase(s) for s in run.module_spans())
+    assert phases["forward"] > 0 and phases["backward"] > 0 and phases["recompute"] > 0
+    assert sum(len(_collective_events(s)) for s in run.spans) > 0
+    assert run.mode.stats()["internal_errors"] == 0
+
+
+def test_every_parent_is_present(run: Run) -> None:
+    """Every span but a trace root has its parent among the spans, in the same trace."""
+    missing = [
+        s.name for s in run.spans
+        if s.parent is not None and (s.context.trace_id, s.parent.span_id) not in run.by_id
+    ]
+    assert missing == []
+
+
+def test_trace_roots(run: Run) -> None:
+    """Each trace has exactly one root, a step or session span, and it is the rank span's parent."""
+    roots: dict[int, list[ReadableSpan]] = defaultdict(list)
+    for s in run.spans:
+        if s.parent is None:
+            roots[s.context.trace_id].append(s)
+    traces = {s.context.trace_id for s in run.spans}
+    assert set(roots) == traces
+    assert all(len(r) == 1 and r[0].name in ROOT_NAMES for r in roots.values())
+    assert sorted(r[0].name for r in roots.values()) == sorted(
+        [semconv.SPAN_STEP] * STEPS + [semconv.SPAN_SESSION]
+    )
+    for rank_span in run.rank_spans():
+        parent = run.parent(rank_span)
+        assert parent is not None and parent.name in ROOT_NAMES
+    assert len(run.rank_spans()) == len(traces)
+
+
+def test_module_spans_hang_under_the_rank_span(run: Run) -> None:
+    """Every module span has its trace's rank span among its ancestors, and no root in between."""
+    for s in run.module_spans():
+        names = [a.name for a in run.ancestors(s)]
+        assert names[-2:] == [semconv.SPAN_RANK, names[-1]] and names[-1] in ROOT_NAMES, s.name
+        assert semconv.SPAN_RANK not in names[:-2]
+
+
+def test_child_interval_inside_parent_interval(run: Run) -> None:
+    """A span starts no earlier and ends no later than its parent; its events fall inside it."""
+    for s in run.spans:
+        assert s.start_time is not None and s.end_time is not None
+        assert s.start_time <= s.end_time, s.name
+        for e in s.events:
+            assert s.start_time <= e.timestamp <= s.end_time, (s.name, e.name)
+        parent = run.parent(s)
+        if parent is not None:
+            assert parent.start_time <= s.start_time, (s.name, parent.name)  # type: ignore[operator]
+            assert s.end_time <= parent.end_time, (s.name, parent.name)  # type: ignore[operator]
+
+
+def test_module_span_names_and_attributes(run: Run) -> None:
+    """A module span is named '<fqn> <phase>' and carries fqn, type, phase and depth."""
+    for s in run.module_spans():
+        attrs = s.attributes or {}
+        assert s.name == f"{attrs[semconv.MODULE_FQN]} {attrs[semconv.PHASE]}"
+        assert str(attrs[semconv.MODULE_FQN]).startswith("Transformer")
+        assert attrs[semconv.MODULE_TYPE]
+        assert isinstance(attrs[semconv.MODULE_DEPTH], int)
+
+
+def test_forward_depths_follow_nesting(run: Run) -> None:
+    """A forward span's depth is 1 under the rank span and its parent's depth + 1 under a module."""
+    for s in run.module_spans():
+        if _phase(s) != "forward":
+            continue
+        parent = run.parent(s)
+        assert parent is not None
+        depth = (s.attributes or {})[semconv.MODULE_DEPTH]
+        if parent.name == semconv.SPAN_RANK:
+            assert depth == 1, s.name
+        else:
+            assert depth == (parent.attributes or {})[semconv.MODULE_DEPTH] + 1, s.name
+
+
+def test_depth_same_in_every_phase(run: Run) -> None:
+    """A module's backward and recompute spans carry the depth its forward spans carry."""
+    forward_depths: dict[str, set[int]] = defaultdict(set)
+    for s in run.module_spans():
+        if _phase(s) == "forward":
+            forward_depths[_fqn(s)].add(int((s.attributes or {})[semconv.MODULE_DEPTH]))
+    wrong = sorted(
+        (s.name, (s.attributes or {})[semconv.MODULE_DEPTH], sorted(forward_depths[_fqn(s)]))
+        for s in run.module_spans()
+        if _phase(s) != "forward"
+        and (s.attributes or {})[semconv.MODULE_DEPTH] not in forward_depths[_fqn(s)]
+    )
+    assert wrong == []
+
+
+def test_forward_spans_have_only_forward_ancestors(run: Run) -> None:
+    """Forward spans nest only in forward spans; recompute spans have a backward ancestor."""
+    for s in run.module_spans():
+        ancestor_phases = {_phase(a) for a in run.ancestors(s)} - {None}
+        if _phase(s) == "forward":
+            assert ancestor_phases <= {"forward"}, s.name
+        elif _phase(s) == "recompute":
+            assert "backward" in ancestor_phases, s.name
+
+
+def test_collective_events_name_their_span(run: Run) -> None:
+    """A collective event's module and phase attributes are those of the span it is on."""
+    for s in run.spans:
+        for e in s.events:
+            attrs = e.attributes or {}
+            if semconv.COLL_OP not in attrs:
+                continue
+            assert e.name == attrs[semconv.COLL_OP]
+            if s.name == semconv.SPAN_RANK:
+                assert attrs[semconv.MODULE_FQN] == semconv.GLOBAL_FQN
+            else:
+                assert attrs[semconv.MODULE_FQN] == _fqn(s)
+                assert attrs[semconv.PHASE] == _phase(s)
+
+
+def _expected_counts(run: Run, span: ReadableSpan) -> Counter[tuple[str, str]]:
+    """Events of ``span``'s subtree it counts: none already counted by an inner span of its fqn."""
+    fqn = _fqn(span)
+    expected: Counter[tuple[str, str]] = Counter()
+    stack = [(span, False)]
+    while stack:
+        node, shadowed = stack.pop()
+        if not shadowed:
+            expected.update(_collective_events(node))
+        for child in run.children.get(_key(node), []):
+            stack.append((child, shadowed or _fqn(child) == fqn))
+    return expected
+
+
+def test_count_attributes_match_events_in_subtree(run: Run) -> None:
+    """commspan.collectives.<phase>.<op> equals that phase/op's events in the subtree (innermost rule)."""
+    checked = 0
+    for s in run.spans:
+        if s.name in ROOT_NAMES:
+            continue
+        expected = _expected_counts(run, s)
+        assert _count_attrs(s) == dict(expected), s.name
+        totals: Counter[str] = Counter()
+        for (phase, _), n in expected.items():
+            totals[phase] += n
+        for phase in PHASES:
+            key = f"{semconv.COUNT_PREFIX}{phase}.{semconv.COUNT_TOTAL}"
+            assert (s.attributes or {}).get(key, 0) == totals[phase], (s.name, phase)
+        assert (s.attributes or {}).get(semconv.SELF_COUNT, 0) == len(_collective_events(s))
+        checked += bool(expected)
+    assert checked > 10
+
+
+def test_innermost_rule_is_exercised(run: Run) -> None:
+    """Some module is open twice in one chain (a recompute inside its own backward)."""
+    nested = [
+        s for s in run.module_spans()
+        if _phase(s) == "recompute"
+        and any(_fqn(a) == _fqn(s) for a in run.ancestors(s))
+    ]
+    assert nested
+
+
+def test_rank_span_counts_equal_aggregator(run: Run) -> None:
+    """The rank spans' counts, summed over traces, are the aggregator's Global and comm counts."""
+    agg = run.mode.aggregator
+    assert agg is not None
+    summed: Counter[tuple[str, str]] = Counter()
+    for s in run.rank_spans():
+        summed.update(_count_attrs(s))
+    by_phase: dict[str, dict[str, int]] = defaultdict(dict)
+    per_op: Counter[str] = Counter()
+    for (phase, op), n in summed.items():
+        by_phase[phase][op] = n
+        per_op[op] += n
+    assert agg.module_counts()[semconv.GLOBAL_FQN] == dict(by_phase)
+    assert agg.comm_counts() == dict(per_op)
+    for phase in PHASES:
+        assert agg.comm_counts(phase) == by_phase.get(phase, {})
+    assert agg.total_count() == sum(
+        len(_collective_events(s)) for s in run.spans
+    ) == run.mode.stats()["collectives"]
+
+
+def test_module_counts_are_sums_over_spans(run: Run) -> None:
+    """aggregator.module_counts()[fqn] is the sum of the count attributes of fqn's spans."""
+    agg = run.mode.aggregator
+    assert agg is not None
+    summed: dict[str, Counter[tuple[str, str]]] = defaultdict(Counter)
+    for s in run.module_spans():
+        summed[str(_fqn(s))].update(_count_attrs(s))
+    expected: dict[str, dict[str, dict[str, int]]] = {}
+    for fqn, counts in summed.items():
+        for (phase, op), n in counts.items():
+            expected.setdefault(fqn, {}).setdefault(phase, {})[op] = n
+    got = {k: v for k, v in agg.module_counts().items() if k != semconv.GLOBAL_FQN}
+    assert got == expected

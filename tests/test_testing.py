@@ -1,0 +1,209 @@
+"""commspan.testing: capture(), fresh_mode() and the assert_* helpers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import SpanExportResult
+
+import commspan.testing as testing
+from commspan import Aggregator, CommSpanMode, Phase
+from commspan.exporters import JsonlSpanExporter
+from commspan.testing import (
+    CommCapture,
+    assert_counts,
+    assert_no_comm,
+    assert_placements,
+    capture,
+    fresh_mode,
+)
+
+
+class MLP(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net1 = torch.nn.Linear(8, 16)
+        self.relu = torch.nn.ReLU()
+        self.net2 = torch.nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net2(self.relu(self.net1(x)))
+
+
+@pytest.fixture()
+def tp_mlp(mesh: torch.distributed.device_mesh.DeviceMesh) -> MLP:
+    """MLP with net1 column-wise and net2 row-wise over the fake 4-rank mesh."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    torch.manual_seed(0)
+    return parallelize_module(MLP(), mesh, {"net1": ColwiseParallel(), "net2": RowwiseParallel()})
+
+
+@pytest.fixture()
+def tp_cap(tp_mlp: MLP) -> CommCapture:
+    """One forward+backward of the TP MLP (input requires grad), captured."""
+    with capture() as cap:
+        tp_mlp(torch.randn(4, 8, requires_grad=True)).sum().backward()
+    return cap
+
+
+# ------------------------------------------------------------------ capture
+def test_public_names_are_sorted_and_exist() -> None:
+    """__all__ is sorted and every name in it exists."""
+    assert testing.__all__ == sorted(testing.__all__)
+    for name in testing.__all__:
+        assert hasattr(testing, name), name
+
+
+def test_capture_counts_tp_collectives(tp_cap: CommCapture) -> None:
+    """capture() yields counts per module and phase that stay readable after the block."""
+    assert not tp_cap.mode.active
+    assert tp_cap.counts("MLP.net2", "forward") == {"all_reduce": 1}
+    assert tp_cap.counts("MLP.net1", "backward") == {"all_reduce": 1}
+    assert tp_cap.counts("Global") == {"all_reduce": 2}
+    assert tp_cap.counts("MLP", Phase.BACKWARD) == {"all_reduce": 1}
+    assert "CommCapture(modules=4, collectives=2" in repr(tp_cap)
+
+
+def test_capture_keeps_finished_spans(tp_cap: CommCapture) -> None:
+    """cap.spans holds every finished span, children before parents, roots last."""
+    names = [s.name for s in tp_cap.spans]
+    assert names.index("MLP.net2 forward") < names.index("MLP forward")
+    assert names[-2:] == ["commspan.rank", "commspan.session"]
+    events = [e.name for s in tp_cap.spans if s.name == "MLP.net2 forward" for e in s.events]
+    assert events == ["all_reduce"]
+
+
+def test_capture_passes_mode_arguments() -> None:
+    """Keyword arguments reach CommSpanMode (here: no parameter attributes)."""
+    with capture(record_params=False) as cap:
+        torch.nn.Linear(2, 2)(torch.ones(1, 2))
+    assert cap.aggregator.parameter_info() == {}
+
+
+def test_capture_rejects_its_own_aggregator() -> None:
+    """capture(aggregator=...) is a TypeError naming the argument."""
+    with pytest.raises(TypeError, match="aggregator="):
+        with capture(aggregator=Aggregator()):
+            pass
+
+
+def test_capture_propagates_errors_and_leaves_the_mode() -> None:
+    """An exception in the block propagates; the mode is left and what ran is kept."""
+    with pytest.raises(ZeroDivisionError):
+        with capture() as cap:
+            torch.nn.ReLU()(torch.ones(1))
+            1 / 0
+    assert not cap.mode.active
+    assert "ReLU" in cap.aggregator.modules()
+
+
+def test_fresh_mode_leaves_and_shuts_down(tmp_path: Path) -> None:
+    """fresh_mode() yields an un-entered mode; afterwards it is left and its exporters closed."""
+    exporter = JsonlSpanExporter(f"{tmp_path}/spans.jsonl")
+    with fresh_mode(exporters=[exporter]) as mode:
+        assert isinstance(mode, CommSpanMode) and not mode.active
+        mode.__enter__()  # a test that forgot to leave
+        torch.nn.ReLU()(torch.ones(1))
+    assert not mode.active
+    assert exporter.lines_written >= 1
+    assert exporter.export([ReadableSpan("late")]) is SpanExportResult.FAILURE  # closed
+
+
+# ------------------------------------------------------------------ assert_counts
+def test_assert_counts_passes_on_exact_counts(tp_cap: CommCapture) -> None:
+    """Exact counts pass, zero-count entries are ignored, and every input kind is accepted."""
+    assert_counts(tp_cap, "MLP.net2", "forward", {"all_reduce": 1})
+    assert_counts(tp_cap.aggregator, "Global", Phase.FORWARD, {"all_reduce": 1, "broadcast": 0})
+    assert_counts(tp_cap.mode, "MLP.relu", "backward", {})
+    tp_cap.assert_counts("MLP", "backward", {"all_reduce": 1})
+
+
+def test_assert_counts_failure_shows_diff_and_table(tp_cap: CommCapture) -> None:
+    """A mismatch names module, phase, both counts and shows the module table with placements."""
+    with pytest.raises(AssertionError) as info:
+        assert_counts(tp_cap, "MLP.net2", "forward", {"all_reduce": 2})
+    msg = str(info.value)
+    assert "'MLP.net2' in forward" in msg
+    assert "all_reduce: expected 2, got 1" in msg
+    assert "module table (noise_level=1):" in msg
+    assert "MLP.net2 (Linear)" in msg and "8x16 S(1)" in msg
+
+
+def test_assert_counts_names_unknown_modules(tp_cap: CommCapture) -> None:
+    """Asserting on a module that never ran says so and lists the modules that did."""
+    with pytest.raises(AssertionError, match="no module named 'MLP.net3' ran"):
+        assert_counts(tp_cap, "MLP.net3", "forward", {"all_reduce": 1})
+
+
+def test_assert_counts_rejects_bad_arguments(tp_cap: CommCapture) -> None:
+    """A wrong phase or a negative count is a ValueError; a wrong object a TypeError."""
+    with pytest.raises(ValueError, match="phase='fwd' is not valid"):
+        assert_counts(tp_cap, "MLP", "fwd", {})
+    with pytest.raises(ValueError, match=r"expected\['all_reduce'\]=-1"):
+        assert_counts(tp_cap, "MLP", "forward", {"all_reduce": -1})
+    with pytest.raises(TypeError, match="agg="):
+        assert_counts({}, "MLP", "forward", {})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="aggregator=False"):
+        assert_counts(CommSpanMode(aggregator=False), "MLP", "forward", {})
+
+
+# ------------------------------------------------------------------ assert_no_comm
+def test_assert_no_comm_passes_without_collectives() -> None:
+    """A plain (non-distributed) model issues nothing in any phase."""
+    with capture() as cap:
+        torch.nn.Linear(2, 2)(torch.ones(1, 2, requires_grad=True)).sum().backward()
+    assert_no_comm(cap)
+    assert_no_comm(cap, phase=None)
+    cap.assert_no_comm("backward", fqn="Linear")
+
+
+def test_assert_no_comm_scopes_to_a_module(tp_cap: CommCapture) -> None:
+    """Scoped to a module and phase, only that subtree and phase must be silent."""
+    assert_no_comm(tp_cap, "forward", fqn="MLP.net1")
+    assert_no_comm(tp_cap, "backward", fqn="MLP.net2")
+    assert_no_comm(tp_cap, "recompute")
+
+
+def test_assert_no_comm_failure_lists_issuers(tp_cap: CommCapture) -> None:
+    """A failure lists each issuing module with its placements, then the table."""
+    with pytest.raises(AssertionError) as info:
+        assert_no_comm(tp_cap)
+    msg = str(info.value)
+    assert msg.startswith("expected no collectives in forward on this rank")
+    assert "MLP.net2 forward all_reduce x1 (P(sum) -> R)" in msg
+    assert "MLP.net1 backward" not in msg
+    assert "MLP.relu (ReLU)" in msg
+    with pytest.raises(AssertionError, match="in any phase inside 'MLP'"):
+        assert_no_comm(tp_cap, phase=None, fqn="MLP")
+
+
+# ------------------------------------------------------------------ assert_placements
+def test_assert_placements_passes_for_tp_reductions(tp_cap: CommCapture) -> None:
+    """Row-wise forward and column-wise backward all_reduce turn Partial into Replicate."""
+    from torch.distributed.tensor import Partial, Replicate
+
+    assert_placements(tp_cap, "MLP.net2", "all_reduce", "P(sum)", "R", phase="forward")
+    assert_placements(tp_cap, "MLP.net1", "all_reduce", [Partial()], [Replicate()])
+    tp_cap.assert_placements("MLP.net1", "all_reduce", "P(sum)", "R", phase="backward")
+
+
+def test_assert_placements_failure_shows_what_was_seen(tp_cap: CommCapture) -> None:
+    """Wrong placements, a missing op and a silent module each fail with what was seen."""
+    with pytest.raises(AssertionError, match=r"expected every one P\(sum\) -> S\(0\), got "
+                       r"forward P\(sum\) -> R x1"):
+        assert_placements(tp_cap, "MLP.net2", "all_reduce", "P(sum)", "S(0)")
+    with pytest.raises(AssertionError, match="issued no all_gather_into_tensor "
+                       r"\(it issued: forward all_reduce\)"):
+        assert_placements(tp_cap, "MLP.net2", "all_gather_into_tensor", "S(0)", "R")
+    with pytest.raises(AssertionError, match="'MLP.net2' in backward issued no all_reduce"):
+        assert_placements(tp_cap, "MLP.net2", "all_reduce", "P(sum)", "R", phase="backward")
+    with pytest.raises(AssertionError, match=r"it issued no collectives\)"):
+        assert_placements(tp_cap, "MLP.relu", "all_reduce", "P(sum)", "R")
