@@ -119,23 +119,36 @@ class ExportQueue(SpanProcessor):
         return True
 
     def shutdown(self, timeout_s: float | None = None) -> None:
-        """Flush within the timeout, stop the worker, shut the exporter down."""
+        """Flush, stop the worker and shut the exporter down, all within ``timeout_s``.
+
+        A worker stuck in an exporter that never returns is abandoned (it is a
+        daemon thread); what is still queued then is counted as dropped.
+        """
         if self._stopped:
             return
-        self.force_flush(None if timeout_s is None else int(timeout_s * 1000))
+        timeout = self._timeout if timeout_s is None else max(0.0, timeout_s)
+        deadline = time.monotonic() + timeout
+        self.force_flush(int(timeout * 1000))
         with self._cond:
             self._stopped = True
             self._cond.notify_all()
         if self._worker is not None:
-            self._worker.join(timeout=1.0)
+            self._worker.join(timeout=max(0.0, deadline - time.monotonic()))
         left = len(self._queue)
         if left:
             self._queue.clear()
             self._drop(left)
+        closer = threading.Thread(
+            target=self._shutdown_exporter, name="commspan-export-shutdown", daemon=True
+        )
+        closer.start()
+        closer.join(timeout=max(0.05, deadline - time.monotonic()))
+
+    def _shutdown_exporter(self) -> None:
         try:
             self.exporter.shutdown()
         except Exception:
-            self._fail(0, "shutdown")
+            self._fail(0, "shutdown raised")
 
     def stats(self) -> ExportStats:
         """Counters: spans queued, exported, dropped (queue full / unflushed), failed."""

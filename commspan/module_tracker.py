@@ -41,6 +41,14 @@ _log = logging.getLogger(__name__)
 _Tensor = torch.Tensor
 _graph_task_id = torch._C._current_graph_task_id
 
+try:  # non-reentrant checkpointing stops a recompute early with this exception
+    from torch.utils.checkpoint import _StopRecomputationError as _StopRecomputation
+except Exception:  # pragma: no cover - depends on the torch build
+
+    class _StopRecomputation(Exception):  # type: ignore[no-redef]
+        pass
+
+
 try:  # torch.compile'd regions: leave them alone, as torch's own trackers do
     from torch._dynamo.eval_frame import _is_in_optimized_module as _in_compiled
 except Exception:  # pragma: no cover - depends on the torch build
@@ -59,7 +67,7 @@ class ModuleHooks(Protocol):
 
 
 class _ModInfo:
-    __slots__ = ("fqn", "type", "params", "local_hooked", "attrs", "names")
+    __slots__ = ("fqn", "type", "params", "local_hooked", "attrs", "names", "depth")
 
     def __init__(self, fqn: str, mtype: str) -> None:
         self.fqn = fqn
@@ -75,6 +83,7 @@ class _ModInfo:
             for phase in Phase
         }
         self.names = {phase: semconv.module_span_name(fqn, phase) for phase in Phase}
+        self.depth = 0  # nesting depth at the module's first forward
 
 
 class _Call:
@@ -91,6 +100,7 @@ class _Call:
         "inputs_left",
         "depth",
         "task",
+        "input_ids",
     )
 
     def __init__(
@@ -106,6 +116,7 @@ class _Call:
         self.inputs_left = 0
         self.depth = depth
         self.task = -1  # graph task a recompute ran in
+        self.input_ids: frozenset[int] = frozenset()
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
@@ -157,7 +168,7 @@ class ModuleTracker:
         self._bw_open: list[_Call] = []
         self.active = False
         self.internal_errors = 0
-        self._last_error = 0
+        self._last_error: weakref.ref[BaseException] | None = None
 
     # ------------------------------------------------------------ install
     def install(self) -> None:
@@ -222,6 +233,11 @@ class ModuleTracker:
             phase = Phase.RECOMPUTE if task != -1 else Phase.FORWARD
             parent = self._calls[-1] if self._calls else None
             depth = parent.depth + 1 if parent is not None else 1
+            if phase is Phase.FORWARD:
+                if not info.depth:
+                    info.depth = depth
+            elif info.depth:
+                depth = info.depth  # a recompute sits where its forward sat
             attrs = info.attrs[phase].copy()
             attrs[semconv.MODULE_DEPTH] = depth
             if self.record_params and phase is Phase.FORWARD:
@@ -270,11 +286,14 @@ class ModuleTracker:
             call = calls[idx]
             del calls[idx:]
             error = sys.exc_info()[1] if output is None else None
+            if error is not None and isinstance(error, _StopRecomputation):
+                error = None  # checkpointing ends a recompute early this way: normal
             if self.observer is not None:
                 self.observer.post_fw(module, args, output)
             if error is not None:
                 self._record_exception(call.frame, error)
             self.recorder.close_now(call.frame, error)
+            error = None
             if output is not None and torch.is_grad_enabled():
                 self._watch_outputs(call, output)
         except Exception:
@@ -282,8 +301,10 @@ class ModuleTracker:
 
     def _record_exception(self, frame: Frame, error: BaseException) -> None:
         """Put an ``exception`` event on the innermost frame the error left."""
-        if frame.error is None and id(error) != self._last_error:
-            self._last_error = id(error)  # an id, so no traceback is kept alive
+        last = self._last_error() if self._last_error is not None else None
+        if frame.error is None and last is not error:
+            # a weak reference: holding the exception would hold its traceback
+            self._last_error = weakref.ref(error)
             self.recorder.add_plain_event(
                 frame,
                 semconv.EVENT_EXCEPTION,
@@ -298,6 +319,7 @@ class ModuleTracker:
         tensors = _tensors(args)
         if not tensors:
             return
+        call.input_ids = frozenset(id(t) for t in tensors)
         call.inputs_left = len(tensors)
         hook = functools.partial(self._input_grad_ready, call)
         for t in tensors:
@@ -305,6 +327,10 @@ class ModuleTracker:
 
     def _watch_outputs(self, call: _Call, output: Any) -> None:
         tensors = _tensors(output)
+        if call.input_ids:
+            # an input handed back unchanged (Identity, Dropout(p=0)) has no
+            # backward in this module; its gradient belongs to whoever made it
+            tensors = [t for t in tensors if id(t) not in call.input_ids]
         if not tensors:
             return
         hook = functools.partial(self._output_grad_ready, call)

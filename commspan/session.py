@@ -124,12 +124,24 @@ class CommSpanMode:
                 "opentelemetry.sdk.trace.TracerProvider; pass an SDK TracerProvider "
                 "or use exporters=[...]"
             )
+        try:
+            exporter_list = list(exporters)
+        except TypeError:
+            exporter_list = [exporters]  # type: ignore[list-item]
         if isinstance(exporters, SpanExporter) or not all(
-            isinstance(e, SpanExporter) for e in exporters
+            isinstance(e, SpanExporter) for e in exporter_list
         ):
             raise TypeError(
                 f"exporters={exporters!r} must be a list of "
                 "opentelemetry.sdk.trace.export.SpanExporter instances"
+            )
+        if (
+            not isinstance(export_queue_size, int)
+            or isinstance(export_queue_size, bool)
+            or export_queue_size < 1
+        ):
+            raise ValueError(
+                f"export_queue_size={export_queue_size!r} is not valid; pass a positive int"
             )
         if isinstance(aggregator, Aggregator):
             self.aggregator: Aggregator | None = aggregator
@@ -147,7 +159,9 @@ class CommSpanMode:
             raise ValueError(f"flush_timeout_s={flush_timeout_s!r} must be > 0 seconds")
         self._sampler = _make_sampler(sample)
         self._tracer_provider = tracer_provider
-        self._queues = [ExportQueue(e, max_queue_size=export_queue_size) for e in exporters]
+        self._queues = [
+            ExportQueue(e, max_queue_size=export_queue_size) for e in exporter_list
+        ]
         self._user_run_id = run_id
         self.run_id = run_id or ""
         self._record_params = record_params

@@ -30,7 +30,7 @@ from opentelemetry.trace.status import Status, StatusCode
 from commspan import semconv
 from commspan.semconv import Phase
 
-__all__ = ["Frame", "SpanRecorder", "derive_ids"]
+__all__ = ["Frame", "SpanRecorder", "derive_ids", "describe_error"]
 
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _UNSET = Status(StatusCode.UNSET)
@@ -102,7 +102,7 @@ class Frame:
         self.events: list[tuple[str, int, dict[str, Any]]] = []
         self.counts: dict[tuple[str, str], int] = {}
         self.self_count = 0
-        self.error: BaseException | None = None
+        self.error: str | None = None  # status description; never the exception itself
         self.done = False
         self.closed = False
         self.task = task
@@ -167,9 +167,10 @@ class SpanRecorder:
         """Close every open frame and the root (with ERROR status if ``error``)."""
         if self.root is None:
             return
-        if error is not None:
-            self.root.error = error
-        self._close_from(0, error, _now())
+        desc = describe_error(error)
+        if desc is not None:
+            self.root.error = desc
+        self._close_from(0, desc, _now())
         self.root = None
         self.stack = []
 
@@ -198,7 +199,7 @@ class SpanRecorder:
                 attrs,
                 (),
                 kind=SpanKind.INTERNAL,
-                status=_status(error),
+                status=_status(describe_error(error)),
                 start_time=start,
                 end_time=end,
                 instrumentation_scope=self._scope,
@@ -249,7 +250,7 @@ class SpanRecorder:
         if frame.closed:
             return
         if error is not None and frame.error is None:
-            frame.error = error
+            frame.error = describe_error(error)
         stack = self.stack
         if stack and stack[-1] is frame:
             self._close_top(_now())
@@ -263,7 +264,7 @@ class SpanRecorder:
         if frame.closed:
             return
         if error is not None and frame.error is None:
-            frame.error = error
+            frame.error = describe_error(error)
         idx = _index(self.stack, frame)
         if idx < 0:
             return
@@ -327,7 +328,7 @@ class SpanRecorder:
     def _new_id(self) -> int:
         return self._rng.getrandbits(64) or 1
 
-    def _close_from(self, idx: int, error: BaseException | None, now: int) -> None:
+    def _close_from(self, idx: int, error: str | None, now: int) -> None:
         stack = self.stack
         while len(stack) > idx:
             if error is not None and stack[-1].error is None:
@@ -367,10 +368,18 @@ class SpanRecorder:
         )
 
 
-def _status(error: BaseException | None) -> Status:
+def describe_error(error: BaseException | None) -> str | None:
+    """``"ValueError: boom"``; frames keep this string, never the exception
+    (its traceback would keep the step's tensors and autograd graph alive)."""
     if error is None:
+        return None
+    return f"{type(error).__name__}: {error}"
+
+
+def _status(desc: str | None) -> Status:
+    if desc is None:
         return _UNSET
-    return Status(StatusCode.ERROR, f"{type(error).__name__}: {error}")
+    return Status(StatusCode.ERROR, desc)
 
 
 def _index(stack: list[Frame], frame: Frame) -> int:

@@ -145,16 +145,14 @@ def _write(out: Path, name: str, rank: int, data: dict[str, Any]) -> None:
     (d / f"rank{rank}.result.json").write_text(json.dumps(data, sort_keys=True))
 
 
-def _train_steps(model: torch.nn.Module, mode: CommSpanMode, make_input: Callable[[], Any],
+def _train_steps(mode: CommSpanMode, step_fn: Callable[[], float],
                  steps: int = STEPS) -> list[float]:
+    """Enter ``mode`` and run ``steps`` traced steps of ``step_fn`` (forward + backward)."""
     losses = []
     with mode:
         for i in range(steps):
             with mode.step(i):
-                loss = model(make_input()).float().pow(2).mean()
-                loss.backward()
-                losses.append(float(loss.detach().full_tensor()
-                                    if hasattr(loss, "full_tensor") else loss.detach()))
+                losses.append(step_fn())
     return losses
 
 
@@ -184,11 +182,13 @@ def scenario_tp_mlp(out: Path, rank: int) -> None:
     exporter = JsonlSpanExporter(out / "tp_mlp" / "trace-rank{rank}.jsonl")
     mode = CommSpanMode(exporters=[exporter])
 
-    def make_input() -> torch.Tensor:
+    def step_fn() -> float:
         torch.manual_seed(1)
-        return torch.randn(4, DIM, requires_grad=True)
+        loss = model(torch.randn(4, DIM, requires_grad=True)).pow(2).mean()
+        loss.backward()
+        return float(loss.detach())
 
-    losses = _train_steps(model, mode, make_input)
+    losses = _train_steps(mode, step_fn)
     mode.shutdown()
     assert mode.aggregator is not None
     _write(out, "tp_mlp", rank, {"run_id": mode.run_id, "losses": losses,
@@ -196,28 +196,31 @@ def scenario_tp_mlp(out: Path, rank: int) -> None:
 
 
 def scenario_tp_transformer(out: Path, rank: int) -> None:
-    """The colleague's toy Transformer (tests/models.py), tensor-parallel, with checkpointing."""
-    build = _transformer_builder()
-    if build is None:
-        _write(out, "tp_transformer", rank, {"skipped": "tests/models.py has no usable builder"})
+    """The toy Transformer of tests/models.py, tensor-parallel, blocks checkpointed both ways."""
+    try:
+        from models import ModelArgs, Transformer, make_batch, parallelize, train_step
+    except ImportError as exc:  # tests/models.py is optional for these scenarios
+        _write(out, "tp_transformer", rank, {"skipped": f"tests/models.py: {exc}"})
         return
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    model, make_input = build(mesh)
+    torch.manual_seed(0)
+    args = ModelArgs(n_layers=3, checkpoint={1: False, 2: True})
+    model = parallelize(Transformer(args), mesh)
     exporter = JsonlSpanExporter(out / "tp_transformer" / "trace-rank{rank}.jsonl")
     mode = CommSpanMode(exporters=[exporter])
-    losses = _train_steps(model, mode, make_input)
+
+    def step_fn() -> float:
+        loss = train_step(model, *make_batch(args))
+        return float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
+
+    losses = _train_steps(mode, step_fn)
     mode.shutdown()
     assert mode.aggregator is not None
     _write(out, "tp_transformer", rank, {"run_id": mode.run_id, "losses": losses,
                                          "stats": mode.stats(),
                                          **_aggregate_view(mode.aggregator)})
-
-
-def _transformer_builder() -> Callable[[Any], tuple[torch.nn.Module, Callable[[], Any]]] | None:
-    """``mesh -> (TP Transformer with checkpointing, input factory)`` from tests/models.py."""
-    return None
 
 
 def scenario_c10d(out: Path, rank: int) -> None:

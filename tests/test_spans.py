@@ -239,27 +239,43 @@ def test_collective_events_name_their_span(run: Run) -> None:
                 assert attrs[semconv.PHASE] == _phase(s)
 
 
-def _expected_counts(run: Run, span: ReadableSpan) -> Counter[tuple[str, str]]:
-    """Events of ``span``'s subtree it counts: none already counted by an inner span of its fqn."""
-    fqn = _fqn(span)
-    expected: Counter[tuple[str, str]] = Counter()
-    stack = [(span, False)]
-    while stack:
-        node, shadowed = stack.pop()
-        if not shadowed:
-            expected.update(_collective_events(node))
-        for child in run.children.get(_key(node), []):
-            stack.append((child, shadowed or _fqn(child) == fqn))
+def _expected_counts(run: Run) -> dict[tuple[int, int], Counter[tuple[str, str]]]:
+    """Per span, the events of its subtree it counts, by the rules documented on COUNT_PREFIX.
+
+    Walking up from the span an event is on: a module counts the event at its
+    innermost span only, and a span of another phase than the event's counts
+    it only if its module encloses the issuing module by name. Rank spans
+    (no phase) count everything below them.
+    """
+    expected: dict[tuple[int, int], Counter[tuple[str, str]]] = defaultdict(Counter)
+    for span in run.spans:
+        events = _collective_events(span)
+        if not events:
+            continue
+        owner = _fqn(span) or ""
+        for phase, op in events:
+            seen: set[str] = set()
+            for node in [span, *run.ancestors(span)]:
+                fqn, node_phase = _fqn(node), _phase(node)
+                if fqn is None or fqn in seen:
+                    continue
+                if node_phase is not None and node_phase != phase and not (
+                    owner == fqn or owner.startswith(fqn + ".")
+                ):
+                    continue
+                seen.add(fqn)
+                expected[_key(node)][(phase, op)] += 1
     return expected
 
 
 def test_count_attributes_match_events_in_subtree(run: Run) -> None:
-    """commspan.collectives.<phase>.<op> equals that phase/op's events in the subtree (innermost rule)."""
+    """commspan.collectives.<phase>.<op> equals the subtree's events of that phase/op (documented rules)."""
+    expected_by_span = _expected_counts(run)
     checked = 0
     for s in run.spans:
         if s.name in ROOT_NAMES:
             continue
-        expected = _expected_counts(run, s)
+        expected = expected_by_span.get(_key(s), Counter())
         assert _count_attrs(s) == dict(expected), s.name
         totals: Counter[str] = Counter()
         for (phase, _), n in expected.items():
@@ -270,6 +286,21 @@ def test_count_attributes_match_events_in_subtree(run: Run) -> None:
         assert (s.attributes or {}).get(semconv.SELF_COUNT, 0) == len(_collective_events(s))
         checked += bool(expected)
     assert checked > 10
+
+
+def test_counts_never_exceed_subtree_events(run: Run) -> None:
+    """No span counts more collectives of a phase/op than its subtree holds."""
+    for s in run.spans:
+        if s.name in ROOT_NAMES:
+            continue
+        subtree: Counter[tuple[str, str]] = Counter()
+        stack = [s]
+        while stack:
+            node = stack.pop()
+            subtree.update(_collective_events(node))
+            stack.extend(run.children.get(_key(node), []))
+        for key, n in _count_attrs(s).items():
+            assert n <= subtree[key], (s.name, key)
 
 
 def test_innermost_rule_is_exercised(run: Run) -> None:

@@ -1,0 +1,114 @@
+"""Where commspan's time goes: cProfile around traced steps of one rank.
+
+One spawned process over torch's fake process group (world 4, rank 0; the
+per-rank Python work is the same as over gloo, without the waiting), the
+benchmark model, ``CommSpanMode`` with a JSONL exporter open over the steps.
+It reports the commspan functions with the largest cumulative time per step
+(cumulative includes what they call: for the dispatch mode's
+``__torch_dispatch__`` that is the op itself), and own time per step grouped
+by package (which part of the step is commspan's code, the OpenTelemetry SDK,
+torch's Python code, ...).
+"""
+
+from __future__ import annotations
+
+import cProfile
+import pstats
+import tempfile
+import time
+from typing import Any
+
+from benchmarks.common import quiet, run_in_subprocess
+from benchmarks.model import ModelConfig
+
+__all__ = ["run_profile"]
+
+
+def _package(filename: str) -> str:
+    if "/commspan/" in filename:
+        return "commspan"
+    if "/opentelemetry/" in filename:
+        return "opentelemetry"
+    if "/torch/" in filename:
+        return "torch (Python)"
+    if filename.startswith("~") or filename == "<built-in>":
+        return "built-ins / C (torch ops, orjson, ...)"
+    if "/benchmarks/" in filename:
+        return "benchmark model code"
+    return "other Python (stdlib, ...)"
+
+
+def _worker(cfg_dict: dict[str, Any], steps: int, top: int) -> dict[str, Any]:
+    quiet()
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from benchmarks.model import build_model, make_batch, train_step
+    from commspan import CommSpanMode
+    from commspan.exporters import JsonlSpanExporter
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    cfg = ModelConfig(**cfg_dict)
+    model = build_model(cfg, init_device_mesh("cpu", (4,)))
+    batch = make_batch(cfg)
+    with tempfile.TemporaryDirectory(prefix="commspan-bench-prof-") as tmp:
+        mode = CommSpanMode(exporters=[JsonlSpanExporter(f"{tmp}/prof-rank{{rank}}.jsonl")])
+        with mode:
+            for i in range(3):  # warm-up
+                with mode.step(i):
+                    train_step(model, batch)
+            c0 = time.process_time()
+            for i in range(steps):
+                with mode.step(100 + i):
+                    train_step(model, batch)
+            unprofiled = (time.process_time() - c0) / steps * 1e3
+            prof = cProfile.Profile()
+            c0 = time.process_time()
+            prof.enable()
+            for i in range(steps):
+                with mode.step(200 + i):
+                    train_step(model, batch)
+            mode.flush()
+            prof.disable()
+            profiled = (time.process_time() - c0) / steps * 1e3
+        c0 = time.process_time()
+        for _ in range(steps):
+            train_step(model, batch)
+        untraced = (time.process_time() - c0) / steps * 1e3
+        mode.shutdown()
+    stats = pstats.Stats(prof)
+    rows = []
+    own_by_package: dict[str, float] = {}
+    for (filename, line, name), (cc, nc, tt, ct, _callers) in stats.stats.items():  # type: ignore[attr-defined]
+        pkg = _package(filename)
+        own_by_package[pkg] = own_by_package.get(pkg, 0.0) + tt
+        if pkg != "commspan":
+            continue
+        short = filename.split("/commspan/", 1)[1]
+        rows.append({
+            "function": f"{short}:{line}({name})",
+            "cumtime_ms_per_step": ct / steps * 1e3,
+            "tottime_ms_per_step": tt / steps * 1e3,
+            "calls_per_step": nc / steps,
+        })
+    rows.sort(key=lambda r: r["cumtime_ms_per_step"], reverse=True)
+    total = sum(own_by_package.values())
+    return {
+        "config": cfg_dict,
+        "steps": steps,
+        "unprofiled_ms_per_step": unprofiled,
+        "untraced_ms_per_step": untraced,
+        "profiled_ms_per_step": profiled,
+        "top": rows[:top],
+        "own_ms_per_step_by_package": {
+            k: v / steps * 1e3 for k, v in sorted(own_by_package.items(), key=lambda kv: -kv[1])
+        },
+        "profiled_total_ms_per_step": total / steps * 1e3,
+    }
+
+
+def run_profile(cfg: ModelConfig, *, steps: int = 10, top: int = 15,
+                timeout_s: float = 300.0) -> dict[str, Any]:
+    """Profile ``steps`` traced steps in a fresh process."""
+    return run_in_subprocess(_worker, cfg.as_dict(), steps, top, timeout_s=timeout_s)

@@ -1,0 +1,479 @@
+"""commspan against torch's own CommDebugMode on the tensor-parallel toy Transformer.
+
+The same model runs a few training steps four ways: under torch's
+``CommDebugMode`` alone (a fresh one per step: torch 2.13's raises IndexError
+when a module runs twice in one context), under ``CommSpanMode`` alone, and
+under both, nested either way. Per module, commspan's forward count must equal
+torch's forward count and commspan's backward + recompute count torch's
+backward count (torch files recompute collectives under backward); nesting
+must change neither's counts. The spans must form a well-formed tree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Iterator, Mapping
+
+import pytest
+import torch
+import torch.nn as nn
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor.debug import CommDebugMode as TorchCommDebugMode
+from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+from commspan import CommSpanMode, semconv
+from models import ModelArgs, Transformer, make_batch, parallelize, train_step
+
+STEPS = 2
+Key = tuple[str, str, str]
+"""(module fqn, phase, canonical op); phase is ``forward`` or ``backward``."""
+Counts = dict[Key, int]
+
+# ------------------------------------------------------------------ known commspan bugs
+IDENTITY_SWALLOWS_BACKWARD = pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="commspan bug (scratch/bugs.md, identity modules): a module returning its input "
+    "(Identity, Dropout(p=0)) takes over the backward span of the module before it",
+)
+EARLY_STOP_IS_AN_ERROR = pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="commspan bug (scratch/bugs.md, early stop): non-reentrant checkpoint's "
+    "_StopRecomputationError marks recompute spans ERROR with an exception event",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    """A Transformer configuration and which commspan bugs it meets."""
+
+    args: ModelArgs
+    non_reentrant_ac: bool
+
+
+SCENARIOS: dict[str, Scenario] = {
+    "plain": Scenario(ModelArgs(), False),
+    "ac_non_reentrant": Scenario(ModelArgs(checkpoint={1: False}), True),
+    "ac_reentrant": Scenario(ModelArgs(checkpoint={1: True}), False),
+    "ac_mixed_tied_3_blocks": Scenario(
+        ModelArgs(n_layers=3, weight_tying=True, checkpoint={0: True, 2: False}), True
+    ),
+}
+ORDERS = ("cdm_outside", "cdm_inside")
+
+
+def scenario_params(mark: pytest.MarkDecorator | None = None) -> list[Any]:
+    """The scenarios as pytest params; ``mark`` goes on those with non-reentrant checkpointing."""
+    return [
+        pytest.param(name, id=name, marks=mark if (mark and sc.non_reentrant_ac) else ())
+        for name, sc in SCENARIOS.items()
+    ]
+
+
+# ------------------------------------------------------------------ counting
+def _op_name(packet: Any) -> str:
+    """``torch.ops.c10d_functional.all_reduce`` -> ``all_reduce`` (torch keys by packets)."""
+    return str(packet).rsplit(".", 1)[-1]
+
+
+def torch_counts(cdm: TorchCommDebugMode) -> Counts:
+    """Per-module counts of torch 2.13's CommDebugMode, keyed like commspan's."""
+    out: Counts = {}
+    for fqn, phases in cdm.comm_module_counts.items():
+        for phase in ("forward", "backward"):
+            for packet, n in phases.get(phase, {}).items():
+                if n:
+                    key = (fqn, phase, _op_name(packet))
+                    out[key] = out.get(key, 0) + n
+    return out
+
+
+def commspan_counts(module_counts: Mapping[str, Mapping[str, Mapping[str, int]]]) -> Counts:
+    """commspan's per-module counts with recompute folded into backward, as torch files them."""
+    out: Counts = {}
+    for fqn, phases in module_counts.items():
+        for phase, ops in phases.items():
+            folded = "backward" if phase == semconv.Phase.RECOMPUTE.value else phase
+            for op, n in ops.items():
+                if n:
+                    key = (fqn, folded, op)
+                    out[key] = out.get(key, 0) + n
+    return out
+
+
+def minus(after: Counts, before: Counts) -> Counts:
+    """Counts added between two snapshots (zeros dropped)."""
+    out = {k: n - before.get(k, 0) for k, n in after.items()}
+    return {k: n for k, n in out.items() if n}
+
+
+def phase_only(counts: Counts, phase: str) -> Counts:
+    """The entries of ``counts`` of one phase."""
+    return {k: n for k, n in counts.items() if k[1] == phase}
+
+
+# ------------------------------------------------------------------ runs
+@dataclasses.dataclass
+class Run:
+    """Per-step counts of each tool that took part, and commspan's spans."""
+
+    torch: list[Counts] = dataclasses.field(default_factory=list)
+    torch_totals: list[int] = dataclasses.field(default_factory=list)
+    commspan: list[Counts] = dataclasses.field(default_factory=list)
+    commspan_totals: list[int] = dataclasses.field(default_factory=list)
+    spans: list[ReadableSpan] = dataclasses.field(default_factory=list)
+    internal_errors: int = 0
+
+
+StepFn = Callable[[], None]
+
+
+def _steps(model: nn.Module, args: ModelArgs) -> Iterator[StepFn]:
+    tokens, targets = make_batch(args)
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        train_step(model, tokens, targets)
+
+    for _ in range(STEPS):
+        yield step
+
+
+def run_torch_alone(model: nn.Module, args: ModelArgs) -> Run:
+    """Each step under a fresh torch CommDebugMode."""
+    run = Run()
+    for step in _steps(model, args):
+        cdm = TorchCommDebugMode()
+        with cdm:
+            step()
+        run.torch.append(torch_counts(cdm))
+        run.torch_totals.append(cdm.get_total_counts())
+    return run
+
+
+def run_commspan_alone(model: nn.Module, args: ModelArgs) -> Run:
+    """All steps under one CommSpanMode, one ``mode.step(i)`` trace per step."""
+    run = Run()
+    exporter = InMemorySpanExporter()
+    mode = CommSpanMode(exporters=[exporter])
+    assert mode.aggregator is not None
+    with mode:
+        before: Counts = {}
+        for i, step in enumerate(_steps(model, args)):
+            total_before = mode.aggregator.total_count()
+            with mode.step(i):
+                step()
+            now = commspan_counts(mode.aggregator.module_counts())
+            run.commspan.append(minus(now, before))
+            run.commspan_totals.append(mode.aggregator.total_count() - total_before)
+            before = now
+    run.spans = list(exporter.get_finished_spans())
+    run.internal_errors = mode.stats()["internal_errors"]
+    return run
+
+
+def run_cdm_outside(model: nn.Module, args: ModelArgs) -> Run:
+    """Each step: a fresh torch CommDebugMode around a fresh CommSpanMode."""
+    run = Run()
+    exporter = InMemorySpanExporter()
+    for step in _steps(model, args):
+        cdm = TorchCommDebugMode()
+        mode = CommSpanMode(exporters=[exporter])
+        assert mode.aggregator is not None
+        with cdm:
+            with mode:
+                step()
+        run.torch.append(torch_counts(cdm))
+        run.torch_totals.append(cdm.get_total_counts())
+        run.commspan.append(commspan_counts(mode.aggregator.module_counts()))
+        run.commspan_totals.append(mode.aggregator.total_count())
+        run.internal_errors += mode.stats()["internal_errors"]
+    run.spans = list(exporter.get_finished_spans())
+    return run
+
+
+def run_cdm_inside(model: nn.Module, args: ModelArgs) -> Run:
+    """One CommSpanMode over all steps; inside each ``mode.step(i)``, a fresh torch CommDebugMode."""
+    run = Run()
+    exporter = InMemorySpanExporter()
+    mode = CommSpanMode(exporters=[exporter])
+    assert mode.aggregator is not None
+    with mode:
+        before: Counts = {}
+        for i, step in enumerate(_steps(model, args)):
+            cdm = TorchCommDebugMode()
+            total_before = mode.aggregator.total_count()
+            with mode.step(i):
+                with cdm:
+                    step()
+            run.torch.append(torch_counts(cdm))
+            run.torch_totals.append(cdm.get_total_counts())
+            now = commspan_counts(mode.aggregator.module_counts())
+            run.commspan.append(minus(now, before))
+            run.commspan_totals.append(mode.aggregator.total_count() - total_before)
+            before = now
+    run.spans = list(exporter.get_finished_spans())
+    run.internal_errors = mode.stats()["internal_errors"]
+    return run
+
+
+RUNNERS: dict[str, Callable[[nn.Module, ModelArgs], Run]] = {
+    "torch_alone": run_torch_alone,
+    "commspan_alone": run_commspan_alone,
+    "cdm_outside": run_cdm_outside,
+    "cdm_inside": run_cdm_inside,
+}
+
+
+@pytest.fixture(scope="module")
+def tp_mesh(fake_pg: None) -> DeviceMesh:
+    """A 1-D CPU mesh over the fake process group, shared by this module's runs."""
+    return init_device_mesh("cpu", (4,))
+
+
+@pytest.fixture(scope="module")
+def runs(tp_mesh: DeviceMesh) -> Callable[[str], dict[str, Run]]:
+    """``runs(scenario)``: every runner's result for that scenario, computed once."""
+    cache: dict[str, dict[str, Run]] = {}
+
+    def get(name: str) -> dict[str, Run]:
+        if name not in cache:
+            args = SCENARIOS[name].args
+            results = {}
+            for runner_name, runner in RUNNERS.items():
+                torch.manual_seed(0)
+                model = parallelize(Transformer(args), tp_mesh)
+                results[runner_name] = runner(model, args)
+            cache[name] = results
+        return cache[name]
+
+    return get
+
+
+# ------------------------------------------------------------------ counts: commspan == torch
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("name", scenario_params())
+def test_totals_match_torch(name: str, order: str, runs: Callable[[str], dict[str, Run]]) -> None:
+    """Per step, commspan's total and per-op counts equal torch's, in either nesting order."""
+    run = runs(name)[order]
+    assert len(run.torch) == len(run.commspan) == STEPS
+    for step in range(STEPS):
+        assert run.commspan_totals[step] == run.torch_totals[step] > 0
+        by_op_torch = {k: n for k, n in run.torch[step].items() if k[0] == "Global"}
+        by_op_commspan = {k: n for k, n in run.commspan[step].items() if k[0] == "Global"}
+        assert by_op_commspan == by_op_torch
+    assert run.internal_errors == 0
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("name", scenario_params())
+def test_forward_counts_match_torch(name: str, order: str, runs: Callable[[str], dict[str, Run]]) -> None:
+    """Per module, commspan's forward counts equal torch's forward counts."""
+    run = runs(name)[order]
+    for step in range(STEPS):
+        assert phase_only(run.commspan[step], "forward") == phase_only(run.torch[step], "forward")
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("name", scenario_params())
+def test_backward_counts_match_torch(name: str, order: str, runs: Callable[[str], dict[str, Run]]) -> None:
+    """Per module, commspan's backward + recompute counts equal torch's backward counts."""
+    run = runs(name)[order]
+    for step in range(STEPS):
+        assert phase_only(run.commspan[step], "backward") == phase_only(run.torch[step], "backward")
+
+
+@pytest.mark.parametrize("name", scenario_params())
+def test_nesting_leaves_torch_counts_unchanged(name: str, runs: Callable[[str], dict[str, Run]]) -> None:
+    """torch's CommDebugMode counts the same alone, outside commspan and inside it."""
+    results = runs(name)
+    alone = results["torch_alone"]
+    for order in ORDERS:
+        assert results[order].torch == alone.torch, order
+        assert results[order].torch_totals == alone.torch_totals, order
+
+
+@pytest.mark.parametrize("name", scenario_params())
+def test_nesting_leaves_commspan_counts_unchanged(name: str, runs: Callable[[str], dict[str, Run]]) -> None:
+    """commspan counts the same alone, inside torch's CommDebugMode and around it."""
+    results = runs(name)
+    alone = results["commspan_alone"]
+    for order in ORDERS:
+        assert results[order].commspan == alone.commspan, order
+        assert results[order].commspan_totals == alone.commspan_totals, order
+
+
+@pytest.mark.parametrize("name", scenario_params())
+def test_every_step_counts_the_same(name: str, runs: Callable[[str], dict[str, Run]]) -> None:
+    """One CommSpanMode over several steps attributes each step exactly like the first."""
+    for runner in ("commspan_alone", "cdm_inside"):
+        run = runs(name)[runner]
+        assert all(counts == run.commspan[0] for counts in run.commspan), runner
+        assert len(set(run.commspan_totals)) == 1, runner
+
+
+class _ColwiseThenIdentity(nn.Module):
+    """A column-sharded Linear whose output passes through a module that returns its input."""
+
+    def __init__(self, tail: nn.Module) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.tail = tail
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tail(self.lin(x))
+
+
+@IDENTITY_SWALLOWS_BACKWARD
+@pytest.mark.parametrize("tail", [nn.Identity, lambda: nn.Dropout(0.0)], ids=["identity", "dropout0"])
+def test_identity_module_after_colwise(tail: Callable[[], nn.Module], tp_mesh: DeviceMesh) -> None:
+    """The Colwise input-gradient all_reduce belongs to the Linear even when an identity module follows."""
+    model = parallelize_module(_ColwiseThenIdentity(tail()), tp_mesh, {"lin": ColwiseParallel()})
+    x = torch.randn(4, 8, requires_grad=True)
+    cdm = TorchCommDebugMode()
+    with cdm:
+        model(x).sum().backward()
+    mode = CommSpanMode()
+    with mode:
+        model(x).sum().backward()
+    assert mode.aggregator is not None
+    got = commspan_counts(mode.aggregator.module_counts())
+    assert got.get(("_ColwiseThenIdentity.lin", "backward", "all_reduce")) == 1
+    assert got == torch_counts(cdm)
+
+
+# ------------------------------------------------------------------ span tree
+SPAN_RUNS = ("commspan_alone", "cdm_outside", "cdm_inside")
+
+
+def _attr(span: ReadableSpan, key: str) -> Any:
+    return (span.attributes or {}).get(key)
+
+
+def check_tree(spans: list[ReadableSpan]) -> None:
+    """Assert that ``spans`` form well-formed traces (see test_span_tree_is_well_formed)."""
+    by_id = {s.context.span_id: s for s in spans}
+    assert len(by_id) == len(spans), "span ids are unique"
+    module_spans = [s for s in spans if _attr(s, semconv.PHASE) is not None]
+    assert module_spans
+    for span in spans:
+        assert span.start_time is not None and span.end_time is not None
+        assert span.start_time <= span.end_time, span.name
+        for event in span.events:
+            assert span.start_time <= event.timestamp <= span.end_time, (span.name, event.name)
+        if span.parent is None:
+            assert span.name in (semconv.SPAN_STEP, semconv.SPAN_SESSION), span.name
+            continue
+        parent = by_id.get(span.parent.span_id)
+        assert parent is not None, f"{span.name}: parent missing"
+        assert parent.context.trace_id == span.context.trace_id, span.name
+        assert parent.start_time <= span.start_time, (span.name, parent.name)
+        assert span.end_time <= parent.end_time, (span.name, parent.name)
+    for span in module_spans:
+        phase = _attr(span, semconv.PHASE)
+        fqn = _attr(span, semconv.MODULE_FQN)
+        assert span.name == f"{fqn} {phase}"
+        parent = by_id[span.parent.span_id]
+        parent_phase = _attr(parent, semconv.PHASE)
+        if parent_phase is None:  # directly under the rank span
+            assert parent.name == semconv.SPAN_RANK
+            assert phase in ("forward", "backward"), span.name
+        elif phase == "forward":
+            assert parent_phase == "forward", (span.name, parent.name)
+        elif phase == "backward":
+            assert parent_phase == "backward", (span.name, parent.name)
+        else:  # recompute: inside a backward, possibly under an enclosing recompute
+            assert parent_phase in ("backward", "recompute"), (span.name, parent.name)
+            ancestor = parent
+            while _attr(ancestor, semconv.PHASE) == "recompute":
+                ancestor = by_id[ancestor.parent.span_id]
+            assert _attr(ancestor, semconv.PHASE) == "backward", (span.name, ancestor.name)
+        for event in span.events:
+            attrs = event.attributes or {}
+            if semconv.COLL_OP in attrs:
+                assert attrs[semconv.PHASE] == phase and attrs[semconv.MODULE_FQN] == fqn
+
+
+@pytest.mark.parametrize("runner", SPAN_RUNS)
+@pytest.mark.parametrize("name", scenario_params())
+def test_span_tree_is_well_formed(name: str, runner: str, runs: Callable[[str], dict[str, Run]]) -> None:
+    """Every span's parent is in its trace and encloses it in time; phases nest correctly
+    (forward under forward, backward under backward, recompute inside a backward)."""
+    run = runs(name)[runner]
+    check_tree(run.spans)
+    phases = {_attr(s, semconv.PHASE) for s in run.spans} - {None}
+    has_ac = bool(SCENARIOS[name].args.checkpoint)
+    assert phases == ({"forward", "backward", "recompute"} if has_ac else {"forward", "backward"})
+    traces = {s.context.trace_id for s in run.spans}
+    assert len(traces) == STEPS  # one trace per step (or per fresh mode)
+
+
+@pytest.mark.parametrize("name", scenario_params(EARLY_STOP_IS_AN_ERROR))
+def test_no_error_spans_in_a_clean_step(name: str, runs: Callable[[str], dict[str, Run]]) -> None:
+    """A step that raises nothing produces no ERROR span and no exception event."""
+    for runner in SPAN_RUNS:
+        spans = runs(name)[runner].spans
+        assert [s.name for s in spans if s.status.status_code is StatusCode.ERROR] == [], runner
+        assert [s.name for s in spans for e in s.events if e.name == semconv.EVENT_EXCEPTION] == []
+
+
+@pytest.mark.parametrize("name", scenario_params())
+def test_recompute_spans_cover_the_checkpointed_blocks(name: str, runs: Callable[[str], dict[str, Run]]) -> None:
+    """Each checkpointed block gets one recompute span per step, no other block does, and a
+    recompute span has its module's forward depth."""
+    args = SCENARIOS[name].args
+    spans = runs(name)["commspan_alone"].spans
+    recomputed = sorted(
+        _attr(s, semconv.MODULE_FQN)
+        for s in spans
+        if _attr(s, semconv.PHASE) == "recompute" and _attr(s, semconv.MODULE_DEPTH) == 2
+    )
+    expected = sorted(f"Transformer.layers.{i}" for i in args.checkpoint for _ in range(STEPS))
+    assert recomputed == expected
+    forward_depth = {
+        _attr(s, semconv.MODULE_FQN): _attr(s, semconv.MODULE_DEPTH)
+        for s in spans
+        if _attr(s, semconv.PHASE) == "forward"
+    }
+    for span in spans:
+        if _attr(span, semconv.PHASE) == "recompute":
+            fqn = _attr(span, semconv.MODULE_FQN)
+            assert _attr(span, semconv.MODULE_DEPTH) == forward_depth[fqn], fqn
+
+
+def _nearest_backward(span: ReadableSpan, by_id: Mapping[int, ReadableSpan]) -> ReadableSpan:
+    """The closest ancestor of ``span`` that is a backward span."""
+    ancestor = by_id[span.parent.span_id]
+    while _attr(ancestor, semconv.PHASE) != "backward":
+        ancestor = by_id[ancestor.parent.span_id]
+    return ancestor
+
+
+@pytest.mark.parametrize(
+    "runner",
+    [
+        # alone, Dropout(p=0) hands w2's output through unchanged (the bug); under torch's
+        # CommDebugMode its full-backward hooks rewrap that tensor, hiding the bug
+        pytest.param("commspan_alone", marks=IDENTITY_SWALLOWS_BACKWARD),
+        "cdm_inside",
+    ],
+)
+def test_recompute_runs_inside_the_backward_that_needs_it(
+    runner: str, runs: Callable[[str], dict[str, Run]]
+) -> None:
+    """Non-reentrant recompute of a block runs inside the backward span of w2, whose saved input it rebuilds."""
+    spans = runs("ac_non_reentrant")[runner].spans
+    by_id = {s.context.span_id: s for s in spans}
+    recomputes = [
+        s
+        for s in spans
+        if _attr(s, semconv.PHASE) == "recompute"
+        and _attr(s, semconv.MODULE_FQN) == "Transformer.layers.1"
+    ]
+    assert len(recomputes) == STEPS
+    for span in recomputes:
+        assert _nearest_backward(span, by_id).name == "Transformer.layers.1.feed_forward.w2 backward"

@@ -1,0 +1,392 @@
+"""JSONL span files: one per rank, OTLP/JSON lines, read back into identical aggregates.
+
+Two runs feed the tests. ``tp_run`` traces the tensor-parallel toy Transformer
+(fake process group, checkpointed blocks) in this process through two
+``JsonlSpanExporter``s, flushing after each step so the files hold several
+lines. ``child_run`` is a separate Python process: it writes the files of three
+ranks (a fake process group re-initialised as rank 0, 1, 2, rank r issuing r+1
+all_reduces per step), then exports and leaves one more mode, starts another
+and dies with ``os._exit(1)`` in the middle of a step.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+import torch
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from commspan import Aggregator, CommSpanMode, semconv
+from commspan.exporters import JsonlSpanExporter, read_spans
+from models import ModelArgs, Transformer, make_batch, parallelize, train_step
+
+HEX32 = re.compile(r"^[0-9a-f]{32}$")
+HEX16 = re.compile(r"^[0-9a-f]{16}$")
+DIGITS = re.compile(r"^[0-9]+$")
+CHILD_RANKS = 3
+
+
+# ---------------------------------------------------------------- in-process run
+@dataclass
+class TpRun:
+    """Files and in-process results of the traced TP Transformer run."""
+
+    template_file: Path
+    dir_file: Path
+    mode: CommSpanMode
+    span_ids: set[str]
+
+
+@pytest.fixture(scope="module")
+def tp_run(fake_pg: None, tmp_path_factory: pytest.TempPathFactory) -> TpRun:
+    """Three traced steps of the TP Transformer written through '{rank}' and directory exporters."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    root = tmp_path_factory.mktemp("tp_run")
+    (root / "dir").mkdir()
+    mesh = init_device_mesh("cpu", (4,))
+    args = ModelArgs(n_layers=2, checkpoint={1: False})
+    model = parallelize(Transformer(args), mesh)
+    memory = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    mode = CommSpanMode(
+        tracer_provider=provider,
+        exporters=[JsonlSpanExporter(root / "t" / "trace-{rank}.jsonl"),
+                   JsonlSpanExporter(root / "dir")],
+        run_id="jsonl-test",
+    )
+    with mode:
+        for i in range(3):
+            with mode.step(i):
+                train_step(model, *make_batch(args, seed=i))
+            assert mode.flush(10.0)
+    mode.shutdown()
+    ids = {f"{s.context.span_id:016x}" for s in memory.get_finished_spans()}
+    return TpRun(root / "t" / "trace-0.jsonl", root / "dir" / "commspan-rank0.jsonl", mode, ids)
+
+
+def _lines(path: Path) -> list[bytes]:
+    data = path.read_bytes()
+    assert data.endswith(b"\n")
+    return data[:-1].split(b"\n")
+
+
+def test_rank_template_and_directory_paths(tp_run: TpRun) -> None:
+    """'{rank}' in the path and a directory path each give this rank's file, with the same spans."""
+    assert sorted(p.name for p in tp_run.template_file.parent.iterdir()) == ["trace-0.jsonl"]
+    assert sorted(p.name for p in tp_run.dir_file.parent.iterdir()) == ["commspan-rank0.jsonl"]
+    from_template = {s.span_id for s in read_spans(tp_run.template_file)}
+    from_dir = {s.span_id for s in read_spans(tp_run.dir_file)}
+    assert from_template == from_dir == tp_run.span_ids
+
+
+def _check_attributes(items: Any) -> None:
+    assert isinstance(items, list)
+    for item in items:
+        assert set(item) == {"key", "value"} and isinstance(item["key"], str)
+        _check_value(item["value"])
+
+
+def _check_value(value: dict[str, Any]) -> None:
+    assert len(value) == 1
+    (kind, v), = value.items()
+    if kind == "intValue":
+        assert isinstance(v, str) and re.match(r"^-?[0-9]+$", v)
+    elif kind == "stringValue":
+        assert isinstance(v, str)
+    elif kind == "boolValue":
+        assert isinstance(v, bool)
+    elif kind == "doubleValue":
+        assert isinstance(v, (int, float))
+    elif kind == "arrayValue":
+        assert set(v) <= {"values"}
+        for item in v.get("values", []):
+            _check_value(item)
+    else:
+        raise AssertionError(f"unexpected AnyValue kind {kind}")
+
+
+def _hex_ids_to_base64(doc: dict[str, Any]) -> dict[str, Any]:
+    """OTLP/JSON ids are hex; protobuf's JSON mapping wants base64 for bytes fields."""
+    for rs in doc["resourceSpans"]:
+        for ss in rs["scopeSpans"]:
+            for span in ss["spans"]:
+                for key in ("traceId", "spanId", "parentSpanId"):
+                    if key in span:
+                        span[key] = base64.b64encode(bytes.fromhex(span[key])).decode()
+    return doc
+
+
+def test_every_line_is_an_otlp_json_request(tp_run: TpRun) -> None:
+    """Each line is a complete ExportTraceServiceRequest in OTLP/JSON (hex ids, string int64s)."""
+    from google.protobuf import json_format
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    lines = _lines(tp_run.template_file)
+    assert len(lines) >= 3  # one flush per step
+    seen: list[str] = []
+    for line in lines:
+        doc = orjson.loads(line)
+        assert set(doc) == {"resourceSpans"} and doc["resourceSpans"]
+        for rs in doc["resourceSpans"]:
+            _check_attributes(rs["resource"]["attributes"])
+            resource = {a["key"]: a["value"] for a in rs["resource"]["attributes"]}
+            assert resource[semconv.RANK] == {"intValue": "0"}
+            assert resource[semconv.RUN_ID] == {"stringValue": "jsonl-test"}
+            for ss in rs["scopeSpans"]:
+                assert ss["scope"]["name"] == semconv.INSTRUMENTATION_SCOPE
+                assert ss["scope"]["version"]
+                for span in ss["spans"]:
+                    assert HEX32.match(span["traceId"]) and HEX16.match(span["spanId"])
+                    if "parentSpanId" in span:
+                        assert HEX16.match(span["parentSpanId"])
+                    assert DIGITS.match(span["startTimeUnixNano"])
+                    assert DIGITS.match(span["endTimeUnixNano"])
+                    assert int(span["startTimeUnixNano"]) <= int(span["endTimeUnixNano"])
+                    assert span["kind"] == 1  # SPAN_KIND_INTERNAL
+                    assert span["name"]
+                    _check_attributes(span["attributes"])
+                    for event in span.get("events", []):
+                        assert DIGITS.match(event["timeUnixNano"]) and event["name"]
+                        _check_attributes(event["attributes"])
+                    seen.append(span["spanId"])
+        message = json_format.ParseDict(_hex_ids_to_base64(doc), ExportTraceServiceRequest())
+        assert sum(len(ss.spans) for rs in message.resource_spans for ss in rs.scope_spans) > 0
+    assert len(seen) == len(set(seen)) == tp_run.mode.stats()["spans"]
+    assert set(seen) == tp_run.span_ids
+
+
+def test_from_jsonl_matches_in_process_aggregator(tp_run: TpRun) -> None:
+    """Aggregator.from_jsonl on the run's file equals the live aggregator in every view."""
+    live = tp_run.mode.aggregator
+    assert live is not None and live.total_count() > 0
+    for path in (tp_run.template_file, tp_run.dir_file.parent):
+        offline = Aggregator.from_jsonl(path)
+        assert offline.module_counts() == live.module_counts()
+        assert offline.comm_counts() == live.comm_counts()
+        assert offline.parameter_info() == live.parameter_info()
+        assert offline.sharding_info() == live.sharding_info()
+        assert offline.collectives() == live.collectives()
+        assert offline.modules() == live.modules()
+        assert offline.to_dict() == live.to_dict()
+        assert offline.table() == live.table()
+        assert offline.table(noise_level=1) == live.table(noise_level=1)
+    assert Aggregator.from_jsonl(tp_run.template_file).sharding_info()
+
+
+def test_truncated_last_line_is_tolerated(tp_run: TpRun, tmp_path: Path,
+                                          caplog: pytest.LogCaptureFixture) -> None:
+    """A half-written last line is skipped with a warning; the whole lines still count."""
+    caplog.set_level(logging.WARNING)
+    path = tmp_path / "trace-0.jsonl"
+    shutil.copy(tp_run.template_file, path)
+    first = _lines(path)[0]
+    with path.open("ab") as fh:
+        fh.write(first[: len(first) // 2])
+    agg = Aggregator.from_jsonl(path)
+    assert tp_run.mode.aggregator is not None
+    assert agg.module_counts() == tp_run.mode.aggregator.module_counts()
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING and "truncated" in r.getMessage()]
+    assert len(warned) == 1 and str(path) in warned[0].getMessage()
+
+
+@pytest.mark.parametrize("damage", ["half-line", "garbage"])
+def test_corrupt_middle_line_raises(tp_run: TpRun, tmp_path: Path, damage: str) -> None:
+    """A corrupt line that is not the last raises ValueError naming file:line."""
+    lines = _lines(tp_run.template_file)
+    assert len(lines) >= 3
+    lines[1] = lines[1][: len(lines[1]) // 2] if damage == "half-line" else b"not json {"
+    path = tmp_path / "trace-0.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    with pytest.raises(ValueError, match=re.escape(f"{path}:2")):
+        Aggregator.from_jsonl(path)
+
+
+def test_export_after_shutdown_fails(tmp_path: Path) -> None:
+    """After shutdown the exporter reports FAILURE instead of writing."""
+    from opentelemetry.sdk.trace.export import SpanExportResult
+
+    exporter = JsonlSpanExporter(tmp_path / "x-{rank}.jsonl")
+    memory = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    with CommSpanMode(tracer_provider=provider):
+        torch.nn.Linear(2, 2)(torch.ones(1, 2))
+    spans = memory.get_finished_spans()
+    assert exporter.export(spans) is SpanExportResult.SUCCESS
+    exporter.shutdown()
+    assert exporter.export(spans) is SpanExportResult.FAILURE
+    assert len(_lines(next(tmp_path.glob("x-*.jsonl")))) == 1
+
+
+# ---------------------------------------------------------------- child process
+CHILD = textwrap.dedent(
+    """
+    import json, os, sys
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from commspan import CommSpanMode
+    from commspan.exporters import JsonlSpanExporter
+
+    out = sys.argv[1]
+    n_ranks = int(sys.argv[2])
+
+    class Chatty(torch.nn.Module):
+        def __init__(self, n):
+            super().__init__()
+            self.n = n
+        def forward(self, x):
+            for _ in range(self.n):
+                x = funcol.wait_tensor(funcol.all_reduce(x, "sum", dist.group.WORLD))
+            return x
+
+    results = {}
+    for rank in range(n_ranks):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=n_ranks)
+        mode = CommSpanMode(exporters=[JsonlSpanExporter(out + "/ranks/trace-{rank}.jsonl")],
+                            run_id="child-run")
+        with mode:
+            for i in range(2):
+                with mode.step(i):
+                    Chatty(rank + 1)(torch.ones(2))
+        mode.shutdown()
+        results[rank] = mode.aggregator.module_counts()
+        dist.destroy_process_group()
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+    before = CommSpanMode(exporters=[JsonlSpanExporter(out + "/crash/before.jsonl")],
+                          run_id="crash")
+    with before:
+        with before.step(0):
+            Chatty(2)(torch.ones(2))
+    stats = before.stats()
+    print(json.dumps({"results": results, "before_spans": stats["spans"],
+                      "before_exported": stats["exporters"][0]["exported"]}), flush=True)
+
+    during = CommSpanMode(exporters=[JsonlSpanExporter(out + "/crash/during.jsonl")],
+                          run_id="crash")
+    during.__enter__()
+    with during.step(0):
+        Chatty(1)(torch.ones(2))
+    during.flush()
+    print(json.dumps({"during_spans": during.stats()["spans"]}), flush=True)
+    step = during.step(1)
+    step.__enter__()
+    Chatty(3)(torch.ones(2))
+    os._exit(1)  # dies mid-step, mode still entered
+    """
+)
+
+
+@dataclass
+class ChildRun:
+    """What the child process wrote and reported."""
+
+    root: Path
+    returncode: int
+    report: dict[str, Any]
+    stderr: str
+
+
+@pytest.fixture(scope="module")
+def child_run(tmp_path_factory: pytest.TempPathFactory) -> ChildRun:
+    """Run the child script once: per-rank files, then a crash mid-step."""
+    root = tmp_path_factory.mktemp("child")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "COMMSPAN_RUN_ID", "TORCHELASTIC_RUN_ID")}
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, str(root), str(CHILD_RANKS)],
+        capture_output=True, text=True, timeout=180, env=env,
+    )
+    report: dict[str, Any] = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            report.update(json.loads(line))
+    return ChildRun(root, proc.returncode, report, proc.stderr)
+
+
+def _rank_counts(child: ChildRun, rank: int) -> dict[str, Any]:
+    return child.report["results"][str(rank)]
+
+
+def test_child_wrote_one_file_per_rank(child_run: ChildRun) -> None:
+    """Each rank's spans go to its own '{rank}' file, tagged with that rank."""
+    assert "results" in child_run.report, child_run.stderr[-3000:]
+    files = sorted(p.name for p in (child_run.root / "ranks").iterdir())
+    assert files == [f"trace-{r}.jsonl" for r in range(CHILD_RANKS)]
+    for r in range(CHILD_RANKS):
+        spans = list(read_spans(child_run.root / "ranks" / f"trace-{r}.jsonl"))
+        assert spans and {s.rank for s in spans} == {r}
+        rank_spans = [s for s in spans if s.name == semconv.SPAN_RANK]
+        assert len(rank_spans) == 2
+        assert all(s.attributes[semconv.RANK] == r for s in rank_spans)
+
+
+def test_from_jsonl_per_rank_matches_child(child_run: ChildRun) -> None:
+    """from_jsonl(dir, rank=r) equals rank r's in-process aggregator, and a single file needs no rank."""
+    assert "results" in child_run.report, child_run.stderr[-3000:]
+    ranks_dir = child_run.root / "ranks"
+    for r in range(CHILD_RANKS):
+        expected = _rank_counts(child_run, r)
+        assert expected["Global"] == {"forward": {"all_reduce": 2 * (r + 1)}}
+        assert Aggregator.from_jsonl(ranks_dir, rank=r).module_counts() == expected
+        assert Aggregator.from_jsonl(ranks_dir / f"trace-{r}.jsonl").module_counts() == expected
+
+
+def test_rank_none_with_several_ranks_raises(child_run: ChildRun) -> None:
+    """rank=None over several ranks' files raises ValueError telling to pass rank=."""
+    assert "results" in child_run.report, child_run.stderr[-3000:]
+    with pytest.raises(ValueError, match=r"rank="):
+        Aggregator.from_jsonl(child_run.root / "ranks")
+    files = sorted((child_run.root / "ranks").glob("*.jsonl"))
+    with pytest.raises(ValueError, match=r"pass rank="):
+        Aggregator.from_jsonl(*files[:2])
+
+
+def test_rank_all_sums_ranks(child_run: ChildRun) -> None:
+    """rank='all' sums every rank's counts."""
+    assert "results" in child_run.report, child_run.stderr[-3000:]
+    expected: dict[str, dict[str, dict[str, int]]] = {}
+    for r in range(CHILD_RANKS):
+        for fqn, phases in _rank_counts(child_run, r).items():
+            for phase, ops in phases.items():
+                slot = expected.setdefault(fqn, {}).setdefault(phase, {})
+                for op, n in ops.items():
+                    slot[op] = slot.get(op, 0) + n
+    summed = Aggregator.from_jsonl(child_run.root / "ranks", rank="all")
+    assert summed.module_counts() == expected
+    assert summed.total_count() == sum(2 * (r + 1) for r in range(CHILD_RANKS))
+
+
+def test_exported_lines_survive_process_death(child_run: ChildRun) -> None:
+    """After os._exit mid-run, what was exported is on disk as whole, parseable lines."""
+    assert child_run.returncode == 1, child_run.stderr[-3000:]
+    before = child_run.root / "crash" / "before.jsonl"
+    lines = _lines(before)
+    spans = [s for line in lines for rs in orjson.loads(line)["resourceSpans"]
+             for ss in rs["scopeSpans"] for s in ss["spans"]]
+    assert len(spans) == child_run.report["before_spans"] == child_run.report["before_exported"]
+    assert Aggregator.from_jsonl(before).comm_counts() == {"all_reduce": 2}
+
+    during = child_run.root / "crash" / "during.jsonl"
+    during_spans = [s for line in _lines(during) for rs in orjson.loads(line)["resourceSpans"]
+                    for ss in rs["scopeSpans"] for s in ss["spans"]]
+    assert len(during_spans) >= child_run.report["during_spans"] > 0

@@ -1,0 +1,323 @@
+"""Collective events of the tensor-parallel styles carry placements, process group and tensor facts.
+
+Spans are captured two ways: an in-memory exporter given to
+``CommSpanMode(exporters=[...])`` (flushed when the context exits) and an SDK
+``TracerProvider`` whose processor feeds an in-memory exporter
+(``tracer_provider=``). Each collective event names the redistribution that
+issued it (``commspan.redistribute.src`` -> ``.dst``), and the aggregator's
+``collectives()`` groups the same facts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import pytest
+import torch
+import torch.nn as nn
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+from commspan import CommSpanMode, semconv
+from models import ModelArgs, Transformer, make_batch, parallelize, train_step
+
+Expected = tuple[str, str, str, str]
+"""(phase, op, src placements, dst placements) of one collective."""
+
+MASK_PARTIAL_BUG = pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="commspan bug (scratch/bugs.md, _MaskPartial): embedding all_reduce src is "
+    "'MaskP(sum, torch.Size(...), 0)' instead of 'P(sum)'",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class StyleCase:
+    """One module under one TP style, its input, and the collectives a step must issue."""
+
+    module: Callable[[], nn.Module]
+    style: Callable[[], ParallelStyle]
+    inputs: Callable[[int], torch.Tensor]
+    expected: Sequence[Expected]
+
+
+CASES: dict[str, StyleCase] = {
+    "colwise": StyleCase(
+        lambda: nn.Linear(16, 16),
+        ColwiseParallel,
+        lambda world: torch.rand(8, 16, requires_grad=True),
+        [("backward", "all_reduce", "P(sum)", "R")],
+    ),
+    "colwise_shard0_input": StyleCase(
+        lambda: nn.Linear(16, 16),
+        lambda: ColwiseParallel(input_layouts=Shard(0)),
+        lambda world: torch.rand(8, 16, requires_grad=True),
+        [
+            ("forward", "all_gather_into_tensor", "S(0)", "R"),
+            ("backward", "reduce_scatter_tensor", "P(sum)", "S(0)"),
+        ],
+    ),
+    "rowwise": StyleCase(
+        lambda: nn.Linear(16, 16),
+        RowwiseParallel,
+        lambda world: torch.rand(8, 16 // world, requires_grad=True),
+        [("forward", "all_reduce", "P(sum)", "R")],
+    ),
+    "rowwise_shard0_output": StyleCase(
+        lambda: nn.Linear(16, 16),
+        lambda: RowwiseParallel(output_layouts=Shard(0)),
+        lambda world: torch.rand(8, 16 // world, requires_grad=True),
+        [
+            ("forward", "reduce_scatter_tensor", "P(sum)", "S(0)"),
+            ("backward", "all_gather_into_tensor", "S(0)", "R"),
+        ],
+    ),
+    "colwise_embedding": StyleCase(
+        lambda: nn.Embedding(16, 16),
+        ColwiseParallel,
+        lambda world: torch.arange(8).reshape(4, 2),
+        [],
+    ),
+    "rowwise_embedding": StyleCase(
+        lambda: nn.Embedding(16, 16),
+        lambda: RowwiseParallel(input_layouts=Replicate()),
+        lambda world: torch.arange(8).reshape(4, 2),
+        [("forward", "all_reduce", "P(sum)", "R")],
+    ),
+    "rowwise_embedding_shard1_output": StyleCase(
+        lambda: nn.Embedding(16, 16),
+        lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        lambda world: torch.arange(8),
+        [
+            ("forward", "reduce_scatter_tensor", "P(sum)", "S(1)"),
+            ("backward", "all_gather_into_tensor", "S(1)", "R"),
+        ],
+    ),
+    "prepare_module_input": StyleCase(
+        nn.Identity,
+        lambda: PrepareModuleInput(input_layouts=Shard(0), desired_input_layouts=Replicate()),
+        lambda world: torch.ones(2, 16),
+        [("forward", "all_gather_into_tensor", "S(0)", "R")],
+    ),
+}
+_BUGGY = {"rowwise_embedding", "rowwise_embedding_shard1_output"}
+CASE_PARAMS = [
+    pytest.param(name, id=name, marks=MASK_PARTIAL_BUG if name in _BUGGY else ())
+    for name in CASES
+]
+
+
+# ---------------------------------------------------------------- helpers
+def run_case(case: StyleCase, mesh: DeviceMesh, **mode_kwargs: Any) -> tuple[CommSpanMode, list[ReadableSpan]]:
+    """One forward + backward of ``case`` under a fresh mode; returns the mode and its spans."""
+    model = parallelize_module(case.module(), mesh, case.style())
+    exporter = InMemorySpanExporter()
+    mode = CommSpanMode(exporters=[exporter], **mode_kwargs)
+    with mode:
+        out = model(case.inputs(mesh.size()))
+        if out.requires_grad:
+            out.sum().backward()
+    return mode, list(exporter.get_finished_spans())
+
+
+def collective_events(spans: Sequence[ReadableSpan]) -> list[tuple[ReadableSpan, dict[str, Any]]]:
+    """``(span, event attributes)`` of every collective event, in time order."""
+    found = [
+        (event.timestamp or 0, span, dict(event.attributes or {}))
+        for span in spans
+        for event in span.events
+        if (event.attributes or {}).get(semconv.COLL_OP) is not None
+    ]
+    found.sort(key=lambda item: item[0])
+    return [(span, attrs) for _, span, attrs in found]
+
+
+def placements_of(spans: Sequence[ReadableSpan]) -> list[Expected]:
+    """(phase, op, src, dst) of every collective event, in time order."""
+    return [
+        (
+            attrs[semconv.PHASE],
+            attrs[semconv.COLL_OP],
+            attrs.get(semconv.REDIST_SRC, ""),
+            attrs.get(semconv.REDIST_DST, ""),
+        )
+        for _, attrs in collective_events(spans)
+    ]
+
+
+def module_span(spans: Sequence[ReadableSpan], fqn: str, phase: str) -> ReadableSpan:
+    """The one span of module ``fqn`` in ``phase``."""
+    found = [
+        s
+        for s in spans
+        if (s.attributes or {}).get(semconv.MODULE_FQN) == fqn
+        and (s.attributes or {}).get(semconv.PHASE) == phase
+    ]
+    assert len(found) == 1, (fqn, phase, [s.name for s in spans])
+    return found[0]
+
+
+# ---------------------------------------------------------------- placements
+@pytest.mark.parametrize("name", CASE_PARAMS)
+def test_event_placements(name: str, mesh: DeviceMesh) -> None:
+    """Each collective event names the placements before and after its redistribution."""
+    _, spans = run_case(CASES[name], mesh)
+    assert placements_of(spans) == list(CASES[name].expected)
+
+
+@pytest.mark.parametrize("name", CASE_PARAMS)
+def test_aggregator_collectives(name: str, mesh: DeviceMesh) -> None:
+    """aggregator.collectives() groups the events by module, phase, op and placements, with bytes."""
+    case = CASES[name]
+    mode, spans = run_case(case, mesh)
+    assert mode.aggregator is not None
+    summaries = mode.aggregator.collectives()
+    fqn = type(case.module()).__name__
+    got = [(s.fqn, s.phase, s.op, s.src, s.dst, s.count) for s in summaries]
+    assert got == [(fqn, *e, 1) for e in case.expected]
+    event_bytes = {
+        (a[semconv.PHASE], a[semconv.COLL_OP]): a[semconv.TENSOR_BYTES]
+        for _, a in collective_events(spans)
+    }
+    assert {(s.phase, s.op): s.bytes for s in summaries} == event_bytes
+    for phase, op, _, _ in case.expected:
+        assert [s.op for s in mode.aggregator.collectives(fqn=fqn, phase=phase, op=op)] == [op]
+
+
+def test_placements_through_a_tracer_provider(mesh: DeviceMesh) -> None:
+    """A TracerProvider's processors receive the same spans and events as commspan's exporters."""
+    provider = TracerProvider()
+    sdk_exporter = InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(sdk_exporter))
+    _, spans = run_case(CASES["colwise_shard0_input"], mesh, tracer_provider=provider)
+    through_provider = list(sdk_exporter.get_finished_spans())
+    assert sorted(s.name for s in through_provider) == sorted(s.name for s in spans)
+    assert placements_of(through_provider) == list(CASES["colwise_shard0_input"].expected)
+    provider.shutdown()
+
+
+def test_placements_in_the_transformer(mesh: DeviceMesh) -> None:
+    """In the TP Transformer, Colwise backward and Rowwise forward all_reduces go P(sum) -> R,
+    and the vocab head gathers its sharded logits."""
+    args = ModelArgs()
+    torch.manual_seed(0)
+    model = parallelize(Transformer(args), mesh)
+    exporter = InMemorySpanExporter()
+    mode = CommSpanMode(exporters=[exporter])
+    with mode:
+        train_step(model, *make_batch(args))
+    assert mode.aggregator is not None
+    by_module = {(s.fqn, s.phase, s.op): (s.src, s.dst) for s in mode.aggregator.collectives()}
+    for block in ("Transformer.layers.0", "Transformer.layers.1"):
+        for leaf in ("attention.wo", "feed_forward.w2"):
+            assert by_module[(f"{block}.{leaf}", "forward", "all_reduce")] == ("P(sum)", "R")
+        for leaf in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1"):
+            assert by_module[(f"{block}.{leaf}", "backward", "all_reduce")] == ("P(sum)", "R")
+    assert by_module[("Transformer.output", "backward", "all_reduce")] == ("P(sum)", "R")
+    src, dst = by_module[("Transformer.output", "forward", "all_gather_into_tensor")]
+    assert (src, dst) == ("S(2)", "R")  # Shard(-1) of the (batch, seq, vocab) logits
+
+
+# ---------------------------------------------------------------- other event facts
+def test_process_group_attributes(mesh: DeviceMesh) -> None:
+    """Events name the mesh's process group (size 4, ranks 0-3, mesh dim 0) and number its
+    collectives 1, 2, 3, ... in issue order."""
+    case = CASES["colwise_shard0_input"]
+    model = parallelize_module(case.module(), mesh, case.style())
+    exporter = InMemorySpanExporter()
+    with CommSpanMode(exporters=[exporter]):
+        for _ in range(2):
+            model(case.inputs(mesh.size())).sum().backward()
+    events = [a for _, a in collective_events(exporter.get_finished_spans())]
+    assert len(events) == 4
+    group = mesh.get_group(0)
+    for attrs in events:
+        assert attrs[semconv.PG_SIZE] == mesh.size() == 4
+        assert list(attrs[semconv.PG_RANKS]) == [0, 1, 2, 3]
+        assert attrs[semconv.PG_NAME] == group.group_name
+        assert attrs[semconv.MESH_DIM] == 0
+        assert attrs[semconv.COLL_KIND] == semconv.KIND_COLLECTIVE
+    assert [a[semconv.COLL_SEQ] for a in events] == [1, 2, 3, 4]
+
+
+def test_tensor_attributes(mesh: DeviceMesh) -> None:
+    """Events carry the input tensor's shape, dtype, count and bytes, the overload and the reduce op."""
+    _, spans = run_case(CASES["colwise_shard0_input"], mesh)
+    gather, scatter = (a for _, a in collective_events(spans))
+    # all_gather of the local (8, 16) Shard(0) input
+    assert list(gather[semconv.TENSOR_SHAPE]) == [8, 16]
+    assert gather[semconv.TENSOR_DTYPE] == "float32"
+    assert gather[semconv.TENSOR_BYTES] == 8 * 16 * 4
+    assert gather[semconv.TENSOR_COUNT] == 1
+    assert gather[semconv.COLL_OVERLOAD] == "_c10d_functional.all_gather_into_tensor.default"
+    assert semconv.COLL_REDUCE_OP not in gather
+    # reduce_scatter of the gathered (32, 16) partial input gradient
+    assert list(scatter[semconv.TENSOR_SHAPE]) == [8 * mesh.size(), 16]
+    assert scatter[semconv.TENSOR_BYTES] == 8 * mesh.size() * 16 * 4
+    assert scatter[semconv.COLL_REDUCE_OP] == "sum"
+    assert scatter[semconv.COLL_OVERLOAD] == "_c10d_functional.reduce_scatter_tensor.default"
+
+    _, spans = run_case(CASES["rowwise"], mesh)
+    ((_, reduce),) = collective_events(spans)
+    assert list(reduce[semconv.TENSOR_SHAPE]) == [8, 16]
+    assert reduce[semconv.TENSOR_BYTES] == 8 * 16 * 4
+    assert reduce[semconv.COLL_REDUCE_OP] == "sum"
+
+
+def test_every_event_carries_module_and_phase(mesh: DeviceMesh) -> None:
+    """Every collective event names the module and phase of the span it is attached to,
+    recompute included."""
+    args = ModelArgs(checkpoint={1: False})
+    torch.manual_seed(0)
+    model = parallelize(Transformer(args), mesh)
+    exporter = InMemorySpanExporter()
+    with CommSpanMode(exporters=[exporter]):
+        train_step(model, *make_batch(args))
+    events = collective_events(exporter.get_finished_spans())
+    assert len(events) == 17
+    phases = set()
+    for span, attrs in events:
+        span_attrs = span.attributes or {}
+        assert attrs[semconv.MODULE_FQN] == span_attrs[semconv.MODULE_FQN]
+        assert attrs[semconv.PHASE] == span_attrs[semconv.PHASE]
+        assert span.name == f"{attrs[semconv.MODULE_FQN]} {attrs[semconv.PHASE]}"
+        assert attrs[semconv.COLL_OP] == "all_reduce" or attrs[semconv.COLL_OP] == "all_gather_into_tensor"
+        phases.add(attrs[semconv.PHASE])
+    assert phases == {"forward", "backward", "recompute"}
+
+
+# ---------------------------------------------------------------- parameters
+@pytest.mark.parametrize(
+    ("name", "placements"),
+    [
+        ("colwise", ["S(0)", "S(0)"]),
+        ("rowwise", ["S(1)", "R"]),
+        ("colwise_embedding", ["S(1)"]),
+        ("rowwise_embedding", ["S(0)"]),
+    ],
+)
+def test_parameter_placements(name: str, placements: list[str], mesh: DeviceMesh) -> None:
+    """Forward spans, parameter_info() and sharding_info() give each DTensor parameter's placements."""
+    case = CASES[name]
+    mode, spans = run_case(case, mesh)
+    fqn = type(case.module()).__name__
+    forward = module_span(spans, fqn, "forward").attributes or {}
+    names = list(forward[semconv.PARAM_NAMES])
+    assert list(forward[semconv.PARAM_PLACEMENTS]) == placements
+    assert mode.aggregator is not None
+    info = mode.aggregator.parameter_info()[fqn]
+    assert [info[n]["placements"] for n in names] == placements
+    assert mode.aggregator.sharding_info() == {f"{fqn}.{n}": p for n, p in zip(names, placements)}
+    assert info["weight"]["shape"] == "16x16"  # the global shape, not the local shard's

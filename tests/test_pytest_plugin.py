@@ -1,0 +1,150 @@
+"""The pytest plugin: fixtures, the marker and the failure report section (via pytester)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+# A module that issues one all_reduce in forward, over torch's fake process group.
+_ALL_REDUCE_MODULE = """
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+
+def _fake_pg():
+    if not dist.is_initialized():
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+
+
+class Reduce(torch.nn.Module):
+    def forward(self, x):
+        return funcol.wait_tensor(funcol.all_reduce(x, "sum", group=dist.group.WORLD))
+"""
+
+
+def _run(pytester: pytest.Pytester, source: str, *args: str) -> pytest.RunResult:
+    pytester.makepyfile(helpers=_ALL_REDUCE_MODULE, test_inner=source)
+    return pytester.runpytest_inprocess("--strict-markers", "-p", "no:cacheprovider", *args)
+
+
+def test_capture_fixture_counts_collectives(pytester: pytest.Pytester) -> None:
+    """commspan_capture runs the test under an entered mode whose counts the test asserts on."""
+    result = _run(pytester, """
+import torch
+from helpers import Reduce, _fake_pg
+from commspan.testing import assert_counts
+
+def test_counts(commspan_capture):
+    _fake_pg()
+    assert commspan_capture.mode.active
+    Reduce()(torch.ones(2))
+    assert_counts(commspan_capture, "Reduce", "forward", {"all_reduce": 1})
+    commspan_capture.assert_no_comm("backward")
+""")
+    result.assert_outcomes(passed=1)
+
+
+def test_failed_test_reports_module_table(pytester: pytest.Pytester) -> None:
+    """A failing test that used commspan_capture gets a "commspan modules" report section."""
+    result = _run(pytester, """
+import torch
+from helpers import Reduce, _fake_pg
+
+def test_fails(commspan_capture):
+    _fake_pg()
+    Reduce()(torch.ones(2))
+    assert commspan_capture.counts("Reduce", "forward") == {}
+""")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines([
+        "*commspan modules*",
+        "Global",
+        "  *forward: all_reduce 1",
+        "  Reduce (Reduce)",
+    ])
+
+
+def test_passing_test_has_no_report_section(pytester: pytest.Pytester) -> None:
+    """Passing tests (and tests without the fixture) get no extra section."""
+    result = _run(pytester, """
+def test_ok(commspan_capture):
+    pass
+
+def test_other_fails():
+    assert False
+""", "-rA")
+    result.assert_outcomes(passed=1, failed=1)
+    assert "commspan modules" not in result.stdout.str()
+
+
+def test_mode_fixture_is_fresh_and_left_after_the_test(pytester: pytest.Pytester) -> None:
+    """commspan_mode is a new, un-entered mode per test; one left entered is exited afterwards."""
+    result = _run(pytester, """
+import torch
+from commspan import CommSpanMode
+
+seen = []
+
+def test_enter_and_forget(commspan_mode):
+    assert isinstance(commspan_mode, CommSpanMode) and not commspan_mode.active
+    commspan_mode.__enter__()
+    torch.nn.ReLU()(torch.ones(1))
+    seen.append(commspan_mode)
+
+def test_previous_mode_was_left(commspan_mode):
+    assert seen and not seen[0].active
+    assert commspan_mode is not seen[0]
+    with commspan_mode:
+        torch.nn.ReLU()(torch.ones(1))
+    assert commspan_mode.aggregator.modules() == ["ReLU"]
+""")
+    result.assert_outcomes(passed=2)
+
+
+def test_marker_passes_mode_arguments(pytester: pytest.Pytester) -> None:
+    """@pytest.mark.commspan(...) keyword arguments reach CommSpanMode, closest marker wins."""
+    result = _run(pytester, """
+import pytest
+import torch
+
+pytestmark = pytest.mark.commspan(record_params=True, run_id="module-level")
+
+@pytest.mark.commspan(record_params=False)
+def test_no_params(commspan_capture):
+    torch.nn.Linear(2, 2)(torch.ones(1, 2))
+    assert commspan_capture.aggregator.parameter_info() == {}
+    assert commspan_capture.mode.run_id == "module-level"
+
+def test_params(commspan_mode):
+    with commspan_mode:
+        torch.nn.Linear(2, 2)(torch.ones(1, 2))
+    assert commspan_mode.aggregator.parameter_info()["Linear"]["weight"]["shape"] == "2x2"
+""")
+    result.assert_outcomes(passed=2)
+
+
+def test_marker_rejects_positional_arguments(pytester: pytest.Pytester) -> None:
+    """A positional marker argument is an error at setup that says to pass keywords."""
+    result = _run(pytester, """
+import pytest
+
+@pytest.mark.commspan(False)
+def test_bad(commspan_capture):
+    pass
+""")
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(["*TypeError: @pytest.mark.commspan(False,): pass CommSpanMode "
+                                 "arguments by keyword*"])
+
+
+def test_plugin_is_registered_by_entry_point(pytester: pytest.Pytester) -> None:
+    """A fresh pytest process finds the fixtures through the pytest11 entry point alone."""
+    pytester.makepyfile(test_fresh="""
+def test_fixture(commspan_capture):
+    assert commspan_capture.mode.active
+""")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--strict-markers")
+    result.assert_outcomes(passed=1)

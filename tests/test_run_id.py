@@ -1,0 +1,89 @@
+"""resolve_run_id: argument > COMMSPAN_RUN_ID > TORCHELASTIC_RUN_ID > broadcast > random.
+
+One process only; agreement across real gloo ranks is tested in test_multiprocess.py.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+import commspan.run_id as run_id_mod
+from commspan.run_id import resolve_run_id
+
+_ENV = ("COMMSPAN_RUN_ID", "TORCHELASTIC_RUN_ID")
+
+
+@pytest.fixture()
+def calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """No run id in the environment; the broadcast is faked and records what it was offered."""
+    for var in _ENV:
+        monkeypatch.delenv(var, raising=False)
+    offered: list[str] = []
+
+    def agree(local: str) -> str | None:
+        offered.append(local)
+        return "agreed-by-broadcast"
+
+    monkeypatch.setattr(run_id_mod, "_agree", agree)
+    return offered
+
+
+def test_argument_wins_over_everything(calls: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """An explicit run id is used as is; nothing is read or broadcast."""
+    monkeypatch.setenv("COMMSPAN_RUN_ID", "from-commspan-env")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "from-torchrun")
+    assert resolve_run_id("explicit") == "explicit"
+    assert calls == []
+
+
+def test_commspan_env_beats_torchelastic(calls: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """COMMSPAN_RUN_ID is preferred to TORCHELASTIC_RUN_ID, and no broadcast happens."""
+    monkeypatch.setenv("COMMSPAN_RUN_ID", "from-commspan-env")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "from-torchrun")
+    assert resolve_run_id() == "from-commspan-env"
+    assert calls == []
+
+
+def test_torchelastic_env_beats_broadcast(calls: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under torchrun (TORCHELASTIC_RUN_ID set) its id is used without a broadcast."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "from-torchrun")
+    assert resolve_run_id() == "from-torchrun"
+    assert calls == []
+
+
+@pytest.mark.parametrize("value", ["", "   ", "none"])
+def test_blank_or_none_env_is_ignored(calls: list[str], monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    """Empty values and torchrun's "none" placeholder fall through to the next source."""
+    monkeypatch.setenv("COMMSPAN_RUN_ID", value)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", value)
+    assert resolve_run_id() == "agreed-by-broadcast"
+
+
+def test_env_value_is_stripped(calls: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Surrounding whitespace in the variable is not part of the id."""
+    monkeypatch.setenv("COMMSPAN_RUN_ID", "  run-7 \n")
+    assert resolve_run_id() == "run-7"
+
+
+def test_broadcast_beats_random(calls: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without variables, rank 0's random id is offered to the broadcast and its result used."""
+    assert resolve_run_id() == "agreed-by-broadcast"
+    (offered,) = calls
+    assert re.fullmatch(r"[0-9a-f]{32}", offered)
+
+
+def test_random_without_process_group(calls: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """When there is nothing to agree with, each call makes a fresh random 32-hex id."""
+    monkeypatch.setattr(run_id_mod, "_agree", lambda local: None)
+    first, second = resolve_run_id(), resolve_run_id()
+    assert re.fullmatch(r"[0-9a-f]{32}", first) and first != second
+
+
+def test_agree_is_none_without_a_process_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    """_agree does not broadcast (returns None) when torch.distributed is not initialised."""
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    assert run_id_mod._agree("00" * 16) is None
