@@ -171,8 +171,10 @@ def main(argv: list[str] | None = None) -> int:
             return
         _log(f"{name}: {what}")
         s0 = time.monotonic()
+        load0 = os.getloadavg()[0]
         try:
             results[name] = fn()
+            results[name]["load_average_1min"] = [load0, os.getloadavg()[0]]
         except Exception as exc:
             failed = True
             results[name] = {"error": f"{type(exc).__name__}: {exc}",

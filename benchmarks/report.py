@@ -196,6 +196,14 @@ def format_report(results: dict[str, Any]) -> str:
         f"commspan {machine.get('commspan', '?')} ({machine.get('git', '?')}); "
         f"mode {results.get('mode', '?')}"
     )
+    load = machine.get("load_average_at_start")
+    if load:
+        parts[-1] += (
+            f"\nload average (1 min) at start {load[0]:.1f}"
+            + (f", at end {machine['load_average_at_end'][0]:.1f}"
+               if machine.get("load_average_at_end") else "")
+            + " (other work on the machine adds noise; the A/A row shows how much)"
+        )
     for name, fn in (("step", _step_section), ("export", _export_section),
                      ("memory", _memory_section), ("profile", _profile_section)):
         if name in results:

@@ -40,7 +40,15 @@ def placements_str(placements: Sequence[Any] | None) -> str:
     return text
 
 
+try:
+    from torch.distributed.tensor import Partial as _Partial
+except Exception:  # pragma: no cover - older torch
+    _Partial = None  # type: ignore[assignment,misc]
+
+
 def _one(p: Any) -> str:
+    if _Partial is not None and isinstance(p, _Partial):  # _MaskPartial, _NormPartial too
+        return f"P({p.reduce_op})"
     name = type(p).__name__
     if name in ("Shard", "_StridedShard"):
         return f"S({p.dim})"

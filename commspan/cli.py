@@ -18,8 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 __all__ = ["main"]
 
@@ -146,8 +147,8 @@ def _summary(args: argparse.Namespace) -> str:
     if args.json:
         return json.dumps(data, indent=2)
     lines = [
-        f"spans: {spans}   traces: {len(traces)}   ranks: {_span_list(data['ranks'])}   "
-        f"steps: {_span_list(data['steps'])}",
+        (f"spans: {spans}   traces: {len(traces)}   ranks: {_span_list(data['ranks'])}   "
+         f"steps: {_span_list(data['steps'])}"),
     ]
     rows = [(ph, op, n) for ph, ops in per_phase.items() for op, n in ops.items()]
     width = max([len("backward")] + [len(op) for _, op, _ in rows])
@@ -183,7 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         out = _table(args) if args.command == "table" else _summary(args)
-    except Exception as exc:  # a user-facing command: one line, no traceback
+    except Exception as exc:  # noqa: BLE001 - a user-facing command: one line, no traceback
         print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     try:

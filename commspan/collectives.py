@@ -117,6 +117,8 @@ class CollectiveInfo:
         input_index / group_index / reduce_index / peer_index / ranks_index:
             positions of those arguments in the op schema (``-1`` when absent).
         arg_names: schema argument names, to find arguments passed by keyword.
+        peer_is_group_rank: the peer argument is a rank within the op's group
+            (``c10d`` ops) rather than a global rank (functional ``isend``/``irecv``).
     """
 
     name: str
@@ -129,6 +131,7 @@ class CollectiveInfo:
     peer_index: int
     ranks_index: int
     arg_names: tuple[str, ...]
+    peer_is_group_rank: bool = False
 
 
 def _packet(ns: str, name: str) -> Any:
@@ -168,6 +171,7 @@ def _info(overload: Any, canonical: str, kind: str) -> CollectiveInfo:
         peer_index=peer,
         ranks_index=_index(names, _RANKS_ARGS),
         arg_names=names,
+        peer_is_group_rank=str(overload).startswith("c10d."),
     )
 
 

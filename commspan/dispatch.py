@@ -246,6 +246,7 @@ def describe(
     if group is None and info.ranks_index >= 0:
         group = _legacy_group(_arg(info, args, kwargs, info.ranks_index))
     g = groups.get(group)
+    ranks: list[int] = []
     if g is not None:
         name, size, ranks = g
         attrs[semconv.PG_NAME] = name
@@ -260,11 +261,20 @@ def describe(
         attrs[semconv.COLL_REDUCE_OP] = reduce_op
     if info.peer_index >= 0:
         peer = _arg(info, args, kwargs, info.peer_index)
+        if not info.peer_is_group_rank:
+            ranks = []  # functional isend/irecv already take global ranks
         if isinstance(peer, int):
-            attrs[semconv.COLL_PEER] = peer
+            attrs[semconv.COLL_PEER] = _global_rank(peer, ranks)
         elif isinstance(peer, (list, tuple)) and all(isinstance(p, int) for p in peer):
-            attrs[semconv.COLL_PEER] = list(peer)
+            attrs[semconv.COLL_PEER] = [_global_rank(p, ranks) for p in peer]
     return attrs
+
+
+def _global_rank(group_rank: int, ranks: list[int]) -> int:
+    """c10d ops take peers as ranks within their group; events report global ranks."""
+    if 0 <= group_rank < len(ranks):
+        return ranks[group_rank]
+    return group_rank
 
 
 def _legacy_group(ranks: Any) -> Any:

@@ -116,7 +116,7 @@ class _Call:
         self.inputs_left = 0
         self.depth = depth
         self.task = -1  # graph task a recompute ran in
-        self.input_ids: frozenset[int] = frozenset()
+        self.input_ids: dict[int, int] = {}  # id(tensor) -> its version at call time
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
@@ -231,6 +231,8 @@ class ModuleTracker:
             info = self._info(module)
             task = _graph_task_id()
             phase = Phase.RECOMPUTE if task != -1 else Phase.FORWARD
+            if task == -1 and self._tasks:
+                self._abandon_backward()
             parent = self._calls[-1] if self._calls else None
             depth = parent.depth + 1 if parent is not None else 1
             if phase is Phase.FORWARD:
@@ -319,7 +321,7 @@ class ModuleTracker:
         tensors = _tensors(args)
         if not tensors:
             return
-        call.input_ids = frozenset(id(t) for t in tensors)
+        call.input_ids = {id(t): t._version for t in tensors}
         call.inputs_left = len(tensors)
         hook = functools.partial(self._input_grad_ready, call)
         for t in tensors:
@@ -327,10 +329,12 @@ class ModuleTracker:
 
     def _watch_outputs(self, call: _Call, output: Any) -> None:
         tensors = _tensors(output)
-        if call.input_ids:
+        ids = call.input_ids
+        if ids:
             # an input handed back unchanged (Identity, Dropout(p=0)) has no
-            # backward in this module; its gradient belongs to whoever made it
-            tensors = [t for t in tensors if id(t) not in call.input_ids]
+            # backward in this module; its gradient belongs to whoever made it.
+            # One modified in place (ReLU(inplace=True)) does: its version moved.
+            tensors = [t for t in tensors if ids.get(id(t), -1) != t._version]
         if not tensors:
             return
         hook = functools.partial(self._output_grad_ready, call)
@@ -435,6 +439,17 @@ class ModuleTracker:
                 self._leaf_handles = []
         except Exception:
             self._internal_error()
+
+    def _abandon_backward(self) -> None:
+        """A forward runs outside autograd while backward frames are open: that
+        backward raised (its end-of-backward callback never ran). Close them."""
+        for task in sorted(self._tasks):
+            self.recorder.close_task(task, "backward did not finish")
+        self._tasks.clear()
+        self._bw_open = []
+        for h in self._leaf_handles:
+            h.remove()
+        self._leaf_handles = []
 
     # ------------------------------------------------------------ misc
     def _internal_error(self) -> None:

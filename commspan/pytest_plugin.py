@@ -22,7 +22,8 @@ commspan itself is imported only when a fixture is used.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterator
+from collections.abc import Generator, Iterator
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -73,17 +74,17 @@ def commspan_mode(request: pytest.FixtureRequest) -> Iterator[CommSpanMode]:
         yield mode
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[Any]:
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     """Add the module table to the report of a failed test that used ``commspan_capture``."""
-    outcome = yield
-    report = outcome.get_result()
-    if call.when != "call" or not report.failed:
-        return
-    cap = getattr(item, "funcargs", {}).get("commspan_capture")
-    if cap is None:
-        return
-    try:
-        report.sections.append((_SECTION, cap.table(noise_level=1)))
-    except Exception:  # the report must not break on our account
-        pass
+    report = yield
+    if call.when == "call" and report.failed:
+        cap = getattr(item, "funcargs", {}).get("commspan_capture")
+        if cap is not None:
+            try:
+                report.sections.append((_SECTION, cap.table(noise_level=1)))
+            except Exception:  # noqa: BLE001, S110 - the report must not break on our account
+                pass
+    return report

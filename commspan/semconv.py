@@ -163,7 +163,8 @@ ATTRIBUTES: dict[str, str] = {
     COLL_KIND: "``collective`` or ``p2p`` (send/recv).",
     COLL_SEQ: "Per-rank, per-process-group sequence number, from 1.",
     COLL_REDUCE_OP: "Reduce op, e.g. ``sum``, when the op has one.",
-    COLL_PEER: "Peer rank of a point-to-point op, when known.",
+    COLL_PEER: "Global rank of the peer of a point-to-point op (ops take group ranks; "
+    "commspan maps them through the group's ranks).",
     PG_NAME: "Process group name.",
     PG_SIZE: "Process group size.",
     PG_RANKS: "Global ranks of the process group.",

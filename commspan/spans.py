@@ -270,12 +270,16 @@ class SpanRecorder:
             return
         self._close_from(idx, None, _now())
 
-    def close_task(self, task: int) -> None:
-        """Close every frame opened for autograd graph task ``task`` (end of backward)."""
+    def close_task(self, task: int, error: str | None = None) -> None:
+        """Close every frame opened for autograd graph task ``task`` (end of backward).
+
+        Args:
+            error: status description for the frames closed, if the task failed.
+        """
         stack = self.stack
         for idx in range(1, len(stack)):
             if stack[idx].task == task:
-                self._close_from(idx, None, _now())
+                self._close_from(idx, error, _now())
                 return
 
     @property

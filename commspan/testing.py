@@ -23,7 +23,8 @@ ships with commspan) does the same without the ``with`` block.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Mapping, Sequence, Union
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Union
 
 from opentelemetry.sdk.trace import ReadableSpan
 
@@ -117,7 +118,7 @@ class CommCapture:
         )
 
 
-AggregatorLike = Union[Aggregator, CommSpanMode, CommCapture]
+AggregatorLike = Union[Aggregator, CommSpanMode, CommCapture]  # noqa: UP007 (a runtime alias on 3.10)
 """What the ``assert_*`` helpers accept: an aggregator, a mode that has one, or a capture."""
 
 

@@ -13,8 +13,9 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,8 +47,9 @@ class MLP(torch.nn.Module):
 class MLPStack(torch.nn.Module):
     """MLP blocks in a ModuleList; blocks listed in ``checkpointed`` run under checkpoint."""
 
-    def __init__(self, n_blocks: int = 2, checkpointed: tuple[int, ...] = (1,),
-                 use_reentrant: bool = False) -> None:
+    def __init__(
+        self, n_blocks: int = 2, checkpointed: tuple[int, ...] = (1,), use_reentrant: bool = False
+    ) -> None:
         super().__init__()
         self.layers = torch.nn.ModuleList(MLP() for _ in range(n_blocks))
         self.checkpointed = checkpointed
@@ -84,10 +86,10 @@ def tp_mlp_stack(mesh: Any, **kwargs: Any) -> MLPStack:
 
 
 class C10dOps(torch.nn.Module):
-    """Issues one of each c10d collective, then a ring send/recv."""
+    """Issues one of each c10d collective over the default group."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rank, world = dist.get_rank(), dist.get_world_size()
+        world = dist.get_world_size()
         t = x.clone()
         dist.all_reduce(t)
         dist.broadcast(t, src=0)
@@ -115,16 +117,38 @@ class Ring(torch.nn.Module):
         return out
 
 
-class Comms(torch.nn.Module):
-    """Root of the c10d scenario: ``Comms.ops`` then ``Comms.ring``."""
+SUBGROUP = (2, 3)
+"""Global ranks of the subgroup in which rank 2 sends to rank 3."""
 
-    def __init__(self) -> None:
+
+class SubgroupSend(torch.nn.Module):
+    """In a process group of global ranks 2 and 3 only, rank 2 sends to rank 3."""
+
+    def __init__(self, group: Any) -> None:
+        super().__init__()
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rank = dist.get_rank()
+        if rank == SUBGROUP[0]:
+            dist.send(x, dst=SUBGROUP[1], group=self.group)
+        elif rank == SUBGROUP[1]:
+            x = x.clone()
+            dist.recv(x, src=SUBGROUP[0], group=self.group)
+        return x
+
+
+class Comms(torch.nn.Module):
+    """Root of the c10d scenario: ``Comms.ops``, ``Comms.ring``, then ``Comms.sub``."""
+
+    def __init__(self, group: Any) -> None:
         super().__init__()
         self.ops = C10dOps()
         self.ring = Ring()
+        self.sub = SubgroupSend(group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ring(self.ops(x))
+        return self.sub(self.ring(self.ops(x)))
 
 
 # ---------------------------------------------------------------- helpers
@@ -145,8 +169,9 @@ def _write(out: Path, name: str, rank: int, data: dict[str, Any]) -> None:
     (d / f"rank{rank}.result.json").write_text(json.dumps(data, sort_keys=True))
 
 
-def _train_steps(mode: CommSpanMode, step_fn: Callable[[], float],
-                 steps: int = STEPS) -> list[float]:
+def _train_steps(
+    mode: CommSpanMode, step_fn: Callable[[], float], steps: int = STEPS
+) -> list[float]:
     """Enter ``mode`` and run ``steps`` traced steps of ``step_fn`` (forward + backward)."""
     losses = []
     with mode:
@@ -191,8 +216,17 @@ def scenario_tp_mlp(out: Path, rank: int) -> None:
     losses = _train_steps(mode, step_fn)
     mode.shutdown()
     assert mode.aggregator is not None
-    _write(out, "tp_mlp", rank, {"run_id": mode.run_id, "losses": losses,
-                                 "stats": mode.stats(), **_aggregate_view(mode.aggregator)})
+    _write(
+        out,
+        "tp_mlp",
+        rank,
+        {
+            "run_id": mode.run_id,
+            "losses": losses,
+            "stats": mode.stats(),
+            **_aggregate_view(mode.aggregator),
+        },
+    )
 
 
 def scenario_tp_transformer(out: Path, rank: int) -> None:
@@ -218,19 +252,27 @@ def scenario_tp_transformer(out: Path, rank: int) -> None:
     losses = _train_steps(mode, step_fn)
     mode.shutdown()
     assert mode.aggregator is not None
-    _write(out, "tp_transformer", rank, {"run_id": mode.run_id, "losses": losses,
-                                         "stats": mode.stats(),
-                                         **_aggregate_view(mode.aggregator)})
+    _write(
+        out,
+        "tp_transformer",
+        rank,
+        {
+            "run_id": mode.run_id,
+            "losses": losses,
+            "stats": mode.stats(),
+            **_aggregate_view(mode.aggregator),
+        },
+    )
 
 
 def scenario_c10d(out: Path, rank: int) -> None:
-    """Plain c10d collectives and a send/recv ring inside module calls, one step."""
+    """c10d collectives, a send/recv ring and a subgroup send inside module calls, one step."""
+    group = dist.new_group(list(SUBGROUP))  # every rank takes part in creating it
     exporter = JsonlSpanExporter(out / "c10d" / "trace-rank{rank}.jsonl")
     mode = CommSpanMode(exporters=[exporter])
-    model = Comms()
-    with mode:
-        with mode.step(0):
-            model(torch.full((4,), float(rank + 1)))
+    model = Comms(group)
+    with mode, mode.step(0):
+        model(torch.full((4,), float(rank + 1)))
     mode.shutdown()
     assert mode.aggregator is not None
     _write(out, "c10d", rank, {"run_id": mode.run_id, **_aggregate_view(mode.aggregator)})

@@ -15,11 +15,13 @@ behind one small interface so each test body is written once.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterator, Mapping
+from collections.abc import Mapping
+from types import TracebackType
+from typing import Any
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import (
@@ -28,6 +30,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 from torch.utils.checkpoint import checkpoint
+from typing_extensions import Self
 
 from commspan import CommSpanMode
 from commspan.compat import CommDebugMode
@@ -180,7 +183,9 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         seq = tokens.shape[1]
         if seq > self.model_args.max_seq_len:
-            raise ValueError(f"tokens has {seq} positions; max_seq_len is {self.model_args.max_seq_len}")
+            raise ValueError(
+                f"tokens has {seq} positions; max_seq_len is {self.model_args.max_seq_len}"
+            )
         positions = torch.arange(seq, device=tokens.device)
         h = self.dropout(self.tok_embeddings(tokens) + self.pos_embeddings(positions))
         for index, block in enumerate(self.layers):
@@ -209,7 +214,9 @@ def parallelize(model: Transformer, mesh: DeviceMesh) -> Transformer:
     args = model.model_args
     for name in ("n_heads", "vocab_size"):
         if getattr(args, name) % tp:
-            raise ValueError(f"{name}={getattr(args, name)} must be a multiple of the mesh size {tp}")
+            raise ValueError(
+                f"{name}={getattr(args, name)} must be a multiple of the mesh size {tp}"
+            )
     parallelize_module(
         model,
         mesh,
@@ -229,13 +236,17 @@ def parallelize(model: Transformer, mesh: DeviceMesh) -> Transformer:
     }
     for block in model.layers:
         parallelize_module(block, mesh, block_plan)
-        block.attention.n_heads //= tp
+        attention = block.get_submodule("attention")
+        assert isinstance(attention, Attention)
+        attention.n_heads //= tp
     if args.weight_tying:  # both weights are (vocab, dim) sharded S(0): tie the DTensors
         model.output.weight = model.tok_embeddings.weight
     return model
 
 
-def make_batch(args: ModelArgs, batch: int = 2, seq: int = 8, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def make_batch(
+    args: ModelArgs, batch: int = 2, seq: int = 8, seed: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Deterministic ``(tokens, targets)`` of shape ``(batch, seq)``."""
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, args.vocab_size, (batch, seq), generator=gen)
@@ -268,12 +279,17 @@ class CompatCounts:
     def __init__(self) -> None:
         self.comm_mode = CommDebugMode()
 
-    def __enter__(self) -> CompatCounts:
+    def __enter__(self) -> Self:
         self.comm_mode.__enter__()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.comm_mode.__exit__(*exc)
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.comm_mode.__exit__(exc_type, exc, tb)
 
     @staticmethod
     def _packet(op: str) -> Any:
@@ -288,7 +304,7 @@ class CompatCounts:
         return self.comm_mode.get_comm_counts()[self._packet(op)]
 
     def module_count(self, fqn: str, op: str, phase: str | None = None) -> int:
-        """``op`` collectives inside module ``fqn`` (one phase, or all; backward includes recompute)."""
+        """``op`` collectives in module ``fqn``: one phase or all (backward includes recompute)."""
         per_module = self.comm_mode.comm_module_counts.get(fqn)
         if per_module is None:  # like the reference, modules without collectives are absent
             return 0
@@ -317,12 +333,17 @@ class NativeCounts:
     def __init__(self) -> None:
         self.mode = CommSpanMode()
 
-    def __enter__(self) -> NativeCounts:
+    def __enter__(self) -> Self:
         self.mode.__enter__()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.mode.__exit__(*exc)
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.mode.__exit__(exc_type, exc, tb)
 
     @property
     def _agg(self) -> Any:
@@ -338,7 +359,7 @@ class NativeCounts:
         return self._agg.comm_counts().get(op, 0)
 
     def module_count(self, fqn: str, op: str, phase: str | None = None) -> int:
-        """``op`` collectives inside module ``fqn`` (one phase, or all; backward includes recompute)."""
+        """``op`` collectives in module ``fqn``: one phase or all (backward includes recompute)."""
         phases = self._agg.module_counts().get(fqn, {})
         wanted = {None: phases, "forward": ["forward"], "backward": ["backward", "recompute"]}
         return sum(phases.get(p, {}).get(op, 0) for p in wanted[phase])
@@ -378,10 +399,3 @@ def make_counter(api: str) -> Counts:
 
 def _nested_keys(nested: Mapping[str, Mapping[str, Any]]) -> list[tuple[str, str]]:
     return [(outer, inner) for outer, values in nested.items() for inner in values]
-
-
-def iter_module_names(model: nn.Module) -> Iterator[str]:
-    """commspan's names of ``model``'s modules: the class name, then dotted paths."""
-    root = type(model).__name__
-    for name, _ in model.named_modules():
-        yield f"{root}.{name}" if name else root

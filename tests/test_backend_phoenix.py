@@ -19,17 +19,20 @@ This file is also the rank program: the test runs it as a script, once per rank.
 
 from __future__ import annotations
 
+import time
+
+_T0 = time.perf_counter()  # a rank's start, to report how long its imports took
+
+import contextlib
 import json
 import os
 import subprocess
 import sys
-import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import pytest
-
 from _phoenix import PROJECT_ATTRIBUTE, Phoenix, free_port, phoenix  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.backend
@@ -59,9 +62,11 @@ def _rank_main(config_path: str) -> None:
     from commspan import CommSpanMode
     from commspan.exporters import JsonlSpanExporter, otlp_exporter
 
+    t_imported = time.perf_counter()
     cfg = json.loads(Path(config_path).read_text())
     torch.set_num_threads(1)
     dist.init_process_group("gloo")  # env:// (RANK, WORLD_SIZE, MASTER_ADDR/PORT)
+    t_pg = time.perf_counter()
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
 
@@ -73,7 +78,8 @@ def _rank_main(config_path: str) -> None:
             self.net2 = nn.Linear(32, 16)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return x + self.net2(self.relu(self.net1(x)))
+            # tanh keeps its output for backward, so a recompute must redo net2's all_reduce
+            return torch.tanh(x + self.net2(self.relu(self.net1(x))))
 
     class Stack(nn.Module):
         def __init__(self) -> None:
@@ -116,6 +122,7 @@ def _rank_main(config_path: str) -> None:
             t_steps = time.perf_counter()
         t_flushed = time.perf_counter()  # leaving the mode flushed both exporters
         mode.shutdown(timeout_s=30.0)
+        t_shutdown = time.perf_counter()
         assert mode.aggregator is not None
         result = {
             "rank": rank,
@@ -125,6 +132,9 @@ def _rank_main(config_path: str) -> None:
             "enter_s": t_enter - t0,
             "steps_s": t_steps - t_enter,
             "flush_s": t_flushed - t_steps,
+            "shutdown_s": t_shutdown - t_flushed,
+            "import_s": t_imported - _T0,
+            "init_pg_s": t_pg - t_imported,
         }
         (out / f"{tag}-rank{rank}.json").write_text(json.dumps(result))
     dist.barrier()
@@ -143,29 +153,26 @@ def _run_ranks(config: dict[str, Any], tmp: Path) -> float:
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                WORLD_SIZE=str(WORLD_SIZE), OMP_NUM_THREADS="1")
     t0 = time.monotonic()
-    procs = []
-    logs = []
-    try:
-        for rank in range(WORLD_SIZE):
-            log = open(tmp / f"rank{rank}.log", "wb")
-            logs.append(log)
-            procs.append(subprocess.Popen(
-                [sys.executable, str(Path(__file__).resolve()), str(config_path)],
-                env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            ))
-        deadline = t0 + RANK_TIMEOUT_S
-        for proc in procs:
-            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        for log in logs:
-            log.close()
+    procs: list[subprocess.Popen[bytes]] = []
+    with contextlib.ExitStack() as logs:
+        try:
+            for rank in range(WORLD_SIZE):
+                log = logs.enter_context(open(tmp / f"rank{rank}.log", "wb"))
+                procs.append(subprocess.Popen(
+                    [sys.executable, str(Path(__file__).resolve()), str(config_path)],
+                    env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                ))
+            deadline = t0 + RANK_TIMEOUT_S
+            for proc in procs:
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            for proc in procs:  # only our own rank processes, by handle
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
     failed = [r for r, p in enumerate(procs) if p.returncode != 0]
     if failed:
         r = failed[0]
@@ -329,6 +336,8 @@ def test_four_gloo_ranks_round_trip_through_phoenix(
             "spans": len(local),
             "events": n_events,
             "slowest_rank_flush_s": round(export_s, 3),
+            "slowest_rank_shutdown_s": round(max(res["shutdown_s"] for res in results), 3),
+            "rank_import_s_max": round(max(res["import_s"] for res in results), 1),
             "visible_after_s": round(visible_s, 1),
             "steps_s_max": round(max(res["steps_s"] for res in results), 3),
         }

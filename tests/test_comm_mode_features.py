@@ -12,11 +12,6 @@ from typing import Any
 
 import pytest
 import torch
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-from commspan.compat import CommDebugMode
 from models import (
     API_NAMES,
     MLPModule,
@@ -28,6 +23,11 @@ from models import (
     parallelize,
     train_step,
 )
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from commspan.compat import CommDebugMode
 
 both_apis = pytest.mark.parametrize("api", API_NAMES)
 
@@ -150,7 +150,7 @@ TRANSFORMER_ALL_REDUCES = {
 
 @both_apis
 def test_transformer_module_tracing(api: str, mesh: DeviceMesh) -> None:
-    """Each TP module of the toy Transformer is credited with its own collectives and its children's."""
+    """Each TP module of the toy Transformer counts its own collectives and its children's."""
     args = ModelArgs()
     torch.manual_seed(0)
     model = parallelize(Transformer(args), mesh)

@@ -12,66 +12,43 @@ must change neither's counts. The spans must form a well-formed tree.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import pytest
 import torch
-import torch.nn as nn
+from models import ModelArgs, Transformer, make_batch, parallelize, train_step
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.debug import CommDebugMode as TorchCommDebugMode
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
 from commspan import CommSpanMode, semconv
-from models import ModelArgs, Transformer, make_batch, parallelize, train_step
+
+pytestmark = pytest.mark.filterwarnings(
+    # torch's CommDebugMode installs global full-backward hooks; the embeddings' inputs need no grad
+    "ignore:Full backward hook is firing:UserWarning"
+)
 
 STEPS = 2
 Key = tuple[str, str, str]
 """(module fqn, phase, canonical op); phase is ``forward`` or ``backward``."""
 Counts = dict[Key, int]
 
-# ------------------------------------------------------------------ known commspan bugs
-IDENTITY_SWALLOWS_BACKWARD = pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="commspan bug (scratch/bugs.md, identity modules): a module returning its input "
-    "(Identity, Dropout(p=0)) takes over the backward span of the module before it",
-)
-EARLY_STOP_IS_AN_ERROR = pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="commspan bug (scratch/bugs.md, early stop): non-reentrant checkpoint's "
-    "_StopRecomputationError marks recompute spans ERROR with an exception event",
-)
-
-
-@dataclasses.dataclass(frozen=True)
-class Scenario:
-    """A Transformer configuration and which commspan bugs it meets."""
-
-    args: ModelArgs
-    non_reentrant_ac: bool
-
-
-SCENARIOS: dict[str, Scenario] = {
-    "plain": Scenario(ModelArgs(), False),
-    "ac_non_reentrant": Scenario(ModelArgs(checkpoint={1: False}), True),
-    "ac_reentrant": Scenario(ModelArgs(checkpoint={1: True}), False),
-    "ac_mixed_tied_3_blocks": Scenario(
-        ModelArgs(n_layers=3, weight_tying=True, checkpoint={0: True, 2: False}), True
+SCENARIOS: dict[str, ModelArgs] = {
+    "plain": ModelArgs(),
+    "ac_non_reentrant": ModelArgs(checkpoint={1: False}),
+    "ac_reentrant": ModelArgs(checkpoint={1: True}),
+    "ac_mixed_tied_3_blocks": ModelArgs(
+        n_layers=3, weight_tying=True, checkpoint={0: True, 2: False}
     ),
 }
+"""Transformer configurations: block index -> use_reentrant for the checkpointed blocks."""
 ORDERS = ("cdm_outside", "cdm_inside")
-
-
-def scenario_params(mark: pytest.MarkDecorator | None = None) -> list[Any]:
-    """The scenarios as pytest params; ``mark`` goes on those with non-reentrant checkpointing."""
-    return [
-        pytest.param(name, id=name, marks=mark if (mark and sc.non_reentrant_ac) else ())
-        for name, sc in SCENARIOS.items()
-    ]
+NAMES = list(SCENARIOS)
 
 
 # ------------------------------------------------------------------ counting
@@ -184,9 +161,8 @@ def run_cdm_outside(model: nn.Module, args: ModelArgs) -> Run:
         cdm = TorchCommDebugMode()
         mode = CommSpanMode(exporters=[exporter])
         assert mode.aggregator is not None
-        with cdm:
-            with mode:
-                step()
+        with cdm, mode:
+            step()
         run.torch.append(torch_counts(cdm))
         run.torch_totals.append(cdm.get_total_counts())
         run.commspan.append(commspan_counts(mode.aggregator.module_counts()))
@@ -197,7 +173,7 @@ def run_cdm_outside(model: nn.Module, args: ModelArgs) -> Run:
 
 
 def run_cdm_inside(model: nn.Module, args: ModelArgs) -> Run:
-    """One CommSpanMode over all steps; inside each ``mode.step(i)``, a fresh torch CommDebugMode."""
+    """One CommSpanMode over all steps; in each ``mode.step(i)`` a fresh torch CommDebugMode."""
     run = Run()
     exporter = InMemorySpanExporter()
     mode = CommSpanMode(exporters=[exporter])
@@ -207,9 +183,8 @@ def run_cdm_inside(model: nn.Module, args: ModelArgs) -> Run:
         for i, step in enumerate(_steps(model, args)):
             cdm = TorchCommDebugMode()
             total_before = mode.aggregator.total_count()
-            with mode.step(i):
-                with cdm:
-                    step()
+            with mode.step(i), cdm:
+                step()
             run.torch.append(torch_counts(cdm))
             run.torch_totals.append(cdm.get_total_counts())
             now = commspan_counts(mode.aggregator.module_counts())
@@ -229,6 +204,16 @@ RUNNERS: dict[str, Callable[[nn.Module, ModelArgs], Run]] = {
 }
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_intra_op_thread() -> Iterator[None]:
+    """Run this module's tiny ops on one thread (restored after): on a loaded 2-core
+    machine torch's thread pool makes each step 10x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def tp_mesh(fake_pg: None) -> DeviceMesh:
     """A 1-D CPU mesh over the fake process group, shared by this module's runs."""
@@ -242,7 +227,7 @@ def runs(tp_mesh: DeviceMesh) -> Callable[[str], dict[str, Run]]:
 
     def get(name: str) -> dict[str, Run]:
         if name not in cache:
-            args = SCENARIOS[name].args
+            args = SCENARIOS[name]
             results = {}
             for runner_name, runner in RUNNERS.items():
                 torch.manual_seed(0)
@@ -256,7 +241,7 @@ def runs(tp_mesh: DeviceMesh) -> Callable[[str], dict[str, Run]]:
 
 # ------------------------------------------------------------------ counts: commspan == torch
 @pytest.mark.parametrize("order", ORDERS)
-@pytest.mark.parametrize("name", scenario_params())
+@pytest.mark.parametrize("name", NAMES)
 def test_totals_match_torch(name: str, order: str, runs: Callable[[str], dict[str, Run]]) -> None:
     """Per step, commspan's total and per-op counts equal torch's, in either nesting order."""
     run = runs(name)[order]
@@ -270,8 +255,10 @@ def test_totals_match_torch(name: str, order: str, runs: Callable[[str], dict[st
 
 
 @pytest.mark.parametrize("order", ORDERS)
-@pytest.mark.parametrize("name", scenario_params())
-def test_forward_counts_match_torch(name: str, order: str, runs: Callable[[str], dict[str, Run]]) -> None:
+@pytest.mark.parametrize("name", NAMES)
+def test_forward_counts_match_torch(
+    name: str, order: str, runs: Callable[[str], dict[str, Run]]
+) -> None:
     """Per module, commspan's forward counts equal torch's forward counts."""
     run = runs(name)[order]
     for step in range(STEPS):
@@ -279,16 +266,20 @@ def test_forward_counts_match_torch(name: str, order: str, runs: Callable[[str],
 
 
 @pytest.mark.parametrize("order", ORDERS)
-@pytest.mark.parametrize("name", scenario_params())
-def test_backward_counts_match_torch(name: str, order: str, runs: Callable[[str], dict[str, Run]]) -> None:
+@pytest.mark.parametrize("name", NAMES)
+def test_backward_counts_match_torch(
+    name: str, order: str, runs: Callable[[str], dict[str, Run]]
+) -> None:
     """Per module, commspan's backward + recompute counts equal torch's backward counts."""
     run = runs(name)[order]
     for step in range(STEPS):
         assert phase_only(run.commspan[step], "backward") == phase_only(run.torch[step], "backward")
 
 
-@pytest.mark.parametrize("name", scenario_params())
-def test_nesting_leaves_torch_counts_unchanged(name: str, runs: Callable[[str], dict[str, Run]]) -> None:
+@pytest.mark.parametrize("name", NAMES)
+def test_nesting_leaves_torch_counts_unchanged(
+    name: str, runs: Callable[[str], dict[str, Run]]
+) -> None:
     """torch's CommDebugMode counts the same alone, outside commspan and inside it."""
     results = runs(name)
     alone = results["torch_alone"]
@@ -297,8 +288,10 @@ def test_nesting_leaves_torch_counts_unchanged(name: str, runs: Callable[[str], 
         assert results[order].torch_totals == alone.torch_totals, order
 
 
-@pytest.mark.parametrize("name", scenario_params())
-def test_nesting_leaves_commspan_counts_unchanged(name: str, runs: Callable[[str], dict[str, Run]]) -> None:
+@pytest.mark.parametrize("name", NAMES)
+def test_nesting_leaves_commspan_counts_unchanged(
+    name: str, runs: Callable[[str], dict[str, Run]]
+) -> None:
     """commspan counts the same alone, inside torch's CommDebugMode and around it."""
     results = runs(name)
     alone = results["commspan_alone"]
@@ -307,7 +300,7 @@ def test_nesting_leaves_commspan_counts_unchanged(name: str, runs: Callable[[str
         assert results[order].commspan_totals == alone.commspan_totals, order
 
 
-@pytest.mark.parametrize("name", scenario_params())
+@pytest.mark.parametrize("name", NAMES)
 def test_every_step_counts_the_same(name: str, runs: Callable[[str], dict[str, Run]]) -> None:
     """One CommSpanMode over several steps attributes each step exactly like the first."""
     for runner in ("commspan_alone", "cdm_inside"):
@@ -328,10 +321,11 @@ class _ColwiseThenIdentity(nn.Module):
         return self.tail(self.lin(x))
 
 
-@IDENTITY_SWALLOWS_BACKWARD
-@pytest.mark.parametrize("tail", [nn.Identity, lambda: nn.Dropout(0.0)], ids=["identity", "dropout0"])
+@pytest.mark.parametrize(
+    "tail", [nn.Identity, lambda: nn.Dropout(0.0)], ids=["identity", "dropout0"]
+)
 def test_identity_module_after_colwise(tail: Callable[[], nn.Module], tp_mesh: DeviceMesh) -> None:
-    """The Colwise input-gradient all_reduce belongs to the Linear even when an identity module follows."""
+    """The Colwise input-grad all_reduce belongs to the Linear even before an identity module."""
     model = parallelize_module(_ColwiseThenIdentity(tail()), tp_mesh, {"lin": ColwiseParallel()})
     x = torch.randn(4, 8, requires_grad=True)
     cdm = TorchCommDebugMode()
@@ -354,6 +348,16 @@ def _attr(span: ReadableSpan, key: str) -> Any:
     return (span.attributes or {}).get(key)
 
 
+def _parent_id(span: ReadableSpan) -> int:
+    assert span.parent is not None, f"{span.name} has no parent"
+    return span.parent.span_id
+
+
+def _times(span: ReadableSpan) -> tuple[int, int]:
+    assert span.start_time is not None and span.end_time is not None, span.name
+    return span.start_time, span.end_time
+
+
 def check_tree(spans: list[ReadableSpan]) -> None:
     """Assert that ``spans`` form well-formed traces (see test_span_tree_is_well_formed)."""
     by_id = {s.context.span_id: s for s in spans}
@@ -361,23 +365,24 @@ def check_tree(spans: list[ReadableSpan]) -> None:
     module_spans = [s for s in spans if _attr(s, semconv.PHASE) is not None]
     assert module_spans
     for span in spans:
-        assert span.start_time is not None and span.end_time is not None
-        assert span.start_time <= span.end_time, span.name
+        start, end = _times(span)
+        assert start <= end, span.name
         for event in span.events:
-            assert span.start_time <= event.timestamp <= span.end_time, (span.name, event.name)
+            assert start <= event.timestamp <= end, (span.name, event.name)
         if span.parent is None:
             assert span.name in (semconv.SPAN_STEP, semconv.SPAN_SESSION), span.name
             continue
-        parent = by_id.get(span.parent.span_id)
+        parent = by_id.get(_parent_id(span))
         assert parent is not None, f"{span.name}: parent missing"
         assert parent.context.trace_id == span.context.trace_id, span.name
-        assert parent.start_time <= span.start_time, (span.name, parent.name)
-        assert span.end_time <= parent.end_time, (span.name, parent.name)
+        parent_start, parent_end = _times(parent)
+        assert parent_start <= start, (span.name, parent.name)
+        assert end <= parent_end, (span.name, parent.name)
     for span in module_spans:
         phase = _attr(span, semconv.PHASE)
         fqn = _attr(span, semconv.MODULE_FQN)
         assert span.name == f"{fqn} {phase}"
-        parent = by_id[span.parent.span_id]
+        parent = by_id[_parent_id(span)]
         parent_phase = _attr(parent, semconv.PHASE)
         if parent_phase is None:  # directly under the rank span
             assert parent.name == semconv.SPAN_RANK
@@ -390,7 +395,7 @@ def check_tree(spans: list[ReadableSpan]) -> None:
             assert parent_phase in ("backward", "recompute"), (span.name, parent.name)
             ancestor = parent
             while _attr(ancestor, semconv.PHASE) == "recompute":
-                ancestor = by_id[ancestor.parent.span_id]
+                ancestor = by_id[_parent_id(ancestor)]
             assert _attr(ancestor, semconv.PHASE) == "backward", (span.name, ancestor.name)
         for event in span.events:
             attrs = event.attributes or {}
@@ -399,20 +404,22 @@ def check_tree(spans: list[ReadableSpan]) -> None:
 
 
 @pytest.mark.parametrize("runner", SPAN_RUNS)
-@pytest.mark.parametrize("name", scenario_params())
-def test_span_tree_is_well_formed(name: str, runner: str, runs: Callable[[str], dict[str, Run]]) -> None:
+@pytest.mark.parametrize("name", NAMES)
+def test_span_tree_is_well_formed(
+    name: str, runner: str, runs: Callable[[str], dict[str, Run]]
+) -> None:
     """Every span's parent is in its trace and encloses it in time; phases nest correctly
     (forward under forward, backward under backward, recompute inside a backward)."""
     run = runs(name)[runner]
     check_tree(run.spans)
     phases = {_attr(s, semconv.PHASE) for s in run.spans} - {None}
-    has_ac = bool(SCENARIOS[name].args.checkpoint)
+    has_ac = bool(SCENARIOS[name].checkpoint)
     assert phases == ({"forward", "backward", "recompute"} if has_ac else {"forward", "backward"})
     traces = {s.context.trace_id for s in run.spans}
     assert len(traces) == STEPS  # one trace per step (or per fresh mode)
 
 
-@pytest.mark.parametrize("name", scenario_params(EARLY_STOP_IS_AN_ERROR))
+@pytest.mark.parametrize("name", NAMES)
 def test_no_error_spans_in_a_clean_step(name: str, runs: Callable[[str], dict[str, Run]]) -> None:
     """A step that raises nothing produces no ERROR span and no exception event."""
     for runner in SPAN_RUNS:
@@ -421,11 +428,13 @@ def test_no_error_spans_in_a_clean_step(name: str, runs: Callable[[str], dict[st
         assert [s.name for s in spans for e in s.events if e.name == semconv.EVENT_EXCEPTION] == []
 
 
-@pytest.mark.parametrize("name", scenario_params())
-def test_recompute_spans_cover_the_checkpointed_blocks(name: str, runs: Callable[[str], dict[str, Run]]) -> None:
+@pytest.mark.parametrize("name", NAMES)
+def test_recompute_spans_cover_the_checkpointed_blocks(
+    name: str, runs: Callable[[str], dict[str, Run]]
+) -> None:
     """Each checkpointed block gets one recompute span per step, no other block does, and a
     recompute span has its module's forward depth."""
-    args = SCENARIOS[name].args
+    args = SCENARIOS[name]
     spans = runs(name)["commspan_alone"].spans
     recomputed = sorted(
         _attr(s, semconv.MODULE_FQN)
@@ -447,25 +456,25 @@ def test_recompute_spans_cover_the_checkpointed_blocks(name: str, runs: Callable
 
 def _nearest_backward(span: ReadableSpan, by_id: Mapping[int, ReadableSpan]) -> ReadableSpan:
     """The closest ancestor of ``span`` that is a backward span."""
-    ancestor = by_id[span.parent.span_id]
+    ancestor = by_id[_parent_id(span)]
     while _attr(ancestor, semconv.PHASE) != "backward":
-        ancestor = by_id[ancestor.parent.span_id]
+        ancestor = by_id[_parent_id(ancestor)]
     return ancestor
 
 
 @pytest.mark.parametrize(
     "runner",
     [
-        # alone, Dropout(p=0) hands w2's output through unchanged (the bug); under torch's
-        # CommDebugMode its full-backward hooks rewrap that tensor, hiding the bug
-        pytest.param("commspan_alone", marks=IDENTITY_SWALLOWS_BACKWARD),
+        # alone, Dropout(p=0) hands w2's output tensor through unchanged; under torch's
+        # CommDebugMode its full-backward hooks rewrap that tensor
+        "commspan_alone",
         "cdm_inside",
     ],
 )
 def test_recompute_runs_inside_the_backward_that_needs_it(
     runner: str, runs: Callable[[str], dict[str, Run]]
 ) -> None:
-    """Non-reentrant recompute of a block runs inside the backward span of w2, whose saved input it rebuilds."""
+    """A non-reentrant recompute runs inside the backward span of w2, whose input it rebuilds."""
     spans = runs("ac_non_reentrant")[runner].spans
     by_id = {s.context.span_id: s for s in spans}
     recomputes = [
@@ -476,4 +485,6 @@ def test_recompute_runs_inside_the_backward_that_needs_it(
     ]
     assert len(recomputes) == STEPS
     for span in recomputes:
-        assert _nearest_backward(span, by_id).name == "Transformer.layers.1.feed_forward.w2 backward"
+        assert (
+            _nearest_backward(span, by_id).name == "Transformer.layers.1.feed_forward.w2 backward"
+        )

@@ -11,14 +11,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import pytest
 import torch
-import torch.nn as nn
 from opentelemetry.context import _SUPPRESS_INSTRUMENTATION_KEY, get_value
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+from torch import nn
 
 from commspan import CommSpanMode
 
@@ -105,8 +106,13 @@ def _train(mode: CommSpanMode, steps: int, flush_between: bool = False) -> list[
 
 
 def _warnings(caplog: pytest.LogCaptureFixture, needle: str) -> list[logging.LogRecord]:
-    return [r for r in caplog.records
-            if r.levelno == logging.WARNING and r.name.startswith("commspan") and needle in r.getMessage()]
+    return [
+        r
+        for r in caplog.records
+        if r.levelno == logging.WARNING
+        and r.name.startswith("commspan")
+        and needle in r.getMessage()
+    ]
 
 
 def _reference_losses(steps: int) -> list[float]:
@@ -120,7 +126,7 @@ def _reference_losses(steps: int) -> list[float]:
 
 
 def test_raising_exporter_is_counted_and_logged_once(caplog: pytest.LogCaptureFixture) -> None:
-    """An exporter that raises on every batch: steps run normally, every span counts as failed, one log line."""
+    """An exporter that always raises: steps run, every span counts as failed, one log line."""
     caplog.set_level(logging.WARNING)
     exporter = RaisingExporter()
     mode = CommSpanMode(exporters=[exporter])
@@ -137,7 +143,7 @@ def test_raising_exporter_is_counted_and_logged_once(caplog: pytest.LogCaptureFi
 
 
 def test_failing_exporter_is_counted_and_logged_once(caplog: pytest.LogCaptureFixture) -> None:
-    """An exporter that returns FAILURE: every span counts as failed, one log line, steps unaffected."""
+    """An exporter that returns FAILURE: steps run, every span counts as failed, one log line."""
     caplog.set_level(logging.WARNING)
     exporter = FailingExporter()
     mode = CommSpanMode(exporters=[exporter])
@@ -152,7 +158,7 @@ def test_failing_exporter_is_counted_and_logged_once(caplog: pytest.LogCaptureFi
 
 
 def test_blocking_exporter_exit_bounded_by_flush_timeout(blocking: BlockingExporter) -> None:
-    """With an exporter that never returns, leaving the mode takes about flush_timeout_s, not forever."""
+    """With an exporter that never returns, leaving the mode takes about flush_timeout_s."""
     timeout = 0.5
     mode = CommSpanMode(exporters=[blocking], flush_timeout_s=timeout)
     with mode:
@@ -185,8 +191,9 @@ def test_two_blocking_exporters_share_one_deadline() -> None:
             e.release.set()
 
 
-def test_full_queue_drops_and_counts(blocking: BlockingExporter,
-                                     caplog: pytest.LogCaptureFixture) -> None:
+def test_full_queue_drops_and_counts(
+    blocking: BlockingExporter, caplog: pytest.LogCaptureFixture
+) -> None:
     """A queue of 4 behind a hung exporter drops the overflow, counts it and logs it once."""
     caplog.set_level(logging.WARNING)
     size = 4
@@ -217,7 +224,7 @@ def test_shutdown_bounded_by_timeout(blocking: BlockingExporter) -> None:
 
 
 def test_exporter_runs_off_the_step_thread_with_instrumentation_suppressed() -> None:
-    """Export runs on a worker thread with OTel's suppress-instrumentation key set; all spans arrive."""
+    """Export runs on a worker thread with OTel's suppress key set, and every span arrives."""
     exporter = RecordingExporter()
     mode = CommSpanMode(exporters=[exporter])
     with mode:
@@ -238,7 +245,7 @@ class _RaisingProcessor(SpanProcessor):
 
 
 def test_raising_span_processor_never_breaks_step(caplog: pytest.LogCaptureFixture) -> None:
-    """A TracerProvider processor that raises on every span: steps run, errors counted, one log line."""
+    """A TracerProvider processor that always raises: steps run, errors counted, one log line."""
     caplog.set_level(logging.WARNING)
     processor = _RaisingProcessor()
     provider = TracerProvider()

@@ -47,7 +47,8 @@ class MpRun:
         """The log tails of the ranks that did not exit 0."""
         return "\n".join(
             f"--- rank {r} exit {rc}\n{self.logs[r][-4000:]}"
-            for r, rc in enumerate(self.returncodes) if rc != 0
+            for r, rc in enumerate(self.returncodes)
+            if rc != 0
         )
 
     def result(self, scenario: str, rank: int) -> dict[str, Any]:
@@ -70,18 +71,26 @@ def mp_run(tmp_path_factory: pytest.TempPathFactory) -> MpRun:
     """Spawn the 4 ranks once; wait for all (killing the rest if one fails or time runs out)."""
     root = tmp_path_factory.mktemp("mp")
     port = _free_port()
-    base = {k: v for k, v in os.environ.items()
-            if k not in ("COMMSPAN_RUN_ID", "TORCHELASTIC_RUN_ID")}
-    base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(WORLD),
-                OMP_NUM_THREADS="1")
+    base = {
+        k: v for k, v in os.environ.items() if k not in ("COMMSPAN_RUN_ID", "TORCHELASTIC_RUN_ID")
+    }
+    base.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(WORLD), OMP_NUM_THREADS="1"
+    )
     procs = []
     logs = [root / f"rank{r}.log" for r in range(WORLD)]
     t0 = time.monotonic()
     for r in range(WORLD):
         env = dict(base, RANK=str(r), LOCAL_RANK=str(r))
         with logs[r].open("w") as log:
-            procs.append(subprocess.Popen([sys.executable, str(SCRIPT), str(root)], env=env,
-                                          stdout=log, stderr=subprocess.STDOUT))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(SCRIPT), str(root)],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
     deadline = t0 + 150
     try:
         while any(p.poll() is None for p in procs):
@@ -97,8 +106,12 @@ def mp_run(tmp_path_factory: pytest.TempPathFactory) -> MpRun:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    return MpRun(root, [p.returncode for p in procs],
-                 [log.read_text(errors="replace") for log in logs], time.monotonic() - t0)
+    return MpRun(
+        root,
+        [p.returncode for p in procs],
+        [log.read_text(errors="replace") for log in logs],
+        time.monotonic() - t0,
+    )
 
 
 @pytest.fixture()
@@ -127,8 +140,9 @@ def test_run_id_agreed_without_env_and_taken_from_env(ok_run: MpRun) -> None:
     for scenario in STEP_SCENARIOS:
         ids = {ok_run.result(scenario, r)["run_id"] for r in range(WORLD)}
         assert len(ids) == 1, scenario
-        resource_ids = {s.resource[semconv.RUN_ID] for r in range(WORLD)
-                        for s in ok_run.spans(scenario, r)}
+        resource_ids = {
+            s.resource[semconv.RUN_ID] for r in range(WORLD) for s in ok_run.spans(scenario, r)
+        }
         assert resource_ids == ids, scenario
 
 
@@ -164,7 +178,7 @@ def test_jsonl_matches_each_ranks_in_process_aggregator(ok_run: MpRun, scenario:
 
 @pytest.mark.parametrize("scenario", STEP_SCENARIOS)
 def test_steps_are_shared_traces(ok_run: MpRun, scenario: str) -> None:
-    """Step i of all ranks is one trace: one commspan.step root in total, each rank's rank span under it."""
+    """Step i of all ranks is one trace: one commspan.step root, every rank's rank span under it."""
     n_steps = STEPS if scenario in TP_SCENARIOS else 1
     traces: dict[str, list[tuple[int, SpanRecord]]] = defaultdict(list)
     for r in range(WORLD):
@@ -198,9 +212,14 @@ def test_steps_are_shared_traces(ok_run: MpRun, scenario: str) -> None:
 
 
 def test_c10d_collectives_recorded_on_their_module(ok_run: MpRun) -> None:
-    """dist.all_reduce/broadcast/all_gather_into_tensor/reduce_scatter_tensor/all_to_all_single are events of Comms.ops."""
-    expected = {"all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor",
-                "all_to_all_single"}
+    """Each c10d collective the module issues is one event of its span, on the whole group."""
+    expected = {
+        "all_reduce",
+        "broadcast",
+        "all_gather_into_tensor",
+        "reduce_scatter_tensor",
+        "all_to_all_single",
+    }
     for r in range(WORLD):
         ops_span = [s for s in ok_run.spans("c10d", r) if s.name == "Comms.ops forward"]
         assert len(ops_span) == 1
@@ -230,3 +249,19 @@ def test_p2p_events_name_their_peer(ok_run: MpRun) -> None:
         assert events["recv"][semconv.COLL_PEER] == (r - 1) % WORLD
         counts = Aggregator.from_jsonl(ok_run.root / "c10d", rank=r).module_counts()
         assert counts["Comms.ring"] == {"forward": {"send": 1, "recv": 1}}
+
+
+def test_subgroup_p2p_peer_is_a_global_rank(ok_run: MpRun) -> None:
+    """send/recv in a subgroup of ranks 2 and 3 name the peer by global rank, like commspan.rank."""
+    sender, receiver = 2, 3
+    for r, op, peer in ((sender, "send", receiver), (receiver, "recv", sender)):
+        sub = [s for s in ok_run.spans("c10d", r) if s.name == "Comms.sub forward"]
+        assert len(sub) == 1
+        events = {name: attrs for name, attrs in sub[0].events}
+        assert set(events) == {op}
+        assert events[op][semconv.PG_RANKS] == [sender, receiver]
+        assert events[op][semconv.PG_SIZE] == 2
+        assert events[op][semconv.COLL_PEER] == peer
+    for r in (0, 1):
+        sub = [s for s in ok_run.spans("c10d", r) if s.name == "Comms.sub forward"]
+        assert len(sub) == 1 and sub[0].events == []

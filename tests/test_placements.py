@@ -11,14 +11,16 @@ issued it (``commspan.redistribute.src`` -> ``.dst``), and the aggregator's
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import pytest
 import torch
-import torch.nn as nn
+from models import ModelArgs, Transformer, make_batch, parallelize, train_step
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -30,7 +32,6 @@ from torch.distributed.tensor.parallel import (
 )
 
 from commspan import CommSpanMode, semconv
-from models import ModelArgs, Transformer, make_batch, parallelize, train_step
 
 Expected = tuple[str, str, str, str]
 """(phase, op, src placements, dst placements) of one collective."""
@@ -114,13 +115,14 @@ CASES: dict[str, StyleCase] = {
 }
 _BUGGY = {"rowwise_embedding", "rowwise_embedding_shard1_output"}
 CASE_PARAMS = [
-    pytest.param(name, id=name, marks=MASK_PARTIAL_BUG if name in _BUGGY else ())
-    for name in CASES
+    pytest.param(name, id=name, marks=MASK_PARTIAL_BUG if name in _BUGGY else ()) for name in CASES
 ]
 
 
 # ---------------------------------------------------------------- helpers
-def run_case(case: StyleCase, mesh: DeviceMesh, **mode_kwargs: Any) -> tuple[CommSpanMode, list[ReadableSpan]]:
+def run_case(
+    case: StyleCase, mesh: DeviceMesh, **mode_kwargs: Any
+) -> tuple[CommSpanMode, list[ReadableSpan]]:
     """One forward + backward of ``case`` under a fresh mode; returns the mode and its spans."""
     model = parallelize_module(case.module(), mesh, case.style())
     exporter = InMemorySpanExporter()
@@ -179,7 +181,7 @@ def test_event_placements(name: str, mesh: DeviceMesh) -> None:
 
 @pytest.mark.parametrize("name", CASE_PARAMS)
 def test_aggregator_collectives(name: str, mesh: DeviceMesh) -> None:
-    """aggregator.collectives() groups the events by module, phase, op and placements, with bytes."""
+    """aggregator.collectives() groups events by module, phase, op and placements, with bytes."""
     case = CASES[name]
     mode, spans = run_case(case, mesh)
     assert mode.aggregator is not None
@@ -253,7 +255,7 @@ def test_process_group_attributes(mesh: DeviceMesh) -> None:
 
 
 def test_tensor_attributes(mesh: DeviceMesh) -> None:
-    """Events carry the input tensor's shape, dtype, count and bytes, the overload and the reduce op."""
+    """Events carry the input tensor's shape, dtype, count and bytes, the overload and reduce op."""
     _, spans = run_case(CASES["colwise_shard0_input"], mesh)
     gather, scatter = (a for _, a in collective_events(spans))
     # all_gather of the local (8, 16) Shard(0) input
@@ -293,7 +295,10 @@ def test_every_event_carries_module_and_phase(mesh: DeviceMesh) -> None:
         assert attrs[semconv.MODULE_FQN] == span_attrs[semconv.MODULE_FQN]
         assert attrs[semconv.PHASE] == span_attrs[semconv.PHASE]
         assert span.name == f"{attrs[semconv.MODULE_FQN]} {attrs[semconv.PHASE]}"
-        assert attrs[semconv.COLL_OP] == "all_reduce" or attrs[semconv.COLL_OP] == "all_gather_into_tensor"
+        assert (
+            attrs[semconv.COLL_OP] == "all_reduce"
+            or attrs[semconv.COLL_OP] == "all_gather_into_tensor"
+        )
         phases.add(attrs[semconv.PHASE])
     assert phases == {"forward", "backward", "recompute"}
 
@@ -309,11 +314,11 @@ def test_every_event_carries_module_and_phase(mesh: DeviceMesh) -> None:
     ],
 )
 def test_parameter_placements(name: str, placements: list[str], mesh: DeviceMesh) -> None:
-    """Forward spans, parameter_info() and sharding_info() give each DTensor parameter's placements."""
+    """Forward spans, parameter_info() and sharding_info() give each DTensor parameter's layout."""
     case = CASES[name]
     mode, spans = run_case(case, mesh)
     fqn = type(case.module()).__name__
-    forward = module_span(spans, fqn, "forward").attributes or {}
+    forward: Mapping[str, Any] = dict(module_span(spans, fqn, "forward").attributes or {})
     names = list(forward[semconv.PARAM_NAMES])
     assert list(forward[semconv.PARAM_PLACEMENTS]) == placements
     assert mode.aggregator is not None

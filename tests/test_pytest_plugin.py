@@ -136,8 +136,9 @@ def test_bad(commspan_capture):
     pass
 """)
     result.assert_outcomes(errors=1)
-    result.stdout.fnmatch_lines(["*TypeError: @pytest.mark.commspan(False,): pass CommSpanMode "
-                                 "arguments by keyword*"])
+    result.stdout.fnmatch_lines(
+        ["*TypeError: @pytest.mark.commspan(False,): pass CommSpanMode arguments by keyword*"]
+    )
 
 
 def test_plugin_is_registered_by_entry_point(pytester: pytest.Pytester) -> None:

@@ -10,17 +10,17 @@ test checks one invariant over all of its spans.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import pytest
 import torch
+from models import ModelArgs, Transformer, make_batch, parallelize, train_step
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from commspan import CommSpanMode, semconv
-from models import ModelArgs, Transformer, make_batch, parallelize, train_step
 
 ROOT_NAMES = {semconv.SPAN_STEP, semconv.SPAN_SESSION}
 PHASES = {p.value for p in semconv.Phase}
@@ -130,7 +130,8 @@ def test_run_produced_spans_with_checkpointing(run: Run) -> None:
 def test_every_parent_is_present(run: Run) -> None:
     """Every span but a trace root has its parent among the spans, in the same trace."""
     missing = [
-        s.name for s in run.spans
+        s.name
+        for s in run.spans
         if s.parent is not None and (s.context.trace_id, s.parent.span_id) not in run.by_id
     ]
     assert missing == []
@@ -171,7 +172,7 @@ def test_child_interval_inside_parent_interval(run: Run) -> None:
             assert s.start_time <= e.timestamp <= s.end_time, (s.name, e.name)
         parent = run.parent(s)
         if parent is not None:
-            assert parent.start_time <= s.start_time, (s.name, parent.name)  # type: ignore[operator]
+            assert parent.start_time <= s.start_time, s.name  # type: ignore[operator]
             assert s.end_time <= parent.end_time, (s.name, parent.name)  # type: ignore[operator]
 
 
@@ -259,8 +260,10 @@ def _expected_counts(run: Run) -> dict[tuple[int, int], Counter[tuple[str, str]]
                 fqn, node_phase = _fqn(node), _phase(node)
                 if fqn is None or fqn in seen:
                     continue
-                if node_phase is not None and node_phase != phase and not (
-                    owner == fqn or owner.startswith(fqn + ".")
+                if (
+                    node_phase is not None
+                    and node_phase != phase
+                    and not (owner == fqn or owner.startswith(fqn + "."))
                 ):
                     continue
                 seen.add(fqn)
@@ -269,7 +272,7 @@ def _expected_counts(run: Run) -> dict[tuple[int, int], Counter[tuple[str, str]]
 
 
 def test_count_attributes_match_events_in_subtree(run: Run) -> None:
-    """commspan.collectives.<phase>.<op> equals the subtree's events of that phase/op (documented rules)."""
+    """commspan.collectives.<phase>.<op> counts the subtree's events by the documented rules."""
     expected_by_span = _expected_counts(run)
     checked = 0
     for s in run.spans:
@@ -306,9 +309,9 @@ def test_counts_never_exceed_subtree_events(run: Run) -> None:
 def test_innermost_rule_is_exercised(run: Run) -> None:
     """Some module is open twice in one chain (a recompute inside its own backward)."""
     nested = [
-        s for s in run.module_spans()
-        if _phase(s) == "recompute"
-        and any(_fqn(a) == _fqn(s) for a in run.ancestors(s))
+        s
+        for s in run.module_spans()
+        if _phase(s) == "recompute" and any(_fqn(a) == _fqn(s) for a in run.ancestors(s))
     ]
     assert nested
 
@@ -329,9 +332,11 @@ def test_rank_span_counts_equal_aggregator(run: Run) -> None:
     assert agg.comm_counts() == dict(per_op)
     for phase in PHASES:
         assert agg.comm_counts(phase) == by_phase.get(phase, {})
-    assert agg.total_count() == sum(
-        len(_collective_events(s)) for s in run.spans
-    ) == run.mode.stats()["collectives"]
+    assert (
+        agg.total_count()
+        == sum(len(_collective_events(s)) for s in run.spans)
+        == run.mode.stats()["collectives"]
+    )
 
 
 def test_module_counts_are_sums_over_spans(run: Run) -> None:

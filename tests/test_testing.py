@@ -9,8 +9,7 @@ import torch
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExportResult
 
-import commspan.testing as testing
-from commspan import Aggregator, CommSpanMode, Phase
+from commspan import Aggregator, CommSpanMode, Phase, testing
 from commspan.exporters import JsonlSpanExporter
 from commspan.testing import (
     CommCapture,
@@ -90,17 +89,15 @@ def test_capture_passes_mode_arguments() -> None:
 
 def test_capture_rejects_its_own_aggregator() -> None:
     """capture(aggregator=...) is a TypeError naming the argument."""
-    with pytest.raises(TypeError, match="aggregator="):
-        with capture(aggregator=Aggregator()):
-            pass
+    with pytest.raises(TypeError, match="aggregator="), capture(aggregator=Aggregator()):
+        pass
 
 
 def test_capture_propagates_errors_and_leaves_the_mode() -> None:
     """An exception in the block propagates; the mode is left and what ran is kept."""
-    with pytest.raises(ZeroDivisionError):
-        with capture() as cap:
-            torch.nn.ReLU()(torch.ones(1))
-            1 / 0
+    with pytest.raises(ZeroDivisionError), capture() as cap:
+        torch.nn.ReLU()(torch.ones(1))
+        raise ZeroDivisionError("in the step")
     assert not cap.mode.active
     assert "ReLU" in cap.aggregator.modules()
 

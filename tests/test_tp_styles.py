@@ -14,7 +14,8 @@ from copy import deepcopy
 
 import pytest
 import torch
-import torch.nn as nn
+from models import API_NAMES, make_counter
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -24,8 +25,6 @@ from torch.distributed.tensor.parallel import (
     RowwiseParallel,
     parallelize_module,
 )
-
-from models import API_NAMES, make_counter
 
 pytestmark = pytest.mark.parametrize("api", API_NAMES)
 
@@ -161,9 +160,11 @@ class _TwoInputs(nn.Module):
 
 
 def test_prepare_module_input_multiple_inputs(api: str, mesh: DeviceMesh) -> None:
-    """Layout lists must match each other and the module's inputs; a None layout passes an input through."""
+    """Layout lists must match each other and the inputs; a None layout passes an input through."""
     world = mesh.size()
-    with pytest.raises(AssertionError, match="input_layouts and desired_input_layouts should have same length!"):
+    with pytest.raises(
+        AssertionError, match="input_layouts and desired_input_layouts should have same length!"
+    ):
         PrepareModuleInput(input_layouts=Shard(0), desired_input_layouts=(Replicate(), None))
 
     short = PrepareModuleInput(input_layouts=Shard(0), desired_input_layouts=Replicate())
@@ -171,7 +172,9 @@ def test_prepare_module_input_multiple_inputs(api: str, mesh: DeviceMesh) -> Non
     parallelize_module(mod.linear, mesh, ColwiseParallel())
     parallelize_module(mod, mesh, short)
     y = torch.ones(2 * world, 8 // world)
-    with pytest.raises(ValueError, match="module inputs and input_layouts should have same length!"):
+    with pytest.raises(
+        ValueError, match="module inputs and input_layouts should have same length!"
+    ):
         mod(torch.randn(2, 8), y)
 
     mod = _TwoInputs()
@@ -203,7 +206,9 @@ class _KwargOnlyModule(nn.Module):
         super().__init__()
         self.linear = nn.Linear(8, 8)
 
-    def forward(self, *, x: torch.Tensor, y: int = 2, z: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, *, x: torch.Tensor, y: int = 2, z: torch.Tensor | None = None
+    ) -> torch.Tensor:
         return self.linear(x) + y + z
 
 
@@ -251,7 +256,7 @@ def test_prepare_module_kwargs_input(api: str, mesh: DeviceMesh) -> None:
 
 
 def test_prepare_module_output(api: str, mesh: DeviceMesh) -> None:
-    """PrepareModuleOutput from Replicate to Shard(0) keeps this rank's chunk, with no collective."""
+    """PrepareModuleOutput from Replicate to Shard(0) keeps this rank's chunk, no collective."""
     world = mesh.size()
     style = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0))
     chunk = parallelize_module(nn.Identity(), mesh, style)

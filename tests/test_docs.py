@@ -1,0 +1,81 @@
+"""The documentation's code runs: README and docs/ Python blocks, and every module's doctests."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+import pkgutil
+import re
+from pathlib import Path
+
+import pytest
+
+import commspan
+
+REPO = Path(__file__).resolve().parent.parent
+_BLOCK = re.compile(r"^```python\n(.*?)^```", re.MULTILINE | re.DOTALL)
+_LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+
+
+def python_blocks(path: Path) -> list[str]:
+    """The ```python fenced blocks of a Markdown file, in order."""
+    return _BLOCK.findall(path.read_text(encoding="utf-8"))
+
+
+def run_blocks(path: Path) -> dict[str, object]:
+    """Run a Markdown file's Python blocks in order, in one namespace; return it."""
+    namespace: dict[str, object] = {"__name__": f"docs:{path.name}"}
+    for i, block in enumerate(python_blocks(path), 1):
+        code = compile(block, f"{path.name} block {i}", "exec")
+        exec(code, namespace)  # noqa: S102 - running our own documentation
+    return namespace
+
+
+def test_readme_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    """README's Python blocks run as written and write a rank-0 JSONL file."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
+    assert python_blocks(REPO / "README.md"), "README.md has no ```python block"
+    namespace = run_blocks(REPO / "README.md")
+    out = capsys.readouterr().out
+    assert out.startswith("Global\n") and "Sequential.2" in out
+    assert (tmp_path / "commspan-out" / "commspan-rank0.jsonl").stat().st_size > 0
+    namespace["mode"].shutdown()  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("name", ["jsonl.md", "design.md"])
+def test_docs_examples_run(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/*.md Python blocks run, next to JSONL files written the README's way."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
+    run_blocks(REPO / "README.md")["mode"].shutdown()  # type: ignore[attr-defined]
+    run_blocks(REPO / "docs" / name)
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/design.md", "docs/jsonl.md", "docs/schema.md"])
+def test_relative_links_resolve(doc: str) -> None:
+    """Every relative link in the documentation points at a file of the repository."""
+    path = REPO / doc
+    broken = [
+        target
+        for target in _LINK.findall(path.read_text(encoding="utf-8"))
+        if "://" not in target and not (path.parent / target).exists()
+    ]
+    assert not broken
+
+
+def _modules() -> list[str]:
+    names = ["commspan"]
+    names += [m.name for m in pkgutil.walk_packages(commspan.__path__, "commspan.")]
+    return sorted(names)
+
+
+@pytest.mark.parametrize("name", _modules())
+def test_module_doctests(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The examples in each commspan module's docstrings pass as doctests."""
+    monkeypatch.chdir(tmp_path)
+    module = importlib.import_module(name)
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert result.failed == 0, f"{result.failed} of {result.attempted} doctests failed in {name}"
