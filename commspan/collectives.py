@@ -31,6 +31,7 @@ __all__ = [
     "CollectiveInfo",
     "build_overload_table",
     "canonical_name",
+    "canonical_names",
     "collective_packets",
 ]
 
@@ -132,6 +133,11 @@ class CollectiveInfo:
     ranks_index: int
     arg_names: tuple[str, ...]
     peer_is_group_rank: bool = False
+
+
+def canonical_names() -> list[str]:
+    """Every canonical op name commspan can emit, sorted (independent of the torch build)."""
+    return sorted({canonical for canonical, _ in _TABLE.values()})
 
 
 def _packet(ns: str, name: str) -> Any:

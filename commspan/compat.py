@@ -192,6 +192,7 @@ class CommDebugMode:
 
     @property
     def aggregator(self) -> Any:
+        """The commspan Aggregator behind the counts (native API)."""
         return self.mode.aggregator
 
     # ------------------------------------------------------------ counts

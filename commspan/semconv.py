@@ -19,16 +19,55 @@ from functools import lru_cache
 
 __all__ = [
     "ATTRIBUTES",
+    "COLL_KIND",
+    "COLL_OP",
+    "COLL_OVERLOAD",
+    "COLL_PEER",
+    "COLL_REDUCE_OP",
+    "COLL_SEQ",
     "COUNT_PREFIX",
+    "COUNT_TOTAL",
     "EVENT_EXCEPTION",
+    "EXCEPTION_MESSAGE",
+    "EXCEPTION_TYPE",
     "GLOBAL_FQN",
+    "HOST_NAME",
     "INSTRUMENTATION_SCOPE",
+    "KIND_COLLECTIVE",
+    "LOCAL_RANK",
+    "MESH_DIM",
+    "MODULE_DEPTH",
+    "MODULE_FQN",
+    "MODULE_TYPE",
+    "PARAM_NAMES",
+    "PARAM_PLACEMENTS",
+    "PARAM_SHAPES",
+    "PG_NAME",
+    "PG_RANKS",
+    "PG_SIZE",
+    "PHASE",
+    "PROCESS_PID",
     "Phase",
+    "RANK",
+    "REDIST_DST",
+    "REDIST_OP",
+    "REDIST_SRC",
+    "RUN_ID",
+    "SCHEMA",
     "SCHEMA_URL",
     "SCHEMA_VERSION",
+    "SELF_COUNT",
+    "SERVICE_INSTANCE_ID",
+    "SERVICE_NAME",
     "SPAN_RANK",
     "SPAN_SESSION",
     "SPAN_STEP",
+    "STEP",
+    "TENSOR_BYTES",
+    "TENSOR_COUNT",
+    "TENSOR_DTYPE",
+    "TENSOR_SHAPE",
+    "WORLD_SIZE",
     "count_key",
     "module_span_name",
     "parse_count_key",
@@ -48,7 +87,9 @@ class Phase(str, enum.Enum):
     """The phase a module span or a collective belongs to."""
 
     FORWARD = "forward"
+    """A module's forward call."""
     BACKWARD = "backward"
+    """The module's part of autograd's backward pass."""
     RECOMPUTE = "recompute"
     """The forward re-run during backward by activation checkpointing."""
 

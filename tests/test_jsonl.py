@@ -223,6 +223,19 @@ def test_corrupt_middle_line_raises(tp_run: TpRun, tmp_path: Path, damage: str) 
         Aggregator.from_jsonl(path)
 
 
+def test_run_id_placeholder_in_path(tmp_path: Path) -> None:
+    """'{run_id}' and '{rank}' in the path are filled from the spans' resource."""
+    mode = CommSpanMode(
+        exporters=[JsonlSpanExporter(tmp_path / "{run_id}" / "r{rank}.jsonl")], run_id="run-xyz"
+    )
+    with mode:
+        torch.nn.Linear(2, 2)(torch.ones(1, 2))
+    mode.shutdown()
+    files = [p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*.jsonl")]
+    assert files == [f"run-xyz/r{mode.rank}.jsonl"]
+    assert {s.resource[semconv.RUN_ID] for s in read_spans(tmp_path / files[0])} == {"run-xyz"}
+
+
 def test_export_after_shutdown_fails(tmp_path: Path) -> None:
     """After shutdown the exporter reports FAILURE instead of writing."""
     from opentelemetry.sdk.trace.export import SpanExportResult

@@ -36,13 +36,6 @@ from commspan import CommSpanMode, semconv
 Expected = tuple[str, str, str, str]
 """(phase, op, src placements, dst placements) of one collective."""
 
-MASK_PARTIAL_BUG = pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="commspan bug (scratch/bugs.md, _MaskPartial): embedding all_reduce src is "
-    "'MaskP(sum, torch.Size(...), 0)' instead of 'P(sum)'",
-)
-
 
 @dataclasses.dataclass(frozen=True)
 class StyleCase:
@@ -113,10 +106,6 @@ CASES: dict[str, StyleCase] = {
         [("forward", "all_gather_into_tensor", "S(0)", "R")],
     ),
 }
-_BUGGY = {"rowwise_embedding", "rowwise_embedding_shard1_output"}
-CASE_PARAMS = [
-    pytest.param(name, id=name, marks=MASK_PARTIAL_BUG if name in _BUGGY else ()) for name in CASES
-]
 
 
 # ---------------------------------------------------------------- helpers
@@ -172,14 +161,14 @@ def module_span(spans: Sequence[ReadableSpan], fqn: str, phase: str) -> Readable
 
 
 # ---------------------------------------------------------------- placements
-@pytest.mark.parametrize("name", CASE_PARAMS)
+@pytest.mark.parametrize("name", list(CASES))
 def test_event_placements(name: str, mesh: DeviceMesh) -> None:
     """Each collective event names the placements before and after its redistribution."""
     _, spans = run_case(CASES[name], mesh)
     assert placements_of(spans) == list(CASES[name].expected)
 
 
-@pytest.mark.parametrize("name", CASE_PARAMS)
+@pytest.mark.parametrize("name", list(CASES))
 def test_aggregator_collectives(name: str, mesh: DeviceMesh) -> None:
     """aggregator.collectives() groups events by module, phase, op and placements, with bytes."""
     case = CASES[name]
@@ -211,8 +200,8 @@ def test_placements_through_a_tracer_provider(mesh: DeviceMesh) -> None:
 
 
 def test_placements_in_the_transformer(mesh: DeviceMesh) -> None:
-    """In the TP Transformer, Colwise backward and Rowwise forward all_reduces go P(sum) -> R,
-    and the vocab head gathers its sharded logits."""
+    """In the TP Transformer, Colwise backward and Rowwise forward all_reduces (embeddings
+    included) go P(sum) -> R, and the vocab head gathers its sharded logits."""
     args = ModelArgs()
     torch.manual_seed(0)
     model = parallelize(Transformer(args), mesh)
@@ -228,6 +217,8 @@ def test_placements_in_the_transformer(mesh: DeviceMesh) -> None:
         for leaf in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1"):
             assert by_module[(f"{block}.{leaf}", "backward", "all_reduce")] == ("P(sum)", "R")
     assert by_module[("Transformer.output", "backward", "all_reduce")] == ("P(sum)", "R")
+    for embedding in ("Transformer.tok_embeddings", "Transformer.pos_embeddings"):
+        assert by_module[(embedding, "forward", "all_reduce")] == ("P(sum)", "R")
     src, dst = by_module[("Transformer.output", "forward", "all_gather_into_tensor")]
     assert (src, dst) == ("S(2)", "R")  # Shard(-1) of the (batch, seq, vocab) logits
 

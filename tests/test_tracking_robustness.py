@@ -364,7 +364,7 @@ def _clean_step_reference(mesh: DeviceMesh) -> dict[str, Any]:
 
 
 def test_exception_propagates_unchanged_and_marks_spans(mesh: DeviceMesh) -> None:
-    """The exception propagates as is; raiser and ancestors end ERROR; the event is on the raiser."""
+    """The exception propagates as is; raiser and ancestors end ERROR; the raiser has the event."""
     model = _Raiser(mesh)
     mode, exporter = capture()
     raised: list[BaseException] = []
@@ -461,7 +461,7 @@ class _Holder(nn.Module):
 
 
 def test_every_exception_gets_its_own_event() -> None:
-    """A forward raising in each of several steps gets an exception event on the raiser each time."""
+    """A forward raising in each of several steps gets a fresh exception event every time."""
     model = _Holder()
     mode, exporter = capture()
     caught = 0
@@ -511,7 +511,7 @@ class _BwRoot(nn.Module):
 
 
 def test_tracker_unwinds_after_backward_exception() -> None:
-    """After a backward raised (no steps), the next forward nests under the rank span, not a stale one."""
+    """After a backward raised (no steps), the next forward nests under the rank span."""
     model = _BwRoot()
     mode, exporter = capture()
     with mode:
@@ -600,7 +600,7 @@ def test_compiled_tp_module_collectives_still_counted(mesh: DeviceMesh) -> None:
     eager = tp_mlp(mesh)
     with eager_mode:
         mlp_step(eager)
-    compiled = torch.compile(tp_mlp(mesh), backend="eager")
+    compiled: Any = torch.compile(tp_mlp(mesh), backend="eager")
     mode, exporter = capture()
     with mode:
         _quiet(lambda: mlp_step(compiled))
@@ -612,7 +612,7 @@ def test_compiled_tp_module_collectives_still_counted(mesh: DeviceMesh) -> None:
 
 # ---------------------------------------------------------------- re-entry
 def test_enter_exit_many_times_leaves_no_hooks(mesh: DeviceMesh) -> None:
-    """Entering and leaving modes 50 times leaves global and per-module hook registries unchanged."""
+    """Entering and leaving modes 50 times leaves global and per-module hooks unchanged."""
     model = tp_mlp(mesh)
     x = torch.randn(4, IN_DIM, requires_grad=True)
     before = hook_sizes(model)
@@ -773,7 +773,7 @@ def test_checkpoint_recompute_spans_nest_under_backward(
 
 @pytest.mark.parametrize("use_reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 def test_checkpoint_step_has_no_error_spans(mesh: DeviceMesh, use_reentrant: bool) -> None:
-    """A successful checkpointed step has no ERROR span or exception event (early stop is normal)."""
+    """A successful checkpointed step has no ERROR span or exception event (early stop)."""
     model = _Checkpointed(mesh, use_reentrant)
     mode, exporter = capture()
     with mode:
@@ -798,6 +798,48 @@ def test_checkpoint_totals_match_commdebugmode(mesh: DeviceMesh, use_reentrant: 
         mlp_step(model)
     assert mode.aggregator is not None
     assert mode.aggregator.total_count() == cdm.get_total_counts() >= 4
+
+
+def _live_objects() -> Counter[str]:
+    """Live commspan frames and calls, and live tensors, after a full garbage collection."""
+    from commspan.module_tracker import _Call
+    from commspan.spans import Frame
+
+    gc.collect()
+    live: Counter[str] = Counter()
+    tensor = torch.Tensor
+    for obj in gc.get_objects():
+        kind = type(obj)  # not isinstance: that may call a module's __getattr__
+        if kind is Frame:
+            live["Frame"] += 1
+        elif kind is _Call:
+            live["_Call"] += 1
+        elif issubclass(kind, tensor):
+            live["Tensor"] += 1
+    return live
+
+
+def test_nothing_accumulates_over_steps(mesh: DeviceMesh) -> None:
+    """Over many checkpointed steps, some failing, live frames, calls and tensors stay flat."""
+    models = [_Checkpointed(mesh, use_reentrant=False), _Checkpointed(mesh, use_reentrant=True)]
+    failing = _Holder()
+    mode, _ = capture()
+    samples = []
+    with mode:
+        for i in range(16):
+            with mode.step(i):
+                for model in models:
+                    mlp_step(model)
+                if i % 3 == 0:
+                    try:
+                        failing(torch.randn(2, IN_DIM))
+                    except Boom:
+                        pass
+            if i in (3, 15):
+                samples.append(_live_objects())
+    first, last = samples
+    assert last["Frame"] <= first["Frame"] and last["_Call"] <= first["_Call"]
+    assert last["Tensor"] <= first["Tensor"]
 
 
 # ---------------------------------------------------------------- many collectives

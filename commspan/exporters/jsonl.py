@@ -42,8 +42,10 @@ class JsonlSpanExporter(SpanExporter):
 
     Args:
         path: file to append to, or a directory (the file is then
-            ``commspan-rank{rank}.jsonl`` inside it). ``{rank}`` and
-            ``{run_id}`` in the name are filled from the first spans'
+            ``commspan-rank{rank}.jsonl`` inside it). A path that exists as a
+            directory, ends in ``/``, or has neither a suffix nor a ``{rank}``
+            field (``"commspan-out"``) is a directory. ``{rank}`` and
+            ``{run_id}`` in a file name are filled from the first spans'
             resource, so every rank writes its own file.
         fsync: also ``fsync`` after every line (durable, slower).
 
@@ -77,7 +79,7 @@ class JsonlSpanExporter(SpanExporter):
             rank = _dist_rank()
         run_id = res.get(semconv.RUN_ID, "run")
         template = self._template
-        if template.endswith(os.sep) or os.path.isdir(template):
+        if _is_directory(template):
             template = os.path.join(template, DEFAULT_FILENAME)
         path = Path(template.format(rank=rank, run_id=run_id))
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -115,6 +117,16 @@ class JsonlSpanExporter(SpanExporter):
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
+
+
+def _is_directory(template: str) -> bool:
+    """A directory, a path ending in a separator, or a name with neither a
+    suffix nor a ``{rank}`` field (``"commspan-out"``) means: one file per rank
+    inside it."""
+    if template.endswith(("/", os.sep)) or os.path.isdir(template):
+        return True
+    name = os.path.basename(template)
+    return "{" not in name and not os.path.splitext(name)[1]
 
 
 def _dist_rank() -> int:

@@ -1,0 +1,68 @@
+# commspan developer tasks. `make help` lists them.
+#
+# Each target sets up what it needs: a virtualenv ($(VENV)) with torch pinned
+# *first* (an unpinned torch may pull a multi-GB CUDA build), then commspan in
+# editable mode with its test extras. Stamp files inside the venv make a second
+# run skip the installs. Override on the command line, e.g.
+#   make test VENV=/tmp/venv PYTEST_ARGS="-x tests/test_jsonl.py"
+
+PYTHON          ?= python3
+VENV            ?= .venv
+PHOENIX_VENV    ?= .venv-phoenix
+TORCH           ?= torch==2.13.0
+PHOENIX         ?= arize-phoenix==20.26.1
+PIP_FLAGS       ?= --quiet --disable-pip-version-check
+DEMO_ARGS       ?=
+PYTEST_ARGS     ?=
+BENCH_ARGS      ?=
+
+PY := $(VENV)/bin/python
+# one stamp per pinned requirement: changing the pin reinstalls
+TORCH_STAMP   := $(VENV)/.stamp-$(subst =,-,$(TORCH))
+PROJECT_STAMP := $(VENV)/.stamp-commspan
+PHOENIX_STAMP := $(PHOENIX_VENV)/.stamp-$(subst =,-,$(PHOENIX))
+
+.PHONY: help venv demo test bench phoenix lint
+
+help:
+	@echo "make demo     4 gloo ranks train a tensor-parallel toy Transformer under commspan"
+	@echo "make test     run the test suite (python -m pytest -q)"
+	@echo "make bench    run the benchmarks (python -m benchmarks; BENCH_ARGS=--quick)"
+	@echo "make phoenix  $(PHOENIX_VENV) with $(PHOENIX), for the backend end-to-end test"
+	@echo "make lint     ruff and mypy, if installed (pip install -e '.[dev]')"
+	@echo "make venv     only set up $(VENV)"
+
+venv: $(PROJECT_STAMP)
+
+$(TORCH_STAMP):
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install $(PIP_FLAGS) "$(TORCH)"
+	@touch $@
+
+$(PROJECT_STAMP): $(TORCH_STAMP) pyproject.toml
+	$(PY) -m pip install $(PIP_FLAGS) -e ".[test]"
+	@touch $@
+
+demo: $(PROJECT_STAMP)
+	$(PY) examples/tp_transformer.py $(DEMO_ARGS)
+
+test: $(PROJECT_STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+bench: $(PROJECT_STAMP)
+	$(PY) -m benchmarks $(BENCH_ARGS)
+
+phoenix: $(PHOENIX_STAMP)
+
+$(PHOENIX_STAMP):
+	@test -x $(PHOENIX_VENV)/bin/python || $(PYTHON) -m venv $(PHOENIX_VENV)
+	$(PHOENIX_VENV)/bin/python -m pip install $(PIP_FLAGS) "$(PHOENIX)"
+	@touch $@
+
+lint: $(PROJECT_STAMP)
+	@if $(PY) -m ruff --version >/dev/null 2>&1; then \
+		echo "ruff check"; $(PY) -m ruff check commspan tests examples tools $(wildcard benchmarks); \
+	else echo "ruff not installed in $(VENV); skipped (pip install -e '.[dev]')"; fi
+	@if $(PY) -m mypy --version >/dev/null 2>&1; then \
+		echo "mypy"; $(PY) -m mypy; \
+	else echo "mypy not installed in $(VENV); skipped (pip install -e '.[dev]')"; fi
