@@ -35,7 +35,7 @@ help:
 venv: $(PROJECT_STAMP)
 
 $(TORCH_STAMP):
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@test -x $(VENV)/bin/pip || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install $(PIP_FLAGS) "$(TORCH)"
 	@touch $@
 
@@ -55,7 +55,7 @@ bench: $(PROJECT_STAMP)
 phoenix: $(PHOENIX_STAMP)
 
 $(PHOENIX_STAMP):
-	@test -x $(PHOENIX_VENV)/bin/python || $(PYTHON) -m venv $(PHOENIX_VENV)
+	@test -x $(PHOENIX_VENV)/bin/pip || $(PYTHON) -m venv $(PHOENIX_VENV)
 	$(PHOENIX_VENV)/bin/python -m pip install $(PIP_FLAGS) "$(PHOENIX)"
 	@touch $@
 

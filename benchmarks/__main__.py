@@ -47,13 +47,13 @@ class Plan:
 
 
 FULL = Plan(
-    rounds=20, warmup=2, steps_per_round=2, step_budget_s=330.0,
-    export_min_seconds=1.0, export_repeats=3, export_file_steps=300,
+    rounds=20, warmup=2, steps_per_round=2, step_budget_s=300.0,
+    export_min_seconds=0.5, export_repeats=5, export_file_steps=200,
     memory_steps=1000, memory_warmup=20, memory_cap_s=300.0, profile_steps=10,
 )
 QUICK = Plan(
     rounds=2, warmup=1, steps_per_round=1, step_budget_s=45.0,
-    export_min_seconds=0.2, export_repeats=2, export_file_steps=40,
+    export_min_seconds=0.2, export_repeats=2, export_file_steps=30,
     memory_steps=40, memory_warmup=3, memory_cap_s=60.0, profile_steps=3,
 )
 

@@ -118,7 +118,6 @@ def _worker(
         "rss_after_warmup_mb": base,
         "rss_end_mb": end,
         "growth_mb": end - base,
-        "growth_mb_per_1000_steps": (end - base) / done * 1000 if done else None,
         "peak_mb": max(r for _, r in curve),
         "curve": curve,
         "ms_per_step": elapsed / max(done, 1) * 1e3,
@@ -138,10 +137,17 @@ def run_memory(
     samples: int = 10,
     keys: Sequence[str] = tuple(MEMORY_VARIANTS),
     cap_mb: float = 6000.0,
-    cap_s: float = 240.0,
+    cap_s: float = 300.0,
+    comparison_cap_s: float = 200.0,
     parallel: int = 3,
 ) -> dict[str, Any]:
-    """Run each memory variant in its own process (``parallel`` at a time)."""
+    """Run each memory variant in its own process (``parallel`` at a time).
+
+    commspan runs until ``steps`` or ``cap_s``; the comparisons (no tracing,
+    CommDebugMode) stop earlier, at ``comparison_cap_s``, leaving the cores to it.
+    A variant stopped early reports its growth so far and a linear projection
+    to ``steps``.
+    """
     from benchmarks.variants import available
 
     missing = {}
@@ -152,10 +158,16 @@ def run_memory(
         if key in missing:
             return {"label": MEMORY_VARIANTS[key], "error": missing[key]}
         try:
-            return run_in_subprocess(
-                _worker, key, cfg.as_dict(), warmup, steps, samples, cap_mb, cap_s,
-                timeout_s=cap_s + 300,
+            limit = cap_s if key == "commspan_jsonl" else min(cap_s, comparison_cap_s)
+            out = run_in_subprocess(
+                _worker, key, cfg.as_dict(), warmup, steps, samples, cap_mb, limit,
+                timeout_s=limit + 300,
             )
+            done = out["steps_done"]
+            out["projected_growth_mb"] = (
+                out["growth_mb"] if done >= steps else out["growth_mb"] / max(done, 1) * steps
+            )
+            return out
         except Exception as exc:
             return {"label": MEMORY_VARIANTS[key], "error": f"{type(exc).__name__}: {exc}"}
 

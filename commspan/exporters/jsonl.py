@@ -15,6 +15,8 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import os
 import threading
@@ -28,7 +30,14 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from commspan import semconv
 
-__all__ = ["JsonlSpanExporter", "SpanRecord", "encode_spans", "read_spans"]
+__all__ = [
+    "JsonlSpanExporter",
+    "SpanRecord",
+    "decode_value",
+    "encode_spans",
+    "read_documents",
+    "read_spans",
+]
 
 _log = logging.getLogger(__name__)
 DEFAULT_FILENAME = "commspan-rank{rank}.jsonl"
@@ -164,10 +173,38 @@ def _value(v: Any) -> dict[str, Any]:
     return {"stringValue": str(v)}
 
 
+# Encoded ``{"key": k, "value": {...}}`` entries, reused: module spans repeat the
+# same names, types and phases step after step. Bounded; cleared when full.
+_ENTRY_CACHE: dict[tuple[str, Any, type], dict[str, Any]] = {}
+_ENTRY_CACHE_MAX = 1 << 16
+
+
+def _entry(k: str, v: Any) -> dict[str, Any]:
+    t = type(v)
+    if t is list:
+        hv: Any = tuple(v)
+    elif t is float:
+        return {"key": k, "value": {"doubleValue": v}}  # rarely repeated
+    else:
+        hv = v
+    key = (k, hv, t)
+    try:
+        return _ENTRY_CACHE[key]
+    except KeyError:
+        pass
+    except TypeError:  # unhashable value
+        return {"key": k, "value": _value(v)}
+    entry = {"key": k, "value": _value(v)}
+    if len(_ENTRY_CACHE) >= _ENTRY_CACHE_MAX:
+        _ENTRY_CACHE.clear()
+    _ENTRY_CACHE[key] = entry
+    return entry
+
+
 def _attrs(attrs: Any) -> list[dict[str, Any]]:
     if not attrs:
         return []
-    return [{"key": k, "value": _value(v)} for k, v in attrs.items()]
+    return [_entry(k, v) for k, v in attrs.items()]
 
 
 def _span(span: ReadableSpan) -> dict[str, Any]:
@@ -198,8 +235,27 @@ def _span(span: ReadableSpan) -> dict[str, Any]:
     return out
 
 
+@contextlib.contextmanager
+def _no_gc() -> Iterator[None]:
+    """Pause the cyclic GC while building or parsing many small dicts: none of
+    them form cycles, and collections triggered by the allocations cost more
+    than the work itself."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def encode_spans(spans: Sequence[ReadableSpan]) -> bytes:
     """Encode spans as one OTLP/JSON ``ExportTraceServiceRequest`` (no newline)."""
+    with _no_gc():
+        return _encode(spans)
+
+
+def _encode(spans: Sequence[ReadableSpan]) -> bytes:
     groups: dict[int, tuple[Any, dict[tuple[str, str, str], list[dict[str, Any]]]]] = {}
     for span in spans:
         res = span.resource
@@ -253,6 +309,11 @@ class SpanRecord:
     resource: dict[str, Any] = field(default_factory=dict)
 
 
+def decode_value(v: dict[str, Any]) -> Any:
+    """Decode one OTLP/JSON ``AnyValue`` (``{"intValue": "3"}`` -> ``3``)."""
+    return _decode_value(v)
+
+
 def _decode_value(v: dict[str, Any]) -> Any:
     for key, val in v.items():
         if key == "stringValue":
@@ -278,30 +339,63 @@ def _decode_attrs(items: list[dict[str, Any]] | None) -> dict[str, Any]:
     return {a["key"]: _decode_value(a.get("value", {})) for a in items}
 
 
+def read_documents(
+    *paths: str | os.PathLike[str], pause_gc: bool = True
+) -> Iterator[dict[str, Any]]:
+    """Yield each line of JSONL files as a parsed OTLP/JSON request.
+
+    A truncated last line (a crash mid-write) is skipped with a warning; any
+    other line that is not valid JSON raises ``ValueError`` naming file and line.
+
+    Args:
+        pause_gc: pause the cyclic GC while each line is parsed (a caller that
+            pauses it around the whole read passes ``False``).
+    """
+    for p in paths:
+        path = Path(p)
+        with path.open("rb") as fh:
+            pending: bytes | None = None
+            number = 0
+            for raw in fh:
+                if pending is not None:
+                    yield _parse(pending, path, number, False, pause_gc)
+                number += 1
+                pending = raw if raw.strip() else None
+            if pending is not None:
+                doc = _parse(pending, path, number, True, pause_gc)
+                if doc is not None:
+                    yield doc
+
+
+def _parse(
+    line: bytes, path: Path, number: int, last: bool, pause_gc: bool
+) -> Any:
+    try:
+        if pause_gc:
+            with _no_gc():
+                return orjson.loads(line)
+        return orjson.loads(line)
+    except orjson.JSONDecodeError as exc:
+        if last:
+            _log.warning("commspan: %s: skipping truncated last line %d", path, number)
+            return None
+        raise ValueError(f"{path}:{number}: not a JSON line ({exc})") from None
+
+
 def read_spans(*paths: str | os.PathLike[str]) -> Iterator[SpanRecord]:
     """Yield every span in JSONL files written by :class:`JsonlSpanExporter`.
 
     A truncated last line (a crash mid-write) is skipped with a warning; any
     other line that is not valid JSON raises ``ValueError`` naming file and line.
+
+    Example:
+        >>> from commspan.exporters import read_spans
+        >>> spans = list(read_spans())  # pass the files of a run
+        >>> spans
+        []
     """
-    for p in paths:
-        path = Path(p)
-        with path.open("rb") as fh:
-            lines = fh.read().split(b"\n")
-        last = len(lines) - 1
-        while last >= 0 and not lines[last].strip():
-            last -= 1
-        for i, line in enumerate(lines):
-            if not line.strip():
-                continue
-            try:
-                doc = orjson.loads(line)
-            except orjson.JSONDecodeError as exc:
-                if i == last:
-                    _log.warning("commspan: %s: skipping truncated last line %d", path, i + 1)
-                    continue
-                raise ValueError(f"{path}:{i + 1}: not a JSON line ({exc})") from None
-            yield from _records(doc)
+    for doc in read_documents(*paths):
+        yield from _records(doc)
 
 
 def _records(doc: dict[str, Any]) -> Iterator[SpanRecord]:
