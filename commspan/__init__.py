@@ -1,5 +1,8 @@
 """commspan: PyTorch collectives attributed to modules, as OpenTelemetry spans.
 
+The public names load lazily, so importing ``commspan`` (the pytest plugin
+does, in every test session) does not import torch until one is used.
+
 Example:
     >>> import torch
     >>> from commspan import CommSpanMode
@@ -10,9 +13,10 @@ Example:
     {}
 """
 
-from commspan.aggregate import Aggregator, CollectiveSummary
-from commspan.semconv import Phase
-from commspan.session import CommSpanMode
+from __future__ import annotations
+
+import importlib as _importlib
+import typing as _typing
 
 __version__ = "0.1.0"
 
@@ -23,3 +27,28 @@ __all__ = [
     "Phase",
     "__version__",
 ]
+
+_LAZY = {
+    "Aggregator": ".aggregate",
+    "CollectiveSummary": ".aggregate",
+    "CommSpanMode": ".session",
+    "Phase": ".semconv",
+}
+
+if _typing.TYPE_CHECKING:
+    from commspan.aggregate import Aggregator, CollectiveSummary
+    from commspan.semconv import Phase
+    from commspan.session import CommSpanMode
+
+
+def __getattr__(name: str) -> _typing.Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'commspan' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -6,7 +6,8 @@ Placements are written the way DTensor prints them: ``S(0)``, ``R``,
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any
 
 from opentelemetry.context import Context
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
@@ -142,7 +143,7 @@ class Aggregator(SpanProcessor):
             self._seen_global = True
         else:
             self._note_module(fqn, attrs, start)
-        for name, ev in events:
+        for _name, ev in events:
             op = ev.get(semconv.COLL_OP)
             if op is None:
                 continue

@@ -13,7 +13,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -31,8 +32,8 @@ _Tensor = torch.Tensor
 CollectiveCallback = Callable[[CollectiveInfo, dict[str, Any]], None]
 
 try:  # DTensor reports redistributions to the active DebugMode (torch >= 2.10 or so)
-    from torch.utils._debug_mode import DebugMode as _DebugMode
     import torch.distributed.tensor._redistribute as _redistribute_mod
+    from torch.utils._debug_mode import DebugMode as _DebugMode
 
     REDISTRIBUTE_HOOK = callable(getattr(_DebugMode, "record_redistribute_calls", None)) and (
         hasattr(_redistribute_mod, "get_active_debug_mode")
@@ -352,13 +353,16 @@ class _GroupCache:
             import torch.distributed as dist
             from torch.distributed import distributed_c10d as c10d
 
+            pg: Any
             if isinstance(group, tuple):  # legacy funcol: ranks list
                 ranks = list(group)
-                pg = c10d._resolve_group_name_by_ranks_and_tag(ranks, "")
-                name = pg.group_name if pg is not None else "ranks:" + ",".join(map(str, ranks))
+                try:
+                    name = str(c10d._resolve_group_name_by_ranks_and_tag(ranks, ""))
+                except Exception:
+                    name = "ranks:" + ",".join(map(str, ranks))
                 return name, len(ranks), ranks
             if isinstance(group, str):
-                pg = c10d._resolve_process_group(group)
+                pg = c10d._resolve_process_group(group)  # type: ignore[arg-type]
             elif isinstance(group, torch.ScriptObject):
                 pg = dist.ProcessGroup.unbox(group)
             else:

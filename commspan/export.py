@@ -30,7 +30,9 @@ except ImportError:  # pragma: no cover
 
 
 class ExportStats(dict):  # type: ignore[type-arg]
-    """Counters of one exporter: ``queued``, ``exported``, ``dropped``, ``failed``."""
+    """Counters of one exporter: ``queued``, ``exported``, ``dropped``, ``failed``,
+    ``pending`` and ``in_flight``; ``queued == exported + dropped-after-queueing +
+    failed + pending + in_flight``."""
 
 
 class ExportQueue(SpanProcessor):
@@ -74,6 +76,7 @@ class ExportQueue(SpanProcessor):
         self._stopped = False
         self._worker: threading.Thread | None = None
         self.queued = 0
+        self.in_flight = 0
         self.exported = 0
         self.dropped = 0
         self.failed = 0
@@ -151,7 +154,8 @@ class ExportQueue(SpanProcessor):
             self._fail(0, "shutdown raised")
 
     def stats(self) -> ExportStats:
-        """Counters: spans queued, exported, dropped (queue full / unflushed), failed."""
+        """Counters: spans queued, exported, dropped (queue full / unflushed), failed,
+        pending (still queued) and in_flight (inside an export call that has not returned)."""
         return ExportStats(
             exporter=type(self.exporter).__name__,
             queued=self.queued,
@@ -159,6 +163,7 @@ class ExportQueue(SpanProcessor):
             dropped=self.dropped,
             failed=self.failed,
             pending=len(self._queue),
+            in_flight=self.in_flight,
         )
 
     # ------------------------------------------------------------ worker
@@ -197,11 +202,14 @@ class ExportQueue(SpanProcessor):
         while queue:
             n = min(len(queue), self._max_batch)
             batch = [queue.popleft() for _ in range(n)]
+            self.in_flight = len(batch)
             try:
                 result = self.exporter.export(batch)
             except Exception:
+                self.in_flight = 0
                 self._fail(len(batch), "raised")
                 continue
+            self.in_flight = 0
             if result is SpanExportResult.SUCCESS:
                 self.exported += len(batch)
             else:

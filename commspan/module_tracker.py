@@ -22,7 +22,8 @@ import functools
 import logging
 import sys
 import weakref
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 from torch.nn.modules.module import (

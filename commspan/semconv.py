@@ -15,7 +15,7 @@ Example:
 from __future__ import annotations
 
 import enum
-from functools import lru_cache
+from functools import cache
 
 __all__ = [
     "ATTRIBUTES",
@@ -223,7 +223,7 @@ ATTRIBUTES: dict[str, str] = {
 """Every attribute commspan writes, with its meaning (the source of docs/schema.md)."""
 
 
-@lru_cache(maxsize=None)
+@cache
 def count_key(phase: Phase | str, op: str) -> str:
     """Attribute key holding the subtree count of ``op`` collectives in ``phase``."""
     return f"{COUNT_PREFIX}{Phase(phase).value}.{op}"

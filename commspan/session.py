@@ -16,7 +16,8 @@ import logging
 import os
 import socket
 import time
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 from opentelemetry.sdk.resources import Resource
@@ -462,6 +463,7 @@ class CommSpanMode:
         out["exporters"] = [q.stats() for q in self._queues]
         out["spans_dropped"] = sum(q.dropped for q in self._queues)
         out["spans_failed"] = sum(q.failed for q in self._queues)
+        out["spans_in_flight"] = sum(q.in_flight for q in self._queues)
         return out
 
     def flush(self, timeout_s: float | None = None) -> bool:

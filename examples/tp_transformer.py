@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from opentelemetry.sdk.trace.export import SpanExporter
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Replicate
@@ -51,8 +52,10 @@ class Attention(nn.Module):
         self.wq, self.wk, self.wv, self.wo = (nn.Linear(c.dim, c.dim, bias=False) for _ in range(4))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape  # under TP, q/k/v are this rank's heads only
-        q, k, v = (w(x).view(b, s, self.n_heads, -1).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        b, s, _ = x.shape  # under TP, q/k/v hold this rank's heads only
+        q, k, v = (
+            w(x).view(b, s, self.n_heads, -1).transpose(1, 2) for w in (self.wq, self.wk, self.wv)
+        )
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.wo(o.transpose(1, 2).reshape(b, s, -1))
 
@@ -126,7 +129,7 @@ def train(out: Path, steps: int) -> None:
 
     path = out / f"commspan-rank{rank}.jsonl"
     path.unlink(missing_ok=True)  # JsonlSpanExporter appends; start afresh
-    exporters = [JsonlSpanExporter(path)]
+    exporters: list[SpanExporter] = [JsonlSpanExporter(path)]
     if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
         exporters.append(otlp_exporter())
 

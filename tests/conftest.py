@@ -21,7 +21,7 @@ def fake_pg() -> None:
 
 
 @pytest.fixture()
-def mesh(fake_pg: None) -> "torch.distributed.device_mesh.DeviceMesh":
+def mesh(fake_pg: None) -> torch.distributed.device_mesh.DeviceMesh:
     """A 1-D CPU DeviceMesh over the fake process group."""
     from torch.distributed.device_mesh import init_device_mesh
 

@@ -167,17 +167,14 @@ def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_console_script(run_dir: Path) -> None:
-    """The installed `commspan` script runs the same main (exit codes included)."""
+    """The installed `commspan` script runs main and exits with its status."""
     script = Path(sys.executable).with_name("commspan")
     if not script.exists():
         pytest.skip(f"console script not installed next to {sys.executable}")
-    ok = subprocess.run([str(script), "summary", str(run_dir), "--rank", "all"],
-                        capture_output=True, text=True, timeout=120, check=False)
-    assert ok.returncode == 0, ok.stderr
-    assert "ranks: 0-1" in ok.stdout
     bad = subprocess.run([str(script), "table", str(run_dir)],
                          capture_output=True, text=True, timeout=120, check=False)
     assert bad.returncode == 1
+    assert bad.stdout == ""
     assert bad.stderr.startswith("ValueError: rank=None")
 
 

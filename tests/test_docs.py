@@ -44,9 +44,7 @@ def test_readme_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ca
 
 
 @pytest.mark.parametrize("name", ["jsonl.md", "design.md"])
-def test_docs_examples_run(
-    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_docs_examples_run(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """docs/*.md Python blocks run, next to JSONL files written the README's way."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)

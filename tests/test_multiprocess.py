@@ -225,7 +225,7 @@ def test_c10d_collectives_recorded_on_their_module(ok_run: MpRun) -> None:
         assert len(ops_span) == 1
         events = ops_span[0].events
         assert sorted(name for name, _ in events) == sorted(expected)
-        for name, attrs in events:
+        for _name, attrs in events:
             assert attrs[semconv.COLL_KIND] == semconv.KIND_COLLECTIVE
             assert attrs[semconv.PG_SIZE] == WORLD
             assert attrs[semconv.PG_RANKS] == list(range(WORLD))

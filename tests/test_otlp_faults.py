@@ -1,4 +1,5 @@
-"""OTLP export against broken endpoints: the step never notices, losses are counted, shutdown is bounded.
+"""OTLP export against broken endpoints: steps never notice, losses are counted,
+shutdown is bounded.
 
 Each endpoint runs on 127.0.0.1 inside the test: a closed port (connection
 refused), a TCP server that accepts and never answers, HTTP servers answering

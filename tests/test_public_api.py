@@ -110,7 +110,9 @@ def _public_callables() -> list[tuple[str, Any]]:
     return sorted(found.items())
 
 
-@pytest.mark.parametrize("qualname,obj", _public_callables(), ids=lambda v: v if isinstance(v, str) else "")
+@pytest.mark.parametrize(
+    "qualname,obj", _public_callables(), ids=lambda v: v if isinstance(v, str) else ""
+)
 def test_public_callables_have_docstrings(qualname: str, obj: Any) -> None:
     """Every public class, function, method and property has its own docstring."""
     assert (inspect.getdoc(obj) or "").strip(), f"{qualname} has no docstring"

@@ -46,7 +46,9 @@ def test_commspan_env_beats_torchelastic(calls: list[str], monkeypatch: pytest.M
     assert calls == []
 
 
-def test_torchelastic_env_beats_broadcast(calls: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_torchelastic_env_beats_broadcast(
+    calls: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Under torchrun (TORCHELASTIC_RUN_ID set) its id is used without a broadcast."""
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "from-torchrun")
     assert resolve_run_id() == "from-torchrun"
@@ -54,7 +56,9 @@ def test_torchelastic_env_beats_broadcast(calls: list[str], monkeypatch: pytest.
 
 
 @pytest.mark.parametrize("value", ["", "   ", "none"])
-def test_blank_or_none_env_is_ignored(calls: list[str], monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+def test_blank_or_none_env_is_ignored(
+    calls: list[str], monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
     """Empty values and torchrun's "none" placeholder fall through to the next source."""
     monkeypatch.setenv("COMMSPAN_RUN_ID", value)
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", value)

@@ -18,7 +18,9 @@ _NAME = re.compile(r"^commspan\.[a-z_<>]+(\.[a-z_<>]*)*$")
 
 
 def _generator():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("gen_schema_doc", REPO / "tools/gen_schema_doc.py")
+    spec = importlib.util.spec_from_file_location(
+        "gen_schema_doc", REPO / "tools/gen_schema_doc.py"
+    )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -113,7 +115,7 @@ def test_hardcoded_name_detector_works(tmp_path: Path) -> None:
     source.write_text(
         '"""Docstring naming commspan.rank is fine."""\n'
         'KEY = "commspan.module.fqn"\n'
-        'def f(phase):\n'
+        "def f(phase):\n"
         '    """commspan.phase in a docstring is fine."""\n'
         '    return f"commspan.collectives.{phase}"\n',
         encoding="utf-8",

@@ -689,7 +689,7 @@ def test_nesting_with_torch_commdebugmode(mesh: DeviceMesh, commspan_outside: bo
                     mlp_step(model)
                 together.append(_cdm_counts(cdm))
     else:
-        for i in range(2):
+        for _ in range(2):
             cdm = CommDebugMode()
             with cdm, nested:
                 mlp_step(model)

@@ -20,9 +20,10 @@ import gc
 import logging
 import os
 import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import orjson
 from opentelemetry.sdk.trace import ReadableSpan

@@ -16,7 +16,8 @@ Example:
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from opentelemetry.sdk.trace.export import SpanExporter
 
