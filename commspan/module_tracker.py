@@ -68,7 +68,7 @@ class ModuleHooks(Protocol):
 
 
 class _ModInfo:
-    __slots__ = ("fqn", "type", "params", "local_hooked", "attrs", "names", "depth")
+    __slots__ = ("fqn", "type", "params", "local_hooked", "attrs", "names", "depth", "ref")
 
     def __init__(self, fqn: str, mtype: str) -> None:
         self.fqn = fqn
@@ -85,6 +85,7 @@ class _ModInfo:
         }
         self.names = {phase: semconv.module_span_name(fqn, phase) for phase in Phase}
         self.depth = 0  # nesting depth at the module's first forward
+        self.ref: Any = None  # weakref.ref to the module, made once
 
 
 class _Call:
@@ -249,7 +250,10 @@ class ModuleTracker:
                 if info.params:
                     attrs.update(info.params)
             frame = self.recorder.push(info.fqn, phase, attrs, task, name=info.names[phase])
-            call = _Call(info, weakref.ref(module), parent, frame, depth)
+            ref = info.ref
+            if ref is None:
+                ref = info.ref = weakref.ref(module)
+            call = _Call(info, ref, parent, frame, depth)
             call.task = task
             self._calls.append(call)
             if module._forward_hooks and not info.local_hooked:
@@ -271,18 +275,22 @@ class ModuleTracker:
         info = self._known.get(module)
         if info is None or info.local_hooked:
             return
-        self._finish_forward(module, args, output)
+        self._finish_forward(info, module, args, output)
 
     def _local_post_fw(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if not self.active or _in_compiled():
             return
-        self._finish_forward(module, args, output)
+        info = self._known.get(module)
+        if info is not None:
+            self._finish_forward(info, module, args, output)
 
-    def _finish_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+    def _finish_forward(
+        self, info: _ModInfo, module: torch.nn.Module, args: Any, output: Any
+    ) -> None:
         try:
             calls = self._calls
             idx = len(calls) - 1
-            while idx >= 0 and calls[idx].module() is not module:
+            while idx >= 0 and calls[idx].info is not info:
                 idx -= 1
             if idx < 0:
                 return

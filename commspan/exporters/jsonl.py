@@ -174,18 +174,21 @@ def _value(v: Any) -> dict[str, Any]:
     return {"stringValue": str(v)}
 
 
-# Encoded ``{"key": k, "value": {...}}`` entries, reused: module spans repeat the
-# same names, types and phases step after step. Bounded; cleared when full.
-_ENTRY_CACHE: dict[tuple[str, Any, type], dict[str, Any]] = {}
-_ENTRY_CACHE_MAX = 1 << 16
+# Encoded attribute entries (``{"key":k,"value":{...}}`` as JSON bytes), reused:
+# module spans repeat the same names, types and phases step after step.
+# Bounded; cleared when full.
+_ENTRY_CACHE: dict[tuple[str, Any, type], bytes] = {}
+_TEXT_CACHE: dict[str, bytes] = {}
+_CACHE_MAX = 1 << 16
+_dumps = orjson.dumps
 
 
-def _entry(k: str, v: Any) -> dict[str, Any]:
+def _entry(k: str, v: Any) -> bytes:
     t = type(v)
     if t is list:
         hv: Any = tuple(v)
     elif t is float:
-        return {"key": k, "value": {"doubleValue": v}}  # rarely repeated
+        return _dumps({"key": k, "value": {"doubleValue": v}})  # rarely repeated
     else:
         hv = v
     key = (k, hv, t)
@@ -194,46 +197,73 @@ def _entry(k: str, v: Any) -> dict[str, Any]:
     except KeyError:
         pass
     except TypeError:  # unhashable value
-        return {"key": k, "value": _value(v)}
-    entry = {"key": k, "value": _value(v)}
-    if len(_ENTRY_CACHE) >= _ENTRY_CACHE_MAX:
+        return _dumps({"key": k, "value": _value(v)})
+    entry = _dumps({"key": k, "value": _value(v)})
+    if len(_ENTRY_CACHE) >= _CACHE_MAX:
         _ENTRY_CACHE.clear()
     _ENTRY_CACHE[key] = entry
     return entry
 
 
-def _attrs(attrs: Any) -> list[dict[str, Any]]:
+def _attrs(attrs: Any) -> bytes:
     if not attrs:
-        return []
-    return [_entry(k, v) for k, v in attrs.items()]
+        return b"[]"
+    return b"[" + b",".join([_entry(k, v) for k, v in attrs.items()]) + b"]"
 
 
-def _span(span: ReadableSpan) -> dict[str, Any]:
+def _text(value: str) -> bytes:
+    try:
+        return _TEXT_CACHE[value]
+    except KeyError:
+        pass
+    out = _dumps(value)
+    if len(_TEXT_CACHE) >= _CACHE_MAX:
+        _TEXT_CACHE.clear()
+    _TEXT_CACHE[value] = out
+    return out
+
+
+def _span(span: ReadableSpan) -> bytes:
     ctx = span.context
-    out: dict[str, Any] = {
-        "traceId": f"{ctx.trace_id:032x}" if ctx else "",
-        "spanId": f"{ctx.span_id:016x}" if ctx else "",
-        "name": span.name,
-        "kind": span.kind.value + 1,
-        "startTimeUnixNano": str(span.start_time or 0),
-        "endTimeUnixNano": str(span.end_time or 0),
-        "attributes": _attrs(span.attributes),
-    }
+    parts = [
+        b'{"traceId":"',
+        (f"{ctx.trace_id:032x}" if ctx else "").encode(),
+        b'","spanId":"',
+        (f"{ctx.span_id:016x}" if ctx else "").encode(),
+    ]
     parent = span.parent
     if parent is not None:
-        out["parentSpanId"] = f"{parent.span_id:016x}"
+        parts.append(b'","parentSpanId":"')
+        parts.append(f"{parent.span_id:016x}".encode())
+    parts.append(b'","name":')
+    parts.append(_text(span.name))
+    parts.append(
+        b',"kind":%d,"startTimeUnixNano":"%d","endTimeUnixNano":"%d","attributes":'
+        % (span.kind.value + 1, span.start_time or 0, span.end_time or 0)
+    )
+    parts.append(_attrs(span.attributes))
     events = span.events
     if events:
-        out["events"] = [
-            {"timeUnixNano": str(e.timestamp), "name": e.name, "attributes": _attrs(e.attributes)}
-            for e in events
-        ]
+        parts.append(b',"events":[')
+        parts.append(
+            b",".join(
+                [
+                    b'{"timeUnixNano":"%d","name":%s,"attributes":%s}'
+                    % (e.timestamp, _text(e.name), _attrs(e.attributes))
+                    for e in events
+                ]
+            )
+        )
+        parts.append(b"]")
     status = span.status
     code = status.status_code.value
-    out["status"] = {"code": code, "message": status.description} if code and (
-        status.description
-    ) else ({"code": code} if code else {})
-    return out
+    if not code:
+        parts.append(b',"status":{}}')
+    elif status.description:
+        parts.append(b',"status":{"code":%d,"message":%s}}' % (code, _dumps(status.description)))
+    else:
+        parts.append(b',"status":{"code":%d}}' % code)
+    return b"".join(parts)
 
 
 @contextlib.contextmanager
@@ -257,7 +287,7 @@ def encode_spans(spans: Sequence[ReadableSpan]) -> bytes:
 
 
 def _encode(spans: Sequence[ReadableSpan]) -> bytes:
-    groups: dict[int, tuple[Any, dict[tuple[str, str, str], list[dict[str, Any]]]]] = {}
+    groups: dict[int, tuple[Any, dict[tuple[str, str, str], list[bytes]]]] = {}
     for span in spans:
         res = span.resource
         slot = groups.get(id(res))
@@ -272,16 +302,16 @@ def _encode(spans: Sequence[ReadableSpan]) -> bytes:
         slot[1].setdefault(key, []).append(_span(span))
     resource_spans = []
     for res, scopes in groups.values():
+        scope_spans = [
+            b'{"scope":%s,"schemaUrl":%s,"spans":[%s]}'
+            % (_dumps({"name": n, "version": v}), _dumps(u), b",".join(encoded))
+            for (n, v, u), encoded in scopes.items()
+        ]
         resource_spans.append(
-            {
-                "resource": {"attributes": _attrs(res.attributes if res else {})},
-                "scopeSpans": [
-                    {"scope": {"name": n, "version": v}, "schemaUrl": u, "spans": s}
-                    for (n, v, u), s in scopes.items()
-                ],
-            }
+            b'{"resource":{"attributes":%s},"scopeSpans":[%s]}'
+            % (_attrs(res.attributes if res else {}), b",".join(scope_spans))
         )
-    return orjson.dumps({"resourceSpans": resource_spans})
+    return b'{"resourceSpans":[' + b",".join(resource_spans) + b"]}"
 
 
 # ------------------------------------------------------------------ reading
