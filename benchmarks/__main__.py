@@ -22,8 +22,9 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from benchmarks.model import SIZES, ModelConfig
 
@@ -44,17 +45,20 @@ class Plan:
     memory_warmup: int
     memory_cap_s: float
     profile_steps: int
+    profile_rounds: int
 
 
 FULL = Plan(
-    rounds=20, warmup=2, steps_per_round=2, step_budget_s=300.0,
+    rounds=20, warmup=2, steps_per_round=2, step_budget_s=270.0,
     export_min_seconds=0.5, export_repeats=5, export_file_steps=200,
     memory_steps=1000, memory_warmup=20, memory_cap_s=300.0, profile_steps=10,
+    profile_rounds=12,
 )
 QUICK = Plan(
     rounds=2, warmup=1, steps_per_round=1, step_budget_s=45.0,
     export_min_seconds=0.2, export_repeats=2, export_file_steps=30,
     memory_steps=40, memory_warmup=3, memory_cap_s=60.0, profile_steps=3,
+    profile_rounds=2,
 )
 
 
@@ -208,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     section(
         "memory",
-        f"RSS over {plan.memory_steps} steps, small model, 3 processes side by side",
+        f"RSS over {plan.memory_steps} steps, small model, 4 processes side by side",
         lambda: run_memory(
             memory_cfg, steps=plan.memory_steps, warmup=plan.memory_warmup,
             cap_s=plan.memory_cap_s,
@@ -216,8 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     section(
         "profile",
-        f"cProfile of {plan.profile_steps} traced steps, {size} model",
-        lambda: run_profile(cfg, steps=plan.profile_steps),
+        f"one rank's step split, then cProfile of {plan.profile_steps} traced steps, {size} model",
+        lambda: run_profile(cfg, steps=plan.profile_steps, rounds=plan.profile_rounds),
     )
 
     from benchmarks.report import evaluate_targets, format_report

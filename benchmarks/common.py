@@ -8,7 +8,8 @@ import os
 import socket
 import statistics
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 __all__ = [
     "free_port",

@@ -14,8 +14,9 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from benchmarks.common import quiet
 from benchmarks.model import ModelConfig

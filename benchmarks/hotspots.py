@@ -1,4 +1,10 @@
-"""Where commspan's time goes: cProfile around traced steps of one rank.
+"""Where commspan's time goes: one rank's step split, then cProfile around traced steps.
+
+First, in one process without the noise of 4 ranks on 2 cores, CPU per step
+of no mode, the pass-through floor, commspan (aggregator only), commspan +
+JSONL and commspan on sampled-out steps, interleaved round by round: how much
+of commspan's cost is the floor
+any dispatch mode pays, and how much is commspan's own.
 
 One spawned process over torch's fake process group (world 4, rank 0; the
 per-rank Python work is the same as over gloo, without the waiting), the
@@ -13,12 +19,13 @@ torch's Python code, ...).
 from __future__ import annotations
 
 import cProfile
+import gc
 import pstats
 import tempfile
 import time
 from typing import Any
 
-from benchmarks.common import quiet, run_in_subprocess
+from benchmarks.common import median, quiet, run_in_subprocess
 from benchmarks.model import ModelConfig
 
 __all__ = ["run_profile"]
@@ -38,13 +45,51 @@ def _package(filename: str) -> str:
     return "other Python (stdlib, ...)"
 
 
-def _worker(cfg_dict: dict[str, Any], steps: int, top: int) -> dict[str, Any]:
+DECOMPOSE = ("none", "none_aa", "floor", "cs_agg", "cs_jsonl", "cs_sampled_out")
+
+
+def _decompose(model: Any, batch: Any, tmp: str, rounds: int, make_variant: Any,
+               train_step: Any) -> dict[str, dict[str, Any]]:
+    """CPU ms per step of each variant, interleaved one step at a time, one process.
+
+    Returns, per variant, the median over rounds, and the median over rounds of
+    its difference and ratio to "no mode" in the same round (paired, so slow
+    drift of the machine cancels).
+    """
+    variants = {k: make_variant(k, tmpdir=tmp) for k in DECOMPOSE}
+    samples: dict[str, list[float]] = {k: [] for k in DECOMPOSE}
+    index = 1
+    for r in range(rounds + 1):
+        order = DECOMPOSE[r % len(DECOMPOSE):] + DECOMPOSE[: r % len(DECOMPOSE)]
+        for k in order:
+            gc.collect()
+            c0 = time.process_time()
+            variants[k].run_block(lambda: train_step(model, batch), range(index, index + 1))
+            index += 1
+            if r:  # round 0 warms up
+                samples[k].append((time.process_time() - c0) * 1e3)
+    for v in variants.values():
+        v.close()
+    base = samples["none"]
+    return {
+        k: {
+            "ms": median(v),
+            "delta_ms": median([a - b for a, b in zip(v, base)]),
+            "ratio": median([a / b for a, b in zip(v, base)]),
+            "samples": v,
+        }
+        for k, v in samples.items()
+    }
+
+
+def _worker(cfg_dict: dict[str, Any], steps: int, top: int, rounds: int) -> dict[str, Any]:
     quiet()
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from benchmarks.model import build_model, make_batch, train_step
+    from benchmarks.variants import make_variant
     from commspan import CommSpanMode
     from commspan.exporters import JsonlSpanExporter
 
@@ -53,6 +98,7 @@ def _worker(cfg_dict: dict[str, Any], steps: int, top: int) -> dict[str, Any]:
     model = build_model(cfg, init_device_mesh("cpu", (4,)))
     batch = make_batch(cfg)
     with tempfile.TemporaryDirectory(prefix="commspan-bench-prof-") as tmp:
+        decomposition = _decompose(model, batch, tmp, rounds, make_variant, train_step)
         mode = CommSpanMode(exporters=[JsonlSpanExporter(f"{tmp}/prof-rank{{rank}}.jsonl")])
         with mode:
             for i in range(3):  # warm-up
@@ -80,7 +126,8 @@ def _worker(cfg_dict: dict[str, Any], steps: int, top: int) -> dict[str, Any]:
     stats = pstats.Stats(prof)
     rows = []
     own_by_package: dict[str, float] = {}
-    for (filename, line, name), (cc, nc, tt, ct, _callers) in stats.stats.items():  # type: ignore[attr-defined]
+    raw = stats.stats  # type: ignore[attr-defined]
+    for (filename, line, name), (_cc, nc, tt, ct, _callers) in raw.items():
         pkg = _package(filename)
         own_by_package[pkg] = own_by_package.get(pkg, 0.0) + tt
         if pkg != "commspan":
@@ -97,6 +144,8 @@ def _worker(cfg_dict: dict[str, Any], steps: int, top: int) -> dict[str, Any]:
     return {
         "config": cfg_dict,
         "steps": steps,
+        "decomposition_rounds": rounds,
+        "decomposition_cpu_ms_per_step": decomposition,
         "unprofiled_ms_per_step": unprofiled,
         "untraced_ms_per_step": untraced,
         "profiled_ms_per_step": profiled,
@@ -108,7 +157,8 @@ def _worker(cfg_dict: dict[str, Any], steps: int, top: int) -> dict[str, Any]:
     }
 
 
-def run_profile(cfg: ModelConfig, *, steps: int = 10, top: int = 15,
+def run_profile(cfg: ModelConfig, *, steps: int = 10, top: int = 15, rounds: int = 12,
                 timeout_s: float = 300.0) -> dict[str, Any]:
-    """Profile ``steps`` traced steps in a fresh process."""
-    return run_in_subprocess(_worker, cfg.as_dict(), steps, top, timeout_s=timeout_s)
+    """Split one rank's step cost (no mode / floor / commspan, ``rounds`` interleaved
+    rounds of one step each), then profile ``steps`` traced steps, in a fresh process."""
+    return run_in_subprocess(_worker, cfg.as_dict(), steps, top, rounds, timeout_s=timeout_s)

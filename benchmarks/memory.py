@@ -9,6 +9,8 @@ shows what is retained, not garbage waiting for the collector). Variants:
 * commspan with a JSONL exporter writing to a temporary file: one
   ``CommSpanMode`` context open over every step, ``mode.step(i)`` per step,
   as a training loop would run it;
+* the same without exporter (aggregator only), to tell the exporter's
+  memory from the core's;
 * torch's CommDebugMode, a fresh context per step (it cannot span two steps
   in torch 2.13), stopped early if its RSS grows past a cap.
 
@@ -20,8 +22,9 @@ from __future__ import annotations
 
 import tempfile
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Sequence
+from typing import Any
 
 from benchmarks.common import quiet, rss_mb, run_in_subprocess
 from benchmarks.model import ModelConfig
@@ -31,6 +34,7 @@ __all__ = ["MEMORY_VARIANTS", "run_memory"]
 MEMORY_VARIANTS: dict[str, str] = {
     "none": "no tracing",
     "commspan_jsonl": "commspan + JSONL, one context",
+    "commspan_agg": "commspan, aggregator only, one context",
     "cdm": "torch CommDebugMode, fresh per step",
 }
 
@@ -61,11 +65,15 @@ def _worker(
         def run(i: int) -> None:
             train_step(model, batch)
 
-    elif key == "commspan_jsonl":
+    elif key in ("commspan_jsonl", "commspan_agg"):
         from commspan import CommSpanMode
         from commspan.exporters import JsonlSpanExporter
 
-        mode = CommSpanMode(exporters=[JsonlSpanExporter(f"{tmp.name}/mem-rank{{rank}}.jsonl")])
+        exporters = (
+            [JsonlSpanExporter(f"{tmp.name}/mem-rank{{rank}}.jsonl")]
+            if key == "commspan_jsonl" else []
+        )
+        mode = CommSpanMode(exporters=exporters)
         stack.enter_context(mode)
 
         def run(i: int) -> None:
@@ -96,6 +104,8 @@ def _worker(
             if done % every == 0 or done == steps:
                 rss = rss_mb()
                 curve.append((done, rss))
+                if done == steps:
+                    break
                 if rss - base > cap_mb:
                     note = f"stopped: RSS grew past {cap_mb:.0f} MB"
                     break
@@ -104,7 +114,7 @@ def _worker(
                     break
         elapsed = time.perf_counter() - t0
         extra: dict[str, Any] = {}
-        if key == "commspan_jsonl":
+        if key.startswith("commspan"):
             stats = mode.stats()
             extra = {
                 "spans": stats.get("spans"),
@@ -138,8 +148,8 @@ def run_memory(
     keys: Sequence[str] = tuple(MEMORY_VARIANTS),
     cap_mb: float = 6000.0,
     cap_s: float = 300.0,
-    comparison_cap_s: float = 200.0,
-    parallel: int = 3,
+    comparison_cap_s: float = 180.0,
+    parallel: int = 4,
 ) -> dict[str, Any]:
     """Run each memory variant in its own process (``parallel`` at a time).
 
@@ -150,7 +160,7 @@ def run_memory(
     """
     from benchmarks.variants import available
 
-    missing = {}
+    missing: dict[str, str] = {}
     if "cdm" in keys:
         _, missing = available(["cdm"])
 
@@ -158,7 +168,7 @@ def run_memory(
         if key in missing:
             return {"label": MEMORY_VARIANTS[key], "error": missing[key]}
         try:
-            limit = cap_s if key == "commspan_jsonl" else min(cap_s, comparison_cap_s)
+            limit = cap_s if key.startswith("commspan") else min(cap_s, comparison_cap_s)
             out = run_in_subprocess(
                 _worker, key, cfg.as_dict(), warmup, steps, samples, cap_mb, limit,
                 timeout_s=limit + 300,

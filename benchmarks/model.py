@@ -174,7 +174,8 @@ def build_model(cfg: ModelConfig, mesh: Any, seed: int = 0) -> TinyTransformer:
                 "mlp.w2": RowwiseParallel(),
             },
         )
-        block.attn.n_heads //= world
+        attn: SelfAttention = block.attn  # type: ignore[assignment]
+        attn.n_heads //= world
     return model
 
 

@@ -9,12 +9,12 @@ __all__ = ["TARGETS", "evaluate_targets", "format_report"]
 
 # (key, description, metric path, comparison, threshold)
 TARGETS: list[tuple[str, str, str, str, float]] = [
-    ("full_tracing_wall", "commspan + JSONL, wall step time vs no mode", "step.variants.cs_jsonl.wall_ratio",
-     "<=", 1.10),
+    ("full_tracing_wall", "commspan + JSONL, wall step time vs no mode",
+     "step.variants.cs_jsonl.wall_ratio", "<=", 1.10),
     ("above_floor_vs_cdm", "commspan + JSONL cost above floor / CommDebugMode's (CPU)",
      "step.variants.cs_jsonl.cpu_above_floor_vs_cdm", "<=", 0.25),
-    ("sampled_out", "sampled-out step, CPU step time vs no mode", "step.variants.cs_sampled_out.cpu_ratio",
-     "<=", 1.02),
+    ("sampled_out", "sampled-out step, CPU step time vs no mode",
+     "step.variants.cs_sampled_out.cpu_ratio", "<=", 1.02),
     ("jsonl_spans_per_s", "JsonlSpanExporter spans/s (one core)", "export.jsonl.spans_per_s",
      ">=", 200_000),
     ("from_jsonl_events_per_s", "Aggregator.from_jsonl events/s",
@@ -45,6 +45,10 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
             verdict = "PASS" if value < threshold else "FAIL"
         else:
             verdict = "PASS" if value >= threshold else "FAIL"
+        if key == "rss_growth" and isinstance(results.get("memory"), dict):
+            steps = results["memory"].get("steps")
+            if steps:
+                desc = f"RSS growth over {steps:,} traced steps, commspan + JSONL (MB)"
         out.append(
             {"target": key, "description": desc, "value": value, "op": op,
              "threshold": threshold, "verdict": verdict}
@@ -132,7 +136,8 @@ def _export_section(export: dict[str, Any]) -> str:
          f"{f['spans_per_s']:,.0f} spans/s; file of {f['steps']} steps, {f['spans']:,} spans, "
          f"{f['events']:,} events, {f['bytes'] / 1e6:.1f} MB; wall {f['events_per_wall_s']:,.0f} "
          "events/s"],
-        ["  ceiling: orjson.loads of the same lines only", f"{f['parse_only_events_per_s']:,.0f} events/s",
+        ["  ceiling: orjson.loads of the same lines only",
+         f"{f['parse_only_events_per_s']:,.0f} events/s",
          f"{f['parse_only_mb_per_s']:,.0f} MB/s of OTLP/JSON; "
          f"{f['bytes'] / max(f['events'], 1) / 1e3:.1f} kB of JSON per collective event"],
     ]
@@ -147,7 +152,7 @@ def _export_section(export: dict[str, Any]) -> str:
 
 def _memory_section(memory: dict[str, Any]) -> str:
     rows = []
-    for key, v in memory["variants"].items():
+    for v in memory["variants"].values():
         if v.get("error"):
             rows.append([v["label"], "–", "–", "–", "–", "–", v["error"].splitlines()[0][:80]])
             continue
@@ -184,15 +189,37 @@ def _profile_section(profile: dict[str, Any]) -> str:
     head = (
         f"Where commspan's time goes (cProfile, one process, fake PG, commspan + JSONL, "
         f"{profile['steps']} traced steps. CPU per step: untraced "
-        f"{profile['untraced_ms_per_step']:.1f} ms, traced {profile['unprofiled_ms_per_step']:.1f} ms, "
+        f"{profile['untraced_ms_per_step']:.1f} ms, traced "
+        f"{profile['unprofiled_ms_per_step']:.1f} ms, "
         f"traced under the profiler {profile['profiled_ms_per_step']:.1f} ms; the times below are "
         f"per step and inflated by the profiler; cumulative time of __torch_dispatch__ includes "
-        f"running the op itself)"
+        f"running the op itself; cProfile sees the training thread only, so JSONL encoding in "
+        f"the export thread is not here: see the export section)"
     )
     table = _table(["commspan function", "cum ms", "own ms", "calls"], rows)
+    d = profile.get("decomposition_cpu_ms_per_step") or {}
+    split = ""
+    if {"none", "floor", "cs_jsonl"} <= set(d):
+        drows = [
+            [label, f"{d[k]['ms']:.1f}", f"{d[k]['delta_ms']:+.1f}", f"×{d[k]['ratio']:.3f}"]
+            for k, label in (("none", "no mode"), ("none_aa", "no mode again (A/A)"),
+                             ("floor", "pass-through floor"),
+                             ("cs_agg", "commspan, aggregator only"),
+                             ("cs_jsonl", "commspan + JSONL"),
+                             ("cs_sampled_out", "commspan, sampled-out step"))
+            if k in d
+        ]
+        floor, full = d["floor"]["delta_ms"], d["cs_jsonl"]["delta_ms"]
+        split = (
+            f"One rank's step, split (one process, fake PG, {profile['decomposition_rounds']} "
+            f"interleaved rounds of one step; CPU per step, median; 'vs no mode' and ratio are "
+            f"medians of same-round differences): the floor costs {floor:+.1f} ms, commspan + "
+            f"JSONL {full - floor:+.1f} ms above it\n\n"
+            + _table(["variant", "CPU ms/step", "vs no mode ms", "ratio"], drows) + "\n\n"
+        )
     pk = [[k, f"{v:.1f}"] for k, v in profile["own_ms_per_step_by_package"].items()]
     by_pkg = _table(["own time per step, by package (profiled)", "ms"], pk)
-    return "\n".join([head, "", table, "", by_pkg])
+    return split + "\n".join([head, "", table, "", by_pkg])
 
 
 def format_report(results: dict[str, Any]) -> str:
@@ -204,6 +231,8 @@ def format_report(results: dict[str, Any]) -> str:
         f"commspan {machine.get('commspan', '?')} ({machine.get('git', '?')}); "
         f"mode {results.get('mode', '?')}"
     )
+    if results.get("mode") == "quick":
+        parts[-1] += "\nquick mode: a smoke run; too few rounds and steps for numbers to mean much"
     load = machine.get("load_average_at_start")
     if load:
         parts[-1] += (

@@ -21,8 +21,9 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from benchmarks.common import free_port, median, quiet, spread
 from benchmarks.model import ModelConfig
@@ -119,7 +120,7 @@ def _rank_main(
 
 def _ratios(num: list[list[float]], den: list[list[float]]) -> list[float]:
     """Per (round, rank) ratios; ``num[rank][round]``."""
-    out = []
+    out: list[float] = []
     for a, b in zip(num, den):
         out.extend(x / y for x, y in zip(a, b) if y > 0)
     return out
@@ -223,6 +224,10 @@ def run_step_overhead(
             "rounds_measured": min(r["rounds"] for r in per_rank),
             "unavailable": missing,
             "variant_stats_rank0": per_rank[0]["variant_stats"],
+            "samples": {
+                "cpu_ms": [r["cpu_ms"] for r in per_rank],
+                "wall_ms": [r["wall_ms"] for r in per_rank],
+            },
             "jsonl_bytes": jsonl_bytes,
             "otlp_receiver": otlp,
             "elapsed_s": time.monotonic() - t0,

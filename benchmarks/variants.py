@@ -11,12 +11,14 @@ thread of the process).
 from __future__ import annotations
 
 import tempfile
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["ALL_VARIANTS", "LABELS", "PassThroughMode", "Variant", "available", "make_variant"]
 
+_DTensor: Any
 try:
     from torch.distributed.tensor import DTensor as _DTensor
 except Exception:  # pragma: no cover - torch without distributed
@@ -144,7 +146,6 @@ def available(keys: Sequence[str]) -> tuple[list[str], dict[str, str]]:
         if key == "cdm":
             try:
                 import numpy  # noqa: F401  # CommDebugMode imports it
-
                 from torch.distributed.tensor.debug import CommDebugMode  # noqa: F401
             except Exception as exc:
                 missing[key] = f"{type(exc).__name__}: {exc} (pip install numpy)"
@@ -153,7 +154,9 @@ def available(keys: Sequence[str]) -> tuple[list[str], dict[str, str]]:
     return ok, missing
 
 
-def make_variant(key: str, *, otlp_endpoint: str | None = None, tmpdir: str | None = None) -> Variant:
+def make_variant(
+    key: str, *, otlp_endpoint: str | None = None, tmpdir: str | None = None
+) -> Variant:
     """Build variant ``key`` (JSONL files go to ``tmpdir``)."""
     if key in ("none", "none_aa"):
         v: Variant = _NoMode()

@@ -28,6 +28,8 @@ from typing import Any
 import orjson
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+from opentelemetry.trace import SpanKind
+from opentelemetry.trace.status import StatusCode
 
 from commspan import semconv
 
@@ -179,7 +181,8 @@ def _value(v: Any) -> dict[str, Any]:
 # Bounded; cleared when full.
 _ENTRY_CACHE: dict[tuple[str, Any, type], bytes] = {}
 _TEXT_CACHE: dict[str, bytes] = {}
-_CACHE_MAX = 1 << 16
+_CACHE_MAX = 1 << 14
+_SMALL_INT = 1 << 10
 _dumps = orjson.dumps
 
 
@@ -187,8 +190,9 @@ def _entry(k: str, v: Any) -> bytes:
     t = type(v)
     if t is list:
         hv: Any = tuple(v)
-    elif t is float:
-        return _dumps({"key": k, "value": {"doubleValue": v}})  # rarely repeated
+    elif t is float or (t is int and not -_SMALL_INT < v < _SMALL_INT):
+        # large ints (sequence numbers, byte counts, steps) rarely repeat
+        return _dumps({"key": k, "value": _value(v)})
     else:
         hv = v
     key = (k, hv, t)
@@ -198,7 +202,8 @@ def _entry(k: str, v: Any) -> bytes:
         pass
     except TypeError:  # unhashable value
         return _dumps({"key": k, "value": _value(v)})
-    entry = _dumps({"key": k, "value": _value(v)})
+    # orjson's result keeps its ~4 kB build buffer: cache an exact-size copy
+    entry = bytes(memoryview(_dumps({"key": k, "value": _value(v)})))
     if len(_ENTRY_CACHE) >= _CACHE_MAX:
         _ENTRY_CACHE.clear()
     _ENTRY_CACHE[key] = entry
@@ -216,54 +221,55 @@ def _text(value: str) -> bytes:
         return _TEXT_CACHE[value]
     except KeyError:
         pass
-    out = _dumps(value)
+    out = bytes(memoryview(_dumps(value)))  # exact-size copy, see _entry
     if len(_TEXT_CACHE) >= _CACHE_MAX:
         _TEXT_CACHE.clear()
     _TEXT_CACHE[value] = out
     return out
 
 
+_STATUS = {code: code.value for code in StatusCode}
+_KIND = {kind: kind.value + 1 for kind in SpanKind}  # OTLP numbers kinds from 1
+
+
 def _span(span: ReadableSpan) -> bytes:
     ctx = span.context
-    parts = [
-        b'{"traceId":"',
-        (f"{ctx.trace_id:032x}" if ctx else "").encode(),
-        b'","spanId":"',
-        (f"{ctx.span_id:016x}" if ctx else "").encode(),
-    ]
     parent = span.parent
-    if parent is not None:
-        parts.append(b'","parentSpanId":"')
-        parts.append(f"{parent.span_id:016x}".encode())
-    parts.append(b'","name":')
-    parts.append(_text(span.name))
-    parts.append(
-        b',"kind":%d,"startTimeUnixNano":"%d","endTimeUnixNano":"%d","attributes":'
-        % (span.kind.value + 1, span.start_time or 0, span.end_time or 0)
+    # ReadableSpan's public properties wrap attributes and events in new
+    # objects on every access; read the stored values when they are there.
+    attrs = getattr(span, "_attributes", None)
+    if attrs is None:
+        attrs = span.attributes
+    events = getattr(span, "_events", None)
+    if events is None:
+        events = span.events
+    out = b'{"traceId":"%032x","spanId":"%016x",%s"name":%s,"kind":%d,' % (
+        ctx.trace_id if ctx else 0,
+        ctx.span_id if ctx else 0,
+        b'"parentSpanId":"%016x",' % parent.span_id if parent is not None else b"",
+        _text(span.name),
+        _KIND.get(span.kind, 1),
     )
-    parts.append(_attrs(span.attributes))
-    events = span.events
+    out += b'"startTimeUnixNano":"%d","endTimeUnixNano":"%d","attributes":%s' % (
+        span.start_time or 0,
+        span.end_time or 0,
+        _attrs(attrs),
+    )
     if events:
-        parts.append(b',"events":[')
-        parts.append(
-            b",".join(
-                [
-                    b'{"timeUnixNano":"%d","name":%s,"attributes":%s}'
-                    % (e.timestamp, _text(e.name), _attrs(e.attributes))
-                    for e in events
-                ]
-            )
+        out += b',"events":[%s]' % b",".join(
+            [
+                b'{"timeUnixNano":"%d","name":%s,"attributes":%s}'
+                % (e.timestamp, _text(e.name), _attrs(e.attributes))
+                for e in events
+            ]
         )
-        parts.append(b"]")
     status = span.status
-    code = status.status_code.value
+    code = _STATUS[status.status_code]
     if not code:
-        parts.append(b',"status":{}}')
-    elif status.description:
-        parts.append(b',"status":{"code":%d,"message":%s}}' % (code, _dumps(status.description)))
-    else:
-        parts.append(b',"status":{"code":%d}}' % code)
-    return b"".join(parts)
+        return out + b',"status":{}}'
+    if status.description:
+        return out + b',"status":{"code":%d,"message":%s}}' % (code, _dumps(status.description))
+    return out + b',"status":{"code":%d}}' % code
 
 
 @contextlib.contextmanager
