@@ -45,10 +45,7 @@ _ModeBase: Any = _DebugMode if REDISTRIBUTE_HOOK else TorchDispatchMode
 
 
 def _op_name(op: Any) -> str:
-    if op is None:
-        return ""
-    name = str(op)
-    return name
+    return "" if op is None else str(op)
 
 
 class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]

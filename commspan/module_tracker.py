@@ -441,7 +441,8 @@ class ModuleTracker:
                         call.bw_finished = True
                         self.observer.post_bw(call.module(), None)
             self.recorder.close_task(task)
-            self._bw_open = [c for c in self._bw_open if c not in pending]
+            done = {id(c) for c in pending}
+            self._bw_open = [c for c in self._bw_open if id(c) not in done]
             if not self._tasks:
                 for h in self._leaf_handles:
                     h.remove()
