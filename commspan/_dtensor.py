@@ -70,20 +70,30 @@ def param_summary(
     names: list[str] = []
     placements: list[str] = []
     shapes: list[str] = []
-    for name, param in module.named_parameters(recurse=False):
+    for name, param in module._parameters.items():
+        if param is None:
+            continue
         names.append(name)
-        data = param.data if isinstance(param, torch.nn.Parameter) else param
-        if DTensor is not None and isinstance(data, DTensor):
-            placements.append(placements_str(data.placements))
+        # a DTensor parameter is itself a DTensor (``param.data`` would detach it
+        # through the dispatcher)
+        if DTensor is not None and isinstance(param, DTensor):
+            spec = getattr(param, "_spec", None)
+            if spec is not None:
+                placements.append(placements_str(spec.placements))
+                mesh = spec.mesh
+            else:
+                placements.append(placements_str(param.placements))
+                mesh = param.device_mesh
             if on_mesh is not None:
-                on_mesh(data.device_mesh)
+                on_mesh(mesh)
         else:
             placements.append("")
         shapes.append("x".join(str(int(s)) for s in param.shape))
     if not names:
         return {}
+    # tuples, as the OpenTelemetry SDK stores sequence attributes
     return {
-        semconv.PARAM_NAMES: names,
-        semconv.PARAM_PLACEMENTS: placements,
-        semconv.PARAM_SHAPES: shapes,
+        semconv.PARAM_NAMES: tuple(names),
+        semconv.PARAM_PLACEMENTS: tuple(placements),
+        semconv.PARAM_SHAPES: tuple(shapes),
     }

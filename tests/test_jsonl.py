@@ -425,3 +425,95 @@ def test_exported_lines_survive_process_death(child_run: ChildRun) -> None:
         for s in ss["spans"]
     ]
     assert len(during_spans) >= child_run.report["during_spans"] > 0
+
+
+# ------------------------------------------------ encoder vs the OTLP protobuf encoder
+def _sdk_spans() -> list[Any]:
+    """Spans from the plain OpenTelemetry SDK with every attribute type, events,
+    links, kinds and statuses; the same attributes with an int, then a bool,
+    then a float value (equal as Python keys: ``1 == True == 1.0``)."""
+    from opentelemetry.trace import (
+        Link,
+        NonRecordingSpan,
+        SpanContext,
+        SpanKind,
+        Status,
+        StatusCode,
+        TraceFlags,
+        TraceState,
+        set_span_in_context,
+    )
+
+    memory = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    tracer = provider.get_tracer("encoder-test", "1.2")
+    for flag in (1, True, 1.0, 1, True):
+        with tracer.start_as_current_span("same", attributes={"a": "x", "flag": flag}):
+            pass
+    with tracer.start_as_current_span(
+        "parent",
+        kind=SpanKind.SERVER,
+        attributes={"s": "text", "i": 7, "big": 2**40, "f": 0.5, "b": False,
+                    "ints": [1, 2, 3], "strs": ["a", "b"], "bools": [True, False]},
+    ) as parent:
+        parent.add_event("ev", {"seq": 123456789, "shape": [8, 64]})
+        with tracer.start_as_current_span(
+            "child", kind=SpanKind.CLIENT, links=[Link(parent.get_span_context(), {"why": "x"})]
+        ) as child:
+            child.set_status(Status(StatusCode.ERROR, "boom"))
+        with tracer.start_as_current_span("ok") as ok:
+            ok.set_status(Status(StatusCode.OK))
+    remote = SpanContext(0x1234, 0x5678, is_remote=True, trace_flags=TraceFlags(1),
+                         trace_state=TraceState([("vendor", "v1")]))
+    with tracer.start_as_current_span(
+        "remote-child", context=set_span_in_context(NonRecordingSpan(remote))
+    ):
+        pass
+    provider.shutdown()
+    return list(memory.get_finished_spans())
+
+
+def test_encoder_agrees_with_otlp_protobuf_encoder() -> None:
+    """Each line parses into the same ExportTraceServiceRequest that the OTLP
+    exporter's own protobuf encoder builds from the same spans; encoding twice
+    (with the attribute caches warm) gives the same bytes."""
+    from google.protobuf import json_format
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans as pb_encode
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+        ExportTraceServiceRequest,
+    )
+
+    from commspan.exporters import encode_spans
+
+    spans = _sdk_spans()
+    ours = encode_spans(spans)
+    assert encode_spans(spans) == ours
+    # OTLP/JSON writes ids as hex, protobuf's JSON mapping as base64
+    doc = orjson.loads(ours)
+    for rs in doc["resourceSpans"]:
+        for ss in rs["scopeSpans"]:
+            for span in ss["spans"]:
+                for obj in [span, *span.get("links", [])]:
+                    for key in ("traceId", "spanId", "parentSpanId"):
+                        if key in obj:
+                            obj[key] = base64.b64encode(bytes.fromhex(obj[key])).decode()
+    parsed = json_format.ParseDict(doc, ExportTraceServiceRequest())
+    expected = pb_encode(spans)
+    # order of spans within a scope and of attributes is not part of the format
+    def canonical(req: Any) -> list[Any]:
+        out = []
+        for rs in req.resource_spans:
+            for ss in rs.scope_spans:
+                for s in ss.spans:
+                    d = json_format.MessageToDict(s)
+                    d["attributes"] = sorted(d.get("attributes", []), key=lambda a: a["key"])
+                    out.append((ss.scope.name, ss.scope.version, d))
+        return sorted(out, key=lambda t: t[2]["spanId"])
+    assert canonical(parsed) == canonical(expected)
+    flags = [s for _, _, s in canonical(parsed) if s["name"] == "same"]
+    kinds = [next(a["value"] for a in s["attributes"] if a["key"] == "flag") for s in flags]
+    assert sorted(map(str, kinds)) == sorted(
+        map(str, [{"intValue": "1"}, {"boolValue": True}, {"doubleValue": 1.0},
+                  {"intValue": "1"}, {"boolValue": True}])
+    )

@@ -107,7 +107,8 @@ class JsonlSpanExporter(SpanExporter):
             if self._closed:
                 return SpanExportResult.FAILURE
             fd = self._fd if self._fd is not None else self._open(spans[0])
-            data = encode_spans(spans) + b"\n"
+            with _no_gc():
+                data = _encode(spans, b"\n")
             view = memoryview(data)
             while view:
                 n = os.write(fd, view)
@@ -190,8 +191,10 @@ def _entry(k: str, v: Any) -> bytes:
     t = type(v)
     if t is list:
         hv: Any = tuple(v)
-    elif t is float or (t is int and not -_SMALL_INT < v < _SMALL_INT):
+    elif t is int and not -_SMALL_INT < v < _SMALL_INT:
         # large ints (sequence numbers, byte counts, steps) rarely repeat
+        return b'{"key":%s,"value":{"intValue":"%d"}}' % (_text(k), v)
+    elif t is float:
         return _dumps({"key": k, "value": _value(v)})
     else:
         hv = v
@@ -210,10 +213,56 @@ def _entry(k: str, v: Any) -> bytes:
     return entry
 
 
+def _entries(attrs: Any) -> bytes:
+    # _entry inlined for the common hashable values: this runs ~20 times per
+    # collective event
+    get = _ENTRY_CACHE.get
+    out = []
+    for k, v in attrs.items():
+        t = type(v)
+        if t is str or t is bool or (t is int and -_SMALL_INT < v < _SMALL_INT):
+            e = get((k, v, t))
+            out.append(e if e is not None else _entry(k, v))
+        elif t is int:
+            out.append(b'{"key":%s,"value":{"intValue":"%d"}}' % (_text(k), v))
+        else:
+            out.append(_entry(k, v))
+    return b"[" + b",".join(out) + b"]"
+
+
+# Whole encoded attribute lists, keyed by the attributes' items: a module's
+# span carries the same attributes (name, type, phase, depth, parameters,
+# collective counts) step after step. The value keeps the types of the values
+# too, since ``True == 1 == 1.0`` would otherwise let a bool hit an int's
+# entry. Lists (unhashable) and values that rarely repeat (floats, large ints:
+# step numbers, sequence numbers, byte counts) are not stored.
+_BLOBS: dict[tuple[Any, ...], tuple[tuple[type, ...], bytes]] = {}
+_BLOBS_MAX = 1 << 12
+_REPEATING = (str, bool, tuple)
+
+
 def _attrs(attrs: Any) -> bytes:
     if not attrs:
         return b"[]"
-    return b"[" + b",".join([_entry(k, v) for k, v in attrs.items()]) + b"]"
+    items = tuple(attrs.items())
+    try:
+        hit = _BLOBS.get(items)
+    except TypeError:  # a list value
+        return _entries(attrs)
+    types = tuple(map(type, attrs.values()))
+    if hit is not None and hit[0] == types:
+        return hit[1]
+    blob = _entries(attrs)  # join() results are exact-size: safe to keep
+    for t, v in zip(types, attrs.values()):
+        if t is int:
+            if not -_SMALL_INT < v < _SMALL_INT:
+                return blob
+        elif t not in _REPEATING:
+            return blob
+    if len(_BLOBS) >= _BLOBS_MAX:
+        _BLOBS.clear()
+    _BLOBS[items] = (types, blob)
+    return blob
 
 
 def _text(value: str) -> bytes:
@@ -228,48 +277,101 @@ def _text(value: str) -> bytes:
     return out
 
 
+_UNSET = StatusCode.UNSET
+_INTERNAL = SpanKind.INTERNAL
 _STATUS = {code: code.value for code in StatusCode}
 _KIND = {kind: kind.value + 1 for kind in SpanKind}  # OTLP numbers kinds from 1
+_HEX32: dict[int, bytes] = {}
+_LOCAL = 0x100  # SPAN_FLAGS_CONTEXT_HAS_IS_REMOTE_MASK
+_REMOTE = 0x300  # ... | SPAN_FLAGS_CONTEXT_IS_REMOTE_MASK
+
+
+def _trace_hex(trace_id: int) -> bytes:
+    # every span of a step shares its trace id: format it once
+    try:
+        return _HEX32[trace_id]
+    except KeyError:
+        pass
+    out = b"%032x" % trace_id
+    if len(_HEX32) >= 256:
+        _HEX32.clear()
+    _HEX32[trace_id] = out
+    return out
 
 
 def _span(span: ReadableSpan) -> bytes:
-    ctx = span.context
-    parent = span.parent
-    # ReadableSpan's public properties wrap attributes and events in new
-    # objects on every access; read the stored values when they are there.
-    attrs = getattr(span, "_attributes", None)
-    if attrs is None:
-        attrs = span.attributes
-    events = getattr(span, "_events", None)
-    if events is None:
-        events = span.events
-    out = b'{"traceId":"%032x","spanId":"%016x",%s"name":%s,"kind":%d,' % (
-        ctx.trace_id if ctx else 0,
-        ctx.span_id if ctx else 0,
-        b'"parentSpanId":"%016x",' % parent.span_id if parent is not None else b"",
-        _text(span.name),
-        _KIND.get(span.kind, 1),
-    )
-    out += b'"startTimeUnixNano":"%d","endTimeUnixNano":"%d","attributes":%s' % (
-        span.start_time or 0,
-        span.end_time or 0,
-        _attrs(attrs),
-    )
+    # ReadableSpan's public properties are Python calls, and wrap attributes
+    # and events in new objects on every access: read the stored fields of SDK
+    # spans directly, the properties of anything else.
+    try:
+        ctx = span._context
+        parent = span._parent
+        name = span._name
+        kind = span._kind
+        start = span._start_time
+        end = span._end_time
+        attrs = span._attributes
+        events = span._events
+        links = span._links
+        status = span._status
+    except AttributeError:
+        ctx, parent, name, kind = span.context, span.parent, span.name, span.kind
+        start, end, attrs, events = span.start_time, span.end_time, span.attributes, span.events
+        links, status = span.links, span.status
+    tail = b""
     if events:
-        out += b',"events":[%s]' % b",".join(
+        tail = b',"events":[%s]' % b",".join(
             [
                 b'{"timeUnixNano":"%d","name":%s,"attributes":%s}'
-                % (e.timestamp, _text(e.name), _attrs(e.attributes))
+                # events rarely repeat whole (a collective's sequence number
+                # differs each time): encode entry by entry, skip the blob cache
+                % (e.timestamp, _text(e.name), _entries(e.attributes) if e.attributes else b"[]")
                 for e in events
             ]
         )
-    status = span.status
-    code = _STATUS[status.status_code]
-    if not code:
-        return out + b',"status":{}}'
-    if status.description:
-        return out + b',"status":{"code":%d,"message":%s}}' % (code, _dumps(status.description))
-    return out + b',"status":{"code":%d}}' % code
+    if links:
+        tail += b',"links":[%s]' % b",".join(
+            [
+                b'{"traceId":"%032x","spanId":"%016x","attributes":%s,"flags":%d}'
+                % (
+                    link.context.trace_id,
+                    link.context.span_id,
+                    _attrs(link.attributes),
+                    _REMOTE if link.context.is_remote else _LOCAL,
+                )
+                for link in links
+            ]
+        )
+    if ctx is not None and ctx.trace_state:
+        tail += b',"traceState":%s' % _dumps(ctx.trace_state.to_header())
+    code = status.status_code
+    if code is _UNSET:
+        status_json = b"{}"
+    elif status.description:
+        status_json = b'{"code":%d,"message":%s}' % (_STATUS[code], _dumps(status.description))
+    else:
+        status_json = b'{"code":%d}' % _STATUS[code]
+    return _SPAN % (
+        _trace_hex(ctx.trace_id) if ctx is not None else b"0" * 32,
+        ctx.span_id if ctx is not None else 0,
+        b'"parentSpanId":"%016x",' % parent.span_id if parent is not None else b"",
+        _text(name),
+        1 if kind is _INTERNAL else _KIND.get(kind, 1),
+        start or 0,
+        end or 0,
+        _attrs(attrs),
+        tail,
+        # SpanFlags: whether the parent is remote is known (and whether it is)
+        _REMOTE if parent is not None and parent.is_remote else _LOCAL,
+        status_json,
+    )
+
+
+_SPAN = (
+    b'{"traceId":"%s","spanId":"%016x",%s"name":%s,"kind":%d,'
+    b'"startTimeUnixNano":"%d","endTimeUnixNano":"%d","attributes":%s%s,'
+    b'"flags":%d,"status":%s}'
+)
 
 
 @contextlib.contextmanager
@@ -289,35 +391,54 @@ def _no_gc() -> Iterator[None]:
 def encode_spans(spans: Sequence[ReadableSpan]) -> bytes:
     """Encode spans as one OTLP/JSON ``ExportTraceServiceRequest`` (no newline)."""
     with _no_gc():
-        return _encode(spans)
+        return _encode(spans, b"")
 
 
-def _encode(spans: Sequence[ReadableSpan]) -> bytes:
-    groups: dict[int, tuple[Any, dict[tuple[str, str, str], list[bytes]]]] = {}
+def _encode(spans: Sequence[ReadableSpan], end: bytes) -> bytes:
+    # spans grouped by resource, then by instrumentation scope (by identity:
+    # commspan's spans share one resource and one scope object)
+    groups: dict[int, tuple[Any, dict[int, tuple[Any, list[bytes]]]]] = {}
     for span in spans:
-        res = span.resource
+        try:
+            res = span._resource
+            scope = span._instrumentation_scope
+        except AttributeError:
+            res, scope = span.resource, span.instrumentation_scope
         slot = groups.get(id(res))
         if slot is None:
             slot = groups[id(res)] = (res, {})
-        scope = span.instrumentation_scope
-        key = (
-            scope.name if scope else "",
-            (scope.version or "") if scope else "",
-            (scope.schema_url or "") if scope else "",
-        )
-        slot[1].setdefault(key, []).append(_span(span))
-    resource_spans = []
-    for res, scopes in groups.values():
-        scope_spans = [
-            b'{"scope":%s,"schemaUrl":%s,"spans":[%s]}'
-            % (_dumps({"name": n, "version": v}), _dumps(u), b",".join(encoded))
-            for (n, v, u), encoded in scopes.items()
-        ]
-        resource_spans.append(
-            b'{"resource":{"attributes":%s},"scopeSpans":[%s]}'
-            % (_attrs(res.attributes if res else {}), b",".join(scope_spans))
-        )
-    return b'{"resourceSpans":[' + b",".join(resource_spans) + b"]}"
+        scoped = slot[1].get(id(scope))
+        if scoped is None:
+            scoped = slot[1][id(scope)] = (scope, [])
+        scoped[1].append(_span(span))
+    # one list of fragments and a single join: a batch of thousands of spans
+    # is megabytes, and every intermediate join or concatenation copies it
+    parts = [b'{"resourceSpans":[']
+    for r, (res, scopes) in enumerate(groups.values()):
+        merged: dict[tuple[str, str, str], list[bytes]] = {}
+        for scope, encoded in scopes.values():
+            key = (
+                scope.name if scope else "",
+                (scope.version or "") if scope else "",
+                (scope.schema_url or "") if scope else "",
+            )
+            merged.setdefault(key, []).extend(encoded)
+        parts.append(b',{"resource":{"attributes":%s},"scopeSpans":[' if r else
+                     b'{"resource":{"attributes":%s},"scopeSpans":[')
+        parts[-1] %= _attrs(res.attributes if res else {})
+        for i, ((n, v, u), encoded) in enumerate(merged.items()):
+            parts.append(
+                b'%s{"scope":%s,"schemaUrl":%s,"spans":['
+                % (b"," if i else b"", _dumps({"name": n, "version": v}), _dumps(u))
+            )
+            separated = [b","] * (2 * len(encoded) - 1)
+            separated[0::2] = encoded
+            parts.extend(separated)
+            parts.append(b"]}")
+        parts.append(b"]}")
+    parts.append(b"]}")
+    parts.append(end)
+    return b"".join(parts)
 
 
 # ------------------------------------------------------------------ reading
