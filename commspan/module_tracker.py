@@ -68,12 +68,23 @@ class ModuleHooks(Protocol):
 
 
 class _ModInfo:
-    __slots__ = ("fqn", "type", "params", "local_hooked", "attrs", "names", "depth", "ref")
+    __slots__ = (
+        "fqn",
+        "type",
+        "params",
+        "param_ids",
+        "local_hooked",
+        "attrs",
+        "names",
+        "depth",
+        "ref",
+    )
 
     def __init__(self, fqn: str, mtype: str) -> None:
         self.fqn = fqn
         self.type = mtype
         self.params: dict[str, Any] | None = None
+        self.param_ids: tuple[int, ...] = ()  # the parameters params describes
         self.local_hooked = False
         self.attrs: dict[Phase, dict[str, Any]] = {
             phase: {
@@ -183,6 +194,17 @@ class ModuleTracker:
         ]
         self.active = True
 
+    def pause(self) -> None:
+        """Stop tracking and remove the global hooks until :meth:`install`.
+
+        With a global module hook registered, every module call takes
+        PyTorch's slower hook-handling path; an untraced step should not.
+        """
+        self.active = False
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
     def uninstall(self) -> None:
         """Remove every hook this tracker registered; forget open calls."""
         self.active = False
@@ -245,8 +267,12 @@ class ModuleTracker:
             attrs = info.attrs[phase].copy()
             attrs[semconv.MODULE_DEPTH] = depth
             if self.record_params and phase is Phase.FORWARD:
-                if info.params is None:
+                # described again when the parameters are other objects (a
+                # re-sharded or re-registered parameter)
+                ids = tuple(map(id, module._parameters.values()))
+                if info.params is None or ids != info.param_ids:
                     info.params = param_summary(module, self.on_mesh)
+                    info.param_ids = ids
                 if info.params:
                     attrs.update(info.params)
             frame = self.recorder.push(info.fqn, phase, attrs, task, name=info.names[phase])

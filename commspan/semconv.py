@@ -202,7 +202,10 @@ ATTRIBUTES: dict[str, str] = {
     COLL_OP: "Canonical op name (also the event name), e.g. ``all_reduce``.",
     COLL_OVERLOAD: "Full op overload, e.g. ``_c10d_functional.all_reduce.default``.",
     COLL_KIND: "``collective`` or ``p2p`` (send/recv).",
-    COLL_SEQ: "Per-rank, per-process-group sequence number, from 1.",
+    COLL_SEQ: (
+        "Per-rank, per-process-group sequence number: 1 for the first collective a "
+        "`CommSpanMode` sees on the group, counting on across its `with` blocks."
+    ),
     COLL_REDUCE_OP: "Reduce op, e.g. ``sum``, when the op has one.",
     COLL_PEER: "Global rank of the peer of a point-to-point op (ops take group ranks; "
     "commspan maps them through the group's ranks).",

@@ -213,13 +213,20 @@ class CommSpanMode:
             self.aggregator.reset()
         self._recorder = SpanRecorder(self._emit, self.resource, _version())
         self._recorder.on_empty = self._ensure_root
-        self._dispatch = CollectiveDispatchMode(self._on_collective)
-        self._tracker = ModuleTracker(
-            self._recorder,
-            observer=self._observer,
-            record_params=self._record_params,
-            on_mesh=self._dispatch.groups.add_mesh,
-        )
+        # One dispatch mode and one tracker for the mode's life: entering
+        # again keeps what they learned (module names and attributes, process
+        # groups, per-group sequence numbers).
+        if self._dispatch is None:
+            self._dispatch = CollectiveDispatchMode(self._on_collective)
+        if self._tracker is None:
+            self._tracker = ModuleTracker(
+                self._recorder,
+                observer=self._observer,
+                record_params=self._record_params,
+                on_mesh=self._dispatch.groups.add_mesh,
+            )
+        else:
+            self._tracker.recorder = self._recorder
         self._processors = self._build_processors()
         if self.aggregator is not None:
             self.aggregator.attach_live(self._live)
@@ -313,7 +320,7 @@ class CommSpanMode:
         """Stop capturing for an untraced step (hooks off, dispatch mode popped)."""
         self._paused = True
         if self._tracker is not None:
-            self._tracker.active = False
+            self._tracker.pause()
         # The dispatch mode leaves the stack only when it is on top; under a
         # mode pushed later it stays, and its callback ignores what it sees.
         self._popped = _top_dispatch_mode() is self._dispatch
@@ -324,7 +331,7 @@ class CommSpanMode:
         if self._active and self._paused:
             self._paused = False
             assert self._tracker is not None and self._dispatch is not None
-            self._tracker.active = True
+            self._tracker.install()
             if self._popped:
                 self._dispatch.__enter__()
                 self._popped = False

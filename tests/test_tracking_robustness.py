@@ -630,6 +630,63 @@ def test_enter_exit_many_times_leaves_no_hooks(mesh: DeviceMesh) -> None:
     assert seen[0]["Global"] == {"forward": {"all_reduce": 1}, "backward": {"all_reduce": 1}}
 
 
+def test_reentered_mode_keeps_sequence_numbers_and_redescribes_new_parameters(
+    mesh: DeviceMesh,
+) -> None:
+    """A mode entered again continues each group's sequence numbers, and a module
+    whose parameters were replaced between (or within) blocks is described anew."""
+    model = tp_mlp(mesh)
+    x = torch.randn(4, IN_DIM, requires_grad=True)
+    mode, exporter = capture()
+    for i in range(3):
+        with mode, mode.step(i):
+            model(x).sum().backward()
+    spans = list(exporter.get_finished_spans())
+    seqs = [
+        (e.attributes or {})[semconv.COLL_SEQ]
+        for s in sorted(spans, key=lambda s: s.start_time or 0)
+        for e in collective_events(s)
+    ]
+    assert len(seqs) == 6 and seqs == sorted(seqs) and len(set(seqs)) == 6, seqs
+
+    plain = nn.Linear(4, 4)
+    with mode, mode.step(3):
+        plain(torch.randn(2, 4))
+        plain.weight = nn.Parameter(torch.randn(3, 4))
+        plain.bias = nn.Parameter(torch.randn(3))
+        plain(torch.randn(2, 4))
+    with mode, mode.step(4):
+        plain(torch.randn(2, 4))
+    forwards = sorted(named(list(exporter.get_finished_spans()), "Linear", "forward"),
+                      key=lambda s: s.start_time or 0)
+    shapes = [tuple(attrs(s)[semconv.PARAM_SHAPES]) for s in forwards]
+    assert shapes == [("4x4", "4"), ("3x4", "3"), ("3x4", "3")]
+
+
+def test_sampled_out_step_runs_without_global_hooks() -> None:
+    """During a sampled-out step no global module hook and no commspan dispatch mode
+    is installed; both are back for the next traced step."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    mode, exporter = capture(sample=2)
+    model = nn.Linear(4, 4)
+    before = (len(module_globals._global_forward_pre_hooks),
+              len(module_globals._global_forward_hooks))
+    seen = []
+    with mode:
+        for i in range(3):
+            with mode.step(i):
+                seen.append((
+                    len(module_globals._global_forward_pre_hooks),
+                    len(module_globals._global_forward_hooks),
+                    len(_get_current_dispatch_mode_stack()),
+                ))
+                model(torch.randn(2, 4)).sum().backward()
+    traced = (before[0] + 1, before[1] + 1, 1)
+    assert seen == [traced, (*before, 0), traced]
+    assert sorted(_traces_by_step(list(exporter.get_finished_spans()))) == [0, 2]
+
+
 def test_entering_an_active_mode_raises() -> None:
     """Entering a mode that is already active raises a clear RuntimeError and leaves it working."""
     model = nn.Linear(4, 4)
