@@ -28,7 +28,8 @@ from typing import Any
 import orjson
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
-from opentelemetry.trace import SpanKind
+from opentelemetry.trace import SpanContext, SpanKind
+from opentelemetry.trace.span import DEFAULT_TRACE_STATE as _NO_STATE
 from opentelemetry.trace.status import StatusCode
 
 from commspan import semconv
@@ -342,8 +343,22 @@ def _span(span: ReadableSpan) -> bytes:
                 for link in links
             ]
         )
-    if ctx is not None and ctx.trace_state:
-        tail += b',"traceState":%s' % _dumps(ctx.trace_state.to_header())
+    if type(ctx) is SpanContext:  # a tuple: index it rather than call properties
+        trace_id, span_id, trace_state = ctx[0], ctx[1], ctx[4]
+    elif ctx is not None:
+        trace_id, span_id, trace_state = ctx.trace_id, ctx.span_id, ctx.trace_state
+    else:
+        trace_id, span_id, trace_state = 0, 0, None
+    if trace_state is not None and trace_state is not _NO_STATE and len(trace_state):
+        tail += b',"traceState":%s' % _dumps(trace_state.to_header())
+    if parent is None:
+        parent_json, flags = b"", _LOCAL
+    elif type(parent) is SpanContext:
+        parent_json = b'"parentSpanId":"%016x",' % parent[1]
+        flags = _REMOTE if parent[2] else _LOCAL
+    else:
+        parent_json = b'"parentSpanId":"%016x",' % parent.span_id
+        flags = _REMOTE if parent.is_remote else _LOCAL
     code = status.status_code
     if code is _UNSET:
         status_json = b"{}"
@@ -352,9 +367,9 @@ def _span(span: ReadableSpan) -> bytes:
     else:
         status_json = b'{"code":%d}' % _STATUS[code]
     return _SPAN % (
-        _trace_hex(ctx.trace_id) if ctx is not None else b"0" * 32,
-        ctx.span_id if ctx is not None else 0,
-        b'"parentSpanId":"%016x",' % parent.span_id if parent is not None else b"",
+        _trace_hex(trace_id),
+        span_id,
+        parent_json,
         _text(name),
         1 if kind is _INTERNAL else _KIND.get(kind, 1),
         start or 0,
@@ -362,7 +377,7 @@ def _span(span: ReadableSpan) -> bytes:
         _attrs(attrs),
         tail,
         # SpanFlags: whether the parent is remote is known (and whether it is)
-        _REMOTE if parent is not None and parent.is_remote else _LOCAL,
+        flags,
         status_json,
     )
 
