@@ -10,10 +10,9 @@ and no counting.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -115,8 +114,12 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
 
     def _collective(self, info: CollectiveInfo, args: Any, kwargs: Any) -> None:
         try:
+            try:  # first: it names the mesh's process groups
+                redist = self.current_redistribution()
+            except Exception:  # the collective is still recorded, without placements
+                self.errors += 1
+                redist = None
             attrs = describe(info, args, kwargs, self.groups)
-            redist = self.current_redistribution()
             if redist is not None:
                 attrs[semconv.REDIST_SRC] = redist[0]
                 attrs[semconv.REDIST_DST] = redist[1]
@@ -134,62 +137,102 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
                 )
 
     # ------------------------------------------------ DTensor's debug-mode hooks
-    def _stack(self) -> list[tuple[str, str, str]]:
-        stack = getattr(self._tls, "stack", None)
-        if stack is None:
-            stack = self._tls.stack = []
-        return stack
-
     def current_redistribution(self) -> tuple[str, str, str] | None:
         """``(src, dst, op)`` of the redistribution running now, if any."""
         stack = getattr(self._tls, "stack", None)
-        return stack[-1] if stack else None
+        return stack[-1].describe() if stack else None
 
-    @contextlib.contextmanager
     def record_redistribute_calls(
         self, arg: Any, src: Any, dst: Any, *rest: Any, **kwargs: Any
-    ) -> Iterator[None]:
-        """Called by DTensor around every redistribution (a context manager)."""
-        stack = self._stack()
-        try:
-            entry = self._redistribution(arg, src, dst, stack, rest, kwargs)
-        except Exception:
-            entry = None
-        if entry is None:
-            yield
-            return
-        stack.append(entry)
-        try:
-            yield
-        finally:
-            stack.pop()
+    ) -> _Redistribution:
+        """Called by DTensor around every redistribution (a context manager).
 
-    def _redistribution(
-        self, arg: Any, src: Any, dst: Any, stack: list[tuple[str, str, str]],
-        rest: tuple[Any, ...], kwargs: dict[str, Any],
-    ) -> tuple[str, str, str]:
-        for spec in (src, dst):
-            mesh = getattr(spec, "mesh", None)
-            if mesh is not None:
-                self.groups.add_mesh(mesh)
-        src_s = placements_str(getattr(src, "placements", src))
-        dst_s = placements_str(getattr(dst, "placements", dst))
-        if isinstance(arg, int):  # implicit: sharding propagation of a DTensor op
-            op = getattr(self._tls, "op", None)
-            return src_s, dst_s, _op_name(op)
-        if stack:  # the inner call of an implicit redistribution: keep its op
-            return src_s, dst_s, stack[-1][2]
-        explicit = kwargs.get("is_explicit", rest[1] if len(rest) > 1 else False)
-        if explicit:
-            return src_s, dst_s, "redistribute"
-        node = torch._C._current_autograd_node()
-        return src_s, dst_s, node.name() if node is not None else "redistribute"
+        About half of DTensor's redistributions issue no collective (a
+        replicated tensor is only sliced), so the record is cheap and its
+        strings are built when a collective asks for them.
+        """
+        tls = self._tls
+        stack = getattr(tls, "stack", None)
+        if stack is None:
+            stack = tls.stack = []
+        implicit = isinstance(arg, int)  # sharding propagation of a DTensor op
+        return _Redistribution(
+            self,
+            stack,
+            src,
+            dst,
+            getattr(tls, "op", None) if implicit else None,
+            implicit,
+            bool(kwargs.get("is_explicit", rest[1] if len(rest) > 1 else False)),
+        )
 
     def record_output_placements(self, *args: Any, **kwargs: Any) -> None:
         """DTensor reports every op's output placements; commspan does not need them."""
 
     def record_triton_kernel(self, *args: Any, **kwargs: Any) -> None:
         """Called by the inductor launcher under DebugMode; ignored."""
+
+
+class _Redistribution:
+    """One redistribution DTensor reported, on a per-thread stack while it runs."""
+
+    __slots__ = ("mode", "stack", "src", "dst", "op", "implicit", "explicit", "outer", "text")
+
+    def __init__(
+        self,
+        mode: CollectiveDispatchMode,
+        stack: list[_Redistribution],
+        src: Any,
+        dst: Any,
+        op: Any,
+        implicit: bool,
+        explicit: bool,
+    ) -> None:
+        self.mode = mode
+        self.stack = stack
+        self.src = src
+        self.dst = dst
+        self.op = op
+        self.implicit = implicit
+        self.explicit = explicit
+        self.outer: _Redistribution | None = None
+        self.text: tuple[str, str, str] | None = None
+
+    def __enter__(self) -> None:
+        stack = self.stack
+        if stack:
+            self.outer = stack[-1]
+        stack.append(self)
+
+    def __exit__(self, *exc: Any) -> None:
+        stack = self.stack
+        if stack and stack[-1] is self:
+            stack.pop()
+        self.outer = None
+
+    def describe(self) -> tuple[str, str, str]:
+        """``(src, dst, op)``: placements before and after, and what asked for it."""
+        text = self.text
+        if text is not None:
+            return text
+        src, dst = self.src, self.dst
+        for spec in (src, dst):
+            mesh = getattr(spec, "mesh", None)
+            if mesh is not None:
+                self.mode.groups.add_mesh(mesh)
+        src_s = placements_str(getattr(src, "placements", src))
+        dst_s = placements_str(getattr(dst, "placements", dst))
+        if self.implicit:
+            op = _op_name(self.op)
+        elif self.outer is not None:  # the inner call of an implicit one: keep its op
+            op = self.outer.describe()[2]
+        elif self.explicit:
+            op = "redistribute"
+        else:  # DTensor's backward redistributes inside an autograd node
+            node = torch._C._current_autograd_node()
+            op = node.name() if node is not None else "redistribute"
+        self.text = text = (src_s, dst_s, op)
+        return text
 
 
 def _defers(types: Any) -> bool:

@@ -187,6 +187,44 @@ def test_aggregator_collectives(name: str, mesh: DeviceMesh) -> None:
         assert [s.op for s in mode.aggregator.collectives(fqn=fqn, phase=phase, op=op)] == [op]
 
 
+def test_event_names_what_asked_for_the_redistribution(mesh: DeviceMesh) -> None:
+    """``commspan.redistribute.op``: the DTensor op whose sharding propagation asked for
+    it, ``redistribute`` for an explicit call, the autograd node in backward."""
+    from torch.distributed.tensor import distribute_tensor
+
+    exporter = InMemorySpanExporter()
+    mode = CommSpanMode(exporters=[exporter])
+    with mode:
+        a = distribute_tensor(torch.randn(8, 8, requires_grad=True), mesh, [Shard(0)])
+        b = distribute_tensor(torch.randn(8, 8), mesh, [Shard(0)])
+        c = a.redistribute(mesh, [Replicate()])  # explicit
+        d = torch.mm(a, b)  # b is gathered for the mm
+        (c.sum() + d.sum()).backward()  # the gradients meet in an add
+    got = [
+        (
+            attrs[semconv.PHASE],
+            attrs[semconv.COLL_OP],
+            attrs.get(semconv.REDIST_SRC),
+            attrs.get(semconv.REDIST_DST),
+            attrs.get(semconv.REDIST_OP),
+        )
+        for _, attrs in collective_events(exporter.get_finished_spans())
+        if attrs[semconv.COLL_OP] != "scatter"  # distribute_tensor: no redistribution
+    ]
+    assert got == [
+        ("forward", "all_gather_into_tensor", "S(0)", "R", "redistribute"),
+        ("forward", "all_gather_into_tensor", "S(0)", "R", "aten.mm.default"),
+        ("backward", "all_gather_into_tensor", "S(1)", "S(0)", "aten.add.Tensor"),
+    ]
+    for name, op in (
+        ("colwise", "_FromTorchTensorBackward"),
+        ("rowwise_shard0_output", "RedistributeBackward"),
+    ):
+        _, spans = run_case(CASES[name], mesh)
+        backward = [a for _, a in collective_events(spans) if a[semconv.PHASE] == "backward"]
+        assert [a.get(semconv.REDIST_OP) for a in backward] == [op], name
+
+
 def test_placements_through_a_tracer_provider(mesh: DeviceMesh) -> None:
     """A TracerProvider's processors receive the same spans and events as commspan's exporters."""
     provider = TracerProvider()
