@@ -204,17 +204,26 @@ def _profile_section(profile: dict[str, Any]) -> str:
             [label, f"{d[k]['ms']:.1f}", f"{d[k]['delta_ms']:+.1f}", f"×{d[k]['ratio']:.3f}"]
             for k, label in (("none", "no mode"), ("none_aa", "no mode again (A/A)"),
                              ("floor", "pass-through floor"),
+                             ("floor_hooks", "floor + module/grad hooks doing nothing"),
+                             ("floor_modtracker", "floor + torch ModTracker"),
                              ("cs_agg", "commspan, aggregator only"),
                              ("cs_jsonl", "commspan + JSONL"),
                              ("cs_sampled_out", "commspan, sampled-out step"))
             if k in d
         ]
         floor, full = d["floor"]["delta_ms"], d["cs_jsonl"]["delta_ms"]
+        hooks = ""
+        if "floor_hooks" in d:
+            bare = d["floor_hooks"]["delta_ms"]
+            hooks = (
+                f"; of that, torch's module and gradient hooks alone (doing nothing) cost "
+                f"{bare - floor:+.1f} ms and commspan's recording {full - bare:+.1f} ms"
+            )
         split = (
             f"One rank's step, split (one process, fake PG, {profile['decomposition_rounds']} "
             f"interleaved rounds of one step; CPU per step, median; 'vs no mode' and ratio are "
             f"medians of same-round differences): the floor costs {floor:+.1f} ms, commspan + "
-            f"JSONL {full - floor:+.1f} ms above it\n\n"
+            f"JSONL {full - floor:+.1f} ms above it{hooks}\n\n"
             + _table(["variant", "CPU ms/step", "vs no mode ms", "ratio"], drows) + "\n\n"
         )
     pk = [[k, f"{v:.1f}"] for k, v in profile["own_ms_per_step_by_package"].items()]

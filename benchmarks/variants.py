@@ -1,5 +1,6 @@
 """The ways a block of training steps is run: without tracing, with a do-nothing
-dispatch mode, with torch's CommDebugMode, and with commspan configured four ways.
+dispatch mode (alone, or with do-nothing module hooks, or with torch's
+ModTracker), with torch's CommDebugMode, and with commspan configured four ways.
 
 A variant runs a *block* of consecutive steps. The benchmark times the whole
 block, so everything a variant costs is counted: entering and leaving its
@@ -14,9 +15,22 @@ import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
+from torch.nn.modules.module import (
+    register_module_forward_hook,
+    register_module_forward_pre_hook,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["ALL_VARIANTS", "LABELS", "PassThroughMode", "Variant", "available", "make_variant"]
+__all__ = [
+    "ALL_VARIANTS",
+    "LABELS",
+    "SPLIT_LABELS",
+    "PassThroughMode",
+    "Variant",
+    "available",
+    "make_variant",
+]
 
 _DTensor: Any
 try:
@@ -38,6 +52,13 @@ LABELS: dict[str, str] = {
     "cs_sampled_out": "commspan, sampled-out step",
 }
 ALL_VARIANTS: tuple[str, ...] = tuple(LABELS)
+
+# variants of the one-process split only (profile section): what module tracking
+# costs through torch's hooks before anything is recorded
+SPLIT_LABELS: dict[str, str] = {
+    "floor_hooks": "floor + module and gradient hooks doing nothing",
+    "floor_modtracker": "floor + torch ModTracker (CommDebugMode's)",
+}
 
 # sample=N traces steps 0, N, 2N, ...; the benchmark numbers steps from 1, so none is traced
 SAMPLED_OUT_N = 1_000_000_000
@@ -87,6 +108,67 @@ class _NoMode(Variant):
 class _Floor(Variant):
     def run_block(self, step: StepFn, indices: Sequence[int]) -> None:
         with PassThroughMode():
+            for _ in indices:
+                step()
+
+
+def _noop(*_: Any) -> None:
+    return None
+
+
+def _hook_grads(obj: Any) -> None:
+    """A do-nothing hook on the grad_fn of every tensor in ``obj`` that has one."""
+    if isinstance(obj, torch.Tensor):
+        node = obj.grad_fn
+        if node is not None:
+            node.register_prehook(_noop)
+    elif isinstance(obj, (tuple, list)):
+        for item in obj:
+            _hook_grads(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            _hook_grads(item)
+
+
+def _pre_hook(module: Any, args: Any) -> None:
+    if torch.is_grad_enabled():
+        _hook_grads(args)
+
+
+def _post_hook(module: Any, args: Any, output: Any) -> None:
+    if torch.is_grad_enabled():
+        _hook_grads(output)
+
+
+class _FloorHooks(Variant):
+    """The floor plus the hooks any module tracer with backward spans registers, each
+    doing nothing: global forward pre- and post-hooks (so every module call takes
+    ``nn.Module``'s hook path) and a gradient hook on the inputs and outputs of each
+    call (so autograd calls back into Python around every module's backward). What
+    torch's hook machinery costs before a single record is made."""
+
+    def run_block(self, step: StepFn, indices: Sequence[int]) -> None:
+        handles = [
+            register_module_forward_pre_hook(_pre_hook),
+            register_module_forward_hook(_post_hook, always_call=True),
+        ]
+        try:
+            with PassThroughMode():
+                for _ in indices:
+                    step()
+        finally:
+            for h in handles:
+                h.remove()
+
+
+class _FloorModTracker(Variant):
+    """The floor plus torch's ``ModTracker`` (the module tracker CommDebugMode is
+    built on), recording nothing of its own."""
+
+    def run_block(self, step: StepFn, indices: Sequence[int]) -> None:
+        from torch.distributed._tools.mod_tracker import ModTracker
+
+        with PassThroughMode(), ModTracker():
             for _ in indices:
                 step()
 
@@ -141,8 +223,10 @@ def available(keys: Sequence[str]) -> tuple[list[str], dict[str, str]]:
     ok: list[str] = []
     missing: dict[str, str] = {}
     for key in keys:
-        if key not in LABELS:
-            raise ValueError(f"variant {key!r} is not one of {ALL_VARIANTS}")
+        if key not in LABELS and key not in SPLIT_LABELS:
+            raise ValueError(
+                f"variant {key!r} is not one of {ALL_VARIANTS + tuple(SPLIT_LABELS)}"
+            )
         if key == "cdm":
             try:
                 import numpy  # noqa: F401  # CommDebugMode imports it
@@ -162,6 +246,10 @@ def make_variant(
         v: Variant = _NoMode()
     elif key == "floor":
         v = _Floor()
+    elif key == "floor_hooks":
+        v = _FloorHooks()
+    elif key == "floor_modtracker":
+        v = _FloorModTracker()
     elif key == "cdm":
         v = _CommDebug()
     elif key == "cs_agg":
@@ -179,6 +267,6 @@ def make_variant(
 
         v = _CommSpan([otlp_exporter(protocol="http/protobuf", endpoint=otlp_endpoint)])
     else:
-        raise ValueError(f"variant {key!r} is not one of {ALL_VARIANTS}")
+        raise ValueError(f"variant {key!r} is not one of {ALL_VARIANTS + tuple(SPLIT_LABELS)}")
     v.key = key
     return v
