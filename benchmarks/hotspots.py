@@ -158,7 +158,7 @@ def _worker(cfg_dict: dict[str, Any], steps: int, top: int, rounds: int) -> dict
     }
 
 
-def run_profile(cfg: ModelConfig, *, steps: int = 10, top: int = 15, rounds: int = 12,
+def run_profile(cfg: ModelConfig, *, steps: int = 10, top: int = 15, rounds: int = 30,
                 timeout_s: float = 300.0) -> dict[str, Any]:
     """Split one rank's step cost (no mode / floor / commspan, ``rounds`` interleaved
     rounds of one step each), then profile ``steps`` traced steps, in a fresh process."""
