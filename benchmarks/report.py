@@ -219,6 +219,11 @@ def _profile_section(profile: dict[str, Any]) -> str:
                 f"; of that, torch's module and gradient hooks alone (doing nothing) cost "
                 f"{bare - floor:+.1f} ms and commspan's recording {full - bare:+.1f} ms"
             )
+        if "none_aa" in d:
+            hooks += (
+                f" (the A/A row, {d['none_aa']['delta_ms']:+.1f} ms, shows how large a "
+                f"difference noise alone makes)"
+            )
         split = (
             f"One rank's step, split (one process, fake PG, {profile['decomposition_rounds']} "
             f"interleaved rounds of one step; CPU per step, median; 'vs no mode' and ratio are "
