@@ -49,7 +49,7 @@ class Plan:
 
 
 FULL = Plan(
-    rounds=20, warmup=2, steps_per_round=2, step_budget_s=270.0,
+    rounds=20, warmup=2, steps_per_round=2, step_budget_s=330.0,
     export_min_seconds=0.25, export_repeats=12, export_file_steps=200,
     memory_steps=1000, memory_warmup=20, memory_cap_s=300.0, profile_steps=10,
     profile_rounds=30,

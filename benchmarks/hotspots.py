@@ -45,8 +45,8 @@ def _package(filename: str) -> str:
     return "other Python (stdlib, ...)"
 
 
-DECOMPOSE = ("none", "none_aa", "floor", "floor_hooks", "floor_modtracker", "cs_agg",
-             "cs_jsonl", "cs_sampled_out")
+DECOMPOSE = ("none", "none_aa", "floor", "floor_hooks", "floor_dm_hooks", "floor_modtracker",
+             "cs_agg", "cs_jsonl", "cs_sampled_out")
 
 
 def _decompose(model: Any, batch: Any, tmp: str, rounds: int, make_variant: Any,

@@ -23,6 +23,9 @@ TARGETS: list[tuple[str, str, str, str, float]] = [
      "memory.variants.commspan_jsonl.projected_growth_mb", "<", 20.0),
 ]
 
+# rows of the step table without an "above floor / CDM" fraction
+_NO_FRACTION = frozenset({"none", "none_aa", "floor", "cdm"})
+
 
 def _lookup(results: dict[str, Any], path: str) -> Any:
     node: Any = results
@@ -98,8 +101,8 @@ def _step_section(step: dict[str, Any]) -> str:
             _f(v["wall_ms_median"]),
             _f(v.get("cpu_ratio"), "×{:.3f}"),
             _f(v.get("wall_ratio"), "×{:.3f}"),
-            _f(v.get("cpu_above_floor_vs_cdm"), "{:.2f}") if k.startswith("cs_") else "",
-            _f(v.get("wall_above_floor_vs_cdm"), "{:.2f}") if k.startswith("cs_") else "",
+            _f(v.get("cpu_above_floor_vs_cdm"), "{:.2f}") if k not in _NO_FRACTION else "",
+            _f(v.get("wall_above_floor_vs_cdm"), "{:.2f}") if k not in _NO_FRACTION else "",
         ])
     table = _table(
         ["variant", "CPU ms/step", "CPU min–max", "wall ms/step", "CPU ratio",
@@ -205,6 +208,7 @@ def _profile_section(profile: dict[str, Any]) -> str:
             for k, label in (("none", "no mode"), ("none_aa", "no mode again (A/A)"),
                              ("floor", "pass-through floor"),
                              ("floor_hooks", "floor + module/grad hooks doing nothing"),
+                             ("floor_dm_hooks", "floor as a DebugMode + hooks doing nothing"),
                              ("floor_modtracker", "floor + torch ModTracker"),
                              ("cs_agg", "commspan, aggregator only"),
                              ("cs_jsonl", "commspan + JSONL"),
@@ -213,11 +217,13 @@ def _profile_section(profile: dict[str, Any]) -> str:
         ]
         floor, full = d["floor"]["delta_ms"], d["cs_jsonl"]["delta_ms"]
         hooks = ""
-        if "floor_hooks" in d:
+        if "floor_hooks" in d and "floor_dm_hooks" in d:
             bare = d["floor_hooks"]["delta_ms"]
+            dm = d["floor_dm_hooks"]["delta_ms"]
             hooks = (
                 f"; of that, torch's module and gradient hooks alone (doing nothing) cost "
-                f"{bare - floor:+.1f} ms and commspan's recording {full - bare:+.1f} ms"
+                f"{bare - floor:+.1f} ms, DTensor reporting to a DebugMode "
+                f"{dm - bare:+.1f} ms more, and commspan's recording {full - dm:+.1f} ms"
             )
         if "none_aa" in d:
             hooks += (

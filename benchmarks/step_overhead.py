@@ -159,7 +159,7 @@ def summarize(per_rank: list[dict[str, Any]], keys: Sequence[str]) -> dict[str, 
     if {"none", "floor", "cdm"} <= set(keys):
         floor, cdm = variants["floor"], variants["cdm"]
         for k in keys:
-            if not k.startswith("cs_"):
+            if k in ("none", "none_aa", "floor", "cdm"):
                 continue
             for metric in ("cpu", "wall"):
                 den = cdm[f"{metric}_ratio"] - floor[f"{metric}_ratio"]

@@ -1,6 +1,6 @@
 """The ways a block of training steps is run: without tracing, with a do-nothing
-dispatch mode (alone, or with do-nothing module hooks, or with torch's
-ModTracker), with torch's CommDebugMode, and with commspan configured four ways.
+dispatch mode (alone, as a DebugMode, with do-nothing module hooks, or with
+torch's ModTracker), with torch's CommDebugMode, and with commspan configured four ways.
 
 A variant runs a *block* of consecutive steps. The benchmark times the whole
 block, so everything a variant costs is counted: entering and leaving its
@@ -11,6 +11,7 @@ thread of the process).
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -26,6 +27,7 @@ __all__ = [
     "ALL_VARIANTS",
     "LABELS",
     "SPLIT_LABELS",
+    "PassThroughDebugMode",
     "PassThroughMode",
     "Variant",
     "available",
@@ -38,6 +40,12 @@ try:
 except Exception:  # pragma: no cover - torch without distributed
     _DTensor = None
 
+_DebugModeBase: Any
+try:
+    from torch.utils._debug_mode import DebugMode as _DebugModeBase
+except Exception:  # pragma: no cover - torch without DebugMode
+    _DebugModeBase = TorchDispatchMode
+
 StepFn = Callable[[], Any]
 
 # key -> label; the order is the order of the table
@@ -45,6 +53,7 @@ LABELS: dict[str, str] = {
     "none": "no mode",
     "none_aa": "no mode again (A/A noise check)",
     "floor": "pass-through dispatch mode (floor)",
+    "floor_dm_hooks": "floor as a DebugMode + hooks doing nothing",
     "cdm": "torch CommDebugMode (fresh per step)",
     "cs_agg": "commspan, aggregator only",
     "cs_jsonl": "commspan + JSONL",
@@ -161,6 +170,60 @@ class _FloorHooks(Variant):
                 h.remove()
 
 
+class PassThroughDebugMode(_DebugModeBase):  # type: ignore[misc,valid-type]
+    """The floor of a tracer that learns DTensor placements: a pass-through mode
+    that is a ``DebugMode``, so DTensor looks it up on every DTensor op and
+    describes every redistribution to it, and it ignores all of that."""
+
+    record_torchfunction = False
+    record_nn_module = False
+    record_stack_trace = False
+    record_output = False
+
+    def __init__(self) -> None:
+        TorchDispatchMode.__init__(self)  # none of DebugMode's own recording
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("record_"):  # flags newer DebugModes probe
+            return False
+        raise AttributeError(name)
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
+        if _DTensor is not None:
+            for t in types:
+                if issubclass(t, _DTensor):
+                    return NotImplemented
+        if kwargs:
+            return func(*args, **kwargs)
+        return func(*args)
+
+    def record_redistribute_calls(self, *args: Any, **kwargs: Any) -> Any:
+        return contextlib.nullcontext()
+
+    def record_output_placements(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+class _FloorDebugModeHooks(Variant):
+    """:class:`PassThroughDebugMode` plus the do-nothing hooks of ``floor_hooks``: the
+    least a tracer of module spans with DTensor placements can cost."""
+
+    def run_block(self, step: StepFn, indices: Sequence[int]) -> None:
+        handles = [
+            register_module_forward_pre_hook(_pre_hook),
+            register_module_forward_hook(_post_hook, always_call=True),
+        ]
+        try:
+            with PassThroughDebugMode():
+                for _ in indices:
+                    step()
+        finally:
+            for h in handles:
+                h.remove()
+
+
 class _FloorModTracker(Variant):
     """The floor plus torch's ``ModTracker`` (the module tracker CommDebugMode is
     built on), recording nothing of its own."""
@@ -246,6 +309,8 @@ def make_variant(
         v: Variant = _NoMode()
     elif key == "floor":
         v = _Floor()
+    elif key == "floor_dm_hooks":
+        v = _FloorDebugModeHooks()
     elif key == "floor_hooks":
         v = _FloorHooks()
     elif key == "floor_modtracker":
