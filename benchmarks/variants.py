@@ -154,7 +154,12 @@ class _FloorHooks(Variant):
     doing nothing: global forward pre- and post-hooks (so every module call takes
     ``nn.Module``'s hook path) and a gradient hook on the inputs and outputs of each
     call (so autograd calls back into Python around every module's backward). What
-    torch's hook machinery costs before a single record is made."""
+    torch's hook machinery costs before a single record is made. With
+    ``mode=PassThroughDebugMode``: the least a tracer of module spans with DTensor
+    placements can cost."""
+
+    def __init__(self, mode: Callable[[], TorchDispatchMode]) -> None:
+        self._mode = mode
 
     def run_block(self, step: StepFn, indices: Sequence[int]) -> None:
         handles = [
@@ -162,7 +167,7 @@ class _FloorHooks(Variant):
             register_module_forward_hook(_post_hook, always_call=True),
         ]
         try:
-            with PassThroughMode():
+            with self._mode():
                 for _ in indices:
                     step()
         finally:
@@ -188,40 +193,13 @@ class PassThroughDebugMode(_DebugModeBase):  # type: ignore[misc,valid-type]
             return False
         raise AttributeError(name)
 
-    def __torch_dispatch__(
-        self, func: Any, types: Any, args: Any = (), kwargs: Any = None
-    ) -> Any:
-        if _DTensor is not None:
-            for t in types:
-                if issubclass(t, _DTensor):
-                    return NotImplemented
-        if kwargs:
-            return func(*args, **kwargs)
-        return func(*args)
+    __torch_dispatch__ = PassThroughMode.__dict__["__torch_dispatch__"]
 
     def record_redistribute_calls(self, *args: Any, **kwargs: Any) -> Any:
         return contextlib.nullcontext()
 
     def record_output_placements(self, *args: Any, **kwargs: Any) -> None:
         return None
-
-
-class _FloorDebugModeHooks(Variant):
-    """:class:`PassThroughDebugMode` plus the do-nothing hooks of ``floor_hooks``: the
-    least a tracer of module spans with DTensor placements can cost."""
-
-    def run_block(self, step: StepFn, indices: Sequence[int]) -> None:
-        handles = [
-            register_module_forward_pre_hook(_pre_hook),
-            register_module_forward_hook(_post_hook, always_call=True),
-        ]
-        try:
-            with PassThroughDebugMode():
-                for _ in indices:
-                    step()
-        finally:
-            for h in handles:
-                h.remove()
 
 
 class _FloorModTracker(Variant):
@@ -310,9 +288,9 @@ def make_variant(
     elif key == "floor":
         v = _Floor()
     elif key == "floor_dm_hooks":
-        v = _FloorDebugModeHooks()
+        v = _FloorHooks(PassThroughDebugMode)
     elif key == "floor_hooks":
-        v = _FloorHooks()
+        v = _FloorHooks(PassThroughMode)
     elif key == "floor_modtracker":
         v = _FloorModTracker()
     elif key == "cdm":
