@@ -223,7 +223,8 @@ def _profile_section(profile: dict[str, Any]) -> str:
             hooks = (
                 f"; of that, torch's module and gradient hooks alone (doing nothing) cost "
                 f"{bare - floor:+.1f} ms, DTensor reporting to a DebugMode "
-                f"{dm - bare:+.1f} ms more, and commspan's recording {full - dm:+.1f} ms"
+                f"{dm - bare:+.1f} ms more, and commspan's recording and JSONL export "
+                f"{full - dm:+.1f} ms"
             )
         if "none_aa" in d:
             hooks += (

@@ -114,11 +114,7 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
 
     def _collective(self, info: CollectiveInfo, args: Any, kwargs: Any) -> None:
         try:
-            try:  # first: it names the mesh's process groups
-                redist = self.current_redistribution()
-            except Exception:  # the collective is still recorded, without placements
-                self.errors += 1
-                redist = None
+            redist = self.current_redistribution()
             attrs = describe(info, args, kwargs, self.groups)
             if redist is not None:
                 attrs[semconv.REDIST_SRC] = redist[0]
@@ -127,20 +123,37 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
                     attrs[semconv.REDIST_OP] = redist[2]
             self._on_collective(info, attrs)
         except Exception:  # tracing never breaks the step
-            self.errors += 1
-            if self.errors == 1:
-                _log.warning(
-                    "commspan: could not record collective %s (further errors are "
-                    "counted, not logged)",
-                    info.overload,
-                    exc_info=True,
-                )
+            self._error("could not record collective %s", info.overload)
+
+    def _error(self, message: str, *args: Any) -> None:
+        """Count an internal error; log the first one, with its traceback."""
+        self.errors += 1
+        if self.errors == 1:
+            _log.warning(
+                "commspan: " + message + " (further errors are counted, not logged)",
+                *args,
+                exc_info=True,
+            )
 
     # ------------------------------------------------ DTensor's debug-mode hooks
     def current_redistribution(self) -> tuple[str, str, str] | None:
-        """``(src, dst, op)`` of the redistribution running now, if any."""
+        """``(src, dst, op)`` of the redistribution running now, if any.
+
+        A redistribution that cannot be described counts one internal error;
+        its collectives are recorded without placements.
+        """
         stack = getattr(self._tls, "stack", None)
-        return stack[-1].describe() if stack else None
+        if not stack:
+            return None
+        record = stack[-1]
+        if record.failed:
+            return None
+        try:
+            return record.describe()
+        except Exception:
+            record.failed = True
+            self._error("could not describe a DTensor redistribution")
+            return None
 
     def record_redistribute_calls(
         self, arg: Any, src: Any, dst: Any, *rest: Any, **kwargs: Any
@@ -155,9 +168,15 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
         stack = getattr(tls, "stack", None)
         if stack is None:
             stack = tls.stack = []
+        try:  # learn the mesh now: a redistribution without collectives names it too
+            for spec in (src, dst):
+                mesh = getattr(spec, "mesh", None)
+                if mesh is not None:
+                    self.groups.add_mesh(mesh)
+        except Exception:
+            self._error("could not read the device mesh of a DTensor redistribution")
         implicit = isinstance(arg, int)  # sharding propagation of a DTensor op
         return _Redistribution(
-            self,
             stack,
             src,
             dst,
@@ -176,11 +195,10 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
 class _Redistribution:
     """One redistribution DTensor reported, on a per-thread stack while it runs."""
 
-    __slots__ = ("mode", "stack", "src", "dst", "op", "implicit", "explicit", "outer", "text")
+    __slots__ = ("stack", "src", "dst", "op", "implicit", "explicit", "outer", "text", "failed")
 
     def __init__(
         self,
-        mode: CollectiveDispatchMode,
         stack: list[_Redistribution],
         src: Any,
         dst: Any,
@@ -188,7 +206,6 @@ class _Redistribution:
         implicit: bool,
         explicit: bool,
     ) -> None:
-        self.mode = mode
         self.stack = stack
         self.src = src
         self.dst = dst
@@ -197,6 +214,7 @@ class _Redistribution:
         self.explicit = explicit
         self.outer: _Redistribution | None = None
         self.text: tuple[str, str, str] | None = None
+        self.failed = False
 
     def __enter__(self) -> None:
         stack = self.stack
@@ -208,6 +226,11 @@ class _Redistribution:
         stack = self.stack
         if stack and stack[-1] is self:
             stack.pop()
+        else:  # left out of order: never leave a stale record behind
+            for i in range(len(stack) - 1, -1, -1):
+                if stack[i] is self:
+                    del stack[i]
+                    break
         self.outer = None
 
     def describe(self) -> tuple[str, str, str]:
@@ -216,10 +239,6 @@ class _Redistribution:
         if text is not None:
             return text
         src, dst = self.src, self.dst
-        for spec in (src, dst):
-            mesh = getattr(spec, "mesh", None)
-            if mesh is not None:
-                self.mode.groups.add_mesh(mesh)
         src_s = placements_str(getattr(src, "placements", src))
         dst_s = placements_str(getattr(dst, "placements", dst))
         if self.implicit:

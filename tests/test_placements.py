@@ -225,6 +225,82 @@ def test_event_names_what_asked_for_the_redistribution(mesh: DeviceMesh) -> None
         assert [a.get(semconv.REDIST_OP) for a in backward] == [op], name
 
 
+def test_mesh_is_learned_from_a_redistribution_without_collectives(fake_pg: None) -> None:
+    """A redistribution that only slices still tells commspan its mesh, so a later
+    explicit ``redistribute`` (DTensor hands it placements, not the mesh) names the
+    mesh dimension of its collective."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    exporter = InMemorySpanExporter()
+    mode = CommSpanMode(exporters=[exporter], record_params=False)
+    with mode:
+        a = distribute_tensor(torch.randn(8, 8), mesh, [Shard(0), Shard(1)])
+        r = distribute_tensor(torch.randn(8, 8), mesh, [Replicate(), Replicate()])
+        b = distribute_tensor(torch.randn(8, 8), mesh, [Shard(0), Replicate()])
+        _ = a + r  # r is sliced to a's placements: no collective
+        b.redistribute(mesh, [Replicate(), Replicate()])
+    gathers = [
+        attrs
+        for _, attrs in collective_events(exporter.get_finished_spans())
+        if attrs[semconv.COLL_OP] == "all_gather_into_tensor"
+    ]
+    got = [(a[semconv.MESH_DIM], a[semconv.REDIST_SRC], a[semconv.REDIST_DST]) for a in gathers]
+    assert got == [(0, "S(0),R", "R,R")]
+
+
+def test_undescribable_redistribution_is_counted_logged_and_skipped(
+    mesh: DeviceMesh, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """If placements cannot be described, the collective is still recorded (without
+    them), one internal error is counted per redistribution, and the first is logged."""
+    from torch.distributed.tensor import distribute_tensor
+
+    import commspan.dispatch
+
+    def broken(placements: Any) -> str:
+        raise RuntimeError("cannot describe")
+
+    monkeypatch.setattr(commspan.dispatch, "placements_str", broken)
+    exporter = InMemorySpanExporter()
+    mode = CommSpanMode(exporters=[exporter])
+    with caplog.at_level("WARNING", logger="commspan"), mode:
+        a = distribute_tensor(torch.randn(8, 8), mesh, [Shard(0)])
+        a.redistribute(mesh, [Replicate()])
+        a.redistribute(mesh, [Replicate()])
+    gathers = [
+        attrs
+        for _, attrs in collective_events(exporter.get_finished_spans())
+        if attrs[semconv.COLL_OP] == "all_gather_into_tensor"
+    ]
+    assert len(gathers) == 2
+    assert all(semconv.REDIST_SRC not in attrs for attrs in gathers)
+    assert mode.stats()["internal_errors"] == 2
+    warnings = [r for r in caplog.records if "describe a DTensor redistribution" in r.message]
+    assert len(warnings) == 1
+
+
+def test_redistribution_left_out_of_order_leaves_no_record(mesh: DeviceMesh) -> None:
+    """However DTensor leaves its redistributions, none stays on the stack to be
+    blamed for later collectives."""
+    from torch.distributed.tensor import distribute_tensor
+
+    from commspan.dispatch import CollectiveDispatchMode
+
+    mode = CollectiveDispatchMode(lambda info, attrs: None)
+    a = distribute_tensor(torch.randn(8, 8), mesh, [Shard(0)])
+    r = distribute_tensor(torch.randn(8, 8), mesh, [Replicate()])
+    outer = mode.record_redistribute_calls(0, a._spec, r._spec)
+    inner = mode.record_redistribute_calls(a, a._spec.placements, r._spec.placements)
+    outer.__enter__()
+    inner.__enter__()
+    assert mode.current_redistribution() == ("S(0)", "R", "")  # the outer's op: none seen
+    outer.__exit__(None, None, None)
+    inner.__exit__(None, None, None)
+    assert mode.current_redistribution() is None
+
+
 def test_placements_through_a_tracer_provider(mesh: DeviceMesh) -> None:
     """A TracerProvider's processors receive the same spans and events as commspan's exporters."""
     provider = TracerProvider()
