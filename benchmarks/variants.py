@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 __all__ = [
     "ALL_VARIANTS",
     "LABELS",
-    "SPLIT_LABELS",
+    "SPLIT_VARIANTS",
     "PassThroughDebugMode",
     "PassThroughMode",
     "Variant",
@@ -62,12 +62,10 @@ LABELS: dict[str, str] = {
 }
 ALL_VARIANTS: tuple[str, ...] = tuple(LABELS)
 
-# variants of the one-process split only (profile section): what module tracking
-# costs through torch's hooks before anything is recorded
-SPLIT_LABELS: dict[str, str] = {
-    "floor_hooks": "floor + module and gradient hooks doing nothing",
-    "floor_modtracker": "floor + torch ModTracker (CommDebugMode's)",
-}
+# variants of the one-process split only (profile section, which labels its rows):
+# what module tracking costs through torch's hooks before anything is recorded
+SPLIT_VARIANTS: tuple[str, ...] = ("floor_hooks", "floor_modtracker")
+_KNOWN: tuple[str, ...] = ALL_VARIANTS + SPLIT_VARIANTS
 
 # sample=N traces steps 0, N, 2N, ...; the benchmark numbers steps from 1, so none is traced
 SAMPLED_OUT_N = 1_000_000_000
@@ -264,10 +262,8 @@ def available(keys: Sequence[str]) -> tuple[list[str], dict[str, str]]:
     ok: list[str] = []
     missing: dict[str, str] = {}
     for key in keys:
-        if key not in LABELS and key not in SPLIT_LABELS:
-            raise ValueError(
-                f"variant {key!r} is not one of {ALL_VARIANTS + tuple(SPLIT_LABELS)}"
-            )
+        if key not in _KNOWN:
+            raise ValueError(f"variant {key!r} is not one of {_KNOWN}")
         if key == "cdm":
             try:
                 import numpy  # noqa: F401  # CommDebugMode imports it
@@ -310,6 +306,6 @@ def make_variant(
 
         v = _CommSpan([otlp_exporter(protocol="http/protobuf", endpoint=otlp_endpoint)])
     else:
-        raise ValueError(f"variant {key!r} is not one of {ALL_VARIANTS + tuple(SPLIT_LABELS)}")
+        raise ValueError(f"variant {key!r} is not one of {_KNOWN}")
     v.key = key
     return v

@@ -21,8 +21,8 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -31,7 +31,9 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+import commspan.dispatch
 from commspan import CommSpanMode, semconv
+from commspan.dispatch import CollectiveDispatchMode
 
 Expected = tuple[str, str, str, str]
 """(phase, op, src placements, dst placements) of one collective."""
@@ -190,8 +192,6 @@ def test_aggregator_collectives(name: str, mesh: DeviceMesh) -> None:
 def test_event_names_what_asked_for_the_redistribution(mesh: DeviceMesh) -> None:
     """``commspan.redistribute.op``: the DTensor op whose sharding propagation asked for
     it, ``redistribute`` for an explicit call, the autograd node in backward."""
-    from torch.distributed.tensor import distribute_tensor
-
     exporter = InMemorySpanExporter()
     mode = CommSpanMode(exporters=[exporter])
     with mode:
@@ -229,9 +229,6 @@ def test_mesh_is_learned_from_a_redistribution_without_collectives(fake_pg: None
     """A redistribution that only slices still tells commspan its mesh, so a later
     explicit ``redistribute`` (DTensor hands it placements, not the mesh) names the
     mesh dimension of its collective."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import distribute_tensor
-
     mesh = init_device_mesh("cpu", (2, 2))
     exporter = InMemorySpanExporter()
     mode = CommSpanMode(exporters=[exporter], record_params=False)
@@ -255,9 +252,6 @@ def test_undescribable_redistribution_is_counted_logged_and_skipped(
 ) -> None:
     """If placements cannot be described, the collective is still recorded (without
     them), one internal error is counted per redistribution, and the first is logged."""
-    from torch.distributed.tensor import distribute_tensor
-
-    import commspan.dispatch
 
     def broken(placements: Any) -> str:
         raise RuntimeError("cannot describe")
@@ -284,10 +278,6 @@ def test_undescribable_redistribution_is_counted_logged_and_skipped(
 def test_redistribution_left_out_of_order_leaves_no_record(mesh: DeviceMesh) -> None:
     """However DTensor leaves its redistributions, none stays on the stack to be
     blamed for later collectives."""
-    from torch.distributed.tensor import distribute_tensor
-
-    from commspan.dispatch import CollectiveDispatchMode
-
     mode = CollectiveDispatchMode(lambda info, attrs: None)
     a = distribute_tensor(torch.randn(8, 8), mesh, [Shard(0)])
     r = distribute_tensor(torch.randn(8, 8), mesh, [Replicate()])
