@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -254,6 +255,22 @@ class _Redistribution:
         return text
 
 
+def _group_key(group: Any) -> str | None:
+    """The name of a process group object, its cache key.
+
+    Not ``id(group)``: a c10d op receives a freshly boxed process group on every
+    call, and once that box is freed its id is soon another group's box.
+    """
+    try:
+        if isinstance(group, torch.ScriptObject):
+            import torch.distributed as dist
+
+            group = dist.ProcessGroup.unbox(group)
+        return str(group.group_name)
+    except Exception:
+        return None
+
+
 def _defers(types: Any) -> bool:
     if _DTensor is None:
         return False
@@ -376,14 +393,19 @@ class _GroupCache:
         self._by_key: dict[Any, tuple[str, int, list[int]] | None] = {}
         self._seq: dict[str, int] = {}
         self.mesh_dims: dict[str, int] = {}
-        self._meshes: set[int] = set()
+        # id -> weak reference: an id alone would be another mesh's once this one dies
+        self._meshes: dict[int, Callable[[], Any]] = {}
 
     def add_mesh(self, mesh: Any) -> None:
         """Learn which mesh dimension each of ``mesh``'s process groups is."""
         key = id(mesh)
-        if key in self._meshes:
+        known = self._meshes.get(key)
+        if known is not None and known() is mesh:
             return
-        self._meshes.add(key)
+        try:
+            self._meshes[key] = weakref.ref(mesh)
+        except TypeError:  # not weakly referenceable: keep it
+            self._meshes[key] = lambda: mesh
         try:
             for dim in range(mesh.ndim):
                 self.mesh_dims[str(mesh.get_group(dim).group_name)] = dim
@@ -398,7 +420,9 @@ class _GroupCache:
     def get(self, group: Any) -> tuple[str, int, list[int]] | None:
         if group is None:
             return None
-        key = group if isinstance(group, (str, tuple, int)) else id(group)
+        key = group if isinstance(group, (str, tuple, int)) else _group_key(group)
+        if key is None:
+            return self._resolve(group)
         try:
             return self._by_key[key]
         except KeyError:

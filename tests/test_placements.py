@@ -421,3 +421,54 @@ def test_parameter_placements(name: str, placements: list[str], mesh: DeviceMesh
     assert [info[n]["placements"] for n in names] == placements
     assert mode.aggregator.sharding_info() == {f"{fqn}.{n}": p for n, p in zip(names, placements)}
     assert info["weight"]["shape"] == "16x16"  # the global shape, not the local shard's
+
+
+def test_each_collective_names_its_own_process_group(fake_pg: None) -> None:
+    """c10d ops receive a freshly boxed process group on every call, so the memory
+    of one box is soon reused by another group's: events must still name the group
+    the collective ran on (and count sequence numbers per group)."""
+    import torch.distributed as dist
+
+    pair = dist.new_group([0, 1])
+    groups = [None, pair] * 100
+    exporter = InMemorySpanExporter()
+    mode = CommSpanMode(exporters=[exporter])
+    with mode:
+        for group in groups:
+            dist.all_reduce(torch.ones(2), group=group)
+    events = [attrs for _, attrs in collective_events(exporter.get_finished_spans())]
+    want = [[0, 1, 2, 3] if g is None else [0, 1] for g in groups]
+    assert [list(a[semconv.PG_RANKS]) for a in events] == want
+    names = {a[semconv.PG_NAME] for a in events}
+    assert len(names) == 2
+    for name in names:
+        seqs = [a[semconv.COLL_SEQ] for a in events if a[semconv.PG_NAME] == name]
+        assert seqs == list(range(seqs[0], seqs[0] + 100))
+
+
+def test_a_new_mesh_at_a_dead_mesh_address_is_learned() -> None:
+    """Meshes are remembered by identity, not by an id a later mesh can reuse."""
+    import weakref
+
+    from commspan.dispatch import _GroupCache
+
+    class Group:
+        def __init__(self, name: str) -> None:
+            self.group_name = name
+
+    class Mesh:
+        ndim = 1
+
+        def __init__(self, name: str) -> None:
+            self.group = Group(name)
+
+        def get_group(self, dim: int) -> Group:
+            return self.group
+
+    cache = _GroupCache()
+    dead, new = Mesh("dead"), Mesh("new")
+    cache.add_mesh(dead)
+    # what the cache holds once ``dead`` is gone and ``new`` took its address
+    cache._meshes[id(new)] = weakref.ref(dead)
+    cache.add_mesh(new)
+    assert cache.mesh_dims == {"dead": 0, "new": 0}
