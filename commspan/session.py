@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.resources import OTELResourceDetector, Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SpanExporter
 
@@ -85,12 +85,25 @@ class CommSpanMode:
             step: 0, N, 2N, …), a collection of step indices, or a callable
             ``step -> bool``. Untraced steps record and export nothing.
         record_params: put parameter names, shapes and placements on forward spans.
-        resource_attributes: extra resource attributes for every span.
+        resource_attributes: resource attributes for every span. They win over
+            everything else: over ``OTEL_RESOURCE_ATTRIBUTES`` /
+            ``OTEL_SERVICE_NAME`` and the ``tracer_provider``'s resource, which
+            in turn win over what commspan detects (``service.name`` =
+            ``commspan``, ``service.instance.id`` = the rank, ``host.name``,
+            ``process.pid``). A value of ``None`` leaves the key out, e.g.
+            ``{"host.name": None, "process.pid": None}`` to send neither.
+            ``commspan.rank``, ``commspan.local_rank`` and ``commspan.world_size``
+            come from torch.distributed (or ``RANK``/``LOCAL_RANK``/
+            ``WORLD_SIZE``); only this argument can override them (e.g. to
+            simulate ranks in one process), the environment and the provider
+            cannot. ``commspan.run_id`` is set with ``run_id=``.
         export_queue_size: spans each exporter queue holds before dropping.
         flush_timeout_s: how long leaving the context waits for exporters.
 
     Raises:
         TypeError: an argument has the wrong type (the message says which).
+        ValueError: ``resource_attributes`` sets ``commspan.run_id`` or leaves
+            out (``None``) one of commspan's own keys.
 
     Example:
         >>> import torch
@@ -166,7 +179,7 @@ class CommSpanMode:
         self._user_run_id = run_id
         self.run_id = run_id or ""
         self._record_params = record_params
-        self._extra_resource = dict(resource_attributes or {})
+        self._extra_resource = _check_resource_attributes(resource_attributes)
         self._flush_timeout = flush_timeout_s
         self._observer = _observer
 
@@ -430,19 +443,62 @@ class CommSpanMode:
         return procs
 
     def _build_resource(self) -> Resource:
-        attrs: dict[str, Any] = {
+        """The resource of every span. Lowest precedence first:
+
+        1. what the SDK detects (``telemetry.sdk.*``, its random
+           ``service.instance.id``, the detectors ``OTEL_EXPERIMENTAL_RESOURCE_DETECTORS``
+           names);
+        2. what commspan detects: ``service.name`` ``commspan``,
+           ``service.instance.id`` (the rank), ``host.name``, ``process.pid``;
+        3. ``OTEL_RESOURCE_ATTRIBUTES`` and ``OTEL_SERVICE_NAME``;
+        4. the tracer_provider's resource, less what the SDK put there by itself
+           (the placeholder ``service.name`` ``unknown_service…``, its
+           ``service.instance.id``);
+        5. ``resource_attributes=`` (``None`` leaves a key out).
+
+        commspan's own ids (rank, local rank, world size, run id) are set after
+        3 and 4, so neither the environment nor a provider can change them.
+        """
+        sdk = Resource.create()
+        automatic = dict(sdk.attributes)
+        attrs: dict[str, Any] = dict(automatic)
+        attrs.update({
+            semconv.SERVICE_NAME: "commspan",
             semconv.SERVICE_INSTANCE_ID: str(self._rank),
             semconv.HOST_NAME: socket.gethostname(),
             semconv.PROCESS_PID: os.getpid(),
+        })
+        attrs.update(OTELResourceDetector().detect().attributes)
+        schema_url = sdk.schema_url
+        if self._tracer_provider is not None:
+            provided = self._tracer_provider.resource
+            for key, value in provided.attributes.items():
+                if key in automatic and automatic[key] == value:
+                    continue  # the SDK's own value, not a choice of the user's
+                if key == semconv.SERVICE_NAME and str(value).startswith("unknown_service"):
+                    continue
+                attrs[key] = value
+            schema_url = schema_url or provided.schema_url
+        own: dict[str, Any] = {
             semconv.RANK: self._rank,
             semconv.LOCAL_RANK: self._local_rank,
             semconv.WORLD_SIZE: self._world,
             semconv.RUN_ID: self.run_id,
         }
-        base = Resource.create({semconv.SERVICE_NAME: _service_name()})
-        if self._tracer_provider is not None:
-            base = base.merge(self._tracer_provider.resource)
-        return base.merge(Resource(attrs)).merge(Resource(self._extra_resource))
+        ignored = sorted(k for k, v in own.items() if k in attrs and attrs[k] != v)
+        if ignored:
+            _log.warning(
+                "commspan: resource attributes %s from OTEL_RESOURCE_ATTRIBUTES or the "
+                "tracer_provider's resource are ignored; commspan sets them (run_id= sets "
+                "the run id)", ", ".join(ignored),
+            )
+        attrs.update(own)
+        for key, value in self._extra_resource.items():
+            if value is None:
+                attrs.pop(key, None)
+            else:
+                attrs[key] = value
+        return Resource(attrs, schema_url)
 
     # ------------------------------------------------------------ public extras
     @property
@@ -500,14 +556,33 @@ def _top_dispatch_mode() -> Any:
         return None
 
 
-def _service_name() -> str:
-    if os.environ.get("OTEL_SERVICE_NAME"):
-        return os.environ["OTEL_SERVICE_NAME"]
-    for item in os.environ.get("OTEL_RESOURCE_ATTRIBUTES", "").split(","):
-        key, _, value = item.partition("=")
-        if key.strip() == semconv.SERVICE_NAME and value.strip():
-            return value.strip()
-    return "commspan"
+# Resource keys commspan owns; resource_attributes= may override all but the run id.
+_OWN_RESOURCE_KEYS = (semconv.RANK, semconv.LOCAL_RANK, semconv.WORLD_SIZE, semconv.RUN_ID)
+
+
+def _check_resource_attributes(attributes: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Copy ``resource_attributes=``; reject what would make commspan's ids wrong."""
+    if attributes is None:
+        return {}
+    if not isinstance(attributes, Mapping):
+        raise TypeError(
+            f"resource_attributes={attributes!r} is not valid; pass a dict of "
+            "attribute name -> value (None to leave an attribute out)"
+        )
+    out = dict(attributes)
+    if semconv.RUN_ID in out:
+        raise ValueError(
+            f"resource_attributes[{semconv.RUN_ID!r}]={out[semconv.RUN_ID]!r} is not "
+            f"accepted; pass run_id={out[semconv.RUN_ID]!r} instead (the trace ids of "
+            "every rank derive from it)"
+        )
+    for key in _OWN_RESOURCE_KEYS:
+        if key in out and out[key] is None:
+            raise ValueError(
+                f"resource_attributes[{key!r}]=None is not accepted; readers need "
+                f"{key} to tell ranks apart (leave it out of resource_attributes)"
+            )
+    return out
 
 
 def _make_sampler(sample: int | Iterable[int] | Sampler | None) -> Sampler:
