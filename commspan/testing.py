@@ -18,11 +18,19 @@ Example:
 
 With pytest, the ``commspan_capture`` fixture (registered by the plugin that
 ships with commspan) does the same without the ``with`` block.
+
+Module names are checked: a name that is neither ``Global`` nor a module that
+ran (misspelt, or a module that was never called) is an ``AssertionError`` in
+the ``assert_*`` helpers (the expectation names something that did not happen)
+and a ``ValueError`` in :meth:`CommCapture.counts` (a query with a bad
+argument); both messages list the closest names that did run. A module that ran
+but issued no collectives is known: asserting that it is silent passes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import difflib
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Union
 
@@ -88,10 +96,26 @@ class CommCapture:
     def counts(self, fqn: str = semconv.GLOBAL_FQN, phase: str | None = None) -> dict[str, int]:
         """``{op: count}`` of module ``fqn`` (subtree-inclusive), one phase or all summed.
 
+        Args:
+            fqn: a module that ran, e.g. ``"MLP.net2"``, or ``"Global"`` (the whole rank).
+            phase: ``"forward"``, ``"backward"``, ``"recompute"`` or ``None`` for all.
+
+        Returns:
+            ``{op: count}``, empty if the module issued no collectives.
+
+        Raises:
+            ValueError: ``phase`` is not a phase, or no module named ``fqn`` ran
+                (the message lists the closest names that did).
+            TypeError: ``fqn`` is not a str.
+
         Example:
             ``cap.counts("MLP.net2", "forward") == {"all_reduce": 1}``
         """
-        return _counts(self.aggregator, fqn, _check_phase(phase, allow_none=True))
+        ph = _check_phase(phase, allow_none=True)
+        unknown = _unknown_module(self.aggregator, fqn)
+        if unknown:
+            raise ValueError(f"fqn={fqn!r} is not valid: {unknown}")
+        return _counts(self.aggregator, fqn, ph)
 
     def table(self, noise_level: int = 1) -> str:
         """The module table (see :meth:`commspan.Aggregator.table`)."""
@@ -207,8 +231,11 @@ def assert_counts(
         expected: ``{op: count}``, e.g. ``{"all_reduce": 1}``.
 
     Raises:
-        AssertionError: the counts differ; the message shows both and the module table.
+        AssertionError: the counts differ (the message shows both and the module
+            table), or no module named ``fqn`` ran (the message lists the
+            closest names that did).
         ValueError: ``phase`` is not a phase or a count is negative.
+        TypeError: ``fqn`` is not a str.
 
     Example:
         >>> from commspan.testing import assert_counts, capture
@@ -222,6 +249,7 @@ def assert_counts(
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise ValueError(f"expected[{op!r}]={n!r} is not valid; counts are ints >= 0")
     want = {op: n for op, n in expected.items() if n}
+    _assert_known(aggregator, fqn, f"collectives of {fqn!r} in {ph}")
     got = _counts(aggregator, fqn, ph)
     if got == want:
         return
@@ -232,7 +260,7 @@ def assert_counts(
     )
     raise AssertionError(
         f"collectives of {fqn!r} in {ph}: expected {want}, got {got} ({diff})"
-        f"{_unknown_hint(aggregator, fqn)}\n{_table(aggregator)}"
+        f"\n{_table(aggregator)}"
     )
 
 
@@ -245,11 +273,14 @@ def assert_no_comm(
         agg: an :class:`~commspan.Aggregator`, a ``CommSpanMode`` or a :class:`CommCapture`.
         phase: the phase to check; ``None`` checks every phase.
         fqn: a module whose subtree must be silent; ``None`` means the whole rank.
+            It must have run (a module that ran without collectives passes).
 
     Raises:
-        AssertionError: some collective was issued; the message lists them and
-            shows the module table.
+        AssertionError: some collective was issued (the message lists them and
+            shows the module table), or no module named ``fqn`` ran (the
+            message lists the closest names that did).
         ValueError: ``phase`` is not a phase.
+        TypeError: ``fqn`` is not a str.
 
     Example:
         >>> import torch
@@ -261,6 +292,7 @@ def assert_no_comm(
     aggregator = _aggregator(agg)
     ph = _check_phase(phase, allow_none=True)
     where = fqn if fqn is not None else semconv.GLOBAL_FQN
+    _assert_known(aggregator, where, f"expected no collectives inside {where!r}")
     got = _counts(aggregator, where, ph)
     if not got:
         return
@@ -303,9 +335,11 @@ def assert_placements(
 
     Raises:
         AssertionError: the module issued no ``op`` (in ``phase``), or some of
-            them had other placements; the message lists what was seen and
-            shows the module table.
+            them had other placements (the message lists what was seen and
+            shows the module table), or no module named ``fqn`` ran (the
+            message lists the closest names that did).
         ValueError: ``phase`` is not a phase.
+        TypeError: ``fqn`` is not a str.
 
     Example:
         ``assert_placements(cap, "MLP.net2", "all_reduce", "P(sum)", "R", phase="forward")``
@@ -313,6 +347,7 @@ def assert_placements(
     aggregator = _aggregator(agg)
     ph = _check_phase(phase, allow_none=True)
     want = (_placements(src), _placements(dst))
+    _assert_known(aggregator, fqn, f"{op} of {fqn!r}")
     seen: list[CollectiveSummary] = aggregator.collectives(fqn=fqn, phase=ph, op=op)
     wrong = [s for s in seen if (s.src, s.dst) != want]
     if seen and not wrong:
@@ -328,7 +363,7 @@ def assert_placements(
             f"{s.phase} {s.src or '?'} -> {s.dst or '?'} x{s.count}" for s in seen
         )
         detail = f"{op} of {where}: expected every one {want[0]} -> {want[1]}, got {found}"
-    raise AssertionError(f"{detail}{_unknown_hint(aggregator, fqn)}\n{_table(aggregator)}")
+    raise AssertionError(f"{detail}\n{_table(aggregator)}")
 
 
 # ------------------------------------------------------------------ helpers
@@ -379,11 +414,41 @@ def _placements(value: str | Sequence[Any]) -> str:
     return placements_str(list(value))
 
 
-def _unknown_hint(aggregator: Aggregator, fqn: str) -> str:
+_MAX_LISTED = 20  # module names an error lists before saying how many more ran
+
+
+def _unknown_module(aggregator: Aggregator, fqn: object) -> str | None:
+    """``None`` if ``fqn`` is ``Global`` or a module that ran, else what to say about it."""
+    if not isinstance(fqn, str):
+        raise TypeError(
+            f"fqn={fqn!r} is not valid; pass the module's name as a str, e.g. 'MLP.net2' "
+            f"(see cap.aggregator.modules()), or {semconv.GLOBAL_FQN!r} for the whole rank"
+        )
     modules = aggregator.modules()
     if fqn == semconv.GLOBAL_FQN or fqn in modules:
-        return ""
-    return f"; no module named {fqn!r} ran (modules: {', '.join(modules) or 'none'})"
+        return None
+    close = _closest(fqn, modules)
+    listed = ", ".join(modules[:_MAX_LISTED]) or "none"
+    if len(modules) > _MAX_LISTED:
+        listed += f", ... ({len(modules) - _MAX_LISTED} more)"
+    hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+    return f"no module named {fqn!r} ran{hint} (modules that ran: {listed})"
+
+
+def _closest(fqn: str, modules: list[str]) -> list[str]:
+    """Up to three names near ``fqn``: same last parts first, then by spelling (any case)."""
+    suffix = [m for m in modules if m.endswith("." + fqn)]
+    by_lower: dict[str, str] = {}
+    for m in [semconv.GLOBAL_FQN, *modules]:
+        by_lower.setdefault(m.lower(), m)
+    spelled = [by_lower[c] for c in difflib.get_close_matches(fqn.lower(), list(by_lower), n=3)]
+    return list(dict.fromkeys(suffix + spelled))[:3]
+
+
+def _assert_known(aggregator: Aggregator, fqn: str, what: str) -> None:
+    unknown = _unknown_module(aggregator, fqn)
+    if unknown:
+        raise AssertionError(f"{what}: {unknown}\n{_table(aggregator)}")
 
 
 def _table(aggregator: Aggregator) -> str:

@@ -204,3 +204,94 @@ def test_assert_placements_failure_shows_what_was_seen(tp_cap: CommCapture) -> N
         assert_placements(tp_cap, "MLP.net2", "all_reduce", "P(sum)", "R", phase="backward")
     with pytest.raises(AssertionError, match=r"it issued no collectives\)"):
         assert_placements(tp_cap, "MLP.relu", "all_reduce", "P(sum)", "R")
+
+
+# ------------------------------------------------------------------ module names
+@pytest.fixture()
+def plain_cap() -> CommCapture:
+    """One forward+backward of a plain (non-distributed) MLP: modules ran, no collectives."""
+    with capture() as cap:
+        MLP()(torch.ones(2, 8, requires_grad=True)).sum().backward()
+    return cap
+
+
+def test_assert_no_comm_rejects_a_misspelt_module(plain_cap: CommCapture) -> None:
+    """A misspelt fqn fails with the closest names that ran, instead of passing silently."""
+    with pytest.raises(AssertionError, match=r"no module named 'MLP\.net_2' ran; did you mean "
+                       r"'MLP\.net2'") as info:
+        assert_no_comm(plain_cap, fqn="MLP.net_2")
+    assert "modules that ran: MLP, MLP.net1, MLP.relu, MLP.net2" in str(info.value)
+    assert "module table (noise_level=1):" in str(info.value)
+    with pytest.raises(AssertionError, match="did you mean 'MLP.net2'"):
+        plain_cap.assert_no_comm(phase=None, fqn="MLP.net_2")
+
+
+def test_assert_counts_rejects_a_misspelt_module(plain_cap: CommCapture) -> None:
+    """assert_counts on a name that never ran fails even when no collectives are expected."""
+    with pytest.raises(AssertionError, match=r"collectives of 'MLP\.Net2' in forward: no module "
+                       r"named 'MLP\.Net2' ran; did you mean 'MLP\.net2'"):
+        assert_counts(plain_cap, "MLP.Net2", "forward", {})
+
+
+def test_counts_query_rejects_a_misspelt_module(plain_cap: CommCapture) -> None:
+    """cap.counts() on an unknown name is a ValueError naming fqn and the nearest names."""
+    with pytest.raises(ValueError, match=r"fqn='MLP\.net_2' is not valid: no module named "
+                       r"'MLP\.net_2' ran; did you mean 'MLP\.net2'"):
+        plain_cap.counts("MLP.net_2", "forward")
+    with pytest.raises(TypeError, match="pass the module's name as a str"):
+        plain_cap.counts(plain_cap.mode)  # type: ignore[arg-type]
+
+
+def test_assert_placements_rejects_a_misspelt_module(plain_cap: CommCapture) -> None:
+    """assert_placements names the closest module when its fqn never ran."""
+    with pytest.raises(AssertionError, match=r"all_reduce of 'MLP\.net_1': no module named "
+                       r"'MLP\.net_1' ran; did you mean 'MLP\.net1'"):
+        assert_placements(plain_cap, "MLP.net_1", "all_reduce", "P(sum)", "R")
+
+
+def test_a_leaf_name_suggests_its_full_name(plain_cap: CommCapture) -> None:
+    """A module's own name without its parents suggests the full name first."""
+    with pytest.raises(AssertionError, match="did you mean 'MLP.relu'"):
+        assert_no_comm(plain_cap, fqn="relu")
+
+
+def test_known_silent_modules_and_global_pass(plain_cap: CommCapture) -> None:
+    """A module that ran without collectives is known; Global is known even when nothing ran."""
+    assert_no_comm(plain_cap, phase=None, fqn="MLP.relu")
+    assert_counts(plain_cap, "MLP.net2", "backward", {})
+    assert plain_cap.counts("MLP.relu") == {}
+    with capture() as empty:
+        pass
+    assert empty.counts("Global", "forward") == {}
+    assert_no_comm(empty, phase=None, fqn="Global")
+    with pytest.raises(AssertionError, match=r"no module named 'MLP' ran \(modules that ran: "
+                       r"none\)"):
+        assert_no_comm(empty, fqn="MLP")
+
+
+def test_unknown_name_error_lists_a_bounded_number_of_modules() -> None:
+    """With many modules the error lists the first 20 and says how many more ran."""
+    model = torch.nn.Sequential(*[torch.nn.ReLU() for _ in range(30)])
+    with capture() as cap:
+        model(torch.ones(2))
+    with pytest.raises(AssertionError, match=r"did you mean 'Sequential\.2' or .*\.\.\. "
+                       r"\(11 more\)\)"):
+        assert_no_comm(cap, fqn="Sequential.2x")
+
+
+def test_assert_helpers_accept_a_mode_and_check_live_names() -> None:
+    """Inside the mode, the modules still open are known (their frames are live)."""
+    seen: list[str] = []
+
+    class Probe(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            assert_no_comm(mode, fqn="Probe")
+            with pytest.raises(AssertionError, match="did you mean 'Probe'"):
+                assert_no_comm(mode, fqn="Prob")
+            seen.append("ok")
+            return x
+
+    mode = CommSpanMode()
+    with mode:
+        Probe()(torch.ones(1))
+    assert seen == ["ok"]
