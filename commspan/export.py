@@ -197,8 +197,11 @@ class ExportQueue(SpanProcessor):
     def flush(self, timeout_s: float | None = None, *, wait_if_unhealthy: bool = True) -> bool:
         """Wait until every span queued so far has been through ``export``, or ``timeout_s``.
 
+        A flush that waited and timed out makes the queue unhealthy.
+
         Args:
             timeout_s: bound on the wait, in seconds; default ``export_timeout_s``.
+                ``0`` only asks the worker to export now.
             wait_if_unhealthy: ``False`` to only ask the worker to flush, without
                 waiting, when the queue is not :attr:`healthy` (its last export
                 failed or a flush timed out, and no export succeeded since).
@@ -219,7 +222,7 @@ class ExportQueue(SpanProcessor):
             self._flush_requests += 1
             ticket = self._flush_requests
             self._cond.notify_all()
-            if not wait_if_unhealthy and not self._healthy:
+            if timeout == 0 or (not wait_if_unhealthy and not self._healthy):
                 return False
             while self._flushed < ticket:
                 left = deadline - time.monotonic()

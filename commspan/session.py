@@ -509,6 +509,8 @@ class CommSpanMode:
 
     def _flush_queues(self, timeout_s: float, wait_if_unhealthy: bool) -> bool:
         deadline = time.monotonic() + timeout_s
+        for q in self._queues:  # start every exporter now, then wait for each
+            q.flush(0.0)
         ok = True
         for q in self._queues:
             left = max(0.0, deadline - time.monotonic())
@@ -527,6 +529,8 @@ class CommSpanMode:
         """
         timeout = self._flush_timeout if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
+        for q in self._queues:  # start every exporter now: a hung one delays no other
+            q.flush(0.0)
         for q in self._queues:
             q.shutdown(max(0.0, deadline - time.monotonic()))
 

@@ -387,9 +387,10 @@ def test_stuck_export_is_counted_as_failed_at_shutdown_and_logged_once(
     assert exp["in_flight"] == 0 and exp["abandoned"] > 0
     assert st["spans_failed"] + st["spans_dropped"] == st["spans"]
     assert len(_warnings(caplog, "did not return")) == 1
+    caplog.set_level(logging.DEBUG, logger="commspan.export")
     blocking.release.set()  # the abandoned call now returns SUCCESS, too late to count
-    assert blocking.returned.wait(5.0)
-    time.sleep(0.1)
+    assert _wait_for(lambda: any("returned late (SUCCESS)" in r.getMessage()
+                                 for r in caplog.records))
     assert mode.stats()["exporters"][0] == exp
     mode.shutdown(timeout_s=0.2)  # a second shutdown changes nothing and logs nothing
     assert mode.stats()["exporters"][0] == exp
@@ -512,3 +513,22 @@ def test_flush_in_seconds_force_flush_in_milliseconds(blocking: BlockingExporter
     assert _wait_for(lambda: queue.healthy)
     queue.shutdown(1.0)
     assert queue.stats()["exported"] == 1
+
+
+def test_a_hung_exporter_does_not_cost_another_its_spans_at_shutdown(
+    blocking: BlockingExporter,
+) -> None:
+    """Shutdown with a hung exporter listed first: the second exporter still gets every
+    span (its worker is started at once, not after the first one's budget is spent)."""
+    recording = RecordingExporter()
+    mode = CommSpanMode(exporters=[blocking, recording], flush_timeout_s=5.0)
+    model = _model()
+    with mode:
+        with mode.step(0):
+            model(torch.ones(2, 4)).sum().backward()
+        # shut down before leaving, so no exit flush has sent anything yet
+        mode.shutdown(timeout_s=0.3)
+    st = assert_nothing_lost(mode)
+    hung, ok = st["exporters"]
+    assert ok["exported"] == len(recording.spans) == st["spans"], st
+    assert hung["failed"] + hung["dropped"] == st["spans"]
