@@ -2,9 +2,22 @@
 
 :class:`ExportQueue` is a span processor. ``on_end`` appends the span to a
 bounded queue and returns; a daemon thread hands batches to the wrapped
-:class:`~opentelemetry.sdk.trace.export.SpanExporter`. A full queue drops the
-span and counts it; an exporter that raises or reports failure is logged once
-and counted. Nothing here ever raises into the caller's step.
+:class:`~opentelemetry.sdk.trace.export.SpanExporter`. Nothing here ever
+raises into the caller's step, and nothing is lost silently: every span handed
+to a queue ends up counted as exactly one of
+
+- ``exported``: an ``export`` call returned ``SUCCESS`` for it;
+- ``dropped``: it never reached ``export`` (the queue was full, or stopped, or
+  it was still queued when :meth:`ExportQueue.shutdown` ran out of time);
+- ``failed``: an ``export`` call raised, returned anything but ``SUCCESS``, or
+  was still running when ``shutdown`` ran out of time (the batch is
+  *abandoned*: counted as failed and in ``abandoned``, and a late result of
+  that call is ignored);
+
+or, until shutdown, ``pending`` (queued) or ``in_flight`` (inside an
+``export`` call). So at every moment ``handed == exported + dropped + failed +
+pending + in_flight``, and after ``shutdown`` ``pending == in_flight == 0``.
+Each kind of loss is logged once per queue.
 """
 
 from __future__ import annotations
@@ -30,20 +43,73 @@ except ImportError:  # pragma: no cover
 
 
 class ExportStats(dict):  # type: ignore[type-arg]
-    """Counters of one exporter: ``queued``, ``exported``, ``dropped``, ``failed``,
-    ``pending`` and ``in_flight``; ``queued == exported + dropped-after-queueing +
-    failed + pending + in_flight``."""
+    """Counters of one exporter, taken together under the queue's lock.
+
+    Keys: ``exporter`` (class name), ``handed`` (spans given to the queue),
+    ``queued`` (accepted into it), ``exported``, ``dropped``, ``failed``,
+    ``abandoned`` (the part of ``failed`` left inside an export call that had
+    not returned when shutdown gave up on it), ``pending`` (waiting in the
+    queue), ``in_flight`` (inside an export call) and ``healthy`` (see
+    :attr:`ExportQueue.healthy`).
+
+    Always ``handed == exported + dropped + failed + pending + in_flight``;
+    after :meth:`ExportQueue.shutdown`, ``pending == in_flight == 0``.
+    """
+
+    @property
+    def unaccounted(self) -> int:
+        """Spans handed to the queue that no counter accounts for (always 0)."""
+        return int(
+            self["handed"]
+            - self["exported"]
+            - self["dropped"]
+            - self["failed"]
+            - self["pending"]
+            - self["in_flight"]
+        )
 
 
 class ExportQueue(SpanProcessor):
-    """Batches spans to ``exporter`` from a background thread.
+    """Batches spans to ``exporter`` from a background thread; every wait is bounded.
+
+    Why not the SDK's ``BatchSpanProcessor``: in the SDK releases commspan
+    supports (``opentelemetry-sdk>=1.30``) its shutdown joins the worker thread
+    without a timeout up to 1.32 (an export stuck on an endpoint that accepts
+    and never answers then hangs the training process at exit), and from 1.33
+    its ``force_flush`` exports on the calling thread (the training step) and
+    ignores its timeout. In all of them ``exporter.shutdown()`` runs unbounded
+    on the caller's thread, a ``FAILURE`` result is not counted, and there are
+    no counters to show that no span was lost silently. This queue keeps every
+    wait within its timeout, counts every span (see the module docstring) and
+    knows whether its exporter is :attr:`healthy`, so that leaving a
+    ``CommSpanMode`` does not wait again and again for a dead backend.
+
+    All durations of this class's own API are in seconds (``flush``,
+    ``shutdown``, the constructor). ``force_flush(timeout_millis)`` keeps the
+    ``SpanProcessor`` signature, in milliseconds, and calls :meth:`flush`.
 
     Args:
         exporter: any OpenTelemetry ``SpanExporter``.
         max_queue_size: spans held at most; more are dropped and counted.
         max_batch_size: spans per ``export`` call.
         schedule_delay_s: how long the worker waits for a batch to fill.
-        export_timeout_s: bound on how long ``force_flush``/``shutdown`` wait.
+        export_timeout_s: default bound, in seconds, on how long ``flush``,
+            ``force_flush`` and ``shutdown`` wait when given no timeout.
+
+    Raises:
+        ValueError: a size is not a positive int, or a duration is not positive.
+
+    Example:
+        >>> from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
+        ...     InMemorySpanExporter)
+        >>> from commspan.export import ExportQueue
+        >>> queue = ExportQueue(InMemorySpanExporter())
+        >>> queue.flush(1.0)
+        True
+        >>> queue.shutdown(1.0)
+        >>> stats = queue.stats()
+        >>> stats["handed"], stats["in_flight"], stats.unaccounted
+        (0, 0, 0)
     """
 
     def __init__(
@@ -64,118 +130,214 @@ class ExportQueue(SpanProcessor):
                 f"{export_timeout_s!r}: both must be positive numbers of seconds"
             )
         self.exporter = exporter
+        self._name = type(exporter).__name__
         self._max_queue = max_queue_size
         self._max_batch = max_batch_size
         self._delay = schedule_delay_s
         self._timeout = export_timeout_s
         self._queue: collections.deque[ReadableSpan] = collections.deque()
+        # One lock guards the queue, every counter and the worker's state, so
+        # a snapshot of the counters always adds up.
         self._cond = threading.Condition(threading.Lock())
         self._flush_requests = 0
         self._flushed = 0
-        self._busy = False
         self._stopped = False
+        self._closing = False
         self._worker: threading.Thread | None = None
+        self._batch = 0  # number of the batch inside export (0: none)
+        self._abandoned_batch = 0  # batch given up on by shutdown
+        self._healthy = True
+        self.handed = 0
         self.queued = 0
         self.in_flight = 0
         self.exported = 0
         self.dropped = 0
         self.failed = 0
+        self.abandoned = 0
         self._warned_drop = False
         self._warned_fail = False
+        self._warned_slow = False
 
     # ------------------------------------------------------------ processor API
     def on_start(self, span: Any, parent_context: Any = None) -> None:
         """Nothing to do when a span starts."""
 
     def on_end(self, span: ReadableSpan) -> None:
-        """Queue ``span`` for export; drop and count it if the queue is full."""
-        if self._stopped:
-            self._drop(1)
-            return
-        queue = self._queue
-        if len(queue) >= self._max_queue:
-            self._drop(1)
-            return
-        queue.append(span)
-        self.queued += 1
-        if self._worker is None:
-            self._start()
-        elif len(queue) >= self._max_batch:
-            with self._cond:
-                self._cond.notify()
+        """Queue ``span`` for export; drop and count it if the queue is full or stopped."""
+        with self._cond:
+            self.handed += 1
+            queue = self._queue
+            if self._stopped or len(queue) >= self._max_queue:
+                self.dropped += 1
+                warn = not self._warned_drop
+                self._warned_drop = True
+            else:
+                warn = False
+                queue.append(span)
+                self.queued += 1
+                if self._worker is None:
+                    self._start()
+                elif len(queue) == self._max_batch:
+                    self._cond.notify()
+        if warn:
+            _log.warning(
+                "commspan: export queue of %s is full or stopped; dropping spans "
+                "(counted in mode.stats(), not logged again)", self._name
+            )
 
-    def force_flush(self, timeout_millis: int | None = None) -> bool:
-        """Wait until everything queued so far is exported, or the timeout passes."""
-        if self._worker is None:
-            return True
-        timeout = self._timeout if timeout_millis is None else timeout_millis / 1000
+    @property
+    def healthy(self) -> bool:
+        """``False`` after an export failed or a flush timed out, until an export succeeds.
+
+        ``flush(wait_if_unhealthy=False)`` (what leaving a ``CommSpanMode`` does)
+        does not wait for an unhealthy queue.
+        """
+        return self._healthy
+
+    def flush(self, timeout_s: float | None = None, *, wait_if_unhealthy: bool = True) -> bool:
+        """Wait until every span queued so far has been through ``export``, or ``timeout_s``.
+
+        A flush that waited and timed out makes the queue unhealthy.
+
+        Args:
+            timeout_s: bound on the wait, in seconds; default ``export_timeout_s``.
+                ``0`` only asks the worker to export now.
+            wait_if_unhealthy: ``False`` to only ask the worker to flush, without
+                waiting, when the queue is not :attr:`healthy` (its last export
+                failed or a flush timed out, and no export succeeded since).
+
+        Returns:
+            ``True`` if everything queued before the call has been through
+            ``export`` (whatever its result); ``False`` on timeout, after a
+            flush that did not wait, or if the worker is gone.
+        """
+        timeout = self._timeout if timeout_s is None else max(0.0, timeout_s)
         deadline = time.monotonic() + timeout
         with self._cond:
+            worker = self._worker
+            if worker is None or (not self._queue and not self.in_flight):
+                return True
+            if self._stopped:
+                return False
             self._flush_requests += 1
             ticket = self._flush_requests
             self._cond.notify_all()
+            if timeout == 0 or (not wait_if_unhealthy and not self._healthy):
+                return False
             while self._flushed < ticket:
                 left = deadline - time.monotonic()
-                if left <= 0 or not self._worker.is_alive():
+                if self._stopped:
                     return False
+                if left <= 0 or not worker.is_alive():
+                    self._healthy = False
+                    warn = not self._warned_slow
+                    self._warned_slow = True
+                    break
                 self._cond.wait(left)
-        return True
+            else:
+                return True
+        if warn:
+            _log.warning(
+                "commspan: %s did not finish exporting within %.2f s; leaving the mode "
+                "no longer waits for it until an export succeeds (spans keep being "
+                "exported in the background and counted in mode.stats())",
+                self._name, timeout,
+            )
+        return False
+
+    def force_flush(self, timeout_millis: int | None = None) -> bool:
+        """``SpanProcessor.force_flush``: :meth:`flush` with a timeout in milliseconds."""
+        return self.flush(None if timeout_millis is None else timeout_millis / 1000)
 
     def shutdown(self, timeout_s: float | None = None) -> None:
         """Flush, stop the worker and shut the exporter down, all within ``timeout_s``.
 
-        A worker stuck in an exporter that never returns is abandoned (it is a
-        daemon thread); what is still queued then is counted as dropped.
+        Afterwards nothing is pending or in flight: spans still queued are
+        counted as dropped, and a batch inside an export call that has not
+        returned is abandoned (its daemon thread is left to finish) and counted
+        as failed. Either loss is logged once. Calling it again does nothing.
+
+        Args:
+            timeout_s: bound on the whole shutdown, in seconds; default
+                ``export_timeout_s``.
         """
-        if self._stopped:
-            return
+        with self._cond:
+            if self._closing:
+                return
+            self._closing = True
+            self._warned_slow = True  # a slow flush here is reported as shutdown's loss
         timeout = self._timeout if timeout_s is None else max(0.0, timeout_s)
         deadline = time.monotonic() + timeout
-        self.force_flush(int(timeout * 1000))
+        self.flush(timeout)
         with self._cond:
             self._stopped = True
-            self._cond.notify_all()
-        if self._worker is not None:
-            self._worker.join(timeout=max(0.0, deadline - time.monotonic()))
-        left = len(self._queue)
-        if left:
+            unsent = len(self._queue)
             self._queue.clear()
-            self._drop(left)
+            self.dropped += unsent
+            self._cond.notify_all()
+        worker = self._worker
+        if worker is not None:
+            worker.join(timeout=max(0.0, deadline - time.monotonic()))
         closer = threading.Thread(
-            target=self._shutdown_exporter, name="commspan-export-shutdown", daemon=True
+            target=self._shutdown_exporter, name=f"commspan-shutdown-{self._name}", daemon=True
         )
         closer.start()
         closer.join(timeout=max(0.05, deadline - time.monotonic()))
+        if closer.is_alive():
+            _log.warning(
+                "commspan: %s.shutdown() did not return within the %.2f s shutdown "
+                "budget; it is left running in a daemon thread", self._name, timeout,
+            )
+        if worker is not None:  # shutting the exporter down may have ended a stuck export
+            worker.join(timeout=max(0.0, deadline - time.monotonic()))
+        with self._cond:
+            abandoned = self.in_flight
+            if abandoned:
+                self._abandoned_batch = self._batch
+                self.in_flight = 0
+                self.failed += abandoned
+                self.abandoned += abandoned
+        if abandoned or unsent:
+            _log.warning(
+                "commspan: shutting %s down within %.2f s lost %d spans inside an export "
+                "call that did not return (counted as failed) and %d spans not yet sent "
+                "(counted as dropped); see mode.stats()", self._name, timeout, abandoned, unsent,
+            )
 
     def _shutdown_exporter(self) -> None:
         try:
             self.exporter.shutdown()
         except Exception:
-            self._fail(0, "shutdown raised")
+            _log.warning("commspan: %s.shutdown() raised", self._name, exc_info=True)
 
     def stats(self) -> ExportStats:
-        """Counters: spans queued, exported, dropped (queue full / unflushed), failed,
-        pending (still queued) and in_flight (inside an export call that has not returned)."""
-        return ExportStats(
-            exporter=type(self.exporter).__name__,
-            queued=self.queued,
-            exported=self.exported,
-            dropped=self.dropped,
-            failed=self.failed,
-            pending=len(self._queue),
-            in_flight=self.in_flight,
-        )
+        """Counters of this queue, taken together (see :class:`ExportStats`).
+
+        Returns:
+            A snapshot in which ``handed == exported + dropped + failed +
+            pending + in_flight``.
+        """
+        with self._cond:
+            return ExportStats(
+                exporter=self._name,
+                handed=self.handed,
+                queued=self.queued,
+                exported=self.exported,
+                dropped=self.dropped,
+                failed=self.failed,
+                abandoned=self.abandoned,
+                pending=len(self._queue),
+                in_flight=self.in_flight,
+                healthy=self._healthy,
+            )
 
     # ------------------------------------------------------------ worker
     def _start(self) -> None:
-        with self._cond:
-            if self._worker is not None:
-                return
-            self._worker = threading.Thread(
-                target=self._run, name=f"commspan-export-{type(self.exporter).__name__}",
-                daemon=True,
-            )
-            self._worker.start()
+        """Start the worker (called with the lock held)."""
+        self._worker = threading.Thread(
+            target=self._run, name=f"commspan-export-{self._name}", daemon=True
+        )
+        self._worker.start()
 
     def _run(self) -> None:
         token = attach(set_value(_SUPPRESS, True))
@@ -189,7 +351,9 @@ class ExportQueue(SpanProcessor):
                     if self._stopped:
                         return
                     ticket = self._flush_requests
-                self._drain()
+                    todo = len(self._queue)
+                if not self._drain(todo):
+                    return
                 with self._cond:
                     if ticket > self._flushed:
                         self._flushed = ticket
@@ -197,39 +361,53 @@ class ExportQueue(SpanProcessor):
         finally:
             detach(token)
 
-    def _drain(self) -> None:
-        queue = self._queue
-        while queue:
-            n = min(len(queue), self._max_batch)
-            batch = [queue.popleft() for _ in range(n)]
-            self.in_flight = len(batch)
+    def _drain(self, todo: int) -> bool:
+        """Export ``todo`` spans from the queue's head; ``False`` once stopped."""
+        while todo > 0:
+            with self._cond:
+                if self._stopped:
+                    return False
+                n = min(todo, len(self._queue), self._max_batch)
+                if n == 0:
+                    return True
+                batch = [self._queue.popleft() for _ in range(n)]
+                self._batch += 1
+                number = self._batch
+                self.in_flight = n
+            todo -= n
             try:
                 result = self.exporter.export(batch)
-            except Exception:
-                self.in_flight = 0
-                self._fail(len(batch), "raised")
+            except BaseException as exc:
+                self._settle(number, n, "raised", exc)
+                if not isinstance(exc, Exception):  # let SystemExit & co end the thread
+                    raise
                 continue
-            self.in_flight = 0
             if result is SpanExportResult.SUCCESS:
-                self.exported += len(batch)
+                self._settle(number, n, "")
             else:
-                self._fail(len(batch), "returned FAILURE")
+                self._settle(number, n, f"returned {getattr(result, 'name', result)}")
+        return True
 
-    def _drop(self, n: int) -> None:
-        self.dropped += n
-        if not self._warned_drop:
-            self._warned_drop = True
-            _log.warning(
-                "commspan: export queue of %s is full or stopped; dropping spans "
-                "(counted in mode.stats(), not logged again)", type(self.exporter).__name__
-            )
-
-    def _fail(self, n: int, how: str) -> None:
-        self.failed += n
-        if not self._warned_fail:
+    def _settle(self, number: int, n: int, how: str, exc: BaseException | None = None) -> None:
+        """Count the result of batch ``number`` (``how`` empty: SUCCESS)."""
+        with self._cond:
+            if number == self._abandoned_batch:
+                # shutdown already counted it as failed; a late result changes nothing
+                _log.debug("commspan: an abandoned %s.export returned late (%s)",
+                           self._name, how or "SUCCESS")
+                return
+            self.in_flight = 0
+            if not how:
+                self.exported += n
+                self._healthy = True
+                return
+            self.failed += n
+            self._healthy = False
+            warn = not self._warned_fail
             self._warned_fail = True
+        if warn:
             _log.warning(
                 "commspan: %s.export %s; %d spans lost (further failures are counted "
-                "in mode.stats(), not logged)", type(self.exporter).__name__, how, n,
-                exc_info=how == "raised",
+                "in mode.stats(), not logged; leaving the mode no longer waits for this "
+                "exporter until an export succeeds)", self._name, how, n, exc_info=exc,
             )

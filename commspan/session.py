@@ -98,7 +98,9 @@ class CommSpanMode:
             simulate ranks in one process), the environment and the provider
             cannot. ``commspan.run_id`` is set with ``run_id=``.
         export_queue_size: spans each exporter queue holds before dropping.
-        flush_timeout_s: how long leaving the context waits for exporters.
+        flush_timeout_s: the most leaving the context waits for exporters, in
+            seconds; it does not wait for an exporter whose last export failed
+            or timed out, until one succeeds again.
 
     Raises:
         TypeError: an argument has the wrong type (the message says which).
@@ -260,7 +262,7 @@ class CommSpanMode:
             self._active = False
             if self.aggregator is not None:
                 self.aggregator.attach_live(None)
-            self.flush(self._flush_timeout)
+            self._flush_on_exit()
 
     def _start_capture(self) -> None:
         assert self._tracker is not None and self._dispatch is not None
@@ -512,7 +514,16 @@ class CommSpanMode:
         return self._rank
 
     def stats(self) -> dict[str, Any]:
-        """Counters: spans, collectives, steps traced/skipped, export drops and failures.
+        """Counters: spans, collectives, steps traced/skipped, errors, and what export did.
+
+        ``exporters`` holds one dict per exporter (see
+        :class:`commspan.export.ExportStats`): ``handed`` (spans given to it),
+        ``exported``, ``dropped``, ``failed``, ``pending``, ``in_flight``,
+        ``abandoned`` and ``healthy``. For each,
+        ``handed == exported + dropped + failed + pending + in_flight``; after
+        :meth:`shutdown`, ``pending`` and ``in_flight`` are 0, so every span is
+        exported or counted as lost. ``spans_exported``, ``spans_dropped``,
+        ``spans_failed`` and ``spans_in_flight`` are the sums over exporters.
 
         Example:
             >>> from commspan import CommSpanMode
@@ -523,26 +534,59 @@ class CommSpanMode:
         out["internal_errors"] = (self._tracker.internal_errors if self._tracker else 0) + (
             self._dispatch.errors if self._dispatch else 0
         )
-        out["exporters"] = [q.stats() for q in self._queues]
-        out["spans_dropped"] = sum(q.dropped for q in self._queues)
-        out["spans_failed"] = sum(q.failed for q in self._queues)
-        out["spans_in_flight"] = sum(q.in_flight for q in self._queues)
+        exporters = [q.stats() for q in self._queues]
+        out["exporters"] = exporters
+        for total, key in (("spans_exported", "exported"), ("spans_dropped", "dropped"),
+                           ("spans_failed", "failed"), ("spans_in_flight", "in_flight")):
+            out[total] = sum(e[key] for e in exporters)
         return out
 
     def flush(self, timeout_s: float | None = None) -> bool:
-        """Wait (bounded) until every exporter has written what was queued."""
+        """Wait until every span queued so far has been through an ``export`` call, at
+        most ``timeout_s`` in total.
+
+        Unlike leaving the mode, this waits for unhealthy exporters too.
+
+        Args:
+            timeout_s: bound on the whole wait, in seconds; default ``flush_timeout_s``.
+
+        Returns:
+            ``True`` if every exporter's queue was flushed in time.
+        """
         timeout = self._flush_timeout if timeout_s is None else timeout_s
-        deadline = time.monotonic() + timeout
+        return self._flush_queues(timeout, wait_if_unhealthy=True)
+
+    def _flush_on_exit(self) -> None:
+        """Leaving the mode waits (up to ``flush_timeout_s``) for healthy exporters
+        only: one whose last export failed or whose last flush timed out is asked
+        to flush in the background, so a dead backend does not add
+        ``flush_timeout_s`` to every ``with mode:`` block."""
+        self._flush_queues(self._flush_timeout, wait_if_unhealthy=False)
+
+    def _flush_queues(self, timeout_s: float, wait_if_unhealthy: bool) -> bool:
+        deadline = time.monotonic() + timeout_s
+        for q in self._queues:  # start every exporter now, then wait for each
+            q.flush(0.0)
         ok = True
         for q in self._queues:
             left = max(0.0, deadline - time.monotonic())
-            ok = q.force_flush(int(left * 1000)) and ok
+            ok = q.flush(left, wait_if_unhealthy=wait_if_unhealthy) and ok
         return ok
 
     def shutdown(self, timeout_s: float | None = None) -> None:
-        """Flush and close every exporter (bounded by ``timeout_s``)."""
+        """Flush and close every exporter, all within ``timeout_s`` seconds.
+
+        Afterwards nothing is pending or in flight: what could not be sent in
+        time is counted as dropped (still queued) or failed (inside an export
+        call that did not return), and logged once per exporter.
+
+        Args:
+            timeout_s: bound on the whole shutdown, in seconds; default ``flush_timeout_s``.
+        """
         timeout = self._flush_timeout if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
+        for q in self._queues:  # start every exporter now: a hung one delays no other
+            q.flush(0.0)
         for q in self._queues:
             q.shutdown(max(0.0, deadline - time.monotonic()))
 

@@ -16,12 +16,14 @@ from typing import Any
 
 import pytest
 import torch
+from _accounting import assert_nothing_lost
 from opentelemetry.context import _SUPPRESS_INSTRUMENTATION_KEY, get_value
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from torch import nn
 
 from commspan import CommSpanMode
+from commspan.export import ExportQueue
 
 SLACK_S = 0.5  # scheduling slack on a loaded 2-core machine
 
@@ -54,12 +56,14 @@ class BlockingExporter(SpanExporter):
     def __init__(self) -> None:
         self.release = threading.Event()
         self.entered = threading.Event()
+        self.returned = threading.Event()
         self.calls = 0
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         self.calls += 1
         self.entered.set()
         self.release.wait()
+        self.returned.set()
         return SpanExportResult.SUCCESS
 
 
@@ -259,3 +263,272 @@ def test_raising_span_processor_never_breaks_step(caplog: pytest.LogCaptureFixtu
     assert stats["processor_errors"] == stats["spans"]
     assert len(_warnings(caplog, "processor")) == 1
     assert mode.aggregator is not None and mode.aggregator.modules()
+
+
+# ------------------------------------------------------------------ more exporters
+class SlowExporter(RecordingExporter):
+    """Succeeds after ``delay_s`` per export call."""
+
+    def __init__(self, delay_s: float) -> None:
+        super().__init__()
+        self.delay_s = delay_s
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        time.sleep(self.delay_s)
+        return super().export(spans)
+
+
+class HangingShutdownExporter(RecordingExporter):
+    """Exports at once; ``shutdown`` blocks until ``release`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+
+    def shutdown(self) -> None:
+        self.release.wait()
+
+
+class StuckThenHealthyExporter(RecordingExporter):
+    """The first export blocks until ``release`` is set; every export then succeeds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        self.release.wait()
+        return super().export(spans)
+
+
+def _blocks(mode: CommSpanMode, blocks: int) -> list[float]:
+    """Run one step in each of ``blocks`` separate ``with mode:`` blocks; return the
+    seconds each exit took."""
+    model = _model()
+    exits = []
+    for i in range(blocks):
+        with mode:
+            with mode.step(i):
+                model(torch.ones(2, 4)).sum().backward()
+            t0 = time.monotonic()
+        exits.append(time.monotonic() - t0)
+    return exits
+
+
+def _wait_for(predicate: Any, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+# ------------------------------------------------------------------ nothing lost silently
+FAULTS = ["healthy", "raising", "failure", "hanging", "slow_full_queue", "shutdown_hangs"]
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_every_span_is_exported_dropped_or_failed_after_shutdown(fault: str) -> None:
+    """Under each exporter fault, after shutdown: handed == exported + dropped + failed,
+    nothing pending or in flight, and the totals in mode.stats() add up."""
+    exporter: SpanExporter
+    queue_size = 65536
+    if fault == "healthy":
+        exporter = RecordingExporter()
+    elif fault == "raising":
+        exporter = RaisingExporter()
+    elif fault == "failure":
+        exporter = FailingExporter()
+    elif fault == "hanging":
+        exporter = BlockingExporter()
+    elif fault == "slow_full_queue":
+        exporter, queue_size = SlowExporter(0.05), 4
+    else:
+        exporter = HangingShutdownExporter()
+    try:
+        mode = CommSpanMode(
+            exporters=[exporter], export_queue_size=queue_size, flush_timeout_s=0.3
+        )
+        _blocks(mode, 4)
+        t0 = time.monotonic()
+        mode.shutdown(timeout_s=0.5)
+        assert time.monotonic() - t0 < 0.5 + SLACK_S
+        st = assert_nothing_lost(mode)
+    finally:
+        if hasattr(exporter, "release"):
+            exporter.release.set()
+    (exp,) = st["exporters"]
+    assert st["spans"] > 0
+    if fault in ("healthy", "shutdown_hangs"):
+        assert exp["exported"] == st["spans"] == len(exporter.spans)  # type: ignore[attr-defined]
+    elif fault in ("raising", "failure"):
+        assert exp["failed"] == st["spans"]
+    elif fault == "hanging":
+        assert exp["exported"] == 0 and exp["abandoned"] > 0
+        assert exp["failed"] == exp["abandoned"] and exp["dropped"] == st["spans"] - exp["failed"]
+    else:
+        assert exp["dropped"] > 0 and exp["exported"] == len(exporter.spans) > 0  # type: ignore[attr-defined]
+
+
+def test_stuck_export_is_counted_as_failed_at_shutdown_and_logged_once(
+    blocking: BlockingExporter, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An export that never returns is abandoned by shutdown: its spans count as failed
+    (and abandoned), in_flight is 0, one warning says so, and a late result changes nothing."""
+    caplog.set_level(logging.WARNING)
+    mode = CommSpanMode(exporters=[blocking], flush_timeout_s=0.2)
+    with mode:
+        _train(mode, 2)
+    assert blocking.entered.wait(5.0)
+    mode.shutdown(timeout_s=0.2)
+    st = assert_nothing_lost(mode)
+    (exp,) = st["exporters"]
+    assert exp["in_flight"] == 0 and exp["abandoned"] > 0
+    assert st["spans_failed"] + st["spans_dropped"] == st["spans"]
+    assert len(_warnings(caplog, "did not return")) == 1
+    caplog.set_level(logging.DEBUG, logger="commspan.export")
+    blocking.release.set()  # the abandoned call now returns SUCCESS, too late to count
+    assert _wait_for(lambda: any("returned late (SUCCESS)" in r.getMessage()
+                                 for r in caplog.records))
+    assert mode.stats()["exporters"][0] == exp
+    mode.shutdown(timeout_s=0.2)  # a second shutdown changes nothing and logs nothing
+    assert mode.stats()["exporters"][0] == exp
+    assert len(_warnings(caplog, "did not return")) == 1
+
+
+def test_exporter_whose_shutdown_hangs_is_left_behind_within_the_budget(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """exporter.shutdown() that never returns: mode.shutdown still returns in its budget,
+    says so once, and every span is counted as exported."""
+    caplog.set_level(logging.WARNING)
+    exporter = HangingShutdownExporter()
+    try:
+        mode = CommSpanMode(exporters=[exporter], flush_timeout_s=1.0)
+        with mode:
+            _train(mode, 2)
+        t0 = time.monotonic()
+        mode.shutdown(timeout_s=0.3)
+        assert time.monotonic() - t0 < 0.3 + SLACK_S
+        st = assert_nothing_lost(mode)
+        assert st["spans_exported"] == st["spans"] == len(exporter.spans)
+        assert len(_warnings(caplog, "shutdown() did not return")) == 1
+    finally:
+        exporter.release.set()
+
+
+def test_counters_add_up_with_spans_from_many_threads_and_a_racing_shutdown() -> None:
+    """Spans ended on 4 threads at once into a small queue while the worker exports and
+    shutdown stops it: every span is counted exactly once, and ``exported`` is exactly
+    what the exporter received."""
+    exporter = SlowExporter(0.001)
+    queue = ExportQueue(exporter, max_queue_size=64, max_batch_size=16, schedule_delay_s=0.01)
+    per_thread = 3000
+    started = threading.Barrier(5)
+
+    def produce() -> None:
+        started.wait()
+        for _ in range(per_thread):
+            queue.on_end(object())  # type: ignore[arg-type]
+
+    threads = [threading.Thread(target=produce) for _ in range(4)]
+    for t in threads:
+        t.start()
+    started.wait()
+    time.sleep(0.05)
+    queue.shutdown(0.2)  # races the producers: later spans are dropped as "stopped"
+    for t in threads:
+        t.join()
+    st = queue.stats()
+    assert st["handed"] == 4 * per_thread
+    assert st.unaccounted == 0 and st["pending"] == 0 and st["in_flight"] == 0
+    assert st["exported"] == len(exporter.spans) > 0
+    assert st["dropped"] > 0
+
+
+# ------------------------------------------------------------------ leaving the mode
+def test_exit_does_not_wait_again_for_a_stuck_exporter_until_it_recovers() -> None:
+    """A stuck export makes the first exit wait flush_timeout_s, not the following ones;
+    once an export succeeds, leaving the mode waits for the exporter again."""
+    exporter = StuckThenHealthyExporter()
+    timeout = 1.0
+    try:
+        mode = CommSpanMode(exporters=[exporter], flush_timeout_s=timeout)
+        exits = _blocks(mode, 4)
+        assert exits[0] >= timeout * 0.9  # the first exit waited: the exporter was healthy
+        # today each exit waits flush_timeout_s again: 3 s for these three
+        assert sum(exits[1:]) < timeout, exits
+        assert mode.stats()["exporters"][0]["healthy"] is False
+    finally:
+        exporter.release.set()
+    assert _wait_for(lambda: mode.stats()["exporters"][0]["healthy"])
+    _blocks(mode, 1)
+    st = mode.stats()["exporters"][0]
+    assert st["exported"] == st["handed"] == len(exporter.spans)  # the exit flushed
+    mode.shutdown(timeout_s=1.0)
+    assert_nothing_lost(mode)
+
+
+def test_exit_after_export_failures_does_not_wait() -> None:
+    """After an export returned FAILURE, leaving the mode only asks for a flush."""
+    exporter = FailingExporter()
+    mode = CommSpanMode(exporters=[exporter], flush_timeout_s=1.0)
+    _blocks(mode, 1)
+    assert mode.stats()["exporters"][0]["healthy"] is False
+    with mode:
+        _train(mode, 1)
+        t0 = time.monotonic()
+    assert time.monotonic() - t0 < SLACK_S
+    assert mode.flush(1.0) is True  # an explicit flush still waits
+    mode.shutdown(timeout_s=1.0)
+    assert assert_nothing_lost(mode)["spans_failed"] == mode.stats()["spans"]
+
+
+def test_exit_waits_for_a_slow_healthy_exporter() -> None:
+    """A slow but working exporter: every span is exported by the time each exit returns."""
+    exporter = SlowExporter(0.2)
+    mode = CommSpanMode(exporters=[exporter], flush_timeout_s=5.0)
+    model = _model()
+    for i in range(3):
+        with mode, mode.step(i):
+            model(torch.ones(2, 4)).sum().backward()
+        assert len(exporter.spans) == mode.stats()["spans"]
+    mode.shutdown(timeout_s=1.0)
+    assert_nothing_lost(mode)
+
+
+def test_flush_in_seconds_force_flush_in_milliseconds(blocking: BlockingExporter) -> None:
+    """ExportQueue.flush takes seconds; force_flush keeps the SpanProcessor signature in ms."""
+    queue = ExportQueue(blocking, schedule_delay_s=0.01)
+    queue.on_end(object())  # type: ignore[arg-type]
+    assert blocking.entered.wait(5.0)
+    for call in (lambda: queue.flush(0.3), lambda: queue.force_flush(300)):
+        t0 = time.monotonic()
+        assert call() is False
+        waited = time.monotonic() - t0
+        assert 0.25 <= waited < 0.3 + SLACK_S
+    assert queue.healthy is False
+    blocking.release.set()
+    assert _wait_for(lambda: queue.healthy)
+    queue.shutdown(1.0)
+    assert queue.stats()["exported"] == 1
+
+
+def test_a_hung_exporter_does_not_cost_another_its_spans_at_shutdown(
+    blocking: BlockingExporter,
+) -> None:
+    """Shutdown with a hung exporter listed first: the second exporter still gets every
+    span (its worker is started at once, not after the first one's budget is spent)."""
+    recording = RecordingExporter()
+    mode = CommSpanMode(exporters=[blocking, recording], flush_timeout_s=5.0)
+    model = _model()
+    with mode:
+        with mode.step(0):
+            model(torch.ones(2, 4)).sum().backward()
+        # shut down before leaving, so no exit flush has sent anything yet
+        mode.shutdown(timeout_s=0.3)
+    st = assert_nothing_lost(mode)
+    hung, ok = st["exporters"]
+    assert ok["exported"] == len(recording.spans) == st["spans"], st
+    assert hung["failed"] + hung["dropped"] == st["spans"]

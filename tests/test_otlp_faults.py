@@ -11,6 +11,7 @@ The exporters get a 1 s timeout. Timings asserted here are bounds with slack
 from __future__ import annotations
 
 import http.server
+import logging
 import socket
 import threading
 import time
@@ -20,6 +21,7 @@ from typing import Any
 
 import pytest
 import torch
+from _accounting import assert_nothing_lost
 
 from commspan import CommSpanMode
 from commspan.exporters import otlp_exporter
@@ -176,6 +178,7 @@ def _assert_all_lost_and_counted(run: _Run) -> None:
     assert exp["exported"] == 0
     assert st["spans_failed"] + st["spans_dropped"] == st["spans"], st
     assert exp["pending"] == 0
+    assert_nothing_lost(run.mode)
 
 
 @pytest.fixture()
@@ -210,7 +213,7 @@ def test_shutdown_abandons_an_export_stuck_longer_than_its_budget(
 ) -> None:
     """An export that outlives flush and shutdown budgets does not hold shutdown up.
 
-    The batch still in flight is counted as failed once the exporter gives up.
+    The batch still in flight is counted as failed (abandoned) by shutdown.
     """
     run = _train(_exporter(protocol, black_hole.port, timeout_s=4.0),
                  flush_timeout_s=0.5)
@@ -268,6 +271,7 @@ def test_slow_endpoint_drops_what_the_queue_cannot_hold() -> None:
     _assert_bounded(run)
     assert st["spans_dropped"] > 0 and exp["exported"] > 0, st
     assert exp["exported"] + st["spans_failed"] + st["spans_dropped"] == st["spans"], st
+    assert_nothing_lost(run.mode)
 
 
 def test_faults_never_reach_the_step(black_hole: _BlackHole) -> None:
@@ -282,3 +286,69 @@ def test_faults_never_reach_the_step(black_hole: _BlackHole) -> None:
     mode.shutdown(timeout_s=SHUTDOWN_TIMEOUT_S)
     st = mode.stats()
     assert st["steps_traced"] == 1 and st["processor_errors"] == 0
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_black_hole_export_abandoned_by_shutdown_is_lost_counted_and_logged(
+    protocol: str, black_hole: _BlackHole, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An export stuck on a black hole when shutdown returns: its spans count as failed
+    (abandoned), nothing is in flight, and one warning says how many were lost."""
+    caplog.set_level(logging.WARNING, logger="commspan")
+    run = _train(_exporter(protocol, black_hole.port, timeout_s=30.0), flush_timeout_s=0.5)
+    assert black_hole.accepted, "the exporter did connect"
+    assert run.shutdown_s <= SHUTDOWN_TIMEOUT_S + SLACK_S
+    st = assert_nothing_lost(run.mode)  # today: in_flight == spans, failed == 0
+    (exp,) = st["exporters"]
+    assert exp["exported"] == 0 and exp["abandoned"] > 0
+    assert st["spans_failed"] + st["spans_dropped"] == st["spans"], st
+    lost = [r for r in caplog.records if r.name.startswith("commspan")
+            and "did not return" in r.getMessage()]
+    assert len(lost) == 1, [r.getMessage() for r in caplog.records]
+
+
+def _exit_times(exporter: Any, blocks: int, flush_timeout_s: float) -> tuple[list[float], Any]:
+    """One step in each of ``blocks`` ``with mode:`` blocks; the seconds each exit took."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    x = torch.randn(4, 8)
+    mode = CommSpanMode(exporters=[exporter], run_id="fault-test",
+                        flush_timeout_s=flush_timeout_s)
+    exits = []
+    for i in range(blocks):
+        with mode:
+            with mode.step(i):
+                model(x).sum().backward()
+            t0 = time.monotonic()
+        exits.append(time.monotonic() - t0)
+    return exits, mode
+
+
+@pytest.mark.parametrize("endpoint", ["refused", "black_hole"])
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_dead_endpoint_slows_at_most_the_first_exit(
+    protocol: str, endpoint: str, black_hole: _BlackHole
+) -> None:
+    """`with mode:` around each step against a dead backend: after the first exit timed
+    out, later exits do not wait flush_timeout_s again (today each one does)."""
+    port = _closed_port() if endpoint == "refused" else black_hole.port
+    flush_timeout_s = 1.0
+    exits, mode = _exit_times(_exporter(protocol, port, timeout_s=5.0), 4, flush_timeout_s)
+    assert exits[0] <= flush_timeout_s + SLACK_S
+    assert sum(exits[1:]) < flush_timeout_s, exits
+    mode.shutdown(timeout_s=1.0)
+    st = assert_nothing_lost(mode)
+    assert st["spans_exported"] == 0
+
+
+def test_healthy_endpoint_is_flushed_at_every_exit() -> None:
+    """A slow but working backend: each exit waits until the step's spans are sent."""
+    server = _HttpEndpoint(200, delay_s=0.2)
+    try:
+        exits, mode = _exit_times(_exporter("http/protobuf", server.port), 3, FLUSH_TIMEOUT_S)
+        st = mode.stats()
+        assert st["spans_exported"] == st["spans"] > 0, st
+        assert server.requests >= 3
+        mode.shutdown(timeout_s=SHUTDOWN_TIMEOUT_S)
+    finally:
+        server.close()
+    assert_nothing_lost(mode)
