@@ -300,10 +300,15 @@ def test_black_hole_export_abandoned_by_shutdown_is_lost_counted_and_logged(
     assert run.shutdown_s <= SHUTDOWN_TIMEOUT_S + SLACK_S
     st = assert_nothing_lost(run.mode)  # today: in_flight == spans, failed == 0
     (exp,) = st["exporters"]
-    assert exp["exported"] == 0 and exp["abandoned"] > 0
+    assert exp["exported"] == 0
     assert st["spans_failed"] + st["spans_dropped"] == st["spans"], st
+    # Either shutdown gave up on the stuck call (abandoned), or the exporter's own
+    # shutdown interrupted it first and it returned FAILURE (gRPC does, under load);
+    # the loss is counted and logged once either way. The deterministic abandon path
+    # is test_stuck_export_is_counted_as_failed_at_shutdown_and_logged_once.
+    how = "did not return" if exp["abandoned"] else "returned FAILURE"
     lost = [r for r in caplog.records if r.name.startswith("commspan")
-            and "did not return" in r.getMessage()]
+            and how in r.getMessage()]
     assert len(lost) == 1, [r.getMessage() for r in caplog.records]
 
 
