@@ -20,6 +20,7 @@ PY := $(VENV)/bin/python
 # one stamp per pinned requirement: changing the pin reinstalls
 TORCH_STAMP   := $(VENV)/.stamp-$(subst =,-,$(TORCH))
 PROJECT_STAMP := $(VENV)/.stamp-commspan
+DEV_STAMP     := $(VENV)/.stamp-commspan-dev
 PHOENIX_STAMP := $(PHOENIX_VENV)/.stamp-$(subst =,-,$(PHOENIX))
 
 .PHONY: help venv demo test bench phoenix lint
@@ -29,7 +30,7 @@ help:
 	@echo "make test     run the test suite (python -m pytest -q)"
 	@echo "make bench    run the benchmarks (python -m benchmarks; BENCH_ARGS=--quick)"
 	@echo "make phoenix  $(PHOENIX_VENV) with $(PHOENIX), for the backend end-to-end test"
-	@echo "make lint     ruff and mypy, if installed (pip install -e '.[dev]')"
+	@echo "make lint     ruff and mypy (installs the dev extra); fails on findings"
 	@echo "make venv     only set up $(VENV)"
 
 venv: $(PROJECT_STAMP)
@@ -59,10 +60,10 @@ $(PHOENIX_STAMP):
 	$(PHOENIX_VENV)/bin/python -m pip install $(PIP_FLAGS) "$(PHOENIX)"
 	@touch $@
 
-lint: $(PROJECT_STAMP)
-	@if $(PY) -m ruff --version >/dev/null 2>&1; then \
-		echo "ruff check"; $(PY) -m ruff check commspan tests examples tools $(wildcard benchmarks); \
-	else echo "ruff not installed in $(VENV); skipped (pip install -e '.[dev]')"; fi
-	@if $(PY) -m mypy --version >/dev/null 2>&1; then \
-		echo "mypy"; $(PY) -m mypy; \
-	else echo "mypy not installed in $(VENV); skipped (pip install -e '.[dev]')"; fi
+lint: $(DEV_STAMP)
+	$(PY) -m ruff check commspan tests examples tools benchmarks
+	$(PY) -m mypy
+
+$(DEV_STAMP): $(PROJECT_STAMP)
+	$(PY) -m pip install $(PIP_FLAGS) -e ".[dev]"
+	@touch $@
