@@ -15,6 +15,7 @@ PIP_FLAGS       ?= --quiet --disable-pip-version-check
 DEMO_ARGS       ?=
 PYTEST_ARGS     ?=
 BENCH_ARGS      ?=
+CHROMIUM        ?= chromium
 
 PY := $(VENV)/bin/python
 # one stamp per pinned requirement: changing the pin reinstalls
@@ -23,7 +24,7 @@ PROJECT_STAMP := $(VENV)/.stamp-commspan
 DEV_STAMP     := $(VENV)/.stamp-commspan-dev
 PHOENIX_STAMP := $(PHOENIX_VENV)/.stamp-$(subst =,-,$(PHOENIX))
 
-.PHONY: help venv demo test bench phoenix lint
+.PHONY: help venv demo test bench phoenix lint browser screenshots
 
 help:
 	@echo "make demo     4 gloo ranks train a tensor-parallel toy Transformer under commspan"
@@ -31,6 +32,8 @@ help:
 	@echo "make bench    run the benchmarks (python -m benchmarks; BENCH_ARGS=--quick)"
 	@echo "make phoenix  $(PHOENIX_VENV) with $(PHOENIX), for the backend end-to-end test"
 	@echo "make lint     ruff and mypy (installs the dev extra); fails on findings"
+	@echo "make browser  Debian's chromium, for the HTML report's browser tests (needs root)"
+	@echo "make screenshots  redo docs/images/*.png from the browser tests"
 	@echo "make venv     only set up $(VENV)"
 
 venv: $(PROJECT_STAMP)
@@ -67,3 +70,16 @@ lint: $(DEV_STAMP)
 $(DEV_STAMP): $(PROJECT_STAMP)
 	$(PY) -m pip install $(PIP_FLAGS) -e ".[dev]"
 	@touch $@
+
+# Headless Chromium for tests/test_browser.py: installed from Debian's packages
+# only when missing, so running it again costs nothing.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+browser:
+	@command -v $(CHROMIUM) >/dev/null 2>&1 || { \
+		echo "installing chromium (Debian package) for the browser tests"; \
+		$(SUDO) apt-get update -qq && \
+		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
+	@$(CHROMIUM) --version 2>/dev/null
+
+screenshots: $(PROJECT_STAMP) browser
+	COMMSPAN_SCREENSHOTS_DIR=docs/images $(PY) -m pytest -q tests/test_browser.py -k screenshots

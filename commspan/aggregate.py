@@ -325,6 +325,42 @@ class Aggregator(SpanProcessor):
             )
         return agg
 
+    @classmethod
+    def from_records(
+        cls, records: Iterable[Any], *, rank: int | str | None = None
+    ) -> Aggregator:
+        """Build an aggregator from span records already read (``read_spans``).
+
+        Args:
+            records: :class:`~commspan.exporters.SpanRecord` objects.
+            rank: as for :meth:`from_jsonl`.
+
+        Raises:
+            ValueError: ``rank`` is not valid, or several ranks found and ``rank=None``.
+
+        Example:
+            >>> Aggregator.from_records([]).module_counts()
+            {}
+        """
+        if rank is not None and rank != "all" and not isinstance(rank, int):
+            raise ValueError(f"rank={rank!r} is not valid; pass an int, 'all' or None")
+        agg = cls()
+        ranks: set[Any] = set()
+        for rec in records:
+            fqn = rec.attributes.get(semconv.MODULE_FQN)
+            if fqn is None:
+                continue
+            ranks.add(rec.rank)
+            if isinstance(rank, int) and rec.rank != rank:
+                continue
+            agg._add(str(fqn), rec.attributes, rec.start_time, rec.events)
+        if rank is None and len(ranks) > 1:
+            raise ValueError(
+                f"rank=None but the records hold spans of ranks {sorted(ranks, key=str)}; "
+                "pass rank=<n> for one rank or rank='all' to sum them"
+            )
+        return agg
+
 
 # ------------------------------------------------------------------ helpers
 _SPAN_KEYS = frozenset(

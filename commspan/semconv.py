@@ -19,6 +19,7 @@ from functools import cache
 
 __all__ = [
     "ATTRIBUTES",
+    "COLL_DURATION_NS",
     "COLL_KIND",
     "COLL_OP",
     "COLL_OVERLOAD",
@@ -156,6 +157,7 @@ COLL_KIND = "commspan.collective.kind"
 COLL_SEQ = "commspan.collective.seq"
 COLL_REDUCE_OP = "commspan.collective.reduce_op"
 COLL_PEER = "commspan.collective.peer"
+COLL_DURATION_NS = "commspan.collective.duration_ns"
 PG_NAME = "commspan.pg.name"
 PG_SIZE = "commspan.pg.size"
 PG_RANKS = "commspan.pg.ranks"
@@ -207,6 +209,8 @@ ATTRIBUTES: dict[str, str] = {
         "`CommSpanMode` sees on the group, counting on across its `with` blocks."
     ),
     COLL_REDUCE_OP: "Reduce op, e.g. ``sum``, when the op has one.",
+    COLL_DURATION_NS: "Nanoseconds from issue to completion of the collective, when recorded "
+    "(int); the HTML report and the Chrome trace draw collectives with this width.",
     COLL_PEER: "Global rank of the peer of a point-to-point op (ops take group ranks; "
     "commspan maps them through the group's ranks).",
     PG_NAME: "Process group name.",

@@ -43,7 +43,7 @@ def test_readme_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ca
     namespace["mode"].shutdown()  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize("name", ["jsonl.md", "design.md"])
+@pytest.mark.parametrize("name", ["jsonl.md", "design.md", "views.md"])
 def test_docs_examples_run(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """docs/*.md Python blocks run, next to JSONL files written the README's way."""
     monkeypatch.chdir(tmp_path)
@@ -52,7 +52,9 @@ def test_docs_examples_run(name: str, tmp_path: Path, monkeypatch: pytest.Monkey
     run_blocks(REPO / "docs" / name)
 
 
-@pytest.mark.parametrize("doc", ["README.md", "docs/design.md", "docs/jsonl.md", "docs/schema.md"])
+@pytest.mark.parametrize(
+    "doc", ["README.md", "docs/design.md", "docs/jsonl.md", "docs/schema.md", "docs/views.md"]
+)
 def test_relative_links_resolve(doc: str) -> None:
     """Every relative link in the documentation points at a file of the repository."""
     path = REPO / doc

@@ -13,7 +13,7 @@ import commspan
 
 # Facades re-export the public API and hold nothing else; the other public
 # modules define their API and import helpers.
-FACADES = ["commspan", "commspan.exporters"]
+FACADES = ["commspan", "commspan.exporters", "commspan.render"]
 PUBLIC_MODULES = [*FACADES, "commspan.testing", "commspan.compat"]
 
 

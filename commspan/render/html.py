@@ -1,0 +1,821 @@
+"""A recorded run as one self-contained HTML file: no server, no network, all inlined.
+
+The report has, top to bottom (``docs/views.md`` shows it):
+
+- **summary**: run, ranks, steps, collectives and bytes per step;
+- **findings** of cross-rank checks (``commspan check`` / ``stragglers``), when given;
+- **modules**: the module tree (collapsible), each module with its collective
+  counts per phase and op (its own and those of the modules inside it, as
+  ``commspan table`` counts them), the collectives it issued itself with
+  process group, bytes, placements and (when recorded) time, its parameters'
+  placements, and its mean span time per step;
+- **redistributions**: every DTensor redistribution that issued collectives,
+  with source and destination placements;
+- **timeline**: per rank, the module spans and collectives of one step, drawn
+  as SVG by a small inline script from data embedded in the page; a step
+  selector switches steps (only the chosen step is drawn).
+
+Counts and bytes are summed over the steps in the records. Where the ranks
+agree one value is shown; where they differ, one value per rank, highlighted.
+
+Size: the timeline data is most of the file and grows linearly with ranks x
+steps x module calls per step (about 30 bytes per module span and 50 per
+collective); ``timeline_steps`` limits which steps get one.
+
+Example:
+    >>> page = html_report([])
+    >>> page.startswith("<!doctype html>")
+    True
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import html
+import logging
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from commspan import __version__, semconv
+from commspan.aggregate import Aggregator
+from commspan.analysis.timeline import (
+    Collective,
+    RecordSource,
+    Timeline,
+    assign_lanes,
+    build_timeline,
+    load_records,
+)
+from commspan.exporters.jsonl import SpanRecord
+
+__all__ = ["html_report", "write_html_report"]
+
+_log = logging.getLogger(__name__)
+
+_PHASES = [p.value for p in semconv.Phase]
+_TICK_NS = 100  # timeline data: times in units of 0.1 us
+_OPEN_DEPTH = 2  # tree levels open when the page loads
+_CSP = "default-src 'none'; style-src 'unsafe-inline'; script-src 'unsafe-inline'"
+FINDING_KEYS = ("kind", "group", "seq", "step", "ranks", "message")
+
+
+def html_report(
+    source: RecordSource,
+    *,
+    step: int | None = None,
+    findings: Iterable[Mapping[str, Any]] | Mapping[str, Any] | None = None,
+    title: str | None = None,
+    timeline_steps: Iterable[int] | None = None,
+) -> str:
+    """Build the HTML report of a run.
+
+    Args:
+        source: JSONL files or directories written by ``JsonlSpanExporter``, or
+            span records (``commspan.exporters.read_spans``).
+        step: the step the timeline shows first (its number as given to
+            ``mode.step``); default the first step.
+        findings: results of cross-rank checks to list: dicts with ``kind``,
+            ``group``, ``seq``, ``step``, ``ranks`` (rank -> what it did) and
+            ``message``; other keys are shown too. A mapping with a
+            ``"findings"`` list (``commspan check --json`` output) is accepted.
+        title: page title; default ``commspan report``.
+        timeline_steps: the step numbers whose timeline is embedded (default
+            all): limits the file size of long runs.
+
+    Returns:
+        The HTML document.
+
+    Raises:
+        FileNotFoundError: a path does not exist or a directory holds no ``*.jsonl``.
+        ValueError: a file holds a line that is not JSON; ``step`` is not in the
+            records (or not among ``timeline_steps``).
+        TypeError: ``findings`` is not a list of mappings.
+
+    Example:
+        >>> "Modules" in html_report([], title="empty run")
+        True
+    """
+    records = load_records(source)
+    timeline = build_timeline(records)
+    found = _findings(findings)
+    embedded = _embedded_steps(timeline, timeline_steps)
+    first = _first_step(timeline, embedded, step)
+    return _page(records, timeline, found, embedded, first, title or "commspan report")
+
+
+def write_html_report(
+    source: RecordSource,
+    out_path: str | os.PathLike[str],
+    *,
+    step: int | None = None,
+    findings: Iterable[Mapping[str, Any]] | Mapping[str, Any] | None = None,
+    title: str | None = None,
+    timeline_steps: Iterable[int] | None = None,
+) -> Path:
+    """Write the HTML report of a run to ``out_path`` (see :func:`html_report`).
+
+    Open the file in any browser; it needs no network access.
+
+    Returns:
+        The path written.
+
+    Raises:
+        TypeError: ``out_path`` is not a path; or as :func:`html_report`.
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> out = write_html_report([], pathlib.Path(tempfile.mkdtemp()) / "report.html")
+        >>> out.read_text().count("<script") >= 1
+        True
+    """
+    if not isinstance(out_path, (str, os.PathLike)):
+        raise TypeError(f"out_path={out_path!r} is not valid; pass a file path (str or Path)")
+    page = html_report(
+        source, step=step, findings=findings, title=title, timeline_steps=timeline_steps
+    )
+    path = Path(out_path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(page, encoding="utf-8")
+    _log.info("commspan: wrote %s (%d bytes)", path, len(page.encode("utf-8")))
+    return path
+
+
+# ------------------------------------------------------------------ arguments
+def _findings(
+    findings: Iterable[Mapping[str, Any]] | Mapping[str, Any] | None,
+) -> list[Mapping[str, Any]] | None:
+    if findings is None:
+        return None
+    if isinstance(findings, Mapping):
+        if "findings" not in findings:
+            raise TypeError(
+                "findings is a mapping without a 'findings' key; pass a list of finding "
+                "dicts (kind, group, seq, step, ranks, message) or the JSON of "
+                "`commspan check --json`"
+            )
+        findings = findings["findings"]
+    if isinstance(findings, (str, bytes)):
+        raise TypeError(
+            f"findings={findings!r:.60} is not valid; pass a list of finding dicts "
+            "(kind, group, seq, step, ranks, message)"
+        )
+    out = list(findings)
+    for i, item in enumerate(out):
+        if not isinstance(item, Mapping):
+            raise TypeError(
+                f"findings[{i}] is a {type(item).__name__}, not a dict; each finding is a dict "
+                "with kind, group, seq, step, ranks and message"
+            )
+    return out
+
+
+def _embedded_steps(timeline: Timeline, wanted: Iterable[int] | None) -> list[int]:
+    """Indices (into ``timeline.steps``) of the steps whose timeline is embedded."""
+    if wanted is None:
+        return [w.position for w in timeline.steps]
+    if isinstance(wanted, (str, bytes)):
+        raise TypeError(f"timeline_steps={wanted!r} is not valid; pass step numbers")
+    numbers = set()
+    for n in wanted:
+        if not isinstance(n, int):
+            raise TypeError(f"timeline_steps: {n!r} is not a step number (int)")
+        numbers.add(n)
+    return [w.position for w in timeline.steps if w.step in numbers]
+
+
+def _first_step(timeline: Timeline, embedded: list[int], step: int | None) -> int:
+    """Position in ``embedded`` of the step the timeline shows first."""
+    if step is None:
+        return 0
+    for pos, index in enumerate(embedded):
+        if timeline.steps[index].step == step:
+            return pos
+    have = sorted({n for n in (timeline.steps[i].step for i in embedded) if n is not None})
+    where = f"steps {_ranges(have)}" if have else "no numbered steps"
+    raise ValueError(f"step={step!r} is not in the report's timeline, which has {where}")
+
+
+def _ranges(numbers: Sequence[int]) -> str:
+    """``0-2, 5`` for ``[0, 1, 2, 5]``."""
+    parts: list[str] = []
+    start = prev = None
+    for n in numbers:
+        if start is None:
+            start = prev = n
+        elif n == prev + 1:  # type: ignore[operator]
+            prev = n
+        else:
+            parts.append(f"{start}" if start == prev else f"{start}-{prev}")
+            start = prev = n
+    if start is not None:
+        parts.append(f"{start}" if start == prev else f"{start}-{prev}")
+    return ", ".join(parts)
+
+
+# ------------------------------------------------------------------ the page
+def _page(
+    records: list[SpanRecord],
+    timeline: Timeline,
+    findings: list[Mapping[str, Any]] | None,
+    embedded: list[int],
+    first: int,
+    title: str,
+) -> str:
+    ranks = list(timeline.ranks)
+    n_steps = len(timeline.steps)
+    tree = _merged_tree(records, ranks)
+    issued = _issued(timeline.collectives, ranks)
+    times = _span_times(timeline, ranks)
+    durations = any(c.duration_ns is not None for c in timeline.collectives)
+    ctx = _Context(ranks, n_steps, issued, times, durations)
+    parts = [
+        "<!doctype html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n",
+        "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\n",
+        # the page loads nothing: the browser is told to refuse any request it might make
+        f"<meta http-equiv=\"Content-Security-Policy\" content=\"{_CSP}\">\n",
+        f"<title>{_e(title)}</title>\n<style>\n{_asset('report.css')}</style>\n</head>\n<body>\n",
+        _header(timeline, title, findings is not None),
+        _summary(timeline, ranks),
+    ]
+    if findings is not None:
+        parts.append(_findings_section(findings, timeline))
+    parts.append(_modules_section(tree, ctx))
+    parts.append(_redistributions_section(timeline.collectives, ranks))
+    parts.append(_timeline_section())
+    data = _timeline_data(timeline, embedded, first, findings or [])
+    parts.append(
+        "<script type=\"application/json\" id=\"cs-data\">"
+        + _script_safe(orjson.dumps(data).decode("utf-8"))
+        + "</script>\n"
+    )
+    parts.append(f"<script>\n{_asset('report.js')}</script>\n</body>\n</html>\n")
+    return "".join(parts)
+
+
+class _Context:
+    def __init__(
+        self,
+        ranks: list[int],
+        n_steps: int,
+        issued: dict[str, list[_Issued]],
+        times: dict[str, dict[str, list[float]]],
+        durations: bool,
+    ) -> None:
+        self.ranks = ranks
+        self.n_steps = n_steps
+        self.issued = issued
+        self.times = times
+        self.durations = durations
+
+
+def _asset(name: str) -> str:
+    return resources.files(__package__ or "").joinpath("assets", name).read_text("utf-8")
+
+
+def _e(value: Any) -> str:
+    return html.escape(str(value), quote=True)
+
+
+def _script_safe(text: str) -> str:
+    """JSON inside a ``<script>`` element: no ``</`` or ``<!--`` may appear in it."""
+    return text.replace("</", "<\\/").replace("<!--", "<\\!--")
+
+
+def _header(timeline: Timeline, title: str, findings: bool) -> str:
+    steps = [w.step for w in timeline.steps if w.step is not None]
+    step_text = (
+        f"{len(timeline.steps)} steps ({_ranges(sorted(set(steps)))})"
+        if steps
+        else f"{len(timeline.steps)} traces"
+    )
+    runs = ", ".join(f"<code>{_e(r)}</code>" for r in timeline.run_ids) or "unknown"
+    warn = ""
+    if len(timeline.run_ids) > 1:
+        warn = (
+            f"<p class=\"warn\">These files hold {len(timeline.run_ids)} runs; counts below "
+            "add them up. Write each run to its own directory to see them apart.</p>\n"
+        )
+    now = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    findings_link = "<a href=\"#findings\">Findings</a> " if findings else ""
+    return (
+        f"<header>\n<h1>{_e(title)}</h1>\n<p class=\"sub\">run {runs} &middot; "
+        f"{len(timeline.ranks)} ranks &middot; {step_text} &middot; "
+        f"written {now} by commspan {_e(__version__)}</p>\n{warn}"
+        f"<nav>{findings_link}<a href=\"#modules\">Modules</a> "
+        "<a href=\"#redistributions\">Redistributions</a> <a href=\"#timeline\">Timeline</a>"
+        "</nav>\n</header>\n"
+    )
+
+
+def _summary(timeline: Timeline, ranks: list[int]) -> str:
+    n_steps = max(len(timeline.steps), 1)
+    count = {r: 0 for r in ranks}
+    nbytes = {r: 0 for r in ranks}
+    dur = {r: 0 for r in ranks}
+    for c in timeline.collectives:
+        count[c.rank] += 1
+        nbytes[c.rank] += c.bytes
+        dur[c.rank] += c.duration_ns or 0
+    modules = len({s.fqn for s in timeline.slices})
+    cards = [
+        ("ranks", str(len(ranks))),
+        ("steps", str(len(timeline.steps))),
+        ("modules", str(modules)),
+        ("collectives per step and rank", _per_rank([count[r] / n_steps for r in ranks], _num)),
+        ("bytes per step and rank", _per_rank([nbytes[r] / n_steps for r in ranks], _bytes)),
+    ]
+    if any(c.duration_ns is not None for c in timeline.collectives):
+        cards.append(
+            ("collective time per step and rank",
+             _per_rank([dur[r] / n_steps for r in ranks], _duration))
+        )
+    body = "".join(
+        f"<div class=\"card\"><div class=\"value\">{v}</div><div class=\"label\">{_e(k)}</div>"
+        "</div>"
+        for k, v in cards
+    )
+    return f"<section id=\"summary\" class=\"cards\">{body}</section>\n"
+
+
+# ------------------------------------------------------------------ findings
+def _findings_section(findings: list[Mapping[str, Any]], timeline: Timeline) -> str:
+    head = "<section id=\"findings\">\n<h2>Findings</h2>\n"
+    if not findings:
+        return head + "<p class=\"ok\">No findings: the checks found nothing.</p>\n</section>\n"
+    steps = {w.step for w in timeline.steps}
+    rows = []
+    for i, f in enumerate(findings):
+        kind = f.get("kind", "")
+        step = f.get("step")
+        step_cell = _e(_dash(step))
+        if isinstance(step, int) and step in steps:
+            step_cell = f"<a href=\"#step={step}&amp;finding={i}\">{step}</a>"
+        extra = {k: v for k, v in f.items() if k not in FINDING_KEYS}
+        rows.append(
+            f"<tr class=\"finding\" data-kind=\"{_e(kind)}\"><td><span class=\"kind\">"
+            f"{_e(_dash(kind))}</span></td><td>{_e(_dash(f.get('group')))}</td>"
+            f"<td>{_e(_dash(f.get('seq')))}</td><td>{step_cell}</td>"
+            f"<td>{_e(_dash(f.get('message')))}{_ranks_table(f.get('ranks'))}"
+            f"{_extra(extra)}</td></tr>\n"
+        )
+    return (
+        head
+        + f"<p>{len(findings)} finding{'s' if len(findings) != 1 else ''}. A step links to the "
+        "timeline, with the collective marked.</p>\n"
+        "<table class=\"findings\"><thead><tr><th>kind</th><th>group</th><th>seq</th>"
+        "<th>step</th><th>what happened</th></tr></thead>\n<tbody>\n"
+        + "".join(rows)
+        + "</tbody></table>\n</section>\n"
+    )
+
+
+def _dash(value: Any) -> Any:
+    return "\u2014" if value is None or value == "" else value
+
+
+def _ranks_table(ranks: Any) -> str:
+    if not ranks:
+        return ""
+    if not isinstance(ranks, Mapping):
+        return f"<div class=\"detail\">ranks: {_e(ranks)}</div>"
+    rows = []
+    for rank, what in sorted(ranks.items(), key=lambda kv: str(kv[0])):
+        if isinstance(what, Mapping):
+            cells = ", ".join(f"{_e(k)} <code>{_e(_fmt(v))}</code>" for k, v in what.items())
+        else:
+            cells = f"<code>{_e(_fmt(what))}</code>"
+        rows.append(f"<tr><th>rank {_e(rank)}</th><td>{cells}</td></tr>")
+    return "<table class=\"ranks\">" + "".join(rows) + "</table>"
+
+
+def _extra(extra: Mapping[str, Any]) -> str:
+    if not extra:
+        return ""
+    items = ", ".join(f"{_e(k)} <code>{_e(_fmt(v))}</code>" for k, v in extra.items())
+    return f"<div class=\"detail\">{items}</div>"
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, (dict, list, tuple)):
+        return orjson.dumps(value, default=str).decode("utf-8")
+    return str(value)
+
+
+# ------------------------------------------------------------------ module tree
+class _Node:
+    __slots__ = ("fqn", "type", "params", "counts", "children")
+
+    def __init__(self, fqn: str, mtype: str, params: dict[str, dict[str, str]]) -> None:
+        self.fqn = fqn
+        self.type = mtype
+        self.params = params
+        self.counts: dict[str, dict[str, list[int]]] = {}
+        self.children: list[_Node] = []
+
+
+def _merged_tree(records: list[SpanRecord], ranks: list[int]) -> _Node:
+    """One tree over all ranks; each count is a list with one entry per rank."""
+    root = _Node(semconv.GLOBAL_FQN, "", {})
+    nodes = {root.fqn: root}
+    by_rank: dict[int | None, list[SpanRecord]] = {}
+    for rec in records:
+        by_rank.setdefault(rec.rank if rec.rank is not None else 0, []).append(rec)
+    for pos, rank in enumerate(ranks):
+        tree = Aggregator.from_records(by_rank.get(rank, []), rank="all").to_dict()
+        stack: list[tuple[dict[str, Any], _Node | None]] = [(tree, None)]
+        while stack:
+            item, parent = stack.pop()
+            node = nodes.get(item["fqn"])
+            if node is None:
+                node = nodes[item["fqn"]] = _Node(item["fqn"], item["type"], item["parameters"])
+                if parent is not None:
+                    parent.children.append(node)
+            for phase, ops in item["counts"].items():
+                slot = node.counts.setdefault(phase, {})
+                for op, n in ops.items():
+                    slot.setdefault(op, [0] * len(ranks))[pos] = n
+            stack.extend((child, node) for child in reversed(item["children"]))
+    return root
+
+
+class _Issued:
+    """Collectives one module issued itself, grouped by phase, op, group and placements."""
+
+    __slots__ = ("phase", "op", "group", "src", "dst", "count", "bytes", "time", "timed")
+
+    def __init__(self, phase: str, op: str, group: str, src: str, dst: str, n: int) -> None:
+        self.phase, self.op, self.group, self.src, self.dst = phase, op, group, src, dst
+        self.count = [0] * n
+        self.bytes = [0] * n
+        self.time = [0] * n
+        self.timed = [0] * n
+
+
+def _issued(collectives: Sequence[Collective], ranks: list[int]) -> dict[str, list[_Issued]]:
+    pos = {r: i for i, r in enumerate(ranks)}
+    groups: dict[tuple[str, str, str, str, str, str], _Issued] = {}
+    for c in collectives:
+        key = (c.fqn, c.phase, c.op, c.group, c.src, c.dst)
+        item = groups.get(key)
+        if item is None:
+            item = groups[key] = _Issued(c.phase, c.op, c.group, c.src, c.dst, len(ranks))
+        i = pos[c.rank]
+        item.count[i] += 1
+        item.bytes[i] += c.bytes
+        if c.duration_ns is not None:
+            item.time[i] += c.duration_ns
+            item.timed[i] += 1
+    out: dict[str, list[_Issued]] = {}
+    for (fqn, *_rest), item in groups.items():
+        out.setdefault(fqn, []).append(item)
+    for items in out.values():
+        items.sort(key=lambda s: (_phase_order(s.phase), s.op, s.group, s.src, s.dst))
+    return out
+
+
+def _span_times(timeline: Timeline, ranks: list[int]) -> dict[str, dict[str, list[float]]]:
+    """``{fqn: {phase: [mean ns per step, per rank]}}`` of the module's spans."""
+    pos = {r: i for i, r in enumerate(ranks)}
+    total: dict[str, dict[str, list[float]]] = {}
+    steps_of: dict[int, set[int]] = {}
+    for s in timeline.slices:
+        slot = total.setdefault(s.fqn, {}).setdefault(s.phase, [0.0] * len(ranks))
+        slot[pos[s.rank]] += s.end_ns - s.start_ns
+    for w in timeline.steps:
+        for rank, _start, _end in w.ranks:
+            steps_of.setdefault(rank, set()).add(w.position)
+    for phases in total.values():
+        for values in phases.values():
+            for r, i in pos.items():
+                values[i] /= max(len(steps_of.get(r, ())), 1)
+    return total
+
+
+def _modules_section(root: _Node, ctx: _Context) -> str:
+    out: list[str] = []
+    _node_html(root, 0, ctx, out)
+    over = f"summed over {ctx.n_steps} step{'s' if ctx.n_steps != 1 else ''}"
+    return (
+        "<section id=\"modules\">\n<h2>Modules</h2>\n"
+        f"<p class=\"note\">Collective counts per phase and op, {over}: a module counts "
+        "its own collectives and those of the modules inside it. One value where all ranks "
+        "agree; <span class=\"differs\">one per rank</span> (rank "
+        f"{' &middot; '.join(str(r) for r in ctx.ranks)}) where they differ. Open a module "
+        "for the collectives it issued itself, their bytes and placements.</p>\n"
+        "<p class=\"tools\"><button type=\"button\" data-tree=\"open\">expand all</button> "
+        "<button type=\"button\" data-tree=\"close\">collapse all</button></p>\n"
+        "<div class=\"tree\">\n" + "".join(out) + "</div>\n</section>\n"
+    )
+
+
+def _node_html(node: _Node, depth: int, ctx: _Context, out: list[str]) -> None:
+    chips = []
+    for phase in sorted(node.counts, key=_phase_order):
+        ops = " ".join(
+            f"<span class=\"op\" data-op=\"{_e(op)}\">{_e(op)} "
+            f"{_per_rank(values, _num)}</span>"
+            for op, values in sorted(node.counts[phase].items())
+        )
+        chips.append(
+            f"<span class=\"phase ph-{_e(phase)}\" data-phase=\"{_e(phase)}\">"
+            f"<b>{_e(phase)}</b> {ops}</span>"
+        )
+    mtype = f" <span class=\"type\">{_e(node.type)}</span>" if node.type else ""
+    line = f"<span class=\"fqn\">{_e(node.fqn)}</span>{mtype} {''.join(chips)}"
+    body = _node_body(node, ctx)
+    if not node.children and not body:
+        out.append(f"<div class=\"leaf\" data-fqn=\"{_e(node.fqn)}\">{line}</div>\n")
+        return
+    is_open = " open" if depth < _OPEN_DEPTH else ""
+    out.append(f"<details{is_open} data-fqn=\"{_e(node.fqn)}\"><summary>{line}</summary>\n{body}")
+    for child in node.children:
+        _node_html(child, depth + 1, ctx, out)
+    out.append("</details>\n")
+
+
+def _node_body(node: _Node, ctx: _Context) -> str:
+    parts = []
+    times = ctx.times.get(node.fqn)
+    if times:
+        cells = " ".join(
+            f"<span class=\"ph-{_e(p)}\">{_e(p)} "
+            f"<span title=\"{_e(_rank_list(v, _duration, ctx.ranks))}\">"
+            f"{_duration(sum(v) / len(v))}</span></span>"
+            for p, v in sorted(times.items(), key=lambda kv: _phase_order(kv[0]))
+        )
+        parts.append(f"<div class=\"times\">span time per step (mean over ranks): {cells}</div>")
+    if node.params:
+        rows = "".join(
+            f"<tr><td>{_e(name)}</td><td>{_e(p['shape'])}</td>"
+            f"<td>{_e(p['placements'] or 'local tensor')}</td></tr>"
+            for name, p in node.params.items()
+        )
+        parts.append(
+            "<table class=\"params\"><thead><tr><th>parameter</th><th>shape</th>"
+            f"<th>placements</th></tr></thead><tbody>{rows}</tbody></table>"
+        )
+    issued = ctx.issued.get(node.fqn)
+    if issued:
+        time_head = "<th>time</th>" if ctx.durations else ""
+        lines = []
+        for s in issued:
+            placements = f"{s.src} \u2192 {s.dst}" if (s.src or s.dst) else ""
+            time_cell = ""
+            if ctx.durations:
+                time_cell = f"<td>{_per_rank(s.time, _duration) if any(s.timed) else '-'}</td>"
+            lines.append(
+                f"<tr data-phase=\"{_e(s.phase)}\" data-op=\"{_e(s.op)}\">"
+                f"<td><span class=\"dot ph-{_e(s.phase)}\"></span>{_e(s.phase)}</td>"
+                f"<td>{_e(s.op)}</td><td>{_e(s.group)}</td>"
+                f"<td class=\"count\">{_per_rank(s.count, _num)}</td>"
+                f"<td>{_per_rank(s.bytes, _bytes)}</td><td>{_e(placements)}</td>{time_cell}</tr>"
+            )
+        parts.append(
+            "<table class=\"issued\"><caption>issued by this module itself</caption><thead><tr>"
+            "<th>phase</th><th>op</th><th>group</th><th>count</th><th>bytes</th>"
+            f"<th>placements</th>{time_head}</tr></thead><tbody>{''.join(lines)}</tbody></table>"
+        )
+    if not parts:
+        return ""
+    return "<div class=\"body\">" + "".join(parts) + "</div>\n"
+
+
+def _redistributions_section(collectives: Sequence[Collective], ranks: list[int]) -> str:
+    pos = {r: i for i, r in enumerate(ranks)}
+    groups: dict[tuple[str, str, str, str, str, str, str], list[list[int]]] = {}
+    for c in collectives:
+        if not (c.src or c.dst):
+            continue
+        key = (c.fqn, c.phase, c.redistribute_op, c.src, c.dst, c.op, c.group)
+        slot = groups.get(key)
+        if slot is None:
+            slot = groups[key] = [[0] * len(ranks), [0] * len(ranks)]
+        slot[0][pos[c.rank]] += 1
+        slot[1][pos[c.rank]] += c.bytes
+    head = "<section id=\"redistributions\">\n<h2>Redistributions</h2>\n"
+    if not groups:
+        return head + "<p>No DTensor redistribution issued a collective.</p>\n</section>\n"
+    rows = "".join(
+        f"<tr data-fqn=\"{_e(fqn)}\"><td class=\"fqn\">{_e(fqn)}</td>"
+        f"<td><span class=\"dot ph-{_e(phase)}\"></span>{_e(phase)}</td><td>{_e(rop)}</td>"
+        f"<td><code>{_e(src)}</code></td><td><code>{_e(dst)}</code></td><td>{_e(op)}</td>"
+        f"<td>{_e(group)}</td><td class=\"count\">{_per_rank(n, _num)}</td>"
+        f"<td>{_per_rank(b, _bytes)}</td></tr>\n"
+        for (fqn, phase, rop, src, dst, op, group), (n, b) in groups.items()
+    )
+    return (
+        head
+        + "<p class=\"note\">Each DTensor redistribution that issued a collective: the module "
+        "and phase it ran in, the DTensor op that needed it, the placements before and after, "
+        "and the collective it took.</p>\n"
+        "<table class=\"redistributions\"><thead><tr><th>module</th><th>phase</th>"
+        "<th>DTensor op</th><th>from</th><th>to</th><th>collective</th><th>group</th>"
+        "<th>count</th><th>bytes</th></tr></thead>\n<tbody>\n"
+        + rows
+        + "</tbody></table>\n</section>\n"
+    )
+
+
+def _timeline_section() -> str:
+    phases = "".join(
+        f"<span class=\"key\"><span class=\"swatch ph-{p}\"></span>{p}</span>" for p in _PHASES
+    )
+    return (
+        "<section id=\"timeline\">\n<h2>Timeline</h2>\n"
+        "<div class=\"controls\"><label>step <select id=\"cs-step\"></select></label> "
+        "<button type=\"button\" id=\"cs-prev\" title=\"previous step (\u2190)\">\u25c0</button>"
+        "<button type=\"button\" id=\"cs-next\" title=\"next step (\u2192)\">\u25b6</button> "
+        "<label>zoom <select id=\"cs-zoom\"><option>1</option><option>2</option>"
+        "<option>4</option><option>8</option><option>16</option><option>32</option>"
+        "</select></label> <span id=\"cs-stepinfo\"></span></div>\n"
+        f"<div class=\"legend\">{phases}<span class=\"key\"><span class=\"swatch coll\"></span>"
+        "collective (issue time; width = duration when recorded)</span><span class=\"key\">"
+        "<span class=\"swatch link\"></span>same collective on each rank (group, seq)</span>"
+        "</div>\n"
+        "<div id=\"cs-scroll\"><svg id=\"cs-svg\" xmlns=\"http://www.w3.org/2000/svg\"></svg>"
+        "</div>\n<div id=\"cs-tip\" hidden></div>\n"
+        "<noscript><p>The timeline is drawn by JavaScript; enable it to see it.</p></noscript>\n"
+        "<output id=\"cs-status\" hidden></output>\n</section>\n"
+    )
+
+
+# ------------------------------------------------------------------ timeline data
+class _Strings:
+    def __init__(self) -> None:
+        self.items: list[str] = []
+        self._index: dict[str, int] = {}
+
+    def __call__(self, value: str) -> int:
+        i = self._index.get(value)
+        if i is None:
+            i = self._index[value] = len(self.items)
+            self.items.append(value)
+        return i
+
+
+def _timeline_data(
+    timeline: Timeline,
+    embedded: list[int],
+    first: int,
+    findings: list[Mapping[str, Any]],
+) -> dict[str, Any]:
+    """The embedded JSON: strings deduplicated, times in 0.1 us from the step's start.
+
+    Per step: ``{"l": label, "s": step number, "d": duration, "r": [per rank:
+    [rank, start, end, rows, spans, collectives]]}`` where ``spans`` is flat,
+    5 numbers a span (fqn, phase, start, duration, row), and ``collectives``
+    flat, 9 numbers a collective (op, fqn, phase, group, seq, bytes, time,
+    duration or -1, details).
+    """
+    strings = _Strings()
+    phase_index = {p: strings(p) for p in _PHASES}
+    wanted = set(embedded)
+    slices: dict[tuple[int, int], list[Any]] = {}
+    for s in timeline.slices:
+        if s.window in wanted:
+            slices.setdefault((s.window, s.rank), []).append(s)
+    colls: dict[tuple[int, int], list[Collective]] = {}
+    for c in timeline.collectives:
+        if c.window in wanted:
+            colls.setdefault((c.window, c.rank), []).append(c)
+    steps = []
+    for index in embedded:
+        w = timeline.steps[index]
+        t0 = w.start_ns
+        per_rank = []
+        for rank, start, end in w.ranks:
+            items = slices.get((index, rank), [])
+            rows = _rows(items)
+            flat: list[int] = []
+            for s, row in zip(items, rows):
+                flat += [
+                    strings(s.fqn),
+                    phase_index[s.phase] if s.phase in phase_index else strings(s.phase),
+                    _tick(s.start_ns - t0),
+                    _tick(s.end_ns - s.start_ns),
+                    row,
+                ]
+            cflat: list[int] = []
+            for c in colls.get((index, rank), []):
+                cflat += [
+                    strings(c.op),
+                    strings(c.fqn),
+                    strings(c.phase),
+                    strings(c.group),
+                    c.seq if c.seq is not None else -1,
+                    c.bytes,
+                    _tick(c.time_ns - t0),
+                    _tick(c.duration_ns) if c.duration_ns is not None else -1,
+                    strings(_details(c)),
+                ]
+            per_rank.append([
+                rank, _tick(start - t0), _tick(end - t0), (max(rows) + 1) if rows else 0,
+                flat, cflat,
+            ])
+        steps.append({
+            "l": w.label,
+            "s": w.step,
+            "d": _tick(w.end_ns - w.start_ns),
+            "r": per_rank,
+        })
+    marks = [
+        {"i": i, "step": f.get("step"), "group": str(f.get("group", "")), "seq": f.get("seq"),
+         "kind": str(f.get("kind", ""))}
+        for i, f in enumerate(findings)
+        if f.get("step") is not None
+    ]
+    return {
+        "v": 1,
+        "tick_ns": _TICK_NS,
+        "first": first,
+        "strings": strings.items,
+        "phases": _PHASES,
+        "steps": steps,
+        "findings": marks,
+        "durations": any(c.duration_ns is not None for c in timeline.collectives),
+    }
+
+
+def _rows(items: list[Any]) -> list[int]:
+    """Row of each slice in a rank's band: its nesting depth, lanes stacked below."""
+    placed = assign_lanes([(s.start_ns, s.end_ns) for s in items])
+    depth_of_lane: dict[int, int] = {}
+    for lane, depth in placed:
+        depth_of_lane[lane] = max(depth_of_lane.get(lane, 0), depth + 1)
+    offset, base = 0, {}
+    for lane in sorted(depth_of_lane):
+        base[lane] = offset
+        offset += depth_of_lane[lane]
+    return [base[lane] + depth for lane, depth in placed]
+
+
+def _tick(ns: int) -> int:
+    return int(round(ns / _TICK_NS))
+
+
+def _details(c: Collective) -> str:
+    parts = []
+    if c.dtype:
+        shape = "x".join(str(d) for d in c.shape)
+        parts.append(f"{c.dtype}[{shape}]" if shape else c.dtype)
+    if c.reduce_op:
+        parts.append(f"reduce {c.reduce_op}")
+    if c.group_ranks:
+        parts.append(f"ranks {list(c.group_ranks)}")
+    if c.mesh_dim is not None:
+        parts.append(f"mesh dim {c.mesh_dim}")
+    if c.peer is not None:
+        parts.append(f"peer {c.peer}")
+    if c.src or c.dst:
+        where = f" in {c.redistribute_op}" if c.redistribute_op else ""
+        parts.append(f"{c.src} \u2192 {c.dst}{where}")
+    return "; ".join(parts)
+
+
+# ------------------------------------------------------------------ formatting
+def _phase_order(phase: str) -> int:
+    return _PHASES.index(phase) if phase in _PHASES else len(_PHASES)
+
+
+def _per_rank(values: Sequence[float], fmt: Any) -> str:
+    """One value when all ranks agree, else each rank's, marked as differing."""
+    if not values:
+        return ""
+    if all(v == values[0] for v in values):
+        return f"<span class=\"n\">{fmt(values[0])}</span>"
+    shown = " \u00b7 ".join(fmt(v) for v in values)
+    return f"<span class=\"n differs\" title=\"one value per rank\">{shown}</span>"
+
+
+def _rank_list(values: Sequence[float], fmt: Any, ranks: list[int]) -> str:
+    return ", ".join(f"rank {r}: {fmt(v)}" for r, v in zip(ranks, values))
+
+
+def _num(value: float) -> str:
+    if float(value).is_integer():
+        return f"{int(value):,}"
+    return f"{value:,.2f}"
+
+
+def _bytes(value: float) -> str:
+    n = float(value)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1024
+    return f"{n:,.1f} GiB"
+
+
+def _duration(ns: float) -> str:
+    if ns < 1_000:
+        return f"{ns:.0f} ns"
+    if ns < 1_000_000:
+        return f"{ns / 1_000:.1f} \u00b5s"
+    if ns < 1_000_000_000:
+        return f"{ns / 1_000_000:.2f} ms"
+    return f"{ns / 1_000_000_000:.2f} s"

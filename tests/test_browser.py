@@ -1,0 +1,166 @@
+"""The HTML report in a real browser: headless Chromium loads the file, runs its script, draws.
+
+Chromium comes from Debian's packages (`make browser`). Without it these tests
+skip, except under CI (``CI`` set), where a missing browser is a failure: the
+CI must install it. ``COMMSPAN_SCREENSHOTS_DIR=docs/images`` (``make
+screenshots``) also stores the screenshots the documentation shows.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+import subprocess
+from pathlib import Path
+
+import pytest
+from _example_run import RANKS, example_run
+from _report_dom import status, tree_counts
+
+from commspan.analysis.timeline import build_timeline, load_records, match_collectives
+from commspan.render.html import write_html_report
+
+STEPS = 3
+LONG_STEPS = 100
+FLAGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+    "--hide-scrollbars",
+]
+
+pytestmark = pytest.mark.multiprocess
+
+
+@pytest.fixture(scope="module")
+def chromium() -> str:
+    """Path of Debian's chromium; skip (fail under CI) when it is not installed."""
+    found = shutil.which("chromium") or (
+        "/usr/bin/chromium" if os.access("/usr/bin/chromium", os.X_OK) else None
+    )
+    if found is None:
+        message = "chromium is not installed: run `make browser` (apt-get install chromium)"
+        if os.environ.get("CI"):
+            pytest.fail(f"{message}; CI must install it before the tests")
+        pytest.skip(message)
+    return found
+
+
+def run_chromium(
+    chromium: str, url: str, profile: Path, *args: str, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(
+        [chromium, *FLAGS, f"--user-data-dir={profile}", *args, url],
+        capture_output=True, text=True, timeout=timeout, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def dump_dom(chromium: str, page: Path, fragment: str, profile: Path) -> str:
+    """The document after its scripts ran, as Chromium serialises it."""
+    return run_chromium(chromium, page.as_uri() + fragment, profile, "--dump-dom").stdout
+
+
+def screenshot(chromium: str, page: Path, fragment: str, profile: Path, out: Path,
+               size: tuple[int, int]) -> Path:
+    run_chromium(chromium, page.as_uri() + fragment, profile,
+                 f"--window-size={size[0]},{size[1]}", f"--screenshot={out}")
+    return out
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
+    width, height = struct.unpack(">II", data[16:24])
+    return width, height
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    run = example_run(tmp_path_factory, STEPS)
+    out = tmp_path_factory.mktemp("report") / "report.html"
+    write_html_report(run, out)
+    return run, out
+
+
+def test_report_draws_the_timeline_in_chromium(
+    chromium: str, report: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Chromium runs the page's script: every span and collective of step 0 becomes a rect."""
+    run, page = report
+    dom = dump_dom(chromium, page, "", tmp_path / "profile")
+    timeline = build_timeline(load_records(run))
+    drawn = status(dom)
+    assert drawn["data-step"] == "step 0"
+    assert int(drawn["data-spans"]) == sum(1 for s in timeline.slices if s.window == 0) > 0
+    assert int(drawn["data-collectives"]) == sum(1 for c in timeline.collectives if c.window == 0)
+    linked = [m for m in match_collectives(timeline.collectives).values() if m[0].window == 0]
+    assert int(drawn["data-links"]) == len(linked) > 0
+    svg = dom.split('<svg id="cs-svg"', 1)[1].split("</svg>", 1)[0]
+    assert svg.count('<rect class="span ph-') == int(drawn["data-spans"])
+    assert svg.count('<polyline class="link"') == len(linked)
+    assert "data-load-ms" in drawn
+    # the module tree survives the round trip with its names and counts
+    shown = tree_counts(dom)
+    assert "Transformer.layers.1.feed_forward.w2" in shown.modules
+    assert shown.counts["Transformer.layers.1.attention.wo"]["recompute"] == {
+        "all_reduce": str(STEPS)
+    }
+    assert f"{len(timeline.steps)} steps (0-{STEPS - 1})" in dom
+
+
+def test_step_and_finding_from_the_url(
+    chromium: str, report: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """#step=N draws step N; #finding=I marks that finding's collective on every rank."""
+    run, _ = report
+    timeline = build_timeline(load_records(run))
+    target = next(m for m in match_collectives(timeline.collectives).values() if m[0].window == 2)
+    finding = {"kind": "mismatch", "group": target[0].group, "seq": target[0].seq, "step": 2,
+               "ranks": {c.rank: {"op": c.op, "fqn": c.fqn} for c in target},
+               "message": "example finding"}
+    page = write_html_report(run, tmp_path / "with-finding.html", findings=[finding])
+    dom = dump_dom(chromium, page, "#step=2&finding=0", tmp_path / "profile")
+    assert status(dom)["data-step"] == "step 2"
+    assert dom.count('class="coll marked"') == RANKS
+    assert 'class="finding active"' in dom
+    dom = dump_dom(chromium, page, "#view=timeline", tmp_path / "profile")
+    assert 'class="only-timeline"' in dom and status(dom)["data-step"] == "step 0"
+
+
+def test_screenshots(chromium: str, report: tuple[Path, Path], tmp_path: Path) -> None:
+    """The report and its timeline render to screenshots of the requested size."""
+    _, page = report
+    shots = {
+        "report.png": screenshot(chromium, page, "", tmp_path / "p1", tmp_path / "report.png",
+                                 (1400, 1500)),
+        "timeline.png": screenshot(chromium, page, "#view=timeline&step=1", tmp_path / "p2",
+                                   tmp_path / "timeline.png", (1400, 900)),
+    }
+    for path in shots.values():
+        assert png_size(path) == (1400, 1500) or png_size(path) == (1400, 900)
+        assert path.stat().st_size > 20_000  # drawn, not blank
+    keep = os.environ.get("COMMSPAN_SCREENSHOTS_DIR")
+    if keep:
+        Path(keep).mkdir(parents=True, exist_ok=True)
+        for name, path in shots.items():
+            shutil.copyfile(path, Path(keep) / name)
+
+
+def test_hundred_step_report_size_and_load(
+    chromium: str, tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+) -> None:
+    """A 4-rank, 100-step run of the example: the report stays small and draws any step."""
+    run = example_run(tmp_path_factory, LONG_STEPS)
+    page = write_html_report(run, tmp_path / "report-100.html", step=LONG_STEPS - 1)
+    size = page.stat().st_size
+    jsonl = sum(p.stat().st_size for p in run.glob("*.jsonl"))
+    dom = dump_dom(chromium, page, "", tmp_path / "profile")
+    drawn = status(dom)
+    print(f"\n100-step report: {size / 1e6:.2f} MB (JSONL {jsonl / 1e6:.1f} MB), "
+          f"page load {drawn.get('data-load-ms')} ms, step drawn in {drawn['data-draw-ms']} ms")
+    assert drawn["data-step"] == f"step {LONG_STEPS - 1}"
+    assert int(drawn["data-spans"]) > 0
+    assert dom.count("<option") >= LONG_STEPS  # every step can be chosen
+    assert size < 5_000_000  # measured 0.83 MB: 100 steps x 4 ranks stay a small file

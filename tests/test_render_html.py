@@ -1,0 +1,211 @@
+"""commspan.render.html: the self-contained report of a real 4-rank run, read back as HTML."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from _example_run import RANKS, example_run
+from _report_dom import embedded_data, tree_counts
+
+from commspan import Aggregator, semconv
+from commspan.analysis.timeline import build_timeline, load_records, match_collectives
+from commspan.exporters import SpanRecord
+from commspan.render.html import html_report, write_html_report
+
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return example_run(tmp_path_factory, STEPS)
+
+
+@pytest.fixture(scope="module")
+def records(run_dir: Path) -> list[SpanRecord]:
+    return load_records(run_dir)
+
+
+@pytest.fixture(scope="module")
+def page(records: list[SpanRecord]) -> str:
+    return html_report(records)
+
+
+def test_aggregator_from_records_matches_from_jsonl(tmp_path: Path) -> None:
+    """Aggregator.from_records counts what from_jsonl counts from the same file."""
+    import torch
+
+    from commspan import CommSpanMode
+    from commspan.exporters import JsonlSpanExporter, read_spans
+
+    mode = CommSpanMode(exporters=[JsonlSpanExporter(tmp_path / "r0.jsonl")])
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    with mode:
+        for i in range(2):
+            with mode.step(i):
+                model(torch.ones(3, 4)).sum().backward()
+    mode.shutdown()
+    from_file = Aggregator.from_jsonl(tmp_path / "r0.jsonl")
+    from_records = Aggregator.from_records(read_spans(tmp_path / "r0.jsonl"))
+    assert from_records.to_dict() == from_file.to_dict()
+    assert from_records.modules() == ["Sequential", "Sequential.0", "Sequential.1", "Sequential.2"]
+    with pytest.raises(ValueError, match="rank='x'"):
+        Aggregator.from_records([], rank="x")
+
+
+@pytest.mark.multiprocess
+def test_page_is_self_contained(page: str) -> None:
+    """Nothing is loaded from elsewhere: no external src/href, no <link>, no url(), a strict CSP."""
+    assert page.startswith("<!doctype html>")
+    assert "<link" not in page and "@import" not in page and "url(" not in page
+    for attr, value in re.findall(r'\b(src|href)="([^"]*)"', page):
+        assert value.startswith("#"), (attr, value)
+    assert "default-src 'none'" in page
+    assert page.count("<script") == 2  # the data, and the inline script drawing it
+
+
+@pytest.mark.multiprocess
+def test_module_tree_shows_every_module_and_its_counts(page: str, run_dir: Path) -> None:
+    """Each module of each rank is in the tree, with the counts `commspan table` gives."""
+    shown = tree_counts(page)
+    per_rank = [Aggregator.from_jsonl(run_dir, rank=r) for r in range(RANKS)]
+    expected_modules = {semconv.GLOBAL_FQN, *per_rank[0].modules()}
+    assert set(shown.modules) == expected_modules
+    assert len(shown.modules) == len(expected_modules)  # each once
+    for agg in per_rank:
+        for fqn, phases in agg.module_counts().items():
+            assert {p: {op: int(n) for op, n in ops.items()}
+                    for p, ops in shown.counts[fqn].items()} == phases, fqn
+    wo = shown.counts["Transformer.layers.0.attention.wo"]
+    assert wo["forward"] == {"all_reduce": str(STEPS)}
+
+
+@pytest.mark.multiprocess
+def test_ranks_that_differ_show_one_value_each(records: list[SpanRecord]) -> None:
+    """A module whose counts differ between ranks shows each rank's value, marked."""
+    dropped = [
+        r for r in records
+        if not (r.rank == 3 and r.name == "Transformer.output forward"
+                and r.trace_id == records[0].trace_id)
+    ]
+    shown = tree_counts(html_report(dropped))
+    text = shown.counts["Transformer.output"]["forward"]["all_gather_into_tensor"]
+    assert text == f"{STEPS} \u00b7 {STEPS} \u00b7 {STEPS} \u00b7 {STEPS - 1}"
+    assert 'class="n differs"' in html_report(dropped)
+    assert shown.counts["Transformer.output"]["backward"]["all_reduce"] == str(STEPS)
+
+
+@pytest.mark.multiprocess
+def test_issued_collectives_and_redistributions(page: str, records: list[SpanRecord]) -> None:
+    """Each module's own collectives list group, bytes and placements; redistributions too."""
+    timeline = build_timeline(records)
+    pairs = {(c.src, c.dst) for c in timeline.collectives if c.src}
+    section = page.split('<section id="redistributions">', 1)[1].split("</section>", 1)[0]
+    for src, dst in pairs:
+        assert f"<td><code>{src}</code></td><td><code>{dst}</code></td>" in section
+    rows = Counter(
+        (c.fqn, c.phase, c.src, c.dst) for c in timeline.collectives if c.src and c.rank == 0
+    )
+    for (fqn, phase, _src, _dst), n in rows.items():
+        assert re.search(
+            rf'<tr data-fqn="{re.escape(fqn)}"><td class="fqn">{re.escape(fqn)}</td>'
+            rf'<td><span class="dot ph-{phase}"></span>{phase}</td>.*?'
+            rf'<td class="count"><span class="n">{n}</span>',
+            section,
+        ), (fqn, phase)
+    wo = page.split('data-fqn="Transformer.layers.0.attention.wo">', 1)[1].split("</details>")[0]
+    assert '<table class="issued">' in wo and "P(sum) \u2192 R" in wo
+    assert "1.0 KiB" in wo or "3.0 KiB" in wo  # bytes of its all_reduces
+    assert "S(1)" in wo  # its weight's placements
+
+
+@pytest.mark.multiprocess
+def test_embedded_timeline_data(page: str, records: list[SpanRecord]) -> None:
+    """Every step's spans and collectives are embedded, strings deduplicated."""
+    data = embedded_data(page)
+    timeline = build_timeline(records)
+    assert [s["l"] for s in data["steps"]] == [f"step {i}" for i in range(STEPS)]
+    strings = data["strings"]
+    assert len(strings) == len(set(strings))
+    for index, step in enumerate(data["steps"]):
+        assert [r[0] for r in step["r"]] == list(range(RANKS))
+        spans = sum(len(r[4]) // 5 for r in step["r"])
+        colls = sum(len(r[5]) // 9 for r in step["r"])
+        assert spans == sum(1 for s in timeline.slices if s.window == index)
+        assert colls == sum(1 for c in timeline.collectives if c.window == index)
+        for r in step["r"]:
+            names = {strings[r[4][k]] for k in range(0, len(r[4]), 5)}
+            assert "Transformer.layers.0.attention.wo" in names
+            rows = [r[4][k + 4] for k in range(0, len(r[4]), 5)]
+            assert max(rows) + 1 == r[3]
+    assert data["first"] == 0 and data["durations"] is False
+
+
+@pytest.mark.multiprocess
+def test_findings_are_listed_and_escaped(records: list[SpanRecord]) -> None:
+    """Findings show kind, group, seq, step, message and each rank's part, HTML-escaped."""
+    c = next(iter(match_collectives(build_timeline(records).collectives).values()))[0]
+    finding = {
+        "kind": "mismatch", "group": c.group, "seq": c.seq, "step": 1,
+        "ranks": {0: {"op": "all_reduce", "fqn": c.fqn, "shape": [2, 8]}, 1: {"op": "broadcast"}},
+        "message": "rank 1 <script>alert(1)</script> issued broadcast", "extra_key": 7,
+    }
+    page = html_report(records, findings={"findings": [finding], "checked": {}})
+    section = page.split('<section id="findings">', 1)[1].split("</section>", 1)[0]
+    assert '<span class="kind">mismatch</span>' in section
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in section and "<script>" not in section
+    assert "<th>rank 1</th><td>op <code>broadcast</code></td>" in section
+    assert "shape <code>[2,8]</code>" in section and "extra_key <code>7</code>" in section
+    assert '<a href="#step=1&amp;finding=0">1</a>' in section
+    assert embedded_data(page)["findings"] == [
+        {"i": 0, "step": 1, "group": c.group, "seq": c.seq, "kind": "mismatch"}
+    ]
+    assert "No findings" in html_report(records, findings=[])
+    assert 'id="findings"' not in html_report(records)
+
+
+def test_bad_arguments_are_clear_errors(tmp_path: Path) -> None:
+    """Wrong findings, steps or paths raise errors naming the parameter and the fix."""
+    with pytest.raises(TypeError, match=r"findings\[1\] is a str"):
+        html_report([], findings=[{"kind": "hang"}, "oops"])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match="findings"):
+        html_report([], findings="mismatch")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="'findings' key"):
+        html_report([], findings={"kind": "hang"})
+    with pytest.raises(ValueError, match="step=4 is not in"):
+        html_report([], step=4)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        html_report(tmp_path / "nothing")
+    with pytest.raises(TypeError, match="out_path"):
+        write_html_report([], None)  # type: ignore[arg-type]
+
+
+@pytest.mark.multiprocess
+def test_step_and_timeline_steps(records: list[SpanRecord], tmp_path: Path) -> None:
+    """`step` picks the first step drawn; `timeline_steps` embeds only those steps."""
+    data = embedded_data(html_report(records, step=2))
+    assert data["first"] == 2
+    small = html_report(records, timeline_steps=[1, 2], step=2)
+    data = embedded_data(small)
+    assert [s["s"] for s in data["steps"]] == [1, 2] and data["first"] == 1
+    assert len(small) < len(html_report(records))
+    with pytest.raises(ValueError, match="steps 0-2"):
+        html_report(records, step=9)
+    out = write_html_report(records, tmp_path / "sub" / "report.html", title="TP <run>")
+    assert "<title>TP &lt;run&gt;</title>" in out.read_text(encoding="utf-8")
+
+
+@pytest.mark.multiprocess
+def test_two_runs_in_one_folder_are_flagged(records: list[SpanRecord]) -> None:
+    """Records of two runs make the report say so instead of silently adding them up."""
+    other = [
+        dataclasses.replace(r, trace_id=f"{int(r.trace_id, 16) ^ (1 << 127):032x}",
+                            resource={**r.resource, semconv.RUN_ID: "second"})
+        for r in records
+    ]
+    page = html_report(records + other)
+    assert "These files hold 2 runs" in page
+    assert "run second step 0" in page

@@ -1,0 +1,166 @@
+"""commspan.analysis.timeline: steps, module slices and collectives of a real 4-rank run."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from pathlib import Path
+
+import pytest
+from _example_run import RANKS, example_run
+
+from commspan import semconv
+from commspan.analysis.timeline import (
+    assign_lanes,
+    build_timeline,
+    load_records,
+    match_collectives,
+)
+from commspan.exporters import read_spans
+
+STEPS = 3
+
+
+def _nest_or_disjoint(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    (s1, e1), (s2, e2) = a, b
+    return e1 <= s2 or e2 <= s1 or (s1 <= s2 and e2 <= e1) or (s2 <= s1 and e1 <= e2)
+
+
+def _check_lanes(intervals: list[tuple[int, int]], placed: list[tuple[int, int]]) -> None:
+    """Every two intervals of a lane nest or are disjoint, and depth counts the enclosing ones."""
+    for i, (iv, (lane, depth)) in enumerate(zip(intervals, placed)):
+        same = [j for j, (lane2, _) in enumerate(placed) if lane2 == lane and j != i]
+        for j in same:
+            assert _nest_or_disjoint(iv, intervals[j]), (iv, intervals[j], lane)
+        enclosing = [
+            j for j in same
+            if intervals[j][0] <= iv[0] and iv[1] <= intervals[j][1]
+            and intervals[j][1] > iv[0]  # touching at the start is not enclosing
+            and (intervals[j] != iv or j < i)
+        ]
+        assert depth <= len(enclosing)
+
+
+def test_assign_lanes_keeps_nested_intervals_on_one_lane() -> None:
+    """Intervals that already nest stay on lane 0, at their nesting depth."""
+    intervals = [(0, 100), (10, 40), (12, 20), (50, 90), (90, 100), (100, 120)]
+    assert assign_lanes(intervals) == [(0, 0), (0, 1), (0, 2), (0, 1), (0, 1), (0, 0)]
+
+
+def test_assign_lanes_moves_partial_overlaps_to_new_lanes() -> None:
+    """An interval overlapping another partially goes to the next lane where it nests."""
+    placed = assign_lanes([(0, 10), (5, 15), (6, 8), (12, 20)])
+    assert placed == [(0, 0), (1, 0), (0, 1), (0, 0)]
+
+
+def test_assign_lanes_random_intervals_always_nest_per_lane() -> None:
+    """On random intervals, every lane holds only nested or disjoint intervals."""
+    rng = random.Random(7)
+    for _ in range(200):
+        intervals = []
+        for _ in range(rng.randint(1, 25)):
+            start = rng.randint(0, 50)
+            intervals.append((start, start + rng.choice([0, 0, 1, 3, 10, 30])))
+        _check_lanes(intervals, assign_lanes(intervals))
+
+
+def test_assign_lanes_rejects_reversed_interval() -> None:
+    """An interval ending before it starts is a ValueError naming it."""
+    with pytest.raises(ValueError, match=r"intervals\[1\] = \(5, 3\)"):
+        assign_lanes([(0, 1), (5, 3)])
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return example_run(tmp_path_factory, STEPS)
+
+
+@pytest.mark.multiprocess
+def test_build_timeline_on_a_real_run(run_dir: Path) -> None:
+    """Steps, ranks, module spans and collectives of the example's files all come out."""
+    records = load_records(run_dir)
+    timeline = build_timeline(records)
+    assert timeline.ranks == tuple(range(RANKS))
+    assert [w.step for w in timeline.steps] == list(range(STEPS))
+    assert [w.label for w in timeline.steps] == [f"step {i}" for i in range(STEPS)]
+    assert len(timeline.run_ids) == 1
+    for w in timeline.steps:
+        assert [r for r, _, _ in w.ranks] == list(range(RANKS))
+        assert w.start_ns == min(s for _, s, _ in w.ranks)
+        assert w.end_ns == max(e for _, _, e in w.ranks)
+    modules = [
+        r for r in records if semconv.MODULE_FQN in r.attributes and r.name != semconv.SPAN_RANK
+    ]
+    assert len(timeline.slices) == len(modules)
+    events = sum(
+        1 for r in records for _, ev in r.events if semconv.COLL_OP in ev
+    )
+    assert len(timeline.collectives) == events > 0
+    # every collective was issued inside a span of its module on its rank, in its step
+    spans = {(s.rank, s.fqn, s.window): [] for s in timeline.slices}
+    for s in timeline.slices:
+        spans[(s.rank, s.fqn, s.window)].append((s.start_ns, s.end_ns))
+    for c in timeline.collectives:
+        if c.fqn == semconv.GLOBAL_FQN:
+            continue
+        assert any(a <= c.time_ns <= b for a, b in spans[(c.rank, c.fqn, c.window)]), c
+    # one rank's module spans nest: a single lane
+    for rank in timeline.ranks:
+        mine = [(s.start_ns, s.end_ns) for s in timeline.slices if s.rank == rank]
+        assert {lane for lane, _ in assign_lanes(mine)} == {0}
+    assert timeline.processes[0][1] is not None  # the rank's pid is known
+
+
+@pytest.mark.multiprocess
+def test_match_collectives_pairs_every_rank_once(run_dir: Path) -> None:
+    """Each (run, group, seq) holds one collective per rank, same op, ordered by issue time."""
+    timeline = build_timeline(load_records(run_dir))
+    matched = match_collectives(timeline.collectives)
+    assert len(matched) * RANKS == len(timeline.collectives)
+    for members in matched.values():
+        assert sorted(c.rank for c in members) == list(range(RANKS))
+        assert len({(c.op, c.fqn, c.phase, c.bytes) for c in members}) == 1
+        times = [c.time_ns for c in members]
+        assert times == sorted(times)
+
+
+@pytest.mark.multiprocess
+def test_step_comes_from_rank_spans_even_without_rank_span(run_dir: Path) -> None:
+    """A rank whose rank span is missing (it died mid-step) still gets its spans' step."""
+    records = load_records(run_dir)
+    lost = [r for r in records if not (r.name == semconv.SPAN_RANK and r.rank == 1)]
+    timeline = build_timeline(lost)
+    assert [w.step for w in timeline.steps] == list(range(STEPS))
+    assert all(1 in [r for r, _, _ in w.ranks] for w in timeline.steps)
+    whole = build_timeline(records)
+    assert len(timeline.slices) == len(whole.slices)
+
+
+@pytest.mark.multiprocess
+def test_two_runs_in_one_folder_are_labelled_apart(run_dir: Path) -> None:
+    """Records of two runs get steps labelled with their run id, not merged."""
+    records = list(read_spans(*sorted(run_dir.glob("*.jsonl"))))
+    other = [
+        dataclasses.replace(
+            r,
+            trace_id=f"{int(r.trace_id, 16) ^ (1 << 127):032x}",  # another trace
+            resource={**r.resource, semconv.RUN_ID: "otherrun"},
+            start_time=r.start_time + 10**12,
+            end_time=r.end_time + 10**12,
+        )
+        for r in records
+    ]
+    timeline = build_timeline(records + other)
+    assert len(timeline.steps) == 2 * STEPS
+    assert timeline.run_ids[1] == "otherrun"
+    assert timeline.steps[-1].label == f"run otherrun step {STEPS - 1}"
+
+
+def test_load_records_errors_name_the_path(tmp_path: Path) -> None:
+    """A missing path, an empty directory and a wrong item are clear errors."""
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_records(tmp_path / "nope.jsonl")
+    with pytest.raises(FileNotFoundError, match="holds no"):
+        load_records(tmp_path)
+    with pytest.raises(TypeError, match="source item 3"):
+        load_records([3])  # type: ignore[list-item]
