@@ -34,7 +34,7 @@ from torch.nn.modules.module import (
 from commspan import semconv
 from commspan._dtensor import param_summary
 from commspan.semconv import Phase
-from commspan.spans import Frame, SpanRecorder
+from commspan.spans import Frame, SpanRecorder, describe_error
 
 __all__ = ["ModuleHooks", "ModuleTracker"]
 
@@ -181,7 +181,12 @@ class ModuleTracker:
         self._bw_open: list[_Call] = []
         self.active = False
         self.internal_errors = 0
-        self._last_error: weakref.ref[BaseException] | None = None
+        # (id, "Type: message") of the exception last put on a span: the spans it
+        # crosses on its way out get ERROR, not another event. An id, not the
+        # exception (its traceback holds the step's tensors) nor a weak
+        # reference (built-in exceptions take none); forgotten at the next
+        # module call, so a freed exception's id cannot be mistaken for it.
+        self._error_mark: tuple[int, str | None] | None = None
 
     # ------------------------------------------------------------ install
     def install(self) -> None:
@@ -208,6 +213,7 @@ class ModuleTracker:
     def uninstall(self) -> None:
         """Remove every hook this tracker registered; forget open calls."""
         self.active = False
+        self._error_mark = None
         for h in self._handles + self._local + self._leaf_handles:
             h.remove()
         self._handles, self._local, self._leaf_handles = [], [], []
@@ -225,6 +231,7 @@ class ModuleTracker:
         self._calls.clear()
         self._bw_open.clear()
         self._tasks.clear()
+        self._error_mark = None
 
     # ------------------------------------------------------------ names
     def fqn(self, module: torch.nn.Module) -> str | None:
@@ -252,6 +259,7 @@ class ModuleTracker:
         if not self.active or _in_compiled():
             return
         try:
+            self._error_mark = None
             info = self._info(module)
             task = _graph_task_id()
             phase = Phase.RECOMPUTE if task != -1 else Phase.FORWARD
@@ -327,8 +335,10 @@ class ModuleTracker:
                 error = None  # checkpointing ends a recompute early this way: normal
             if self.observer is not None:
                 self.observer.post_fw(module, args, output)
-            if error is not None:
-                self._record_exception(call.frame, error)
+            if error is not None and not call.frame.closed:
+                # frames above this one are calls the error crossed whose
+                # hooks did not run: the innermost is where it came from
+                self._record_exception(error)
             self.recorder.close_now(call.frame, error)
             error = None
             if output is not None and torch.is_grad_enabled():
@@ -336,20 +346,36 @@ class ModuleTracker:
         except Exception:
             self._internal_error()
 
-    def _record_exception(self, frame: Frame, error: BaseException) -> None:
-        """Put an ``exception`` event on the innermost frame the error left."""
-        last = self._last_error() if self._last_error is not None else None
-        if frame.error is None and last is not error:
-            # a weak reference: holding the exception would hold its traceback
-            self._last_error = weakref.ref(error)
-            self.recorder.add_plain_event(
-                frame,
-                semconv.EVENT_EXCEPTION,
-                {
-                    semconv.EXCEPTION_TYPE: type(error).__qualname__,
-                    semconv.EXCEPTION_MESSAGE: str(error),
-                },
-            )
+    def _record_exception(self, error: BaseException) -> None:
+        """Put an ``exception`` event for ``error`` on the innermost open frame,
+        unless it is already on a frame the error crossed before."""
+        rec = self.recorder
+        mark = (id(error), describe_error(error))
+        if mark == self._error_mark:
+            return
+        self._error_mark = mark
+        if rec.stack:
+            rec.add_exception(rec.stack[-1], error)
+
+    def unwind(self, error: BaseException | None) -> None:
+        """The trace is about to end: account for what is still open.
+
+        Frames still open are calls ``error`` crossed without their hooks
+        running (an error in backward, a ``BaseException`` such as
+        ``KeyboardInterrupt`` in forward): the innermost gets the ``exception``
+        event (the recorder gives them all ERROR when it ends the trace).
+        Without an error, a backward still open never finished (it raised and
+        the error was caught): its frames end with ERROR saying so.
+        """
+        try:
+            if error is not None:
+                self._record_exception(error)
+            elif self._tasks:
+                self._abandon_backward()
+        except Exception:
+            self._internal_error()
+        finally:
+            self._error_mark = None
 
     # ------------------------------------------------------------ backward
     def _watch_inputs(self, call: _Call, args: Any) -> None:

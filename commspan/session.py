@@ -88,6 +88,11 @@ class CommSpanMode:
         resource_attributes: extra resource attributes for every span.
         export_queue_size: spans each exporter queue holds before dropping.
         flush_timeout_s: how long leaving the context waits for exporters.
+        record_exception_messages: when a user's exception crosses a span,
+            put ``str(exception)`` in the span's status description and its
+            ``exception`` event (default). ``False`` keeps the exception type
+            only: messages can hold data (tensor values, paths, user input)
+            that should not leave the process.
 
     Raises:
         TypeError: an argument has the wrong type (the message says which).
@@ -117,6 +122,7 @@ class CommSpanMode:
         resource_attributes: Mapping[str, Any] | None = None,
         export_queue_size: int = 65536,
         flush_timeout_s: float = 5.0,
+        record_exception_messages: bool = True,
         _observer: ModuleHooks | None = None,
     ) -> None:
         if tracer_provider is not None and not isinstance(tracer_provider, TracerProvider):
@@ -158,6 +164,12 @@ class CommSpanMode:
             raise TypeError(f"run_id={run_id!r} is not valid; pass a non-empty str")
         if flush_timeout_s <= 0:
             raise ValueError(f"flush_timeout_s={flush_timeout_s!r} must be > 0 seconds")
+        if not isinstance(record_exception_messages, bool):
+            raise TypeError(
+                f"record_exception_messages={record_exception_messages!r} is not valid; "
+                "pass True (type and message) or False (exception type only)"
+            )
+        self._record_messages = record_exception_messages
         self._sampler = _make_sampler(sample)
         self._tracer_provider = tracer_provider
         self._queues = [
@@ -211,7 +223,9 @@ class CommSpanMode:
             self._resource_key = key
         if self.aggregator is not None:
             self.aggregator.reset()
-        self._recorder = SpanRecorder(self._emit, self.resource, _version())
+        self._recorder = SpanRecorder(
+            self._emit, self.resource, _version(), record_messages=self._record_messages
+        )
         self._recorder.on_empty = self._ensure_root
         # One dispatch mode and one tracker for the mode's life: entering
         # again keeps what they learned (module names and attributes, process
@@ -364,6 +378,8 @@ class CommSpanMode:
         rec = self._recorder
         if rec is None or rec.root is None:
             return
+        if self._tracker is not None:
+            self._tracker.unwind(error)
         rec.end(error)
         if self._rank == 0 and self._root_key is not None:
             _, root_span_id = derive_ids(self.run_id, self._root_key)
