@@ -360,8 +360,9 @@ class SpanRecorder:
             self._close_top(now)
 
     def _close_top(self, now: int) -> None:
-        frame = self.stack.pop()
-        frame.closed = True
+        # the span is built before the frame leaves the stack: if building
+        # fails, the frame stays open and a later close emits it
+        frame = self.stack[-1]
         attrs = frame.attrs
         if frame.counts:
             totals: dict[str, int] = {}
@@ -375,21 +376,22 @@ class SpanRecorder:
         events: Iterable[Event] = (
             tuple(Event(n, a, t) for n, t, a in frame.events) if frame.events else ()
         )
-        self._sink(
-            ReadableSpan(
-                frame.name,
-                frame.context,
-                frame.parent,
-                self.resource,
-                attrs,
-                events,  # type: ignore[arg-type]
-                kind=SpanKind.INTERNAL,
-                status=_status(frame.error),
-                start_time=frame.start,
-                end_time=max(now, frame.start),
-                instrumentation_scope=self._scope,
-            )
+        span = ReadableSpan(
+            frame.name,
+            frame.context,
+            frame.parent,
+            self.resource,
+            attrs,
+            events,  # type: ignore[arg-type]
+            kind=SpanKind.INTERNAL,
+            status=_status(frame.error),
+            start_time=frame.start,
+            end_time=max(now, frame.start),
+            instrumentation_scope=self._scope,
         )
+        self.stack.pop()
+        frame.closed = True
+        self._sink(span)
 
 
 def describe_error(error: BaseException | None, message: bool = True) -> str | None:
