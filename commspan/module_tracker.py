@@ -15,9 +15,11 @@ its forward ancestors are finished. What is left open when autograd finishes
 is closed by an engine callback. Hooks hold no tensor and no module, and hooks
 left on leaf tensors are removed, so nothing grows step after step.
 
-Nothing here recurses per module depth, and while installed the tracker raises
-Python's recursion limit by the frame each traced module call costs, so a
-model runs as deep traced as untraced.
+Threads: the tracker follows the thread it was installed on (its owner) and
+the autograd work done for the owner's graphs; module calls on other threads
+are ignored (one comparison per call). Nothing here recurses per module depth,
+and while installed the tracker raises Python's recursion limit by the frame
+each traced module call costs, so a model runs as deep traced as untraced.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ __all__ = ["ModuleHooks", "ModuleTracker"]
 _log = logging.getLogger(__name__)
 _Tensor = torch.Tensor
 _graph_task_id = torch._C._current_graph_task_id
+_get_ident = threading.get_ident
 
 # Frames the hooks themselves may use on top of a module call (span building,
 # processors, logging an internal error), beyond what an untraced call uses.
@@ -270,6 +273,7 @@ class ModuleTracker:
         # reference (built-in exceptions take none); forgotten at the next
         # module call, so a freed exception's id cannot be mistaken for it.
         self._error_mark: tuple[int, str | None] | None = None
+        self.owner = 0  # thread the tracker follows (set by install)
         self._log_pending = False  # an internal error could not be logged yet
         self._deepest = 0  # deepest module nesting the recursion limit allows for
         self._headroom = False
@@ -279,6 +283,7 @@ class ModuleTracker:
         """Register the global hooks (idempotent)."""
         if self._handles:
             return
+        self.owner = _get_ident()
         self._handles = [
             register_module_forward_pre_hook(self._pre_fw),
             register_module_forward_hook(self._post_fw, always_call=True),
@@ -330,6 +335,12 @@ class ModuleTracker:
             self._headroom = False
             _HEADROOM.release()
 
+    def _follows(self) -> bool:
+        """Whether a module call on a thread other than the owner is the
+        owner's work: a recompute inside a backward of the owner's graph, run
+        on an autograd worker thread."""
+        return _graph_task_id() in self._tasks
+
     # ------------------------------------------------------------ names
     def fqn(self, module: torch.nn.Module) -> str | None:
         """The name the tracker knows ``module`` by, or ``None``."""
@@ -353,7 +364,11 @@ class ModuleTracker:
 
     # ------------------------------------------------------------ forward
     def _pre_fw(self, module: torch.nn.Module, args: Any) -> None:
-        if not self.active or _in_compiled():
+        if (
+            not self.active
+            or (_get_ident() != self.owner and not self._follows())
+            or _in_compiled()
+        ):
             return
         try:
             self._error_mark = None
@@ -408,7 +423,11 @@ class ModuleTracker:
             self._internal_error()
 
     def _post_fw(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if not self.active or _in_compiled():
+        if (
+            not self.active
+            or (_get_ident() != self.owner and not self._follows())
+            or _in_compiled()
+        ):
             return
         info = self._known.get(module)
         if info is None or info.local_hooked:
@@ -416,7 +435,11 @@ class ModuleTracker:
         self._finish_forward(info, module, args, output)
 
     def _local_post_fw(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if not self.active or _in_compiled():
+        if (
+            not self.active
+            or (_get_ident() != self.owner and not self._follows())
+            or _in_compiled()
+        ):
             return
         info = self._known.get(module)
         if info is not None:

@@ -15,6 +15,7 @@ import contextlib
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -93,6 +94,11 @@ class CommSpanMode:
             ``exception`` event (default). ``False`` keeps the exception type
             only: messages can hold data (tensor values, paths, user input)
             that should not leave the process.
+
+    Threads: a mode traces the thread that entered it (and the autograd work
+    done for that thread's graphs); module calls on other threads are not
+    recorded, and ``mode.step()`` called from another thread yields ``False``
+    (untraced, logged once). Use one mode per thread to trace several threads.
 
     Raises:
         TypeError: an argument has the wrong type (the message says which).
@@ -187,6 +193,8 @@ class CommSpanMode:
         self._tracker: ModuleTracker | None = None
         self._dispatch: CollectiveDispatchMode | None = None
         self._active = False
+        self._owner = 0  # thread that entered the mode
+        self._thread_warned = False
         self._in_step = False
         self._paused = False
         self._popped = False
@@ -223,6 +231,7 @@ class CommSpanMode:
             self._resource_key = key
         if self.aggregator is not None:
             self.aggregator.reset()
+        self._owner = threading.get_ident()
         self._recorder = SpanRecorder(
             self._emit, self.resource, _version(), record_messages=self._record_messages
         )
@@ -280,10 +289,13 @@ class CommSpanMode:
     def step(self, index: int) -> Iterator[bool]:
         """Trace one training step as its own trace, shared by all ranks.
 
-        Yields ``True`` when the step is traced, ``False`` when sampled out.
+        Yields ``True`` when the step is traced, ``False`` when sampled out
+        or called from a thread other than the one that entered the mode
+        (such a step is not traced; the first one logs a warning).
 
         Raises:
-            RuntimeError: used outside ``with mode:`` or inside another step.
+            RuntimeError: used outside ``with mode:``, or inside another step
+                on the same thread.
             TypeError: ``index`` is not an int.
 
         Example:
@@ -300,6 +312,10 @@ class CommSpanMode:
             raise RuntimeError(
                 "mode.step() was called outside the mode; use it inside `with mode:`"
             )
+        if threading.get_ident() != self._owner:
+            self._foreign_step(index)
+            yield False
+            return
         if self._in_step:
             raise RuntimeError(
                 f"mode.step({index}) was entered inside another step; steps do not nest"
@@ -329,6 +345,17 @@ class CommSpanMode:
             self._end_root(error)
             if self._tracker is not None:
                 self._tracker.reset_step()
+
+    def _foreign_step(self, index: int) -> None:
+        if not self._thread_warned:
+            self._thread_warned = True
+            _log.warning(
+                "commspan: mode.step(%d) was called on thread %r, not on the thread that "
+                "entered the mode; a mode traces only that thread, so this step is not "
+                "traced (use one CommSpanMode per thread; further such steps are not logged)",
+                index,
+                threading.current_thread().name,
+            )
 
     def _pause(self) -> None:
         """Stop capturing for an untraced step (hooks off, dispatch mode popped)."""
