@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -286,7 +287,7 @@ class Aggregator(SpanProcessor):
                 "counts) or 1 (also module types and parameter placements)"
             )
         lines: list[str] = []
-        _render(self.to_dict(), 0, noise_level, lines)
+        _render(self.to_dict(), noise_level, lines)
         return "\n".join(lines) + "\n"
 
     # ------------------------------------------------------------ offline
@@ -501,18 +502,59 @@ def _tree(counts: Counts, modules: dict[str, _ModuleRecord]) -> dict[str, Any]:
     return root
 
 
-def _render(node: dict[str, Any], depth: int, noise: int, lines: list[str]) -> None:
-    pad = "  " * depth
-    title = node["fqn"]
-    if noise >= 1 and node["type"]:
-        title += f" ({node['type']})"
-    lines.append(pad + title)
-    if noise >= 1:
-        for name, p in node["parameters"].items():
-            where = p["placements"] or "local"
-            lines.append(f"{pad}  - {name}: {p['shape']} {where}")
-    for phase, ops in node["counts"].items():
-        ops_text = ", ".join(f"{op} {n}" for op, n in ops.items())
-        lines.append(f"{pad}  *{phase}: {ops_text}")
-    for child in node["children"]:
-        _render(child, depth + 1, noise, lines)
+def _render(root: dict[str, Any], noise: int, lines: list[str]) -> None:
+    """Append the lines of ``root``'s tree (a loop, not recursion: trees can be
+    as deep as the model)."""
+    todo: list[tuple[dict[str, Any], int]] = [(root, 0)]
+    while todo:
+        node, depth = todo.pop()
+        pad = "  " * depth
+        title = node["fqn"]
+        if noise >= 1 and node["type"]:
+            title += f" ({node['type']})"
+        lines.append(pad + title)
+        if noise >= 1:
+            for name, p in node["parameters"].items():
+                where = p["placements"] or "local"
+                lines.append(f"{pad}  - {name}: {p['shape']} {where}")
+        for phase, ops in node["counts"].items():
+            ops_text = ", ".join(f"{op} {n}" for op, n in ops.items())
+            lines.append(f"{pad}  *{phase}: {ops_text}")
+        todo.extend((child, depth + 1) for child in reversed(node["children"]))
+
+
+def _tree_json(tree: Any, indent: int = 2) -> str:
+    """``json.dumps(tree, indent=indent)`` for a tree of any depth.
+
+    The standard encoder recurses per level of nesting (two per level of a
+    module tree), so the tree of a model a few hundred modules deep exceeds
+    the recursion limit; this writes the same text with a loop.
+    """
+    out: list[str] = []
+    # work items: a value to encode at a nesting level, or literal text
+    todo: list[tuple[Any, int] | str] = [(tree, 0)]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, str):
+            out.append(item)
+            continue
+        value, level = item
+        if isinstance(value, dict) and value:
+            inner = "\n" + " " * (indent * (level + 1))
+            parts: list[tuple[Any, int] | str] = ["{"]
+            for i, (key, child) in enumerate(value.items()):
+                parts.append(("," if i else "") + inner + json.dumps(str(key)) + ": ")
+                parts.append((child, level + 1))
+            parts.append("\n" + " " * (indent * level) + "}")
+            todo.extend(reversed(parts))
+        elif isinstance(value, (list, tuple)) and value:
+            inner = "\n" + " " * (indent * (level + 1))
+            parts = ["["]
+            for i, child in enumerate(value):
+                parts.append(("," if i else "") + inner)
+                parts.append((child, level + 1))
+            parts.append("\n" + " " * (indent * level) + "]")
+            todo.extend(reversed(parts))
+        else:
+            out.append(json.dumps(value))
+    return "".join(out)

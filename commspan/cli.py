@@ -103,7 +103,9 @@ def _table(args: argparse.Namespace) -> str:
     if isinstance(args.rank, int) and not agg.modules() and not agg.total_count():
         _check_rank(args.rank, _ranks_in(files))  # nothing counted: a wrong rank?
     if args.json:
-        return json.dumps(agg.to_dict(), indent=2)
+        from commspan.aggregate import _tree_json
+
+        return _tree_json(agg.to_dict())  # json.dumps recurses per level: deep models fail
     return agg.table(noise_level=args.noise).rstrip("\n")
 
 

@@ -238,14 +238,11 @@ class CommDebugMode:
 
     def _depths(self) -> dict[str, int]:
         depths = {semconv.GLOBAL_FQN: 0}
-        tree = self.aggregator.to_dict()
-
-        def walk(node: dict[str, Any], depth: int) -> None:
-            for child in node["children"]:
-                depths[child["fqn"]] = depth
-                walk(child, depth + 1)
-
-        walk(tree, 1)
+        todo = [(child, 1) for child in reversed(self.aggregator.to_dict()["children"])]
+        while todo:  # a loop, in tree order: the tree is as deep as the model
+            node, depth = todo.pop()
+            depths[node["fqn"]] = depth
+            todo.extend((child, depth + 1) for child in reversed(node["children"]))
         return depths
 
     # ------------------------------------------------------------ tables

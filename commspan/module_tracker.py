@@ -14,6 +14,12 @@ nested: when a module's backward starts, the frames of modules that are not
 its forward ancestors are finished. What is left open when autograd finishes
 is closed by an engine callback. Hooks hold no tensor and no module, and hooks
 left on leaf tensors are removed, so nothing grows step after step.
+
+Threads: the tracker follows the thread it was installed on (its owner) and
+the autograd work done for the owner's graphs; module calls on other threads
+are ignored (one comparison per call). Nothing here recurses per module depth,
+and while installed the tracker raises Python's recursion limit by the frame
+each traced module call costs, so a model runs as deep traced as untraced.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import functools
 import logging
 import sys
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -34,13 +41,18 @@ from torch.nn.modules.module import (
 from commspan import semconv
 from commspan._dtensor import param_summary
 from commspan.semconv import Phase
-from commspan.spans import Frame, SpanRecorder
+from commspan.spans import Frame, SpanRecorder, describe_error
 
 __all__ = ["ModuleHooks", "ModuleTracker"]
 
 _log = logging.getLogger(__name__)
 _Tensor = torch.Tensor
 _graph_task_id = torch._C._current_graph_task_id
+_get_ident = threading.get_ident
+
+# Frames the hooks themselves may use on top of a module call (span building,
+# processors, logging an internal error), beyond what an untraced call uses.
+_HOOK_FRAMES = 100
 
 try:  # non-reentrant checkpointing stops a recompute early with this exception
     from torch.utils.checkpoint import _StopRecomputationError as _StopRecomputation
@@ -56,6 +68,80 @@ except Exception:  # pragma: no cover - depends on the torch build
 
     def _in_compiled() -> bool:
         return False
+
+
+class _RecursionHeadroom:
+    """Keeps Python's recursion limit high enough for traced module calls.
+
+    With a global module hook registered, ``Module._call_impl`` runs each
+    forward through one more Python frame (its ``inner`` closure) than it does
+    without hooks, so a model ``d`` modules deep needs ``d`` more frames traced
+    than untraced: plain ``nn.Sequential`` nesting ran 249 deep untraced and
+    199 deep under two no-op global hooks at the default limit of 1000. While
+    a tracker is installed, the limit is the user's limit plus the deepest
+    module nesting seen plus :data:`_HOOK_FRAMES`; when the last tracker is
+    removed the user's limit is restored, unless something else changed it in
+    the meantime (then it is left alone). The limit is per interpreter, so one
+    object serves every tracker (one mode per thread).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._holders = 0
+        self._base = 0  # the limit before this object raised it
+        self._set = 0  # the limit this object set, 0 if it set none
+
+    def acquire(self) -> None:
+        with self._lock:
+            self._holders += 1
+
+    def need(self, extra: int) -> None:
+        """Make the limit at least the user's limit + ``extra``."""
+        with self._lock:
+            if not self._holders:
+                return
+            current = sys.getrecursionlimit()
+            if current != self._set:  # not ours: the user's limit (set or changed by them)
+                self._base, self._set = current, 0
+            target = self._base + extra
+            if target > current:
+                sys.setrecursionlimit(target)
+                self._set = target
+
+    def release(self) -> None:
+        with self._lock:
+            self._holders = max(0, self._holders - 1)
+            if self._holders or not self._set:
+                return
+            try:
+                if sys.getrecursionlimit() == self._set:
+                    sys.setrecursionlimit(self._base)
+            except Exception:  # the calling thread is deeper than the old limit
+                _log.debug("commspan: could not restore the recursion limit", exc_info=True)
+            self._set = 0
+
+
+_HEADROOM = _RecursionHeadroom()
+
+
+def _named_modules(root: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """``root.named_modules()`` without recursion (same names, same order)."""
+    out: list[tuple[str, torch.nn.Module]] = []
+    seen: set[int] = set()
+    todo: list[tuple[str, torch.nn.Module]] = [("", root)]
+    while todo:
+        name, mod = todo.pop()
+        if id(mod) in seen:
+            continue
+        seen.add(id(mod))
+        out.append((name, mod))
+        children = [
+            (f"{name}.{key}" if name else key, child)
+            for key, child in mod._modules.items()
+            if child is not None
+        ]
+        todo.extend(reversed(children))
+    return out
 
 
 class ModuleHooks(Protocol):
@@ -181,17 +267,31 @@ class ModuleTracker:
         self._bw_open: list[_Call] = []
         self.active = False
         self.internal_errors = 0
-        self._last_error: weakref.ref[BaseException] | None = None
+        # (id, "Type: message") of the exception last put on a span: the spans it
+        # crosses on its way out get ERROR, not another event. An id, not the
+        # exception (its traceback holds the step's tensors) nor a weak
+        # reference (built-in exceptions take none); forgotten at the next
+        # module call, so a freed exception's id cannot be mistaken for it.
+        self._error_mark: tuple[int, str | None] | None = None
+        self.owner = 0  # thread the tracker follows (set by install)
+        self._log_pending = False  # an internal error could not be logged yet
+        self._deepest = 0  # deepest module nesting the recursion limit allows for
+        self._headroom = False
 
     # ------------------------------------------------------------ install
     def install(self) -> None:
         """Register the global hooks (idempotent)."""
         if self._handles:
             return
+        self.owner = _get_ident()
         self._handles = [
             register_module_forward_pre_hook(self._pre_fw),
             register_module_forward_hook(self._post_fw, always_call=True),
         ]
+        if not self._headroom:
+            _HEADROOM.acquire()
+            self._headroom = True
+            self._deepest = 0
         self.active = True
 
     def pause(self) -> None:
@@ -204,10 +304,13 @@ class ModuleTracker:
         for h in self._handles:
             h.remove()
         self._handles = []
+        self._release_headroom()
 
     def uninstall(self) -> None:
         """Remove every hook this tracker registered; forget open calls."""
         self.active = False
+        self._release_headroom()
+        self._error_mark = None
         for h in self._handles + self._local + self._leaf_handles:
             h.remove()
         self._handles, self._local, self._leaf_handles = [], [], []
@@ -225,6 +328,18 @@ class ModuleTracker:
         self._calls.clear()
         self._bw_open.clear()
         self._tasks.clear()
+        self._error_mark = None
+
+    def _release_headroom(self) -> None:
+        if self._headroom:
+            self._headroom = False
+            _HEADROOM.release()
+
+    def _follows(self) -> bool:
+        """Whether a module call on a thread other than the owner is the
+        owner's work: a recompute inside a backward of the owner's graph, run
+        on an autograd worker thread."""
+        return _graph_task_id() in self._tasks
 
     # ------------------------------------------------------------ names
     def fqn(self, module: torch.nn.Module) -> str | None:
@@ -238,7 +353,7 @@ class ModuleTracker:
             return info
         root = type(module).__name__
         known = self._known
-        for name, sub in module.named_modules():
+        for name, sub in _named_modules(module):
             if sub not in known:
                 known[sub] = _ModInfo(f"{root}.{name}" if name else root, type(sub).__name__)
         return known[module]
@@ -249,9 +364,14 @@ class ModuleTracker:
 
     # ------------------------------------------------------------ forward
     def _pre_fw(self, module: torch.nn.Module, args: Any) -> None:
-        if not self.active or _in_compiled():
+        if (
+            not self.active
+            or (_get_ident() != self.owner and not self._follows())
+            or _in_compiled()
+        ):
             return
         try:
+            self._error_mark = None
             info = self._info(module)
             task = _graph_task_id()
             phase = Phase.RECOMPUTE if task != -1 else Phase.FORWARD
@@ -264,6 +384,9 @@ class ModuleTracker:
                     info.depth = depth
             elif info.depth:
                 depth = info.depth  # a recompute sits where its forward sat
+            if depth > self._deepest:  # each traced level costs a frame more
+                self._deepest = depth + 16
+                _HEADROOM.need(self._deepest + _HOOK_FRAMES)
             attrs = info.attrs[phase].copy()
             attrs[semconv.MODULE_DEPTH] = depth
             if self.record_params and phase is Phase.FORWARD:
@@ -292,11 +415,19 @@ class ModuleTracker:
                 self._watch_inputs(call, args)
             if self.observer is not None:
                 self.observer.pre_fw(module, args)
+        except RecursionError:
+            # The model itself ran out of stack (the limit allows for what
+            # tracing adds): its own RecursionError follows; not commspan's error.
+            pass
         except Exception:  # never break the user's step
             self._internal_error()
 
     def _post_fw(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if not self.active or _in_compiled():
+        if (
+            not self.active
+            or (_get_ident() != self.owner and not self._follows())
+            or _in_compiled()
+        ):
             return
         info = self._known.get(module)
         if info is None or info.local_hooked:
@@ -304,7 +435,11 @@ class ModuleTracker:
         self._finish_forward(info, module, args, output)
 
     def _local_post_fw(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if not self.active or _in_compiled():
+        if (
+            not self.active
+            or (_get_ident() != self.owner and not self._follows())
+            or _in_compiled()
+        ):
             return
         info = self._known.get(module)
         if info is not None:
@@ -323,12 +458,19 @@ class ModuleTracker:
             call = calls[idx]
             del calls[idx:]
             error = sys.exc_info()[1] if output is None else None
-            if error is not None and isinstance(error, _StopRecomputation):
-                error = None  # checkpointing ends a recompute early this way: normal
+            if error is not None:
+                if isinstance(error, _StopRecomputation):
+                    error = None  # checkpointing ends a recompute early this way: normal
+                elif isinstance(error, RecursionError) and call.parent is not None:
+                    # no stack left here to build spans: the outermost call (or
+                    # the end of the trace) closes these frames, ERROR and event
+                    return
             if self.observer is not None:
                 self.observer.post_fw(module, args, output)
-            if error is not None:
-                self._record_exception(call.frame, error)
+            if error is not None and not call.frame.closed:
+                # frames above this one are calls the error crossed whose
+                # hooks did not run: the innermost is where it came from
+                self._record_exception(error)
             self.recorder.close_now(call.frame, error)
             error = None
             if output is not None and torch.is_grad_enabled():
@@ -336,20 +478,37 @@ class ModuleTracker:
         except Exception:
             self._internal_error()
 
-    def _record_exception(self, frame: Frame, error: BaseException) -> None:
-        """Put an ``exception`` event on the innermost frame the error left."""
-        last = self._last_error() if self._last_error is not None else None
-        if frame.error is None and last is not error:
-            # a weak reference: holding the exception would hold its traceback
-            self._last_error = weakref.ref(error)
-            self.recorder.add_plain_event(
-                frame,
-                semconv.EVENT_EXCEPTION,
-                {
-                    semconv.EXCEPTION_TYPE: type(error).__qualname__,
-                    semconv.EXCEPTION_MESSAGE: str(error),
-                },
-            )
+    def _record_exception(self, error: BaseException) -> None:
+        """Put an ``exception`` event for ``error`` on the innermost open frame,
+        unless it is already on a frame the error crossed before."""
+        rec = self.recorder
+        mark = (id(error), describe_error(error))
+        if mark == self._error_mark:
+            return
+        self._error_mark = mark
+        if rec.stack:
+            rec.add_exception(rec.stack[-1], error)
+
+    def unwind(self, error: BaseException | None) -> None:
+        """The trace is about to end: account for what is still open.
+
+        Frames still open are calls ``error`` crossed without their hooks
+        running (an error in backward, a ``BaseException`` such as
+        ``KeyboardInterrupt`` in forward): the innermost gets the ``exception``
+        event (the recorder gives them all ERROR when it ends the trace).
+        Without an error, a backward still open never finished (it raised and
+        the error was caught): its frames end with ERROR saying so.
+        """
+        try:
+            if error is not None:
+                self._record_exception(error)
+            elif self._tasks:
+                self._abandon_backward()
+        except Exception:
+            self._internal_error()
+        finally:
+            self._error_mark = None
+            self._log_deferred()
 
     # ------------------------------------------------------------ backward
     def _watch_inputs(self, call: _Call, args: Any) -> None:
@@ -490,9 +649,22 @@ class ModuleTracker:
     # ------------------------------------------------------------ misc
     def _internal_error(self) -> None:
         self.internal_errors += 1
-        if self.internal_errors == 1:
+        if self.internal_errors == 1 or self._log_pending:
+            try:
+                _log.warning(
+                    "commspan: internal error while tracking modules; tracing of this "
+                    "call is incomplete (further errors are counted, not logged)",
+                    exc_info=True,
+                )
+                self._log_pending = False
+            except Exception:  # no stack left to log with: log at the end of the trace
+                self._log_pending = True
+
+    def _log_deferred(self) -> None:
+        if self._log_pending:
+            self._log_pending = False
             _log.warning(
-                "commspan: internal error while tracking modules; tracing of this "
-                "call is incomplete (further errors are counted, not logged)",
-                exc_info=True,
+                "commspan: internal error while tracking modules (the stack was too "
+                "deep to log it when it happened); tracing of that call is incomplete "
+                "(further errors are counted, not logged)"
             )

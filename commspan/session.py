@@ -15,6 +15,7 @@ import contextlib
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -101,6 +102,16 @@ class CommSpanMode:
         flush_timeout_s: the most leaving the context waits for exporters, in
             seconds; it does not wait for an exporter whose last export failed
             or timed out, until one succeeds again.
+        record_exception_messages: when a user's exception crosses a span,
+            put ``str(exception)`` in the span's status description and its
+            ``exception`` event (default). ``False`` keeps the exception type
+            only: messages can hold data (tensor values, paths, user input)
+            that should not leave the process.
+
+    Threads: a mode traces the thread that entered it (and the autograd work
+    done for that thread's graphs); module calls on other threads are not
+    recorded, and ``mode.step()`` called from another thread yields ``False``
+    (untraced, logged once). Use one mode per thread to trace several threads.
 
     Raises:
         TypeError: an argument has the wrong type (the message says which).
@@ -132,6 +143,7 @@ class CommSpanMode:
         resource_attributes: Mapping[str, Any] | None = None,
         export_queue_size: int = 65536,
         flush_timeout_s: float = 5.0,
+        record_exception_messages: bool = True,
         _observer: ModuleHooks | None = None,
     ) -> None:
         if tracer_provider is not None and not isinstance(tracer_provider, TracerProvider):
@@ -173,6 +185,12 @@ class CommSpanMode:
             raise TypeError(f"run_id={run_id!r} is not valid; pass a non-empty str")
         if flush_timeout_s <= 0:
             raise ValueError(f"flush_timeout_s={flush_timeout_s!r} must be > 0 seconds")
+        if not isinstance(record_exception_messages, bool):
+            raise TypeError(
+                f"record_exception_messages={record_exception_messages!r} is not valid; "
+                "pass True (type and message) or False (exception type only)"
+            )
+        self._record_messages = record_exception_messages
         self._sampler = _make_sampler(sample)
         self._tracer_provider = tracer_provider
         self._queues = [
@@ -190,6 +208,8 @@ class CommSpanMode:
         self._tracker: ModuleTracker | None = None
         self._dispatch: CollectiveDispatchMode | None = None
         self._active = False
+        self._owner = 0  # thread that entered the mode
+        self._thread_warned = False
         self._in_step = False
         self._paused = False
         self._popped = False
@@ -226,7 +246,10 @@ class CommSpanMode:
             self._resource_key = key
         if self.aggregator is not None:
             self.aggregator.reset()
-        self._recorder = SpanRecorder(self._emit, self.resource, _version())
+        self._owner = threading.get_ident()
+        self._recorder = SpanRecorder(
+            self._emit, self.resource, _version(), record_messages=self._record_messages
+        )
         self._recorder.on_empty = self._ensure_root
         # One dispatch mode and one tracker for the mode's life: entering
         # again keeps what they learned (module names and attributes, process
@@ -281,10 +304,13 @@ class CommSpanMode:
     def step(self, index: int) -> Iterator[bool]:
         """Trace one training step as its own trace, shared by all ranks.
 
-        Yields ``True`` when the step is traced, ``False`` when sampled out.
+        Yields ``True`` when the step is traced, ``False`` when sampled out
+        or called from a thread other than the one that entered the mode
+        (such a step is not traced; the first one logs a warning).
 
         Raises:
-            RuntimeError: used outside ``with mode:`` or inside another step.
+            RuntimeError: used outside ``with mode:``, or inside another step
+                on the same thread.
             TypeError: ``index`` is not an int.
 
         Example:
@@ -301,6 +327,10 @@ class CommSpanMode:
             raise RuntimeError(
                 "mode.step() was called outside the mode; use it inside `with mode:`"
             )
+        if threading.get_ident() != self._owner:
+            self._foreign_step(index)
+            yield False
+            return
         if self._in_step:
             raise RuntimeError(
                 f"mode.step({index}) was entered inside another step; steps do not nest"
@@ -330,6 +360,17 @@ class CommSpanMode:
             self._end_root(error)
             if self._tracker is not None:
                 self._tracker.reset_step()
+
+    def _foreign_step(self, index: int) -> None:
+        if not self._thread_warned:
+            self._thread_warned = True
+            _log.warning(
+                "commspan: mode.step(%d) was called on thread %r, not on the thread that "
+                "entered the mode; a mode traces only that thread, so this step is not "
+                "traced (use one CommSpanMode per thread; further such steps are not logged)",
+                index,
+                threading.current_thread().name,
+            )
 
     def _pause(self) -> None:
         """Stop capturing for an untraced step (hooks off, dispatch mode popped)."""
@@ -379,6 +420,8 @@ class CommSpanMode:
         rec = self._recorder
         if rec is None or rec.root is None:
             return
+        if self._tracker is not None:
+            self._tracker.unwind(error)
         rec.end(error)
         if self._rank == 0 and self._root_key is not None:
             _, root_span_id = derive_ids(self.run_id, self._root_key)

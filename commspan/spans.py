@@ -122,10 +122,15 @@ class SpanRecorder:
         sink: called with each finished span (child spans before parents).
         resource: resource of every span.
         version: commspan version, recorded on the instrumentation scope.
+        record_messages: put ``str(exception)`` in status descriptions and
+            ``exception`` events; ``False`` keeps the exception type only.
     """
 
-    def __init__(self, sink: SpanSink, resource: Resource, version: str) -> None:
+    def __init__(
+        self, sink: SpanSink, resource: Resource, version: str, record_messages: bool = True
+    ) -> None:
         self._sink = sink
+        self.record_messages = record_messages
         self.resource = resource
         self._scope = InstrumentationScope(
             semconv.INSTRUMENTATION_SCOPE, version, semconv.SCHEMA_URL
@@ -168,7 +173,7 @@ class SpanRecorder:
         """Close every open frame and the root (with ERROR status if ``error``)."""
         if self.root is None:
             return
-        desc = describe_error(error)
+        desc = self.describe(error)
         if desc is not None:
             self.root.error = desc
         self._close_from(0, desc, _now())
@@ -200,7 +205,7 @@ class SpanRecorder:
                 attrs,
                 (),
                 kind=SpanKind.INTERNAL,
-                status=_status(describe_error(error)),
+                status=_status(self.describe(error)),
                 start_time=start,
                 end_time=end,
                 instrumentation_scope=self._scope,
@@ -251,7 +256,7 @@ class SpanRecorder:
         if frame.closed:
             return
         if error is not None and frame.error is None:
-            frame.error = describe_error(error)
+            frame.error = self.describe(error)
         stack = self.stack
         if stack and stack[-1] is frame:
             self._close_top(_now())
@@ -261,15 +266,17 @@ class SpanRecorder:
             frame.done = True
 
     def close_now(self, frame: Frame, error: BaseException | None = None) -> None:
-        """Close ``frame`` and everything above it immediately."""
+        """Close ``frame`` and everything above it immediately.
+
+        With ``error``, the frames above ``frame`` (their calls never finished:
+        the error crossed them) end with it too.
+        """
         if frame.closed:
             return
-        if error is not None and frame.error is None:
-            frame.error = describe_error(error)
         idx = _index(self.stack, frame)
         if idx < 0:
             return
-        self._close_from(idx, None, _now())
+        self._close_from(idx, self.describe(error), _now())
 
     def close_task(self, task: int, error: str | None = None) -> None:
         """Close every frame opened for autograd graph task ``task`` (end of backward).
@@ -326,8 +333,20 @@ class SpanRecorder:
             counts[key] = counts.get(key, 0) + 1
 
     def add_plain_event(self, frame: Frame, name: str, attrs: dict[str, Any]) -> None:
-        """Attach a non-collective event (e.g. ``exception``) to ``frame``."""
+        """Attach a non-collective event to ``frame``."""
         frame.events.append((name, _now(), attrs))
+
+    def add_exception(self, frame: Frame, error: BaseException) -> None:
+        """Attach an ``exception`` event for ``error`` to ``frame`` (its message
+        only if :attr:`record_messages`)."""
+        attrs: dict[str, Any] = {semconv.EXCEPTION_TYPE: type(error).__qualname__}
+        if self.record_messages:
+            attrs[semconv.EXCEPTION_MESSAGE] = _message(error)
+        frame.events.append((semconv.EVENT_EXCEPTION, _now(), attrs))
+
+    def describe(self, error: BaseException | None) -> str | None:
+        """Status description of a span ``error`` crossed (see :func:`describe_error`)."""
+        return describe_error(error, self.record_messages)
 
     # ------------------------------------------------------------ internals
     def _new_id(self) -> int:
@@ -341,8 +360,9 @@ class SpanRecorder:
             self._close_top(now)
 
     def _close_top(self, now: int) -> None:
-        frame = self.stack.pop()
-        frame.closed = True
+        # the span is built before the frame leaves the stack: if building
+        # fails, the frame stays open and a later close emits it
+        frame = self.stack[-1]
         attrs = frame.attrs
         if frame.counts:
             totals: dict[str, int] = {}
@@ -356,29 +376,43 @@ class SpanRecorder:
         events: Iterable[Event] = (
             tuple(Event(n, a, t) for n, t, a in frame.events) if frame.events else ()
         )
-        self._sink(
-            ReadableSpan(
-                frame.name,
-                frame.context,
-                frame.parent,
-                self.resource,
-                attrs,
-                events,  # type: ignore[arg-type]
-                kind=SpanKind.INTERNAL,
-                status=_status(frame.error),
-                start_time=frame.start,
-                end_time=max(now, frame.start),
-                instrumentation_scope=self._scope,
-            )
+        span = ReadableSpan(
+            frame.name,
+            frame.context,
+            frame.parent,
+            self.resource,
+            attrs,
+            events,  # type: ignore[arg-type]
+            kind=SpanKind.INTERNAL,
+            status=_status(frame.error),
+            start_time=frame.start,
+            end_time=max(now, frame.start),
+            instrumentation_scope=self._scope,
         )
+        self.stack.pop()
+        frame.closed = True
+        self._sink(span)
 
 
-def describe_error(error: BaseException | None) -> str | None:
-    """``"ValueError: boom"``; frames keep this string, never the exception
-    (its traceback would keep the step's tensors and autograd graph alive)."""
+def describe_error(error: BaseException | None, message: bool = True) -> str | None:
+    """``"ValueError: boom"`` (``"ValueError"`` without ``message``); ``None``
+    for no error.
+
+    Frames keep this string, never the exception (its traceback would keep the
+    step's tensors and autograd graph alive).
+    """
     if error is None:
         return None
-    return f"{type(error).__name__}: {error}"
+    if not message:
+        return type(error).__name__
+    return f"{type(error).__name__}: {_message(error)}"
+
+
+def _message(error: BaseException) -> str:
+    try:
+        return str(error)
+    except Exception:  # a user's __str__ that raises: keep the type, lose the text
+        return "<str() of the exception raised>"
 
 
 def _status(desc: str | None) -> Status:

@@ -132,8 +132,11 @@ def generate() -> str:
             "`commspan.tensor.*`, `commspan.redistribute.*`, `commspan.mesh.*` keys that apply |"
         ),
         (
-            f"| `{semconv.EVENT_EXCEPTION}` | the span of the module whose forward raised | "
-            f"`{semconv.EXCEPTION_TYPE}`, `{semconv.EXCEPTION_MESSAGE}` |"
+            f"| `{semconv.EVENT_EXCEPTION}` | the innermost span a user's exception crossed "
+            "(the module whose forward or backward raised; the rank span for an error "
+            "outside every module); the spans it crossed end with status ERROR | "
+            f"`{semconv.EXCEPTION_TYPE}`, `{semconv.EXCEPTION_MESSAGE}` (left out, as is "
+            "the message in status descriptions, with `record_exception_messages=False`) |"
         ),
         "",
         (
