@@ -659,3 +659,27 @@ def test_json_that_is_not_spans_is_a_value_error_naming_the_file(tmp_path: Path)
         {"resourceSpans": [{"scopeSpans": [{"spans": [span]}]}]}) + "\n")
     with pytest.raises(ValueError, match=r"time\.jsonl: not a JSONL file of OTLP spans"):
         check_run(bad_time)
+
+
+def test_hang_reports_the_lowest_collective_still_pending() -> None:
+    """Ranks 0, 2, 3 issued an async all_gather (seq 1) and then an all_reduce (seq 2),
+    neither completed; rank 1 issued neither: the hang is at seq 1, the all_gather."""
+    b = SpanBuilder(WORLD)
+    for r in range(WORLD):
+        pending = []
+        if r != 1:
+            pending = [
+                b.event_attrs("all_gather_into_tensor", fqn="Net.blocks.0", phase="forward",
+                              group=WORLD_GROUP, ranks=range(WORLD), seq=1,
+                              state=semconv.STATE_ISSUED),
+                b.event_attrs("all_reduce", fqn="Net.blocks.1", phase="forward",
+                              group=WORLD_GROUP, ranks=range(WORLD), seq=2,
+                              state=semconv.STATE_ISSUED),
+            ]
+        stack = [("Net", "forward"), ("Net.blocks.1" if r != 1 else "Net.embed", "forward")]
+        b.hang(r, 0, stack=stack, collectives=pending)
+    (f,) = run_check(b).findings
+    assert (f.kind, f.seq, f.step) == (KIND_HANG, 1, 0)
+    assert f.ranks[0]["op"] == "all_gather_into_tensor" and f.ranks[0]["fqn"] == "Net.blocks.0"
+    assert f.ranks[1]["fqn"] == "Net.embed" and f.ranks[1]["op"] is None
+    assert "rank 1 never issued it and was last seen in `Net.embed` forward" in f.message
