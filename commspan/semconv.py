@@ -19,6 +19,8 @@ from functools import cache
 
 __all__ = [
     "ATTRIBUTES",
+    "COLL_ALGBW",
+    "COLL_BUSBW",
     "COLL_DURATION_NS",
     "COLL_KIND",
     "COLL_OP",
@@ -26,12 +28,20 @@ __all__ = [
     "COLL_PEER",
     "COLL_REDUCE_OP",
     "COLL_SEQ",
+    "COLL_STATE",
     "COUNT_PREFIX",
     "COUNT_TOTAL",
     "EVENT_EXCEPTION",
     "EXCEPTION_MESSAGE",
     "EXCEPTION_TYPE",
     "GLOBAL_FQN",
+    "HANG_REASON",
+    "HANG_REASON_DUMP",
+    "HANG_REASON_SIGNAL",
+    "HANG_REASON_TIMEOUT",
+    "HANG_STACK_FQNS",
+    "HANG_STACK_PHASES",
+    "HANG_TIMEOUT",
     "HOST_NAME",
     "INSTRUMENTATION_SCOPE",
     "KIND_COLLECTIVE",
@@ -60,9 +70,12 @@ __all__ = [
     "SELF_COUNT",
     "SERVICE_INSTANCE_ID",
     "SERVICE_NAME",
+    "SPAN_HANG",
     "SPAN_RANK",
     "SPAN_SESSION",
     "SPAN_STEP",
+    "STATE_COMPLETED",
+    "STATE_ISSUED",
     "STEP",
     "TENSOR_BYTES",
     "TENSOR_COUNT",
@@ -108,6 +121,13 @@ SPAN_SESSION = "commspan.session"
 """Trace root covering a ``with CommSpanMode():`` block used without steps."""
 SPAN_RANK = "commspan.rank"
 """Per-rank span under the trace root; parent of that rank's module spans."""
+SPAN_HANG = "commspan.hang"
+"""A rank's record of what it is doing, written at once (not when a step ends) when a
+collective has not completed after ``hang_timeout_s``, on ``mode.dump()`` or on the
+opt-in signal. Child of the rank span of the step in progress (that rank span may never
+be written); starts when the oldest incomplete collective was issued (or at the dump when
+none is), ends at the dump. Carries ``commspan.hang.*`` attributes and one event per
+recent collective (see Events)."""
 
 
 def module_span_name(fqn: str, phase: Phase) -> str:
@@ -170,8 +190,30 @@ REDIST_SRC = "commspan.redistribute.src"
 REDIST_DST = "commspan.redistribute.dst"
 REDIST_OP = "commspan.redistribute.op"
 
+COLL_ALGBW = "commspan.collective.algbw"
+COLL_BUSBW = "commspan.collective.busbw"
+COLL_STATE = "commspan.collective.state"
+
 KIND_COLLECTIVE = "collective"
 KIND_P2P = "p2p"
+
+STATE_ISSUED = "issued"
+"""``commspan.collective.state``: issued, not known to have completed."""
+STATE_COMPLETED = "completed"
+"""``commspan.collective.state``: completed, as far as the rank can observe."""
+
+# ------------------------------------------------------------- hang records
+HANG_REASON = "commspan.hang.reason"
+HANG_TIMEOUT = "commspan.hang.timeout_s"
+HANG_STACK_FQNS = "commspan.hang.stack.fqns"
+HANG_STACK_PHASES = "commspan.hang.stack.phases"
+
+HANG_REASON_TIMEOUT = "timeout"
+"""``commspan.hang.reason``: a collective did not complete within ``hang_timeout_s``."""
+HANG_REASON_DUMP = "dump"
+"""``commspan.hang.reason``: the program called ``mode.dump()``."""
+HANG_REASON_SIGNAL = "signal"
+"""``commspan.hang.reason``: the opt-in signal (e.g. SIGUSR1) arrived."""
 
 # -------------------------------------------------- OpenTelemetry conventions
 EXCEPTION_TYPE = "exception.type"
@@ -209,8 +251,10 @@ ATTRIBUTES: dict[str, str] = {
         "`CommSpanMode` sees on the group, counting on across its `with` blocks."
     ),
     COLL_REDUCE_OP: "Reduce op, e.g. ``sum``, when the op has one.",
-    COLL_DURATION_NS: "Nanoseconds from issue to completion of the collective, when recorded "
-    "(int); the HTML report and the Chrome trace draw collectives with this width.",
+    COLL_DURATION_NS: "Issue to completion of the collective as the issuing process observes "
+    "it (``Work`` wait, ``wait_tensor``, the future of an async op; synchronous ops at "
+    "return), int ns, when recorded. The rank that arrived last waits least; the HTML "
+    "report and the Chrome trace draw collectives with this width.",
     COLL_PEER: "Global rank of the peer of a point-to-point op (ops take group ranks; "
     "commspan maps them through the group's ranks).",
     PG_NAME: "Process group name.",
@@ -224,6 +268,22 @@ ATTRIBUTES: dict[str, str] = {
     REDIST_SRC: "DTensor placements before the redistribution that issued the op.",
     REDIST_DST: "DTensor placements after it.",
     REDIST_OP: "The DTensor op that needed the redistribution, or ``redistribute``.",
+    COLL_ALGBW: "Algorithm bandwidth, GB/s (1e9 bytes/s): the op's size S over its duration. "
+    "S is the bytes of all ranks' contributions for ``all_gather*`` and ``gather`` "
+    "(``commspan.tensor.bytes`` x group size), ``commspan.tensor.bytes`` otherwise.",
+    COLL_BUSBW: "Bus bandwidth, GB/s: algbw x the NCCL-tests factor for the op and group size "
+    "n: 2(n-1)/n for ``all_reduce*``; (n-1)/n for ``all_gather*``, ``reduce_scatter*``, "
+    "``all_to_all*``, ``gather``, ``scatter``; 1 for ``broadcast``, ``reduce`` and p2p.",
+    COLL_STATE: "``issued`` or ``completed``: on the collective events of a "
+    "``commspan.hang`` span, whether that collective had completed at the dump.",
+    HANG_REASON: "Why a ``commspan.hang`` span was written: ``timeout``, ``dump`` or "
+    "``signal``.",
+    HANG_TIMEOUT: "The ``hang_timeout_s`` in force (float seconds), when the reason is "
+    "``timeout``.",
+    HANG_STACK_FQNS: "The rank's open module spans at the dump, outermost first (array of "
+    "module fqns; the rank span's ``Global`` is not listed).",
+    HANG_STACK_PHASES: "The phase of each of those spans (array parallel to "
+    "``commspan.hang.stack.fqns``).",
     EXCEPTION_TYPE: "Exception class (on the ``exception`` event).",
     EXCEPTION_MESSAGE: "Exception message (on the ``exception`` event).",
 }

@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parent.parent
 SCHEMA_MD = REPO / "docs" / "schema.md"
 
 # Constants that are not attribute keys but that readers of the schema need.
-_SPAN_NAMES = ("SPAN_STEP", "SPAN_SESSION", "SPAN_RANK")
+_SPAN_NAMES = ("SPAN_STEP", "SPAN_SESSION", "SPAN_RANK", "SPAN_HANG")
 
 
 def _constant_docs(source: str) -> dict[str, str]:
@@ -107,6 +107,16 @@ def generate() -> str:
             f"{_cell(docs.get('GLOBAL_FQN', ''))}"
         ),
         "",
+        (
+            f"A `{semconv.SPAN_HANG}` span carries `{semconv.RANK}`, `{semconv.RUN_ID}`, "
+            f"`{semconv.STEP}` (inside a step), `{semconv.HANG_REASON}`, "
+            f"`{semconv.HANG_TIMEOUT}` (reason `{semconv.HANG_REASON_TIMEOUT}`) and the open "
+            f"span stack as two parallel arrays, `{semconv.HANG_STACK_FQNS}` and "
+            f"`{semconv.HANG_STACK_PHASES}`; no `{semconv.MODULE_FQN}`, so counts ignore it. "
+            "A rank may write several; readers use its latest. How `commspan check` reads "
+            "them: [debugging.md](debugging.md)."
+        ),
+        "",
         "## Phases",
         "",
         f"Values of `{semconv.PHASE}` (enum `commspan.Phase`):",
@@ -130,6 +140,13 @@ def generate() -> str:
             f"`{semconv.COLL_OP}`, `{semconv.COLL_KIND}`, `{semconv.MODULE_FQN}`, "
             f"`{semconv.PHASE}` and the other `commspan.collective.*`, `commspan.pg.*`, "
             "`commspan.tensor.*`, `commspan.redistribute.*`, `commspan.mesh.*` keys that apply |"
+        ),
+        (
+            f"| the collective's canonical op name | a `{semconv.SPAN_HANG}` span | the "
+            f"collective event's attributes plus `{semconv.COLL_STATE}` (and "
+            f"`{semconv.COLL_DURATION_NS}` once completed); timestamped when the op was issued. "
+            "Per process group the rank used: every collective not completed and the last "
+            "few completed, oldest first |"
         ),
         (
             f"| `{semconv.EVENT_EXCEPTION}` | the innermost span a user's exception crossed "

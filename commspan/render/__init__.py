@@ -8,6 +8,8 @@
   Format that ui.perfetto.dev and chrome://tracing open: one process per rank,
   module spans and collectives as slices, flow arrows joining each collective
   across ranks.
+- :mod:`commspan.render.findings`: the terminal text of ``check`` and
+  ``stragglers`` results (their JSON comes from the results' ``to_dict``).
 
 Both read the JSONL files written by ``JsonlSpanExporter`` (or span records
 already read); see ``docs/views.md``.

@@ -1,0 +1,745 @@
+"""Cross-rank consistency: did the ranks of each process group issue the same collectives?
+
+Three questions, one function each, all over a :class:`~commspan.analysis.records.Run`:
+
+- :func:`sequence_findings`: for every process group and step, the ranks of
+  the group issued the same sequence of collectives (op, dtype, shape, reduce
+  op). Ranks are matched by *position* within the step: the n-th collective
+  of the group in step s on one rank against the n-th on another, so a rank
+  that skipped tracing a step, or point-to-point ops interleaved on the group
+  (they share the sequence counter), do not shift the comparison. The first
+  divergence of each group is reported, with later steps that also diverge
+  listed, never a cascade.
+- :func:`p2p_findings`: each ``send`` from rank a to rank b on a group, in a
+  step, matches the ``recv`` from a on b in order, with the same dtype and
+  shape. Batched p2p (``batch_p2p``) and receives from any source are not
+  checked (counted in ``checked["p2p_unchecked"]``).
+- :func:`missing_findings`: a rank that wrote no span for a step others wrote
+  (ranks expected: ``range(world_size)`` and every rank seen).
+- :func:`hang_findings`: the ``commspan.hang`` records turned into "group G,
+  seq N: ranks 0, 2, 3 are in X forward all_reduce; rank 1 never issued it".
+
+A step that a hang interrupted (a hang record, and a rank without its rank
+span) is left to :func:`hang_findings`: its spans are incomplete by nature.
+
+:func:`check_run` reads files and runs them all; :func:`check` does the same
+on a :class:`Run` already loaded.
+
+Example:
+    >>> from commspan.analysis.check import check
+    >>> from commspan.analysis.records import build_run
+    >>> result = check(build_run([]))
+    >>> result.ok, result.to_dict()["findings"], result.checked["groups"]
+    (True, [], 0)
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from commspan import semconv
+from commspan.analysis.records import CollectiveRecord, HangRecord, Run, load_run
+
+__all__ = [
+    "CheckResult",
+    "Finding",
+    "KIND_HANG",
+    "KIND_MISMATCH",
+    "KIND_MISSING",
+    "check",
+    "check_run",
+    "hang_findings",
+    "interrupted_traces",
+    "missing_findings",
+    "p2p_findings",
+    "sequence_findings",
+]
+
+KIND_MISMATCH = "mismatch"
+"""Ranks of a group issued different collectives at the same place."""
+KIND_MISSING = "missing"
+"""A rank wrote nothing for a step, or issued nothing on a group others used in a step."""
+KIND_HANG = "hang"
+"""A collective some ranks of a group issued and did not complete (from hang records)."""
+
+COMPARED = ("op", "dtype", "shape", "reduce_op")
+"""Fields of a collective that must be equal on every rank of its group."""
+
+# inputs that legitimately differ between ranks: uneven splits, root-only inputs
+_NO_SHAPE = frozenset({"all_to_all", "all_to_all_single", "shard_dim_alltoall", "scatter"})
+_NO_DTYPE = frozenset({"scatter"})
+_NOT_ISSUED = "not issued"
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One thing ``check`` found.
+
+    Attributes:
+        kind: ``mismatch``, ``missing`` or ``hang``.
+        group: process group name (``None`` for a rank missing from a whole step).
+        seq: the group's sequence number where it happened (``None`` if not at one).
+        step: the step (``None`` outside steps or not at one).
+        ranks: rank -> what that rank did there: ``op``, ``fqn``, ``phase``,
+            ``seq`` and the fields that differ (``op`` ``None``: issued nothing there).
+        message: one line saying it.
+        details: more keys of the JSON form (``group_ranks``, ``fields``,
+            ``steps``, ``later_steps``, ...).
+    """
+
+    kind: str
+    group: str | None
+    seq: int | None
+    step: int | None
+    ranks: Mapping[int, Mapping[str, Any]]
+    message: str
+    details: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form: ``kind``, ``group``, ``seq``, ``step``, ``ranks`` (keys are
+        rank numbers as strings), ``message``, then ``details``."""
+        out: dict[str, Any] = {
+            "kind": self.kind,
+            "group": self.group,
+            "seq": self.seq,
+            "step": self.step,
+            "ranks": {str(r): dict(v) for r, v in sorted(self.ranks.items())},
+            "message": self.message,
+        }
+        out.update(self.details)
+        return out
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """What :func:`check` found and how much it looked at.
+
+    Attributes:
+        findings: hangs first, then the others in step order.
+        checked: counts: ``ranks``, ``groups``, ``steps`` (steps, and traces outside
+            steps, looked at),
+            ``collectives`` (collectives compared), ``p2p`` (sends and receives
+            matched), ``p2p_unchecked``, ``hang_records``, ``steps_interrupted``
+            (steps a hang cut short, left out of the comparisons).
+    """
+
+    findings: list[Finding]
+    checked: dict[str, int]
+
+    @property
+    def ok(self) -> bool:
+        """``True`` when nothing was found."""
+        return not self.findings
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{"findings": [...], "checked": {...}}``, ready for ``json.dumps``."""
+        return {"findings": [f.to_dict() for f in self.findings], "checked": dict(self.checked)}
+
+
+# ------------------------------------------------------------------ entry points
+def check_run(
+    paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+    *,
+    steps: Iterable[int] | None = None,
+) -> CheckResult:
+    """Check the JSONL files of a run for cross-rank consistency.
+
+    Args:
+        paths: JSONL files written by ``JsonlSpanExporter`` (one per rank), or
+            directories of them.
+        steps: check only these step numbers; ``None`` checks every step.
+
+    Returns:
+        The findings and what was checked.
+
+    Raises:
+        FileNotFoundError: a path does not exist.
+        ValueError: no path, a directory without ``*.jsonl`` files, a line that
+            is not JSON (the message names file and line), or bad ``steps``.
+
+    Example:
+        >>> from commspan.analysis import check_run
+        >>> result = check_run("commspan-out")  # doctest: +SKIP
+        >>> for finding in result.findings:  # doctest: +SKIP
+        ...     print(finding.message)
+    """
+    return check(load_run(paths, steps=steps, module_spans=False))
+
+
+def check(run: Run) -> CheckResult:
+    """Run every check over ``run``; see the module docstring."""
+    checked: Counter[str] = Counter()
+    interrupted = interrupted_traces(run)
+    hangs = hang_findings(run)
+    others = [
+        *missing_findings(run, skip=interrupted),
+        *sequence_findings(run, skip=interrupted, checked=checked),
+        *p2p_findings(run, skip=interrupted, checked=checked),
+    ]
+    order = {t: i for i, t in enumerate(run.traces())}
+    others.sort(key=lambda f: (order.get(f.details.get("trace_id", ""), -1), f.kind))
+    counts = {
+        "ranks": len(run.expected_ranks()),
+        "groups": checked["groups"],
+        "steps": sum(1 for t in run.traces() if t not in interrupted),
+        "collectives": checked["collectives"],
+        "p2p": checked["p2p"],
+        "p2p_unchecked": checked["p2p_unchecked"],
+        "hang_records": len(run.hangs),
+        "steps_interrupted": len(interrupted),
+    }
+    return CheckResult([*hangs, *others], counts)
+
+
+def interrupted_traces(run: Run) -> set[str]:
+    """Traces with a hang record in which some rank that wrote spans has no rank span:
+    the step never finished there, so its spans are incomplete."""
+    out = set()
+    for h in run.hangs:
+        present = run.presence.get(h.trace_id, set())
+        if any((r, h.trace_id) not in run.rank_steps for r in present):
+            out.add(h.trace_id)
+    return out
+
+
+# ------------------------------------------------------------------ missing ranks
+def missing_findings(run: Run, *, skip: Iterable[str] = ()) -> list[Finding]:
+    """Ranks that wrote no span for a step other ranks wrote; one finding per set of
+    missing ranks, listing the steps."""
+    skipped = set(skip)
+    expected = run.expected_ranks()
+    by_missing: dict[tuple[int, ...], list[str]] = defaultdict(list)
+    for trace in run.traces():
+        if trace in skipped or run.trace_steps.get(trace) is None:
+            continue  # traces outside steps need not exist on every rank
+        present = run.presence.get(trace, set())
+        missing = tuple(r for r in expected if r not in present)
+        if missing:
+            by_missing[missing].append(trace)
+    findings = []
+    for missing, traces in by_missing.items():
+        steps = [s for s in (run.trace_steps[t] for t in traces) if s is not None]
+        others = sorted(set(expected) - set(missing))
+        ranks: dict[int, dict[str, Any]] = {}
+        for r in missing:
+            before = [
+                s
+                for t, s in run.trace_steps.items()
+                if s is not None and s < steps[0] and r in run.presence.get(t, ())
+            ]
+            ranks[r] = {
+                "op": None,
+                "fqn": None,
+                "phase": None,
+                "seq": None,
+                "last_step": max(before) if before else None,
+            }
+        what = f"step {steps[0]}" if len(steps) == 1 else f"steps {_list(steps)}"
+        message = (
+            f"{what}: {_who(missing)} wrote no span "
+            f"({_who(others) if others else 'no rank'} did)"
+        )
+        findings.append(
+            Finding(
+                KIND_MISSING,
+                None,
+                None,
+                steps[0],
+                ranks,
+                message,
+                {"steps": steps, "trace_id": traces[0]},
+            )
+        )
+    return findings
+
+
+# ------------------------------------------------------------------ collective sequences
+def _members(records: Iterable[CollectiveRecord]) -> tuple[int, ...]:
+    seen: Counter[tuple[int, ...]] = Counter(r.group_ranks for r in records if r.group_ranks)
+    if seen:
+        return seen.most_common(1)[0][0]
+    return ()
+
+
+def _order_key(rec: CollectiveRecord) -> tuple[int, int]:
+    return (rec.seq if rec.seq is not None else 0, rec.issued_ns)
+
+
+def sequence_findings(
+    run: Run, *, skip: Iterable[str] = (), checked: Counter[str] | None = None
+) -> list[Finding]:
+    """The first divergence of each process group's collective sequences across its ranks.
+
+    Args:
+        run: the run's records.
+        skip: trace ids to leave out (steps a hang interrupted).
+        checked: counts to add to (``groups``, ``collectives``).
+    """
+    skipped = set(skip)
+    counts = checked if checked is not None else Counter()
+    table: dict[str, dict[str, dict[int, list[CollectiveRecord]]]] = defaultdict(
+        lambda: defaultdict(lambda: defaultdict(list))
+    )
+    for rec in run.collectives:
+        if rec.kind == semconv.KIND_P2P or not rec.group:
+            continue
+        table[rec.group][rec.trace_id][rec.rank].append(rec)
+    order = {t: i for i, t in enumerate(run.traces())}
+    findings = []
+    for group in sorted(table):
+        by_trace = table[group]
+        members = _members(r for per in by_trace.values() for rs in per.values() for r in rs)
+        if not members:
+            members = tuple(sorted({r for per in by_trace.values() for r in per}))
+        counts["groups"] += 1
+        first: Finding | None = None
+        later: list[int | None] = []
+        for trace in sorted(by_trace, key=lambda t: order.get(t, -1)):
+            if trace in skipped:
+                continue
+            present = run.presence.get(trace, set())
+            per_rank = {
+                r: sorted(by_trace[trace].get(r, []), key=_order_key)
+                for r in members
+                if r in present
+            }
+            counts["collectives"] += sum(len(v) for v in per_rank.values())
+            problem = _compare(run, group, members, trace, per_rank)
+            if problem is None:
+                continue
+            if first is None:
+                first = problem
+            else:
+                later.append(run.trace_steps.get(trace))
+        if first is not None:
+            findings.append(
+                Finding(
+                    first.kind,
+                    first.group,
+                    first.seq,
+                    first.step,
+                    first.ranks,
+                    first.message,
+                    {**first.details, "later_steps": later},
+                )
+            )
+    return findings
+
+
+def _value(rec: CollectiveRecord, name: str) -> Any:
+    if name == "shape":
+        return list(rec.shape) if rec.shape is not None else None
+    return getattr(rec, name)
+
+
+def _differing(records: Sequence[CollectiveRecord]) -> list[str]:
+    ops = {r.op for r in records}
+    out = []
+    for name in COMPARED:
+        if name == "shape" and ops & _NO_SHAPE:
+            continue
+        if name == "dtype" and ops & _NO_DTYPE:
+            continue
+        values = {repr(_value(r, name)) for r in records if _value(r, name) is not None}
+        if len(values) > 1:
+            out.append(name)
+    return out
+
+
+def _entry(rec: CollectiveRecord, fields: Iterable[str] = ()) -> dict[str, Any]:
+    out: dict[str, Any] = {"op": rec.op, "fqn": rec.fqn, "phase": rec.phase, "seq": rec.seq}
+    for name in fields:
+        if name != "op":
+            out[name] = _value(rec, name)
+    return out
+
+
+def _absent(last: CollectiveRecord | None) -> dict[str, Any]:
+    out: dict[str, Any] = {"op": None, "fqn": None, "phase": None, "seq": None}
+    if last is not None:
+        out["last_seen"] = _entry(last)
+    return out
+
+
+def _compare(
+    run: Run,
+    group: str,
+    members: tuple[int, ...],
+    trace: str,
+    per_rank: dict[int, list[CollectiveRecord]],
+) -> Finding | None:
+    step = run.trace_steps.get(trace)
+    where = _step_words(step)
+    label = _group_label(group, members)
+    empty = [r for r, recs in per_rank.items() if not recs]
+    if empty and len(empty) < len(per_rank):
+        issuing = {r: recs for r, recs in per_rank.items() if recs}
+        ranks: dict[int, dict[str, Any]] = {r: _entry(recs[0]) for r, recs in issuing.items()}
+        for r in empty:
+            ranks[r] = _absent(_last_before(run, r, group, trace))
+        firsts = [recs[0] for recs in issuing.values()]
+        head = firsts[0]
+        counts = sorted({len(v) for v in issuing.values()})
+        seq = _common([f.seq for f in firsts])
+        message = (
+            f"{label}, {where}: {_who(empty)} issued no collective on the group; "
+            f"{_who(sorted(issuing))} issued {_list(counts)}, the first {head.op} in "
+            f"{head.where()} (seq {seq})"
+        )
+        return Finding(
+            KIND_MISSING,
+            group,
+            seq,
+            step,
+            ranks,
+            message,
+            {"group_ranks": list(members), "fields": ["count"], "trace_id": trace},
+        )
+    longest = max((len(v) for v in per_rank.values()), default=0)
+    for i in range(longest):
+        at = {r: (recs[i] if i < len(recs) else None) for r, recs in per_rank.items()}
+        present = [rec for rec in at.values() if rec is not None]
+        fields = _differing(present)
+        if len(present) == len(at) and not fields:
+            continue
+        if len(present) < len(at):
+            fields = ["count", *fields]
+        ranks = {}
+        for r, rec in at.items():
+            ranks[r] = _entry(rec, fields) if rec is not None else _absent(per_rank[r][-1])
+        seq = _common([rec.seq for rec in present])
+        parts = []
+        for text, who in _grouped(at, fields).items():
+            parts.append(f"{_who(who)} {text}")
+        message = f"{label}, {where}, seq {seq}: {_differ(fields)}: " + "; ".join(parts)
+        return Finding(
+            KIND_MISMATCH,
+            group,
+            seq,
+            step,
+            ranks,
+            message,
+            {"group_ranks": list(members), "fields": fields, "trace_id": trace},
+        )
+    return None
+
+
+def _describe(rec: CollectiveRecord, fields: Iterable[str]) -> str:
+    bits = [rec.op]
+    for name in fields:
+        if name in ("op", "count"):
+            continue
+        value = _value(rec, name)
+        if name == "shape":
+            bits.append("[" + ", ".join(map(str, value)) + "]" if value is not None else "[?]")
+        elif name == "reduce_op":
+            bits.append(f"({value})")
+        else:
+            bits.append(str(value))
+    return f"issued {' '.join(bits)} in {rec.where()}"
+
+
+def _grouped(
+    at: Mapping[int, CollectiveRecord | None], fields: Sequence[str]
+) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for r, rec in sorted(at.items()):
+        text = _describe(rec, fields) if rec is not None else "issued nothing more in the step"
+        out.setdefault(text, []).append(r)
+    return out
+
+
+def _last_before(run: Run, rank: int, group: str, trace: str) -> CollectiveRecord | None:
+    order = {t: i for i, t in enumerate(run.traces())}
+    limit = order.get(trace, 0)
+    best = None
+    for rec in run.collectives:
+        if rec.rank == rank and rec.group == group and order.get(rec.trace_id, -1) < limit:
+            if best is None or _order_key(rec) > _order_key(best):
+                best = rec
+    return best
+
+
+# ------------------------------------------------------------------ point-to-point
+def p2p_findings(
+    run: Run, *, skip: Iterable[str] = (), checked: Counter[str] | None = None
+) -> list[Finding]:
+    """Sends without their receive (or the reverse), or with another dtype or shape;
+    the first per group and ordered pair of ranks."""
+    skipped = set(skip)
+    counts = checked if checked is not None else Counter()
+    sends: dict[tuple[str, int, int], dict[str, list[CollectiveRecord]]] = defaultdict(
+        lambda: defaultdict(list)
+    )
+    recvs: dict[tuple[str, int, int], dict[str, list[CollectiveRecord]]] = defaultdict(
+        lambda: defaultdict(list)
+    )
+    for rec in run.collectives:
+        if rec.kind != semconv.KIND_P2P:
+            continue
+        peer = rec.peer
+        if rec.op == "send" and isinstance(peer, int) and peer >= 0:
+            sends[(rec.group, rec.rank, peer)][rec.trace_id].append(rec)
+        elif rec.op == "recv" and isinstance(peer, int) and peer >= 0:
+            recvs[(rec.group, peer, rec.rank)][rec.trace_id].append(rec)
+        else:
+            counts["p2p_unchecked"] += 1
+    order = {t: i for i, t in enumerate(run.traces())}
+    findings = []
+    for key in sorted(set(sends) | set(recvs)):
+        group, src, dst = key
+        traces = set(sends[key]) | set(recvs[key])
+        first: Finding | None = None
+        later: list[int | None] = []
+        for trace in sorted(traces, key=lambda t: order.get(t, -1)):
+            present = run.presence.get(trace, set())
+            if trace in skipped or src not in present or dst not in present:
+                continue
+            s = sorted(sends[key].get(trace, []), key=_order_key)
+            r = sorted(recvs[key].get(trace, []), key=_order_key)
+            counts["p2p"] += len(s) + len(r)
+            problem = _compare_p2p(run, group, src, dst, trace, s, r)
+            if problem is None:
+                continue
+            if first is None:
+                first = problem
+            else:
+                later.append(run.trace_steps.get(trace))
+        if first is not None:
+            details = {**first.details, "later_steps": later}
+            findings.append(
+                Finding(
+                    first.kind, first.group, first.seq, first.step, first.ranks,
+                    first.message, details,
+                )
+            )
+    return findings
+
+
+def _compare_p2p(
+    run: Run,
+    group: str,
+    src: int,
+    dst: int,
+    trace: str,
+    sends: list[CollectiveRecord],
+    recvs: list[CollectiveRecord],
+) -> Finding | None:
+    step = run.trace_steps.get(trace)
+    where = f"group {group or '?'}, {_step_words(step)}"
+    for i in range(max(len(sends), len(recvs))):
+        s = sends[i] if i < len(sends) else None
+        r = recvs[i] if i < len(recvs) else None
+        if s is not None and r is not None:
+            fields = [
+                name
+                for name in ("dtype", "shape")
+                if _value(s, name) is not None
+                and _value(r, name) is not None
+                and _value(s, name) != _value(r, name)
+            ]
+            if not fields:
+                continue
+            ranks = {src: _entry(s, fields), dst: _entry(r, fields)}
+            message = (
+                f"{where}, seq {s.seq}: {_differ(fields)}: rank {src} "
+                f"{_describe(s, fields)} to rank {dst}; rank {dst} "
+                f"{_describe(r, fields)} from rank {src}"
+            )
+            seq = s.seq
+        else:
+            fields = ["count"]
+            if s is not None:
+                ranks = {src: _entry(s), dst: _absent(recvs[-1] if recvs else None)}
+                message = (
+                    f"{where}, seq {s.seq}: rank {src} sent {len(sends)} to rank {dst}, "
+                    f"rank {dst} received {len(recvs)} from rank {src}: the send in "
+                    f"{s.where()} has no matching recv"
+                )
+                seq = s.seq
+            else:
+                assert r is not None
+                ranks = {src: _absent(sends[-1] if sends else None), dst: _entry(r)}
+                message = (
+                    f"{where}, seq {r.seq}: rank {dst} received {len(recvs)} from rank {src}, "
+                    f"rank {src} sent {len(sends)} to rank {dst}: the recv in {r.where()} "
+                    "has no matching send"
+                )
+                seq = r.seq
+        return Finding(
+            KIND_MISMATCH,
+            group,
+            seq,
+            step,
+            ranks,
+            message,
+            {"fields": fields, "src": src, "dst": dst, "trace_id": trace},
+        )
+    return None
+
+
+# ------------------------------------------------------------------ hangs
+def hang_findings(run: Run) -> list[Finding]:
+    """For each group a hang record shows stuck: the lowest sequence number some rank
+    issued and had not completed, and what every rank of the group was doing."""
+    latest = run.latest_hangs()
+    if not latest:
+        return []
+    from_hangs: dict[str, dict[int, list[CollectiveRecord]]] = defaultdict(
+        lambda: defaultdict(list)
+    )
+    for h in latest.values():
+        for rec in h.collectives:
+            if rec.group:
+                from_hangs[rec.group][h.rank].append(rec)
+    exported: dict[tuple[str, int], list[CollectiveRecord]] = defaultdict(list)
+    last_any: dict[int, CollectiveRecord] = {}
+    for rec in run.collectives:
+        exported[(rec.group, rec.rank)].append(rec)
+        if rec.rank not in last_any or rec.issued_ns >= last_any[rec.rank].issued_ns:
+            last_any[rec.rank] = rec
+    findings = []
+    for group in sorted(from_hangs):
+        per_rank = from_hangs[group]
+        pending = [
+            rec.seq
+            for recs in per_rank.values()
+            for rec in recs
+            if rec.state != semconv.STATE_COMPLETED and rec.seq is not None
+        ]
+        if not pending:
+            continue
+        seq = min(pending)
+        members = _members(rec for recs in per_rank.values() for rec in recs) or tuple(
+            sorted(per_rank)
+        )
+        findings.append(
+            _hang_finding(run, group, seq, members, per_rank, exported, last_any, latest)
+        )
+    findings.sort(key=lambda f: f.details.get("issued_ns", 0))
+    return findings
+
+
+def _hang_finding(
+    run: Run,
+    group: str,
+    seq: int,
+    members: tuple[int, ...],
+    per_rank: Mapping[int, list[CollectiveRecord]],
+    exported: Mapping[tuple[str, int], list[CollectiveRecord]],
+    last_any: Mapping[int, CollectiveRecord],
+    latest: Mapping[int, HangRecord],
+) -> Finding:
+    ranks: dict[int, dict[str, Any]] = {}
+    inside: dict[str, list[int]] = {}
+    done: list[int] = []
+    never: dict[str, list[int]] = {}
+    steps: Counter[int | None] = Counter()
+    issued_at: list[int] = []
+    for r in members:
+        hang = latest.get(r)
+        known = {rec.seq: rec for rec in exported.get((group, r), []) if rec.seq is not None}
+        known.update({rec.seq: rec for rec in per_rank.get(r, []) if rec.seq is not None})
+        at = known.get(seq)
+        entry: dict[str, Any]
+        if at is not None:
+            entry = _entry(at)
+            entry["state"] = at.state
+            if at.state == semconv.STATE_COMPLETED:
+                done.append(r)
+            else:
+                if hang is not None:
+                    entry["waited_ns"] = max(0, hang.time_ns - at.issued_ns)
+                    steps[hang.step] += 1
+                issued_at.append(at.issued_ns)
+                inside.setdefault(f"in {at.where()} {at.op}", []).append(r)
+        else:
+            before = [rec for s, rec in known.items() if s < seq]
+            last = max(before, key=_order_key) if before else None
+            seen = hang.innermost() if hang is not None else None
+            fqn: str | None = None
+            phase: str | None = None
+            if seen is not None:
+                fqn, phase = seen
+                text = f"never issued it and was last seen in `{fqn}` {phase}"
+            elif hang is not None:
+                text = "never issued it and was outside any module"
+            elif r in last_any:
+                fqn, phase = last_any[r].fqn, last_any[r].phase
+                text = (
+                    "never issued it and wrote no hang record; its last collective was "
+                    f"{last_any[r].op} in `{fqn}` {phase}"
+                )
+            else:
+                text = "never issued it and wrote nothing"
+            entry = {"op": None, "fqn": fqn, "phase": phase, "seq": None, "state": _NOT_ISSUED}
+            if last is not None:
+                entry["last_seq"] = last.seq
+                entry["last_op"] = last.op
+            never.setdefault(text, []).append(r)
+        entry["hang_record"] = hang.reason if hang is not None else None
+        if hang is not None:
+            entry["stack"] = [f"{f} {p}" for f, p in hang.stack]
+        ranks[r] = entry
+    parts = []
+    for text, who in inside.items():
+        verb = "is" if len(who) == 1 else "are"
+        parts.append(f"{_who(who)} {verb} {text}")
+    if done:
+        parts.append(f"{_who(done)} completed it")
+    for text, who in never.items():
+        parts.append(f"{_who(who)} {text}")
+    step = steps.most_common(1)[0][0] if steps else None
+    message = f"{_group_label(group, members)}, seq {seq}: " + "; ".join(parts)
+    details: dict[str, Any] = {
+        "group_ranks": list(members),
+        "never_issued": sorted(r for who in never.values() for r in who),
+        "issued_ns": min(issued_at) if issued_at else 0,
+    }
+    return Finding(KIND_HANG, group, seq, step, ranks, message, details)
+
+
+# ------------------------------------------------------------------ wording
+def _common(values: Iterable[int | None]) -> int | None:
+    seen = Counter(v for v in values if v is not None)
+    if not seen:
+        return None
+    top = max(seen.values())
+    return min(v for v, n in seen.items() if n == top)
+
+
+def _list(values: Sequence[int]) -> str:
+    """``[0, 1, 2, 3, 7]`` -> ``"0-3, 7"``; runs of three or more become ranges."""
+    values = sorted(values)
+    parts: list[str] = []
+    i = 0
+    while i < len(values):
+        j = i
+        while j + 1 < len(values) and values[j + 1] == values[j] + 1:
+            j += 1
+        if j - i >= 2:
+            parts.append(f"{values[i]}-{values[j]}")
+        else:
+            parts.extend(str(v) for v in values[i : j + 1])
+        i = j + 1
+    return ", ".join(parts)
+
+
+def _who(ranks: Sequence[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {_list(ranks)}"
+
+
+def _group_label(group: str, members: Sequence[int]) -> str:
+    return f"group {group} (ranks {_list(members)})" if members else f"group {group}"
+
+
+def _differ(fields: Sequence[str]) -> str:
+    return f"{', '.join(fields)} {'differs' if len(fields) == 1 else 'differ'}"
+
+
+def _step_words(step: int | None) -> str:
+    return f"step {step}" if step is not None else "outside steps"

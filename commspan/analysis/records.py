@@ -1,0 +1,472 @@
+"""Typed records of a run, built from the span records of its JSONL files.
+
+The analyzers (:mod:`commspan.analysis.check`, :mod:`commspan.analysis.stragglers`)
+never look at spans: they take a :class:`Run`, which holds one
+:class:`CollectiveRecord` per collective event, one :class:`RankStep` per rank
+span, one :class:`ModuleSpan` per module span and one :class:`HangRecord` per
+``commspan.hang`` span. Loading (here), matching (the analyzers) and reporting
+(:mod:`commspan.render.findings`) are kept apart.
+
+Example:
+    >>> from commspan.analysis.records import build_run
+    >>> run = build_run([])
+    >>> run.collectives, run.expected_ranks()
+    ([], [])
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from commspan import semconv
+from commspan.exporters import SpanRecord, read_spans
+
+__all__ = [
+    "CollectiveRecord",
+    "HangRecord",
+    "ModuleSpan",
+    "RankStep",
+    "Run",
+    "build_run",
+    "expand_paths",
+    "load_run",
+]
+
+_log = logging.getLogger(__name__)
+
+
+class CollectiveRecord(NamedTuple):
+    """One collective (or p2p op) as one rank issued it.
+
+    Attributes:
+        rank: global rank that issued it.
+        step: step number of its trace (``None`` outside steps or unknown).
+        trace_id: trace it was recorded in (shared by all ranks for one step).
+        group: process group name (``""`` when commspan did not know the group).
+        group_ranks: global ranks of that group.
+        seq: the rank's per-group sequence number (``commspan.collective.seq``).
+        op: canonical op name, e.g. ``all_reduce``.
+        kind: ``collective`` or ``p2p``.
+        dtype: dtype of the input tensor(s).
+        shape: shape of the first input tensor.
+        nbytes: bytes of all input tensors.
+        reduce_op: reduce op, when the op has one.
+        peer: global rank of the peer (p2p), a tuple for batched p2p.
+        fqn: module that issued it (``Global`` outside modules).
+        phase: ``forward``, ``backward`` or ``recompute``.
+        issued_ns: when it was issued (the event's time, host clock of that rank).
+        duration_ns: issue to completion, when recorded.
+        state: ``issued`` or ``completed`` (known completed: a duration, or a
+            hang record saying so).
+    """
+
+    rank: int
+    step: int | None
+    trace_id: str
+    group: str
+    group_ranks: tuple[int, ...]
+    seq: int | None
+    op: str
+    kind: str
+    dtype: str | None
+    shape: tuple[int, ...] | None
+    nbytes: int | None
+    reduce_op: str | None
+    peer: int | tuple[int, ...] | None
+    fqn: str
+    phase: str
+    issued_ns: int
+    duration_ns: int | None
+    state: str
+
+    def where(self) -> str:
+        """``"`Net.blocks.0` forward"``: the module and phase, for messages."""
+        return f"`{self.fqn}` {self.phase}"
+
+
+class RankStep(NamedTuple):
+    """One rank's span of one trace (``commspan.rank``)."""
+
+    rank: int
+    step: int | None
+    trace_id: str
+    span_id: str
+    start_ns: int
+    end_ns: int
+
+
+class ModuleSpan(NamedTuple):
+    """One module span: a module call in one phase on one rank."""
+
+    rank: int
+    trace_id: str
+    span_id: str
+    parent_span_id: str
+    fqn: str
+    phase: str
+    start_ns: int
+    end_ns: int
+
+
+class HangRecord(NamedTuple):
+    """What a rank was doing when it wrote a ``commspan.hang`` span.
+
+    Attributes:
+        rank: the rank that wrote it.
+        step: the step in progress (``None`` outside steps).
+        trace_id: trace of the step in progress.
+        reason: ``timeout``, ``dump`` or ``signal``.
+        time_ns: when it was written (the span's end).
+        stack: open module spans, outermost first, as ``(fqn, phase)``.
+        collectives: the rank's recent collectives per group, with their state.
+    """
+
+    rank: int
+    step: int | None
+    trace_id: str
+    reason: str
+    time_ns: int
+    stack: tuple[tuple[str, str], ...]
+    collectives: tuple[CollectiveRecord, ...]
+
+    def innermost(self) -> tuple[str, str] | None:
+        """``(fqn, phase)`` of the innermost open module span, if any."""
+        return self.stack[-1] if self.stack else None
+
+
+@dataclass
+class Run:
+    """Everything the analyzers need from the files of one run.
+
+    Attributes:
+        collectives: collective events of finished spans, per rank in file order.
+        rank_steps: ``(rank, trace_id) -> RankStep``.
+        module_spans: module spans of every rank.
+        hangs: hang records of every rank, in file order.
+        trace_steps: ``trace_id -> step`` (``None`` for traces outside steps).
+        presence: ``trace_id -> ranks`` that wrote any span of that trace.
+        trace_start: ``trace_id -> `` earliest start of any span of it (orders traces).
+        world_size: from the resources or rank spans, when any says.
+        ranks: every rank that wrote a span.
+        skipped: counts of what could not be used (spans without a rank, ...).
+    """
+
+    collectives: list[CollectiveRecord] = field(default_factory=list)
+    rank_steps: dict[tuple[int, str], RankStep] = field(default_factory=dict)
+    module_spans: list[ModuleSpan] = field(default_factory=list)
+    hangs: list[HangRecord] = field(default_factory=list)
+    trace_steps: dict[str, int | None] = field(default_factory=dict)
+    presence: dict[str, set[int]] = field(default_factory=dict)
+    trace_start: dict[str, int] = field(default_factory=dict)
+    world_size: int | None = None
+    ranks: set[int] = field(default_factory=set)
+    skipped: Counter[str] = field(default_factory=Counter)
+
+    def expected_ranks(self) -> list[int]:
+        """Ranks that should have written spans: ``range(world_size)`` and every rank seen."""
+        expected = set(self.ranks)
+        if self.world_size:
+            expected.update(range(self.world_size))
+        return sorted(expected)
+
+    def traces(self) -> list[str]:
+        """Trace ids in the order the run went through them (earliest span first)."""
+        return sorted(
+            self.presence,
+            key=lambda t: (self.trace_start.get(t, 0), _step_key(self.trace_steps.get(t)), t),
+        )
+
+    def latest_hangs(self) -> dict[int, HangRecord]:
+        """The latest hang record of each rank that wrote one."""
+        latest: dict[int, HangRecord] = {}
+        for h in self.hangs:
+            if h.rank not in latest or h.time_ns >= latest[h.rank].time_ns:
+                latest[h.rank] = h
+        return latest
+
+
+def _step_key(step: int | None) -> tuple[bool, int]:
+    return (step is None, step if step is not None else 0)
+
+
+def expand_paths(paths: Iterable[str | os.PathLike[str]]) -> list[Path]:
+    """JSONL files named by ``paths``: files as given, directories' ``*.jsonl`` sorted.
+
+    Raises:
+        ValueError: no path given, or a directory holds no ``*.jsonl`` file.
+        FileNotFoundError: a path does not exist.
+    """
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    out: list[Path] = []
+    for p in paths:
+        path = Path(p)
+        if path.is_dir():
+            found = sorted(path.glob("*.jsonl"))
+            if not found:
+                raise ValueError(
+                    f"paths: directory {str(path)!r} holds no *.jsonl file; pass the directory "
+                    "JsonlSpanExporter wrote to, or the files"
+                )
+            out.extend(found)
+        elif path.exists():
+            out.append(path)
+        else:
+            raise FileNotFoundError(f"paths: {str(path)!r} does not exist")
+    if not out:
+        raise ValueError("paths is empty; pass at least one JSONL file or directory")
+    return out
+
+
+def load_run(
+    paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+    *,
+    steps: Iterable[int] | None = None,
+    module_spans: bool = True,
+) -> Run:
+    """Read the JSONL files of a run into a :class:`Run`.
+
+    Args:
+        paths: JSONL files written by ``JsonlSpanExporter``, or directories of them.
+        steps: keep only these step numbers (traces outside steps are dropped too);
+            ``None`` keeps everything.
+        module_spans: keep the module spans (only the step-time view needs them).
+
+    Returns:
+        The run's records.
+
+    Raises:
+        FileNotFoundError: a path does not exist.
+        ValueError: no path, an empty directory, a line that is not JSON (names
+            file and line), a file that is not OTLP/JSON spans (names the file),
+            or ``steps`` not a collection of ints.
+
+    Example:
+        >>> from commspan.analysis.records import load_run
+        >>> load_run("no-such-dir")
+        Traceback (most recent call last):
+        ...
+        FileNotFoundError: paths: 'no-such-dir' does not exist
+    """
+    files = expand_paths(paths)  # type: ignore[arg-type]
+    wanted = _check_steps(steps)
+    return build_run(_read(files), steps=wanted, module_spans=module_spans)
+
+
+def _read(files: Sequence[Path]) -> Iterator[SpanRecord]:
+    """The spans of ``files``; a file of JSON that is not OTLP spans is a ValueError
+    naming it (read_spans names file and line for lines that are not JSON)."""
+    for f in files:
+        try:
+            yield from read_spans(f)
+        except ValueError as exc:
+            if str(exc).startswith(str(f)):
+                raise
+            raise ValueError(f"{f}: not a JSONL file of OTLP spans ({exc})") from None
+        except (AttributeError, TypeError, KeyError) as exc:
+            raise ValueError(
+                f"{f}: not a JSONL file of OTLP spans ({type(exc).__name__}: {exc}); pass "
+                "files written by JsonlSpanExporter"
+            ) from None
+
+
+def _check_steps(steps: Iterable[int] | None) -> frozenset[int] | None:
+    if steps is None:
+        return None
+    try:
+        values = list(steps)
+    except TypeError:
+        raise ValueError(
+            f"steps={steps!r} is not valid; pass step numbers (ints) or None"
+        ) from None
+    bad = [s for s in values if not isinstance(s, int) or isinstance(s, bool)]
+    if bad:
+        raise ValueError(f"steps: {bad[0]!r} is not a step number; pass ints, e.g. steps=[0, 1]")
+    return frozenset(values)
+
+
+def build_run(
+    spans: Iterable[SpanRecord],
+    *,
+    steps: Iterable[int] | None = None,
+    module_spans: bool = True,
+) -> Run:
+    """Build a :class:`Run` from span records (as :func:`commspan.exporters.read_spans` yields).
+
+    Collective events become :class:`CollectiveRecord` s; their step is their
+    trace's step, taken from the rank spans (or hang records, or the step root)
+    once every span has been read.
+
+    Args:
+        spans: span records of any number of ranks, in any order.
+        steps: keep only these step numbers; ``None`` keeps everything.
+        module_spans: keep the module spans (only the step-time view needs them).
+
+    Returns:
+        The run's records.
+    """
+    wanted = _check_steps(steps)
+    run = Run()
+    pending: list[tuple[int, str, int, dict[str, Any], str | None]] = []
+    hang_spans: list[tuple[int, SpanRecord]] = []
+    for span in spans:
+        rank = span.rank
+        if rank is None:
+            r = span.attributes.get(semconv.RANK)
+            rank = r if isinstance(r, int) and not isinstance(r, bool) else None
+        world = span.resource.get(semconv.WORLD_SIZE, span.attributes.get(semconv.WORLD_SIZE))
+        if isinstance(world, int) and world > 0:
+            run.world_size = max(run.world_size or 0, world)
+        step = span.attributes.get(semconv.STEP)
+        if span.name in (semconv.SPAN_STEP, semconv.SPAN_RANK, semconv.SPAN_HANG) and isinstance(
+            step, int
+        ):
+            run.trace_steps[span.trace_id] = step
+        if rank is None:
+            run.skipped["spans without a rank"] += 1
+            continue
+        run.ranks.add(rank)
+        if span.name == semconv.SPAN_STEP:
+            continue  # written by rank 0 for all ranks: says nothing of rank 0 itself
+        run.presence.setdefault(span.trace_id, set()).add(rank)
+        start = run.trace_start.get(span.trace_id)
+        if start is None or span.start_time < start:
+            run.trace_start[span.trace_id] = span.start_time
+        if span.name == semconv.SPAN_HANG:
+            hang_spans.append((rank, span))
+            continue
+        if span.name == semconv.SPAN_RANK:
+            run.rank_steps[(rank, span.trace_id)] = RankStep(
+                rank, None, span.trace_id, span.span_id, span.start_time, span.end_time
+            )
+        else:
+            fqn = span.attributes.get(semconv.MODULE_FQN)
+            phase = span.attributes.get(semconv.PHASE)
+            if module_spans and isinstance(fqn, str) and isinstance(phase, str):
+                run.module_spans.append(
+                    ModuleSpan(
+                        rank,
+                        span.trace_id,
+                        span.span_id,
+                        span.parent_span_id,
+                        fqn,
+                        phase,
+                        span.start_time,
+                        span.end_time,
+                    )
+                )
+        for (name, attrs), t in zip(span.events, _times(span)):
+            if semconv.COLL_OP in attrs:
+                pending.append((rank, span.trace_id, t, attrs, name))
+    for rank, trace_id, t, attrs, _name in pending:
+        rec = _collective(rank, run.trace_steps.get(trace_id), trace_id, t, attrs)
+        if rec is not None:
+            run.collectives.append(rec)
+        else:
+            run.skipped["collective events without an op name"] += 1
+    for rank, span in hang_spans:
+        run.hangs.append(_hang(rank, span, run.trace_steps.get(span.trace_id)))
+    run.rank_steps = {
+        key: rs._replace(step=run.trace_steps.get(rs.trace_id))
+        for key, rs in run.rank_steps.items()
+    }
+    if wanted is not None:
+        _keep_steps(run, wanted)
+    if run.skipped:
+        _log.info("commspan: records skipped while reading the run: %s", dict(run.skipped))
+    return run
+
+
+def _times(span: SpanRecord) -> Iterator[int]:
+    yield from span.event_times
+    while True:  # event_times shorter than events: fall back on the span's start
+        yield span.start_time
+
+
+def _keep_steps(run: Run, wanted: frozenset[int]) -> None:
+    keep = {t for t, s in run.trace_steps.items() if s in wanted}
+    run.collectives = [c for c in run.collectives if c.trace_id in keep]
+    run.rank_steps = {k: v for k, v in run.rank_steps.items() if v.trace_id in keep}
+    run.module_spans = [m for m in run.module_spans if m.trace_id in keep]
+    run.hangs = [h for h in run.hangs if h.trace_id in keep]
+    run.presence = {t: r for t, r in run.presence.items() if t in keep}
+    run.trace_start = {t: s for t, s in run.trace_start.items() if t in keep}
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _str(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def _collective(
+    rank: int, step: int | None, trace_id: str, issued: int, attrs: dict[str, Any]
+) -> CollectiveRecord | None:
+    op = _str(attrs.get(semconv.COLL_OP))
+    if op is None:
+        return None
+    shape = attrs.get(semconv.TENSOR_SHAPE)
+    peer = attrs.get(semconv.COLL_PEER)
+    if isinstance(peer, list):
+        peer = tuple(p for p in peer if isinstance(p, int))
+    elif not isinstance(peer, int) or isinstance(peer, bool):
+        peer = None
+    ranks = attrs.get(semconv.PG_RANKS)
+    duration = _int(attrs.get(semconv.COLL_DURATION_NS))
+    state = _str(attrs.get(semconv.COLL_STATE))
+    if state is None:
+        state = semconv.STATE_COMPLETED if duration is not None else semconv.STATE_ISSUED
+    phase = _str(attrs.get(semconv.PHASE)) or semconv.Phase.FORWARD.value
+    return CollectiveRecord(
+        rank=rank,
+        step=step,
+        trace_id=trace_id,
+        group=_str(attrs.get(semconv.PG_NAME)) or "",
+        group_ranks=tuple(r for r in ranks if isinstance(r, int))
+        if isinstance(ranks, list)
+        else (),
+        seq=_int(attrs.get(semconv.COLL_SEQ)),
+        op=op,
+        kind=_str(attrs.get(semconv.COLL_KIND)) or semconv.KIND_COLLECTIVE,
+        dtype=_str(attrs.get(semconv.TENSOR_DTYPE)),
+        shape=tuple(shape) if isinstance(shape, list) else None,
+        nbytes=_int(attrs.get(semconv.TENSOR_BYTES)),
+        reduce_op=_str(attrs.get(semconv.COLL_REDUCE_OP)),
+        peer=peer,
+        fqn=_str(attrs.get(semconv.MODULE_FQN)) or semconv.GLOBAL_FQN,
+        phase=phase,
+        issued_ns=issued,
+        duration_ns=duration,
+        state=state,
+    )
+
+
+def _hang(rank: int, span: SpanRecord, step: int | None) -> HangRecord:
+    fqns = span.attributes.get(semconv.HANG_STACK_FQNS)
+    phases = span.attributes.get(semconv.HANG_STACK_PHASES)
+    fqns = [str(f) for f in fqns] if isinstance(fqns, list) else []
+    phases = [str(p) for p in phases] if isinstance(phases, list) else []
+    phases += [""] * (len(fqns) - len(phases))  # tolerate a short array
+    stack = tuple(zip(fqns, phases))
+    collectives = []
+    for (_name, attrs), t in zip(span.events, _times(span)):
+        rec = _collective(rank, step, span.trace_id, t, attrs)
+        if rec is not None:
+            collectives.append(rec)
+    return HangRecord(
+        rank=rank,
+        step=step,
+        trace_id=span.trace_id,
+        reason=_str(span.attributes.get(semconv.HANG_REASON)) or "",
+        time_ns=span.end_time,
+        stack=stack,
+        collectives=tuple(collectives),
+    )

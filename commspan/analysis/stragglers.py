@@ -1,0 +1,345 @@
+"""Who arrives last at each collective, the wait it causes, and where each rank's step goes.
+
+Two questions, one analyzer each, over a :class:`~commspan.analysis.records.Run`:
+
+- :func:`straggler_report`: for each collective (group, step, position in the
+  step), the rank that arrived last is the one that waited least: the one
+  with the shortest ``commspan.collective.duration_ns``. No clock alignment
+  across hosts is needed, only each rank's own durations. The wait it caused
+  is the sum over the other ranks of (their duration - its duration).
+  Aggregated per step, module and phase (the module in which the last rank
+  issued the collective) and per rank.
+- :func:`step_breakdown`: per rank and step, the time in forward, backward
+  and recompute module spans (each instant counted once, for the innermost
+  span open then), outside any module, and in collectives (the sum of their
+  durations, which overlaps the others).
+
+Collectives are matched across ranks as ``commspan check`` matches them: by
+position within the step, per group; a (group, step) whose ranks issued
+different sequences is left out (``checked["inconsistent"]``), as are
+collectives some rank has no duration for (``checked["without_duration"]``).
+
+Example:
+    >>> from commspan.analysis.stragglers import analyze
+    >>> from commspan.analysis.records import build_run
+    >>> analyze(build_run([])).to_dict()["stragglers"]
+    []
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from commspan import semconv
+from commspan.analysis.records import CollectiveRecord, Run, load_run
+
+__all__ = [
+    "RankWaits",
+    "StepTime",
+    "StragglerResult",
+    "StragglerRow",
+    "analyze",
+    "matched_collectives",
+    "step_breakdown",
+    "straggler_report",
+    "stragglers",
+    "totals_by_rank",
+]
+
+
+class StragglerRow(NamedTuple):
+    """A rank that arrived last at collectives of one module in one step.
+
+    Attributes:
+        step: the step (``None`` outside steps).
+        fqn: module in which the last rank issued those collectives.
+        phase: their phase.
+        rank: the rank that arrived last.
+        times_last: how many of them it arrived last at.
+        collectives: how many collectives of this step, module and phase were
+            matched across ranks (whoever was last).
+        wait_ns: time the other ranks spent waiting for it, summed.
+        max_wait_ns: the largest wait it caused at one collective.
+        groups: process groups of those collectives.
+        seqs: their sequence numbers (the rank's own).
+    """
+
+    step: int | None
+    fqn: str
+    phase: str
+    rank: int
+    times_last: int
+    collectives: int
+    wait_ns: int
+    max_wait_ns: int
+    groups: tuple[str, ...]
+    seqs: tuple[int, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form (lists for the tuples)."""
+        out = self._asdict()
+        out["groups"] = list(self.groups)
+        out["seqs"] = list(self.seqs)
+        return out
+
+
+class RankWaits(NamedTuple):
+    """One rank over the whole run: how often it arrived last and the wait it caused."""
+
+    rank: int
+    times_last: int
+    wait_ns: int
+
+
+class StepTime(NamedTuple):
+    """Where one rank's step went (ns).
+
+    ``forward_ns + backward_ns + recompute_ns + outside_ns`` is ``total_ns``
+    when the module spans nest without overlapping; ``collectives_ns`` is the
+    part of it spent in collectives (``None`` when no duration is recorded).
+    """
+
+    rank: int
+    step: int | None
+    total_ns: int
+    forward_ns: int
+    backward_ns: int
+    recompute_ns: int
+    outside_ns: int
+    collectives_ns: int | None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form."""
+        return self._asdict()
+
+
+@dataclass(frozen=True)
+class StragglerResult:
+    """What :func:`analyze` found.
+
+    Attributes:
+        stragglers: rows per step, module, phase and last rank, most wait first.
+        ranks: per rank, over the run, most wait first.
+        step_times: per rank and step, in rank then step order.
+        checked: ``collectives`` (matched across ranks), ``with_wait`` (a last
+            rank that made the others wait), ``without_duration``,
+            ``inconsistent`` (collectives of (group, step) pairs left out).
+    """
+
+    stragglers: list[StragglerRow]
+    ranks: list[RankWaits]
+    step_times: list[StepTime]
+    checked: dict[str, int] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{"stragglers": [...], "ranks": [...], "step_times": [...], "checked": {...}}``."""
+        return {
+            "stragglers": [r.to_dict() for r in self.stragglers],
+            "ranks": [r._asdict() for r in self.ranks],
+            "step_times": [s.to_dict() for s in self.step_times],
+            "checked": dict(self.checked),
+        }
+
+
+# ------------------------------------------------------------------ entry points
+def stragglers(
+    paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+    *,
+    steps: Iterable[int] | None = None,
+) -> StragglerResult:
+    """Read the JSONL files of a run and say who arrives last, and where steps go.
+
+    Args:
+        paths: JSONL files written by ``JsonlSpanExporter`` (one per rank), or
+            directories of them.
+        steps: only these step numbers; ``None`` for all.
+
+    Returns:
+        Straggler rows, per-rank totals, step-time breakdown and counts.
+
+    Raises:
+        FileNotFoundError: a path does not exist.
+        ValueError: no path, a directory without ``*.jsonl`` files, a line that
+            is not JSON (names file and line), or bad ``steps``.
+
+    Example:
+        >>> from commspan.analysis import stragglers
+        >>> result = stragglers("commspan-out")  # doctest: +SKIP
+        >>> result.stragglers[0]  # doctest: +SKIP
+        StragglerRow(step=3, fqn='Net.blocks.1', phase='forward', rank=2, times_last=1, ...)
+    """
+    return analyze(load_run(paths, steps=steps))
+
+
+def analyze(run: Run) -> StragglerResult:
+    """:func:`straggler_report` and :func:`step_breakdown` of ``run`` in one result."""
+    rows, ranks, checked = straggler_report(run)
+    return StragglerResult(rows, ranks, step_breakdown(run), checked)
+
+
+# ------------------------------------------------------------------ stragglers
+def matched_collectives(
+    run: Run, checked: Counter[str] | None = None
+) -> list[dict[int, CollectiveRecord]]:
+    """Collectives matched across the ranks of their group: one ``rank -> record`` per
+    collective, by position within (group, step), where the ranks agree on the ops."""
+    counts = checked if checked is not None else Counter()
+    table: dict[tuple[str, str], dict[int, list[CollectiveRecord]]] = defaultdict(
+        lambda: defaultdict(list)
+    )
+    for rec in run.collectives:
+        if rec.kind == semconv.KIND_P2P or not rec.group:
+            continue
+        table[(rec.group, rec.trace_id)][rec.rank].append(rec)
+    out = []
+    for (_group, _trace), per_rank in table.items():
+        lists = [sorted(v, key=lambda c: (c.seq or 0, c.issued_ns)) for v in per_rank.values()]
+        lengths = {len(v) for v in lists}
+        if len(lengths) != 1 or any(
+            len({c.op for c in column}) != 1 for column in zip(*lists)
+        ):
+            counts["inconsistent"] += sum(len(v) for v in lists)
+            continue
+        for column in zip(*lists):
+            out.append({c.rank: c for c in column})
+    return out
+
+
+def straggler_report(
+    run: Run,
+) -> tuple[list[StragglerRow], list[RankWaits], dict[str, int]]:
+    """Who arrived last at each matched collective and the wait it caused.
+
+    Returns:
+        Rows per (step, module, phase, last rank), most wait first; per-rank
+        totals, most wait first; counts of what was looked at.
+    """
+    checked: Counter[str] = Counter()
+    per_key: dict[tuple[int | None, str, str], int] = Counter()
+    acc: dict[tuple[int | None, str, str, int], dict[str, Any]] = {}
+    per_rank: dict[int, list[int]] = defaultdict(lambda: [0, 0])
+    for match in matched_collectives(run, checked):
+        if len(match) < 2:
+            continue
+        durations: dict[int, int] = {}
+        for r, c in match.items():
+            if c.duration_ns is not None:
+                durations[r] = c.duration_ns
+        if len(durations) < len(match):
+            checked["without_duration"] += len(match)
+            continue
+        checked["collectives"] += 1
+        last = min(sorted(durations), key=durations.__getitem__)  # ties: lowest rank
+        d_last = durations[last]
+        waits = [d - d_last for r, d in durations.items() if r != last]
+        wait = sum(waits)
+        rec = match[last]
+        key = (rec.step, rec.fqn, rec.phase)
+        per_key[key] += 1
+        if wait <= 0:
+            continue
+        checked["with_wait"] += 1
+        slot = acc.setdefault(
+            (*key, last), {"times": 0, "wait": 0, "max": 0, "groups": set(), "seqs": []}
+        )
+        slot["times"] += 1
+        slot["wait"] += wait
+        slot["max"] = max(slot["max"], max(waits))
+        slot["groups"].add(rec.group)
+        if rec.seq is not None:
+            slot["seqs"].append(rec.seq)
+        per_rank[last][0] += 1
+        per_rank[last][1] += wait
+    rows = [
+        StragglerRow(
+            step,
+            fqn,
+            phase,
+            rank,
+            s["times"],
+            per_key[(step, fqn, phase)],
+            s["wait"],
+            s["max"],
+            tuple(sorted(s["groups"])),
+            tuple(sorted(s["seqs"])),
+        )
+        for (step, fqn, phase, rank), s in acc.items()
+    ]
+    rows.sort(key=lambda r: (-r.wait_ns, _step_key(r.step), r.fqn, r.phase, r.rank))
+    ranks = sorted(
+        (RankWaits(r, n, w) for r, (n, w) in per_rank.items()),
+        key=lambda x: (-x.wait_ns, x.rank),
+    )
+    counts = {
+        "collectives": checked["collectives"],
+        "with_wait": checked["with_wait"],
+        "without_duration": checked["without_duration"],
+        "inconsistent": checked["inconsistent"],
+    }
+    return rows, ranks, counts
+
+
+def _step_key(step: int | None) -> tuple[bool, int]:
+    return (step is None, step if step is not None else 0)
+
+
+# ------------------------------------------------------------------ step breakdown
+def step_breakdown(run: Run) -> list[StepTime]:
+    """Per rank and step: time in forward / backward / recompute module spans, outside
+    modules, and in collectives.
+
+    A module span's own time is its duration minus its child spans' (clipped
+    at 0), so nested spans are counted once, for the innermost; the rank span's
+    own time is the time outside any module.
+    """
+    children: dict[tuple[int, str], int] = Counter()
+    for m in run.module_spans:
+        children[(m.rank, m.parent_span_id)] += max(0, m.end_ns - m.start_ns)
+    phase_time: dict[tuple[int, str], Counter[str]] = defaultdict(Counter)
+    for m in run.module_spans:
+        own = max(0, m.end_ns - m.start_ns - children.get((m.rank, m.span_id), 0))
+        phase_time[(m.rank, m.trace_id)][m.phase] += own
+    comm: dict[tuple[int, str], int] = Counter()
+    timed: set[tuple[int, str]] = set()
+    for c in run.collectives:
+        if c.duration_ns is not None:
+            comm[(c.rank, c.trace_id)] += c.duration_ns
+            timed.add((c.rank, c.trace_id))
+    out = []
+    for (rank, trace), rs in run.rank_steps.items():
+        total = max(0, rs.end_ns - rs.start_ns)
+        phases = phase_time.get((rank, trace), Counter())
+        out.append(
+            StepTime(
+                rank=rank,
+                step=rs.step,
+                total_ns=total,
+                forward_ns=phases[semconv.Phase.FORWARD.value],
+                backward_ns=phases[semconv.Phase.BACKWARD.value],
+                recompute_ns=phases[semconv.Phase.RECOMPUTE.value],
+                outside_ns=max(0, total - children.get((rank, rs.span_id), 0)),
+                collectives_ns=comm[(rank, trace)] if (rank, trace) in timed else None,
+            )
+        )
+    out.sort(key=lambda s: (s.rank, _step_key(s.step), s.total_ns))
+    return out
+
+
+def totals_by_rank(times: Iterable[StepTime]) -> Mapping[int, dict[str, int]]:
+    """Sum :class:`StepTime` rows per rank (``collectives_ns`` counts timed steps only)."""
+    out: dict[int, dict[str, int]] = {}
+    for t in times:
+        slot = out.setdefault(
+            t.rank,
+            {"steps": 0, "total_ns": 0, "forward_ns": 0, "backward_ns": 0,
+             "recompute_ns": 0, "outside_ns": 0, "collectives_ns": 0},
+        )
+        slot["steps"] += 1
+        for name in ("total_ns", "forward_ns", "backward_ns", "recompute_ns", "outside_ns"):
+            slot[name] += getattr(t, name)
+        slot["collectives_ns"] += t.collectives_ns or 0
+    return out

@@ -1,0 +1,206 @@
+"""Text views of ``commspan check`` and ``commspan stragglers`` results.
+
+Pure formatting: the results come from :mod:`commspan.analysis`; their JSON
+form is their ``to_dict()``.
+
+Example:
+    >>> from commspan.analysis import check, build_run
+    >>> from commspan.render.findings import format_check
+    >>> print(format_check(check(build_run([]))))
+    consistent: checked 0 ranks, 0 groups, 0 steps, 0 collectives, 0 p2p ops
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from commspan import semconv
+from commspan.analysis.check import CheckResult, Finding
+from commspan.analysis.stragglers import StragglerResult, totals_by_rank
+
+__all__ = ["format_check", "format_duration", "format_stragglers"]
+
+_INDENT = " " * 10
+
+
+def format_duration(ns: int | None) -> str:
+    """``1_500_000`` -> ``"1.50 ms"``; ``None`` -> ``"-"``.
+
+    Example:
+        >>> format_duration(2_500), format_duration(3_000_000_000), format_duration(None)
+        ('2.50 µs', '3.00 s', '-')
+    """
+    if ns is None:
+        return "-"
+    for unit, scale in (("s", 1e9), ("ms", 1e6), ("µs", 1e3)):
+        if abs(ns) >= scale:
+            return f"{ns / scale:.2f} {unit}"
+    return f"{ns} ns"
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def _checked_line(checked: Mapping[str, int]) -> str:
+    line = (
+        f"checked {_plural(checked.get('ranks', 0), 'rank')}, "
+        f"{_plural(checked.get('groups', 0), 'group')}, "
+        f"{_plural(checked.get('steps', 0), 'step')}, "
+        f"{_plural(checked.get('collectives', 0), 'collective')}, "
+        f"{checked.get('p2p', 0)} p2p ops"
+    )
+    extra = []
+    if checked.get("p2p_unchecked"):
+        extra.append(f"{checked['p2p_unchecked']} batched or any-source p2p ops not checked")
+    if checked.get("hang_records"):
+        extra.append(_plural(checked["hang_records"], "hang record"))
+    if checked.get("steps_interrupted"):
+        extra.append(
+            f"{_plural(checked['steps_interrupted'], 'step')} cut short by a hang "
+            "not compared"
+        )
+    return line + (f" ({'; '.join(extra)})" if extra else "")
+
+
+def _rank_line(rank: int, entry: Mapping[str, Any]) -> str:
+    bits = [f"rank {rank}:"]
+    if entry.get("op") is not None:
+        bits.append(str(entry["op"]))
+    else:
+        bits.append("-")
+    if entry.get("fqn") is not None:
+        bits.append(f"in `{entry['fqn']}` {entry.get('phase') or ''}".rstrip())
+    if entry.get("seq") is not None:
+        bits.append(f"seq {entry['seq']}")
+    shown = {"op", "fqn", "phase", "seq", "stack", "hang_record"}
+    for key, value in entry.items():
+        if key in shown or value is None:
+            continue
+        if key == "waited_ns":
+            bits.append(f"waited {format_duration(value)}")
+        elif key == "last_seen" and isinstance(value, Mapping):
+            bits.append(
+                f"last: {value.get('op')} in `{value.get('fqn')}` {value.get('phase')} "
+                f"seq {value.get('seq')}"
+            )
+        elif key == "shape" and isinstance(value, list):
+            bits.append(f"shape [{', '.join(map(str, value))}]")
+        else:
+            bits.append(f"{key} {value}")
+    if entry.get("stack"):
+        bits.append("stack: " + " > ".join(entry["stack"]))
+    return _INDENT + "  ".join(bits)
+
+
+def _finding_lines(finding: Finding, max_ranks: int) -> list[str]:
+    lines = [f"{finding.kind:<10}{finding.message}"]
+    items = sorted(finding.ranks.items())
+    for rank, entry in items[:max_ranks]:
+        lines.append(_rank_line(rank, entry))
+    if len(items) > max_ranks:
+        lines.append(f"{_INDENT}... {len(items) - max_ranks} more ranks (--json lists all)")
+    later = finding.details.get("later_steps")
+    if later:
+        shown = ", ".join("outside steps" if s is None else str(s) for s in later[:10])
+        more = f" and {len(later) - 10} more" if len(later) > 10 else ""
+        lines.append(f"{_INDENT}also diverges in steps {shown}{more}")
+    return lines
+
+
+def format_check(result: CheckResult, *, max_ranks: int = 16) -> str:
+    """The findings of ``commspan check`` as text, one block per finding.
+
+    Args:
+        result: what :func:`commspan.analysis.check_run` returned.
+        max_ranks: rank lines shown per finding (the message names them all).
+    """
+    if result.ok:
+        return "consistent: " + _checked_line(result.checked)
+    lines: list[str] = []
+    for finding in result.findings:
+        lines.extend(_finding_lines(finding, max_ranks))
+    lines.append(f"{_plural(len(result.findings), 'finding')}; " + _checked_line(result.checked))
+    return "\n".join(lines)
+
+
+def format_stragglers(result: StragglerResult, *, top: int = 20) -> str:
+    """The result of ``commspan stragglers`` as text: the rows with the most wait, the
+    per-rank totals and the per-rank step time.
+
+    Args:
+        result: what :func:`commspan.analysis.stragglers` returned.
+        top: straggler rows shown.
+    """
+    lines: list[str] = []
+    checked = result.checked
+    if not checked.get("collectives"):
+        lines.append(
+            "no collective matched across ranks with a duration on every rank "
+            f"({semconv.COLL_DURATION_NS}): stragglers need collective timing"
+        )
+    else:
+        lines.append(
+            "Last to arrive (the rank that waited least; wait = time the others waited for it)"
+        )
+        header = ("step", "module", "phase", "rank", "last/of", "wait", "max wait")
+        rows: list[tuple[str, ...]] = [
+            (
+                "-" if r.step is None else str(r.step),
+                r.fqn,
+                r.phase,
+                str(r.rank),
+                f"{r.times_last}/{r.collectives}",
+                format_duration(r.wait_ns),
+                format_duration(r.max_wait_ns),
+            )
+            for r in result.stragglers[:top]
+        ]
+        lines.extend(_table(header, rows))
+        if len(result.stragglers) > top:
+            lines.append(f"... {len(result.stragglers) - top} more rows (--json lists all)")
+        if result.ranks:
+            lines.append(
+                "per rank: "
+                + "; ".join(
+                    f"rank {w.rank} last {_plural(w.times_last, 'time')}, "
+                    f"caused {format_duration(w.wait_ns)} of waiting"
+                    for w in result.ranks
+                )
+            )
+    totals = totals_by_rank(result.step_times)
+    if totals:
+        lines.append("")
+        lines.append("Step time per rank (mean per step)")
+        time_header = ("rank", "steps", "total", "forward", "backward", "recompute",
+                       "outside", "collectives")
+        time_rows: list[tuple[str, ...]] = []
+        for rank, t in sorted(totals.items()):
+            n = max(1, t["steps"])
+            timed = any(s.collectives_ns is not None for s in result.step_times if s.rank == rank)
+            time_rows.append(
+                (
+                    str(rank),
+                    str(t["steps"]),
+                    *(format_duration(t[k] // n) for k in
+                      ("total_ns", "forward_ns", "backward_ns", "recompute_ns", "outside_ns")),
+                    format_duration(t["collectives_ns"] // n) if timed else "-",
+                )
+            )
+        lines.extend(_table(time_header, time_rows))
+    lines.append(
+        f"checked: {checked.get('collectives', 0)} collectives matched, "
+        f"{checked.get('with_wait', 0)} with a wait, "
+        f"{checked.get('without_duration', 0)} without duration, "
+        f"{checked.get('inconsistent', 0)} in steps whose ranks disagree (see commspan check)"
+    )
+    return "\n".join(lines)
+
+
+def _table(header: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
+              for i, h in enumerate(header)]
+    def line(cells: tuple[str, ...]) -> str:
+        return "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
+    return [line(header), *(line(r) for r in rows)]

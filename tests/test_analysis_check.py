@@ -1,0 +1,685 @@
+"""commspan.analysis.check: cross-rank mismatches, missing ranks and hangs.
+
+Unit tests run over synthetic span records (tests/_analysis_builder.py); the
+multi-process tests at the end run divergent programs on 4 real gloo ranks
+(tests/_mp_check_scenarios.py) and check what ``check_run`` says about their
+JSONL files against what the programs did.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _analysis_builder import WORLD_GROUP, SpanBuilder
+
+from commspan import semconv
+from commspan.analysis import build_run, check, check_run
+from commspan.analysis.check import KIND_HANG, KIND_MISMATCH, KIND_MISSING, CheckResult
+from commspan.exporters import read_spans
+from commspan.render.findings import format_check
+
+WORLD = 4
+SUBGROUP = "1"
+SUB_RANKS = (2, 3)
+
+Op = dict[str, Any]
+
+
+def program(rank: int) -> list[Op]:
+    """One step of the synthetic program on ``rank``: collectives on the world group,
+    a send/recv ring on it, and an all_reduce on a subgroup of ranks 2 and 3."""
+    ops: list[Op] = [
+        {"op": "all_reduce", "fqn": "Net.blocks.0"},
+        {"op": "send", "fqn": "Net.ring", "kind": semconv.KIND_P2P,
+         "peer": (rank + 1) % WORLD},
+        {"op": "recv", "fqn": "Net.ring", "kind": semconv.KIND_P2P,
+         "peer": (rank - 1) % WORLD},
+        {"op": "all_gather_into_tensor", "fqn": "Net.blocks.1", "shape": (4,),
+         "reduce_op": None},
+        {"op": "all_reduce", "fqn": "Net.blocks.2"},
+    ]
+    if rank in SUB_RANKS:
+        ops.append({"op": "all_reduce", "fqn": "Net.head", "group": SUBGROUP,
+                    "ranks": SUB_RANKS, "shape": (8,)})
+    ops.append({"op": "reduce_scatter_tensor", "fqn": "Net.blocks.1", "phase": "backward"})
+    return ops
+
+
+PER_STEP = 6
+"""Ops of the world group per step and rank (collectives and p2p share the counter)."""
+COLLECTIVES_PER_STEP = 4 * WORLD + len(SUB_RANKS)
+"""Non-p2p collectives compared per step over all ranks."""
+
+Edit = Callable[[int, int, list[Op]], "list[Op] | None"]
+
+
+def build(steps: int = 3, edit: Edit | None = None, world: int = WORLD) -> SpanBuilder:
+    """The program run for ``steps`` steps; ``edit(rank, step, ops)`` may change a rank's
+    ops for a step, or return ``None`` for a step the rank did not trace."""
+    b = SpanBuilder(world)
+    for step in range(steps):
+        for r in range(world):
+            ops = program(r)
+            if edit is not None:
+                edited = edit(r, step, ops)
+                if edited is None:
+                    continue
+                ops = edited
+            s = b.rank(r, step)
+            for o in ops:
+                s.coll(**o)
+    return b
+
+
+def run_check(b: SpanBuilder, **kwargs: Any) -> CheckResult:
+    return check(build_run(b.spans(**kwargs)))
+
+
+# ------------------------------------------------------------------ consistent
+def test_consistent_program_has_no_findings() -> None:
+    """Identical programs on every rank: no finding, and the counts say what was compared."""
+    result = run_check(build(steps=3))
+    assert result.ok, [f.message for f in result.findings]
+    assert result.checked["ranks"] == WORLD
+    assert result.checked["groups"] == 2
+    assert result.checked["steps"] == 3
+    assert result.checked["collectives"] == 3 * COLLECTIVES_PER_STEP
+    assert result.checked["p2p"] == 3 * 2 * WORLD
+    assert format_check(result).startswith("consistent: checked 4 ranks, 2 groups, 3 steps")
+    doc = json.loads(json.dumps(result.to_dict()))
+    assert doc == {"findings": [], "checked": result.checked}
+
+
+# ------------------------------------------------------------------ mismatches
+def test_extra_all_reduce_on_one_rank_is_reported_where_it_was_issued() -> None:
+    """Rank 2 issues an extra all_reduce in Net.blocks.1 in step 1: one mismatch at its seq,
+    with every rank's op and module; step 2 (seqs shifted on rank 2) is not a cascade."""
+
+    def extra(rank: int, step: int, ops: list[Op]) -> list[Op]:
+        if rank == 2 and step == 1:
+            ops.insert(3, {"op": "all_reduce", "fqn": "Net.blocks.1"})
+        return ops
+
+    result = run_check(build(steps=3, edit=extra))
+    assert len(result.findings) == 1
+    f = result.findings[0]
+    seq = PER_STEP * 1 + 4  # step 1, the 4th op of the world group
+    assert (f.kind, f.group, f.step, f.seq) == (KIND_MISMATCH, WORLD_GROUP, 1, seq)
+    assert f.details["fields"] == ["op", "shape"]
+    assert f.details["later_steps"] == []
+    assert f.ranks[2] == {"op": "all_reduce", "fqn": "Net.blocks.1", "phase": "forward",
+                          "seq": seq, "shape": [16]}
+    for r in (0, 1, 3):
+        assert f.ranks[r] == {"op": "all_gather_into_tensor", "fqn": "Net.blocks.1",
+                              "phase": "forward", "seq": seq, "shape": [4]}
+    assert f.message == (
+        f"group 0 (ranks 0-3), step 1, seq {seq}: op, shape differ: ranks 0, 1, 3 issued "
+        "all_gather_into_tensor [4] in `Net.blocks.1` forward; rank 2 issued all_reduce [16] "
+        "in `Net.blocks.1` forward"
+    )
+
+
+def test_extra_collective_at_the_end_of_a_step_is_a_count_mismatch() -> None:
+    """An extra all_reduce after the step's last collective: the other ranks issued nothing
+    there, and their entry says what they issued last."""
+
+    def extra(rank: int, step: int, ops: list[Op]) -> list[Op]:
+        if rank == 0 and step == 0:
+            ops.append({"op": "all_reduce", "fqn": "Net.loss", "phase": "backward"})
+        return ops
+
+    (f,) = run_check(build(steps=2, edit=extra)).findings
+    assert (f.kind, f.step, f.seq) == (KIND_MISMATCH, 0, PER_STEP + 1)
+    assert f.details["fields"] == ["count"]
+    assert f.ranks[0]["fqn"] == "Net.loss" and f.ranks[0]["phase"] == "backward"
+    last = {"op": "reduce_scatter_tensor", "fqn": "Net.blocks.1", "phase": "backward",
+            "seq": PER_STEP}
+    for r in (1, 2, 3):
+        assert f.ranks[r] == {"op": None, "fqn": None, "phase": None, "seq": None,
+                              "last_seen": last}
+    assert "ranks 1-3 issued nothing more in the step" in f.message
+
+
+@pytest.mark.parametrize(
+    ("field", "change", "expected"),
+    [
+        ("shape", {"shape": (2, 8)}, ([16], [2, 8])),
+        ("dtype", {"dtype": "int32"}, ("float32", "int32")),
+        ("reduce_op", {"reduce_op": "max"}, ("sum", "max")),
+    ],
+)
+def test_one_rank_with_another_field_is_reported_with_the_values(
+    field: str, change: dict[str, Any], expected: tuple[Any, Any]
+) -> None:
+    """Rank 1's Net.blocks.2 all_reduce has another shape / dtype / reduce op in step 2:
+    the finding names that field and each rank's value."""
+
+    def other(rank: int, step: int, ops: list[Op]) -> list[Op]:
+        if rank == 1 and step == 2:
+            ops[4] = {**ops[4], **change}
+        return ops
+
+    (f,) = run_check(build(steps=3, edit=other)).findings
+    seq = PER_STEP * 2 + 5
+    assert (f.kind, f.group, f.step, f.seq) == (KIND_MISMATCH, WORLD_GROUP, 2, seq)
+    assert f.details["fields"] == [field]
+    assert f.ranks[1][field] == expected[1]
+    assert all(f.ranks[r][field] == expected[0] for r in (0, 2, 3))
+    assert all(f.ranks[r]["fqn"] == "Net.blocks.2" for r in range(WORLD))
+    assert f"{field} differ" in f.message and "rank 1 issued all_reduce" in f.message
+
+
+def test_divergence_in_every_step_is_one_finding_listing_later_steps() -> None:
+    """The same divergence in steps 0, 1 and 2: the first is reported, the others listed."""
+
+    def other(rank: int, step: int, ops: list[Op]) -> list[Op]:
+        if rank == 3:
+            ops[0] = {**ops[0], "dtype": "bfloat16"}
+        return ops
+
+    (f,) = run_check(build(steps=3, edit=other)).findings
+    assert (f.step, f.seq, f.details["later_steps"]) == (0, 1, [1, 2])
+
+
+def test_subgroup_divergence_names_the_subgroup_and_its_ranks_only() -> None:
+    """A mismatch on the subgroup of ranks 2 and 3 is reported for that group."""
+
+    def other(rank: int, step: int, ops: list[Op]) -> list[Op]:
+        if rank == 3 and step == 1:
+            ops[5] = {**ops[5], "shape": (4,)}
+        return ops
+
+    (f,) = run_check(build(steps=2, edit=other)).findings
+    assert (f.group, f.seq, f.details["group_ranks"]) == (SUBGROUP, 2, [2, 3])
+    assert sorted(f.ranks) == [2, 3]
+
+
+def test_collectives_matched_by_position_not_by_seq() -> None:
+    """Rank 0 issued its p2p ops of a step after the collectives (seqs differ from the
+    others'), yet the collective sequences are the same: no finding."""
+
+    def reorder(rank: int, step: int, ops: list[Op]) -> list[Op]:
+        if rank == 0:
+            ops = [o for o in ops if o.get("kind") != semconv.KIND_P2P] + [
+                o for o in ops if o.get("kind") == semconv.KIND_P2P
+            ]
+        return ops
+
+    b = build(steps=2, edit=reorder)
+    run = build_run(b.spans())
+    seqs = {
+        r: [c.seq for c in run.collectives if c.rank == r and c.fqn == "Net.blocks.1"][:1]
+        for r in (0, 1)
+    }
+    assert seqs[0] != seqs[1]  # the sequence numbers really differ
+    assert check(run).ok
+
+
+# ------------------------------------------------------------------ point-to-point
+def test_p2p_send_and_recv_with_other_shapes_is_a_mismatch() -> None:
+    """Rank 1 receives rank 0's tensor into a buffer of another shape."""
+
+    def other(rank: int, step: int, ops: list[Op]) -> list[Op]:
+        if rank == 1 and step == 0:
+            ops[2] = {**ops[2], "shape": (4, 4)}
+        return ops
+
+    (f,) = run_check(build(steps=1, edit=other)).findings
+    assert (f.kind, f.group, f.step) == (KIND_MISMATCH, WORLD_GROUP, 0)
+    assert (f.details["src"], f.details["dst"], f.details["fields"]) == (0, 1, ["shape"])
+    assert f.ranks[0]["op"] == "send" and f.ranks[0]["shape"] == [16]
+    assert f.ranks[1]["op"] == "recv" and f.ranks[1]["shape"] == [4, 4]
+
+
+def test_p2p_send_without_recv_is_reported() -> None:
+    """Rank 2 sends to rank 3 but rank 3 does not receive: an unmatched send."""
+
+    def other(rank: int, step: int, ops: list[Op]) -> list[Op]:
+        if rank == 3 and step == 1:
+            ops = [o for o in ops if o["op"] != "recv"]
+        return ops
+
+    (f,) = run_check(build(steps=2, edit=other)).findings
+    assert (f.details["src"], f.details["dst"], f.step) == (2, 3, 1)
+    assert f.ranks[3]["op"] is None
+    assert "has no matching recv" in f.message
+
+
+def test_batched_p2p_is_counted_unchecked() -> None:
+    """batch_p2p (a list of peers) is not matched, and the count says so."""
+    b = SpanBuilder(2)
+    for r in range(2):
+        b.rank(r, 0).coll("batch_p2p", kind=semconv.KIND_P2P, peer=[1 - r, 1 - r],
+                          ranks=(0, 1))
+    result = run_check(b)
+    assert result.ok and result.checked["p2p_unchecked"] == 2
+
+
+# ------------------------------------------------------------------ missing
+def test_rank_that_skipped_a_step_is_missing_from_it_without_a_cascade() -> None:
+    """Rank 3 did not trace step 1 (its seqs in step 2 are then lower than the others'):
+    one missing finding for step 1, nothing for step 2."""
+
+    def skip(rank: int, step: int, ops: list[Op]) -> list[Op] | None:
+        return None if (rank, step) == (3, 1) else ops
+
+    (f,) = run_check(build(steps=3, edit=skip)).findings
+    assert (f.kind, f.group, f.seq, f.step) == (KIND_MISSING, None, None, 1)
+    assert f.details["steps"] == [1]
+    assert f.ranks == {3: {"op": None, "fqn": None, "phase": None, "seq": None,
+                           "last_step": 0}}
+    assert f.message == "step 1: rank 3 wrote no span (ranks 0-2 did)"
+
+
+def test_rank_without_a_file_is_missing_from_every_step() -> None:
+    """World size 4, files of ranks 0-2 only: rank 3 is missing from steps 0-2."""
+    (f,) = run_check(build(steps=3), ranks=[0, 1, 2]).findings
+    assert f.kind == KIND_MISSING and f.details["steps"] == [0, 1, 2]
+    assert list(f.ranks) == [3] and f.ranks[3]["last_step"] is None
+    assert f.message == "steps 0-2: rank 3 wrote no span (ranks 0-2 did)"
+
+
+def test_rank_that_issued_nothing_on_a_group_in_a_step_is_missing_from_the_group() -> None:
+    """Rank 2 traced step 1 but issued nothing on the subgroup there; rank 3 did."""
+
+    def other(rank: int, step: int, ops: list[Op]) -> list[Op]:
+        if rank == 2 and step == 1:
+            ops = [o for o in ops if o.get("group") != SUBGROUP]
+        return ops
+
+    (f,) = run_check(build(steps=2, edit=other)).findings
+    assert (f.kind, f.group, f.step, f.seq) == (KIND_MISSING, SUBGROUP, 1, 2)
+    assert f.ranks[2]["op"] is None and f.ranks[2]["last_seen"]["seq"] == 1
+    assert f.ranks[3] == {"op": "all_reduce", "fqn": "Net.head", "phase": "forward", "seq": 2}
+
+
+def test_traces_outside_steps_on_one_rank_are_not_missing_elsewhere() -> None:
+    """A session trace (no step) written by rank 0 alone is not a missing-rank finding."""
+    b = build(steps=1)
+    b.rank(0, None).module("Net", start=10**9, end=10**9 + 10)
+    assert run_check(b).ok
+
+
+# ------------------------------------------------------------------ hangs
+def hang_scenario(rank1_record: bool) -> SpanBuilder:
+    """Step 0 completes; in step 1 ranks 0, 2, 3 block in Net.blocks.2's all_reduce
+    (world seq 11) and write hang records; rank 1 never issues it (it is in Net.blocks.1
+    forward, writing a record on a signal, or writing none)."""
+    b = build(steps=1)
+    stuck_seq = PER_STEP + 5
+    for r in range(WORLD):
+        s = b.rank(r, 1, finished=False)
+        for o in program(r)[:4]:  # up to Net.blocks.1's all_gather: exported spans
+            s.coll(**o)
+        recent = []
+        for seq, o in zip(range(PER_STEP + 1, stuck_seq), program(r)[:4]):
+            recent.append(b.event_attrs(
+                o["op"], fqn=o["fqn"], phase="forward", group=WORLD_GROUP,
+                ranks=range(WORLD), seq=seq, kind=o.get("kind", semconv.KIND_COLLECTIVE),
+                state=semconv.STATE_COMPLETED,
+            ))
+        if r in SUB_RANKS:
+            recent.append(b.event_attrs(
+                "all_reduce", fqn="Net.head", phase="forward", group=SUBGROUP,
+                ranks=SUB_RANKS, seq=1, state=semconv.STATE_COMPLETED,
+            ))
+        if r != 1:
+            recent.append(b.event_attrs(
+                "all_reduce", fqn="Net.blocks.2", phase="forward", group=WORLD_GROUP,
+                ranks=range(WORLD), seq=stuck_seq, state=semconv.STATE_ISSUED,
+            ))
+            b.hang(r, 1, stack=[("Net", "forward"), ("Net.blocks.2", "forward")],
+                   collectives=recent)
+        elif rank1_record:
+            b.hang(r, 1, stack=[("Net", "forward"), ("Net.blocks.1", "forward")],
+                   collectives=recent, reason=semconv.HANG_REASON_SIGNAL)
+    return b
+
+
+def test_hang_names_group_seq_the_missing_rank_and_each_ranks_module() -> None:
+    """Ranks 0, 2, 3 wait in Net.blocks.2's all_reduce; rank 1 never issued it and was
+    last seen in Net.blocks.1: one hang finding; step 0 is checked and clean."""
+    result = run_check(hang_scenario(rank1_record=True))
+    (f,) = result.findings
+    seq = PER_STEP + 5
+    assert (f.kind, f.group, f.seq, f.step) == (KIND_HANG, WORLD_GROUP, seq, 1)
+    assert f.message == (
+        f"group 0 (ranks 0-3), seq {seq}: ranks 0, 2, 3 are in `Net.blocks.2` forward "
+        "all_reduce; rank 1 never issued it and was last seen in `Net.blocks.1` forward"
+    )
+    assert f.details["never_issued"] == [1]
+    for r in (0, 2, 3):
+        assert f.ranks[r]["op"] == "all_reduce" and f.ranks[r]["fqn"] == "Net.blocks.2"
+        assert f.ranks[r]["state"] == semconv.STATE_ISSUED and f.ranks[r]["waited_ns"] > 0
+        assert f.ranks[r]["stack"] == ["Net forward", "Net.blocks.2 forward"]
+    assert f.ranks[1]["op"] is None and f.ranks[1]["state"] == "not issued"
+    assert (f.ranks[1]["fqn"], f.ranks[1]["phase"]) == ("Net.blocks.1", "forward")
+    assert (f.ranks[1]["last_seq"], f.ranks[1]["hang_record"]) == (seq - 1, "signal")
+    assert result.checked["steps_interrupted"] == 1
+    assert result.checked["steps"] == 1 and result.checked["hang_records"] == 4
+    assert result.checked["collectives"] == COLLECTIVES_PER_STEP
+
+
+def test_hang_without_a_record_from_the_missing_rank_uses_its_last_collective() -> None:
+    """Rank 1 wrote no hang record (it died): it is described by its last exported
+    collective."""
+    (f,) = run_check(hang_scenario(rank1_record=False)).findings
+    assert f.kind == KIND_HANG and f.details["never_issued"] == [1]
+    assert f.ranks[1]["hang_record"] is None
+    assert f.ranks[1]["fqn"] == "Net.blocks.1"
+    assert ("rank 1 never issued it and wrote no hang record; its last collective was "
+            "all_gather_into_tensor in `Net.blocks.1` forward") in f.message
+
+
+def test_dump_with_every_collective_completed_is_not_a_hang() -> None:
+    """A record written by mode.dump() with nothing pending finds nothing."""
+    b = build(steps=1)
+    done = b.event_attrs("all_reduce", fqn="Net.blocks.2", phase="forward",
+                         group=WORLD_GROUP, ranks=range(WORLD), seq=5,
+                         state=semconv.STATE_COMPLETED)
+    b.hang(0, 0, stack=[], collectives=[done], reason=semconv.HANG_REASON_DUMP)
+    result = run_check(b)
+    assert result.ok and result.checked["hang_records"] == 1
+    assert result.checked["steps_interrupted"] == 0  # every rank span of step 0 exists
+
+
+# ------------------------------------------------------------------ files and output
+def test_check_run_errors_name_the_path_or_parameter(tmp_path: Path) -> None:
+    """Missing path, empty directory, a corrupt line and bad steps raise clear errors."""
+    with pytest.raises(FileNotFoundError, match="nope"):
+        check_run(tmp_path / "nope")
+    with pytest.raises(ValueError, match=r"holds no \*\.jsonl"):
+        check_run(tmp_path)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("not json\n{}\n")
+    with pytest.raises(ValueError, match=r"bad\.jsonl:1"):
+        check_run(bad)
+    (tmp_path / "ok.jsonl").write_text("{}\n")
+    with pytest.raises(ValueError, match="steps"):
+        check_run(tmp_path / "ok.jsonl", steps=["1"])  # type: ignore[list-item]
+
+
+def test_steps_filter_checks_only_those_steps() -> None:
+    """steps=[0] leaves out a divergence in step 1."""
+
+    def other(rank: int, step: int, ops: list[Op]) -> list[Op]:
+        if rank == 1 and step == 1:
+            ops[0] = {**ops[0], "dtype": "int32"}
+        return ops
+
+    spans = build(steps=2, edit=other).spans()
+    assert not check(build_run(spans)).ok
+    only0 = check(build_run(spans, steps=[0]))
+    assert only0.ok and only0.checked["steps"] == 1
+
+
+def test_json_form_has_the_documented_keys() -> None:
+    """Each finding serialises with kind, group, seq, step, ranks (string keys), message."""
+
+    def other(rank: int, step: int, ops: list[Op]) -> list[Op] | None:
+        if (rank, step) == (3, 1):
+            return None
+        if rank == 1:
+            ops[0] = {**ops[0], "dtype": "int32"}
+        return ops
+
+    result = run_check(build(steps=2, edit=other))
+    doc = json.loads(json.dumps(result.to_dict()))
+    assert set(doc) == {"findings", "checked"}
+    kinds = {f["kind"] for f in doc["findings"]}
+    assert kinds == {KIND_MISMATCH, KIND_MISSING}
+    for f in doc["findings"]:
+        assert {"kind", "group", "seq", "step", "ranks", "message"} <= set(f)
+        assert all(k.isdigit() for k in f["ranks"])
+        for entry in f["ranks"].values():
+            assert {"op", "fqn", "phase", "seq"} <= set(entry)
+        assert "\n" not in f["message"]
+    text = format_check(result)
+    assert text.splitlines()[-1].startswith("2 findings; checked 4 ranks")
+
+
+# ------------------------------------------------------------------ real gloo ranks
+SCRIPT = Path(__file__).with_name("_mp_check_scenarios.py")
+
+
+@dataclass
+class GlooRun:
+    """Where the ranks of tests/_mp_check_scenarios.py wrote, and how they ended."""
+
+    root: Path
+    returncodes: list[int | None]
+    logs: list[str]
+
+    def failure(self) -> str:
+        return "\n".join(
+            f"--- rank {r} exit {rc}\n{self.logs[r][-4000:]}"
+            for r, rc in enumerate(self.returncodes)
+            if rc != 0
+        )
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def gloo_run(tmp_path_factory: pytest.TempPathFactory) -> GlooRun:
+    """Spawn 4 gloo ranks once for every scenario; kill them all if one fails or hangs."""
+    root = tmp_path_factory.mktemp("check")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("COMMSPAN_RUN_ID", "TORCHELASTIC_RUN_ID")}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+               WORLD_SIZE=str(WORLD), OMP_NUM_THREADS="1")
+    tests_dir = str(Path(__file__).parent)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [tests_dir, env.get("PYTHONPATH")]))
+    logs = [root / f"rank{r}.log" for r in range(WORLD)]
+    procs = []
+    for r in range(WORLD):
+        with logs[r].open("w") as log:
+            procs.append(subprocess.Popen(
+                [sys.executable, str(SCRIPT), str(root)],
+                env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+                stdout=log, stderr=subprocess.STDOUT,
+            ))
+    deadline = time.monotonic() + 150
+    try:
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            if any(p.poll() not in (None, 0) for p in procs):
+                time.sleep(2)  # the others are likely blocked: let them fail or be killed
+                break
+            time.sleep(0.1)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    run = GlooRun(root, [p.returncode for p in procs],
+                  [log.read_text(errors="replace") for log in logs])
+    if any(rc != 0 for rc in run.returncodes):
+        pytest.fail(f"ranks failed:\n{run.failure()}")
+    return run
+
+
+def _groups(run: GlooRun) -> dict[str, str]:
+    return json.loads((run.root / "groups.json").read_text())
+
+
+def _seq(step: int, index: int) -> int:
+    """The world-group seq of the op at ``index`` of WORLD_OPS in ``step`` (1-based)."""
+    from _mp_check_scenarios import WORLD_OPS
+
+    return len(WORLD_OPS) * step + index + 1
+
+
+@pytest.mark.multiprocess
+def test_gloo_consistent_run_has_no_findings(gloo_run: GlooRun) -> None:
+    """Every rank ran the program: no finding; every step, group and collective compared."""
+    from _mp_check_scenarios import STEPS, SUBGROUP, WORLD_OPS
+
+    result = check_run(gloo_run.root / "consistent")
+    assert result.ok, [f.message for f in result.findings]
+    collectives_per_rank = len([op for _, op in WORLD_OPS if "/" not in op])
+    assert result.checked["groups"] == 2 and result.checked["steps"] == STEPS
+    assert result.checked["collectives"] == STEPS * (WORLD * collectives_per_rank + len(SUBGROUP))
+    assert result.checked["p2p"] == STEPS * 2 * WORLD
+
+
+@pytest.mark.multiprocess
+def test_gloo_extra_all_reduce(gloo_run: GlooRun) -> None:
+    """Rank 2's extra all_reduce in Net.blocks.1 at step 1 stands where the others issued
+    Net.blocks.1's all_gather."""
+    from _mp_check_scenarios import SCENARIOS
+
+    dev = SCENARIOS["extra_all_reduce"]
+    assert dev is not None
+    (f,) = check_run(gloo_run.root / "extra_all_reduce").findings
+    seq = _seq(dev.step, 1)
+    assert (f.kind, f.group, f.step, f.seq) == (KIND_MISMATCH, _groups(gloo_run)["world"],
+                                                dev.step, seq)
+    assert f.details["fields"] == ["op", "shape"]
+    assert f.ranks[dev.rank] == {"op": "all_reduce", "fqn": "Net.blocks.1",
+                                 "phase": "forward", "seq": seq, "shape": [16]}
+    for r in set(range(WORLD)) - {dev.rank}:
+        assert f.ranks[r] == {"op": "all_gather_into_tensor", "fqn": "Net.blocks.1",
+                              "phase": "forward", "seq": seq, "shape": [4]}
+    assert f.details["later_steps"] == []
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("scenario", "index", "fqn", "field", "values"),
+    [
+        ("shape", 2, "Net.blocks.2", "shape", ([16], [2, 8])),
+        ("dtype", 0, "Net.blocks.0", "dtype", ("float32", "int32")),
+    ],
+)
+def test_gloo_other_shape_or_dtype(
+    gloo_run: GlooRun, scenario: str, index: int, fqn: str, field: str,
+    values: tuple[Any, Any],
+) -> None:
+    """One rank all-reduces a tensor of another shape / dtype (same bytes) in one step."""
+    from _mp_check_scenarios import SCENARIOS
+
+    dev = SCENARIOS[scenario]
+    assert dev is not None
+    (f,) = check_run(gloo_run.root / scenario).findings
+    assert (f.kind, f.group, f.step, f.seq) == (KIND_MISMATCH, _groups(gloo_run)["world"],
+                                                dev.step, _seq(dev.step, index))
+    assert f.details["fields"] == [field]
+    for r in range(WORLD):
+        expected = values[1] if r == dev.rank else values[0]
+        assert f.ranks[r] == {"op": "all_reduce", "fqn": fqn, "phase": "forward",
+                              "seq": _seq(dev.step, index), field: expected}
+
+
+@pytest.mark.multiprocess
+def test_gloo_rank_skipping_a_step(gloo_run: GlooRun) -> None:
+    """Rank 3 did not trace step 1: it is missing from step 1, and its shifted sequence
+    numbers in step 2 cause no mismatch."""
+    from _mp_check_scenarios import SCENARIOS, STEPS
+
+    dev = SCENARIOS["skip_step"]
+    assert dev is not None
+    result = check_run(gloo_run.root / "skip_step")
+    (f,) = result.findings
+    assert (f.kind, f.group, f.step) == (KIND_MISSING, None, dev.step)
+    assert f.ranks == {dev.rank: {"op": None, "fqn": None, "phase": None, "seq": None,
+                                  "last_step": dev.step - 1}}
+    assert result.checked["steps"] == STEPS
+    run = build_run(read_spans(*sorted((gloo_run.root / "skip_step").glob("*.jsonl"))))
+    last = [c for c in run.collectives if c.step == STEPS - 1 and c.fqn == "Net.blocks.0"]
+    seqs = {c.rank: c.seq for c in last}
+    assert seqs[dev.rank] != seqs[0]  # the shift that matching by seq would trip on
+
+
+@pytest.mark.multiprocess
+def test_gloo_recv_into_another_shape(gloo_run: GlooRun) -> None:
+    """Rank 1 receives rank 0's send into a 4x4 buffer: a p2p mismatch of that pair."""
+    from _mp_check_scenarios import SCENARIOS
+
+    dev = SCENARIOS["recv_shape"]
+    assert dev is not None
+    (f,) = check_run(gloo_run.root / "recv_shape").findings
+    assert (f.kind, f.group, f.step) == (KIND_MISMATCH, _groups(gloo_run)["world"], dev.step)
+    assert (f.details["src"], f.details["dst"]) == (dev.rank - 1, dev.rank)
+    assert f.ranks[dev.rank - 1]["op"] == "send" and f.ranks[dev.rank - 1]["shape"] == [16]
+    assert f.ranks[dev.rank]["op"] == "recv" and f.ranks[dev.rank]["shape"] == [4, 4]
+    assert f.ranks[dev.rank]["fqn"] == "Net.ring"
+
+
+# ------------------------------------------------------------------ documentation
+REPO = Path(__file__).resolve().parent.parent
+_BLOCK = re.compile(r"^```python\n(.*?)^```", re.MULTILINE | re.DOTALL)
+
+
+def _run_blocks(path: Path) -> dict[str, object]:
+    namespace: dict[str, object] = {"__name__": f"docs:{path.name}"}
+    for i, block in enumerate(_BLOCK.findall(path.read_text(encoding="utf-8")), 1):
+        exec(compile(block, f"{path.name} block {i}", "exec"), namespace)  # noqa: S102
+    return namespace
+
+
+def test_debugging_doc_example_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """docs/debugging.md's Python block runs on the files README's example writes."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
+    _run_blocks(REPO / "README.md")["mode"].shutdown()  # type: ignore[attr-defined]
+    capsys.readouterr()
+    _run_blocks(REPO / "docs" / "debugging.md")
+    out = capsys.readouterr().out
+    assert out.startswith("consistent: checked 1 rank, 0 groups, 3 steps")
+    assert "Step time per rank" in out
+
+
+def test_json_that_is_not_spans_is_a_value_error_naming_the_file(tmp_path: Path) -> None:
+    """A JSON line of another shape (a list, a bad timestamp) names the file, no traceback
+    from deep inside the reader."""
+    odd = tmp_path / "odd.jsonl"
+    odd.write_text("[1, 2]\n")
+    with pytest.raises(ValueError, match=r"odd\.jsonl: not a JSONL file of OTLP spans"):
+        check_run(odd)
+    bad_time = tmp_path / "time.jsonl"
+    span = {"traceId": "1", "spanId": "2", "name": "x", "startTimeUnixNano": "soon"}
+    bad_time.write_text(json.dumps(
+        {"resourceSpans": [{"scopeSpans": [{"spans": [span]}]}]}) + "\n")
+    with pytest.raises(ValueError, match=r"time\.jsonl: not a JSONL file of OTLP spans"):
+        check_run(bad_time)
+
+
+def test_hang_reports_the_lowest_collective_still_pending() -> None:
+    """Ranks 0, 2, 3 issued an async all_gather (seq 1) and then an all_reduce (seq 2),
+    neither completed; rank 1 issued neither: the hang is at seq 1, the all_gather."""
+    b = SpanBuilder(WORLD)
+    for r in range(WORLD):
+        pending = []
+        if r != 1:
+            pending = [
+                b.event_attrs("all_gather_into_tensor", fqn="Net.blocks.0", phase="forward",
+                              group=WORLD_GROUP, ranks=range(WORLD), seq=1,
+                              state=semconv.STATE_ISSUED),
+                b.event_attrs("all_reduce", fqn="Net.blocks.1", phase="forward",
+                              group=WORLD_GROUP, ranks=range(WORLD), seq=2,
+                              state=semconv.STATE_ISSUED),
+            ]
+        stack = [("Net", "forward"), ("Net.blocks.1" if r != 1 else "Net.embed", "forward")]
+        b.hang(r, 0, stack=stack, collectives=pending)
+    (f,) = run_check(b).findings
+    assert (f.kind, f.seq, f.step) == (KIND_HANG, 1, 0)
+    assert f.ranks[0]["op"] == "all_gather_into_tensor" and f.ranks[0]["fqn"] == "Net.blocks.0"
+    assert f.ranks[1]["fqn"] == "Net.embed" and f.ranks[1]["op"] is None
+    assert "rank 1 never issued it and was last seen in `Net.embed` forward" in f.message

@@ -1,0 +1,157 @@
+"""commspan.analysis.stragglers and .bandwidth over synthetic span records with durations.
+
+Collective durations are not recorded by the capture side yet (issue 11 item 1):
+these tests build them; a test on real gloo ranks belongs with that work.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from _analysis_builder import SpanBuilder
+
+from commspan import semconv
+from commspan.analysis import bandwidth, build_run, bus_factor, stragglers
+from commspan.analysis.stragglers import analyze, step_breakdown, straggler_report
+from commspan.render.findings import format_stragglers
+
+WORLD = 4
+MS = 1_000_000
+
+
+def timed_run(durations: dict[tuple[int, str], list[int]], steps: int = 2) -> SpanBuilder:
+    """Every rank issues, each step, one all_reduce in each module of ``durations``;
+    ``durations[(rank, fqn)][step]`` is its duration on that rank."""
+    b = SpanBuilder(WORLD)
+    fqns = sorted({fqn for _, fqn in durations})
+    for step in range(steps):
+        for r in range(WORLD):
+            s = b.rank(r, step)
+            for fqn in fqns:
+                s.coll("all_reduce", fqn=fqn, duration_ns=durations[(r, fqn)][step])
+    return b
+
+
+def test_last_rank_is_the_one_that_waited_least_and_its_wait_is_summed() -> None:
+    """Rank 2 arrives last at Net.blocks.1's all_reduce in both steps (shortest duration);
+    the wait it causes is the others' extra time, per step and module."""
+    d: dict[tuple[int, str], list[int]] = {}
+    for r in range(WORLD):
+        d[(r, "Net.blocks.0")] = [5 * MS + r, 5 * MS + r]  # rank 0 last, a few ns
+        d[(r, "Net.blocks.1")] = [(1 if r == 2 else 30 + r) * MS, (1 if r == 2 else 40) * MS]
+    rows, ranks, checked = straggler_report(build_run(timed_run(d).spans()))
+    assert checked == {"collectives": 4, "with_wait": 4, "without_duration": 0,
+                       "inconsistent": 0}
+    top = rows[0]
+    assert (top.step, top.fqn, top.phase, top.rank) == (1, "Net.blocks.1", "forward", 2)
+    assert top.wait_ns == 3 * (40 - 1) * MS and top.max_wait_ns == 39 * MS
+    assert (top.times_last, top.collectives, top.groups) == (1, 1, ("0",))
+    step0 = next(r for r in rows if r.step == 0 and r.fqn == "Net.blocks.1")
+    assert step0.rank == 2
+    assert step0.wait_ns == sum((30 + r - 1) * MS for r in (0, 1, 3))
+    small = [r for r in rows if r.fqn == "Net.blocks.0"]
+    assert {r.rank for r in small} == {0} and all(r.wait_ns == 1 + 2 + 3 for r in small)
+    assert ranks[0].rank == 2 and ranks[0].times_last == 2
+    assert ranks[0].wait_ns == top.wait_ns + step0.wait_ns
+
+
+def test_ties_cause_no_wait_and_missing_durations_are_counted() -> None:
+    """Equal durations name no straggler; a collective without duration on one rank is
+    left out and counted."""
+    d = {(r, "Net.a"): [2 * MS, 2 * MS] for r in range(WORLD)}
+    d.update({(r, "Net.b"): [MS, MS] for r in range(WORLD)})
+    b = timed_run(d)
+    for r in range(WORLD):
+        b.rank(r, 2).coll("all_reduce", fqn="Net.c", duration_ns=None if r == 1 else MS)
+    rows, ranks, checked = straggler_report(build_run(b.spans()))
+    assert rows == [] and ranks == []
+    assert checked["collectives"] == 4 and checked["with_wait"] == 0
+    assert checked["without_duration"] == WORLD
+
+
+def test_steps_whose_ranks_disagree_are_left_out() -> None:
+    """A (group, step) where one rank issued an extra collective is not matched."""
+    d = {(r, "Net.a"): [MS * (r + 1)] * 2 for r in range(WORLD)}
+    b = timed_run(d)
+    b.rank(0, 2).coll("all_reduce", fqn="Net.a", duration_ns=MS)
+    b.rank(0, 2).coll("all_reduce", fqn="Net.a", duration_ns=MS)
+    for r in range(1, WORLD):
+        b.rank(r, 2).coll("all_reduce", fqn="Net.a", duration_ns=MS)
+    _, _, checked = straggler_report(build_run(b.spans()))
+    assert checked["collectives"] == 2 and checked["inconsistent"] == WORLD + 1
+
+
+def test_step_breakdown_counts_each_instant_once_for_the_innermost_span() -> None:
+    """Rank span 0-100; forward Net 10-50 holding Net.a 20-30; backward Net 50-90 holding
+    a recompute 60-70: forward 40, backward 30, recompute 10, outside 20."""
+    b = SpanBuilder(1)
+    s = b.rank(0, 0)
+    fwd = s.module("Net", "forward", start=10, end=50)
+    s.module("Net.a", "forward", start=20, end=30, parent=fwd)
+    bwd = s.module("Net", "backward", start=50, end=90)
+    s.module("Net.a", "recompute", start=60, end=70, parent=bwd)
+    s.set_times(0, 100)
+    (t,) = step_breakdown(build_run(b.spans()))
+    assert (t.rank, t.step, t.total_ns) == (0, 0, 100)
+    assert (t.forward_ns, t.backward_ns, t.recompute_ns, t.outside_ns) == (40, 30, 10, 20)
+    assert t.forward_ns + t.backward_ns + t.recompute_ns + t.outside_ns == t.total_ns
+    assert t.collectives_ns is None
+
+
+def test_step_breakdown_sums_collective_durations() -> None:
+    """collectives_ns is the sum of the rank's collective durations in the step."""
+    d = {(r, fqn): [MS * (r + 1), 2 * MS] for r in range(WORLD) for fqn in ("Net.a", "Net.b")}
+    times = step_breakdown(build_run(timed_run(d).spans()))
+    assert len(times) == WORLD * 2
+    for t in times:
+        expected = 2 * MS * (t.rank + 1) if t.step == 0 else 4 * MS
+        assert t.collectives_ns == expected
+
+
+def test_stragglers_reads_files_and_serialises(tmp_path: Path) -> None:
+    """stragglers(paths) raises clear errors on bad paths; to_dict has the documented keys."""
+    with pytest.raises(FileNotFoundError, match="missing"):
+        stragglers(tmp_path / "missing")
+    d = {(r, "Net.a"): [MS * (4 - r)] * 2 for r in range(WORLD)}
+    result = analyze(build_run(timed_run(d).spans()))
+    doc = json.loads(json.dumps(result.to_dict()))
+    assert set(doc) == {"stragglers", "ranks", "step_times", "checked"}
+    assert doc["stragglers"][0]["rank"] == 3 and doc["stragglers"][0]["fqn"] == "Net.a"
+    assert {"step", "fqn", "phase", "rank", "times_last", "wait_ns"} <= set(doc["stragglers"][0])
+    text = format_stragglers(result)
+    assert "Net.a" in text and "rank 3 last 2 times" in text
+
+
+def test_without_durations_the_text_says_timing_is_needed() -> None:
+    """No durations: no rows, and the text names the attribute that is missing."""
+    b = SpanBuilder(2)
+    for r in range(2):
+        b.rank(r, 0).coll("all_reduce", ranks=(0, 1))
+    result = analyze(build_run(b.spans()))
+    assert result.stragglers == [] and result.checked["without_duration"] == 2
+    assert semconv.COLL_DURATION_NS in format_stragglers(result)
+
+
+# ------------------------------------------------------------------ bandwidth
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+def test_bus_factors_follow_nccl_tests(n: int) -> None:
+    """2(n-1)/n for all_reduce, (n-1)/n for gather/scatter/all-to-all families, 1 else."""
+    assert bus_factor("all_reduce", n) == pytest.approx(2 * (n - 1) / n)
+    for op in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single"):
+        assert bus_factor(op, n) == pytest.approx((n - 1) / n)
+    for op in ("broadcast", "reduce", "send", "recv"):
+        assert bus_factor(op, n) == 1.0
+
+
+def test_bandwidth_uses_the_whole_operation_size() -> None:
+    """all_gather's size is the gathered output; 1 GB in 1 s is 1 GB/s; no duration: None."""
+    gb = 10**9
+    assert bandwidth("all_reduce", nbytes=gb, duration_ns=10**9, group_size=8) == (
+        pytest.approx(1.0), pytest.approx(1.75))
+    ag = bandwidth("all_gather_into_tensor", nbytes=gb // 4, duration_ns=10**9, group_size=4)
+    assert ag is not None and ag.algbw == pytest.approx(1.0) and ag.busbw == pytest.approx(0.75)
+    assert bandwidth("all_reduce", nbytes=gb, duration_ns=0, group_size=2) is None
+    with pytest.raises(ValueError, match="group_size"):
+        bus_factor("all_reduce", 0)
