@@ -274,7 +274,7 @@ class _Context:
 
 
 def _asset(name: str) -> str:
-    return resources.files(__package__ or "").joinpath("assets", name).read_text("utf-8")
+    return resources.files(__package__ or "").joinpath("assets").joinpath(name).read_text("utf-8")
 
 
 def _e(value: Any) -> str:
