@@ -1,15 +1,19 @@
-"""JSONL files under faults: damaged input.
+"""JSONL files under faults: partial lines, full disks, deleted directories, damaged input.
 
-The readers recover every complete line around a damaged one and say what
-they skipped (file, line, reason), or raise naming file and line when
-``strict``.
+The writer never appends after a partial line and never reports a line it did
+not wholly write as exported; the readers recover every complete line around
+a damaged one and say what they skipped (file, line, reason), or raise naming
+file and line when ``strict``.
 """
 
 from __future__ import annotations
 
+import errno
+import json
 import logging
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -20,10 +24,12 @@ import pytest
 import torch
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+import commspan.exporters.jsonl as jsonl
 from commspan import Aggregator, CommSpanMode, semconv
+from commspan.export import ExportQueue
 from commspan.exporters import JsonlSpanExporter, ReadReport, read_spans
 
 REPO = Path(__file__).resolve().parent.parent
@@ -46,11 +52,242 @@ def _names(path: Path, **kwargs: object) -> list[str]:
     return [s.name for s in read_spans(path, **kwargs)]  # type: ignore[arg-type]
 
 
+# ---------------------------------------------------------------- writer: partial lines
+def test_restart_after_a_torn_line_starts_a_fresh_line(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Appending to a file left with a partial last line (a crashed writer) starts a
+    new line: the new lines stay readable, the fragment is reported as damaged."""
+    caplog.set_level(logging.WARNING)
+    path = tmp_path / "trace.jsonl"
+    whole = jsonl.encode_spans(_spans(2, "old")) + b"\n"
+    fragment = jsonl.encode_spans(_spans(2, "torn"))[:150]
+    path.write_bytes(whole + fragment)
+
+    exporter = JsonlSpanExporter(path)
+    for tag in ("new-a", "new-b"):
+        assert exporter.export(_spans(3, tag)) is SpanExportResult.SUCCESS
+    exporter.shutdown()
+
+    data = path.read_bytes()
+    assert data.startswith(whole + fragment + b"\n")
+    report = ReadReport()
+    names = _names(path, strict=False, report=report)
+    assert names == ["old-0", "old-1"] + [f"{t}-{i}" for t in ("new-a", "new-b") for i in range(3)]
+    assert [(s.line, s.kind) for s in report.skipped] == [(2, "damaged")]
+    with pytest.raises(ValueError, match=re.escape(f"{path}:2: not a JSON line")):
+        list(read_spans(path))
+    assert any("does not end in a newline" in r.getMessage() and str(path) in r.getMessage()
+               for r in caplog.records)
+
+
+def test_short_write_is_removed_and_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A write that stops partway (ENOSPC) returns FAILURE and leaves nothing of its
+    line in the file; once space is back, later lines are whole and readable."""
+    caplog.set_level(logging.WARNING)
+    path = tmp_path / "trace.jsonl"
+    exporter = JsonlSpanExporter(path)
+    assert exporter.export(_spans(2, "a")) is SpanExportResult.SUCCESS
+    size = path.stat().st_size
+    real_write = os.write
+    calls = []
+
+    def disk_fills(fd: int, data: bytes) -> int:
+        calls.append(len(data))
+        if len(calls) == 1:
+            return real_write(fd, bytes(data[: len(data) // 3]))  # what fitted
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "write", disk_fills)
+        assert exporter.export(_spans(4, "b")) is SpanExportResult.FAILURE
+        assert exporter.export(_spans(4, "c")) is SpanExportResult.FAILURE
+    assert len(calls) == 3  # b: a third, then ENOSPC; c: ENOSPC at once
+    assert path.stat().st_size == size  # b's third was cut off again
+    assert exporter.export(_spans(2, "d")) is SpanExportResult.SUCCESS
+    exporter.shutdown()
+    assert _names(path) == ["a-0", "a-1", "d-0", "d-1"]  # strict: every line whole
+    warned = [r.getMessage() for r in caplog.records if "writing" in r.getMessage()]
+    assert len(warned) == 1 and "No space left on device" in warned[0]
+
+
+FILE_SIZE_CHILD = textwrap.dedent(
+    """
+    import json, resource, signal, sys
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from commspan.export import ExportQueue
+    from commspan.exporters import JsonlSpanExporter
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of death
+
+    def spans(n, tag):
+        memory = InMemorySpanExporter()
+        provider = TracerProvider(resource=Resource.create({"commspan.rank": 0}))
+        provider.add_span_processor(SimpleSpanProcessor(memory))
+        for i in range(n):
+            with provider.get_tracer("t").start_as_current_span(f"{tag}-{i}",
+                                                                attributes={"pad": "x" * 300}):
+                pass
+        return list(memory.get_finished_spans())
+
+    path = sys.argv[1]
+    queue = ExportQueue(JsonlSpanExporter(path), schedule_delay_s=0.01)
+
+    def batch(tag, n):
+        for s in spans(n, tag):
+            queue.on_end(s)
+        assert queue.force_flush(10_000)
+
+    batch("a", 5)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    size = __import__("os").path.getsize(path)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size + 1000, hard))  # the disk is full
+    batch("b", 20)  # about 10 kB: cut short after 1000 bytes
+    batch("c", 20)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))  # space freed
+    batch("d", 5)
+    queue.shutdown()
+    print(json.dumps(queue.stats()))
+    """
+)
+
+
+def test_file_size_limit_short_writes_are_failed_not_glued(tmp_path: Path) -> None:
+    """Real short writes (RLIMIT_FSIZE in a child process): the spans of cut lines
+    are counted failed, nothing of them stays in the file, the other lines read whole."""
+    path = tmp_path / "trace.jsonl"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-c", FILE_SIZE_CHILD, str(path)], env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr
+    stats = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert (stats["queued"], stats["exported"], stats["failed"], stats["dropped"]) == (
+        50, 10, 40, 0)
+    assert stats["pending"] == stats["in_flight"] == 0
+    assert _names(path) == [f"{t}-{i}" for t in "ad" for i in range(5)]
+
+
+def test_full_device_fails_and_counts(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Writing to /dev/full (ENOSPC at once) returns FAILURE: the queue counts the spans
+    failed, logs once, and nothing raises."""
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full")
+    caplog.set_level(logging.WARNING)
+    link = tmp_path / "full.jsonl"
+    link.symlink_to("/dev/full")
+    queue = ExportQueue(JsonlSpanExporter(link), schedule_delay_s=0.01)
+    for tag in "ab":
+        for s in _spans(3, tag):
+            queue.on_end(s)
+        assert queue.force_flush(10_000)
+    queue.shutdown()
+    stats = queue.stats()
+    assert (stats["queued"], stats["exported"], stats["failed"]) == (6, 0, 6)
+    assert len([r for r in caplog.records if "No space left" in r.getMessage()]) == 1
+
+
+# ---------------------------------------------------------------- writer: file gone
 def _step(mode: CommSpanMode, model: torch.nn.Module, i: int) -> None:
     with mode.step(i):
         model(torch.ones(2, 4)).sum().backward()
     assert mode.flush(10.0)
 
+
+@pytest.mark.parametrize("how", ["rmtree", "unlink"])
+def test_deleted_output_is_recreated(
+    tmp_path: Path, how: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The output directory (or file) deleted mid-run: the exporter notices at the next
+    batch, creates the file again, logs once; every span is on disk or counted."""
+    caplog.set_level(logging.WARNING)
+    out = tmp_path / "out"
+    mode = CommSpanMode(exporters=[JsonlSpanExporter(out / "trace-{rank}.jsonl")])
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+    with mode:
+        for i in range(2):
+            _step(mode, model, i)
+        (path,) = out.iterdir()
+        before = mode.stats()["exporters"][0]["exported"]
+        assert before > 0
+        if how == "rmtree":
+            shutil.rmtree(out)
+        else:
+            path.unlink()
+        for i in range(2, 5):
+            _step(mode, model, i)
+    mode.shutdown()
+    (stats,) = mode.stats()["exporters"]
+    assert stats["queued"] == stats["exported"] + stats["dropped"] + stats["failed"]
+    assert stats["pending"] == stats["in_flight"] == 0
+    assert stats["failed"] == stats["dropped"] == 0
+    on_disk = list(read_spans(path))
+    assert len(on_disk) == stats["exported"] - before > 0
+    steps = {s.attributes.get(semconv.STEP) for s in on_disk if s.name == semconv.SPAN_RANK}
+    assert steps == {2, 3, 4}
+    gone = [r for r in caplog.records if "deleted or replaced" in r.getMessage()]
+    assert len(gone) == 1 and str(path) in gone[0].getMessage()
+
+
+def test_output_that_cannot_be_recreated_counts_failed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """If the deleted directory cannot be made again (a file is in its place), later
+    batches return FAILURE: counted failed, logged once, never raised."""
+    caplog.set_level(logging.WARNING)
+    out = tmp_path / "out"
+    exporter = JsonlSpanExporter(out / "trace.jsonl")
+    queue = ExportQueue(exporter, schedule_delay_s=0.01)
+    for s in _spans(3, "a"):
+        queue.on_end(s)
+    assert queue.force_flush(10_000)
+    shutil.rmtree(out)
+    out.write_text("in the way")
+    for tag in "bc":
+        for s in _spans(3, tag):
+            queue.on_end(s)
+        assert queue.force_flush(10_000)
+    queue.shutdown()
+    stats = queue.stats()
+    assert (stats["queued"], stats["exported"], stats["failed"]) == (9, 3, 6)
+    assert len([r for r in caplog.records if "cannot open" in r.getMessage()]) == 1
+
+
+# ---------------------------------------------------------------- writer: template
+@pytest.mark.parametrize(
+    ("name", "problem"),
+    [
+        ("trace-{rnak}.jsonl", "unknown field {rnak}"),
+        ("trace-{0}.jsonl", "a positional field"),
+        ("trace-{rank.jsonl", "expected '}' before end of string"),
+        ("{run_id}/trace-{run_id:d}.jsonl", "Unknown format code 'd'"),
+        ("{rnak}/", "unknown field {rnak}"),
+    ],
+)
+def test_bad_file_name_template_is_rejected_at_creation(
+    tmp_path: Path, name: str, problem: str
+) -> None:
+    """A template the exporter could not fill raises ValueError when it is created,
+    naming the parameter, the value and the fields there are."""
+    value = str(tmp_path / name)
+    with pytest.raises(ValueError) as info:
+        JsonlSpanExporter(value)
+    message = str(info.value)
+    assert message.startswith(f"path={value!r} is not a valid file-name template: ")
+    assert problem in message
+    assert "the fields are {rank} and {run_id}" in message
+
+
+def test_good_templates_are_accepted(tmp_path: Path) -> None:
+    """Format specs and doubled braces are fine, and fill as documented."""
+    exporter = JsonlSpanExporter(tmp_path / "{{x}}-r{rank:03d}.jsonl")
+    assert exporter.export(_spans(1, "a")) is SpanExportResult.SUCCESS
+    exporter.shutdown()
+    assert [p.name for p in tmp_path.iterdir()] == ["{x}-r000.jsonl"]
 
 
 # ---------------------------------------------------------------- reader

@@ -16,9 +16,11 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import logging
 import os
+import stat
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -53,8 +55,14 @@ DEFAULT_FILENAME = "commspan-rank{rank}.jsonl"
 class JsonlSpanExporter(SpanExporter):
     """Write spans to a JSONL file, one OTLP/JSON request per line.
 
-    Each ``export`` call appends one whole line with a single ``write``, so a
-    crash loses at most the spans not yet exported, never part of a line.
+    Each ``export`` call appends one whole line with a single ``write``. The
+    file never gets a line appended after a partial one: a file that does not
+    end in a newline when opened (an earlier writer crashed mid-line) gets a
+    newline first, and a write cut short (a full disk) is truncated back to
+    where its line began. The file is checked once per batch: if it was
+    deleted or replaced (its directory removed mid-run), it is created again
+    and the event logged once. An export that did not write its whole line
+    returns ``FAILURE``, so its spans are counted as failed, never exported.
 
     Args:
         path: file to append to, or a directory (the file is then
@@ -67,6 +75,8 @@ class JsonlSpanExporter(SpanExporter):
 
     Raises:
         TypeError: ``path`` is not a str or path.
+        ValueError: ``path`` has a field other than ``{rank}`` and
+            ``{run_id}`` (``"trace-{rnak}.jsonl"``) or an unpaired brace.
 
     Example:
         >>> from commspan import CommSpanMode
@@ -80,15 +90,21 @@ class JsonlSpanExporter(SpanExporter):
                 f"path={path!r} is not valid; pass a file path or a directory (str or Path)"
             )
         self._template = os.fspath(path)
+        _check_template(self._template)
         self._fsync = fsync
         self._fd: int | None = None
         self._lock = threading.Lock()
         self._closed = False
+        self._file_id: tuple[int, int] = (0, 0)  # (st_dev, st_ino) of the file held open
+        self._size = 0  # where the next line starts, as last seen
+        self._fresh_line = False  # the next line must begin with a newline
+        self._warned: set[str] = set()
         self.path: Path | None = None
+        self._path_str = ""
         self.lines_written = 0
         self.bytes_written = 0
 
-    def _open(self, first: ReadableSpan) -> int:
+    def _path_for(self, first: ReadableSpan) -> Path:
         res = first.resource.attributes if first.resource is not None else {}
         rank = res.get(semconv.RANK)
         if rank is None:
@@ -97,31 +113,132 @@ class JsonlSpanExporter(SpanExporter):
         template = self._template
         if _is_directory(template):
             template = os.path.join(template, DEFAULT_FILENAME)
-        path = Path(template.format(rank=rank, run_id=run_id))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.path = path
-        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        return self._fd
+        return Path(template.format(rank=rank, run_id=run_id))
+
+    def _open(self, first: ReadableSpan) -> int | None:
+        """Open (or create again) the file; ``None``, logged once, if it cannot be."""
+        try:
+            path = self.path if self.path is not None else self._path_for(first)
+            self.path, self._path_str = path, str(path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except (OSError, ValueError, KeyError, IndexError, AttributeError, TypeError) as exc:
+            self._warn_once(
+                "open", "commspan: JsonlSpanExporter cannot open %s (%s: %s); its spans are "
+                "counted as failed until it can (not logged again)",
+                self.path if self.path is not None else self._template, type(exc).__name__, exc,
+            )
+            return None
+        st = os.fstat(fd)
+        self._fd = fd
+        self._file_id = (st.st_dev, st.st_ino)
+        self._size = st.st_size
+        self._fresh_line = st.st_size > 0 and not _ends_in_newline(path, st.st_size)
+        if self._fresh_line:
+            _log.warning(
+                "commspan: %s does not end in a newline (an earlier writer stopped "
+                "mid-line); appending from a new line, readers report the partial line "
+                "as damaged", path,
+            )
+        return fd
+
+    def _file_is_there(self) -> bool:
+        """Whether the path still names the file held open (one ``stat`` per batch);
+        also notes where the next line starts."""
+        try:
+            st = os.stat(self._path_str)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        except OSError:  # cannot tell (a directory made unreadable): keep writing
+            return True
+        if (st.st_dev, st.st_ino) != self._file_id:
+            return False
+        self._size = st.st_size
+        return True
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        """Append one line holding ``spans``."""
+        """Append one line holding ``spans``.
+
+        Returns:
+            ``SUCCESS`` once the whole line is written; ``FAILURE`` after
+            ``shutdown``, or when the file cannot be opened or the line was not
+            (wholly) written: nothing of that line is left in the file.
+        """
         if not spans:
             return SpanExportResult.SUCCESS
         with self._lock:
             if self._closed:
                 return SpanExportResult.FAILURE
-            fd = self._fd if self._fd is not None else self._open(spans[0])
+            fd = self._fd
+            if fd is not None and not self._file_is_there():
+                self._warn_once(
+                    "gone", "commspan: %s was deleted or replaced while being written; "
+                    "writing to a new file at that path (lines written before went with "
+                    "the old file; not logged again)", self.path,
+                )
+                self._close_fd()
+                fd = None
+            if fd is None:
+                fd = self._open(spans[0])
+                if fd is None:
+                    return SpanExportResult.FAILURE
             with _no_gc():
                 data = _encode(spans, b"\n")
-            view = memoryview(data)
-            while view:
-                n = os.write(fd, view)
-                view = view[n:]
-            if self._fsync:
-                os.fsync(fd)
+            if self._fresh_line:
+                data = b"\n" + data
+            start = self._size
+            written = 0
+            try:
+                view = memoryview(data)
+                while written < len(data):
+                    n = os.write(fd, view[written:])
+                    if n <= 0:
+                        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                    written += n
+                if self._fsync:
+                    os.fsync(fd)
+            except OSError as exc:
+                if written < len(data):
+                    self._undo(fd, start, written)
+                else:  # whole line written, fsync failed
+                    self._fresh_line = False
+                self._warn_once(
+                    "write", "commspan: writing %s failed (%s); the line was %s and its "
+                    "spans are counted as failed (further failures are counted, not logged)",
+                    self.path, exc,
+                    "not fsynced" if written == len(data) else "removed from the file",
+                )
+                return SpanExportResult.FAILURE
+            self._fresh_line = False
+            self._size = start + written
             self.lines_written += 1
             self.bytes_written += len(data)
         return SpanExportResult.SUCCESS
+
+    def _undo(self, fd: int, start: int, written: int) -> None:
+        """After a short write, cut the file back to where the line began; if that is
+        not certain to remove only this line's bytes, start the next line afresh."""
+        if written == 0:
+            return
+        try:
+            st = os.fstat(fd)
+            if stat.S_ISREG(st.st_mode) and st.st_size == start + written:
+                os.ftruncate(fd, start)
+                return
+        except OSError:
+            pass
+        self._fresh_line = True
+
+    def _warn_once(self, kind: str, message: str, *args: Any) -> None:
+        if kind not in self._warned:
+            self._warned.add(kind)
+            _log.warning(message, *args)
+
+    def _close_fd(self) -> None:
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = None
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         """Lines are written unbuffered; nothing to flush."""
@@ -131,9 +248,41 @@ class JsonlSpanExporter(SpanExporter):
         """Close the file; later exports fail."""
         with self._lock:
             self._closed = True
-            if self._fd is not None:
-                os.close(self._fd)
-                self._fd = None
+            self._close_fd()
+
+
+_FIELDS = ("rank", "run_id")
+
+
+def _check_template(template: str) -> None:
+    """Reject a path whose fields ``_open`` could not fill, before any span is lost."""
+    try:
+        template.format(rank=0, run_id="run")
+    except KeyError as exc:
+        problem = f"unknown field {{{exc.args[0]}}}"
+    except IndexError:
+        problem = "a positional field ({} or {0})"
+    except (ValueError, AttributeError, TypeError) as exc:
+        problem = str(exc)
+    else:
+        return
+    raise ValueError(
+        f"path={template!r} is not a valid file-name template: {problem}; the fields are "
+        "{rank} and {run_id} (write {{ or }} for a literal brace)"
+    )
+
+
+def _ends_in_newline(path: Path, size: int) -> bool:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:  # cannot tell: a spare newline only makes an empty line
+        return False
+    try:
+        return os.pread(fd, 1, size - 1) == b"\n"
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def _is_directory(template: str) -> bool:
