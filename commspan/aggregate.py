@@ -24,12 +24,15 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry.context import Context
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
 
 from commspan import semconv
+
+if TYPE_CHECKING:
+    from commspan.exporters.jsonl import ReadReport
 
 __all__ = ["Aggregator", "CollectiveSummary"]
 
@@ -293,32 +296,77 @@ class Aggregator(SpanProcessor):
     # ------------------------------------------------------------ offline
     @classmethod
     def from_jsonl(
-        cls, *paths: str | os.PathLike[str], rank: int | str | None = None
+        cls,
+        *paths: str | os.PathLike[str],
+        rank: int | str | None = None,
+        strict: bool = True,
+        report: ReadReport | None = None,
+        max_line_bytes: int | None = None,
     ) -> Aggregator:
         """Build an aggregator from files written by ``JsonlSpanExporter``.
+
+        Lines are read as :func:`commspan.exporters.read_spans` reads them: a
+        torn last line (no trailing newline) is skipped with a warning; a
+        damaged line raises, or with ``strict=False`` is skipped while every
+        other line counts. A line that cannot be decoded adds nothing.
 
         Args:
             paths: JSONL files, or directories holding ``*.jsonl`` files.
             rank: which rank to count. ``None`` requires the files to hold one
                 rank only; ``"all"`` sums every rank.
+            strict: raise on a damaged line (default) or skip it.
+            report: a :class:`~commspan.exporters.ReadReport` that collects
+                lines read, spans, ranks and skipped lines (these are then not
+                logged).
+            max_line_bytes: longest line read (``None``: 64 MiB).
 
         Raises:
-            ValueError: no path given, or several ranks found and ``rank=None``.
+            ValueError: no path given; several ranks found and ``rank=None``;
+                a damaged or over-long line and ``strict`` (naming file and line).
             FileNotFoundError: a path does not exist.
+
+        Example:
+            >>> import tempfile
+            >>> from commspan import Aggregator
+            >>> from commspan.exporters import ReadReport
+            >>> run_dir = tempfile.mkdtemp()  # a directory of a run's *.jsonl files
+            >>> report = ReadReport()
+            >>> agg = Aggregator.from_jsonl(run_dir, rank="all", strict=False, report=report)
+            >>> report.damaged  # SkippedLine(path, line, kind, reason) of each damaged line
+            []
         """
-        from commspan.exporters.jsonl import _no_gc, read_documents
+        from commspan.exporters.jsonl import DEFAULT_MAX_LINE_BYTES, _no_gc, _Reader
 
         if not paths:
             raise ValueError("paths is empty; pass at least one JSONL file or directory")
         files = list(_expand(paths))
         if rank is not None and rank != "all" and not isinstance(rank, int):
             raise ValueError(f"rank={rank!r} is not valid; pass an int, 'all' or None")
+        reader = _Reader(
+            strict, report,
+            DEFAULT_MAX_LINE_BYTES if max_line_bytes is None else max_line_bytes, False,
+        )
         agg = cls()
         ranks: set[Any] = set()
+        only = rank if isinstance(rank, int) else None
         with _no_gc():  # millions of small acyclic dicts: GC passes cost more than parsing
-            for doc in read_documents(*files, pause_gc=False):
-                _fold_document(agg, doc, rank if isinstance(rank, int) else None, ranks)
+            for path, number, doc in reader.documents(files):
+                try:
+                    spans, adds = _decode_document(doc)
+                except (TypeError, KeyError, AttributeError, ValueError) as exc:
+                    reader.bad_request(path, number, doc, exc)
+                    continue
                 del doc
+                for r, fqn, attrs, start, events in adds:
+                    ranks.add(r)
+                    if only is None or r == only:
+                        agg._add(fqn, attrs, start, events)
+                if report is not None:
+                    report.lines += 1
+                    report.spans += spans
+                    report.commspan_spans += len(adds)
+        if report is not None:
+            report.ranks |= ranks
         if rank is None and len(ranks) > 1:
             raise ValueError(
                 f"rank=None but the files hold spans of ranks {sorted(ranks, key=str)}; "
@@ -386,41 +434,78 @@ _EVENT_KEYS = frozenset(
 )
 
 
-def _fold_document(
-    agg: Aggregator, doc: dict[str, Any], rank: int | None, ranks: set[Any]
-) -> None:
-    """Fold one OTLP/JSON request into ``agg``, decoding only what counts need."""
+_Add = tuple[Any, str, dict[str, Any], int, list[tuple[str, dict[str, Any]]]]
+
+
+def _decode_document(doc: dict[str, Any]) -> tuple[int, list[_Add]]:
+    """Decode one OTLP/JSON request, only what counts need: the number of spans
+    and ``(rank, fqn, attributes, start, events)`` of each commspan span. Raises
+    (TypeError, KeyError, ...) on a malformed request before anything is counted."""
     from commspan.exporters.jsonl import decode_value
 
     prefix = semconv.COUNT_PREFIX
-    for rs in doc.get("resourceSpans", ()):
+    spans = 0
+    adds: list[_Add] = []
+    for rs in doc["resourceSpans"]:
         r: Any = None
         for a in rs.get("resource", {}).get("attributes", ()):
-            if a.get("key") == semconv.RANK:
+            if a["key"] == semconv.RANK:
                 r = decode_value(a.get("value", {}))
+                if isinstance(r, (list, dict)):
+                    raise ValueError(f"resource attribute {semconv.RANK} is {r!r}, expected "
+                                     "an int")
                 break
         for ss in rs.get("scopeSpans", ()):
-            for s in ss.get("spans", ()):
+            ss_spans = ss.get("spans", ())
+            spans += len(ss_spans)
+            for s in ss_spans:
                 attrs: dict[str, Any] = {}
                 for a in s.get("attributes", ()):
                     k = a["key"]
-                    if k in _SPAN_KEYS or k.startswith(prefix):
-                        attrs[k] = decode_value(a["value"])
+                    if k in _SPAN_KEYS:
+                        v = a["value"]
+                        text = v.get("stringValue")  # most of them: skip the decoder
+                        attrs[k] = text if text is not None else decode_value(v)
+                    elif k.startswith(prefix):  # a count: an int, checked here
+                        v = a["value"]
+                        n = v.get("intValue")
+                        attrs[k] = int(n if n is not None else decode_value(v))
                 fqn = attrs.get(semconv.MODULE_FQN)
                 if fqn is None:
                     continue
-                ranks.add(r)
-                if rank is not None and r != rank:
-                    continue
+                # values the aggregator converts are checked before anything is
+                # counted, so that a malformed line adds nothing
+                if semconv.MODULE_DEPTH in attrs:
+                    attrs[semconv.MODULE_DEPTH] = int(attrs[semconv.MODULE_DEPTH] or 1)
+                if semconv.PARAM_NAMES in attrs:
+                    _check_params(attrs)
                 events = []
                 for e in s.get("events", ()):
                     ev: dict[str, Any] = {}
                     for a in e.get("attributes", ()):
                         k = a["key"]
                         if k in _EVENT_KEYS:
-                            ev[k] = decode_value(a["value"])
+                            v = a["value"]
+                            text = v.get("stringValue")
+                            ev[k] = text if text is not None else decode_value(v)
+                    if semconv.TENSOR_BYTES in ev:
+                        ev[semconv.TENSOR_BYTES] = int(ev[semconv.TENSOR_BYTES] or 0)
                     events.append((e.get("name", ""), ev))
-                agg._add(str(fqn), attrs, int(s.get("startTimeUnixNano", 0)), events)
+                adds.append((r, str(fqn), attrs, int(s.get("startTimeUnixNano", 0)), events))
+    return spans, adds
+
+
+def _check_params(attrs: dict[str, Any]) -> None:
+    names = attrs[semconv.PARAM_NAMES]
+    if not isinstance(names, list):
+        raise ValueError(f"{semconv.PARAM_NAMES} is {names!r}, expected an array")
+    for key in (semconv.PARAM_PLACEMENTS, semconv.PARAM_SHAPES):
+        values = attrs.get(key)
+        if values and (not isinstance(values, list) or len(values) < len(names)):
+            raise ValueError(
+                f"{key} is {values!r}, expected an array of {len(names)} values, one per "
+                f"name in {semconv.PARAM_NAMES}"
+            )
 
 
 _TOTAL_KEYS = tuple(

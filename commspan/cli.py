@@ -9,20 +9,35 @@ A thin layer over :meth:`commspan.Aggregator.from_jsonl` and
 
 ``FILES`` are JSONL files written by ``JsonlSpanExporter`` or directories
 holding ``*.jsonl`` files. ``--rank`` picks one rank (``N``) or sums every
-rank (``all``); without it the files must hold one rank. On an error the
-command prints ``TypeName: message`` on stderr and exits with status 1.
+rank (``all``); without it the files must hold one rank.
+
+Damaged lines (complete lines that are not OTLP/JSON trace requests) are
+skipped: each is named on stderr (``ValueError: FILE:LINE: reason``), the
+output counts every other line, and the exit status is 1. A torn last line
+(no trailing newline: a crash, or a file still being written) is named with a
+warning and does not change the status. A line longer than ``--max-line-mib``
+ends the reading of its file.
+
+Exit status: 0 success; 1 an error (one line ``TypeName: message`` on stderr,
+nothing on stdout), damaged lines skipped, or no commspan span in the files;
+2 bad arguments; 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 __all__ = ["main"]
+
+_MAX_LISTED = 20  # damaged lines named one by one; then a count
+_MIB = 1024 * 1024
 
 
 def _rank(value: str) -> int | str:
@@ -39,10 +54,24 @@ def _rank(value: str) -> int | str:
     return rank
 
 
+def _mib(value: str) -> int:
+    try:
+        mib = int(value)
+    except ValueError:
+        mib = 0
+    if mib < 1:
+        raise argparse.ArgumentTypeError(
+            f"--max-line-mib {value!r} is not valid; pass a whole number of MiB >= 1"
+        )
+    return mib
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="commspan",
         description="Collective counts per module from commspan JSONL span files.",
+        epilog="Exit status: 0 ok; 1 error, damaged lines skipped, or no commspan span; "
+               "2 bad arguments; 130 interrupted.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -52,6 +81,9 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--rank", type=_rank, default=None, metavar="N|all",
                        help="count one rank, or 'all' to sum every rank "
                             "(required when the files hold several ranks)")
+        p.add_argument("--max-line-mib", type=_mib, default=64, metavar="MIB",
+                       help="longest line read, in MiB (default 64); a longer line ends "
+                            "the reading of its file")
 
     table = sub.add_parser("table", help="the module tree with collective counts per phase")
     common(table)
@@ -81,27 +113,47 @@ def _files(paths: Sequence[str]) -> list[Path]:
     return out
 
 
-def _ranks_in(files: Sequence[Path]) -> set[int]:
-    from commspan.exporters.jsonl import read_spans
-
-    return {s.rank for s in read_spans(*files) if s.rank is not None}
+class _Damaged(Exception):
+    """No commspan span was read and lines were damaged: the lines naming them say why."""
 
 
-def _check_rank(rank: int | str | None, ranks: set[int]) -> None:
-    if isinstance(rank, int) and rank not in ranks:
-        raise ValueError(
-            f"--rank {rank}: the files hold no span of that rank "
-            f"(ranks: {_span_list(sorted(ranks))})"
-        )
-
-
-def _table(args: argparse.Namespace) -> str:
+def _read(args: argparse.Namespace, report: Any) -> tuple[Any, list[Path]]:
+    """The files' aggregate (every rank, or ``--rank N``), after the checks that
+    need the whole read: commspan spans present, ranks. ``report`` collects
+    what was read and skipped."""
     from commspan.aggregate import Aggregator
 
     files = _files(args.files)
-    agg = Aggregator.from_jsonl(*files, rank=args.rank)
-    if isinstance(args.rank, int) and not agg.modules() and not agg.total_count():
-        _check_rank(args.rank, _ranks_in(files))  # nothing counted: a wrong rank?
+    agg = Aggregator.from_jsonl(
+        *files, rank="all" if args.rank is None else args.rank, strict=False, report=report,
+        max_line_bytes=args.max_line_mib * _MIB,
+    )
+    if not report.commspan_spans:
+        if report.damaged:
+            raise _Damaged
+        what = f"{len(files)} files" if len(files) > 1 else str(files[0])
+        raise ValueError(
+            f"FILES: no commspan span in {what} ({report.lines} lines, {report.spans} spans, "
+            "none with commspan.module.fqn): not files written by commspan's "
+            "JsonlSpanExporter"
+        )
+    ranks = sorted(r for r in report.ranks if isinstance(r, int))
+    if args.rank is None and len(report.ranks) > 1:
+        unranked = " and spans without a rank" if None in report.ranks else ""
+        raise ValueError(
+            f"--rank is needed: the files hold spans of ranks {_span_list(ranks)}{unranked}; "
+            "pass --rank N for one rank or --rank all to sum them"
+        )
+    if isinstance(args.rank, int) and args.rank not in ranks:
+        raise ValueError(
+            f"--rank {args.rank}: the files hold no span of that rank "
+            f"(ranks: {_span_list(ranks)})"
+        )
+    return agg, files
+
+
+def _table(args: argparse.Namespace, report: Any) -> str:
+    agg, _ = _read(args, report)
     if args.json:
         from commspan.aggregate import _tree_json
 
@@ -109,21 +161,20 @@ def _table(args: argparse.Namespace) -> str:
     return agg.table(noise_level=args.noise).rstrip("\n")
 
 
-def _summary(args: argparse.Namespace) -> str:
+def _summary(args: argparse.Namespace, report: Any) -> str:
     from commspan import semconv
-    from commspan.aggregate import Aggregator
-    from commspan.exporters.jsonl import read_spans
+    from commspan.exporters.jsonl import ReadReport, read_spans
 
-    files = _files(args.files)
-    agg = Aggregator.from_jsonl(*files, rank=args.rank)
+    agg, files = _read(args, report)
     spans = 0
-    all_ranks: set[int] = set()
     ranks: set[int] = set()
     steps: set[int] = set()
     traces: set[str] = set()
-    for span in read_spans(*files):
-        if span.rank is not None:
-            all_ranks.add(span.rank)
+    # the same lines again, every span decoded (Aggregator.from_jsonl decodes only
+    # what counts need): problems found only now join the report
+    again = ReadReport()
+    for span in read_spans(*files, strict=False, report=again,
+                           max_line_bytes=args.max_line_mib * _MIB):
         if isinstance(args.rank, int) and span.rank != args.rank:
             continue
         spans += 1
@@ -133,7 +184,10 @@ def _summary(args: argparse.Namespace) -> str:
         step = span.attributes.get(semconv.STEP)
         if isinstance(step, int) and span.name == semconv.SPAN_RANK:
             steps.add(step)
-    _check_rank(args.rank, all_ranks)
+    known = {(s.path, s.line) for s in report.skipped}
+    new = [s for s in again.skipped if (s.path, s.line) not in known]
+    report.skipped.extend(new)
+    report.lines -= len(new)
     per_phase = {
         phase: agg.comm_counts(phase) for phase in (p.value for p in semconv.Phase)
     }
@@ -176,8 +230,60 @@ def _span_list(values: list[int]) -> str:
     return ",".join(parts)
 
 
+def _problems(report: Any, args: argparse.Namespace) -> list[str]:
+    """stderr lines for the lines a read skipped: damaged ones (named, up to
+    ``_MAX_LISTED``) and torn last lines (warnings)."""
+    out: list[str] = []
+    damaged = report.damaged
+    for s in damaged[:_MAX_LISTED]:
+        reason = s.reason
+        if s.kind == "too_long":
+            reason = (f"line longer than --max-line-mib {args.max_line_mib}; the rest of the "
+                      "file was not read (raise --max-line-mib if the line is genuine)")
+        out.append(f"ValueError: {s.path}:{s.line}: {reason}")
+    if len(damaged) > _MAX_LISTED:
+        out.append(f"ValueError: {len(damaged) - _MAX_LISTED} more damaged lines skipped")
+    for s in report.torn:
+        out.append(f"warning: {s.path}:{s.line}: torn last line skipped ({s.reason})")
+    return out
+
+
+def _say(stream: IO[str], text: str) -> None:
+    """Write a line that the stream's encoding may not cover (non-ASCII module
+    names on an ASCII terminal): what it cannot encode is escaped."""
+    encoding = getattr(stream, "encoding", None) or "utf-8"
+    try:
+        text.encode(encoding)
+    except UnicodeEncodeError:
+        text = text.encode(encoding, "backslashreplace").decode(encoding)
+    except LookupError:
+        pass
+    stream.write(text + "\n")
+    stream.flush()
+
+
+def _err(text: str) -> None:
+    """A line on stderr; a stderr that cannot be written to is given up on."""
+    with contextlib.suppress(OSError, ValueError):
+        _say(sys.stderr, text)
+
+
+def _silence(stream: IO[str]) -> None:
+    """After stdout failed (a closed pipe, a full disk), point its descriptor at
+    /dev/null so that the interpreter's final flush cannot fail again."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+        os.close(devnull)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; return the exit status (0 on success, 1 on error).
+    """Run the command line; return the exit status.
+
+    Returns:
+        0 on success; 1 on an error, when damaged lines were skipped or the
+        files hold no commspan span; 130 when interrupted. Bad arguments exit
+        with status 2 (``SystemExit``, from argparse).
 
     Example:
         ``commspan table out/ --rank all`` prints the module table of every rank's
@@ -185,14 +291,42 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     args = _parser().parse_args(argv)
     try:
-        out = _table(args) if args.command == "table" else _summary(args)
+        return _run(args)
+    except KeyboardInterrupt:
+        _err("commspan: interrupted")
+        return 130
+
+
+def _run(args: argparse.Namespace) -> int:
+    from commspan.exporters.jsonl import ReadReport
+
+    report = ReadReport()
+    error = None
+    try:
+        out = _table(args, report) if args.command == "table" else _summary(args, report)
+    except _Damaged:
+        out = None
     except Exception as exc:  # noqa: BLE001 - a user-facing command: one line, no traceback
-        print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        out, error = None, f"{type(exc).__name__}: {exc}"
+    for line in _problems(report, args):
+        _err(line)
+    if out is None:
+        if error is not None:
+            _err(error)
         return 1
     try:
-        print(out)
+        _say(sys.stdout, out)
     except BrokenPipeError:  # `commspan table ... | head`
+        _silence(sys.stdout)
         return 0
+    except OSError as exc:  # stdout on a full disk
+        _silence(sys.stdout)
+        _err(f"{type(exc).__name__}: cannot write the output to stdout: {exc}")
+        return 1
+    if report.damaged:
+        _err(f"commspan: {len(report.damaged)} damaged line(s) skipped; the output counts "
+             f"the other {report.lines} line(s)")
+        return 1
     return 0
 
 

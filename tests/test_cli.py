@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -116,8 +120,10 @@ def test_summary_text_and_json(run_dir: Path, capsys: pytest.CaptureFixture[str]
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["table", "{dir}"], "ValueError: rank=None but the files hold spans of ranks [0, 1]"),
-        (["summary", "{dir}"], "ValueError: rank=None but the files hold spans of ranks [0, 1]"),
+        (["table", "{dir}"], "ValueError: --rank is needed: the files hold spans of ranks 0-1; "
+                             "pass --rank N for one rank or --rank all to sum them"),
+        (["summary", "{dir}"], "ValueError: --rank is needed: the files hold spans of ranks 0-1; "
+                               "pass --rank N for one rank or --rank all to sum them"),
         (["table", "{dir}", "--rank", "7"],
          "ValueError: --rank 7: the files hold no span of that rank (ranks: 0-1)"),
         (["summary", "{dir}", "--rank", "7"],
@@ -175,7 +181,7 @@ def test_console_script(run_dir: Path) -> None:
                          capture_output=True, text=True, timeout=120, check=False)
     assert bad.returncode == 1
     assert bad.stdout == ""
-    assert bad.stderr.startswith("ValueError: rank=None")
+    assert bad.stderr.startswith("ValueError: --rank is needed")
 
 
 def test_span_list() -> None:
@@ -183,3 +189,211 @@ def test_span_list() -> None:
     assert _span_list([]) == "-"
     assert _span_list([3]) == "3"
     assert _span_list([0, 1, 2, 3, 7, 9, 10]) == "0-3,7,9-10"
+
+
+# ---------------------------------------------------------------- damaged input, hostile output
+def _copy_with(run_dir: Path, tmp_path: Path, insert: dict[int, bytes], tail: bytes = b"") -> Path:
+    """Rank 0's file with ``insert[n]`` placed as line n (1-based), then ``tail``."""
+    lines = (run_dir / "commspan-rank0.jsonl").read_bytes().splitlines(keepends=True)
+    for n in sorted(insert):
+        lines.insert(n - 1, insert[n])
+    path = tmp_path / "damaged.jsonl"
+    path.write_bytes(b"".join(lines) + tail)
+    return path
+
+
+def test_damaged_lines_are_skipped_and_named(
+    run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Damaged lines anywhere (a null line, garbage, a complete but invalid last line)
+    are each named on stderr with file:line; the table counts every other line; exit 1."""
+    clean = run_dir / "commspan-rank0.jsonl"
+    n = len(clean.read_bytes().splitlines())
+    path = _copy_with(run_dir, tmp_path, {1: b"null\n", 3: b"{not json\n"}, tail=b'{"x": [1}\n')
+    code, out, err = _cli(capsys, "table", str(path))
+    assert code == 1
+    assert out == _cli(capsys, "table", str(clean))[1]
+    assert err.splitlines() == [
+        f"ValueError: {path}:1: null, not an OTLP/JSON trace request (an object with "
+        "resourceSpans)",
+        f"ValueError: {path}:3: not a JSON line (unexpected character, expected a string key: "
+        "line 1 column 2 (char 1))",
+        f"ValueError: {path}:{n + 3}: not a JSON line (unexpected character, expected ',' or "
+        "']': line 1 column 9 (char 8))",
+        f"commspan: 3 damaged line(s) skipped; the output counts the other {n} line(s)",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("content", "reason"),
+    [
+        (b"[1, 2]\n", "an array, not an OTLP/JSON trace request"),
+        (b'{"resourceMetrics": []}\n', "an object without resourceSpans (keys: resourceMetrics)"),
+        (b'{"resourceSpans": [{"resource": {"attributes": [{"k": 1}]}}]}\n',
+         "resourceSpans[0].resource.attributes[0] has no key"),
+        (b'{"resourceSpans": [{"scopeSpans": [{"spans": [{"attributes": [{"key": '
+         b'"commspan.module.fqn", "value": {"intValue": "x"}}]}]}]}]}\n',
+         "resourceSpans[0].scopeSpans[0].spans[0].attributes[0].value is not an OTLP AnyValue "
+         "(ValueError: invalid literal for int() with base 10: 'x')"),
+        (b"null\n", "null, not an OTLP/JSON trace request"),
+    ],
+)
+def test_json_that_is_not_otlp_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: bytes, reason: str
+) -> None:
+    """Valid JSON that is not an OTLP trace request: one line naming file:line, exit 1."""
+    path = tmp_path / "x.jsonl"
+    path.write_bytes(content)
+    for command in ("table", "summary"):
+        code, out, err = _cli(capsys, command, str(path))
+        assert (code, out) == (1, "")
+        assert err.startswith(f"ValueError: {path}:1: {reason}") and err.count("\n") == 1
+
+
+def test_torn_last_line_is_a_warning(
+    run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A last line without a newline (a file still being written) is named as a
+    warning; the output counts the whole lines and the exit status is 0."""
+    clean = run_dir / "commspan-rank0.jsonl"
+    n = len(clean.read_bytes().splitlines())
+    path = _copy_with(run_dir, tmp_path, {}, tail=b'{"resourceSpans":[{"reso')
+    code, out, err = _cli(capsys, "summary", str(path))
+    assert code == 0 and out == _cli(capsys, "summary", str(clean))[1]
+    assert err == (f"warning: {path}:{n + 1}: torn last line skipped (no trailing newline: a "
+                   "write cut short by a crash, or a file still being written)\n")
+
+
+def test_files_without_commspan_spans_say_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Valid OTLP spans of another instrumentation: an error saying there is no commspan
+    span, not an empty table with status 0."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+    path = tmp_path / "other.jsonl"
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(JsonlSpanExporter(path)))
+    for i in range(3):
+        with provider.get_tracer("web").start_as_current_span("request", attributes={"i": i}):
+            pass
+    provider.shutdown()
+    for command in ("table", "summary"):
+        code, out, err = _cli(capsys, command, str(path))
+        assert (code, out) == (1, "")
+        assert err == (f"ValueError: FILES: no commspan span in {path} (3 lines, 3 spans, none "
+                       "with commspan.module.fqn): not files written by commspan's "
+                       "JsonlSpanExporter\n")
+
+
+def test_over_long_line_names_the_option(
+    run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A line over --max-line-mib ends its file's reading with a message naming the
+    option; lines before it count; /dev/zero stops at the cap."""
+    long_line = b'{"resourceSpans": [], "pad": "' + b"a" * (1 << 20) + b'"}\n'
+    path = _copy_with(run_dir, tmp_path, {2: long_line})
+    code, out, err = _cli(capsys, "table", str(path), "--max-line-mib", "1")
+    assert code == 1 and out.startswith("Global\n")
+    assert err.splitlines()[0] == (
+        f"ValueError: {path}:2: line longer than --max-line-mib 1; the rest of the file was "
+        "not read (raise --max-line-mib if the line is genuine)")
+    assert _cli(capsys, "table", str(path), "--max-line-mib", "2")[0] == 0
+    if Path("/dev/zero").exists():
+        code, out, err = _cli(capsys, "table", "/dev/zero", "--max-line-mib", "1")
+        assert (code, out) == (1, "")
+        assert err.startswith("ValueError: /dev/zero:1: line longer than --max-line-mib 1")
+        assert err.count("\n") == 1
+    with pytest.raises(SystemExit) as info:
+        main(["table", str(path), "--max-line-mib", "0"])
+    assert info.value.code == 2
+    assert "--max-line-mib '0' is not valid" in capsys.readouterr().err
+
+
+def test_keyboard_interrupt_exits_130(
+    run_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C while reading: one line and status 130, no traceback."""
+    from commspan.aggregate import Aggregator
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Aggregator, "from_jsonl", interrupted)
+    try:
+        code, out, err = _cli(capsys, "table", str(run_dir), "--rank", "all")
+    except KeyboardInterrupt:
+        pytest.fail("KeyboardInterrupt escaped main()")
+    assert (code, out, err) == (130, "", "commspan: interrupted\n")
+
+
+def _run_cli(*argv: str, **kwargs: object) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
+           **kwargs.pop("env", {})}  # type: ignore[dict-item]
+    return subprocess.run([sys.executable, "-m", "commspan.cli", *argv], env=env,
+                          text=True, timeout=120, check=False, **kwargs)  # type: ignore[call-overload]
+
+
+def test_ctrl_c_in_a_real_process(tmp_path: Path) -> None:
+    """SIGINT while the command waits for input (a FIFO): status 130, one line."""
+    fifo = tmp_path / "fifo.jsonl"
+    os.mkfifo(fifo)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    proc = subprocess.Popen([sys.executable, "-m", "commspan.cli", "table", str(fifo)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while True:  # opening the write end succeeds once the command reads
+        try:
+            fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+            break
+        except OSError as exc:
+            if exc.errno != errno.ENXIO or time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                raise
+            time.sleep(0.05)
+    try:
+        os.write(fd, b'{"resourceSpans":[')
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        os.close(fd)
+    assert (proc.returncode, out, err) == (130, "", "commspan: interrupted\n")
+
+
+@pytest.fixture(scope="module")
+def unicode_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run whose module names are not ASCII."""
+    path = tmp_path_factory.mktemp("unicode") / "trace.jsonl"
+    model = torch.nn.Sequential()
+    model.add_module("écoute", torch.nn.Linear(4, 4))
+    model.add_module("层", torch.nn.Linear(4, 2))
+    mode = CommSpanMode(exporters=[JsonlSpanExporter(path)])
+    with mode:
+        model(torch.ones(1, 4)).sum().backward()
+    mode.shutdown()
+    return path
+
+
+def test_ascii_only_stdout_degrades_cleanly(unicode_file: Path) -> None:
+    """An ASCII-only stdout shows non-ASCII module names escaped, status 0; UTF-8 as is."""
+    ascii_run = _run_cli("table", str(unicode_file), capture_output=True,
+                         env={"PYTHONIOENCODING": "ascii"})
+    assert (ascii_run.returncode, ascii_run.stderr) == (0, "")
+    assert "Sequential.\\xe9coute" in ascii_run.stdout and "Sequential.\\u5c42" in ascii_run.stdout
+    utf8 = _run_cli("table", str(unicode_file), capture_output=True,
+                    env={"PYTHONIOENCODING": "utf-8"})
+    assert utf8.returncode == 0 and "Sequential.écoute" in utf8.stdout
+
+
+def test_stdout_on_a_full_disk(run_dir: Path) -> None:
+    """stdout on /dev/full: one line on stderr, status 1, no 'Exception ignored'."""
+    if not Path("/dev/full").exists():
+        pytest.skip("no /dev/full")
+    with open("/dev/full", "w") as full:
+        proc = _run_cli("table", str(run_dir), "--rank", "all", stdout=full,
+                        stderr=subprocess.PIPE)
+    assert proc.returncode == 1
+    assert proc.stderr == ("OSError: cannot write the output to stdout: [Errno 28] No space "
+                           "left on device\n")
