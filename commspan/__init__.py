@@ -29,16 +29,16 @@ __all__ = [
 ]
 
 _LAZY = {
-    "Aggregator": ".aggregate",
-    "CollectiveSummary": ".aggregate",
-    "CommSpanMode": ".session",
+    "Aggregator": ".analysis.counts",
+    "CollectiveSummary": ".analysis.counts",
+    "CommSpanMode": ".session.mode",
     "Phase": ".semconv",
 }
 
 if _typing.TYPE_CHECKING:
-    from commspan.aggregate import Aggregator, CollectiveSummary
+    from commspan.analysis.counts import Aggregator, CollectiveSummary
     from commspan.semconv import Phase
-    from commspan.session import CommSpanMode
+    from commspan.session.mode import CommSpanMode
 
 
 def __getattr__(name: str) -> _typing.Any:

@@ -32,8 +32,8 @@ from typing import Any
 import torch
 
 from commspan import semconv
-from commspan.collectives import build_overload_table, canonical_name
-from commspan.session import CommSpanMode
+from commspan.capture.collectives import build_overload_table, canonical_name
+from commspan.session.mode import CommSpanMode
 
 __all__ = ["CommDebugMode", "HookAlreadyRegisteredError", "ModTracker"]
 
@@ -147,7 +147,7 @@ class _ParamObserver:
         fqn = self.tracker.fqn(module) if self.tracker is not None else None
         if fqn is None:
             return
-        from commspan._dtensor import DTensor
+        from commspan.capture.dtensor import DTensor
 
         for name, param in module.named_parameters(recurse=False):
             self.params.setdefault(fqn, {})[name] = param.data

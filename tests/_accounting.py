@@ -2,7 +2,7 @@
 
 Every span handed to an exporter's queue is exported, dropped or failed, each
 counted; after ``shutdown()`` nothing is pending or in flight. See
-``docs/design.md`` ("Nothing lost silently") and ``commspan.export``.
+``docs/design.md`` ("Nothing lost silently") and ``commspan.exporters.queue``.
 """
 
 from __future__ import annotations

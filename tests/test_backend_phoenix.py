@@ -220,7 +220,7 @@ def _backend_counts(spans: list[dict[str, Any]]) -> dict[int, Counts]:
 def _check_tree(spans: list[dict[str, Any]], run_id: str) -> None:
     """One trace per step, rooted at the step span, every rank under it, no dangling parent."""
     from commspan import semconv
-    from commspan.spans import derive_ids
+    from commspan.spans.traces import derive_ids
 
     traces: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for span in spans:

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from commspan import CommSpanMode
-from commspan.cli import _span_list, main
+from commspan.cli import main
 from commspan.exporters import JsonlSpanExporter
+from commspan.render.table import span_list
 
 STEPS = 2
 
@@ -186,9 +187,9 @@ def test_console_script(run_dir: Path) -> None:
 
 def test_span_list() -> None:
     """Rank and step lists print as compact ranges."""
-    assert _span_list([]) == "-"
-    assert _span_list([3]) == "3"
-    assert _span_list([0, 1, 2, 3, 7, 9, 10]) == "0-3,7,9-10"
+    assert span_list([]) == "-"
+    assert span_list([3]) == "3"
+    assert span_list([0, 1, 2, 3, 7, 9, 10]) == "0-3,7,9-10"
 
 
 # ---------------------------------------------------------------- damaged input, hostile output
@@ -315,7 +316,7 @@ def test_keyboard_interrupt_exits_130(
     run_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Ctrl-C while reading: one line and status 130, no traceback."""
-    from commspan.aggregate import Aggregator
+    from commspan.analysis.counts import Aggregator
 
     def interrupted(*args: object, **kwargs: object) -> None:
         raise KeyboardInterrupt

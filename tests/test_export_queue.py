@@ -1,6 +1,6 @@
 """Exporters that fail, raise or hang never break the training step or hang the mode.
 
-Each exporter gets a background queue (``commspan.export.ExportQueue``); these
+Each exporter gets a background queue (``commspan.exporters.queue.ExportQueue``); these
 tests drive it through ``CommSpanMode(exporters=[...])`` with misbehaving
 exporters and check the step result, the time the mode takes to leave, the
 counters in ``mode.stats()`` and that each kind of trouble is logged once.
@@ -23,7 +23,7 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from torch import nn
 
 from commspan import CommSpanMode
-from commspan.export import ExportQueue
+from commspan.exporters.queue import ExportQueue
 
 SLACK_S = 0.5  # scheduling slack on a loaded 2-core machine
 
@@ -387,7 +387,7 @@ def test_stuck_export_is_counted_as_failed_at_shutdown_and_logged_once(
     assert exp["in_flight"] == 0 and exp["abandoned"] > 0
     assert st["spans_failed"] + st["spans_dropped"] == st["spans"]
     assert len(_warnings(caplog, "did not return")) == 1
-    caplog.set_level(logging.DEBUG, logger="commspan.export")
+    caplog.set_level(logging.DEBUG, logger="commspan.exporters.queue")
     blocking.release.set()  # the abandoned call now returns SUCCESS, too late to count
     assert _wait_for(lambda: any("returned late (SUCCESS)" in r.getMessage()
                                  for r in caplog.records))

@@ -27,10 +27,9 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-import commspan.exporters.jsonl as jsonl
 from commspan import Aggregator, CommSpanMode, semconv
-from commspan.export import ExportQueue
-from commspan.exporters import JsonlSpanExporter, ReadReport, read_spans
+from commspan.exporters import JsonlSpanExporter, ReadReport, encode_spans, read_spans
+from commspan.exporters.queue import ExportQueue
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -60,8 +59,8 @@ def test_restart_after_a_torn_line_starts_a_fresh_line(
     new line: the new lines stay readable, the fragment is reported as damaged."""
     caplog.set_level(logging.WARNING)
     path = tmp_path / "trace.jsonl"
-    whole = jsonl.encode_spans(_spans(2, "old")) + b"\n"
-    fragment = jsonl.encode_spans(_spans(2, "torn"))[:150]
+    whole = encode_spans(_spans(2, "old")) + b"\n"
+    fragment = encode_spans(_spans(2, "torn"))[:150]
     path.write_bytes(whole + fragment)
 
     exporter = JsonlSpanExporter(path)
@@ -120,7 +119,7 @@ FILE_SIZE_CHILD = textwrap.dedent(
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-    from commspan.export import ExportQueue
+    from commspan.exporters.queue import ExportQueue
     from commspan.exporters import JsonlSpanExporter
 
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of death
@@ -436,7 +435,7 @@ def test_over_long_line_is_capped(good_lines: list[bytes], tmp_path: Path) -> No
 DEV_ZERO_CHILD = textwrap.dedent(
     """
     import resource, sys
-    from commspan.exporters.jsonl import read_documents
+    from commspan.otlpjson.decode import read_documents
     # the default cap (64 MiB) must hold well within 1 GiB more than now
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     used = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()

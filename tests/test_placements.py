@@ -31,9 +31,9 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-import commspan.dispatch
+import commspan.capture.dispatch
 from commspan import CommSpanMode, semconv
-from commspan.dispatch import CollectiveDispatchMode
+from commspan.capture.dispatch import CollectiveDispatchMode
 
 Expected = tuple[str, str, str, str]
 """(phase, op, src placements, dst placements) of one collective."""
@@ -256,7 +256,7 @@ def test_undescribable_redistribution_is_counted_logged_and_skipped(
     def broken(placements: Any) -> str:
         raise RuntimeError("cannot describe")
 
-    monkeypatch.setattr(commspan.dispatch, "placements_str", broken)
+    monkeypatch.setattr(commspan.capture.dispatch, "placements_str", broken)
     exporter = InMemorySpanExporter()
     mode = CommSpanMode(exporters=[exporter])
     with caplog.at_level("WARNING", logger="commspan"), mode:
@@ -450,7 +450,7 @@ def test_a_new_mesh_at_a_dead_mesh_address_is_learned() -> None:
     """Meshes are remembered by identity, not by an id a later mesh can reuse."""
     import weakref
 
-    from commspan.dispatch import _GroupCache
+    from commspan.capture.groups import ProcessGroups
 
     class Group:
         def __init__(self, name: str) -> None:
@@ -465,7 +465,7 @@ def test_a_new_mesh_at_a_dead_mesh_address_is_learned() -> None:
         def get_group(self, dim: int) -> Group:
             return self.group
 
-    cache = _GroupCache()
+    cache = ProcessGroups()
     dead, new = Mesh("dead"), Mesh("new")
     cache.add_mesh(dead)
     # what the cache holds once ``dead`` is gone and ``new`` took its address

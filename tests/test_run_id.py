@@ -9,8 +9,8 @@ import re
 
 import pytest
 
-import commspan.run_id as run_id_mod
-from commspan.run_id import resolve_run_id
+import commspan.session.run_id as run_id_mod
+from commspan.session.run_id import resolve_run_id
 
 _ENV = ("COMMSPAN_RUN_ID", "TORCHELASTIC_RUN_ID")
 

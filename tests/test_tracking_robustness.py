@@ -859,8 +859,8 @@ def test_checkpoint_totals_match_commdebugmode(mesh: DeviceMesh, use_reentrant: 
 
 def _live_objects() -> Counter[str]:
     """Live commspan frames and calls, and live tensors, after a full garbage collection."""
-    from commspan.module_tracker import _Call
-    from commspan.spans import Frame
+    from commspan.capture.backward import _Call
+    from commspan.spans.frames import Frame
 
     gc.collect()
     live: Counter[str] = Counter()

@@ -58,7 +58,8 @@ def _cell(text: str) -> str:
 def generate() -> str:
     """The text of docs/schema.md for the commspan importable from here."""
     sys.path.insert(0, str(REPO))
-    from commspan import collectives, semconv
+    from commspan import semconv
+    from commspan.capture import collectives
 
     docs = _constant_docs(Path(semconv.__file__).read_text(encoding="utf-8"))
     const_of = {
@@ -159,7 +160,7 @@ def generate() -> str:
         (
             f"Canonical op names (`{semconv.COLL_KIND}` is `{semconv.KIND_P2P}` for "
             f"point-to-point ops, `{semconv.KIND_COLLECTIVE}` otherwise; "
-            "the mapping from torch ops is in `commspan/collectives.py`):"
+            "the mapping from torch ops is in `commspan/capture/collectives.py`):"
         ),
         "",
         ", ".join(f"`{n}`" for n in canonical) + ".",

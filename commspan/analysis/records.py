@@ -25,7 +25,9 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from commspan import semconv
-from commspan.exporters import SpanRecord, read_spans
+from commspan.otlpjson.decode import read_spans
+from commspan.otlpjson.files import jsonl_files
+from commspan.otlpjson.records import SpanRecord, record_rank
 
 __all__ = [
     "CollectiveRecord",
@@ -34,7 +36,6 @@ __all__ = [
     "RankStep",
     "Run",
     "build_run",
-    "expand_paths",
     "load_run",
 ]
 
@@ -195,35 +196,6 @@ def _step_key(step: int | None) -> tuple[bool, int]:
     return (step is None, step if step is not None else 0)
 
 
-def expand_paths(paths: Iterable[str | os.PathLike[str]]) -> list[Path]:
-    """JSONL files named by ``paths``: files as given, directories' ``*.jsonl`` sorted.
-
-    Raises:
-        ValueError: no path given, or a directory holds no ``*.jsonl`` file.
-        FileNotFoundError: a path does not exist.
-    """
-    if isinstance(paths, (str, os.PathLike)):
-        paths = [paths]
-    out: list[Path] = []
-    for p in paths:
-        path = Path(p)
-        if path.is_dir():
-            found = sorted(path.glob("*.jsonl"))
-            if not found:
-                raise ValueError(
-                    f"paths: directory {str(path)!r} holds no *.jsonl file; pass the directory "
-                    "JsonlSpanExporter wrote to, or the files"
-                )
-            out.extend(found)
-        elif path.exists():
-            out.append(path)
-        else:
-            raise FileNotFoundError(f"paths: {str(path)!r} does not exist")
-    if not out:
-        raise ValueError("paths is empty; pass at least one JSONL file or directory")
-    return out
-
-
 def load_run(
     paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
     *,
@@ -254,7 +226,9 @@ def load_run(
         ...
         FileNotFoundError: paths: 'no-such-dir' does not exist
     """
-    files = expand_paths(paths)  # type: ignore[arg-type]
+    files = jsonl_files(paths)
+    if not files:
+        raise ValueError("paths is empty; pass at least one JSONL file or directory")
     wanted = _check_steps(steps)
     return build_run(_read(files), steps=wanted, module_spans=module_spans)
 
@@ -316,10 +290,7 @@ def build_run(
     pending: list[tuple[int, str, int, dict[str, Any], str | None]] = []
     hang_spans: list[tuple[int, SpanRecord]] = []
     for span in spans:
-        rank = span.rank
-        if rank is None:
-            r = span.attributes.get(semconv.RANK)
-            rank = r if isinstance(r, int) and not isinstance(r, bool) else None
+        rank = record_rank(span)
         world = span.resource.get(semconv.WORLD_SIZE, span.attributes.get(semconv.WORLD_SIZE))
         if isinstance(world, int) and world > 0:
             run.world_size = max(run.world_size or 0, world)

@@ -28,11 +28,12 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, NamedTuple, Union
 
 from commspan import semconv
-from commspan.exporters.jsonl import SpanRecord, read_spans
+from commspan.otlpjson.decode import read_spans
+from commspan.otlpjson.files import jsonl_files
+from commspan.otlpjson.records import SpanRecord, record_rank
 
 __all__ = [
     "Collective",
@@ -199,27 +200,13 @@ def load_records(source: RecordSource) -> list[SpanRecord]:
         if isinstance(item, SpanRecord):
             records.append(item)
         elif isinstance(item, (str, os.PathLike)):
-            records.extend(read_spans(*_jsonl_files(Path(item))))
+            records.extend(read_spans(*jsonl_files(item, param="source")))
         else:
             raise TypeError(
                 f"source item {item!r} is not valid; pass JSONL file or directory paths, "
                 "or SpanRecords from commspan.exporters.read_spans"
             )
     return records
-
-
-def _jsonl_files(path: Path) -> list[Path]:
-    if path.is_dir():
-        found = sorted(path.glob("*.jsonl"))
-        if not found:
-            raise FileNotFoundError(
-                f"source: directory {str(path)!r} holds no *.jsonl file; pass the directory "
-                "a JsonlSpanExporter wrote to"
-            )
-        return found
-    if not path.exists():
-        raise FileNotFoundError(f"source: {str(path)!r} does not exist")
-    return [path]
 
 
 # ------------------------------------------------------------------ building
@@ -354,10 +341,8 @@ _STATUS_ERROR = 2  # OTLP StatusCode ERROR
 
 
 def _rank(rec: SpanRecord) -> int:
-    if rec.rank is not None:
-        return rec.rank
-    r = rec.attributes.get(semconv.RANK)
-    return r if isinstance(r, int) else 0
+    rank = record_rank(rec)
+    return 0 if rank is None else rank
 
 
 def _run_id(rec: SpanRecord) -> str:

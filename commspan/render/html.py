@@ -42,7 +42,7 @@ from typing import Any
 import orjson
 
 from commspan import __version__, semconv
-from commspan.aggregate import Aggregator
+from commspan.analysis.counts import Aggregator
 from commspan.analysis.timeline import (
     Collective,
     RecordSource,
@@ -51,7 +51,7 @@ from commspan.analysis.timeline import (
     build_timeline,
     load_records,
 )
-from commspan.exporters.jsonl import SpanRecord
+from commspan.otlpjson.records import SpanRecord
 
 __all__ = ["html_report", "write_html_report"]
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -20,9 +19,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from commspan import semconv
-from commspan._dtensor import DTensor as _DTensor
-from commspan._dtensor import placements_str
-from commspan.collectives import CollectiveInfo, build_overload_table
+from commspan._errors import ErrorCounter
+from commspan.capture.collectives import CollectiveInfo, build_overload_table
+from commspan.capture.dtensor import DTensor as _DTensor
+from commspan.capture.dtensor import placements_str
+from commspan.capture.groups import ProcessGroups
 
 __all__ = ["CollectiveDispatchMode", "describe"]
 
@@ -61,6 +62,8 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
     Args:
         on_collective: receives the op's :class:`CollectiveInfo` and its event
             attributes (everything but module and phase).
+        groups: the process-group registry to describe groups with and to
+            teach the meshes of redistributions (a new one if not given).
     """
 
     # DebugMode's switches: commspan records none of what DebugMode records.
@@ -78,15 +81,22 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
     run_compile_with_interpreter = False
     supports_higher_order_operators = True
 
-    def __init__(self, on_collective: CollectiveCallback) -> None:
+    def __init__(
+        self, on_collective: CollectiveCallback, groups: ProcessGroups | None = None
+    ) -> None:
         # DebugMode.__init__ sets up op recording (and imports the compiler
         # stack); the plain TorchDispatchMode initialisation is all we need.
         TorchDispatchMode.__init__(self)
         self._table = build_overload_table()
         self._on_collective = on_collective
-        self.groups = _GroupCache()
+        self.groups = groups if groups is not None else ProcessGroups()
         self._tls = threading.local()
-        self.errors = 0
+        self._errors = ErrorCounter(_log, "could not record a collective")
+
+    @property
+    def errors(self) -> int:
+        """Internal errors counted so far (the first is logged)."""
+        return self._errors.count
 
     def __getattr__(self, name: str) -> Any:
         # torch internals probe DebugMode flags added in newer releases
@@ -124,17 +134,7 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
                     attrs[semconv.REDIST_OP] = redist[2]
             self._on_collective(info, attrs)
         except Exception:  # tracing never breaks the step
-            self._error("could not record collective %s", info.overload)
-
-    def _error(self, message: str, *args: Any) -> None:
-        """Count an internal error; log the first one, with its traceback."""
-        self.errors += 1
-        if self.errors == 1:
-            _log.warning(
-                "commspan: " + message + " (further errors are counted, not logged)",
-                *args,
-                exc_info=True,
-            )
+            self._errors.record(info.overload, message="could not record collective %s")
 
     # ------------------------------------------------ DTensor's debug-mode hooks
     def current_redistribution(self) -> tuple[str, str, str] | None:
@@ -153,7 +153,7 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
             return record.describe()
         except Exception:
             record.failed = True
-            self._error("could not describe a DTensor redistribution")
+            self._errors.record(message="could not describe a DTensor redistribution")
             return None
 
     def record_redistribute_calls(
@@ -175,7 +175,9 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
                 if mesh is not None:
                     self.groups.add_mesh(mesh)
         except Exception:
-            self._error("could not read the device mesh of a DTensor redistribution")
+            self._errors.record(
+                message="could not read the device mesh of a DTensor redistribution"
+            )
         implicit = isinstance(arg, int)  # sharding propagation of a DTensor op
         return _Redistribution(
             stack,
@@ -255,22 +257,6 @@ class _Redistribution:
         return text
 
 
-def _group_key(group: Any) -> str | None:
-    """The name of a process group object, its cache key.
-
-    Not ``id(group)``: a c10d op receives a freshly boxed process group on every
-    call, and once that box is freed its id is soon another group's box.
-    """
-    try:
-        if isinstance(group, torch.ScriptObject):
-            import torch.distributed as dist
-
-            group = dist.ProcessGroup.unbox(group)
-        return str(group.group_name)
-    except Exception:
-        return None
-
-
 def _defers(types: Any) -> bool:
     if _DTensor is None:
         return False
@@ -304,7 +290,7 @@ def _tensor_list(value: Any) -> list[torch.Tensor]:
 
 
 def describe(
-    info: CollectiveInfo, args: Any, kwargs: Any, groups: _GroupCache
+    info: CollectiveInfo, args: Any, kwargs: Any, groups: ProcessGroups
 ) -> dict[str, Any]:
     """Event attributes of one collective call (no module, phase or placements)."""
     attrs: dict[str, Any] = {
@@ -384,77 +370,3 @@ def _reduce_name(value: Any) -> str | None:
         return _REDUCE_NAMES.get(code, str(code))
     except Exception:
         return str(value)
-
-
-class _GroupCache:
-    """Process group -> ``(name, size, global ranks)``, resolved once; mesh dims."""
-
-    def __init__(self) -> None:
-        self._by_key: dict[Any, tuple[str, int, list[int]] | None] = {}
-        self._seq: dict[str, int] = {}
-        self.mesh_dims: dict[str, int] = {}
-        # id -> weak reference: an id alone would be another mesh's once this one dies
-        self._meshes: dict[int, Callable[[], Any]] = {}
-
-    def add_mesh(self, mesh: Any) -> None:
-        """Learn which mesh dimension each of ``mesh``'s process groups is."""
-        key = id(mesh)
-        known = self._meshes.get(key)
-        if known is not None and known() is mesh:
-            return
-        try:
-            self._meshes[key] = weakref.ref(mesh)
-        except TypeError:  # not weakly referenceable: keep it
-            self._meshes[key] = lambda: mesh
-        try:
-            for dim in range(mesh.ndim):
-                self.mesh_dims[str(mesh.get_group(dim).group_name)] = dim
-        except Exception as exc:
-            _log.debug("commspan: cannot read the groups of mesh %r: %s", mesh, exc)
-
-    def next_seq(self, name: str) -> int:
-        n = self._seq.get(name, 0) + 1
-        self._seq[name] = n
-        return n
-
-    def get(self, group: Any) -> tuple[str, int, list[int]] | None:
-        if group is None:
-            return None
-        key = group if isinstance(group, (str, tuple, int)) else _group_key(group)
-        if key is None:
-            return self._resolve(group)
-        try:
-            return self._by_key[key]
-        except KeyError:
-            pass
-        value = self._resolve(group)
-        self._by_key[key] = value
-        return value
-
-    def _resolve(self, group: Any) -> tuple[str, int, list[int]] | None:
-        try:
-            import torch.distributed as dist
-            from torch.distributed import distributed_c10d as c10d
-
-            pg: Any
-            if isinstance(group, tuple):  # legacy funcol: ranks list
-                ranks = list(group)
-                try:
-                    name = str(c10d._resolve_group_name_by_ranks_and_tag(ranks, ""))
-                except Exception:
-                    name = "ranks:" + ",".join(map(str, ranks))
-                return name, len(ranks), ranks
-            if isinstance(group, str):
-                pg = c10d._resolve_process_group(group)  # type: ignore[arg-type]
-            elif isinstance(group, torch.ScriptObject):
-                pg = dist.ProcessGroup.unbox(group)
-            else:
-                pg = group
-            name = str(pg.group_name)
-            ranks = list(dist.get_process_group_ranks(pg))
-            return name, int(pg.size()), ranks
-        except Exception as exc:
-            _log.debug("commspan: cannot resolve process group %r: %s", group, exc)
-            if isinstance(group, str):
-                return group, 0, []
-            return None

@@ -8,7 +8,7 @@ one canonical name, e.g. ``all_reduce``.
 
 Example:
     >>> import torch
-    >>> from commspan.collectives import canonical_name
+    >>> from commspan.capture.collectives import canonical_name
     >>> canonical_name(torch.ops._c10d_functional.all_reduce.default)
     'all_reduce'
     >>> canonical_name(torch.ops.c10d_functional.all_reduce)

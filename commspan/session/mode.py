@@ -2,65 +2,60 @@
 
 Flow of information (one direction)::
 
-    nn.Module hooks ─┐
+    nn.Module hooks ─┐                 ownership rules
                      ├─> SpanRecorder frames ─> ReadableSpan ─> processors
     dispatch mode ───┘                                          ├ Aggregator (in-process)
                                                                 ├ ExportQueue ─> JSONL / OTLP
                                                                 └ a TracerProvider's processors
+
+The mode builds each stage and hands it the next one (the tracker gets the
+recorder, the recorder gets the processors as its sink); no stage calls back
+into the mode. Its settings are checked by :mod:`commspan.session.config`, the
+resource is built by :mod:`commspan.session.resource`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-from opentelemetry.sdk.resources import OTELResourceDetector, Resource
+from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SpanExporter
 
 from commspan import semconv
-from commspan.aggregate import Aggregator
-from commspan.collectives import CollectiveInfo
-from commspan.dispatch import CollectiveDispatchMode
-from commspan.export import ExportQueue
-from commspan.module_tracker import ModuleHooks, ModuleTracker
-from commspan.spans import Frame, SpanRecorder, derive_ids
+from commspan._errors import ErrorCounter, Once
+from commspan.analysis.counts import Aggregator
+from commspan.capture import ModuleObserver
+from commspan.capture.backward import graph_task_id
+from commspan.capture.collectives import CollectiveInfo
+from commspan.capture.dispatch import CollectiveDispatchMode
+from commspan.capture.groups import ProcessGroups
+from commspan.capture.modules import ModuleTracker
+from commspan.capture.ranks import Ranks, process_ranks
+from commspan.exporters.queue import ExportQueue
+from commspan.ownership.innermost import InnermostModule
+from commspan.session.config import Sampler, mode_config
+from commspan.session.resource import build_resource
+from commspan.spans.frames import OpenSpan
+from commspan.spans.recorder import SpanRecorder
+from commspan.spans.traces import TraceOpener
 
 __all__ = ["CommSpanMode", "Sampler"]
 
 _log = logging.getLogger(__name__)
-_graph_task_id = torch._C._current_graph_task_id
-
-Sampler = Callable[[int], bool]
-"""Decides, from the step index, whether a step is traced."""
+_graph_task_id = graph_task_id
 
 
 def _version() -> str:
     from commspan import __version__
 
     return __version__
-
-
-def _dist_info() -> tuple[int, int, int]:
-    """(rank, local rank, world size); (0, 0, 1) without torch.distributed."""
-    local = int(os.environ.get("LOCAL_RANK", "0") or 0)
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank(), local, dist.get_world_size()
-    except Exception:
-        pass
-    rank = int(os.environ.get("RANK", "0") or 0)
-    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    return rank, local, world
 
 
 class CommSpanMode:
@@ -107,6 +102,9 @@ class CommSpanMode:
             ``exception`` event (default). ``False`` keeps the exception type
             only: messages can hold data (tensor values, paths, user input)
             that should not leave the process.
+        module_observer: a :class:`~commspan.capture.ModuleObserver` told about
+            every module event the mode records (forward and backward starts
+            and ends), on top of the spans.
 
     Threads: a mode traces the thread that entered it (and the autograd work
     done for that thread's graphs); module calls on other threads are not
@@ -144,89 +142,50 @@ class CommSpanMode:
         export_queue_size: int = 65536,
         flush_timeout_s: float = 5.0,
         record_exception_messages: bool = True,
-        _observer: ModuleHooks | None = None,
+        module_observer: ModuleObserver | None = None,
+        _observer: ModuleObserver | None = None,
     ) -> None:
-        if tracer_provider is not None and not isinstance(tracer_provider, TracerProvider):
-            raise TypeError(
-                f"tracer_provider={tracer_provider!r} is not an "
-                "opentelemetry.sdk.trace.TracerProvider; pass an SDK TracerProvider "
-                "or use exporters=[...]"
-            )
-        try:
-            exporter_list = list(exporters)
-        except TypeError:
-            exporter_list = [exporters]  # type: ignore[list-item]
-        if isinstance(exporters, SpanExporter) or not all(
-            isinstance(e, SpanExporter) for e in exporter_list
-        ):
-            raise TypeError(
-                f"exporters={exporters!r} must be a list of "
-                "opentelemetry.sdk.trace.export.SpanExporter instances"
-            )
-        if (
-            not isinstance(export_queue_size, int)
-            or isinstance(export_queue_size, bool)
-            or export_queue_size < 1
-        ):
-            raise ValueError(
-                f"export_queue_size={export_queue_size!r} is not valid; pass a positive int"
-            )
-        if isinstance(aggregator, Aggregator):
-            self.aggregator: Aggregator | None = aggregator
-        elif aggregator is True:
-            self.aggregator = Aggregator()
-        elif aggregator is False or aggregator is None:
-            self.aggregator = None
-        else:
-            raise TypeError(
-                f"aggregator={aggregator!r} is not valid; pass True, False or an Aggregator"
-            )
-        if run_id is not None and (not isinstance(run_id, str) or not run_id):
-            raise TypeError(f"run_id={run_id!r} is not valid; pass a non-empty str")
-        if flush_timeout_s <= 0:
-            raise ValueError(f"flush_timeout_s={flush_timeout_s!r} must be > 0 seconds")
-        if not isinstance(record_exception_messages, bool):
-            raise TypeError(
-                f"record_exception_messages={record_exception_messages!r} is not valid; "
-                "pass True (type and message) or False (exception type only)"
-            )
-        self._record_messages = record_exception_messages
-        self._sampler = _make_sampler(sample)
-        self._tracer_provider = tracer_provider
-        self._queues = [
-            ExportQueue(e, max_queue_size=export_queue_size) for e in exporter_list
-        ]
-        self._user_run_id = run_id
+        self._config = config = mode_config(
+            tracer_provider=tracer_provider,
+            exporters=exporters,
+            aggregator=aggregator,
+            run_id=run_id,
+            sample=sample,
+            record_params=record_params,
+            resource_attributes=resource_attributes,
+            export_queue_size=export_queue_size,
+            flush_timeout_s=flush_timeout_s,
+            record_exception_messages=record_exception_messages,
+            # ``_observer=`` is the former, private name of ``module_observer=``
+            module_observer=module_observer if module_observer is not None else _observer,
+        )
+        self.aggregator: Aggregator | None = config.aggregator
         self.run_id = run_id or ""
-        self._record_params = record_params
-        self._extra_resource = _check_resource_attributes(resource_attributes)
-        self._flush_timeout = flush_timeout_s
-        self._observer = _observer
-
+        self.resource: Resource | None = None
+        self._queues = [
+            ExportQueue(e, max_queue_size=config.export_queue_size) for e in config.exporters
+        ]
+        self._ownership = InnermostModule()
+        self._traces = TraceOpener()  # lives as long as the mode: session traces number on
+        self._groups = ProcessGroups()
         self._processors: list[Callable[[ReadableSpan], None]] = []
         self._recorder: SpanRecorder | None = None
         self._tracker: ModuleTracker | None = None
         self._dispatch: CollectiveDispatchMode | None = None
         self._active = False
         self._owner = 0  # thread that entered the mode
-        self._thread_warned = False
+        self._warned = Once()
         self._in_step = False
         self._paused = False
         self._popped = False
-        self._rank, self._local_rank, self._world = 0, 0, 1
-        self._root_key: str | None = None
-        self._root_start = 0
-        self._root_attrs: dict[str, Any] = {}
-        self._sessions = 0
-        self.resource: Resource | None = None
+        self._ranks = Ranks(0, 0, 1)
         self._resource_key: tuple[Any, ...] | None = None
-        self._stats = {
-            "spans": 0,
-            "collectives": 0,
-            "steps_traced": 0,
-            "steps_skipped": 0,
-            "processor_errors": 0,
-        }
+        self._processor_errors = ErrorCounter(
+            _log,
+            "a span processor raised; the span is lost for it (further errors are counted "
+            "in mode.stats())",
+        )
+        self._stats = {"spans": 0, "collectives": 0, "steps_traced": 0, "steps_skipped": 0}
 
     # ------------------------------------------------------------ context
     def __enter__(self) -> CommSpanMode:
@@ -235,39 +194,46 @@ class CommSpanMode:
                 "this CommSpanMode is already active; leave it before entering it "
                 "again, or create a second CommSpanMode"
             )
-        self._rank, self._local_rank, self._world = _dist_info()
+        config = self._config
+        self._ranks = ranks = process_ranks()
         if not self.run_id:
-            from commspan.run_id import resolve_run_id
+            from commspan.session.run_id import resolve_run_id
 
-            self.run_id = resolve_run_id(self._user_run_id)
-        key = (self._rank, self._local_rank, self._world, self.run_id)
+            self.run_id = resolve_run_id(config.run_id)
+        key = (*ranks, self.run_id)
         if self.resource is None or self._resource_key != key:
-            self.resource = self._build_resource()
+            self.resource = build_resource(
+                ranks, self.run_id, config.tracer_provider, config.resource_attributes
+            )
             self._resource_key = key
         if self.aggregator is not None:
             self.aggregator.reset()
         self._owner = threading.get_ident()
+        self._traces.identify(self.run_id, ranks.rank, ranks.world_size)
         self._recorder = SpanRecorder(
-            self._emit, self.resource, _version(), record_messages=self._record_messages
+            self._emit,
+            self.resource,
+            _version(),
+            record_messages=config.record_exception_messages,
+            traces=self._traces,
         )
-        self._recorder.on_empty = self._ensure_root
         # One dispatch mode and one tracker for the mode's life: entering
         # again keeps what they learned (module names and attributes, process
         # groups, per-group sequence numbers).
         if self._dispatch is None:
-            self._dispatch = CollectiveDispatchMode(self._on_collective)
+            self._dispatch = CollectiveDispatchMode(self._on_collective, self._groups)
         if self._tracker is None:
             self._tracker = ModuleTracker(
                 self._recorder,
-                observer=self._observer,
-                record_params=self._record_params,
-                on_mesh=self._dispatch.groups.add_mesh,
+                observer=config.module_observer,
+                record_params=config.record_params,
+                groups=self._groups,
             )
         else:
             self._tracker.recorder = self._recorder
         self._processors = self._build_processors()
         if self.aggregator is not None:
-            self.aggregator.attach_live(self._live)
+            self.aggregator.attach_live(self._recorder.open_spans)
         self._active = True
         self._paused = False
         self._start_capture()
@@ -278,7 +244,7 @@ class CommSpanMode:
             if self._in_step:
                 self._in_step = False
             self._stop_capture()
-            self._end_root(exc)
+            self._end_trace(exc)
             if self._tracker is not None:
                 self._tracker.uninstall()
         finally:
@@ -335,8 +301,8 @@ class CommSpanMode:
             raise RuntimeError(
                 f"mode.step({index}) was entered inside another step; steps do not nest"
             )
-        self._end_root(None)
-        traced = self._sampler(index)
+        self._end_trace(None)
+        traced = self._config.sampler(index)
         self._in_step = True
         if not traced:
             self._stats["steps_skipped"] += 1
@@ -348,7 +314,8 @@ class CommSpanMode:
                 self._resume()
             return
         self._stats["steps_traced"] += 1
-        self._begin_root(f"step/{index}", semconv.SPAN_STEP, {semconv.STEP: index})
+        assert self._recorder is not None
+        self._recorder.begin(self._traces.step(index))
         error: BaseException | None = None
         try:
             yield True
@@ -357,13 +324,12 @@ class CommSpanMode:
             raise
         finally:
             self._in_step = False
-            self._end_root(error)
+            self._end_trace(error)
             if self._tracker is not None:
                 self._tracker.reset_step()
 
     def _foreign_step(self, index: int) -> None:
-        if not self._thread_warned:
-            self._thread_warned = True
+        if self._warned.first("foreign step"):
             _log.warning(
                 "commspan: mode.step(%d) was called on thread %r, not on the thread that "
                 "entered the mode; a mode traces only that thread, so this step is not "
@@ -392,63 +358,27 @@ class CommSpanMode:
                 self._dispatch.__enter__()
                 self._popped = False
 
-    # ------------------------------------------------------------ roots
-    def _begin_root(self, key: str, root_name: str, attrs: dict[str, Any]) -> Frame:
-        assert self._recorder is not None
-        trace_id, root_span_id = derive_ids(self.run_id, key)
-        self._root_key = key
-        self._root_start = time.time_ns()
-        self._root_attrs = {semconv.RUN_ID: self.run_id, **attrs}
-        self._root_name = root_name
-        rank_attrs = {
-            semconv.MODULE_FQN: semconv.GLOBAL_FQN,
-            semconv.RANK: self._rank,
-            semconv.WORLD_SIZE: self._world,
-            semconv.RUN_ID: self.run_id,
-            semconv.SCHEMA: semconv.SCHEMA_VERSION,
-            **attrs,
-        }
-        return self._recorder.begin(trace_id, root_span_id, rank_attrs)
-
-    def _ensure_root(self) -> None:
-        """Open a session trace for activity outside any step."""
-        if self._recorder is not None and self._recorder.root is None:
-            self._sessions += 1
-            self._begin_root(f"session/{self._sessions}", semconv.SPAN_SESSION, {})
-
-    def _end_root(self, error: BaseException | None) -> None:
+    # ------------------------------------------------------------ traces
+    def _end_trace(self, error: BaseException | None) -> None:
+        """End the open trace (a step's or a session's), if any: the tracker
+        accounts for what is still open, then the recorder closes it all."""
         rec = self._recorder
         if rec is None or rec.root is None:
             return
         if self._tracker is not None:
             self._tracker.unwind(error)
         rec.end(error)
-        if self._rank == 0 and self._root_key is not None:
-            _, root_span_id = derive_ids(self.run_id, self._root_key)
-            rec.emit_span(
-                self._root_name,
-                root_span_id,
-                None,
-                self._root_start,
-                time.time_ns(),
-                {**self._root_attrs, semconv.WORLD_SIZE: self._world},
-                error,
-            )
-        self._root_key = None
 
     # ------------------------------------------------------------ capture
     def _on_collective(self, info: CollectiveInfo, attrs: dict[str, Any]) -> None:
         rec = self._recorder
         if rec is None or self._paused:
             return
-        if rec.root is None:
-            self._ensure_root()
+        rec.ensure_trace()
         top = rec.stack[-1]
-        if top.phase is not None:
-            phase = top.phase.value
-        else:
-            phase = "backward" if _graph_task_id() != -1 else "forward"
-        attrs[semconv.MODULE_FQN] = top.fqn
+        owner = self._ownership.owner(top.fqn, top.phase, _graph_task_id() != -1)
+        phase = owner.phase.value
+        attrs[semconv.MODULE_FQN] = owner.fqn
         attrs[semconv.PHASE] = phase
         self._stats["collectives"] += 1
         rec.add_event(info.name, info.name, phase, attrs)
@@ -459,91 +389,20 @@ class CommSpanMode:
             try:
                 on_end(span)
             except Exception:
-                self._stats["processor_errors"] += 1
-                if self._stats["processor_errors"] == 1:
-                    _log.warning(
-                        "commspan: a span processor raised; the span is lost for it "
-                        "(further errors are counted in mode.stats())",
-                        exc_info=True,
-                    )
-
-    def _live(self) -> Iterator[tuple[str, Mapping[str, Any], Mapping[tuple[str, str], int]]]:
-        rec = self._recorder
-        if rec is None or not self._active:
-            return
-        for frame in list(rec.stack):
-            yield frame.fqn, frame.attrs, dict(frame.counts)
+                self._processor_errors.record()
 
     def _build_processors(self) -> list[Callable[[ReadableSpan], None]]:
         procs: list[Callable[[ReadableSpan], None]] = []
         if self.aggregator is not None:
             procs.append(self.aggregator.on_end)
         procs.extend(q.on_end for q in self._queues)
-        if self._tracer_provider is not None:
+        if self._config.tracer_provider is not None:
             active: SpanProcessor | None = getattr(
-                self._tracer_provider, "_active_span_processor", None
+                self._config.tracer_provider, "_active_span_processor", None
             )
             if active is not None:
                 procs.append(active.on_end)
         return procs
-
-    def _build_resource(self) -> Resource:
-        """The resource of every span. Lowest precedence first:
-
-        1. what the SDK detects (``telemetry.sdk.*``, its random
-           ``service.instance.id``, the detectors ``OTEL_EXPERIMENTAL_RESOURCE_DETECTORS``
-           names);
-        2. what commspan detects: ``service.name`` ``commspan``,
-           ``service.instance.id`` (the rank), ``host.name``, ``process.pid``;
-        3. ``OTEL_RESOURCE_ATTRIBUTES`` and ``OTEL_SERVICE_NAME``;
-        4. the tracer_provider's resource, less what the SDK put there by itself
-           (the placeholder ``service.name`` ``unknown_service…``, its
-           ``service.instance.id``);
-        5. ``resource_attributes=`` (``None`` leaves a key out).
-
-        commspan's own ids (rank, local rank, world size, run id) are set after
-        3 and 4, so neither the environment nor a provider can change them.
-        """
-        sdk = Resource.create()
-        automatic = dict(sdk.attributes)
-        attrs: dict[str, Any] = dict(automatic)
-        attrs.update({
-            semconv.SERVICE_NAME: "commspan",
-            semconv.SERVICE_INSTANCE_ID: str(self._rank),
-            semconv.HOST_NAME: socket.gethostname(),
-            semconv.PROCESS_PID: os.getpid(),
-        })
-        attrs.update(OTELResourceDetector().detect().attributes)
-        schema_url = sdk.schema_url
-        if self._tracer_provider is not None:
-            provided = self._tracer_provider.resource
-            for key, value in provided.attributes.items():
-                if key in automatic and automatic[key] == value:
-                    continue  # the SDK's own value, not a choice of the user's
-                if key == semconv.SERVICE_NAME and str(value).startswith("unknown_service"):
-                    continue
-                attrs[key] = value
-            schema_url = schema_url or provided.schema_url
-        own: dict[str, Any] = {
-            semconv.RANK: self._rank,
-            semconv.LOCAL_RANK: self._local_rank,
-            semconv.WORLD_SIZE: self._world,
-            semconv.RUN_ID: self.run_id,
-        }
-        ignored = sorted(k for k, v in own.items() if k in attrs and attrs[k] != v)
-        if ignored:
-            _log.warning(
-                "commspan: resource attributes %s from OTEL_RESOURCE_ATTRIBUTES or the "
-                "tracer_provider's resource are ignored; commspan sets them (run_id= sets "
-                "the run id)", ", ".join(ignored),
-            )
-        attrs.update(own)
-        for key, value in self._extra_resource.items():
-            if value is None:
-                attrs.pop(key, None)
-            else:
-                attrs[key] = value
-        return Resource(attrs, schema_url)
 
     # ------------------------------------------------------------ public extras
     @property
@@ -554,13 +413,56 @@ class CommSpanMode:
     @property
     def rank(self) -> int:
         """The rank the mode recorded on entry."""
-        return self._rank
+        return self._ranks.rank
+
+    def open_spans(self) -> tuple[OpenSpan, ...]:
+        """The spans open right now, outermost (the rank span) first; empty
+        outside ``with mode:`` or outside a trace.
+
+        Each is a read-only :class:`~commspan.spans.OpenSpan` copy: module
+        name, attributes so far, the collectives of its subtree so far, and
+        whether the capture layer has finished with it.
+
+        Example:
+            >>> import torch
+            >>> from commspan import CommSpanMode
+            >>> mode = CommSpanMode()
+            >>> class Peek(torch.nn.Module):
+            ...     def forward(self, x):
+            ...         self.seen = [s.fqn for s in mode.open_spans()]
+            ...         return x
+            >>> peek = Peek()
+            >>> with mode:
+            ...     _ = peek(torch.ones(1))
+            >>> peek.seen
+            ['Global', 'Peek']
+        """
+        rec = self._recorder
+        if rec is None or not self._active:
+            return ()
+        return rec.open_spans()
+
+    def module_name(self, module: torch.nn.Module) -> str | None:
+        """The name spans give ``module`` (e.g. ``"Net.blocks.0"``), once the mode
+        has seen it or a module containing it run; ``None`` before.
+
+        Example:
+            >>> import torch
+            >>> from commspan import CommSpanMode
+            >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2))
+            >>> mode = CommSpanMode()
+            >>> with mode:
+            ...     _ = net(torch.ones(1, 2))
+            >>> mode.module_name(net[0])
+            'Sequential.0'
+        """
+        return self._tracker.fqn(module) if self._tracker is not None else None
 
     def stats(self) -> dict[str, Any]:
         """Counters: spans, collectives, steps traced/skipped, errors, and what export did.
 
         ``exporters`` holds one dict per exporter (see
-        :class:`commspan.export.ExportStats`): ``handed`` (spans given to it),
+        :class:`commspan.exporters.queue.ExportStats`): ``handed`` (spans given to it),
         ``exported``, ``dropped``, ``failed``, ``pending``, ``in_flight``,
         ``abandoned`` and ``healthy``. For each,
         ``handed == exported + dropped + failed + pending + in_flight``; after
@@ -574,6 +476,7 @@ class CommSpanMode:
             0
         """
         out: dict[str, Any] = dict(self._stats)
+        out["processor_errors"] = self._processor_errors.count
         out["internal_errors"] = (self._tracker.internal_errors if self._tracker else 0) + (
             self._dispatch.errors if self._dispatch else 0
         )
@@ -596,7 +499,7 @@ class CommSpanMode:
         Returns:
             ``True`` if every exporter's queue was flushed in time.
         """
-        timeout = self._flush_timeout if timeout_s is None else timeout_s
+        timeout = self._config.flush_timeout_s if timeout_s is None else timeout_s
         return self._flush_queues(timeout, wait_if_unhealthy=True)
 
     def _flush_on_exit(self) -> None:
@@ -604,7 +507,7 @@ class CommSpanMode:
         only: one whose last export failed or whose last flush timed out is asked
         to flush in the background, so a dead backend does not add
         ``flush_timeout_s`` to every ``with mode:`` block."""
-        self._flush_queues(self._flush_timeout, wait_if_unhealthy=False)
+        self._flush_queues(self._config.flush_timeout_s, wait_if_unhealthy=False)
 
     def _flush_queues(self, timeout_s: float, wait_if_unhealthy: bool) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -626,7 +529,7 @@ class CommSpanMode:
         Args:
             timeout_s: bound on the whole shutdown, in seconds; default ``flush_timeout_s``.
         """
-        timeout = self._flush_timeout if timeout_s is None else timeout_s
+        timeout = self._config.flush_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
         for q in self._queues:  # start every exporter now: a hung one delays no other
             q.flush(0.0)
@@ -641,53 +544,3 @@ def _top_dispatch_mode() -> Any:
         return _get_current_dispatch_mode()
     except Exception:  # pragma: no cover
         return None
-
-
-# Resource keys commspan owns; resource_attributes= may override all but the run id.
-_OWN_RESOURCE_KEYS = (semconv.RANK, semconv.LOCAL_RANK, semconv.WORLD_SIZE, semconv.RUN_ID)
-
-
-def _check_resource_attributes(attributes: Mapping[str, Any] | None) -> dict[str, Any]:
-    """Copy ``resource_attributes=``; reject what would make commspan's ids wrong."""
-    if attributes is None:
-        return {}
-    if not isinstance(attributes, Mapping):
-        raise TypeError(
-            f"resource_attributes={attributes!r} is not valid; pass a dict of "
-            "attribute name -> value (None to leave an attribute out)"
-        )
-    out = dict(attributes)
-    if semconv.RUN_ID in out:
-        raise ValueError(
-            f"resource_attributes[{semconv.RUN_ID!r}]={out[semconv.RUN_ID]!r} is not "
-            f"accepted; pass run_id={out[semconv.RUN_ID]!r} instead (the trace ids of "
-            "every rank derive from it)"
-        )
-    for key in _OWN_RESOURCE_KEYS:
-        if key in out and out[key] is None:
-            raise ValueError(
-                f"resource_attributes[{key!r}]=None is not accepted; readers need "
-                f"{key} to tell ranks apart (leave it out of resource_attributes)"
-            )
-    return out
-
-
-def _make_sampler(sample: int | Iterable[int] | Sampler | None) -> Sampler:
-    if sample is None:
-        return lambda i: True
-    if isinstance(sample, bool):
-        raise TypeError(f"sample={sample!r} is not valid; pass N, a set of steps or a callable")
-    if isinstance(sample, int):
-        if sample < 1:
-            raise ValueError(f"sample={sample!r} is not valid; every Nth step needs N >= 1")
-        n = sample
-        return lambda i: i % n == 0
-    if callable(sample):
-        return sample
-    try:
-        steps = frozenset(int(s) for s in sample)
-    except TypeError:
-        raise TypeError(
-            f"sample={sample!r} is not valid; pass N, a collection of step ints or a callable"
-        ) from None
-    return lambda i: i in steps

@@ -18,27 +18,26 @@ Example:
 
 from __future__ import annotations
 
-import json
 import os
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from opentelemetry.context import Context
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
 
 from commspan import semconv
+from commspan.analysis.tree import PHASE_ORDER, Counts, ModuleRecord, module_tree
+from commspan.otlpjson.decode import LineReader, decode_attributes, walk
+from commspan.otlpjson.encode import paused_gc
+from commspan.otlpjson.files import jsonl_files
+from commspan.otlpjson.records import DEFAULT_MAX_LINE_BYTES, ReadReport, rank_value
+from commspan.spans.frames import OpenSpan
 
-if TYPE_CHECKING:
-    from commspan.exporters.jsonl import ReadReport
+__all__ = ["Aggregator", "CollectiveSummary", "LiveView"]
 
-__all__ = ["Aggregator", "CollectiveSummary"]
-
-Counts = dict[str, dict[str, dict[str, int]]]
-_PHASE_ORDER = [p.value for p in semconv.Phase]
-_PATHLIKE = (str, os.PathLike)
+_PHASE_ORDER = PHASE_ORDER
 
 
 @dataclass(frozen=True)
@@ -64,19 +63,8 @@ class CollectiveSummary:
     bytes: int
 
 
-class _ModuleRecord:
-    __slots__ = ("fqn", "type", "depth", "first_seen", "params")
-
-    def __init__(self, fqn: str, mtype: str, depth: int, first_seen: int) -> None:
-        self.fqn = fqn
-        self.type = mtype
-        self.depth = depth
-        self.first_seen = first_seen
-        self.params: dict[str, tuple[str, str]] = {}
-
-
-# Live view of still-open frames: yields (fqn, attributes, counts{(phase, op): n}).
-LiveView = Callable[[], Iterable[tuple[str, Mapping[str, Any], Mapping[tuple[str, str], int]]]]
+LiveView = Callable[[], Iterable[OpenSpan]]
+"""The spans still open, e.g. :meth:`commspan.spans.SpanRecorder.open_spans`."""
 
 
 class Aggregator(SpanProcessor):
@@ -126,12 +114,22 @@ class Aggregator(SpanProcessor):
     def reset(self) -> None:
         """Forget every count."""
         self._counts: Counts = {}
-        self._modules: dict[str, _ModuleRecord] = {}
+        self._modules: dict[str, ModuleRecord] = {}
         self._summaries: dict[tuple[str, str, str, str, str], list[int]] = {}
         self._seen_global = False
 
     def attach_live(self, live: LiveView | None) -> None:
-        """Let queries include frames that are still open (used by ``CommSpanMode``)."""
+        """Let queries include the spans that are still open.
+
+        ``CommSpanMode`` attaches its recorder's
+        :meth:`~commspan.spans.SpanRecorder.open_spans` while it is entered,
+        so ``mode.aggregator`` counts a step in progress too, and detaches it
+        (``None``) when it leaves. The view is only read, never changed.
+
+        Args:
+            live: returns the open spans (:class:`~commspan.spans.OpenSpan`),
+                or ``None`` to count finished spans only.
+        """
         self._live = live
 
     def _add(
@@ -168,7 +166,7 @@ class Aggregator(SpanProcessor):
         rec = self._modules.get(fqn)
         if rec is None:
             depth = int(attrs.get(semconv.MODULE_DEPTH, 1) or 1)
-            rec = self._modules[fqn] = _ModuleRecord(
+            rec = self._modules[fqn] = ModuleRecord(
                 fqn, str(attrs.get(semconv.MODULE_TYPE, "")), depth, start
             )
         elif start < rec.first_seen:
@@ -184,17 +182,18 @@ class Aggregator(SpanProcessor):
                 rec.params[str(name)] = (str(shapes[i]), str(placements[i]))
 
     # ------------------------------------------------------------ queries
-    def _snapshot(self) -> tuple[Counts, dict[str, _ModuleRecord]]:
+    def _snapshot(self) -> tuple[Counts, dict[str, ModuleRecord]]:
         with self._lock:
             counts = {f: {p: dict(o) for p, o in ph.items()} for f, ph in self._counts.items()}
             modules = dict(self._modules)
         if self._live is not None:
-            for fqn, attrs, live_counts in self._live():
-                for (phase, op), n in live_counts.items():
+            for span in self._live():
+                fqn, attrs = span.fqn, span.attributes
+                for (phase, op), n in span.counts.items():
                     slot = counts.setdefault(fqn, {}).setdefault(phase, {})
                     slot[op] = slot.get(op, 0) + n
                 if fqn != semconv.GLOBAL_FQN and fqn not in modules:
-                    modules[fqn] = _ModuleRecord(
+                    modules[fqn] = ModuleRecord(
                         fqn,
                         str(attrs.get(semconv.MODULE_TYPE, "")),
                         int(attrs.get(semconv.MODULE_DEPTH, 1) or 1),
@@ -272,7 +271,7 @@ class Aggregator(SpanProcessor):
         "children": [...]}``; the root is ``Global``.
         """
         counts, modules = self._snapshot()
-        return _tree(counts, modules)
+        return module_tree(counts, modules)
 
     def table(self, noise_level: int = 0) -> str:
         """The module tree with collective counts per phase, as text.
@@ -289,9 +288,10 @@ class Aggregator(SpanProcessor):
                 f"noise_level={noise_level!r} is not supported; use 0 (modules and "
                 "counts) or 1 (also module types and parameter placements)"
             )
-        lines: list[str] = []
-        _render(self.to_dict(), noise_level, lines)
-        return "\n".join(lines) + "\n"
+        # the one import of a view from here: table() is public since 0.1
+        from commspan.render.table import module_table
+
+        return module_table(self.to_dict(), noise_level)
 
     # ------------------------------------------------------------ offline
     @classmethod
@@ -323,33 +323,34 @@ class Aggregator(SpanProcessor):
         Raises:
             ValueError: no path given; several ranks found and ``rank=None``;
                 a damaged or over-long line and ``strict`` (naming file and line).
-            FileNotFoundError: a path does not exist.
+            FileNotFoundError: a path does not exist, or a directory holds no
+                ``*.jsonl`` file (:class:`~commspan.otlpjson.files.NoJsonlFilesError`,
+                also a ``ValueError``).
 
         Example:
-            >>> import tempfile
+            >>> import pathlib, tempfile
             >>> from commspan import Aggregator
             >>> from commspan.exporters import ReadReport
             >>> run_dir = tempfile.mkdtemp()  # a directory of a run's *.jsonl files
+            >>> _ = (pathlib.Path(run_dir) / "commspan-rank0.jsonl").write_text("")
             >>> report = ReadReport()
             >>> agg = Aggregator.from_jsonl(run_dir, rank="all", strict=False, report=report)
             >>> report.damaged  # SkippedLine(path, line, kind, reason) of each damaged line
             []
         """
-        from commspan.exporters.jsonl import DEFAULT_MAX_LINE_BYTES, _no_gc, _Reader
-
         if not paths:
             raise ValueError("paths is empty; pass at least one JSONL file or directory")
-        files = list(_expand(paths))
+        files = jsonl_files(paths)
         if rank is not None and rank != "all" and not isinstance(rank, int):
             raise ValueError(f"rank={rank!r} is not valid; pass an int, 'all' or None")
-        reader = _Reader(
+        reader = LineReader(
             strict, report,
             DEFAULT_MAX_LINE_BYTES if max_line_bytes is None else max_line_bytes, False,
         )
         agg = cls()
         ranks: set[Any] = set()
         only = rank if isinstance(rank, int) else None
-        with _no_gc():  # millions of small acyclic dicts: GC passes cost more than parsing
+        with paused_gc():  # millions of small acyclic dicts: GC passes cost more than parsing
             for path, number, doc in reader.documents(files):
                 try:
                     spans, adds = _decode_document(doc)
@@ -422,6 +423,7 @@ _SPAN_KEYS = frozenset(
         semconv.PARAM_SHAPES,
     }
 )
+_RANK_KEY = frozenset({semconv.RANK})
 _EVENT_KEYS = frozenset(
     {
         semconv.COLL_OP,
@@ -441,57 +443,33 @@ def _decode_document(doc: dict[str, Any]) -> tuple[int, list[_Add]]:
     """Decode one OTLP/JSON request, only what counts need: the number of spans
     and ``(rank, fqn, attributes, start, events)`` of each commspan span. Raises
     (TypeError, KeyError, ...) on a malformed request before anything is counted."""
-    from commspan.exporters.jsonl import decode_value
-
     prefix = semconv.COUNT_PREFIX
     spans = 0
     adds: list[_Add] = []
-    for rs in doc["resourceSpans"]:
-        r: Any = None
-        for a in rs.get("resource", {}).get("attributes", ()):
-            if a["key"] == semconv.RANK:
-                r = decode_value(a.get("value", {}))
-                if isinstance(r, (list, dict)):
-                    raise ValueError(f"resource attribute {semconv.RANK} is {r!r}, expected "
-                                     "an int")
-                break
-        for ss in rs.get("scopeSpans", ()):
-            ss_spans = ss.get("spans", ())
-            spans += len(ss_spans)
-            for s in ss_spans:
-                attrs: dict[str, Any] = {}
-                for a in s.get("attributes", ()):
-                    k = a["key"]
-                    if k in _SPAN_KEYS:
-                        v = a["value"]
-                        text = v.get("stringValue")  # most of them: skip the decoder
-                        attrs[k] = text if text is not None else decode_value(v)
-                    elif k.startswith(prefix):  # a count: an int, checked here
-                        v = a["value"]
-                        n = v.get("intValue")
-                        attrs[k] = int(n if n is not None else decode_value(v))
-                fqn = attrs.get(semconv.MODULE_FQN)
-                if fqn is None:
-                    continue
-                # values the aggregator converts are checked before anything is
-                # counted, so that a malformed line adds nothing
-                if semconv.MODULE_DEPTH in attrs:
-                    attrs[semconv.MODULE_DEPTH] = int(attrs[semconv.MODULE_DEPTH] or 1)
-                if semconv.PARAM_NAMES in attrs:
-                    _check_params(attrs)
-                events = []
-                for e in s.get("events", ()):
-                    ev: dict[str, Any] = {}
-                    for a in e.get("attributes", ()):
-                        k = a["key"]
-                        if k in _EVENT_KEYS:
-                            v = a["value"]
-                            text = v.get("stringValue")
-                            ev[k] = text if text is not None else decode_value(v)
-                    if semconv.TENSOR_BYTES in ev:
-                        ev[semconv.TENSOR_BYTES] = int(ev[semconv.TENSOR_BYTES] or 0)
-                    events.append((e.get("name", ""), ev))
-                adds.append((r, str(fqn), attrs, int(s.get("startTimeUnixNano", 0)), events))
+    for resource, resource_spans in walk(doc):
+        r = rank_value(decode_attributes(resource, _RANK_KEY).get(semconv.RANK))
+        spans += len(resource_spans)
+        for s in resource_spans:
+            attrs = decode_attributes(s.get("attributes"), _SPAN_KEYS, prefix)
+            fqn = attrs.get(semconv.MODULE_FQN)
+            if fqn is None:
+                continue
+            # values the aggregator converts are checked before anything is
+            # counted, so that a malformed line adds nothing
+            for k, v in attrs.items():
+                if k.startswith(prefix):  # a count: an int
+                    attrs[k] = int(v)
+            if semconv.MODULE_DEPTH in attrs:
+                attrs[semconv.MODULE_DEPTH] = int(attrs[semconv.MODULE_DEPTH] or 1)
+            if semconv.PARAM_NAMES in attrs:
+                _check_params(attrs)
+            events = []
+            for e in s.get("events", ()):
+                ev = decode_attributes(e.get("attributes", ()), _EVENT_KEYS)
+                if semconv.TENSOR_BYTES in ev:
+                    ev[semconv.TENSOR_BYTES] = int(ev[semconv.TENSOR_BYTES] or 0)
+                events.append((e.get("name", ""), ev))
+            adds.append((r, str(fqn), attrs, int(s.get("startTimeUnixNano", 0)), events))
     return spans, adds
 
 
@@ -538,108 +516,8 @@ def _fold_counts(counts: Counts, fqn: str, attrs: Mapping[str, Any]) -> None:
 
 
 def _rank_of(span: ReadableSpan) -> int | None:
-    r = span.resource.attributes.get(semconv.RANK) if span.resource else None
-    return int(r) if isinstance(r, int) else None  # type: ignore[arg-type]
+    return rank_value(span.resource.attributes.get(semconv.RANK) if span.resource else None)
 
 
 def _phase_rank(phase: str) -> int:
     return _PHASE_ORDER.index(phase) if phase in _PHASE_ORDER else len(_PHASE_ORDER)
-
-
-def _expand(paths: Iterable[str | os.PathLike[str]]) -> Iterator[Path]:
-    for p in paths:
-        path = Path(p)
-        if path.is_dir():
-            yield from sorted(path.glob("*.jsonl"))
-        elif path.exists():
-            yield path
-        else:
-            raise FileNotFoundError(f"paths: {str(path)!r} does not exist")
-
-
-def _parent_fqn(fqn: str, known: Mapping[str, Any]) -> str:
-    head = fqn
-    while "." in head:
-        head = head.rsplit(".", 1)[0]
-        if head in known:
-            return head
-    return semconv.GLOBAL_FQN
-
-
-def _tree(counts: Counts, modules: dict[str, _ModuleRecord]) -> dict[str, Any]:
-    def node(fqn: str, mtype: str, params: dict[str, tuple[str, str]]) -> dict[str, Any]:
-        ph = counts.get(fqn, {})
-        return {
-            "fqn": fqn,
-            "type": mtype,
-            "counts": {p: dict(sorted(ph[p].items())) for p in _PHASE_ORDER if ph.get(p)},
-            "parameters": {n: {"shape": s, "placements": pl} for n, (s, pl) in params.items()},
-            "children": [],
-        }
-
-    root = node(semconv.GLOBAL_FQN, "", {})
-    nodes: dict[str, dict[str, Any]] = {semconv.GLOBAL_FQN: root}
-    ordered = sorted(modules.values(), key=lambda m: m.first_seen)
-    for m in ordered:
-        nodes[m.fqn] = node(m.fqn, m.type, m.params)
-    for m in ordered:
-        nodes[_parent_fqn(m.fqn, nodes)]["children"].append(nodes[m.fqn])
-    return root
-
-
-def _render(root: dict[str, Any], noise: int, lines: list[str]) -> None:
-    """Append the lines of ``root``'s tree (a loop, not recursion: trees can be
-    as deep as the model)."""
-    todo: list[tuple[dict[str, Any], int]] = [(root, 0)]
-    while todo:
-        node, depth = todo.pop()
-        pad = "  " * depth
-        title = node["fqn"]
-        if noise >= 1 and node["type"]:
-            title += f" ({node['type']})"
-        lines.append(pad + title)
-        if noise >= 1:
-            for name, p in node["parameters"].items():
-                where = p["placements"] or "local"
-                lines.append(f"{pad}  - {name}: {p['shape']} {where}")
-        for phase, ops in node["counts"].items():
-            ops_text = ", ".join(f"{op} {n}" for op, n in ops.items())
-            lines.append(f"{pad}  *{phase}: {ops_text}")
-        todo.extend((child, depth + 1) for child in reversed(node["children"]))
-
-
-def _tree_json(tree: Any, indent: int = 2) -> str:
-    """``json.dumps(tree, indent=indent)`` for a tree of any depth.
-
-    The standard encoder recurses per level of nesting (two per level of a
-    module tree), so the tree of a model a few hundred modules deep exceeds
-    the recursion limit; this writes the same text with a loop.
-    """
-    out: list[str] = []
-    # work items: a value to encode at a nesting level, or literal text
-    todo: list[tuple[Any, int] | str] = [(tree, 0)]
-    while todo:
-        item = todo.pop()
-        if isinstance(item, str):
-            out.append(item)
-            continue
-        value, level = item
-        if isinstance(value, dict) and value:
-            inner = "\n" + " " * (indent * (level + 1))
-            parts: list[tuple[Any, int] | str] = ["{"]
-            for i, (key, child) in enumerate(value.items()):
-                parts.append(("," if i else "") + inner + json.dumps(str(key)) + ": ")
-                parts.append((child, level + 1))
-            parts.append("\n" + " " * (indent * level) + "}")
-            todo.extend(reversed(parts))
-        elif isinstance(value, (list, tuple)) and value:
-            inner = "\n" + " " * (indent * (level + 1))
-            parts = ["["]
-            for i, child in enumerate(value):
-                parts.append(("," if i else "") + inner)
-                parts.append((child, level + 1))
-            parts.append("\n" + " " * (indent * level) + "]")
-            todo.extend(reversed(parts))
-        else:
-            out.append(json.dumps(value))
-    return "".join(out)

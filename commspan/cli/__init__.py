@@ -1,7 +1,8 @@
 """The ``commspan`` command: read JSONL span files, print collective counts.
 
-A thin layer over :meth:`commspan.Aggregator.from_jsonl` and
-:func:`commspan.exporters.read_spans`::
+Argument parsing and exit codes only, over :meth:`commspan.Aggregator.from_jsonl`,
+:func:`commspan.exporters.read_spans`, :mod:`commspan.analysis` and
+:mod:`commspan.render` (also ``python -m commspan.cli``)::
 
     commspan table  run/commspan-rank*.jsonl --rank 0 --noise 1
     commspan summary run/ --rank all
@@ -97,22 +98,6 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _files(paths: Sequence[str]) -> list[Path]:
-    out: list[Path] = []
-    for p in paths:
-        path = Path(p)
-        if path.is_dir():
-            found = sorted(path.glob("*.jsonl"))
-            if not found:
-                raise FileNotFoundError(f"FILES: directory {p!r} holds no *.jsonl file")
-            out.extend(found)
-        elif path.exists():
-            out.append(path)
-        else:
-            raise FileNotFoundError(f"FILES: {p!r} does not exist")
-    return out
-
-
 class _Damaged(Exception):
     """No commspan span was read and lines were damaged: the lines naming them say why."""
 
@@ -121,9 +106,11 @@ def _read(args: argparse.Namespace, report: Any) -> tuple[Any, list[Path]]:
     """The files' aggregate (every rank, or ``--rank N``), after the checks that
     need the whole read: commspan spans present, ranks. ``report`` collects
     what was read and skipped."""
-    from commspan.aggregate import Aggregator
+    from commspan.analysis.counts import Aggregator
+    from commspan.otlpjson.files import jsonl_files
+    from commspan.render.table import span_list
 
-    files = _files(args.files)
+    files = jsonl_files(args.files, param="FILES")
     agg = Aggregator.from_jsonl(
         *files, rank="all" if args.rank is None else args.rank, strict=False, report=report,
         max_line_bytes=args.max_line_mib * _MIB,
@@ -141,93 +128,46 @@ def _read(args: argparse.Namespace, report: Any) -> tuple[Any, list[Path]]:
     if args.rank is None and len(report.ranks) > 1:
         unranked = " and spans without a rank" if None in report.ranks else ""
         raise ValueError(
-            f"--rank is needed: the files hold spans of ranks {_span_list(ranks)}{unranked}; "
+            f"--rank is needed: the files hold spans of ranks {span_list(ranks)}{unranked}; "
             "pass --rank N for one rank or --rank all to sum them"
         )
     if isinstance(args.rank, int) and args.rank not in ranks:
         raise ValueError(
             f"--rank {args.rank}: the files hold no span of that rank "
-            f"(ranks: {_span_list(ranks)})"
+            f"(ranks: {span_list(ranks)})"
         )
     return agg, files
 
 
 def _table(args: argparse.Namespace, report: Any) -> str:
+    from commspan.render.table import tree_json
+
     agg, _ = _read(args, report)
     if args.json:
-        from commspan.aggregate import _tree_json
-
-        return _tree_json(agg.to_dict())  # json.dumps recurses per level: deep models fail
+        return tree_json(agg.to_dict())  # json.dumps recurses per level: deep models fail
     return agg.table(noise_level=args.noise).rstrip("\n")
 
 
 def _summary(args: argparse.Namespace, report: Any) -> str:
-    from commspan import semconv
-    from commspan.exporters.jsonl import ReadReport, read_spans
+    from commspan.analysis.summary import summarize
+    from commspan.otlpjson.decode import read_spans
+    from commspan.otlpjson.records import ReadReport
+    from commspan.render.table import summary_table
 
     agg, files = _read(args, report)
-    spans = 0
-    ranks: set[int] = set()
-    steps: set[int] = set()
-    traces: set[str] = set()
     # the same lines again, every span decoded (Aggregator.from_jsonl decodes only
     # what counts need): problems found only now join the report
     again = ReadReport()
-    for span in read_spans(*files, strict=False, report=again,
-                           max_line_bytes=args.max_line_mib * _MIB):
-        if isinstance(args.rank, int) and span.rank != args.rank:
-            continue
-        spans += 1
-        traces.add(span.trace_id)
-        if span.rank is not None:
-            ranks.add(span.rank)
-        step = span.attributes.get(semconv.STEP)
-        if isinstance(step, int) and span.name == semconv.SPAN_RANK:
-            steps.add(step)
+    spans = read_spans(*files, strict=False, report=again,
+                       max_line_bytes=args.max_line_mib * _MIB)
+    data = summarize(agg, spans, args.rank if isinstance(args.rank, int) else None)
     known = {(s.path, s.line) for s in report.skipped}
     new = [s for s in again.skipped if (s.path, s.line) not in known]
     report.skipped.extend(new)
     report.lines -= len(new)
-    per_phase = {
-        phase: agg.comm_counts(phase) for phase in (p.value for p in semconv.Phase)
-    }
-    per_phase = {ph: dict(sorted(ops.items())) for ph, ops in per_phase.items() if ops}
-    data: dict[str, Any] = {
-        "spans": spans,
-        "traces": len(traces),
-        "ranks": sorted(ranks),
-        "steps": sorted(steps),
-        "collectives": per_phase,
-        "total": agg.total_count(),
-    }
     if args.json:
         return json.dumps(data, indent=2)
-    lines = [
-        (f"spans: {spans}   traces: {len(traces)}   ranks: {_span_list(data['ranks'])}   "
-         f"steps: {_span_list(data['steps'])}"),
-    ]
-    rows = [(ph, op, n) for ph, ops in per_phase.items() for op, n in ops.items()]
-    width = max([len("backward")] + [len(op) for _, op, _ in rows])
-    lines.append(f"{'phase':<10}{'op':<{width + 2}}{'count':>7}")
-    lines.extend(f"{ph:<10}{op:<{width + 2}}{n:>7}" for ph, op, n in rows)
-    lines.append(f"{'total':<10}{'':<{width + 2}}{data['total']:>7}")
-    return "\n".join(lines)
-
-
-def _span_list(values: list[int]) -> str:
-    """``[0, 1, 2, 3, 7]`` -> ``"0-3,7"``; ``"-"`` when empty."""
-    if not values:
-        return "-"
-    parts: list[str] = []
-    start = prev = values[0]
-    for v in values[1:] + [None]:  # type: ignore[list-item]
-        if v is not None and v == prev + 1:
-            prev = v
-            continue
-        parts.append(str(start) if start == prev else f"{start}-{prev}")
-        if v is not None:
-            start = prev = v
-    return ",".join(parts)
+    return summary_table(data)
 
 
 def _problems(report: Any, args: argparse.Namespace) -> list[str]:
@@ -246,6 +186,15 @@ def _problems(report: Any, args: argparse.Namespace) -> list[str]:
     for s in report.torn:
         out.append(f"warning: {s.path}:{s.line}: torn last line skipped ({s.reason})")
     return out
+
+
+def _type_name(exc: BaseException) -> str:
+    """The name of the standard exception ``exc`` is (``FileNotFoundError`` for
+    commspan's ``NoJsonlFilesError``): what a user's mistake is, in words they know."""
+    for cls in type(exc).__mro__:
+        if cls.__module__ == "builtins":
+            return cls.__name__
+    return type(exc).__name__
 
 
 def _say(stream: IO[str], text: str) -> None:
@@ -298,7 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from commspan.exporters.jsonl import ReadReport
+    from commspan.otlpjson.records import ReadReport
 
     report = ReadReport()
     error = None
@@ -307,7 +256,7 @@ def _run(args: argparse.Namespace) -> int:
     except _Damaged:
         out = None
     except Exception as exc:  # noqa: BLE001 - a user-facing command: one line, no traceback
-        out, error = None, f"{type(exc).__name__}: {exc}"
+        out, error = None, f"{_type_name(exc)}: {exc}"
     for line in _problems(report, args):
         _err(line)
     if out is None:
@@ -329,6 +278,3 @@ def _run(args: argparse.Namespace) -> int:
         return 1
     return 0
 
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

@@ -102,7 +102,7 @@ class ExportQueue(SpanProcessor):
     Example:
         >>> from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
         ...     InMemorySpanExporter)
-        >>> from commspan.export import ExportQueue
+        >>> from commspan.exporters.queue import ExportQueue
         >>> queue = ExportQueue(InMemorySpanExporter())
         >>> queue.flush(1.0)
         True

@@ -11,11 +11,16 @@ does not follow, and because it keeps the hot path to a list append.
 
 The recorder keeps the tree well formed: a frame's parent is the frame below
 it on the stack, and closing a frame first closes every frame opened above it.
+It also opens the trace its frames go into: the one the mode began for a step,
+or, for activity outside steps, a session trace of its own
+(:mod:`commspan.spans.traces`); it never calls back into the mode for that.
+
+Readers outside the capture layer see open frames through one interface,
+:meth:`SpanRecorder.open_spans` (the live aggregator uses it).
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import random
 import time
@@ -29,87 +34,17 @@ from opentelemetry.trace import SpanContext, SpanKind, TraceFlags
 from opentelemetry.trace.status import Status, StatusCode
 
 from commspan import semconv
+from commspan._errors import describe_error, error_message
+from commspan.ownership.innermost import counts_for
 from commspan.semconv import Phase
+from commspan.spans.frames import Frame, OpenSpan
+from commspan.spans.traces import Trace, TraceOpener
 
-__all__ = ["Frame", "SpanRecorder", "derive_ids", "describe_error"]
+__all__ = ["SpanRecorder", "SpanSink"]
 
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _UNSET = Status(StatusCode.UNSET)
 _now = time.time_ns
-
-
-def derive_ids(run_id: str, key: str) -> tuple[int, int]:
-    """Deterministic ``(trace_id, root_span_id)`` for one trace of a run.
-
-    Every rank derives the same ids from the same run id and key (e.g.
-    ``"step/7"``), so all ranks' spans of a step join one trace without any
-    communication.
-    """
-    digest = hashlib.blake2b(f"{run_id}/{key}".encode(), digest_size=24).digest()
-    trace_id = int.from_bytes(digest[:16], "big") or 1
-    span_id = int.from_bytes(digest[16:], "big") or 1
-    return trace_id, span_id
-
-
-class Frame:
-    """One open span: a module call in one phase, or the per-rank root.
-
-    Attributes:
-        fqn: module name (``Global`` for the rank root).
-        phase: phase of a module frame; ``None`` for the root.
-        events: ``(name, timestamp_ns, attributes)`` tuples attached so far.
-        counts: ``{(phase, op): n}`` collectives in this frame's subtree.
-        done: the capture layer has finished with the frame but a frame above
-            it is still open; it closes as soon as it is on top.
-    """
-
-    __slots__ = (
-        "span_id",
-        "context",
-        "fqn",
-        "phase",
-        "name",
-        "attrs",
-        "parent",
-        "start",
-        "events",
-        "counts",
-        "self_count",
-        "error",
-        "done",
-        "closed",
-        "task",
-    )
-
-    def __init__(
-        self,
-        span_id: int,
-        context: SpanContext,
-        fqn: str,
-        phase: Phase | None,
-        name: str,
-        attrs: dict[str, Any],
-        parent: SpanContext | None,
-        task: int = -1,
-    ) -> None:
-        self.span_id = span_id
-        self.context = context
-        self.fqn = fqn
-        self.phase = phase
-        self.name = name
-        self.attrs = attrs
-        self.parent = parent
-        self.start = _now()
-        self.events: list[tuple[str, int, dict[str, Any]]] = []
-        self.counts: dict[tuple[str, str], int] = {}
-        self.self_count = 0
-        self.error: str | None = None  # status description; never the exception itself
-        self.done = False
-        self.closed = False
-        self.task = task
-
-    def __repr__(self) -> str:
-        return f"Frame({self.name!r}, done={self.done}, closed={self.closed})"
 
 
 SpanSink = Callable[[ReadableSpan], None]
@@ -127,7 +62,12 @@ class SpanRecorder:
     """
 
     def __init__(
-        self, sink: SpanSink, resource: Resource, version: str, record_messages: bool = True
+        self,
+        sink: SpanSink,
+        resource: Resource,
+        version: str,
+        record_messages: bool = True,
+        traces: TraceOpener | None = None,
     ) -> None:
         self._sink = sink
         self.record_messages = record_messages
@@ -136,25 +76,22 @@ class SpanRecorder:
             semconv.INSTRUMENTATION_SCOPE, version, semconv.SCHEMA_URL
         )
         self._rng = random.Random(os.urandom(16))
+        self._traces = traces
         self.stack: list[Frame] = []
         self.trace_id = 0
+        self.trace: Trace | None = None
         self.root: Frame | None = None
-        self.on_empty: Callable[[], None] | None = None
-        """Called when a frame or event arrives while no trace is open."""
 
-    # ------------------------------------------------------------ trace root
-    def begin(
-        self, trace_id: int, parent_span_id: int | None, attrs: dict[str, Any]
-    ) -> Frame:
-        """Open the per-rank root frame of a new trace."""
+    # ------------------------------------------------------------ traces
+    def begin(self, trace: Trace) -> Frame:
+        """Open ``trace``: its ``commspan.rank`` frame becomes the root of the stack.
+
+        A trace still open is ended first.
+        """
         if self.root is not None:
             self.end()
-        self.trace_id = trace_id
-        parent = (
-            SpanContext(trace_id, parent_span_id, False, _SAMPLED)
-            if parent_span_id is not None
-            else None
-        )
+        self.trace = trace
+        self.trace_id = trace_id = trace.trace_id
         span_id = self._new_id()
         root = Frame(
             span_id,
@@ -162,15 +99,25 @@ class SpanRecorder:
             semconv.GLOBAL_FQN,
             None,
             semconv.SPAN_RANK,
-            attrs,
-            parent,
+            trace.rank_attributes,
+            SpanContext(trace_id, trace.root_span_id, False, _SAMPLED),
         )
         self.root = root
         self.stack = [root]
         return root
 
+    def ensure_trace(self) -> None:
+        """Open a session trace if no trace is open (activity outside any step).
+
+        Without a :class:`TraceOpener` the recorder records nothing outside a
+        trace someone began.
+        """
+        if self.root is None and self._traces is not None:
+            self.begin(self._traces.session())
+
     def end(self, error: BaseException | None = None) -> None:
-        """Close every open frame and the root (with ERROR status if ``error``)."""
+        """End the open trace: close every open frame and the rank frame (with
+        ERROR status if ``error``); on rank 0, then emit the cross-rank root."""
         if self.root is None:
             return
         desc = self.describe(error)
@@ -179,37 +126,39 @@ class SpanRecorder:
         self._close_from(0, desc, _now())
         self.root = None
         self.stack = []
+        trace, self.trace = self.trace, None
+        if trace is not None and trace.writes_root:
+            self._emit_trace_root(trace, desc)
 
-    def emit_span(
-        self,
-        name: str,
-        span_id: int,
-        parent_span_id: int | None,
-        start: int,
-        end: int,
-        attrs: dict[str, Any],
-        error: BaseException | None = None,
-    ) -> None:
-        """Emit a span that was never on the stack (the cross-rank step root)."""
-        parent = (
-            SpanContext(self.trace_id, parent_span_id, False, _SAMPLED)
-            if parent_span_id is not None
-            else None
-        )
+    def _emit_trace_root(self, trace: Trace, error: str | None) -> None:
+        """The cross-rank root: a span that was never on the stack."""
         self._sink(
             ReadableSpan(
-                name,
-                SpanContext(self.trace_id, span_id, False, _SAMPLED),
-                parent,
+                trace.name,
+                SpanContext(trace.trace_id, trace.root_span_id, False, _SAMPLED),
+                None,
                 self.resource,
-                attrs,
+                trace.root_attributes,
                 (),
                 kind=SpanKind.INTERNAL,
-                status=_status(self.describe(error)),
-                start_time=start,
-                end_time=end,
+                status=_status(error),
+                start_time=trace.start,
+                end_time=_now(),
                 instrumentation_scope=self._scope,
             )
+        )
+
+    # ------------------------------------------------------------ open frames
+    def open_spans(self) -> tuple[OpenSpan, ...]:
+        """Copies of the open frames, outermost (the rank frame) first.
+
+        The one view of spans in progress that readers outside the capture
+        layer get: the live :class:`~commspan.Aggregator` adds their counts to
+        those of the spans that have ended. Safe to call from any thread; the
+        copies do not change afterwards.
+        """
+        return tuple(
+            OpenSpan(f.fqn, dict(f.attrs), dict(f.counts), f.finished) for f in list(self.stack)
         )
 
     # ------------------------------------------------------------ module frames
@@ -229,8 +178,8 @@ class SpanRecorder:
                 becomes its child (used when backward nesting is inferred).
         """
         stack = self.stack
-        if not stack and self.on_empty is not None:
-            self.on_empty()
+        if not stack:
+            self.ensure_trace()
             stack = self.stack
         if under is not None and not under.closed:
             idx = _index(stack, under)
@@ -251,8 +200,10 @@ class SpanRecorder:
         stack.append(frame)
         return frame
 
-    def pop(self, frame: Frame, error: BaseException | None = None) -> None:
-        """Finish ``frame``: close it now if on top, else once the frames above close."""
+    def finish(self, frame: Frame, error: BaseException | None = None) -> None:
+        """The capture layer is done with ``frame``: close it now if it is on
+        top, else mark it ``finished`` and close it once the frames above it
+        have closed (docs/design.md, "How backward nesting is inferred", step 3)."""
         if frame.closed:
             return
         if error is not None and frame.error is None:
@@ -260,10 +211,10 @@ class SpanRecorder:
         stack = self.stack
         if stack and stack[-1] is frame:
             self._close_top(_now())
-            while len(stack) > 1 and stack[-1].done:
+            while len(stack) > 1 and stack[-1].finished:
                 self._close_top(_now())
         else:
-            frame.done = True
+            frame.finished = True
 
     def close_now(self, frame: Frame, error: BaseException | None = None) -> None:
         """Close ``frame`` and everything above it immediately.
@@ -298,18 +249,18 @@ class SpanRecorder:
     def add_event(self, name: str, op: str, phase: str, attrs: dict[str, Any]) -> None:
         """Attach a collective event to the innermost frame and count it up the chain.
 
-        The event counts once per module name (at its innermost frame), for the
-        root, and for every frame of the same phase; a frame of another phase
-        (a backward frame around a recompute) counts it only when its module
-        encloses the event's module by name, so a recompute triggered inside
-        one module's backward is not charged to that module.
+        The event counts once per module name (at its innermost frame), for
+        the frames :func:`commspan.ownership.innermost.counts_for` names: the
+        root, every frame of the same phase, and a frame of another phase (a
+        backward frame around a recompute) only when its module encloses the
+        event's module by name.
         """
         stack = self.stack
         if not stack:
-            if self.on_empty is None:
-                return
-            self.on_empty()
+            self.ensure_trace()
             stack = self.stack
+            if not stack:
+                return
         top = stack[-1]
         top.events.append((name, _now(), attrs))
         top.self_count += 1
@@ -321,11 +272,11 @@ class SpanRecorder:
             if fqn in seen:
                 continue
             frame_phase = frame.phase
+            # the same phase always counts; another phase asks the rule
             if (
                 frame_phase is not None
                 and frame_phase.value != phase
-                and owner != fqn
-                and not owner.startswith(fqn + ".")
+                and not counts_for(fqn, frame_phase, owner, phase)
             ):
                 continue
             seen.add(fqn)
@@ -341,7 +292,7 @@ class SpanRecorder:
         only if :attr:`record_messages`)."""
         attrs: dict[str, Any] = {semconv.EXCEPTION_TYPE: type(error).__qualname__}
         if self.record_messages:
-            attrs[semconv.EXCEPTION_MESSAGE] = _message(error)
+            attrs[semconv.EXCEPTION_MESSAGE] = error_message(error)
         frame.events.append((semconv.EVENT_EXCEPTION, _now(), attrs))
 
     def describe(self, error: BaseException | None) -> str | None:
@@ -392,27 +343,6 @@ class SpanRecorder:
         self.stack.pop()
         frame.closed = True
         self._sink(span)
-
-
-def describe_error(error: BaseException | None, message: bool = True) -> str | None:
-    """``"ValueError: boom"`` (``"ValueError"`` without ``message``); ``None``
-    for no error.
-
-    Frames keep this string, never the exception (its traceback would keep the
-    step's tensors and autograd graph alive).
-    """
-    if error is None:
-        return None
-    if not message:
-        return type(error).__name__
-    return f"{type(error).__name__}: {_message(error)}"
-
-
-def _message(error: BaseException) -> str:
-    try:
-        return str(error)
-    except Exception:  # a user's __str__ that raises: keep the type, lose the text
-        return "<str() of the exception raised>"
 
 
 def _status(desc: str | None) -> Status:

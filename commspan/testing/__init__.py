@@ -37,8 +37,8 @@ from typing import Any, Union
 from opentelemetry.sdk.trace import ReadableSpan
 
 from commspan import semconv
-from commspan.aggregate import Aggregator, CollectiveSummary
-from commspan.session import CommSpanMode
+from commspan.analysis.counts import Aggregator, CollectiveSummary
+from commspan.session.mode import CommSpanMode
 
 __all__ = [
     "AggregatorLike",
@@ -409,7 +409,7 @@ def _counts(aggregator: Aggregator, fqn: str, phase: str | None) -> dict[str, in
 def _placements(value: str | Sequence[Any]) -> str:
     if isinstance(value, str):
         return value.replace(" ", "")
-    from commspan._dtensor import placements_str
+    from commspan.capture.dtensor import placements_str
 
     return placements_str(list(value))
 

@@ -1,0 +1,136 @@
+"""Errors: how commspan describes a user's exception, and counts and logs its own.
+
+Two concerns, each with one owner here:
+
+- :func:`describe_error`: the text a span keeps of an exception that crossed it
+  (never the exception itself: its traceback holds the step's tensors);
+- "count it and log the first one" (design principles 1 and 7: tracing never
+  breaks training, nothing is lost silently): :class:`ErrorCounter` counts the
+  errors of one kind and logs the first with its traceback; :class:`Once`
+  remembers which kinds of event were already logged, for counters that live
+  elsewhere (an export queue's ``dropped``, taken under its lock).
+
+Example:
+    >>> import logging
+    >>> errors = ErrorCounter(logging.getLogger("demo"), "could not record %s")
+    >>> try:
+    ...     raise ValueError("boom")
+    ... except ValueError:
+    ...     errors.record("op")  # logged: the first one
+    >>> errors.count
+    1
+    >>> once = Once()
+    >>> once.first("drop"), once.first("drop")
+    (True, False)
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+__all__ = ["ErrorCounter", "Once", "describe_error", "error_message"]
+
+_FURTHER = " (further errors are counted, not logged)"
+
+
+def describe_error(error: BaseException | None, message: bool = True) -> str | None:
+    """``"ValueError: boom"`` (``"ValueError"`` without ``message``); ``None``
+    for no error.
+
+    Frames keep this string, never the exception (its traceback would keep the
+    step's tensors and autograd graph alive).
+    """
+    if error is None:
+        return None
+    if not message:
+        return type(error).__name__
+    return f"{type(error).__name__}: {error_message(error)}"
+
+
+def error_message(error: BaseException) -> str:
+    """``str(error)``; a placeholder if the exception's ``__str__`` raises."""
+    try:
+        return str(error)
+    except Exception:  # a user's __str__ that raises: keep the type, lose the text
+        return "<str() of the exception raised>"
+
+
+class ErrorCounter:
+    """Counts commspan's own errors of one kind; logs the first, with its traceback.
+
+    Call :meth:`record` inside the ``except`` block that caught the error.
+    Later errors are only counted (``count``, reported by ``mode.stats()``).
+    When there is no stack left to log with (an error deep in a model that is
+    running out of recursion depth), the log is kept for :meth:`log_deferred`.
+
+    Args:
+        logger: where the first error is logged, at WARNING.
+        message: %-format of the log line, without the ``commspan:`` prefix and
+            the "further errors" suffix, which are added.
+        deferred: the line :meth:`log_deferred` logs, if the first could not be.
+    """
+
+    __slots__ = ("count", "_logger", "_message", "_deferred", "_pending")
+
+    def __init__(self, logger: logging.Logger, message: str, deferred: str = "") -> None:
+        self.count = 0
+        self._logger = logger
+        self._message = "commspan: " + message + _FURTHER
+        self._deferred = "commspan: " + (deferred or message) + _FURTHER
+        self._pending = False
+
+    def record(self, *args: Any, message: str | None = None) -> None:
+        """Count one error; log it if it is the first.
+
+        Args:
+            args: fill the message's %-fields.
+            message: this error's own message (same form as the constructor's),
+                when one counter serves several places.
+        """
+        self.count += 1
+        if self.count == 1 or self._pending:
+            text = self._message if message is None else "commspan: " + message + _FURTHER
+            try:
+                self._logger.warning(text, *args, exc_info=True)
+                self._pending = False
+            except Exception:  # no stack left to log with: log when asked to
+                self._pending = True
+
+    def log_deferred(self) -> None:
+        """Log the first error now if it could not be logged when it happened."""
+        if self._pending:
+            self._pending = False
+            self._logger.warning(self._deferred)
+
+
+class Once:
+    """Which kinds of event were logged already, so each is logged once.
+
+    Thread-safe: :meth:`first` is true for exactly one caller per kind.
+    """
+
+    __slots__ = ("_seen", "_lock")
+
+    def __init__(self) -> None:
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def first(self, kind: str) -> bool:
+        """``True`` the first time ``kind`` is seen, ``False`` afterwards."""
+        with self._lock:
+            if kind in self._seen:
+                return False
+            self._seen.add(kind)
+            return True
+
+    def mark(self, kind: str) -> None:
+        """Count ``kind`` as logged without logging it."""
+        with self._lock:
+            self._seen.add(kind)
+
+    def warn(self, logger: logging.Logger, kind: str, message: str, *args: Any) -> None:
+        """Log ``message`` at WARNING the first time ``kind`` is seen."""
+        if self.first(kind):
+            logger.warning(message, *args)

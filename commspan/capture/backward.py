@@ -1,0 +1,281 @@
+"""Backward nesting, inferred from the forward pass.
+
+Autograd does not say which module a backward node belongs to, and module
+backward hooks fire in an order that does not nest. This module implements
+the five steps of docs/design.md, "How backward nesting is inferred"; the
+comments cite them as (step N):
+
+1. a forward call leaves gradient pre-hooks on the autograd nodes of its
+   outputs and of its inputs (:meth:`BackwardNesting._watch_outputs`,
+   :meth:`BackwardNesting._watch_inputs`);
+2. the module's backward starts when the gradient of one of its outputs is
+   ready, together with its forward ancestors whose backward has not started
+   (:meth:`BackwardNesting._output_grad_ready`);
+3. its backward frame goes under the backward frame of its nearest forward
+   ancestor, closing the frames of non-ancestors opened above that one;
+4. it ends when the gradients of all its inputs are computed
+   (:meth:`BackwardNesting._input_grad_ready`); what is still open when
+   autograd finishes the graph task is closed by an engine callback
+   (:meth:`BackwardNesting._backward_done`);
+5. a forward that runs while autograd executes is a recompute
+   (:func:`commspan.ownership.phase_now`, called by the module hooks).
+
+Hooks hold no tensor and no module, and hooks left on leaf tensors are
+removed, so nothing grows step after step.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from commspan import semconv
+from commspan._errors import ErrorCounter
+from commspan.capture import ModuleObserver
+from commspan.semconv import Phase
+from commspan.spans.frames import Frame
+from commspan.spans.recorder import SpanRecorder
+
+if TYPE_CHECKING:
+    from commspan.capture.modules import ModuleInfo
+
+__all__ = ["BackwardNesting", "graph_task_id"]
+
+_Tensor = torch.Tensor
+
+graph_task_id: Callable[[], int] = torch._C._current_graph_task_id
+"""The id of the autograd graph task running on this thread, ``-1`` outside autograd."""
+
+
+class _Call:
+    """One forward (or recompute) call of a module, as its backward sees it."""
+
+    __slots__ = (
+        "info",
+        "module",
+        "parent",
+        "frame",
+        "bw_frame",
+        "bw_started",
+        "bw_finished",
+        "inputs_left",
+        "depth",
+        "task",
+        "input_ids",
+    )
+
+    def __init__(
+        self, info: ModuleInfo, module: Any, parent: _Call | None, frame: Frame, depth: int
+    ) -> None:
+        self.info = info
+        self.module = module  # weakref.ref to the module
+        self.parent = parent
+        self.frame = frame
+        self.bw_frame: Frame | None = None
+        self.bw_started = False
+        self.bw_finished = False
+        self.inputs_left = 0
+        self.depth = depth
+        self.task = -1  # graph task a recompute ran in
+        self.input_ids: dict[int, int] = {}  # id(tensor) -> its version at call time
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    """Tensors that require grad inside ``obj`` (args tuples, dicts, lists)."""
+    if isinstance(obj, _Tensor):
+        return [obj] if obj.requires_grad else []
+    out: list[torch.Tensor] = []
+    if isinstance(obj, (tuple, list)):
+        for item in obj:
+            if isinstance(item, _Tensor):
+                if item.requires_grad:
+                    out.append(item)
+            elif isinstance(item, (tuple, list, dict)):
+                out.extend(_tensors(item))
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            out.extend(_tensors(item))
+    return out
+
+
+class BackwardNesting:
+    """The backward half of :class:`~commspan.capture.modules.ModuleTracker`.
+
+    A mixin: the tracker calls :meth:`_init_backward` and owns the state
+    declared here; the forward half calls :meth:`_watch_inputs` and
+    :meth:`_watch_outputs` (step 1).
+    """
+
+    recorder: SpanRecorder
+    observer: ModuleObserver | None
+    active: bool
+    _errors: ErrorCounter
+    _tasks: set[int]  # graph tasks running a backward this tracker follows
+    _bw_open: list[_Call]  # calls whose backward frame is open
+    _leaf_handles: list[Any]  # hooks on leaf tensors, removed after backward
+
+    def _init_backward(self) -> None:
+        self._tasks = set()
+        self._bw_open = []
+        self._leaf_handles = []
+
+    def _forget_backward(self) -> None:
+        """Drop every open backward and the hooks left on leaf tensors."""
+        self._remove_leaf_hooks()
+        self._bw_open.clear()
+        self._tasks.clear()
+
+    def _remove_leaf_hooks(self) -> None:
+        for h in self._leaf_handles:
+            h.remove()
+        self._leaf_handles = []
+
+    def _follows(self) -> bool:
+        """Whether a module call on a thread other than the owner is the
+        owner's work: a recompute inside a backward of the owner's graph, run
+        on an autograd worker thread."""
+        return graph_task_id() in self._tasks
+
+    # ------------------------------------------------------------ step 1
+    def _watch_inputs(self, call: _Call, args: Any) -> None:
+        tensors = _tensors(args)
+        if not tensors:
+            return
+        call.input_ids = {id(t): t._version for t in tensors}
+        call.inputs_left = len(tensors)
+        hook = functools.partial(self._input_grad_ready, call)
+        for t in tensors:
+            self._register(t, hook)
+
+    def _watch_outputs(self, call: _Call, output: Any) -> None:
+        tensors = _tensors(output)
+        ids = call.input_ids
+        if ids:
+            # (step 1) an input handed back unchanged (Identity, Dropout(p=0))
+            # has no backward in this module; its gradient belongs to whoever
+            # made it. One modified in place (ReLU(inplace=True)) does: its
+            # version moved.
+            tensors = [t for t in tensors if ids.get(id(t), -1) != t._version]
+        if not tensors:
+            return
+        hook = functools.partial(self._output_grad_ready, call)
+        for t in tensors:
+            self._register(t, hook)
+
+    def _register(self, t: torch.Tensor, hook: Callable[[Any], None]) -> None:
+        node = t.grad_fn
+        if node is not None:
+            # fires when the gradient w.r.t. ``t`` is complete; dies with the graph
+            node.register_prehook(hook)
+        else:  # a leaf keeps its hooks: remove ours after backward
+            self._leaf_handles.append(t.register_hook(hook))
+
+    # ------------------------------------------------------------ steps 2 and 3
+    def _output_grad_ready(self, call: _Call, grad: Any) -> None:
+        if call.bw_started or not self.active:
+            return
+        try:
+            task = graph_task_id()
+            if call.task == task:
+                # a recompute's hooks on tensors of the graph being executed:
+                # the original forward call's hooks already cover them
+                return
+            if task not in self._tasks:
+                self._tasks.add(task)
+                # (step 4) whatever is still open when this graph task ends is
+                # closed by a callback queued now, at the start of its backward
+                torch.autograd.Variable._execution_engine.queue_callback(
+                    functools.partial(self._backward_done, task)
+                )
+            # (step 2) the module's backward starts; so do those of its forward
+            # ancestors that have not started yet (they enclose it)
+            chain = [call]
+            ancestor = call.parent
+            while ancestor is not None and ancestor.bw_frame is None:
+                chain.append(ancestor)
+                ancestor = ancestor.parent
+            while ancestor is not None and ancestor.bw_frame is not None and (
+                ancestor.bw_frame.closed
+            ):
+                ancestor = ancestor.parent
+            # (step 3) under the backward frame of the nearest forward ancestor;
+            # the recorder closes the frames of non-ancestors opened above it
+            under = ancestor.bw_frame if ancestor is not None else self._task_base(task)
+            for c in reversed(chain):
+                self._open_backward(c, task, under, grad)
+                under = None
+        except Exception:
+            self._errors.record()
+
+    def _open_backward(self, call: _Call, task: int, under: Frame | None, grad: Any) -> None:
+        call.bw_started = True
+        info = call.info
+        attrs = info.attrs[Phase.BACKWARD].copy()
+        attrs[semconv.MODULE_DEPTH] = call.depth
+        call.bw_frame = self.recorder.push(
+            info.fqn, Phase.BACKWARD, attrs, task, under, info.names[Phase.BACKWARD]
+        )
+        self._bw_open.append(call)
+        if self.observer is not None:
+            self.observer.pre_bw(call.module(), grad)
+
+    def _task_base(self, task: int) -> Frame | None:
+        """(step 3) The frame a backward frame of ``task`` without a forward
+        ancestor goes under: the frame below the task's first backward frame."""
+        stack = self.recorder.stack
+        for idx in range(1, len(stack)):
+            if stack[idx].task == task and stack[idx].phase is Phase.BACKWARD:
+                return stack[idx - 1]
+        return None
+
+    # ------------------------------------------------------------ step 4
+    def _input_grad_ready(self, call: _Call, grad: Any) -> None:
+        if call.bw_finished or not self.active:
+            return
+        try:
+            if call.task == graph_task_id():
+                return
+            call.inputs_left -= 1
+            if call.inputs_left > 0:
+                return
+            self._finish_backward(call, grad)
+        except Exception:
+            self._errors.record()
+
+    def _finish_backward(self, call: _Call, grad: Any) -> None:
+        call.bw_finished = True
+        if self.observer is not None:
+            self.observer.post_bw(call.module(), grad)
+        if call.bw_frame is not None:
+            self.recorder.finish(call.bw_frame)
+
+    def _backward_done(self, task: int) -> None:
+        """(step 4) Autograd finished graph task ``task``: close what it left open."""
+        try:
+            self._tasks.discard(task)
+            pending = [c for c in self._bw_open if c.bw_frame is not None
+                       and c.bw_frame.task == task]
+            if self.observer is not None:
+                for call in reversed(pending):
+                    if not call.bw_finished:
+                        call.bw_finished = True
+                        self.observer.post_bw(call.module(), None)
+            self.recorder.close_task(task)
+            done = {id(c) for c in pending}
+            self._bw_open = [c for c in self._bw_open if id(c) not in done]
+            if not self._tasks:
+                self._remove_leaf_hooks()
+        except Exception:
+            self._errors.record()
+
+    def _abandon_backward(self) -> None:
+        """A forward runs outside autograd while backward frames are open: that
+        backward raised (its end-of-backward callback never ran). Close them."""
+        for task in sorted(self._tasks):
+            self.recorder.close_task(task, "backward did not finish")
+        self._tasks.clear()
+        self._bw_open = []
+        self._remove_leaf_hooks()

@@ -1,0 +1,437 @@
+"""Reading OTLP/JSON: lines of JSONL files, documents, attribute values, spans.
+
+- :class:`LineReader` reads lines, bounded in length, and deals with the ones
+  it must skip (raise, report or log);
+- :func:`walk` is the one walk over a document (``resourceSpans`` ->
+  ``scopeSpans`` -> ``spans``); :func:`decode_attributes` decodes an attribute
+  list, all of it or only some keys (the aggregator's fast path);
+- :func:`read_spans` and :func:`read_documents` put them together for files.
+
+Example:
+    >>> doc = {"resourceSpans": [{"resource": {"attributes": [
+    ...     {"key": "commspan.rank", "value": {"intValue": "1"}}]},
+    ...     "scopeSpans": [{"spans": [{"name": "s"}]}]}]}
+    >>> [(decode_attributes(res), [s["name"] for s in spans]) for res, spans in walk(doc)]
+    [({'commspan.rank': 1}, ['s'])]
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Container, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from commspan import semconv
+from commspan.otlpjson.encode import paused_gc
+from commspan.otlpjson.records import (
+    DEFAULT_MAX_LINE_BYTES,
+    ReadReport,
+    SkippedLine,
+    SpanRecord,
+    rank_value,
+)
+
+__all__ = [
+    "DECODE_ERRORS",
+    "LineReader",
+    "decode_attributes",
+    "decode_value",
+    "read_documents",
+    "read_spans",
+    "walk",
+]
+
+_log = logging.getLogger(__name__)
+
+
+def decode_value(v: dict[str, Any]) -> Any:
+    """Decode one OTLP/JSON ``AnyValue`` (``{"intValue": "3"}`` -> ``3``)."""
+    return _decode_value(v)
+
+
+def _decode_value(v: dict[str, Any]) -> Any:
+    for key, val in v.items():
+        if key == "stringValue":
+            return val
+        if key == "intValue":
+            return int(val)
+        if key == "doubleValue":
+            return float(val)
+        if key == "boolValue":
+            return bool(val)
+        if key == "arrayValue":
+            return [_decode_value(x) for x in val.get("values", [])]
+        if key == "kvlistValue":
+            return {kv["key"]: _decode_value(kv["value"]) for kv in val.get("values", [])}
+        if key == "bytesValue":
+            return val
+    return None
+
+
+def decode_attributes(
+    items: Sequence[dict[str, Any]] | None,
+    keys: Container[str] | None = None,
+    prefix: str | None = None,
+) -> dict[str, Any]:
+    """Decode an OTLP/JSON attribute list (``[{"key": k, "value": AnyValue}]``).
+
+    Args:
+        items: the list (``None`` or empty: ``{}``).
+        keys: decode only these keys (and those starting with ``prefix``);
+            ``None`` decodes every attribute.
+        prefix: with ``keys``, also decode the keys starting with it.
+
+    Raises:
+        KeyError, TypeError, AttributeError, ValueError: a malformed list.
+    """
+    if not items:
+        return {}
+    if keys is None:
+        return {a["key"]: _decode_value(a.get("value", {})) for a in items}
+    out: dict[str, Any] = {}
+    for a in items:
+        k = a["key"]
+        if k in keys or (prefix is not None and k.startswith(prefix)):
+            v = a["value"]
+            text = v.get("stringValue")  # most of them: skip the decoder
+            out[k] = text if text is not None else _decode_value(v)
+    return out
+
+
+def walk(doc: dict[str, Any]) -> Iterator[tuple[Sequence[dict[str, Any]], list[dict[str, Any]]]]:
+    """The one walk over an OTLP/JSON trace request: for each ``resourceSpans``
+    entry, its resource's attribute list and the spans of all its scopes.
+
+    Raises:
+        KeyError, TypeError, AttributeError: a malformed document.
+    """
+    for rs in doc["resourceSpans"]:
+        resource = rs.get("resource", {}).get("attributes", ())
+        spans = [s for ss in rs.get("scopeSpans", ()) for s in ss.get("spans", ())]
+        yield resource, spans
+
+
+_MAX_LOGGED = 10
+
+
+class LineReader:
+    """Reads JSONL lines, bounded in length, and deals with the ones it must skip:
+    raised (``strict``, damaged lines), recorded in a report, or logged."""
+
+    def __init__(
+        self, strict: bool, report: ReadReport | None, max_line_bytes: int, pause_gc: bool
+    ) -> None:
+        if not isinstance(strict, bool):
+            raise TypeError(f"strict={strict!r} is not valid; pass True or False")
+        if report is not None and not isinstance(report, ReadReport):
+            raise TypeError(f"report={report!r} is not valid; pass a ReadReport or None")
+        if (
+            not isinstance(max_line_bytes, int)
+            or isinstance(max_line_bytes, bool)
+            or max_line_bytes < 1
+        ):
+            raise ValueError(
+                f"max_line_bytes={max_line_bytes!r} is not valid; pass a positive number "
+                f"of bytes (default {DEFAULT_MAX_LINE_BYTES}, 64 MiB)"
+            )
+        self.strict = strict
+        self.report = report
+        self.max_line_bytes = max_line_bytes
+        self.pause_gc = pause_gc
+        self._logged = 0
+
+    def documents(self, paths: Sequence[str | os.PathLike[str]]) -> Iterator[tuple[Path, int, Any]]:
+        """``(file, line number, parsed line)`` for every line that is an OTLP/JSON
+        trace request; the others are skipped (or raise)."""
+        limit = self.max_line_bytes + 1  # the line and its newline
+        loads = orjson.loads
+        for p in paths:
+            path = Path(p)
+            with path.open("rb") as fh:
+                readline = fh.readline
+                number = 0
+                while True:
+                    raw = readline(limit)
+                    if not raw:
+                        break
+                    number += 1
+                    complete = raw[-1:] == b"\n"
+                    if not complete and len(raw) == limit:
+                        self.skip(path, number, "too_long", _too_long(self.max_line_bytes))
+                        break  # reading on would need the rest of the line in memory
+                    if raw.isspace():  # (no copy, unlike strip())
+                        continue
+                    try:
+                        if self.pause_gc:
+                            with paused_gc():
+                                doc = loads(raw)
+                        else:
+                            doc = loads(raw)
+                    except orjson.JSONDecodeError as exc:
+                        if complete:
+                            self.skip(path, number, "damaged", f"not a JSON line ({exc})")
+                        else:
+                            self.skip(path, number, "torn", _TORN)
+                        continue
+                    if type(doc) is not dict or type(doc.get("resourceSpans")) is not list:
+                        self.skip(path, number, "damaged", _not_a_request(doc))
+                        continue
+                    raw = b""  # hold neither the line nor its document longer than needed
+                    yield path, number, doc
+                    doc = None
+
+    def skip(self, path: Path, number: int, kind: str, reason: str) -> None:
+        if self.strict and kind != "torn":
+            hint = (
+                "pass a larger max_line_bytes if the line is genuine"
+                if kind == "too_long" else "pass strict=False to skip damaged lines"
+            )
+            raise ValueError(f"{path}:{number}: {reason}; {hint}")
+        if self.report is not None:
+            self.report.skipped.append(SkippedLine(str(path), number, kind, reason))
+            return
+        self._logged += 1
+        if self._logged > _MAX_LOGGED:
+            if self._logged == _MAX_LOGGED + 1:
+                _log.warning("commspan: more lines skipped, not logged (pass report= to "
+                             "collect them all)")
+            return
+        if kind == "torn":
+            _log.warning("commspan: %s: skipping truncated last line %d (%s)", path, number,
+                         _TORN)
+        else:
+            _log.warning("commspan: %s:%d: skipping a damaged line: %s", path, number, reason)
+
+    def bad_request(self, path: Path, number: int, doc: Any, exc: Exception) -> None:
+        """A parsed line whose content could not be decoded."""
+        reason = _explain(doc) or f"cannot be decoded ({type(exc).__name__}: {exc})"
+        self.skip(path, number, "damaged", reason)
+
+
+_TORN = "no trailing newline: a write cut short by a crash, or a file still being written"
+DECODE_ERRORS = (TypeError, KeyError, AttributeError, ValueError)
+
+
+def _too_long(limit: int) -> str:
+    return (f"line longer than {limit} bytes ({limit / 2**20:g} MiB); the rest of the file "
+            "is not read")
+
+
+def _json_kind(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "a boolean"
+    if isinstance(v, (int, float)):
+        return "a number"
+    if isinstance(v, str):
+        return "a string"
+    if isinstance(v, list):
+        return "an array"
+    return "an object"
+
+
+def _not_a_request(doc: Any) -> str:
+    if type(doc) is not dict:
+        return (f"{_json_kind(doc)}, not an OTLP/JSON trace request "
+                "(an object with resourceSpans)")
+    if "resourceSpans" not in doc:
+        keys = ", ".join(sorted(map(str, doc))[:5]) or "none"
+        return f"an object without resourceSpans (keys: {keys}), not an OTLP/JSON trace request"
+    return f"resourceSpans is {_json_kind(doc['resourceSpans'])}, expected an array"
+
+
+def _explain(doc: Any) -> str | None:
+    """The first thing in ``doc`` that does not fit OTLP/JSON trace requests, or ``None``.
+    Run only after decoding failed, to say where."""
+
+    def obj(v: Any, where: str) -> str | None:
+        return None if isinstance(v, dict) else f"{where} is {_json_kind(v)}, expected an object"
+
+    def arr(v: Any, where: str) -> str | None:
+        return None if isinstance(v, list) else f"{where} is {_json_kind(v)}, expected an array"
+
+    def attrs(items: Any, where: str) -> str | None:
+        if items is None:
+            return None
+        if (bad := arr(items, where)) is not None:
+            return bad
+        for n, a in enumerate(items):
+            at = f"{where}[{n}]"
+            if (bad := obj(a, at)) is not None:
+                return bad
+            if "key" not in a:
+                return f"{at} has no key"
+            if not isinstance(a["key"], str):
+                return f"{at}.key is {_json_kind(a.get('key'))}, expected a string"
+            value = a.get("value", {})
+            if (bad := obj(value, f"{at}.value")) is not None:
+                return bad
+            try:
+                _decode_value(value)
+            except DECODE_ERRORS as exc:
+                return f"{at}.value is not an OTLP AnyValue ({type(exc).__name__}: {exc})"
+        return None
+
+    def number(v: Any, where: str) -> str | None:
+        try:
+            int(v)
+        except DECODE_ERRORS:
+            return f"{where} is {v!r}, expected an integer"
+        return None
+
+    if (bad := obj(doc, "the line")) is not None:
+        return bad
+    if (bad := arr(doc.get("resourceSpans"), "resourceSpans")) is not None:
+        return bad
+    for i, rs in enumerate(doc["resourceSpans"]):
+        w = f"resourceSpans[{i}]"
+        if (bad := obj(rs, w)) is not None:
+            return bad
+        resource = rs.get("resource", {})
+        bad = obj(resource, f"{w}.resource") or attrs(
+            resource.get("attributes"), f"{w}.resource.attributes")
+        if bad is not None:
+            return bad
+        if (bad := arr(rs.get("scopeSpans", []), f"{w}.scopeSpans")) is not None:
+            return bad
+        for j, ss in enumerate(rs.get("scopeSpans", [])):
+            w2 = f"{w}.scopeSpans[{j}]"
+            if (bad := obj(ss, w2) or arr(ss.get("spans", []), f"{w2}.spans")) is not None:
+                return bad
+            for k, s in enumerate(ss.get("spans", [])):
+                w3 = f"{w2}.spans[{k}]"
+                if (bad := obj(s, w3)) is not None:
+                    return bad
+                for key in ("startTimeUnixNano", "endTimeUnixNano"):
+                    if (bad := number(s.get(key, 0), f"{w3}.{key}")) is not None:
+                        return bad
+                if (bad := attrs(s.get("attributes"), f"{w3}.attributes")) is not None:
+                    return bad
+                status = s.get("status") or {}
+                if (bad := obj(status, f"{w3}.status")) is not None:
+                    return bad
+                if (bad := number(status.get("code", 0) or 0, f"{w3}.status.code")) is not None:
+                    return bad
+                events = s.get("events") or []
+                if (bad := arr(events, f"{w3}.events")) is not None:
+                    return bad
+                for m, e in enumerate(events):
+                    w4 = f"{w3}.events[{m}]"
+                    bad = obj(e, w4) or number(e.get("timeUnixNano", 0), f"{w4}.timeUnixNano")
+                    if bad is None:
+                        bad = attrs(e.get("attributes"), f"{w4}.attributes")
+                    if bad is not None:
+                        return bad
+    return None
+
+
+def read_documents(
+    *paths: str | os.PathLike[str],
+    pause_gc: bool = True,
+    strict: bool = True,
+    report: ReadReport | None = None,
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+) -> Iterator[dict[str, Any]]:
+    """Yield each line of JSONL files as a parsed OTLP/JSON request.
+
+    See :func:`read_spans` for how torn, damaged and over-long lines are handled.
+
+    Args:
+        pause_gc: pause the cyclic GC while each line is parsed (a caller that
+            pauses it around the whole read passes ``False``).
+        strict: raise on a damaged line (default) or skip it.
+        report: collects what was read and skipped (skipped lines are then
+            not logged).
+        max_line_bytes: longest line read (default 64 MiB).
+
+    Raises:
+        ValueError: a damaged or over-long line and ``strict``, naming file and line.
+    """
+    reader = LineReader(strict, report, max_line_bytes, pause_gc)
+    for _path, _number, doc in reader.documents(paths):
+        if report is not None:
+            report.lines += 1
+        yield doc
+
+
+def read_spans(
+    *paths: str | os.PathLike[str],
+    strict: bool = True,
+    report: ReadReport | None = None,
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+) -> Iterator[SpanRecord]:
+    """Yield every span in JSONL files written by :class:`JsonlSpanExporter`.
+
+    A last line without a trailing newline is a torn write (a crash, or a
+    file still being written): it is skipped with a warning, in any mode. A
+    complete line that is not an OTLP/JSON trace request (not JSON, ``null``,
+    a list, wrong types inside) is damaged: with ``strict=True`` (the
+    default) it raises ``ValueError`` naming file and line; with
+    ``strict=False`` it is skipped and every complete line around it is read.
+    A line longer than ``max_line_bytes`` raises, or with ``strict=False``
+    ends the reading of that file. Skipped lines are recorded in ``report``
+    when one is given, else logged as warnings.
+
+    Args:
+        paths: JSONL files.
+        strict: raise on a damaged line (default) or skip it.
+        report: a :class:`ReadReport` that collects what was read and skipped.
+        max_line_bytes: longest line read (default 64 MiB); bounds memory.
+
+    Raises:
+        ValueError: a damaged or over-long line and ``strict``, naming file and
+            line; ``max_line_bytes`` not a positive int.
+        TypeError: ``strict`` not a bool, ``report`` not a ``ReadReport``.
+        OSError: a file cannot be read.
+
+    Example:
+        >>> from commspan.exporters import read_spans
+        >>> spans = list(read_spans())  # pass the files of a run
+        >>> spans
+        []
+    """
+    reader = LineReader(strict, report, max_line_bytes, True)
+    for path, number, doc in reader.documents(paths):
+        try:
+            records = list(_records(doc))
+        except DECODE_ERRORS as exc:
+            reader.bad_request(path, number, doc, exc)
+            continue
+        if report is not None:
+            report.lines += 1
+            report.spans += len(records)
+            for r in records:
+                if semconv.MODULE_FQN in r.attributes:
+                    report.commspan_spans += 1
+                    report.ranks.add(r.rank)
+        yield from records
+
+
+def _records(doc: dict[str, Any]) -> Iterator[SpanRecord]:
+    for resource, spans in walk(doc):
+        res = decode_attributes(resource)
+        rank = rank_value(res.get(semconv.RANK))
+        for s in spans:
+            events = s.get("events") or ()
+            status = s.get("status") or {}
+            yield SpanRecord(
+                name=s.get("name", ""),
+                trace_id=s.get("traceId", ""),
+                span_id=s.get("spanId", ""),
+                parent_span_id=s.get("parentSpanId", ""),
+                start_time=int(s.get("startTimeUnixNano", 0)),
+                end_time=int(s.get("endTimeUnixNano", 0)),
+                attributes=decode_attributes(s.get("attributes")),
+                events=[(e.get("name", ""), decode_attributes(e.get("attributes")))
+                        for e in events],
+                event_times=[int(e.get("timeUnixNano", 0)) for e in events],
+                status_code=int(status.get("code", 0) or 0),
+                status_message=status.get("message", ""),
+                rank=rank,
+                resource=res,
+            )

@@ -1,0 +1,335 @@
+"""OTLP/JSON encoding of SDK spans: one ``ExportTraceServiceRequest`` as bytes.
+
+Spans become the OTLP/JSON encoding of the OpenTelemetry protocol (the
+``file`` exporter and ``otlpjson`` receiver of the Collector read it), built
+as byte fragments and joined once. Module spans repeat the same names, types,
+phases and parameters step after step, so encoded attribute entries, whole
+attribute lists, strings and trace ids are cached in bounded module-level
+dictionaries (cleared when full). They are module-level on purpose: every
+exporter of the process shares them, and they hold only bytes built from
+attribute values, never spans.
+
+Example:
+    >>> from opentelemetry.sdk.trace import ReadableSpan
+    >>> encode_spans([ReadableSpan("s")])[:17]
+    b'{"resourceSpans":'
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import orjson
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.trace import SpanContext, SpanKind
+from opentelemetry.trace.span import DEFAULT_TRACE_STATE as _NO_STATE
+from opentelemetry.trace.status import StatusCode
+
+__all__ = ["encode_lines", "encode_spans", "paused_gc"]
+
+
+@contextlib.contextmanager
+def paused_gc() -> Iterator[None]:
+    """Pause the cyclic GC while building or parsing many small dicts: none of
+    them form cycles, and collections triggered by the allocations cost more
+    than the work itself."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _value(v: Any) -> dict[str, Any]:
+    t = type(v)
+    if t is str:
+        return {"stringValue": v}
+    if t is int:
+        return {"intValue": str(v)}
+    if t is bool:
+        return {"boolValue": v}
+    if t is float:
+        return {"doubleValue": v}
+    if t is list or t is tuple:
+        return {"arrayValue": {"values": [_value(x) for x in v]}}
+    if isinstance(v, bool):
+        return {"boolValue": bool(v)}
+    if isinstance(v, int):
+        return {"intValue": str(int(v))}
+    if isinstance(v, float):
+        return {"doubleValue": float(v)}
+    if isinstance(v, (list, tuple)):
+        return {"arrayValue": {"values": [_value(x) for x in v]}}
+    return {"stringValue": str(v)}
+
+
+# Encoded attribute entries (``{"key":k,"value":{...}}`` as JSON bytes), reused:
+# module spans repeat the same names, types and phases step after step.
+# Bounded; cleared when full.
+_ENTRY_CACHE: dict[tuple[str, Any, type], bytes] = {}
+_TEXT_CACHE: dict[str, bytes] = {}
+_CACHE_MAX = 1 << 14
+_SMALL_INT = 1 << 10
+_dumps = orjson.dumps
+
+
+def _entry(k: str, v: Any) -> bytes:
+    t = type(v)
+    if t is list:
+        hv: Any = tuple(v)
+    elif t is int and not -_SMALL_INT < v < _SMALL_INT:
+        # large ints (sequence numbers, byte counts, steps) rarely repeat
+        return b'{"key":%s,"value":{"intValue":"%d"}}' % (_text(k), v)
+    elif t is float:
+        return _dumps({"key": k, "value": _value(v)})
+    else:
+        hv = v
+    key = (k, hv, t)
+    try:
+        return _ENTRY_CACHE[key]
+    except KeyError:
+        pass
+    except TypeError:  # unhashable value
+        return _dumps({"key": k, "value": _value(v)})
+    # orjson's result keeps its ~4 kB build buffer: cache an exact-size copy
+    entry = bytes(memoryview(_dumps({"key": k, "value": _value(v)})))
+    if len(_ENTRY_CACHE) >= _CACHE_MAX:
+        _ENTRY_CACHE.clear()
+    _ENTRY_CACHE[key] = entry
+    return entry
+
+
+def _entries(attrs: Any) -> bytes:
+    # _entry inlined for the common hashable values: this runs ~20 times per
+    # collective event
+    get = _ENTRY_CACHE.get
+    out = []
+    for k, v in attrs.items():
+        t = type(v)
+        if t is str or t is bool or (t is int and -_SMALL_INT < v < _SMALL_INT):
+            e = get((k, v, t))
+            out.append(e if e is not None else _entry(k, v))
+        elif t is int:
+            out.append(b'{"key":%s,"value":{"intValue":"%d"}}' % (_text(k), v))
+        else:
+            out.append(_entry(k, v))
+    return b"[" + b",".join(out) + b"]"
+
+
+# Whole encoded attribute lists, keyed by the attributes' items: a module's
+# span carries the same attributes (name, type, phase, depth, parameters,
+# collective counts) step after step. The value keeps the types of the values
+# too, since ``True == 1 == 1.0`` would otherwise let a bool hit an int's
+# entry. Lists (unhashable) and values that rarely repeat (floats, large ints:
+# step numbers, sequence numbers, byte counts) are not stored.
+_BLOBS: dict[tuple[Any, ...], tuple[tuple[type, ...], bytes]] = {}
+_BLOBS_MAX = 1 << 12
+_REPEATING = (str, bool, tuple)
+
+
+def _attrs(attrs: Any) -> bytes:
+    if not attrs:
+        return b"[]"
+    items = tuple(attrs.items())
+    try:
+        hit = _BLOBS.get(items)
+    except TypeError:  # a list value
+        return _entries(attrs)
+    types = tuple(map(type, attrs.values()))
+    if hit is not None and hit[0] == types:
+        return hit[1]
+    blob = _entries(attrs)  # join() results are exact-size: safe to keep
+    for t, v in zip(types, attrs.values()):
+        if t is int:
+            if not -_SMALL_INT < v < _SMALL_INT:
+                return blob
+        elif t not in _REPEATING:
+            return blob
+    if len(_BLOBS) >= _BLOBS_MAX:
+        _BLOBS.clear()
+    _BLOBS[items] = (types, blob)
+    return blob
+
+
+def _text(value: str) -> bytes:
+    try:
+        return _TEXT_CACHE[value]
+    except KeyError:
+        pass
+    out = bytes(memoryview(_dumps(value)))  # exact-size copy, see _entry
+    if len(_TEXT_CACHE) >= _CACHE_MAX:
+        _TEXT_CACHE.clear()
+    _TEXT_CACHE[value] = out
+    return out
+
+
+_UNSET = StatusCode.UNSET
+_INTERNAL = SpanKind.INTERNAL
+_STATUS = {code: code.value for code in StatusCode}
+_KIND = {kind: kind.value + 1 for kind in SpanKind}  # OTLP numbers kinds from 1
+_HEX32: dict[int, bytes] = {}
+_LOCAL = 0x100  # SPAN_FLAGS_CONTEXT_HAS_IS_REMOTE_MASK
+_REMOTE = 0x300  # ... | SPAN_FLAGS_CONTEXT_IS_REMOTE_MASK
+
+
+def _trace_hex(trace_id: int) -> bytes:
+    # every span of a step shares its trace id: format it once
+    try:
+        return _HEX32[trace_id]
+    except KeyError:
+        pass
+    out = b"%032x" % trace_id
+    if len(_HEX32) >= 256:
+        _HEX32.clear()
+    _HEX32[trace_id] = out
+    return out
+
+
+def _span(span: ReadableSpan) -> bytes:
+    # ReadableSpan's public properties are Python calls, and wrap attributes
+    # and events in new objects on every access: read the stored fields of SDK
+    # spans directly, the properties of anything else.
+    try:
+        ctx = span._context
+        parent = span._parent
+        name = span._name
+        kind = span._kind
+        start = span._start_time
+        end = span._end_time
+        attrs = span._attributes
+        events = span._events
+        links = span._links
+        status = span._status
+    except AttributeError:
+        ctx, parent, name, kind = span.context, span.parent, span.name, span.kind
+        start, end, attrs, events = span.start_time, span.end_time, span.attributes, span.events
+        links, status = span.links, span.status
+    tail = b""
+    if events:
+        tail = b',"events":[%s]' % b",".join(
+            [
+                b'{"timeUnixNano":"%d","name":%s,"attributes":%s}'
+                # events rarely repeat whole (a collective's sequence number
+                # differs each time): encode entry by entry, skip the blob cache
+                % (e.timestamp, _text(e.name), _entries(e.attributes) if e.attributes else b"[]")
+                for e in events
+            ]
+        )
+    if links:
+        tail += b',"links":[%s]' % b",".join(
+            [
+                b'{"traceId":"%032x","spanId":"%016x","attributes":%s,"flags":%d}'
+                % (
+                    link.context.trace_id,
+                    link.context.span_id,
+                    _attrs(link.attributes),
+                    _REMOTE if link.context.is_remote else _LOCAL,
+                )
+                for link in links
+            ]
+        )
+    if type(ctx) is SpanContext:  # a tuple: index it rather than call properties
+        trace_id, span_id, trace_state = ctx[0], ctx[1], ctx[4]
+    elif ctx is not None:
+        trace_id, span_id, trace_state = ctx.trace_id, ctx.span_id, ctx.trace_state
+    else:
+        trace_id, span_id, trace_state = 0, 0, None
+    if trace_state is not None and trace_state is not _NO_STATE and len(trace_state):
+        tail += b',"traceState":%s' % _dumps(trace_state.to_header())
+    if parent is None:
+        parent_json, flags = b"", _LOCAL
+    elif type(parent) is SpanContext:
+        parent_json = b'"parentSpanId":"%016x",' % parent[1]
+        flags = _REMOTE if parent[2] else _LOCAL
+    else:
+        parent_json = b'"parentSpanId":"%016x",' % parent.span_id
+        flags = _REMOTE if parent.is_remote else _LOCAL
+    code = status.status_code
+    if code is _UNSET:
+        status_json = b"{}"
+    elif status.description:
+        status_json = b'{"code":%d,"message":%s}' % (_STATUS[code], _dumps(status.description))
+    else:
+        status_json = b'{"code":%d}' % _STATUS[code]
+    return _SPAN % (
+        _trace_hex(trace_id),
+        span_id,
+        parent_json,
+        _text(name),
+        1 if kind is _INTERNAL else _KIND.get(kind, 1),
+        start or 0,
+        end or 0,
+        _attrs(attrs),
+        tail,
+        # SpanFlags: whether the parent is remote is known (and whether it is)
+        flags,
+        status_json,
+    )
+
+
+_SPAN = (
+    b'{"traceId":"%s","spanId":"%016x",%s"name":%s,"kind":%d,'
+    b'"startTimeUnixNano":"%d","endTimeUnixNano":"%d","attributes":%s%s,'
+    b'"flags":%d,"status":%s}'
+)
+
+
+def encode_spans(spans: Sequence[ReadableSpan]) -> bytes:
+    """Encode spans as one OTLP/JSON ``ExportTraceServiceRequest`` (no newline)."""
+    with paused_gc():
+        return encode_lines(spans, b"")
+
+
+def encode_lines(spans: Sequence[ReadableSpan], end: bytes) -> bytes:
+    """:func:`encode_spans` followed by ``end`` (``b"\\n"`` for a JSONL line), in
+    one buffer; the caller pauses the GC."""
+    # spans grouped by resource, then by instrumentation scope (by identity:
+    # commspan's spans share one resource and one scope object)
+    groups: dict[int, tuple[Any, dict[int, tuple[Any, list[bytes]]]]] = {}
+    for span in spans:
+        try:
+            res = span._resource
+            scope = span._instrumentation_scope
+        except AttributeError:
+            res, scope = span.resource, span.instrumentation_scope
+        slot = groups.get(id(res))
+        if slot is None:
+            slot = groups[id(res)] = (res, {})
+        scoped = slot[1].get(id(scope))
+        if scoped is None:
+            scoped = slot[1][id(scope)] = (scope, [])
+        scoped[1].append(_span(span))
+    # one list of fragments and a single join: a batch of thousands of spans
+    # is megabytes, and every intermediate join or concatenation copies it
+    parts = [b'{"resourceSpans":[']
+    for r, (res, scopes) in enumerate(groups.values()):
+        merged: dict[tuple[str, str, str], list[bytes]] = {}
+        for scope, encoded in scopes.values():
+            key = (
+                scope.name if scope else "",
+                (scope.version or "") if scope else "",
+                (scope.schema_url or "") if scope else "",
+            )
+            merged.setdefault(key, []).extend(encoded)
+        parts.append(b',{"resource":{"attributes":%s},"scopeSpans":[' if r else
+                     b'{"resource":{"attributes":%s},"scopeSpans":[')
+        parts[-1] %= _attrs(res.attributes if res else {})
+        for i, ((n, v, u), encoded) in enumerate(merged.items()):
+            parts.append(
+                b'%s{"scope":%s,"schemaUrl":%s,"spans":['
+                % (b"," if i else b"", _dumps({"name": n, "version": v}), _dumps(u))
+            )
+            separated = [b","] * (2 * len(encoded) - 1)
+            separated[0::2] = encoded
+            parts.extend(separated)
+            parts.append(b"]}")
+        parts.append(b"]}")
+    parts.append(b"]}")
+    parts.append(end)
+    return b"".join(parts)
+

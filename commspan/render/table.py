@@ -1,0 +1,123 @@
+"""Text views of counts: the module table, the run summary, the tree as JSON.
+
+Pure functions over the data the analyses return (a module tree from
+:meth:`commspan.Aggregator.to_dict`, a summary from
+:func:`commspan.analysis.summary.summarize`); each returns text.
+
+Example:
+    >>> tree = {"fqn": "Global", "type": "", "counts": {"forward": {"all_reduce": 1}},
+    ...         "parameters": {}, "children": []}
+    >>> print(module_table(tree, 0), end="")
+    Global
+      *forward: all_reduce 1
+    >>> span_list([0, 1, 2, 3, 7])
+    '0-3,7'
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+__all__ = ["module_table", "span_list", "summary_table", "tree_json"]
+
+
+def module_table(root: dict[str, Any], noise_level: int = 0) -> str:
+    """The lines of ``root``'s tree, indented by depth, with counts per phase.
+
+    A loop, not recursion: trees can be as deep as the model.
+
+    Args:
+        root: a module tree (:meth:`commspan.Aggregator.to_dict`).
+        noise_level: ``0`` modules and counts; ``1`` adds module types and
+            parameter shapes and placements.
+    """
+    lines: list[str] = []
+    todo: list[tuple[dict[str, Any], int]] = [(root, 0)]
+    while todo:
+        node, depth = todo.pop()
+        pad = "  " * depth
+        title = node["fqn"]
+        if noise_level >= 1 and node["type"]:
+            title += f" ({node['type']})"
+        lines.append(pad + title)
+        if noise_level >= 1:
+            for name, p in node["parameters"].items():
+                where = p["placements"] or "local"
+                lines.append(f"{pad}  - {name}: {p['shape']} {where}")
+        for phase, ops in node["counts"].items():
+            ops_text = ", ".join(f"{op} {n}" for op, n in ops.items())
+            lines.append(f"{pad}  *{phase}: {ops_text}")
+        todo.extend((child, depth + 1) for child in reversed(node["children"]))
+    return "\n".join(lines) + "\n"
+
+
+def tree_json(tree: Any, indent: int = 2) -> str:
+    """``json.dumps(tree, indent=indent)`` for a tree of any depth.
+
+    The standard encoder recurses per level of nesting (two per level of a
+    module tree), so the tree of a model a few hundred modules deep exceeds
+    the recursion limit; this writes the same text with a loop.
+    """
+    out: list[str] = []
+    # work items: a value to encode at a nesting level, or literal text
+    todo: list[tuple[Any, int] | str] = [(tree, 0)]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, str):
+            out.append(item)
+            continue
+        value, level = item
+        if isinstance(value, dict) and value:
+            inner = "\n" + " " * (indent * (level + 1))
+            parts: list[tuple[Any, int] | str] = ["{"]
+            for i, (key, child) in enumerate(value.items()):
+                parts.append(("," if i else "") + inner + json.dumps(str(key)) + ": ")
+                parts.append((child, level + 1))
+            parts.append("\n" + " " * (indent * level) + "}")
+            todo.extend(reversed(parts))
+        elif isinstance(value, (list, tuple)) and value:
+            inner = "\n" + " " * (indent * (level + 1))
+            parts = ["["]
+            for i, child in enumerate(value):
+                parts.append(("," if i else "") + inner)
+                parts.append((child, level + 1))
+            parts.append("\n" + " " * (indent * level) + "]")
+            todo.extend(reversed(parts))
+        else:
+            out.append(json.dumps(value))
+    return "".join(out)
+
+
+def summary_table(summary: dict[str, Any]) -> str:
+    """The text of a run summary: one header line, then one row per phase and op.
+
+    Args:
+        summary: :func:`commspan.analysis.summary.summarize`'s result.
+    """
+    lines = [
+        (f"spans: {summary['spans']}   traces: {summary['traces']}   "
+         f"ranks: {span_list(summary['ranks'])}   steps: {span_list(summary['steps'])}"),
+    ]
+    rows = [(ph, op, n) for ph, ops in summary["collectives"].items() for op, n in ops.items()]
+    width = max([len("backward")] + [len(op) for _, op, _ in rows])
+    lines.append(f"{'phase':<10}{'op':<{width + 2}}{'count':>7}")
+    lines.extend(f"{ph:<10}{op:<{width + 2}}{n:>7}" for ph, op, n in rows)
+    lines.append(f"{'total':<10}{'':<{width + 2}}{summary['total']:>7}")
+    return "\n".join(lines)
+
+
+def span_list(values: list[int]) -> str:
+    """``[0, 1, 2, 3, 7]`` -> ``"0-3,7"``; ``"-"`` when empty."""
+    if not values:
+        return "-"
+    parts: list[str] = []
+    start = prev = values[0]
+    for v in values[1:] + [None]:  # type: ignore[list-item]
+        if v is not None and v == prev + 1:
+            prev = v
+            continue
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+        if v is not None:
+            start = prev = v
+    return ",".join(parts)

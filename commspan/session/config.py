@@ -1,0 +1,174 @@
+"""The settings of a :class:`~commspan.CommSpanMode`, checked once.
+
+:func:`mode_config` validates every constructor argument (each error names
+the argument, the value and the fix) and returns a frozen :class:`ModeConfig`;
+the mode keeps that and nothing else of its arguments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SpanExporter
+
+from commspan import semconv
+from commspan.analysis.counts import Aggregator
+from commspan.capture import ModuleObserver
+
+__all__ = ["ModeConfig", "Sampler", "mode_config"]
+
+Sampler = Callable[[int], bool]
+"""Decides, from the step index, whether a step is traced."""
+
+# Resource keys commspan owns; resource_attributes= may override all but the run id.
+_OWN_RESOURCE_KEYS = (semconv.RANK, semconv.LOCAL_RANK, semconv.WORLD_SIZE, semconv.RUN_ID)
+
+
+@dataclass(frozen=True)
+class ModeConfig:
+    """Checked settings of one mode (see :class:`~commspan.CommSpanMode` for each)."""
+
+    tracer_provider: TracerProvider | None
+    exporters: tuple[SpanExporter, ...]
+    aggregator: Aggregator | None
+    run_id: str | None
+    sampler: Sampler
+    record_params: bool
+    resource_attributes: Mapping[str, Any]
+    export_queue_size: int
+    flush_timeout_s: float
+    record_exception_messages: bool
+    module_observer: ModuleObserver | None
+
+
+def mode_config(
+    *,
+    tracer_provider: TracerProvider | None,
+    exporters: Sequence[SpanExporter],
+    aggregator: bool | Aggregator,
+    run_id: str | None,
+    sample: int | Iterable[int] | Sampler | None,
+    record_params: bool,
+    resource_attributes: Mapping[str, Any] | None,
+    export_queue_size: int,
+    flush_timeout_s: float,
+    record_exception_messages: bool,
+    module_observer: ModuleObserver | None,
+) -> ModeConfig:
+    """Check the arguments of ``CommSpanMode(...)``.
+
+    Raises:
+        TypeError: an argument has the wrong type (the message says which).
+        ValueError: a value is out of range, or ``resource_attributes`` sets
+            ``commspan.run_id`` or leaves out one of commspan's own keys.
+    """
+    if tracer_provider is not None and not isinstance(tracer_provider, TracerProvider):
+        raise TypeError(
+            f"tracer_provider={tracer_provider!r} is not an "
+            "opentelemetry.sdk.trace.TracerProvider; pass an SDK TracerProvider "
+            "or use exporters=[...]"
+        )
+    if (
+        not isinstance(export_queue_size, int)
+        or isinstance(export_queue_size, bool)
+        or export_queue_size < 1
+    ):
+        raise ValueError(
+            f"export_queue_size={export_queue_size!r} is not valid; pass a positive int"
+        )
+    if run_id is not None and (not isinstance(run_id, str) or not run_id):
+        raise TypeError(f"run_id={run_id!r} is not valid; pass a non-empty str")
+    if flush_timeout_s <= 0:
+        raise ValueError(f"flush_timeout_s={flush_timeout_s!r} must be > 0 seconds")
+    if not isinstance(record_exception_messages, bool):
+        raise TypeError(
+            f"record_exception_messages={record_exception_messages!r} is not valid; "
+            "pass True (type and message) or False (exception type only)"
+        )
+    return ModeConfig(
+        tracer_provider=tracer_provider,
+        exporters=_exporters(exporters),
+        aggregator=_aggregator(aggregator),
+        run_id=run_id,
+        sampler=_sampler(sample),
+        record_params=record_params,
+        resource_attributes=_resource_attributes(resource_attributes),
+        export_queue_size=export_queue_size,
+        flush_timeout_s=flush_timeout_s,
+        record_exception_messages=record_exception_messages,
+        module_observer=module_observer,
+    )
+
+
+def _exporters(exporters: Sequence[SpanExporter]) -> tuple[SpanExporter, ...]:
+    try:
+        exporter_list = list(exporters)
+    except TypeError:
+        exporter_list = [exporters]  # type: ignore[list-item]
+    if isinstance(exporters, SpanExporter) or not all(
+        isinstance(e, SpanExporter) for e in exporter_list
+    ):
+        raise TypeError(
+            f"exporters={exporters!r} must be a list of "
+            "opentelemetry.sdk.trace.export.SpanExporter instances"
+        )
+    return tuple(exporter_list)
+
+
+def _aggregator(aggregator: bool | Aggregator) -> Aggregator | None:
+    if isinstance(aggregator, Aggregator):
+        return aggregator
+    if aggregator is True:
+        return Aggregator()
+    if aggregator is False or aggregator is None:
+        return None
+    raise TypeError(f"aggregator={aggregator!r} is not valid; pass True, False or an Aggregator")
+
+
+def _resource_attributes(attributes: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Copy ``resource_attributes=``; reject what would make commspan's ids wrong."""
+    if attributes is None:
+        return {}
+    if not isinstance(attributes, Mapping):
+        raise TypeError(
+            f"resource_attributes={attributes!r} is not valid; pass a dict of "
+            "attribute name -> value (None to leave an attribute out)"
+        )
+    out = dict(attributes)
+    if semconv.RUN_ID in out:
+        raise ValueError(
+            f"resource_attributes[{semconv.RUN_ID!r}]={out[semconv.RUN_ID]!r} is not "
+            f"accepted; pass run_id={out[semconv.RUN_ID]!r} instead (the trace ids of "
+            "every rank derive from it)"
+        )
+    for key in _OWN_RESOURCE_KEYS:
+        if key in out and out[key] is None:
+            raise ValueError(
+                f"resource_attributes[{key!r}]=None is not accepted; readers need "
+                f"{key} to tell ranks apart (leave it out of resource_attributes)"
+            )
+    return out
+
+
+def _sampler(sample: int | Iterable[int] | Sampler | None) -> Sampler:
+    if sample is None:
+        return lambda i: True
+    if isinstance(sample, bool):
+        raise TypeError(f"sample={sample!r} is not valid; pass N, a set of steps or a callable")
+    if isinstance(sample, int):
+        if sample < 1:
+            raise ValueError(f"sample={sample!r} is not valid; every Nth step needs N >= 1")
+        n = sample
+        return lambda i: i % n == 0
+    if callable(sample):
+        return sample
+    try:
+        steps = frozenset(int(s) for s in sample)
+    except TypeError:
+        raise TypeError(
+            f"sample={sample!r} is not valid; pass N, a collection of step ints or a callable"
+        ) from None
+    return lambda i: i in steps

@@ -1,0 +1,114 @@
+"""Frames: the plain records of open spans, and the read-only view of them.
+
+A :class:`Frame` is what the capture layer opens and finishes; the
+:class:`~commspan.spans.recorder.SpanRecorder` turns it into an OpenTelemetry
+span when it closes. :class:`OpenSpan` is the copy of an open frame that
+readers outside the recorder get (:meth:`SpanRecorder.open_spans`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+from opentelemetry.trace import SpanContext
+
+from commspan.semconv import Phase
+
+__all__ = ["Frame", "OpenSpan"]
+
+_now = time.time_ns
+
+
+class Frame:
+    """One open span: a module call in one phase, or the per-rank root.
+
+    A frame goes through two states before it is gone:
+
+    - ``finished``: the capture layer has finished with it (the module's call
+      or backward is over) while a frame above it is still open; it closes as
+      soon as it is on top, so spans nest (a backward frame can finish before
+      the frames opened above it, see docs/design.md, "How backward nesting
+      is inferred", step 3);
+    - ``closed``: its span was built and handed to the sink; it left the stack.
+
+    Attributes:
+        fqn: module name (``Global`` for the rank root).
+        phase: phase of a module frame; ``None`` for the root.
+        events: ``(name, timestamp_ns, attributes)`` tuples attached so far.
+        counts: ``{(phase, op): n}`` collectives in this frame's subtree.
+        finished: the capture layer has finished with the frame; it closes when
+            the frames above it have closed.
+        closed: its span was emitted.
+        task: the autograd graph task a backward or recompute frame belongs to
+            (``-1`` for a forward or the root).
+    """
+
+    __slots__ = (
+        "span_id",
+        "context",
+        "fqn",
+        "phase",
+        "name",
+        "attrs",
+        "parent",
+        "start",
+        "events",
+        "counts",
+        "self_count",
+        "error",
+        "finished",
+        "closed",
+        "task",
+    )
+
+    def __init__(
+        self,
+        span_id: int,
+        context: SpanContext,
+        fqn: str,
+        phase: Phase | None,
+        name: str,
+        attrs: dict[str, Any],
+        parent: SpanContext | None,
+        task: int = -1,
+    ) -> None:
+        self.span_id = span_id
+        self.context = context
+        self.fqn = fqn
+        self.phase = phase
+        self.name = name
+        self.attrs = attrs
+        self.parent = parent
+        self.start = _now()
+        self.events: list[tuple[str, int, dict[str, Any]]] = []
+        self.counts: dict[tuple[str, str], int] = {}
+        self.self_count = 0
+        self.error: str | None = None  # status description; never the exception itself
+        self.finished = False
+        self.closed = False
+        self.task = task
+
+    def __repr__(self) -> str:
+        return f"Frame({self.name!r}, finished={self.finished}, closed={self.closed})"
+
+
+class OpenSpan(NamedTuple):
+    """A copy of one open frame, for readers of spans still in progress.
+
+    The live :class:`~commspan.Aggregator` adds these to the counts of the
+    spans that have ended, so ``mode.aggregator`` answers inside the ``with``
+    block too.
+
+    Attributes:
+        fqn: module name (``Global`` for the rank span).
+        attributes: the span's attributes so far (module type, depth, ...).
+        counts: ``{(phase, op): n}`` collectives in the frame's subtree so far.
+        finished: the capture layer has finished with it (see :class:`Frame`).
+    """
+
+    fqn: str
+    attributes: Mapping[str, Any]
+    counts: Mapping[tuple[str, str], int]
+    finished: bool
