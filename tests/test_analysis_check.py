@@ -651,13 +651,13 @@ def test_json_that_is_not_spans_is_a_value_error_naming_the_file(tmp_path: Path)
     from deep inside the reader."""
     odd = tmp_path / "odd.jsonl"
     odd.write_text("[1, 2]\n")
-    with pytest.raises(ValueError, match=r"odd\.jsonl: not a JSONL file of OTLP spans"):
+    with pytest.raises(ValueError, match=r"odd\.jsonl:1: an array, not an OTLP/JSON"):
         check_run(odd)
     bad_time = tmp_path / "time.jsonl"
     span = {"traceId": "1", "spanId": "2", "name": "x", "startTimeUnixNano": "soon"}
     bad_time.write_text(json.dumps(
         {"resourceSpans": [{"scopeSpans": [{"spans": [span]}]}]}) + "\n")
-    with pytest.raises(ValueError, match=r"time\.jsonl: not a JSONL file of OTLP spans"):
+    with pytest.raises(ValueError, match=r"time\.jsonl(:1)?: "):
         check_run(bad_time)
 
 
