@@ -26,7 +26,7 @@ import time
 from typing import Any
 
 from benchmarks.common import median, quiet, run_in_subprocess
-from benchmarks.model import ModelConfig
+from benchmarks.workload import ModelConfig
 
 __all__ = ["run_profile"]
 
@@ -89,8 +89,8 @@ def _worker(cfg_dict: dict[str, Any], steps: int, top: int, rounds: int) -> dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from benchmarks.model import build_model, make_batch, train_step
     from benchmarks.variants import make_variant
+    from benchmarks.workload import build_model, make_batch, train_step
     from commspan import CommSpanMode
     from commspan.exporters import JsonlSpanExporter
 

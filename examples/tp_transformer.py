@@ -35,6 +35,8 @@ from commspan.exporters import JsonlSpanExporter, otlp_exporter
 WORLD_SIZE = 4
 
 
+# The model is a copy of commspan.testing.models.Transformer, kept short here so
+# the example reads on its own (tests/test_example.py checks the two agree).
 @dataclass
 class Config:
     vocab: int = 8
@@ -42,6 +44,7 @@ class Config:
     dim: int = 16
     n_heads: int = 4
     n_layers: int = 2
+    dropout: float = 0.0
     checkpointed: tuple[int, ...] = (1,)  # blocks re-run in backward (activation checkpointing)
 
 
@@ -50,6 +53,7 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads = c.n_heads
         self.wq, self.wk, self.wv, self.wo = (nn.Linear(c.dim, c.dim, bias=False) for _ in range(4))
+        self.resid_dropout = nn.Dropout(c.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape  # under TP, q/k/v hold this rank's heads only
@@ -57,19 +61,20 @@ class Attention(nn.Module):
             w(x).view(b, s, self.n_heads, -1).transpose(1, 2) for w in (self.wq, self.wk, self.wv)
         )
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(o.transpose(1, 2).reshape(b, s, -1))
+        return self.resid_dropout(self.wo(o.transpose(1, 2).reshape(b, s, -1)))
 
 
 class FeedForward(nn.Module):
     def __init__(self, c: Config) -> None:
         super().__init__()
-        self.w1, self.w2 = nn.Linear(c.dim, 4 * c.dim), nn.Linear(4 * c.dim, c.dim)
+        self.w1, self.gelu = nn.Linear(c.dim, 4 * c.dim), nn.GELU()
+        self.w2, self.resid_dropout = nn.Linear(4 * c.dim, c.dim), nn.Dropout(c.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.gelu(self.w1(x)))
+        return self.resid_dropout(self.w2(self.gelu(self.w1(x))))
 
 
-class Block(nn.Module):
+class TransformerBlock(nn.Module):
     def __init__(self, c: Config) -> None:
         super().__init__()
         self.attention_norm, self.attention = nn.LayerNorm(c.dim), Attention(c)
@@ -86,12 +91,14 @@ class Transformer(nn.Module):
         self.checkpointed = set(c.checkpointed)
         self.tok_embeddings = nn.Embedding(c.vocab, c.dim)
         self.pos_embeddings = nn.Embedding(c.max_seq, c.dim)
-        self.layers = nn.ModuleList(Block(c) for _ in range(c.n_layers))
+        self.dropout = nn.Dropout(c.dropout)
+        self.layers = nn.ModuleList(TransformerBlock(c) for _ in range(c.n_layers))
         self.norm = nn.LayerNorm(c.dim)
         self.output = nn.Linear(c.dim, c.vocab, bias=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens) + self.pos_embeddings(torch.arange(tokens.shape[1]))
+        h = self.dropout(h)
         for i, layer in enumerate(self.layers):
             h = checkpoint(layer, h, use_reentrant=False) if i in self.checkpointed else layer(h)
         return self.output(self.norm(h))

@@ -26,6 +26,7 @@ from typing import Any
 import orjson
 
 from commspan import semconv
+from commspan._errors import positive_int
 from commspan.otlpjson.encode import paused_gc
 from commspan.otlpjson.records import (
     DEFAULT_MAX_LINE_BYTES,
@@ -129,15 +130,10 @@ class LineReader:
             raise TypeError(f"strict={strict!r} is not valid; pass True or False")
         if report is not None and not isinstance(report, ReadReport):
             raise TypeError(f"report={report!r} is not valid; pass a ReadReport or None")
-        if (
-            not isinstance(max_line_bytes, int)
-            or isinstance(max_line_bytes, bool)
-            or max_line_bytes < 1
-        ):
-            raise ValueError(
-                f"max_line_bytes={max_line_bytes!r} is not valid; pass a positive number "
-                f"of bytes (default {DEFAULT_MAX_LINE_BYTES}, 64 MiB)"
-            )
+        positive_int(
+            "max_line_bytes", max_line_bytes,
+            f"pass a positive number of bytes (default {DEFAULT_MAX_LINE_BYTES}, 64 MiB)",
+        )
         self.strict = strict
         self.report = report
         self.max_line_bytes = max_line_bytes

@@ -17,7 +17,10 @@ Example:
     ['Linear']
 
 With pytest, the ``commspan_capture`` fixture (registered by the plugin that
-ships with commspan) does the same without the ``with`` block.
+ships with commspan, :mod:`commspan.testing.plugin`) does the same without the
+``with`` block. :func:`assert_well_formed`, :class:`SpanTree` and the
+``span_*`` accessors (:mod:`commspan.testing.spans`) look at the spans
+themselves; :mod:`commspan.testing.models` has toy models to trace.
 
 Module names are checked: a name that is neither ``Global`` nor a module that
 ran (misspelt, or a module that was never called) is an ``AssertionError`` in
@@ -39,15 +42,29 @@ from opentelemetry.sdk.trace import ReadableSpan
 from commspan import semconv
 from commspan.analysis.counts import Aggregator, CollectiveSummary
 from commspan.session.mode import CommSpanMode
+from commspan.testing.spans import (
+    SpanTree,
+    assert_well_formed,
+    collective_events,
+    span_counts,
+    span_fqn,
+    span_phase,
+)
 
 __all__ = [
     "AggregatorLike",
     "CommCapture",
+    "SpanTree",
     "assert_counts",
     "assert_no_comm",
     "assert_placements",
+    "assert_well_formed",
     "capture",
+    "collective_events",
     "fresh_mode",
+    "span_counts",
+    "span_fqn",
+    "span_phase",
 ]
 
 _PHASES = tuple(p.value for p in semconv.Phase)
