@@ -32,6 +32,9 @@ __all__ = ["run_profile"]
 
 
 def _package(filename: str) -> str:
+    # the model the benchmark trains lives in commspan.testing but is not commspan's cost
+    if "/benchmarks/" in filename or filename.endswith("/commspan/testing/models.py"):
+        return "benchmark model code"
     if "/commspan/" in filename:
         return "commspan"
     if "/opentelemetry/" in filename:
@@ -40,8 +43,6 @@ def _package(filename: str) -> str:
         return "torch (Python)"
     if filename.startswith("~") or filename == "<built-in>":
         return "built-ins / C (torch ops, orjson, ...)"
-    if "/benchmarks/" in filename:
-        return "benchmark model code"
     return "other Python (stdlib, ...)"
 
 
