@@ -233,9 +233,8 @@ def test_summary_show_columns(tp: Path, capsys: pytest.CaptureFixture[str]) -> N
 def test_json_everywhere(tp: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Every command's --json is one JSON document with its documented keys."""
     keys = {
-        "table": {"fqn", "type", "counts", "parameters", "children", "issued"},
-        "summary": {"spans", "traces", "ranks", "steps", "collectives", "total", "run", "runs",
-                    "issued"},
+        "table": {"fqn", "type", "counts", "parameters", "children"},
+        "summary": {"spans", "traces", "ranks", "steps", "collectives", "total", "run", "runs"},
         "html": {"output", "bytes", "run", "ranks", "steps"},
         "perfetto": {"output", "bytes", "run", "ranks", "steps"},
         "check": {"findings", "checked", "run"},
@@ -247,3 +246,19 @@ def test_json_everywhere(tp: Path, tmp_path: Path, capsys: pytest.CaptureFixture
         assert set(json.loads(out)) == keys[command], command
     code, out, _ = run_cli(capsys, "diff", str(tp), str(tp), "--json")
     assert code == 0 and set(json.loads(out)) == {"equal", "counts", "entries", "a", "b"}
+    # with --show, table and summary say what each module issued itself
+    _, out, _ = run_cli(capsys, "table", str(tp), "--rank", "0", "--json", "--show", "all")
+    nodes, todo = {}, [json.loads(out)]
+    while todo:
+        node = todo.pop()
+        nodes[node["fqn"]] = node
+        todo.extend(node["children"])
+    wo = nodes["Transformer.layers.0.attention.wo"]
+    assert nodes["Transformer.layers.0.attention"]["issued"] == []  # counts its children's
+    assert wo["issued"] == [{
+        "fqn": wo["fqn"], "phase": "forward", "op": "all_reduce", "group": "0",
+        "group_ranks": [0, 1, 2, 3], "mesh_dim": 0, "src": "P(sum)", "dst": "R", "count": 3,
+        "bytes": 3072, "duration_ns": None, "timed": 0, "ranks": [0]}]
+    _, out, _ = run_cli(capsys, "summary", str(tp), "--rank", "0", "--json", "--show", "all")
+    issued = json.loads(out)["issued"]
+    assert sum(i["count"] for i in issued) == json.loads(out)["total"]

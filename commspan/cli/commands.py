@@ -138,9 +138,10 @@ def table(args: argparse.Namespace, reader: Reader) -> Outcome:
     rank = _rank_filter(args.rank, sel)
     agg = Aggregator.from_records(sel.records, rank="all" if rank is None else rank)
     tree = agg.to_dict()
-    if args.json or args.show:
-        rows = issued(sel.records, rank=rank)
-    if args.json:
+    if not args.show:
+        return Outcome(_json(tree) if args.json else agg.table(noise_level=args.noise).rstrip())
+    rows = issued(sel.records, rank=rank)
+    if args.json:  # each node also lists what its module issued itself
         by_fqn: dict[str, list[dict[str, Any]]] = {}
         for row in rows:
             by_fqn.setdefault(row.fqn, []).append(row.to_dict())
@@ -150,10 +151,7 @@ def table(args: argparse.Namespace, reader: Reader) -> Outcome:
             node["issued"] = by_fqn.get(node["fqn"], [])
             todo.extend(node["children"])
         return Outcome(_json(tree))
-    if args.show:
-        notes = issued_notes(rows, args.show)
-        return Outcome(module_table(tree, args.noise, notes).rstrip("\n"))
-    return Outcome(agg.table(noise_level=args.noise).rstrip("\n"))
+    return Outcome(module_table(tree, args.noise, issued_notes(rows, args.show)).rstrip())
 
 
 def summary(args: argparse.Namespace, reader: Reader) -> Outcome:
@@ -168,10 +166,11 @@ def summary(args: argparse.Namespace, reader: Reader) -> Outcome:
     rank = _rank_filter(args.rank, sel)
     agg = Aggregator.from_records(sel.records, rank="all" if rank is None else rank)
     data = summarize(agg, sel.records, rank)
-    rows = issued(sel.records, rank=rank)
+    rows = issued(sel.records, rank=rank) if args.show else []
     data["run"] = sel.run.run_id if sel.run else None
     data["runs"] = [r.to_dict() for r in sel.runs]
-    data["issued"] = [r.to_dict() for r in rows]
+    if args.show:
+        data["issued"] = [r.to_dict() for r in rows]
     if args.json:
         return Outcome(json.dumps(data, indent=2))
     text = summary_table(data)
