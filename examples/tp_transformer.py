@@ -2,7 +2,7 @@
 
 Run it with one command (it spawns its own gloo ranks), or under torchrun::
 
-    python examples/tp_transformer.py [--out DIR] [--steps N]
+    python examples/tp_transformer.py [--out DIR] [--steps N] [--sequence-parallel]
     torchrun --nproc-per-node 4 examples/tp_transformer.py
 
 Every rank writes its spans to ``DIR/commspan-rank<r>.jsonl`` (default
@@ -25,8 +25,14 @@ import torch.nn.functional as F
 from opentelemetry.sdk.trace.export import SpanExporter
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 from torch.utils.checkpoint import checkpoint
 
 from commspan import CommSpanMode
@@ -104,34 +110,49 @@ class Transformer(nn.Module):
         return self.output(self.norm(h))
 
 
-def parallelize(model: Transformer, mesh: DeviceMesh) -> Transformer:
-    """Megatron-style tensor parallelism over a 1-D mesh."""
+def parallelize(
+    model: Transformer, mesh: DeviceMesh, sequence_parallel: bool = False
+) -> Transformer:
+    """Megatron-style tensor parallelism over a 1-D mesh; with ``sequence_parallel`` the
+    activations between the blocks' matmuls are sharded along the sequence (norms run
+    on sequence shards, wo and w2 reduce-scatter instead of all-reducing)."""
+    seq = Shard(1) if sequence_parallel else Replicate()  # the activations between blocks
     parallelize_module(model, mesh, {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
-        "pos_embeddings": RowwiseParallel(input_layouts=Replicate()),
-        "output": ColwiseParallel(output_layouts=Replicate()),
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        "pos_embeddings": RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Shard(0) if sequence_parallel else seq
+        ),
+        "output": ColwiseParallel(input_layouts=seq, output_layouts=Replicate()),
+        **({"norm": SequenceParallel()} if sequence_parallel else {}),
     })
     for block in model.layers:
-        parallelize_module(block, mesh, {
+        plan = {
             "attention.wq": ColwiseParallel(use_local_output=True),
             "attention.wk": ColwiseParallel(use_local_output=True),
             "attention.wv": ColwiseParallel(use_local_output=True),
-            "attention.wo": RowwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=seq),
             "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(),
-        })
+            "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+        }
+        if sequence_parallel:  # norms on sequence shards; gather before the matmuls
+            for norm, inner in (("attention_norm", "attention"), ("ffn_norm", "feed_forward")):
+                plan[norm] = SequenceParallel()
+                plan[inner] = PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+                )
+        parallelize_module(block, mesh, plan)
         block.attention.n_heads //= mesh.size()  # each rank owns n_heads / tp heads
     return model
 
 
-def train(out: Path, steps: int) -> None:
+def train(out: Path, steps: int, sequence_parallel: bool = False) -> None:
     """One rank: build the model, train ``steps`` steps under commspan."""
     torch.set_num_threads(1)
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     config = Config()
     torch.manual_seed(0)  # same weights and data on every rank
-    model = parallelize(Transformer(config), mesh)
+    model = parallelize(Transformer(config), mesh, sequence_parallel)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 
     path = out / f"commspan-rank{rank}.jsonl"
@@ -163,12 +184,12 @@ def train(out: Path, steps: int) -> None:
             print(f"  {file}")
 
 
-def _rank_main(rank: int, port: int, out: Path, steps: int) -> None:
+def _rank_main(rank: int, port: int, out: Path, steps: int, sequence_parallel: bool) -> None:
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE
     )
     try:
-        train(out, steps)
+        train(out, steps, sequence_parallel)
     finally:
         dist.destroy_process_group()
 
@@ -183,17 +204,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("commspan-out"), help="JSONL directory")
     parser.add_argument("--steps", type=int, default=3, help="training steps")
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="shard activations along the sequence between the matmuls")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if "RANK" in os.environ:  # launched by torchrun: this process is one rank
         dist.init_process_group("gloo")
         try:
-            train(args.out, args.steps)
+            train(args.out, args.steps, args.sequence_parallel)
         finally:
             dist.destroy_process_group()
     else:  # start the ranks ourselves; forked ranks reuse the imported torch (CPU only)
         torch.multiprocessing.start_processes(
-            _rank_main, (_free_port(), args.out, args.steps), WORLD_SIZE, start_method="fork"
+            _rank_main, (_free_port(), args.out, args.steps, args.sequence_parallel), WORLD_SIZE,
+            start_method="fork",
         )
 
 

@@ -151,6 +151,24 @@ def test_extra_collective_at_the_end_of_a_step_is_a_count_mismatch() -> None:
     assert "ranks 1-3 issued nothing more in the step" in f.message
 
 
+def test_count_mismatch_entry_of_the_issuing_rank_is_plain_data() -> None:
+    """In a count mismatch the rank that issued the extra collective is described by that
+    collective alone (a "count" is no field of it): the finding's JSON form serialises."""
+
+    def extra(rank: int, step: int, ops: list[Op]) -> list[Op]:
+        if rank == 0 and step == 0:
+            ops.append({"op": "all_reduce", "fqn": "Net.loss", "phase": "backward"})
+        return ops
+
+    result = run_check(build(steps=2, edit=extra))
+    (f,) = result.findings
+    assert f.ranks[0] == {"op": "all_reduce", "fqn": "Net.loss", "phase": "backward",
+                          "seq": PER_STEP + 1}
+    assert json.loads(json.dumps(result.to_dict()))["findings"][0]["ranks"]["0"]["op"] == (
+        "all_reduce")
+    assert "count <built-in" not in format_check(result)
+
+
 @pytest.mark.parametrize(
     ("field", "change", "expected"),
     [

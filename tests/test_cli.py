@@ -302,12 +302,12 @@ def test_keyboard_interrupt_exits_130(
     run_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Ctrl-C while reading: one line and status 130, no traceback."""
-    from commspan.analysis.counts import Aggregator
+    from commspan.cli.commands import Reader
 
     def interrupted(*args: object, **kwargs: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(Aggregator, "from_jsonl", interrupted)
+    monkeypatch.setattr(Reader, "read", interrupted)
     try:
         code, out, err = _cli(capsys, "table", str(run_dir), "--rank", "all")
     except KeyboardInterrupt:

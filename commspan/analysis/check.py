@@ -359,7 +359,7 @@ def _differing(records: Sequence[CollectiveRecord]) -> list[str]:
 def _entry(rec: CollectiveRecord, fields: Iterable[str] = ()) -> dict[str, Any]:
     out: dict[str, Any] = {"op": rec.op, "fqn": rec.fqn, "phase": rec.phase, "seq": rec.seq}
     for name in fields:
-        if name != "op":
+        if name not in ("op", "count"):  # a count is the step's, not a field of the record
             out[name] = _value(rec, name)
     return out
 
