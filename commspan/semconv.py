@@ -19,6 +19,7 @@ from functools import cache
 
 __all__ = [
     "ATTRIBUTES",
+    "BYTES_PREFIX",
     "COLL_ALGBW",
     "COLL_BUSBW",
     "COLL_DURATION_NS",
@@ -29,6 +30,7 @@ __all__ = [
     "COLL_REDUCE_OP",
     "COLL_SEQ",
     "COLL_STATE",
+    "COMM_TIME_PREFIX",
     "COUNT_PREFIX",
     "COUNT_TOTAL",
     "EVENT_EXCEPTION",
@@ -82,6 +84,8 @@ __all__ = [
     "TENSOR_DTYPE",
     "TENSOR_SHAPE",
     "WORLD_SIZE",
+    "bytes_key",
+    "comm_time_key",
     "count_key",
     "module_span_name",
     "parse_count_key",
@@ -170,6 +174,21 @@ COUNT_TOTAL = "total"
 SELF_COUNT = "commspan.collectives.self"
 """Number of collective events attached to this very span."""
 
+BYTES_PREFIX = "commspan.bytes."
+"""Prefix of the per-phase byte roll-ups on module and rank spans.
+
+``commspan.bytes.<phase>`` is the sum of ``commspan.tensor.bytes`` over the
+collectives of ``<phase>`` in the span's subtree, with the rules of the counts
+(see :data:`COUNT_PREFIX`): a backend can sum it over the spans of one module.
+"""
+COMM_TIME_PREFIX = "commspan.comm_time_ns."
+"""Prefix of the per-phase collective-time roll-ups on module and rank spans.
+
+``commspan.comm_time_ns.<phase>`` is the sum of ``commspan.collective.duration_ns``
+over the collectives of ``<phase>`` in the span's subtree that have one, with the
+rules of the counts; absent when none of them was timed.
+"""
+
 # ---------------------------------------------------------- event attributes
 COLL_OP = "commspan.collective.op"
 COLL_OVERLOAD = "commspan.collective.overload"
@@ -243,6 +262,12 @@ ATTRIBUTES: dict[str, str] = {
     "subtree (int).",
     COUNT_PREFIX + "<phase>.total": "All collectives of that phase inside the subtree (int).",
     SELF_COUNT: "Collective events attached to this span itself (int).",
+    BYTES_PREFIX + "<phase>": "Bytes (``commspan.tensor.bytes``) of the collectives of that "
+    "phase inside the span's subtree, same rules as the counts (int).",
+    COMM_TIME_PREFIX + "<phase>": "Sum of ``commspan.collective.duration_ns`` of the timed "
+    "collectives of that phase inside the span's subtree, same rules as the counts (int ns). "
+    "Collectives overlap each other and compute, so this is time spent waiting on "
+    "collectives summed per collective, not a share of the span's duration.",
     COLL_OP: "Canonical op name (also the event name), e.g. ``all_reduce``.",
     COLL_OVERLOAD: "Full op overload, e.g. ``_c10d_functional.all_reduce.default``.",
     COLL_KIND: "``collective`` or ``p2p`` (send/recv).",
@@ -294,6 +319,20 @@ ATTRIBUTES: dict[str, str] = {
 def count_key(phase: Phase | str, op: str) -> str:
     """Attribute key holding the subtree count of ``op`` collectives in ``phase``."""
     return f"{COUNT_PREFIX}{Phase(phase).value}.{op}"
+
+
+@cache
+def bytes_key(phase: Phase | str) -> str:
+    """Attribute key of the subtree's collective bytes in ``phase``, e.g.
+    ``commspan.bytes.forward``."""
+    return f"{BYTES_PREFIX}{Phase(phase).value}"
+
+
+@cache
+def comm_time_key(phase: Phase | str) -> str:
+    """Attribute key of the subtree's collective time in ``phase``, e.g.
+    ``commspan.comm_time_ns.backward``."""
+    return f"{COMM_TIME_PREFIX}{Phase(phase).value}"
 
 
 def parse_count_key(key: str) -> tuple[str, str] | None:

@@ -145,7 +145,7 @@ def parallelize(
     return model
 
 
-def train(out: Path, steps: int, sequence_parallel: bool = False) -> None:
+def train(out: Path, steps: int, sequence_parallel: bool = False, timing: bool = True) -> None:
     """One rank: build the model, train ``steps`` steps under commspan."""
     torch.set_num_threads(1)
     rank = dist.get_rank()
@@ -162,7 +162,7 @@ def train(out: Path, steps: int, sequence_parallel: bool = False) -> None:
         exporters.append(otlp_exporter())
 
     tokens = torch.randint(0, config.vocab, (2, 9))  # one toy batch, learnt by heart
-    mode = CommSpanMode(exporters=exporters)
+    mode = CommSpanMode(exporters=exporters, time_collectives=timing)
     with mode:
         for i in range(steps):
             with mode.step(i):  # one trace per step, shared by all ranks
@@ -184,12 +184,14 @@ def train(out: Path, steps: int, sequence_parallel: bool = False) -> None:
             print(f"  {file}")
 
 
-def _rank_main(rank: int, port: int, out: Path, steps: int, sequence_parallel: bool) -> None:
+def _rank_main(
+    rank: int, port: int, out: Path, steps: int, sequence_parallel: bool, timing: bool
+) -> None:
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE
     )
     try:
-        train(out, steps, sequence_parallel)
+        train(out, steps, sequence_parallel, timing)
     finally:
         dist.destroy_process_group()
 
@@ -206,17 +208,21 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="training steps")
     parser.add_argument("--sequence-parallel", action="store_true",
                         help="shard activations along the sequence between the matmuls")
+    parser.add_argument("--no-timing", action="store_true",
+                        help="record when collectives are issued only, not their durations")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if "RANK" in os.environ:  # launched by torchrun: this process is one rank
         dist.init_process_group("gloo")
         try:
-            train(args.out, args.steps, args.sequence_parallel)
+            train(args.out, args.steps, args.sequence_parallel, not args.no_timing)
         finally:
             dist.destroy_process_group()
     else:  # start the ranks ourselves; forked ranks reuse the imported torch (CPU only)
         torch.multiprocessing.start_processes(
-            _rank_main, (_free_port(), args.out, args.steps, args.sequence_parallel), WORLD_SIZE,
+            _rank_main,
+            (_free_port(), args.out, args.steps, args.sequence_parallel, not args.no_timing),
+            WORLD_SIZE,
             start_method="fork",
         )
 

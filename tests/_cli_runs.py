@@ -82,15 +82,21 @@ def write_run(
     *,
     steps: Sequence[int] = (0, 1),
     ranks: Sequence[int] = RANKS,
+    time_collectives: bool = False,
 ) -> Path:
     """Trace ``step_fn(rank, step)`` for each rank and step into ``out`` (one file per
-    rank, appended to: a second call with another run id adds a second run)."""
+    rank, appended to: a second call with another run id adds a second run).
+
+    The ranks are simulated one after the other in this process, so collective
+    durations would mean nothing: they are not recorded unless ``time_collectives``.
+    """
     out.mkdir(parents=True, exist_ok=True)
     for rank in ranks:
         mode = CommSpanMode(
             exporters=[JsonlSpanExporter(out / f"commspan-rank{rank}.jsonl")],
             run_id=run_id,
             resource_attributes={"commspan.rank": rank},
+            time_collectives=time_collectives,
         )
         with mode:
             for step in steps:

@@ -21,7 +21,7 @@ STEPS = 3
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return example_run(tmp_path_factory, STEPS)
+    return example_run(tmp_path_factory, STEPS, "--no-timing")  # collectives without widths
 
 
 @pytest.fixture(scope="module")

@@ -174,10 +174,18 @@ def generate() -> str:
         const = const_of.get(key)
         if const is None and key.startswith(semconv.COUNT_PREFIX):
             const = "count_key(phase, op)" if key.endswith("<op>") else "COUNT_TOTAL"
+        elif const is None and key.startswith(semconv.BYTES_PREFIX):
+            const = "bytes_key(phase)"
+        elif const is None and key.startswith(semconv.COMM_TIME_PREFIX):
+            const = "comm_time_key(phase)"
         out.append(f"| `{key}` | {f'`{const}`' if const else ''} | {_cell(meaning)} |")
     out += [
         "",
         f"Count attributes: {_cell(docs.get('COUNT_PREFIX', ''))}",
+        "",
+        f"Byte roll-ups: {_cell(docs.get('BYTES_PREFIX', ''))}",
+        "",
+        f"Collective-time roll-ups: {_cell(docs.get('COMM_TIME_PREFIX', ''))}",
         "",
         (
             "The resource of every span also carries the OpenTelemetry keys "

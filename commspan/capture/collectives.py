@@ -34,6 +34,7 @@ __all__ = [
     "canonical_name",
     "canonical_names",
     "collective_packets",
+    "wait_overloads",
 ]
 
 _log = logging.getLogger(__name__)
@@ -105,6 +106,8 @@ _GROUP_ARGS = ("group_name", "process_group")
 _REDUCE_ARGS = ("reduce_op", "reduceOp")
 _PEER_ARGS = ("dst", "src", "peer_list")
 _RANKS_ARGS = ("ranks",)
+_ASYNC_ARGS = ("async_op",)
+_FUNCTIONAL_NAMESPACES = ("_c10d_functional.", "c10d_functional.", "_c10d_functional_autograd.")
 
 
 @dataclass(frozen=True)
@@ -121,6 +124,10 @@ class CollectiveInfo:
         arg_names: schema argument names, to find arguments passed by keyword.
         peer_is_group_rank: the peer argument is a rank within the op's group
             (``c10d`` ops) rather than a global rank (functional ``isend``/``irecv``).
+        functional: a functional collective: it returns its output tensors, and
+            ``wait_tensor`` on them is its completion.
+        async_index: position of the ``async_op`` argument of a ``c10d`` op
+            (``-1`` when absent): ``False`` means the caller waits right away.
     """
 
     name: str
@@ -134,6 +141,8 @@ class CollectiveInfo:
     ranks_index: int
     arg_names: tuple[str, ...]
     peer_is_group_rank: bool = False
+    functional: bool = False
+    async_index: int = -1
 
 
 def canonical_names() -> list[str]:
@@ -179,6 +188,8 @@ def _info(overload: Any, canonical: str, kind: str) -> CollectiveInfo:
         ranks_index=_index(names, _RANKS_ARGS),
         arg_names=names,
         peer_is_group_rank=str(overload).startswith("c10d."),
+        functional=str(overload).startswith(_FUNCTIONAL_NAMESPACES),
+        async_index=_index(names, _ASYNC_ARGS),
     )
 
 
@@ -209,6 +220,20 @@ def _build_overload_table() -> dict[Any, CollectiveInfo]:
         if first is not None:
             table[packet] = first
     return table
+
+
+def wait_overloads() -> list[Any]:
+    """The ``wait_tensor`` overloads (and packets) of this torch build: the completion
+    of a functional collective, not a collective."""
+    _load_op_libraries()
+    out: list[Any] = []
+    for ns in ("_c10d_functional", "c10d_functional"):
+        packet = _packet(ns, "wait_tensor")
+        if packet is None:
+            continue
+        out.append(packet)
+        out.extend(getattr(packet, name) for name in packet.overloads())
+    return out
 
 
 _CANONICAL: dict[Any, str] | None = None

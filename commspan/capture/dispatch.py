@@ -2,16 +2,20 @@
 
 For every aten op the mode sees, the hot path is one check (a tensor
 subclass such as DTensor is involved: let it run first, its local ops come
-back here) and one dict lookup (is this a collective?). A collective is
-described (op, tensors, process group, sequence number, reduce op, peer,
-DTensor redistribution) and handed to a callback; the mode itself does no IO
-and no counting.
+back here) and one dict lookup (is this a collective, or ``wait_tensor``?).
+A collective is described (op, tensors, process group, sequence number,
+reduce op, peer, DTensor redistribution) and handed to a callback; when the
+callback returns a :class:`~commspan.spans.timing.CollectiveTiming`, the
+mode times the op from issue to completion
+(:mod:`commspan.capture.completion`). The mode itself does no IO and no
+counting.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -20,17 +24,33 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from commspan import semconv
 from commspan._errors import ErrorCounter
-from commspan.capture.collectives import CollectiveInfo, build_overload_table
+from commspan.capture.collectives import CollectiveInfo, build_overload_table, wait_overloads
+from commspan.capture.completion import CompletionTracker
 from commspan.capture.dtensor import DTensor as _DTensor
 from commspan.capture.dtensor import placements_str
 from commspan.capture.groups import ProcessGroups
+from commspan.spans.timing import CollectiveTiming
 
 __all__ = ["CollectiveDispatchMode", "describe"]
 
 _log = logging.getLogger(__name__)
 _Tensor = torch.Tensor
 
-CollectiveCallback = Callable[[CollectiveInfo, dict[str, Any]], None]
+CollectiveCallback = Callable[[CollectiveInfo, dict[str, Any]], "CollectiveTiming | None"]
+"""Told about each collective before it runs; returns the timing to complete, or ``None``."""
+_perf = time.perf_counter_ns
+
+_ACT: type | None
+try:  # functional collectives' lazy outputs: their ops wait, then come back here
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    _ACT = AsyncCollectiveTensor
+except Exception:  # pragma: no cover - torch built without distributed
+    _ACT = None
+
+_WAIT = CollectiveInfo("wait_tensor", "wait", "_c10d_functional.wait_tensor", None,
+                       0, -1, -1, -1, -1, ("tensor",))
+"""The table's entry for ``wait_tensor``: the completion of a functional collective."""
 
 try:  # DTensor reports redistributions to the active DebugMode (torch >= 2.10 or so)
     import torch.distributed.tensor._redistribute as _redistribute_mod
@@ -61,9 +81,15 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
 
     Args:
         on_collective: receives the op's :class:`CollectiveInfo` and its event
-            attributes (everything but module and phase).
+            attributes (everything but module and phase); returns a
+            :class:`~commspan.spans.timing.CollectiveTiming` to complete when
+            the op completes, or ``None``.
         groups: the process-group registry to describe groups with and to
             teach the meshes of redistributions (a new one if not given).
+        timing: time collectives: also look up ``wait_tensor`` and let the
+            lazy outputs of functional collectives (``AsyncCollectiveTensor``)
+            run first, so their waits come back here. ``False`` keeps the
+            dispatch path exactly as without timing.
     """
 
     # DebugMode's switches: commspan records none of what DebugMode records.
@@ -82,12 +108,23 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
     supports_higher_order_operators = True
 
     def __init__(
-        self, on_collective: CollectiveCallback, groups: ProcessGroups | None = None
+        self,
+        on_collective: CollectiveCallback,
+        groups: ProcessGroups | None = None,
+        *,
+        timing: bool = False,
     ) -> None:
         # DebugMode.__init__ sets up op recording (and imports the compiler
         # stack); the plain TorchDispatchMode initialisation is all we need.
         TorchDispatchMode.__init__(self)
-        self._table = build_overload_table()
+        self._table: dict[Any, CollectiveInfo] = build_overload_table()
+        self._deferred_types: tuple[type, ...] = tuple(
+            t for t in (_DTensor, _ACT if timing else None) if t is not None
+        )
+        if timing:
+            for op in wait_overloads():
+                self._table[op] = _WAIT
+        self.completions = CompletionTracker()
         self._on_collective = on_collective
         self.groups = groups if groups is not None else ProcessGroups()
         self._tls = threading.local()
@@ -121,19 +158,39 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
     def __torch_dispatch__(
         self, func: Any, types: Any, args: Any = (), kwargs: Any = None
     ) -> Any:
-        if types and _defers(types):
-            # DTensor runs first: its local ops (collectives included) come back here
-            if REDISTRIBUTE_HOOK:
-                self._tls.op = func
-            return NotImplemented
+        if types:
+            deferred = self._defers(types)
+            if deferred:
+                # DTensor (and a functional collective's lazy output) runs first:
+                # its local ops (collectives, waits) come back here
+                if REDISTRIBUTE_HOOK and deferred is _DTensor:
+                    self._tls.op = func
+                return NotImplemented
         info = self._table.get(func)
         if info is not None:
-            self._collective(info, args, kwargs)
+            return self._collective(info, func, args, kwargs or {})
         if kwargs:
             return func(*args, **kwargs)
         return func(*args)
 
-    def _collective(self, info: CollectiveInfo, args: Any, kwargs: Any) -> None:
+    def _defers(self, types: Any) -> type | None:
+        """The tensor subclass among ``types`` that runs before this mode, if any."""
+        for cls in self._deferred_types:
+            for t in types:
+                if issubclass(t, cls):
+                    return cls
+        return None
+
+    def _collective(self, info: CollectiveInfo, func: Any, args: Any, kwargs: Any) -> Any:
+        if info is _WAIT:
+            out = func(*args, **kwargs)
+            now = _perf()
+            try:
+                self.completions.waited(args, kwargs, now)
+            except Exception:
+                self._errors.record(message="could not time the completion of a collective")
+            return out
+        timing: CollectiveTiming | None = None
         try:
             redist = self.current_redistribution()
             attrs = describe(info, args, kwargs, self.groups)
@@ -142,9 +199,23 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
                 attrs[semconv.REDIST_DST] = redist[1]
                 if redist[2]:
                     attrs[semconv.REDIST_OP] = redist[2]
-            self._on_collective(info, attrs)
+            timing = self._on_collective(info, attrs)
         except Exception:  # tracing never breaks the step
             self._errors.record(info.overload, message="could not record collective %s")
+        if timing is None:
+            return func(*args, **kwargs)
+        completions = self.completions
+        try:
+            started = completions.start(info, timing, args, kwargs)
+        except Exception:
+            self._errors.record(info.overload, message="could not time collective %s")
+            return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        try:
+            completions.issued(info, timing, args, kwargs, out, started)
+        except Exception:
+            self._errors.record(info.overload, message="could not time collective %s")
+        return out
 
     # ------------------------------------------------ DTensor's debug-mode hooks
     def current_redistribution(self) -> tuple[str, str, str] | None:
@@ -261,15 +332,6 @@ class _Redistribution:
             op = node.name() if node is not None else "redistribute"
         self.text = text = (src_s, dst_s, op)
         return text
-
-
-def _defers(types: Any) -> bool:
-    if _DTensor is None:
-        return False
-    for t in types:
-        if issubclass(t, _DTensor):
-            return True
-    return False
 
 
 def _arg(info: CollectiveInfo, args: Any, kwargs: Any, index: int) -> Any:

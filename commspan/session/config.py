@@ -7,6 +7,7 @@ the mode keeps that and nothing else of its arguments.
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +44,9 @@ class ModeConfig:
     flush_timeout_s: float
     record_exception_messages: bool
     module_observer: ModuleObserver | None
+    time_collectives: bool = True
+    hang_timeout_s: float | None = None
+    dump_signal: int | None = None
 
 
 def mode_config(
@@ -58,6 +62,9 @@ def mode_config(
     flush_timeout_s: float,
     record_exception_messages: bool,
     module_observer: ModuleObserver | None,
+    time_collectives: bool = True,
+    hang_timeout_s: float | None = None,
+    dump_signal: int | None = None,
 ) -> ModeConfig:
     """Check the arguments of ``CommSpanMode(...)``.
 
@@ -82,6 +89,12 @@ def mode_config(
             f"record_exception_messages={record_exception_messages!r} is not valid; "
             "pass True (type and message) or False (exception type only)"
         )
+    if not isinstance(time_collectives, bool):
+        raise TypeError(
+            f"time_collectives={time_collectives!r} is not valid; pass True (time every "
+            "collective) or False"
+        )
+    hang = _hang_timeout(hang_timeout_s, time_collectives)
     return ModeConfig(
         tracer_provider=tracer_provider,
         exporters=_exporters(exporters),
@@ -94,7 +107,42 @@ def mode_config(
         flush_timeout_s=flush_timeout_s,
         record_exception_messages=record_exception_messages,
         module_observer=module_observer,
+        time_collectives=time_collectives,
+        hang_timeout_s=hang,
+        dump_signal=_dump_signal(dump_signal),
     )
+
+
+def _hang_timeout(value: float | None, time_collectives: bool) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(
+            f"hang_timeout_s={value!r} is not valid; pass the seconds a collective may take "
+            "before this rank writes a hang record (a number > 0), or None for no watchdog"
+        )
+    if not time_collectives:
+        raise ValueError(
+            f"hang_timeout_s={value!r} needs time_collectives=True: a collective is stuck "
+            "when its completion is not seen, and only timed collectives are watched"
+        )
+    return float(value)
+
+
+def _dump_signal(value: int | None) -> int | None:
+    if value is None:
+        return None
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        signum = signal.Signals(value)
+    except (ValueError, TypeError):
+        raise ValueError(
+            f"dump_signal={value!r} is not a signal; pass e.g. signal.SIGUSR1, or None"
+        ) from None
+    if signum in (signal.SIGKILL, signal.SIGSTOP):
+        raise ValueError(f"dump_signal={signum.name} cannot be caught; pass e.g. signal.SIGUSR1")
+    return int(signum)
 
 
 def _exporters(exporters: Sequence[SpanExporter]) -> tuple[SpanExporter, ...]:

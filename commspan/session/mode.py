@@ -41,9 +41,11 @@ from commspan.capture.ranks import Ranks, process_ranks
 from commspan.exporters.queue import ExportQueue
 from commspan.ownership.innermost import InnermostModule
 from commspan.session.config import Sampler, mode_config
+from commspan.session.hang import HangWatch
 from commspan.session.resource import build_resource
 from commspan.spans.frames import OpenSpan
 from commspan.spans.recorder import SpanRecorder
+from commspan.spans.timing import CollectiveLog, CollectiveTiming
 from commspan.spans.traces import TraceOpener
 
 __all__ = ["CommSpanMode", "Sampler"]
@@ -105,6 +107,24 @@ class CommSpanMode:
         module_observer: a :class:`~commspan.capture.ModuleObserver` told about
             every module event the mode records (forward and backward starts
             and ends), on top of the spans.
+        time_collectives: record when each collective completes (default):
+            its event gets ``commspan.collective.duration_ns``, ``algbw`` and
+            ``busbw``, and module spans the ``commspan.comm_time_ns.<phase>``
+            roll-ups. A span whose collectives have not completed when it
+            closes is emitted once they have, at the end of its step at the
+            latest (docs/design.md, "When collectives complete"). ``False``:
+            events mark the issue only, as in commspan 0.1.
+        hang_timeout_s: when a collective on this rank has not completed after
+            this many seconds, write a ``commspan.hang`` record at once
+            through the exporters and flush them (a watchdog thread does it,
+            while the training thread is blocked in the collective). ``None``
+            (default): no watchdog. Costs one thread waking every
+            ``min(hang_timeout_s / 4, 1 s)``; nothing on the training thread.
+        dump_signal: a signal (e.g. ``signal.SIGUSR1``) on which the rank
+            writes a ``commspan.hang`` record, also while blocked inside a
+            collective. Needs the mode entered on the main thread; the
+            previous handler is restored when the mode is left. ``None``
+            (default): no handler.
 
     Threads: a mode traces the thread that entered it (and the autograd work
     done for that thread's graphs); module calls on other threads are not
@@ -143,6 +163,9 @@ class CommSpanMode:
         flush_timeout_s: float = 5.0,
         record_exception_messages: bool = True,
         module_observer: ModuleObserver | None = None,
+        time_collectives: bool = True,
+        hang_timeout_s: float | None = None,
+        dump_signal: int | None = None,
         _observer: ModuleObserver | None = None,
     ) -> None:
         self._config = config = mode_config(
@@ -158,6 +181,9 @@ class CommSpanMode:
             record_exception_messages=record_exception_messages,
             # ``_observer=`` is the former, private name of ``module_observer=``
             module_observer=module_observer if module_observer is not None else _observer,
+            time_collectives=time_collectives,
+            hang_timeout_s=hang_timeout_s,
+            dump_signal=dump_signal,
         )
         self.aggregator: Aggregator | None = config.aggregator
         self.run_id = run_id or ""
@@ -185,7 +211,11 @@ class CommSpanMode:
             "a span processor raised; the span is lost for it (further errors are counted "
             "in mode.stats())",
         )
-        self._stats = {"spans": 0, "collectives": 0, "steps_traced": 0, "steps_skipped": 0}
+        self._stats = {"spans": 0, "collectives": 0, "steps_traced": 0, "steps_skipped": 0,
+                       "hang_records": 0}
+        self._log = CollectiveLog()
+        self._watch: HangWatch | None = None
+        self._untimed = 0  # collectives emitted without a completion, earlier recorders
 
     # ------------------------------------------------------------ context
     def __enter__(self) -> CommSpanMode:
@@ -221,7 +251,9 @@ class CommSpanMode:
         # again keeps what they learned (module names and attributes, process
         # groups, per-group sequence numbers).
         if self._dispatch is None:
-            self._dispatch = CollectiveDispatchMode(self._on_collective, self._groups)
+            self._dispatch = CollectiveDispatchMode(
+                self._on_collective, self._groups, timing=config.time_collectives
+            )
         if self._tracker is None:
             self._tracker = ModuleTracker(
                 self._recorder,
@@ -233,14 +265,23 @@ class CommSpanMode:
             self._tracker.recorder = self._recorder
         self._processors = self._build_processors()
         if self.aggregator is not None:
-            self.aggregator.attach_live(self._recorder.open_spans)
+            self.aggregator.attach_live(self._recorder.live_spans)
         self._active = True
         self._paused = False
         self._start_capture()
+        if config.hang_timeout_s is not None or config.dump_signal is not None:
+            self._watch = HangWatch(
+                self._write_hang, self._log.oldest_pending, config.hang_timeout_s,
+                config.dump_signal,
+            )
+            self._watch.start()
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         try:
+            if self._watch is not None:
+                self._watch.stop()
+                self._watch = None
             if self._in_step:
                 self._in_step = False
             self._stop_capture()
@@ -249,6 +290,11 @@ class CommSpanMode:
                 self._tracker.uninstall()
         finally:
             self._active = False
+            if self._recorder is not None:
+                self._untimed += self._recorder.forced
+                self._recorder.forced = 0
+            if self._dispatch is not None:
+                self._dispatch.completions.clear()
             if self.aggregator is not None:
                 self.aggregator.attach_live(None)
             self._flush_on_exit()
@@ -370,10 +416,12 @@ class CommSpanMode:
         rec.end(error)
 
     # ------------------------------------------------------------ capture
-    def _on_collective(self, info: CollectiveInfo, attrs: dict[str, Any]) -> None:
+    def _on_collective(
+        self, info: CollectiveInfo, attrs: dict[str, Any]
+    ) -> CollectiveTiming | None:
         rec = self._recorder
         if rec is None or self._paused:
-            return
+            return None
         rec.ensure_trace()
         top = rec.stack[-1]
         owner = self._ownership.owner(top.fqn, top.phase, _graph_task_id() != -1)
@@ -381,7 +429,65 @@ class CommSpanMode:
         attrs[semconv.MODULE_FQN] = owner.fqn
         attrs[semconv.PHASE] = phase
         self._stats["collectives"] += 1
-        rec.add_event(info.name, info.name, phase, attrs)
+        if not self._config.time_collectives:
+            rec.add_event(info.name, info.name, phase, attrs)
+            return None
+        timing = CollectiveTiming(attrs, phase)
+        rec.add_event(info.name, info.name, phase, attrs, timing)
+        self._log.add(timing)
+        return timing
+
+    # ------------------------------------------------------------ hang records
+    def dump(self, timeout_s: float | None = None) -> bool:
+        """Write a ``commspan.hang`` record now: what this rank is doing.
+
+        The record (a ``commspan.hang`` span, see docs/debugging.md) holds the
+        open module spans, outermost first, and the rank's recent collectives
+        per process group with their state (``issued`` or ``completed``). It
+        goes through the exporters at once, after every span that closed
+        before it, and the exporters are flushed. Safe to call from any
+        thread, e.g. a watchdog of your own.
+
+        Args:
+            timeout_s: the most to wait for the exporters, in seconds; default
+                ``flush_timeout_s``.
+
+        Returns:
+            ``True`` if every exporter had written everything in time.
+
+        Raises:
+            RuntimeError: the mode is not entered.
+
+        Example:
+            >>> from commspan import CommSpanMode
+            >>> mode = CommSpanMode()
+            >>> with mode:
+            ...     mode.dump()
+            True
+            >>> mode.stats()["hang_records"]
+            1
+        """
+        if not self._active:
+            raise RuntimeError(
+                "mode.dump() was called outside the mode; call it inside `with mode:`"
+            )
+        return self._write_hang(semconv.HANG_REASON_DUMP, timeout_s)
+
+    def _write_hang(self, reason: str, timeout_s: float | None = None) -> bool:
+        rec = self._recorder
+        if rec is None:
+            return False
+        timeout = self._config.flush_timeout_s if timeout_s is None else timeout_s
+        collectives = self._log.snapshot()
+        rec.emit_hang(rec.hang_span(reason, collectives, self._config.hang_timeout_s))
+        self._stats["hang_records"] += 1
+        if reason != semconv.HANG_REASON_DUMP:
+            stuck = self._log.oldest_pending()
+            _log.warning(
+                "commspan: rank %d wrote a hang record (%s)%s", self._ranks.rank, reason,
+                _describe_stuck(stuck) if stuck is not None else "",
+            )
+        return self._flush_queues(timeout, wait_if_unhealthy=True)
 
     def _emit(self, span: ReadableSpan) -> None:
         self._stats["spans"] += 1
@@ -476,6 +582,9 @@ class CommSpanMode:
             0
         """
         out: dict[str, Any] = dict(self._stats)
+        out["collectives_untimed"] = self._untimed + (
+            self._recorder.forced if self._recorder is not None else 0
+        )
         out["processor_errors"] = self._processor_errors.count
         out["internal_errors"] = (self._tracker.internal_errors if self._tracker else 0) + (
             self._dispatch.errors if self._dispatch else 0
@@ -535,3 +644,15 @@ class CommSpanMode:
             q.flush(0.0)
         for q in self._queues:
             q.shutdown(max(0.0, deadline - time.monotonic()))
+
+
+def _describe_stuck(timing: CollectiveTiming) -> str:
+    """``: all_reduce on group 0 (seq 11) in `Net.blocks.2` forward, issued 2.0 s ago``."""
+    a = timing.attrs
+    waited = (time.perf_counter_ns() - timing.issued) / 1e9
+    return (
+        f": {a.get(semconv.COLL_OP)} on group {a.get(semconv.PG_NAME, '?')} "
+        f"(seq {a.get(semconv.COLL_SEQ, '?')}) in `{a.get(semconv.MODULE_FQN)}` "
+        f"{a.get(semconv.PHASE)} has not completed after {waited:.1f} s"
+    )
+

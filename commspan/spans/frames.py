@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 from opentelemetry.trace import SpanContext
 
 from commspan.semconv import Phase
+from commspan.spans.timing import CollectiveTiming
 
 __all__ = ["Frame", "OpenSpan"]
 
@@ -31,16 +32,26 @@ class Frame:
       soon as it is on top, so spans nest (a backward frame can finish before
       the frames opened above it, see docs/design.md, "How backward nesting
       is inferred", step 3);
-    - ``closed``: its span was built and handed to the sink; it left the stack.
+    - ``closed``: it left the stack; its span was built and handed to the sink,
+      or, while collectives of its subtree have not completed, waits in the
+      recorder's queue of closed frames to be (docs/design.md, "When
+      collectives complete").
 
     Attributes:
         fqn: module name (``Global`` for the rank root).
         phase: phase of a module frame; ``None`` for the root.
-        events: ``(name, timestamp_ns, attributes)`` tuples attached so far.
+        events: ``(name, timestamp_ns, attributes, timing)`` tuples attached so
+            far (``timing``: the collective's :class:`~commspan.spans.timing.CollectiveTiming`,
+            ``None`` for other events or when collectives are not timed).
         counts: ``{(phase, op): n}`` collectives in this frame's subtree.
+        nbytes: ``{phase: bytes}`` of the collectives in this frame's subtree
+            (``None`` until one has bytes).
+        timings: the timings of the collectives in this frame's subtree, counted
+            by the rules of :attr:`counts` (``None`` until one is timed).
+        end: when the frame closed (ns), once ``closed``.
         finished: the capture layer has finished with the frame; it closes when
             the frames above it have closed.
-        closed: its span was emitted.
+        closed: it left the stack (its span is emitted, or waits for completions).
         task: the autograd graph task a backward or recompute frame belongs to
             (``-1`` for a forward or the root).
     """
@@ -56,6 +67,10 @@ class Frame:
         "start",
         "events",
         "counts",
+        "nbytes",
+        "timings",
+        "timed_upto",
+        "end",
         "self_count",
         "error",
         "finished",
@@ -82,13 +97,28 @@ class Frame:
         self.attrs = attrs
         self.parent = parent
         self.start = _now()
-        self.events: list[tuple[str, int, dict[str, Any]]] = []
+        self.events: list[tuple[str, int, dict[str, Any], CollectiveTiming | None]] = []
         self.counts: dict[tuple[str, str], int] = {}
+        self.nbytes: dict[str, int] | None = None
+        self.timings: list[CollectiveTiming] | None = None
+        self.timed_upto = 0  # timings[:timed_upto] are known to have finished
+        self.end = 0
         self.self_count = 0
         self.error: str | None = None  # status description; never the exception itself
         self.finished = False
         self.closed = False
         self.task = task
+
+    def ready(self) -> bool:
+        """Whether every collective of the subtree has completed (or none is timed)."""
+        timings = self.timings
+        if timings is None:
+            return True
+        i, n = self.timed_upto, len(timings)
+        while i < n and timings[i].finished():
+            i += 1
+        self.timed_upto = i
+        return i == n
 
     def __repr__(self) -> str:
         return f"Frame({self.name!r}, finished={self.finished}, closed={self.closed})"

@@ -16,15 +16,27 @@ or, for activity outside steps, a session trace of its own
 (:mod:`commspan.spans.traces`); it never calls back into the mode for that.
 
 Readers outside the capture layer see open frames through one interface,
-:meth:`SpanRecorder.open_spans` (the live aggregator uses it).
+:meth:`SpanRecorder.open_spans` (the live aggregator uses
+:meth:`SpanRecorder.live_spans`, which adds the closed frames not emitted yet).
+
+A frame whose subtree issued collectives that have not completed yet leaves
+the stack when it closes but waits, in order, in a queue of closed frames;
+it is emitted, with the durations, bandwidths and roll-ups of its
+collectives, once they have all completed, or at the end of its trace at
+the latest (docs/design.md, "When collectives complete"). Emission takes
+one lock, so a hang record written from a watchdog thread
+(:meth:`SpanRecorder.emit_hang`) never interleaves with the training
+thread's spans.
 """
 
 from __future__ import annotations
 
 import os
 import random
+import threading
 import time
-from collections.abc import Callable, Iterable
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from opentelemetry.sdk.resources import Resource
@@ -38,6 +50,7 @@ from commspan._errors import describe_error, error_message
 from commspan.ownership.innermost import counts_for
 from commspan.semconv import Phase
 from commspan.spans.frames import Frame, OpenSpan
+from commspan.spans.timing import CollectiveTiming
 from commspan.spans.traces import Trace, TraceOpener
 
 __all__ = ["SpanRecorder", "SpanSink"]
@@ -81,6 +94,11 @@ class SpanRecorder:
         self.trace_id = 0
         self.trace: Trace | None = None
         self.root: Frame | None = None
+        self.last_trace: Trace | None = None
+        self._closed: deque[Frame] = deque()  # closed, waiting for completions
+        self._emit_lock = threading.Lock()
+        self.forced = 0
+        """Collectives emitted without a completion (their trace ended first)."""
 
     # ------------------------------------------------------------ traces
     def begin(self, trace: Trace) -> Frame:
@@ -90,7 +108,7 @@ class SpanRecorder:
         """
         if self.root is not None:
             self.end()
-        self.trace = trace
+        self.trace = self.last_trace = trace
         self.trace_id = trace_id = trace.trace_id
         span_id = self._new_id()
         root = Frame(
@@ -127,8 +145,13 @@ class SpanRecorder:
         self.root = None
         self.stack = []
         trace, self.trace = self.trace, None
+        if self._closed:
+            if not self._closed[-1].ready():
+                time.sleep(0)  # let completion callbacks waiting for the GIL run
+            self.emit_closed(force=True)
         if trace is not None and trace.writes_root:
-            self._emit_trace_root(trace, desc)
+            with self._emit_lock:
+                self._emit_trace_root(trace, desc)
 
     def _emit_trace_root(self, trace: Trace, error: str | None) -> None:
         """The cross-rank root: a span that was never on the stack."""
@@ -160,6 +183,15 @@ class SpanRecorder:
         return tuple(
             OpenSpan(f.fqn, dict(f.attrs), dict(f.counts), f.finished) for f in list(self.stack)
         )
+
+    def live_spans(self) -> tuple[OpenSpan, ...]:
+        """:meth:`open_spans`, preceded by the frames that closed but wait for their
+        collectives to complete before they are emitted (``finished`` is ``True``
+        for those): every span of the trace not handed to the sink yet."""
+        waiting = tuple(
+            OpenSpan(f.fqn, dict(f.attrs), dict(f.counts), True) for f in list(self._closed)
+        )
+        return waiting + self.open_spans()
 
     # ------------------------------------------------------------ module frames
     def push(
@@ -246,14 +278,22 @@ class SpanRecorder:
         return self.stack[-1] if self.stack else None
 
     # ------------------------------------------------------------ events
-    def add_event(self, name: str, op: str, phase: str, attrs: dict[str, Any]) -> None:
+    def add_event(
+        self,
+        name: str,
+        op: str,
+        phase: str,
+        attrs: dict[str, Any],
+        timing: CollectiveTiming | None = None,
+    ) -> None:
         """Attach a collective event to the innermost frame and count it up the chain.
 
         The event counts once per module name (at its innermost frame), for
         the frames :func:`commspan.ownership.innermost.counts_for` names: the
         root, every frame of the same phase, and a frame of another phase (a
         backward frame around a recompute) only when its module encloses the
-        event's module by name.
+        event's module by name. Its bytes and ``timing`` (whose duration is
+        known later) roll up to the same frames.
         """
         stack = self.stack
         if not stack:
@@ -262,8 +302,12 @@ class SpanRecorder:
             if not stack:
                 return
         top = stack[-1]
-        top.events.append((name, _now(), attrs))
+        now = _now()
+        top.events.append((name, now, attrs, timing))
         top.self_count += 1
+        if timing is not None:
+            timing.wall = now
+        nbytes = attrs.get(semconv.TENSOR_BYTES)
         key = (phase, op)
         owner = top.fqn
         seen: set[str] = set()
@@ -282,10 +326,22 @@ class SpanRecorder:
             seen.add(fqn)
             counts = frame.counts
             counts[key] = counts.get(key, 0) + 1
+            if nbytes:
+                sizes = frame.nbytes
+                if sizes is None:
+                    frame.nbytes = {phase: nbytes}
+                else:
+                    sizes[phase] = sizes.get(phase, 0) + nbytes
+            if timing is not None:
+                timings = frame.timings
+                if timings is None:
+                    frame.timings = [timing]
+                else:
+                    timings.append(timing)
 
     def add_plain_event(self, frame: Frame, name: str, attrs: dict[str, Any]) -> None:
         """Attach a non-collective event to ``frame``."""
-        frame.events.append((name, _now(), attrs))
+        frame.events.append((name, _now(), attrs, None))
 
     def add_exception(self, frame: Frame, error: BaseException) -> None:
         """Attach an ``exception`` event for ``error`` to ``frame`` (its message
@@ -293,7 +349,7 @@ class SpanRecorder:
         attrs: dict[str, Any] = {semconv.EXCEPTION_TYPE: type(error).__qualname__}
         if self.record_messages:
             attrs[semconv.EXCEPTION_MESSAGE] = error_message(error)
-        frame.events.append((semconv.EVENT_EXCEPTION, _now(), attrs))
+        frame.events.append((semconv.EVENT_EXCEPTION, _now(), attrs, None))
 
     def describe(self, error: BaseException | None) -> str | None:
         """Status description of a span ``error`` crossed (see :func:`describe_error`)."""
@@ -311,9 +367,64 @@ class SpanRecorder:
             self._close_top(now)
 
     def _close_top(self, now: int) -> None:
-        # the span is built before the frame leaves the stack: if building
-        # fails, the frame stays open and a later close emits it
         frame = self.stack[-1]
+        frame.end = max(now, frame.start)
+        if not self._closed and frame.ready():
+            # the span is built before the frame leaves the stack: if building
+            # fails, the frame stays open and a later close emits it
+            span = self._build(frame)
+            self.stack.pop()
+            frame.closed = True
+            with self._emit_lock:
+                self._sink(span)
+            return
+        self.stack.pop()
+        frame.closed = True
+        self._closed.append(frame)
+        self.emit_closed()
+
+    def emit_closed(
+        self, force: bool = False, timeout_s: float = -1, *, abandon: bool = True
+    ) -> bool:
+        """Emit the closed frames whose collectives have all completed, in the order
+        they closed (children before parents); with ``force``, all of them (their
+        collectives not completed go out without a duration, counted in :attr:`forced`).
+
+        Args:
+            force: emit every closed frame now.
+            timeout_s: how long to wait for the emission lock (``-1``: as long as
+                it takes); a hang record written from another thread bounds it.
+            abandon: with ``force``, stop waiting for the collectives emitted without
+                a completion (the end of a trace); ``False`` keeps them in hang
+                records (a hang record emits what waits, but the collectives may
+                still be stuck).
+
+        Returns:
+            ``False`` if the lock could not be had in time.
+        """
+        closed = self._closed
+        if not closed:
+            return True
+        if not self._emit_lock.acquire(timeout=timeout_s):
+            return False
+        try:
+            while closed:
+                head = closed[0]
+                if not force and not head.ready():
+                    break
+                closed.popleft()  # first: a frame that cannot be built is not retried forever
+                if force:
+                    for _n, _t, _a, timing in head.events:
+                        if timing is not None and not timing.finished():
+                            if abandon:
+                                timing.abandon()
+                            self.forced += 1
+                self._sink(self._build(head))
+        finally:
+            self._emit_lock.release()
+        return True
+
+    def _build(self, frame: Frame) -> ReadableSpan:
         attrs = frame.attrs
         if frame.counts:
             totals: dict[str, int] = {}
@@ -324,10 +435,25 @@ class SpanRecorder:
                 attrs[f"{semconv.COUNT_PREFIX}{phase}.{semconv.COUNT_TOTAL}"] = n
         if frame.self_count:
             attrs[semconv.SELF_COUNT] = frame.self_count
+        if frame.nbytes:
+            for phase, n in frame.nbytes.items():
+                attrs[semconv.bytes_key(phase)] = n
+        if frame.timings:
+            spent: dict[str, int] = {}
+            for timing in frame.timings:
+                if timing.finished():
+                    spent[timing.phase] = spent.get(timing.phase, 0) + (timing.duration or 0)
+            for phase, ns in spent.items():
+                attrs[semconv.comm_time_key(phase)] = ns
         events: Iterable[Event] = (
-            tuple(Event(n, a, t) for n, t, a in frame.events) if frame.events else ()
+            tuple(
+                Event(n, timing.event_attributes() if timing is not None else a, t)
+                for n, t, a, timing in frame.events
+            )
+            if frame.events
+            else ()
         )
-        span = ReadableSpan(
+        return ReadableSpan(
             frame.name,
             frame.context,
             frame.parent,
@@ -337,12 +463,92 @@ class SpanRecorder:
             kind=SpanKind.INTERNAL,
             status=_status(frame.error),
             start_time=frame.start,
-            end_time=max(now, frame.start),
+            end_time=frame.end,
             instrumentation_scope=self._scope,
         )
-        self.stack.pop()
-        frame.closed = True
-        self._sink(span)
+
+    # ------------------------------------------------------------ hang records
+    def hang_span(
+        self,
+        reason: str,
+        collectives: Sequence[CollectiveTiming],
+        timeout_s: float | None = None,
+    ) -> ReadableSpan:
+        """A ``commspan.hang`` span: what this rank is doing now.
+
+        Safe to call from any thread: it reads copies of the stack.
+
+        Args:
+            reason: ``timeout``, ``dump`` or ``signal``.
+            collectives: the rank's recent collectives (a
+                :meth:`~commspan.spans.timing.CollectiveLog.snapshot`).
+            timeout_s: the hang timeout in force, recorded for reason ``timeout``.
+        """
+        now = _now()
+        stack = list(self.stack)
+        trace = self.trace or self.last_trace
+        attrs: dict[str, Any] = {}
+        if trace is not None:
+            trace_id = trace.trace_id
+            parent = (
+                stack[0].context
+                if stack and stack[0].phase is None
+                else SpanContext(trace_id, trace.root_span_id, False, _SAMPLED)
+            )
+            for key in (semconv.RANK, semconv.WORLD_SIZE, semconv.RUN_ID, semconv.STEP):
+                if key in trace.rank_attributes:
+                    attrs[key] = trace.rank_attributes[key]
+        else:
+            trace_id = self._rng.getrandbits(128) or 1
+            parent = None
+            if self._traces is not None:
+                attrs[semconv.RANK] = self._traces.rank
+                attrs[semconv.WORLD_SIZE] = self._traces.world_size
+                attrs[semconv.RUN_ID] = self._traces.run_id
+        modules = [f for f in stack if f.phase is not None]
+        attrs[semconv.HANG_REASON] = reason
+        if reason == semconv.HANG_REASON_TIMEOUT and timeout_s is not None:
+            attrs[semconv.HANG_TIMEOUT] = float(timeout_s)
+        attrs[semconv.HANG_STACK_FQNS] = [f.fqn for f in modules]
+        attrs[semconv.HANG_STACK_PHASES] = [f.phase.value for f in modules if f.phase]
+        events = []
+        start = now
+        for timing in collectives:
+            ev = timing.hang_attributes()
+            wall = timing.wall or now
+            if ev[semconv.COLL_STATE] == semconv.STATE_ISSUED:
+                start = min(start, wall)
+            events.append(Event(str(ev.get(semconv.COLL_OP, "collective")), ev, wall))
+        span_id = self._new_id()
+        return ReadableSpan(
+            semconv.SPAN_HANG,
+            SpanContext(trace_id, span_id, False, _SAMPLED),
+            parent,
+            self.resource,
+            attrs,
+            tuple(events),  # type: ignore[arg-type]
+            kind=SpanKind.INTERNAL,
+            status=_UNSET,
+            start_time=start,
+            end_time=max(now, start),
+            instrumentation_scope=self._scope,
+        )
+
+    def emit_hang(self, span: ReadableSpan, timeout_s: float = 2.0) -> None:
+        """Hand a hang record to the sink, after every closed frame still waiting
+        (so what closed before the hang is written too).
+
+        If the emission lock is not free within ``timeout_s`` (the training
+        thread is stuck inside a span processor), the record is handed over anyway.
+        """
+        emitted = self.emit_closed(force=True, timeout_s=timeout_s, abandon=False)
+        if emitted and self._emit_lock.acquire(timeout=timeout_s):
+            try:
+                self._sink(span)
+            finally:
+                self._emit_lock.release()
+        else:
+            self._sink(span)
 
 
 def _status(desc: str | None) -> Status:

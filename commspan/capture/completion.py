@@ -1,0 +1,201 @@
+"""How the training process observes that a collective completed.
+
+Each collective the dispatch mode sees gets a
+:class:`~commspan.spans.timing.CollectiveTiming`; this module completes it
+the way the op's own caller learns of its completion (docs/design.md, "When
+collectives complete"):
+
+- **functional collectives** (``_c10d_functional.*``, DTensor, tensor
+  parallelism, FSDP2): the op returns its output at once; ``wait_tensor`` on
+  that output (or an alias of its memory) is the completion, timed on the
+  training thread when ``wait_tensor`` returns. Outputs are found by their
+  data pointer: DTensor waits on aliases of the output, not on the object
+  the op returned.
+- **c10d ops called synchronously** (``async_op=False``: ``dist.all_reduce(t)``
+  and the other blocking calls): the caller waits on the returned ``Work``
+  right after the op returns. The dispatch mode waits on it first (releasing
+  the GIL, as the caller's wait does) and times the completion there; the
+  caller's own wait then returns at once, or raises the op's error as before.
+- **other c10d ops** (``async_op=True``, ``send``/``recv``, whose blocking or
+  not is the caller's choice): a done-callback on the ``Work``'s future. It
+  runs on the backend's thread and needs the GIL, so it can be late by up
+  to the interpreter's switch interval (5 ms) when the training thread is
+  busy in Python at that moment.
+- **CUDA tensors**: host times say when work was enqueued, not when it ran.
+  A CUDA event is recorded on the current stream when the op is issued and
+  another where the completion is observed (after ``wait_tensor``, after a
+  synchronous op, in the future's callback); the duration is the time
+  between them on the device, read once the second event has completed.
+
+Nothing here raises into the training step: the dispatch mode counts any
+error as an internal one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from functools import partial
+from typing import Any
+
+import torch
+
+from commspan.capture.collectives import CollectiveInfo
+from commspan.spans.timing import CollectiveTiming
+
+__all__ = ["CompletionTracker"]
+
+_perf = time.perf_counter_ns
+_Tensor = torch.Tensor
+_ScriptObject = torch.ScriptObject
+
+try:
+    _Work: Any = torch._C._distributed_c10d.Work  # type: ignore[attr-defined]
+except AttributeError:  # pragma: no cover - torch built without distributed
+    _Work = None
+
+
+def _elapsed_ns(start: Any, end: Any) -> int | None:
+    """Device time between two CUDA events, once the second has completed."""
+    if not end.query():
+        return None
+    return int(start.elapsed_time(end) * 1_000_000)
+
+
+class CompletionTracker:
+    """Completes the timings of the collectives one dispatch mode issues.
+
+    Args:
+        max_outstanding: functional outputs remembered while waiting for their
+            ``wait_tensor``; beyond it the oldest is forgotten (its collective
+            gets no duration) and counted in :attr:`forgotten`.
+    """
+
+    def __init__(self, max_outstanding: int = 4096) -> None:
+        self._outputs: dict[int, CollectiveTiming] = {}
+        self._max = max_outstanding
+        self._sweep_at = 256
+        self.forgotten = 0
+        self._cuda = torch.cuda.is_available()
+
+    # ------------------------------------------------------------ issue
+    def start(self, info: CollectiveInfo, timing: CollectiveTiming, args: Any,
+              kwargs: Any) -> Any:
+        """Right before the op runs: the issue time (and, for CUDA tensors, a CUDA
+        event on the current stream). Returns what :meth:`issued` needs back."""
+        event = None
+        if self._cuda and _on_cuda(info, args, kwargs):
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+        timing.issued = _perf()
+        return event
+
+    def issued(self, info: CollectiveInfo, timing: CollectiveTiming, args: Any,
+               kwargs: Any, out: Any, cuda_start: Any) -> None:
+        """Right after the op returned: arrange to learn of its completion."""
+        if info.functional:
+            self._remember(timing, out, cuda_start)
+            return
+        work = out[-1] if isinstance(out, (tuple, list)) and out else out
+        if _Work is None or not isinstance(work, _ScriptObject):
+            return
+        handle = _Work.unbox(work)
+        if info.async_index >= 0 and _arg(info, args, kwargs, info.async_index, True) is False:
+            # the caller waits right after this returns: wait first, and time it
+            if cuda_start is not None:
+                _finish_cuda(timing, cuda_start)  # a blocking op ran on the current stream
+                return
+            try:
+                handle.wait()  # releases the GIL, as the caller's wait does
+            except Exception:
+                return  # the op failed: the caller's own wait raises it again
+            timing.complete()
+            return
+        if cuda_start is not None:
+            handle.get_future().add_done_callback(partial(_cuda_done, timing, cuda_start))
+        else:
+            handle.get_future().add_done_callback(timing.on_future)
+
+    def _remember(self, timing: CollectiveTiming, out: Any, cuda_start: Any) -> None:
+        outputs: Sequence[Any] = out if isinstance(out, (list, tuple)) else (out,)
+        keys = []
+        table = self._outputs
+        for t in outputs:
+            if isinstance(t, _Tensor):
+                key = t.data_ptr() or id(t)
+                table[key] = timing
+                keys.append(key)
+        if not keys:
+            return
+        timing.hold = (outputs, keys, cuda_start)
+        if len(table) > self._sweep_at:
+            self._sweep()
+
+    def _sweep(self) -> None:
+        """Forget outputs whose collective is settled (completed, or given up at the end
+        of its trace), then the oldest beyond ``max_outstanding``."""
+        table = self._outputs
+        for key in [k for k, t in table.items() if t.duration is not None or t.abandoned]:
+            del table[key]
+        while len(table) > self._max:
+            del table[next(iter(table))]
+            self.forgotten += 1
+        self._sweep_at = max(256, 2 * len(table))
+
+    # ------------------------------------------------------------ completion
+    def waited(self, args: Any, kwargs: Any, now: int) -> None:
+        """``wait_tensor`` returned at ``now``: complete the collective that
+        produced its argument, if one is waiting."""
+        tensor = args[0] if args else (kwargs or {}).get("tensor")
+        if not isinstance(tensor, _Tensor):
+            return
+        timing = self._outputs.pop(tensor.data_ptr() or id(tensor), None)
+        if timing is None:
+            return
+        hold = timing.hold
+        if hold is not None:
+            _outputs, keys, cuda_start = hold
+            for key in keys:
+                if self._outputs.get(key) is timing:
+                    del self._outputs[key]
+            if cuda_start is not None:
+                _finish_cuda(timing, cuda_start)
+                return
+        timing.complete(now)
+
+    def clear(self) -> None:
+        """Forget every output still waiting (the mode is left)."""
+        self._outputs.clear()
+
+    @property
+    def outstanding(self) -> int:
+        """Functional outputs issued and not waited yet."""
+        return len(self._outputs)
+
+
+def _arg(info: CollectiveInfo, args: Any, kwargs: Any, index: int, default: Any) -> Any:
+    if index < len(args):
+        return args[index]
+    if kwargs:
+        return kwargs.get(info.arg_names[index], default)
+    return default
+
+
+def _on_cuda(info: CollectiveInfo, args: Any, kwargs: Any) -> bool:
+    if info.input_index < 0:
+        return False
+    value = _arg(info, args, kwargs, info.input_index, None)
+    while isinstance(value, (list, tuple)) and value:
+        value = value[0]
+    return isinstance(value, _Tensor) and value.is_cuda
+
+
+def _finish_cuda(timing: CollectiveTiming, start: Any) -> None:
+    end = torch.cuda.Event(enable_timing=True)
+    end.record()
+    timing.hold = None
+    timing.resolve = partial(_elapsed_ns, start, end)
+
+
+def _cuda_done(timing: CollectiveTiming, start: Any, _future: Any) -> None:
+    _finish_cuda(timing, start)

@@ -1,0 +1,192 @@
+"""When each collective completed: the records the capture side fills in.
+
+A :class:`CollectiveTiming` is made when a collective is issued, travels with
+its event, and is completed by whoever observes the completion (the dispatch
+mode at ``wait_tensor`` or after waiting a synchronous c10d op on the training
+thread, a ``Work`` future's callback on a backend thread, CUDA events polled
+later). Completing is one attribute store, safe from any thread; everything
+else (durations on events, bandwidths, roll-ups) is computed when the span is
+built, off the issue path.
+
+A :class:`CollectiveLog` keeps, per process group, the recent collectives of
+a rank and every one not completed: what a ``commspan.hang`` record lists.
+
+Example:
+    >>> t = CollectiveTiming({"commspan.collective.op": "all_reduce"}, "forward")
+    >>> t.finished()
+    False
+    >>> t.complete(t.issued + 1500)
+    >>> t.finished(), t.duration
+    (True, 1500)
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from commspan import semconv
+from commspan._bandwidth import bandwidth
+
+__all__ = ["CollectiveLog", "CollectiveTiming"]
+
+_perf = time.perf_counter_ns
+
+
+class CollectiveTiming:
+    """One collective from issue to completion.
+
+    Attributes:
+        attrs: the collective event's attributes (never changed after issue;
+            :meth:`event_attributes` returns a copy with the timing added).
+        phase: the phase the collective is counted in.
+        issued: ``time.perf_counter_ns()`` when the op was issued (the dispatch
+            mode sets it right before the op runs).
+        wall: ``time.time_ns()`` of the event (set by the recorder).
+        duration: issue to completion in ns, once known; ``None`` before.
+        resolve: for completions known only later (CUDA events): called to
+            get the duration, ``None`` while not known yet.
+        hold: what must stay alive until completion (output tensors waited
+            by ``wait_tensor``, the keys they are found by).
+        abandoned: its span was emitted without a completion (its trace ended
+            first): it is not waited for any more, nor listed as not completed
+            in hang records.
+    """
+
+    __slots__ = ("attrs", "phase", "issued", "wall", "duration", "resolve", "hold", "abandoned")
+
+    def __init__(self, attrs: dict[str, Any], phase: str) -> None:
+        self.attrs = attrs
+        self.phase = phase
+        self.issued = _perf()
+        self.wall = 0
+        self.duration: int | None = None
+        self.resolve: Callable[[], int | None] | None = None
+        self.hold: Any = None
+        self.abandoned = False
+
+    def abandon(self) -> None:
+        """Give up on the completion (the span is emitted without it)."""
+        if not self.finished():
+            self.abandoned = True
+            self.hold = None
+
+    def complete(self, now: int | None = None) -> None:
+        """Record the completion, at ``now`` (``perf_counter_ns``) or at once.
+
+        The first completion wins; safe to call from any thread.
+        """
+        if self.duration is None:
+            self.duration = max(0, (_perf() if now is None else now) - self.issued)
+            self.hold = None
+
+    def on_future(self, _future: Any) -> None:
+        """A done-callback for a ``torch.futures.Future`` (a ``Work``'s future)."""
+        self.complete()
+
+    def finished(self) -> bool:
+        """Whether the completion is known (asks :attr:`resolve` if there is one)."""
+        if self.duration is not None:
+            return True
+        resolve = self.resolve
+        if resolve is None:
+            return False
+        try:
+            duration = resolve()
+        except Exception:  # a broken resolver never completes, never breaks the caller
+            self.resolve = None
+            return False
+        if duration is None:
+            return False
+        self.duration = max(0, int(duration))
+        self.hold = None
+        return True
+
+    def event_attributes(self) -> dict[str, Any]:
+        """The event's attributes with ``duration_ns``, ``algbw`` and ``busbw`` when
+        completed; the attributes as issued otherwise."""
+        duration = self.duration
+        if duration is None:
+            return self.attrs
+        attrs = dict(self.attrs)
+        attrs[semconv.COLL_DURATION_NS] = duration
+        nbytes = attrs.get(semconv.TENSOR_BYTES)
+        size = attrs.get(semconv.PG_SIZE)
+        if isinstance(nbytes, int) and isinstance(size, int) and size >= 1:
+            bw = bandwidth(str(attrs.get(semconv.COLL_OP, "")), nbytes=nbytes,
+                           duration_ns=duration, group_size=size)
+            if bw is not None:
+                attrs[semconv.COLL_ALGBW] = bw.algbw
+                attrs[semconv.COLL_BUSBW] = bw.busbw
+        return attrs
+
+    def hang_attributes(self) -> dict[str, Any]:
+        """The attributes of this collective on a ``commspan.hang`` record: the event's,
+        plus ``commspan.collective.state``."""
+        done = self.finished()
+        attrs = self.event_attributes() if done else dict(self.attrs)
+        attrs[semconv.COLL_STATE] = semconv.STATE_COMPLETED if done else semconv.STATE_ISSUED
+        return attrs
+
+
+class CollectiveLog:
+    """Per process group, the last ``keep`` collectives and every older one not completed.
+
+    :meth:`add` runs on the issuing thread; :meth:`snapshot` and
+    :meth:`oldest_pending` may run on any thread (they read copies).
+
+    Args:
+        keep: collectives kept per group, completed or not.
+        max_pending: older collectives not completed kept in all (beyond it the
+            oldest is forgotten and counted in :attr:`forgotten`).
+    """
+
+    def __init__(self, keep: int = 8, max_pending: int = 1024) -> None:
+        self._keep = keep
+        self._max_pending = max_pending
+        self._recent: dict[str, deque[CollectiveTiming]] = {}
+        self._older: list[CollectiveTiming] = []
+        self.forgotten = 0
+
+    def add(self, timing: CollectiveTiming) -> None:
+        """Log a collective just issued."""
+        group = timing.attrs.get(semconv.PG_NAME, "")
+        recent = self._recent.get(group)
+        if recent is None:
+            recent = self._recent[group] = deque(maxlen=self._keep)
+        elif len(recent) == self._keep:
+            oldest = recent[0]
+            if not oldest.finished() and not oldest.abandoned:
+                self._keep_pending(oldest)
+        recent.append(timing)
+
+    def _keep_pending(self, timing: CollectiveTiming) -> None:
+        older = [t for t in self._older if not t.finished() and not t.abandoned]
+        if len(older) >= self._max_pending:
+            older.pop(0)
+            self.forgotten += 1
+        older.append(timing)
+        self._older = older
+
+    def snapshot(self) -> list[CollectiveTiming]:
+        """Every logged collective, oldest first per group (groups in first-use order);
+        older collectives not completed come first. Abandoned ones are left out."""
+        out = [t for t in list(self._older) if not t.finished() and not t.abandoned]
+        for recent in list(self._recent.values()):
+            out.extend(t for t in list(recent) if not t.abandoned)
+        return out
+
+    def oldest_pending(self) -> CollectiveTiming | None:
+        """The collective issued longest ago that has not completed, if any."""
+        best: CollectiveTiming | None = None
+        for t in self.snapshot():
+            if not t.finished() and (best is None or t.issued < best.issued):
+                best = t
+        return best
+
+    def clear(self) -> None:
+        """Forget everything (the mode's process groups start over)."""
+        self._recent = {}
+        self._older = []

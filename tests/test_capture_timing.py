@@ -1,0 +1,233 @@
+"""Collective timing in one process (torch's fake process group): durations on events,
+late completions, bandwidths, the byte and time roll-ups, and ``time_collectives=False``.
+
+Real gloo ranks (synchronous and asynchronous c10d ops, a straggler) are in
+tests/test_timing_gloo.py.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
+
+from commspan import CommSpanMode, semconv
+from commspan._bandwidth import bandwidth
+from commspan.testing import capture
+from commspan.testing.models import MLP, parallelize_mlp
+from commspan.testing.spans import SpanTree, assert_well_formed, collective_events, span_fqn
+
+pytestmark = pytest.mark.usefixtures("fake_pg")
+
+SLEEP_S = 0.02
+"""How long the tests wait between issuing a collective and waiting on it."""
+
+
+class IssueOnly(torch.nn.Module):
+    """Issues a functional all_reduce and returns its output without waiting."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return funcol.all_reduce(x, "sum", dist.group.WORLD)
+
+
+class WaitLater(torch.nn.Module):
+    """``issue`` closes before the wait: the all_reduce completes after its span closed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.issue = IssueOnly()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.issue(x)
+        time.sleep(SLEEP_S)
+        return funcol.wait_tensor(y) + 1
+
+
+class C10dOps(torch.nn.Module):
+    """A blocking all_reduce and an async one waited by hand."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.clone()
+        dist.all_reduce(t)
+        work = dist.all_reduce(t, async_op=True)
+        assert work is not None
+        work.wait()
+        return t
+
+
+def _by_fqn(spans: list[ReadableSpan], fqn: str) -> ReadableSpan:
+    (span,) = [s for s in spans if span_fqn(s) == fqn and s.name != semconv.SPAN_RANK]
+    return span
+
+
+def _rank_span(spans: list[ReadableSpan]) -> ReadableSpan:
+    (span,) = [s for s in spans if s.name == semconv.SPAN_RANK]
+    return span
+
+
+def test_completion_after_the_span_closed_is_on_the_span() -> None:
+    """An all_reduce waited after its module's span closed still carries its duration
+    (the span waited for it), and both spans roll up the time."""
+    with capture() as cap:
+        WaitLater()(torch.ones(4))
+    spans = cap.spans
+    issue = _by_fqn(spans, "WaitLater.issue")
+    (event,) = collective_events(issue)
+    duration = event.attributes[semconv.COLL_DURATION_NS]
+    assert duration >= SLEEP_S * 1e9
+    key = semconv.comm_time_key("forward")
+    assert issue.attributes[key] == duration
+    assert _by_fqn(spans, "WaitLater").attributes[key] == duration
+    assert _rank_span(spans).attributes[key] == duration
+    # the span ended when the module returned, before the wait
+    assert issue.end_time < event.timestamp + duration
+    assert_well_formed(spans)
+    assert cap.mode.stats()["collectives_untimed"] == 0
+
+
+def test_spans_wait_for_completion_in_order_children_first() -> None:
+    """The span whose collective has not completed is emitted after the wait, and
+    no parent goes out before its child."""
+    order: list[str] = []
+
+    class Wait(torch.nn.Module):
+        def forward(self, y: torch.Tensor) -> torch.Tensor:
+            order.append("wait")
+            return funcol.wait_tensor(y)
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.issue = IssueOnly()
+            self.wait = Wait()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.wait(self.issue(x))
+
+    class Order(SpanProcessor):
+        def on_end(self, span: ReadableSpan) -> None:
+            order.append(span.name)
+
+    provider = TracerProvider()
+    provider.add_span_processor(Order())
+    with CommSpanMode(aggregator=False, tracer_provider=provider):
+        Net()(torch.ones(4))
+    assert order.index("wait") < order.index("Net.issue forward")
+    assert order.index("Net.issue forward") < order.index("Net forward")
+
+
+def test_live_aggregator_counts_spans_waiting_for_completion() -> None:
+    """While a closed span waits for its collective, mode.aggregator still counts it."""
+    seen: dict[str, Any] = {}
+
+    class Peek(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.issue = IssueOnly()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.issue(x)
+            assert mode.aggregator is not None
+            seen["counts"] = mode.aggregator.module_counts().get("Peek.issue")
+            return funcol.wait_tensor(y)
+
+    mode = CommSpanMode()
+    with mode:
+        Peek()(torch.ones(4))
+    assert seen["counts"] == {"forward": {"all_reduce": 1}}
+
+
+def test_collective_never_waited_is_emitted_at_the_end_of_its_step() -> None:
+    """An output never waited: its span goes out when the step ends, without a duration,
+    counted in stats; it is not reported as stuck."""
+    with capture() as cap:
+        with cap.mode.step(0):
+            IssueOnly()(torch.ones(4))
+        assert [e.attributes.get(semconv.COLL_DURATION_NS)
+                for s in cap.spans for e in collective_events(s)] == [None]
+        assert cap.mode.stats()["collectives_untimed"] == 1
+        cap.mode.dump()
+    (hang,) = [s for s in cap.spans if s.name == semconv.SPAN_HANG]
+    assert len(hang.events) == 0  # given up at the end of the step: not "issued"
+    assert _by_fqn(cap.spans, "IssueOnly").attributes.get(semconv.comm_time_key("forward")) is None
+
+
+def test_c10d_ops_are_timed() -> None:
+    """A blocking c10d all_reduce and an async one waited by hand both get a duration."""
+    with capture() as cap:
+        C10dOps()(torch.ones(4))
+    events = collective_events(_by_fqn(cap.spans, "C10dOps"))
+    assert [e.name for e in events] == ["all_reduce", "all_reduce"]
+    for e in events:
+        assert e.attributes[semconv.COLL_DURATION_NS] >= 0
+
+
+def test_bandwidths_follow_bytes_group_size_and_duration() -> None:
+    """algbw and busbw are the NCCL-tests figures of the event's own bytes, group size
+    and duration."""
+    with capture() as cap:
+        WaitLater()(torch.ones(1024))
+    (event,) = collective_events(_by_fqn(cap.spans, "WaitLater.issue"))
+    a = event.attributes
+    expected = bandwidth("all_reduce", nbytes=a[semconv.TENSOR_BYTES],
+                         duration_ns=a[semconv.COLL_DURATION_NS], group_size=a[semconv.PG_SIZE])
+    assert expected is not None
+    assert (a[semconv.COLL_ALGBW], a[semconv.COLL_BUSBW]) == (expected.algbw, expected.busbw)
+    assert a[semconv.COLL_BUSBW] == pytest.approx(a[semconv.COLL_ALGBW] * 2 * 3 / 4)
+
+
+def test_roll_ups_sum_bytes_and_time_of_the_subtree_per_phase(mesh: Any) -> None:
+    """Tensor-parallel MLP, forward and backward: each span's commspan.bytes.<phase> and
+    commspan.comm_time_ns.<phase> are the sums over the collectives its subtree counts."""
+    torch.manual_seed(0)
+    model = parallelize_mlp(MLP(8, 16), mesh)
+    with capture() as cap:
+        model(torch.randn(2, 8, requires_grad=True)).sum().backward()
+    tree = SpanTree(cap.spans)
+    checked = 0
+    for span in [*tree.module_spans(), *tree.rank_spans()]:
+        inside = [span, *[s for s in cap.spans if span in tree.ancestors(s)]]
+        for phase in semconv.Phase:
+            events = [e for s in inside for e in collective_events(s)
+                      if e.attributes[semconv.PHASE] == phase.value]
+            nbytes = sum(e.attributes[semconv.TENSOR_BYTES] for e in events)
+            spent = sum(e.attributes[semconv.COLL_DURATION_NS] for e in events)
+            assert span.attributes.get(semconv.bytes_key(phase)) == (nbytes or None)
+            assert span.attributes.get(semconv.comm_time_key(phase)) == (spent if events else None)
+            checked += bool(events)
+    assert checked >= 4  # net2 forward, net1 backward, MLP both phases, the rank span
+
+
+def test_without_timing_events_mark_the_issue_only() -> None:
+    """time_collectives=False: no durations, no time roll-ups, spans emitted at close;
+    byte roll-ups stay."""
+    with capture(time_collectives=False) as cap:
+        WaitLater()(torch.ones(4))
+        C10dOps()(torch.ones(4))
+    events = [e for s in cap.spans for e in collective_events(s)]
+    assert len(events) == 3
+    assert not any(semconv.COLL_DURATION_NS in e.attributes for e in events)
+    rank = _rank_span(cap.spans)
+    assert rank.attributes[semconv.bytes_key("forward")] == 3 * 16
+    assert semconv.comm_time_key("forward") not in rank.attributes
+
+
+def test_dispatch_path_of_other_ops_is_unchanged_without_timing() -> None:
+    """Without timing, wait_tensor is not in the dispatch table: nothing but collectives is."""
+    from commspan.capture.collectives import wait_overloads
+    from commspan.capture.dispatch import CollectiveDispatchMode
+
+    def on_collective(info: Any, attrs: Any) -> None:
+        return None
+
+    plain = CollectiveDispatchMode(on_collective)
+    timed = CollectiveDispatchMode(on_collective, timing=True)
+    waits = wait_overloads()
+    assert waits and not any(w in plain._table for w in waits)
+    assert all(w in timed._table for w in waits)
+    assert set(timed._table) - set(plain._table) == set(waits)

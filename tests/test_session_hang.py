@@ -1,0 +1,182 @@
+"""Hang records in one process (torch's fake process group): the watchdog's timeout,
+``mode.dump()``, the dump signal, what the record holds, and the settings' errors.
+
+Real gloo ranks blocked in a collective are in tests/test_timing_gloo.py.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from commspan import CommSpanMode, semconv
+from commspan.analysis import check_run
+from commspan.exporters import JsonlSpanExporter, read_spans
+
+pytestmark = pytest.mark.usefixtures("fake_pg")
+
+
+def _hangs(path: Path) -> list[Any]:
+    if not path.exists():
+        return []
+    return [s for s in read_spans(path) if s.name == semconv.SPAN_HANG]
+
+
+def _wait_for(predicate: Any, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+class Issue(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return funcol.all_reduce(x, "sum", dist.group.WORLD)
+
+
+class Stall(torch.nn.Module):
+    """Waits until ``until()`` is true (or 10 s), as a rank stuck in compute would."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.until: Any = lambda: True
+        self.saw: Any = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.saw = _wait_for(self.until)
+        return x
+
+
+class Net(torch.nn.Module):
+    """``issue`` starts an all_reduce, ``stall`` stalls before anyone waits on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.issue = Issue()
+        self.stall = Stall()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.issue(x)
+        self.stall(x)
+        return funcol.wait_tensor(y)
+
+
+def test_timeout_writes_a_record_to_disk_while_the_step_is_stuck(tmp_path: Path) -> None:
+    """A collective not completed after hang_timeout_s: the watchdog writes one hang record
+    to the JSONL file while the training thread is still inside the step; it names the
+    open spans and the collective, issued; earlier steps are in the file, whole."""
+    path = tmp_path / "rank0.jsonl"
+    net = Net()
+    mode = CommSpanMode(exporters=[JsonlSpanExporter(path)], hang_timeout_s=0.1)
+    with mode:
+        with mode.step(0):
+            net(torch.ones(4))  # completes at once: stall returns immediately
+        net.stall.until = lambda: len(_hangs(path)) == 1
+        with mode.step(1):
+            net(torch.ones(4))
+            assert net.stall.saw, "no hang record on disk while the step was stuck"
+            time.sleep(0.3)  # the same stuck collective is reported once
+            assert len(_hangs(path)) == 1
+    mode.shutdown()
+    (hang,) = _hangs(path)
+    a = hang.attributes
+    assert a[semconv.HANG_REASON] == semconv.HANG_REASON_TIMEOUT
+    assert a[semconv.HANG_TIMEOUT] == 0.1
+    assert a[semconv.STEP] == 1 and a[semconv.RANK] == 0
+    assert a[semconv.HANG_STACK_FQNS] == ["Net", "Net.stall"]
+    assert a[semconv.HANG_STACK_PHASES] == ["forward", "forward"]
+    states = [(ev[semconv.COLL_SEQ], ev[semconv.MODULE_FQN], ev[semconv.COLL_STATE])
+              for _, ev in hang.events]
+    assert states == [(1, "Net.issue", "completed"), (2, "Net.issue", "issued")]
+    assert hang.start_time == hang.event_times[1]  # starts when the stuck one was issued
+    assert semconv.MODULE_FQN not in a  # the counts ignore it
+    steps = {s.attributes.get(semconv.STEP) for s in read_spans(path)
+             if s.name == semconv.SPAN_RANK}
+    assert steps == {0, 1}
+    (finding, *missing) = check_run(path).findings  # ranks 1-3 of the fake world: no file
+    assert [f.kind for f in missing] == ["missing"]
+    assert (finding.kind, finding.seq, finding.step) == ("hang", 2, 1)
+    assert finding.ranks[0]["fqn"] == "Net.issue" and finding.ranks[0]["state"] == "issued"
+
+
+def test_dump_writes_what_the_rank_is_doing(tmp_path: Path) -> None:
+    """mode.dump() inside a module: reason dump, the stack, every collective completed."""
+    path = tmp_path / "rank0.jsonl"
+    mode = CommSpanMode(exporters=[JsonlSpanExporter(path)])
+
+    class Dump(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = funcol.wait_tensor(funcol.all_reduce(x, "sum", dist.group.WORLD))
+            assert mode.dump() is True
+            assert len(_hangs(path)) == 1  # flushed before dump() returned
+            return y
+
+    with mode, mode.step(3):
+        Dump()(torch.ones(4))
+    mode.shutdown()
+    (hang,) = _hangs(path)
+    assert hang.attributes[semconv.HANG_REASON] == semconv.HANG_REASON_DUMP
+    assert semconv.HANG_TIMEOUT not in hang.attributes
+    assert hang.attributes[semconv.HANG_STACK_FQNS] == ["Dump"]
+    ((_, ev),) = hang.events
+    assert ev[semconv.COLL_STATE] == semconv.STATE_COMPLETED
+    assert ev[semconv.COLL_DURATION_NS] >= 0
+    assert [f.kind for f in check_run(path).findings] == ["missing"]  # ranks 1-3: no file
+    assert mode.stats()["hang_records"] == 1
+
+
+def test_dump_outside_the_mode_is_an_error() -> None:
+    """dump() before entering the mode raises RuntimeError saying where to call it."""
+    with pytest.raises(RuntimeError, match="inside `with mode:`"):
+        CommSpanMode().dump()
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="needs SIGUSR1")
+def test_signal_writes_a_record_and_handlers_are_restored(tmp_path: Path) -> None:
+    """dump_signal=SIGUSR1: the signal makes the watchdog write a record (reason signal);
+    leaving the mode puts back the previous handler and wakeup descriptor."""
+    path = tmp_path / "rank0.jsonl"
+    previous = signal.getsignal(signal.SIGUSR1)
+    net = Net()
+    net.stall.until = lambda: len(_hangs(path)) == 1
+    mode = CommSpanMode(exporters=[JsonlSpanExporter(path)], dump_signal=signal.SIGUSR1)
+    with mode, mode.step(0):
+        assert signal.getsignal(signal.SIGUSR1) is not previous
+        os.kill(os.getpid(), signal.SIGUSR1)
+        net(torch.ones(4))
+        assert net.stall.saw
+    mode.shutdown()
+    (hang,) = _hangs(path)
+    assert hang.attributes[semconv.HANG_REASON] == semconv.HANG_REASON_SIGNAL
+    assert signal.getsignal(signal.SIGUSR1) is previous
+    assert signal.set_wakeup_fd(-1) == -1  # none left behind
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"hang_timeout_s": 0}, ValueError, r"hang_timeout_s=0 is not valid"),
+        ({"hang_timeout_s": -1.5}, ValueError, r"hang_timeout_s=-1.5 is not valid"),
+        ({"hang_timeout_s": "5"}, ValueError, r"hang_timeout_s='5' is not valid"),
+        ({"hang_timeout_s": True}, ValueError, r"hang_timeout_s=True is not valid"),
+        ({"hang_timeout_s": 5, "time_collectives": False}, ValueError,
+         r"needs time_collectives=True"),
+        ({"dump_signal": 12345}, ValueError, r"dump_signal=12345 is not a signal"),
+        ({"dump_signal": signal.SIGKILL}, ValueError, r"SIGKILL cannot be caught"),
+        ({"time_collectives": "yes"}, TypeError, r"time_collectives='yes' is not valid"),
+    ],
+)
+def test_bad_settings_name_the_argument(kwargs: dict[str, Any], error: type, match: str) -> None:
+    """Each bad hang or timing setting is rejected with the argument, the value and the fix."""
+    with pytest.raises(error, match=match):
+        CommSpanMode(**kwargs)
