@@ -20,7 +20,10 @@ collectives complete"):
   not is the caller's choice): a done-callback on the ``Work``'s future. It
   runs on the backend's thread and needs the GIL, so it can be late by up
   to the interpreter's switch interval (5 ms) when the training thread is
-  busy in Python at that moment.
+  busy in Python at that moment. A ``Work`` without a future (gloo's
+  ``send``/``recv``) says it completed only once its caller has waited on it:
+  commspan asks it when it next looks (the next collective issued or waited
+  on, a span closing, the watchdog), so such a duration is an upper bound.
 - **CUDA tensors**: host times say when work was enqueued, not when it ran.
   A CUDA event is recorded on the current stream when the op is issued and
   another where the completion is observed (after ``wait_tensor``, after a
@@ -75,6 +78,7 @@ class CompletionTracker:
         self._outputs: dict[int, CollectiveTiming] = {}
         self._max = max_outstanding
         self._sweep_at = 256
+        self._polled: list[CollectiveTiming] = []
         self.forgotten = 0
         self._cuda = torch.cuda.is_available()
 
@@ -83,6 +87,8 @@ class CompletionTracker:
               kwargs: Any) -> Any:
         """Right before the op runs: the issue time (and, for CUDA tensors, a CUDA
         event on the current stream). Returns what :meth:`issued` needs back."""
+        if self._polled:
+            self.poll()
         event = None
         if self._cuda and _on_cuda(info, args, kwargs):
             event = torch.cuda.Event(enable_timing=True)
@@ -111,10 +117,20 @@ class CompletionTracker:
                 return  # the op failed: the caller's own wait raises it again
             timing.complete()
             return
+        try:
+            future = handle.get_future()
+        except RuntimeError:  # no future (gloo's send/recv): ask the Work later
+            timing.resolve = partial(_poll_work, handle, timing, cuda_start)
+            self._polled.append(timing)
+            return
         if cuda_start is not None:
-            handle.get_future().add_done_callback(partial(_cuda_done, timing, cuda_start))
+            future.add_done_callback(partial(_cuda_done, timing, cuda_start))
         else:
-            handle.get_future().add_done_callback(timing.on_future)
+            future.add_done_callback(timing.on_future)
+
+    def poll(self) -> None:
+        """Ask the ``Work`` s without a future whether they have completed."""
+        self._polled = [t for t in self._polled if not t.finished() and not t.abandoned]
 
     def _remember(self, timing: CollectiveTiming, out: Any, cuda_start: Any) -> None:
         outputs: Sequence[Any] = out if isinstance(out, (list, tuple)) else (out,)
@@ -146,6 +162,8 @@ class CompletionTracker:
     def waited(self, args: Any, kwargs: Any, now: int) -> None:
         """``wait_tensor`` returned at ``now``: complete the collective that
         produced its argument, if one is waiting."""
+        if self._polled:
+            self.poll()
         tensor = args[0] if args else (kwargs or {}).get("tensor")
         if not isinstance(tensor, _Tensor):
             return
@@ -164,8 +182,9 @@ class CompletionTracker:
         timing.complete(now)
 
     def clear(self) -> None:
-        """Forget every output still waiting (the mode is left)."""
+        """Forget every output and ``Work`` still waiting (the mode is left)."""
         self._outputs.clear()
+        self._polled = []
 
     @property
     def outstanding(self) -> int:
@@ -179,6 +198,16 @@ def _arg(info: CollectiveInfo, args: Any, kwargs: Any, index: int, default: Any)
     if kwargs:
         return kwargs.get(info.arg_names[index], default)
     return default
+
+
+def _poll_work(handle: Any, timing: CollectiveTiming, cuda_start: Any) -> int | None:
+    """The duration of a ``Work`` without a future, once it says it has completed."""
+    if not handle.is_completed():
+        return None
+    if cuda_start is not None:
+        _finish_cuda(timing, cuda_start)
+        return None  # the CUDA events resolve it from now on
+    return max(0, _perf() - timing.issued)
 
 
 def _on_cuda(info: CollectiveInfo, args: Any, kwargs: Any) -> bool:

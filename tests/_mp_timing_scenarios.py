@@ -1,0 +1,205 @@
+"""Programs run by each spawned gloo rank for tests/test_timing_gloo.py.
+
+``python tests/_mp_timing_scenarios.py OUT_DIR main`` runs, one after the other,
+
+- ``timed``: :class:`Timed` for :data:`STEPS` steps: blocking and async c10d
+  collectives, a send/recv ring and a functional all_reduce waited after the
+  module that issued it closed;
+- ``straggler``: :class:`Straggler` for :data:`STEPS` steps: rank
+  :data:`SLOW_RANK` sleeps :data:`SLOW_S` in ``Straggler.slow`` before its
+  all_reduce.
+
+``python tests/_mp_timing_scenarios.py OUT_DIR hang`` runs ``hang``: steps 0 and
+1 of :class:`Hang` complete; in step 2 rank :data:`STALLED_RANK` stalls in
+``Hang.blocks.1`` and never issues ``Hang.blocks.2``'s all_reduce, in which the
+other ranks block. Every rank has ``hang_timeout_s=HANG_TIMEOUT_S`` and
+``dump_signal=SIGUSR1``; the parent test stops the job.
+
+Each writes ``OUT_DIR/<scenario>/trace-rank<r>.jsonl``; the world group's name
+goes to ``OUT_DIR/groups.json``. ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
+``MASTER_PORT`` come from the environment.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from commspan import CommSpanMode
+from commspan.exporters import JsonlSpanExporter
+
+STEPS = 3
+DIM = 256
+SLOW_RANK = 2
+SLOW_S = 0.2
+STALLED_RANK = 1
+HANG_STEP = 2
+HANG_TIMEOUT_S = 1.0
+
+
+# ---------------------------------------------------------------- timed
+class Blocking(torch.nn.Module):
+    """A blocking all_reduce and all_gather_into_tensor."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.clone()
+        dist.all_reduce(t)
+        out = torch.empty(DIM * dist.get_world_size())
+        dist.all_gather_into_tensor(out, t)
+        return t
+
+
+class Async(torch.nn.Module):
+    """An async all_reduce, waited by hand."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.clone()
+        work = dist.all_reduce(t, async_op=True)
+        assert work is not None
+        work.wait()
+        return t
+
+
+class Ring(torch.nn.Module):
+    """Send to rank+1, receive from rank-1 (even ranks send first)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        out = torch.empty_like(x)
+        if rank % 2 == 0:
+            dist.send(x, dst=(rank + 1) % world)
+            dist.recv(out, src=(rank - 1) % world)
+        else:
+            dist.recv(out, src=(rank - 1) % world)
+            dist.send(x, dst=(rank + 1) % world)
+        return out
+
+
+class Issue(torch.nn.Module):
+    """A functional all_reduce returned unwaited."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return funcol.all_reduce(x, "sum", dist.group.WORLD)
+
+
+class Timed(torch.nn.Module):
+    """Every kind of completion: blocking, async, p2p, functional waited later."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocking = Blocking()
+        self.async_ = Async()
+        self.ring = Ring()
+        self.issue = Issue()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.ring(self.async_(self.blocking(x)))
+        y = self.issue(x)
+        return funcol.wait_tensor(y) * 2
+
+
+# ---------------------------------------------------------------- straggler
+class Slow(torch.nn.Module):
+    """all_reduce; rank SLOW_RANK first sleeps SLOW_S."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if dist.get_rank() == SLOW_RANK:
+            time.sleep(SLOW_S)
+        t = x.clone()
+        dist.all_reduce(t)
+        return t
+
+
+class Fast(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.clone()
+        dist.all_reduce(t)
+        return t
+
+
+class Straggler(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fast = Fast()
+        self.slow = Slow()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.slow(self.fast(x))
+
+
+# ---------------------------------------------------------------- hang
+class Step:
+    index = 0
+
+
+class Block(torch.nn.Module):
+    """all_reduce; at step HANG_STEP the stalled rank then stalls in block 1."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.index = index
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.clone()
+        dist.all_reduce(t)
+        if self.index == 1 and Step.index == HANG_STEP and dist.get_rank() == STALLED_RANK:
+            while True:  # stuck in compute: never reaches block 2's all_reduce
+                time.sleep(0.05)
+        return t
+
+
+class Hang(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([Block(i) for i in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+# ---------------------------------------------------------------- running
+def _run(out: Path, name: str, model: torch.nn.Module, **mode_kwargs: object) -> CommSpanMode:
+    exporter = JsonlSpanExporter(out / name / "trace-rank{rank}.jsonl")
+    mode = CommSpanMode(exporters=[exporter], aggregator=False, **mode_kwargs)  # type: ignore[arg-type]
+    with mode:
+        for step in range(STEPS):
+            Step.index = step
+            with mode.step(step):
+                model(torch.ones(DIM))
+    mode.shutdown()
+    stats = mode.stats()
+    assert stats["spans_dropped"] == stats["spans_failed"] == 0, stats
+    return mode
+
+
+def main(argv: list[str]) -> int:
+    out, what = Path(argv[1]), argv[2]
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    try:
+        if dist.get_rank() == 0:
+            (out / "groups.json").write_text(json.dumps({"world": dist.group.WORLD.group_name}))
+        if what == "main":
+            _run(out, "timed", Timed())
+            dist.barrier()
+            _run(out, "straggler", Straggler())
+            dist.barrier()
+        else:
+            _run(out, "hang", Hang(), hang_timeout_s=HANG_TIMEOUT_S, dump_signal=signal.SIGUSR1)
+    finally:
+        if what == "main":
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,242 @@
+"""Collective timing and hang records on real gloo ranks (4 processes on 127.0.0.1).
+
+The ranks run tests/_mp_timing_scenarios.py: once for the timed and straggler
+scenarios (spawned once for the module), once for the hang, which the test stops
+itself after the hang records are on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from commspan import semconv
+from commspan.analysis import check_run, stragglers
+from commspan.analysis.records import load_run
+from commspan.exporters import SpanRecord, read_spans
+
+pytestmark = pytest.mark.multiprocess
+
+WORLD = 4
+SCRIPT = Path(__file__).with_name("_mp_timing_scenarios.py")
+
+
+@dataclass
+class Job:
+    root: Path
+    procs: list[subprocess.Popen[bytes]]
+    logs: list[Path]
+
+    def failure(self) -> str:
+        return "\n".join(
+            f"--- rank {r} exit {p.returncode}\n{self.logs[r].read_text(errors='replace')[-4000:]}"
+            for r, p in enumerate(self.procs)
+        )
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+        for p in self.procs:
+            p.wait()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _spawn(root: Path, what: str) -> Job:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("COMMSPAN_RUN_ID", "TORCHELASTIC_RUN_ID")}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+               WORLD_SIZE=str(WORLD), OMP_NUM_THREADS="1")
+    logs = [root / f"{what}-rank{r}.log" for r in range(WORLD)]
+    procs = []
+    for r in range(WORLD):
+        with logs[r].open("w") as log:
+            procs.append(subprocess.Popen(
+                [sys.executable, str(SCRIPT), str(root), what],
+                env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+                stdout=log, stderr=subprocess.STDOUT,
+            ))
+    return Job(root, procs, logs)
+
+
+def _wait(predicate: Callable[[], bool], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.fixture(scope="module")
+def main_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The timed and straggler scenarios, all 4 ranks exited 0."""
+    root = tmp_path_factory.mktemp("timing")
+    job = _spawn(root, "main")
+    try:
+        finished = _wait(lambda: all(p.poll() is not None for p in job.procs)
+                         or any(p.poll() not in (None, 0) for p in job.procs), 180)
+    finally:
+        time.sleep(0.5 if finished else 0)
+        job.stop()
+    if any(p.returncode != 0 for p in job.procs):
+        pytest.fail(f"ranks failed:\n{job.failure()}")
+    return root
+
+
+def _collectives(path: Path) -> list[tuple[SpanRecord, dict[str, object]]]:
+    return [(s, ev) for s in read_spans(path) for _, ev in s.events if semconv.COLL_OP in ev]
+
+
+def test_every_collective_of_a_gloo_run_has_a_positive_duration(main_run: Path) -> None:
+    """Blocking, async, p2p and functional collectives (waited after their span closed):
+    each event on every rank has a positive duration and bandwidths where it has bytes."""
+    ops: set[tuple[str, str]] = set()
+    for rank in range(WORLD):
+        events = _collectives(main_run / "timed" / f"trace-rank{rank}.jsonl")
+        assert len(events) == 3 * 6  # 3 steps x (2 blocking, 1 async, 2 p2p, 1 functional)
+        for span, ev in events:
+            assert isinstance(ev[semconv.COLL_DURATION_NS], int), (span.name, ev)
+            assert ev[semconv.COLL_DURATION_NS] > 0, (span.name, ev)
+            assert ev[semconv.COLL_ALGBW] > 0 and ev[semconv.COLL_BUSBW] > 0
+            ops.add((str(ev[semconv.MODULE_FQN]), str(ev[semconv.COLL_OP])))
+    assert ops == {
+        ("Timed.blocking", "all_reduce"), ("Timed.blocking", "all_gather_into_tensor"),
+        ("Timed.async_", "all_reduce"), ("Timed.ring", "send"), ("Timed.ring", "recv"),
+        ("Timed.issue", "all_reduce"),
+    }
+
+
+def test_rank_spans_roll_up_the_time_of_their_collectives(main_run: Path) -> None:
+    """Each rank span's commspan.comm_time_ns.forward is the sum of its step's durations."""
+    for rank in range(WORLD):
+        spans = list(read_spans(main_run / "timed" / f"trace-rank{rank}.jsonl"))
+        per_trace: dict[str, int] = defaultdict(int)
+        for s in spans:
+            for _, ev in s.events:
+                if semconv.COLL_OP in ev:
+                    per_trace[s.trace_id] += int(ev[semconv.COLL_DURATION_NS])  # type: ignore[call-overload]
+        ranks = [s for s in spans if s.name == semconv.SPAN_RANK]
+        assert len(ranks) == 3
+        for s in ranks:
+            assert s.attributes[semconv.comm_time_key("forward")] == per_trace[s.trace_id]
+
+
+def test_slow_rank_makes_the_others_wait_and_stragglers_names_it(main_run: Path) -> None:
+    """Rank 2 sleeps before Straggler.slow's all_reduce: the others' durations there are
+    longer by about the sleep, and stragglers names rank 2 and that module in each step."""
+    from _mp_timing_scenarios import SLOW_RANK, SLOW_S, STEPS
+
+    run = load_run(main_run / "straggler")
+    slow = defaultdict(dict)
+    for c in run.collectives:
+        if c.fqn == "Straggler.slow":
+            slow[c.step][c.rank] = c.duration_ns
+    assert sorted(slow) == list(range(STEPS))
+    for step, durations in slow.items():
+        for rank, ns in durations.items():
+            if rank != SLOW_RANK:
+                assert ns - durations[SLOW_RANK] > 0.5 * SLOW_S * 1e9, (step, durations)
+    result = stragglers(main_run / "straggler")
+    top = [r for r in result.stragglers if r.wait_ns > 0.5 * SLOW_S * 1e9 * (WORLD - 1)]
+    assert {(r.step, r.fqn, r.rank) for r in top} == {
+        (s, "Straggler.slow", SLOW_RANK) for s in range(STEPS)
+    }
+    assert result.ranks[0].rank == SLOW_RANK
+
+
+# ------------------------------------------------------------------ hang
+def _hang_records(path: Path) -> list[SpanRecord]:
+    if not path.exists():
+        return []
+    try:
+        return [s for s in read_spans(path) if s.name == semconv.SPAN_HANG]
+    except ValueError:  # a line being written
+        return []
+
+
+@pytest.fixture(scope="module")
+def hang_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Step 2 hangs: ranks 0, 2, 3 block in Hang.blocks.2's all_reduce and write timeout
+    records; then SIGUSR1 to rank 1 (stalled in Hang.blocks.1) and to rank 0 (blocked in
+    gloo) makes each write a signal record; then the job is killed."""
+    from _mp_timing_scenarios import STALLED_RANK
+
+    root = tmp_path_factory.mktemp("hang")
+    job = _spawn(root, "hang")
+    files = [root / "hang" / f"trace-rank{r}.jsonl" for r in range(WORLD)]
+    blocked = [r for r in range(WORLD) if r != STALLED_RANK]
+    try:
+        if not _wait(lambda: all(_hang_records(files[r]) for r in blocked), 120):
+            pytest.fail(f"no timeout records:\n{job.failure()}")
+        for r in (STALLED_RANK, 0):
+            job.procs[r].send_signal(signal.SIGUSR1)
+        if not _wait(lambda: len(_hang_records(files[STALLED_RANK])) == 1
+                     and len(_hang_records(files[0])) == 2, 60):
+            pytest.fail(f"no signal records:\n{job.failure()}")
+        assert all(p.poll() is None for p in job.procs), job.failure()  # still hung
+    finally:
+        job.stop()
+    return root
+
+
+def test_hang_records_are_written_while_ranks_are_blocked(hang_run: Path) -> None:
+    """Timeout records from the blocked ranks (one each), signal records from the stalled
+    rank and from a rank blocked inside gloo's wait."""
+    from _mp_timing_scenarios import HANG_TIMEOUT_S, STALLED_RANK
+
+    for rank in range(WORLD):
+        reasons = [h.attributes[semconv.HANG_REASON]
+                   for h in _hang_records(hang_run / "hang" / f"trace-rank{rank}.jsonl")]
+        expected = {STALLED_RANK: ["signal"], 0: ["timeout", "signal"]}.get(rank, ["timeout"])
+        assert reasons == expected, rank
+    (h,) = [h for h in _hang_records(hang_run / "hang" / "trace-rank2.jsonl")]
+    assert h.attributes[semconv.HANG_TIMEOUT] == HANG_TIMEOUT_S
+    assert h.attributes[semconv.HANG_STACK_FQNS] == ["Hang", "Hang.blocks.2"]
+
+
+def test_check_names_group_seq_missing_rank_and_each_ranks_module(hang_run: Path) -> None:
+    """commspan check on the killed job's files: one hang finding, group and seq of
+    Hang.blocks.2's all_reduce in step 2, rank 1 never issued it and was in
+    Hang.blocks.1; steps 0 and 1 are whole and consistent."""
+    from _mp_timing_scenarios import HANG_STEP, STALLED_RANK
+
+    world = json.loads((hang_run / "groups.json").read_text())["world"]
+    result = check_run(hang_run / "hang")
+    (f,) = result.findings
+    seq = 3 * HANG_STEP + 3  # three all_reduces per step, the third is stuck
+    assert (f.kind, f.group, f.seq, f.step) == ("hang", world, seq, HANG_STEP)
+    assert f.details["never_issued"] == [STALLED_RANK]
+    for r in range(WORLD):
+        if r == STALLED_RANK:
+            assert (f.ranks[r]["fqn"], f.ranks[r]["phase"], f.ranks[r]["state"]) == (
+                "Hang.blocks.1", "forward", "not issued")
+        else:
+            assert (f.ranks[r]["fqn"], f.ranks[r]["op"], f.ranks[r]["state"]) == (
+                "Hang.blocks.2", "all_reduce", "issued")
+            assert f.ranks[r]["waited_ns"] >= 1e9
+    assert f.message == (
+        f"group {world} (ranks 0-3), seq {seq}: ranks 0, 2, 3 are in `Hang.blocks.2` "
+        "forward all_reduce; rank 1 never issued it and was last seen in `Hang.blocks.1` "
+        "forward"
+    )
+    assert result.checked["steps"] == HANG_STEP and result.checked["steps_interrupted"] == 1
+    run = load_run(hang_run / "hang")
+    whole = {(r, s.step) for (r, _), s in run.rank_steps.items()}
+    assert whole == {(r, s) for r in range(WORLD) for s in range(HANG_STEP)}
