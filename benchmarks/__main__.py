@@ -6,6 +6,7 @@ Run from the repository root (commspan installed, e.g. ``pip install -e .``)::
     python -m benchmarks --quick         # smoke run, small model, few rounds (< 2 min)
     python -m benchmarks --only step --size large --rounds 10
     python -m benchmarks --only export,memory --json /tmp/bench.json
+    python -m benchmarks --only timing   # what collective timing costs per collective
 
 Targets are reported PASS/FAIL but never change the exit status: it is 1
 only when a section could not run.
@@ -28,7 +29,7 @@ from typing import Any
 
 from benchmarks.workload import SIZES, ModelConfig
 
-SECTIONS = ("step", "export", "memory", "profile")
+SECTIONS = ("step", "export", "memory", "profile", "timing")
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "latest.json"
 
 
@@ -46,6 +47,8 @@ class Plan:
     memory_cap_s: float
     profile_steps: int
     profile_rounds: int
+    timing_rounds: int = 15
+    timing_calls: int = 2000
 
 
 FULL = Plan(
@@ -58,7 +61,7 @@ QUICK = Plan(
     rounds=2, warmup=1, steps_per_round=1, step_budget_s=45.0,
     export_min_seconds=0.2, export_repeats=2, export_file_steps=30,
     memory_steps=40, memory_warmup=3, memory_cap_s=60.0, profile_steps=3,
-    profile_rounds=2,
+    profile_rounds=2, timing_rounds=3, timing_calls=500,
 )
 
 
@@ -190,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.hotspots import run_profile
     from benchmarks.memory import run_memory
     from benchmarks.step_overhead import run_step_overhead
+    from benchmarks.timing import run_timing
     from benchmarks.variants import ALL_VARIANTS
 
     section(
@@ -222,6 +226,12 @@ def main(argv: list[str] | None = None) -> int:
         "profile",
         f"one rank's step split, then cProfile of {plan.profile_steps} traced steps, {size} model",
         lambda: run_profile(cfg, steps=plan.profile_steps, rounds=plan.profile_rounds),
+    )
+
+    section(
+        "timing",
+        f"CPU per collective on the training thread, timing off/on, {plan.timing_rounds} rounds",
+        lambda: run_timing(rounds=plan.timing_rounds, calls=plan.timing_calls),
     )
 
     from benchmarks.report import evaluate_targets, format_report

@@ -21,6 +21,10 @@ TARGETS: list[tuple[str, str, str, str, float]] = [
      "export.from_jsonl.events_per_s", ">=", 500_000),
     ("rss_growth", "RSS growth over 1,000 traced steps, commspan + JSONL (MB)",
      "memory.variants.commspan_jsonl.projected_growth_mb", "<", 20.0),
+    ("timing_functional", "collective timing, µs added per functional collective (CPU)",
+     "timing.kinds.functional.added_us", "<=", 1.0),
+    ("timing_c10d", "collective timing, µs added per blocking c10d collective (CPU)",
+     "timing.kinds.c10d_blocking.added_us", "<=", 1.0),
 ]
 
 
@@ -241,6 +245,20 @@ def _profile_section(profile: dict[str, Any]) -> str:
     return split + "\n".join([head, "", table, "", by_pkg])
 
 
+def _timing_section(data: dict[str, Any]) -> str:
+    rows = [
+        [kind, _f(v["us_per_collective_no_mode"]), _f(v["us_per_collective_untimed"]),
+         _f(v["us_per_collective_timed"]), _f(v["added_us"], "{:.2f}")]
+        for kind, v in data["kinds"].items()
+    ]
+    return (
+        f"Collective timing: CPU µs per collective on the training thread (one process, fake "
+        f"process group, a module per collective; median of {data['rounds']} rounds of "
+        f"{data['calls']:,} calls)\n\n"
+        + _table(["collective", "no mode", "timing off", "timing on", "added"], rows)
+    )
+
+
 def format_report(results: dict[str, Any]) -> str:
     parts = []
     machine = results.get("machine", {})
@@ -261,7 +279,8 @@ def format_report(results: dict[str, Any]) -> str:
             + " (other work on the machine adds noise; the A/A row shows how much)"
         )
     for name, fn in (("step", _step_section), ("export", _export_section),
-                     ("memory", _memory_section), ("profile", _profile_section)):
+                     ("memory", _memory_section), ("profile", _profile_section),
+                     ("timing", _timing_section)):
         if name in results:
             data = results[name]
             if isinstance(data, dict) and data.get("error"):

@@ -167,6 +167,9 @@ class CompletionTracker:
         tensor = args[0] if args else (kwargs or {}).get("tensor")
         if not isinstance(tensor, _Tensor):
             return
+        elem = getattr(tensor, "elem", None)  # a lazy output: the collective's tensor inside
+        if isinstance(elem, _Tensor):
+            tensor = elem
         timing = self._outputs.pop(tensor.data_ptr() or id(tensor), None)
         if timing is None:
             return

@@ -86,9 +86,9 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
             the op completes, or ``None``.
         groups: the process-group registry to describe groups with and to
             teach the meshes of redistributions (a new one if not given).
-        timing: time collectives: also look up ``wait_tensor`` and let the
-            lazy outputs of functional collectives (``AsyncCollectiveTensor``)
-            run first, so their waits come back here. ``False`` keeps the
+        timing: time collectives: also look up ``wait_tensor``, and notice when
+            an op on the lazy output of a functional collective
+            (``AsyncCollectiveTensor``) waited on it. ``False`` keeps the
             dispatch path exactly as without timing.
     """
 
@@ -118,9 +118,7 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
         # stack); the plain TorchDispatchMode initialisation is all we need.
         TorchDispatchMode.__init__(self)
         self._table: dict[Any, CollectiveInfo] = build_overload_table()
-        self._deferred_types: tuple[type, ...] = tuple(
-            t for t in (_DTensor, _ACT if timing else None) if t is not None
-        )
+        self._lazy = _ACT if timing else None
         if timing:
             for op in wait_overloads():
                 self._table[op] = _WAIT
@@ -159,13 +157,13 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
         self, func: Any, types: Any, args: Any = (), kwargs: Any = None
     ) -> Any:
         if types:
-            deferred = self._defers(types)
-            if deferred:
-                # DTensor (and a functional collective's lazy output) runs first:
-                # its local ops (collectives, waits) come back here
-                if REDISTRIBUTE_HOOK and deferred is _DTensor:
+            if _DTensor is not None and _has(types, _DTensor):
+                # DTensor runs first: its local ops (collectives included) come back here
+                if REDISTRIBUTE_HOOK:
                     self._tls.op = func
                 return NotImplemented
+            if self._lazy is not None and _has(types, self._lazy):
+                return self._on_lazy(func, args, kwargs or {})
         info = self._table.get(func)
         if info is not None:
             return self._collective(info, func, args, kwargs or {})
@@ -173,13 +171,24 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
             return func(*args, **kwargs)
         return func(*args)
 
-    def _defers(self, types: Any) -> type | None:
-        """The tensor subclass among ``types`` that runs before this mode, if any."""
-        for cls in self._deferred_types:
-            for t in types:
-                if issubclass(t, cls):
-                    return cls
-        return None
+    def _on_lazy(self, func: Any, args: Any, kwargs: Any) -> Any:
+        """An op on the lazy output of a functional collective (``AsyncCollectiveTensor``):
+        the subclass waits on it inside the op, out of this mode's sight; afterwards
+        the outputs it waited on say so (``completed``), which is their completion."""
+        lazy = [a for a in args if isinstance(a, self._lazy) and not a.completed]
+        info = self._table.get(func)
+        out = self._collective(info, func, args, kwargs) if info is not None else func(
+            *args, **kwargs
+        )
+        if lazy:
+            now = _perf()
+            try:
+                for a in lazy:
+                    if a.completed:
+                        self.completions.waited((a.elem,), None, now)
+            except Exception:
+                self._errors.record(message="could not time the completion of a collective")
+        return out
 
     def _collective(self, info: CollectiveInfo, func: Any, args: Any, kwargs: Any) -> Any:
         if info is _WAIT:
@@ -342,6 +351,13 @@ def _arg(info: CollectiveInfo, args: Any, kwargs: Any, index: int) -> Any:
     if kwargs:
         return kwargs.get(info.arg_names[index])
     return None
+
+
+def _has(types: Any, cls: type) -> bool:
+    for t in types:
+        if issubclass(t, cls):
+            return True
+    return False
 
 
 def _tensor_list(value: Any) -> list[torch.Tensor]:

@@ -438,13 +438,20 @@ class SpanRecorder:
         if frame.nbytes:
             for phase, n in frame.nbytes.items():
                 attrs[semconv.bytes_key(phase)] = n
-        if frame.timings:
-            spent: dict[str, int] = {}
-            for timing in frame.timings:
-                if timing.finished():
-                    spent[timing.phase] = spent.get(timing.phase, 0) + (timing.duration or 0)
-            for phase, ns in spent.items():
-                attrs[semconv.comm_time_key(phase)] = ns
+        timings = frame.timings
+        if timings:
+            if len(timings) == 1:
+                duration = timings[0].duration
+                if duration is not None:
+                    attrs[semconv.comm_time_key(timings[0].phase)] = duration
+            else:
+                spent: dict[str, int] = {}
+                for timing in timings:
+                    duration = timing.duration
+                    if duration is not None:
+                        spent[timing.phase] = spent.get(timing.phase, 0) + duration
+                for phase, ns in spent.items():
+                    attrs[semconv.comm_time_key(phase)] = ns
         events: Iterable[Event] = (
             tuple(
                 Event(n, timing.event_attributes() if timing is not None else a, t)

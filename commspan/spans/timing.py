@@ -15,7 +15,8 @@ Example:
     >>> t = CollectiveTiming({"commspan.collective.op": "all_reduce"}, "forward")
     >>> t.finished()
     False
-    >>> t.complete(t.issued + 1500)
+    >>> t.issued = 1_000
+    >>> t.complete(2_500)
     >>> t.finished(), t.duration
     (True, 1500)
 """
@@ -28,11 +29,26 @@ from collections.abc import Callable
 from typing import Any
 
 from commspan import semconv
-from commspan._bandwidth import bandwidth
+from commspan._bandwidth import bus_factor, operation_bytes
 
 __all__ = ["CollectiveLog", "CollectiveTiming"]
 
 _perf = time.perf_counter_ns
+_DURATION = semconv.COLL_DURATION_NS
+_BYTES = semconv.TENSOR_BYTES
+_SIZE = semconv.PG_SIZE
+_OP = semconv.COLL_OP
+_ALGBW = semconv.COLL_ALGBW
+_BUSBW = semconv.COLL_BUSBW
+_SCALES: dict[tuple[str, int], tuple[int, float]] = {}
+
+
+def _scales(op: str, size: int) -> tuple[int, float]:
+    """``(S / bytes, busbw / algbw)`` of ``op`` on ``size`` ranks, NCCL-tests conventions
+    (:mod:`commspan._bandwidth`), computed once per op and size."""
+    scale = (operation_bytes(op, 1, size), bus_factor(op, size))
+    _SCALES[(op, size)] = scale
+    return scale
 
 
 class CollectiveTiming:
@@ -43,7 +59,7 @@ class CollectiveTiming:
             :meth:`event_attributes` returns a copy with the timing added).
         phase: the phase the collective is counted in.
         issued: ``time.perf_counter_ns()`` when the op was issued (the dispatch
-            mode sets it right before the op runs).
+            mode sets it right before the op runs; 0 until then).
         wall: ``time.time_ns()`` of the event (set by the recorder).
         duration: issue to completion in ns, once known; ``None`` before.
         resolve: for completions known only later (CUDA events): called to
@@ -60,7 +76,7 @@ class CollectiveTiming:
     def __init__(self, attrs: dict[str, Any], phase: str) -> None:
         self.attrs = attrs
         self.phase = phase
-        self.issued = _perf()
+        self.issued = 0
         self.wall = 0
         self.duration: int | None = None
         self.resolve: Callable[[], int | None] | None = None
@@ -105,28 +121,32 @@ class CollectiveTiming:
         return True
 
     def event_attributes(self) -> dict[str, Any]:
-        """The event's attributes with ``duration_ns``, ``algbw`` and ``busbw`` when
-        completed; the attributes as issued otherwise."""
+        """The event's attributes, with ``duration_ns``, ``algbw`` and ``busbw`` added
+        once completed (in place: the span is built once, and hang records copy)."""
         duration = self.duration
-        if duration is None:
-            return self.attrs
-        attrs = dict(self.attrs)
-        attrs[semconv.COLL_DURATION_NS] = duration
-        nbytes = attrs.get(semconv.TENSOR_BYTES)
-        size = attrs.get(semconv.PG_SIZE)
-        if isinstance(nbytes, int) and isinstance(size, int) and size >= 1:
-            bw = bandwidth(str(attrs.get(semconv.COLL_OP, "")), nbytes=nbytes,
-                           duration_ns=duration, group_size=size)
-            if bw is not None:
-                attrs[semconv.COLL_ALGBW] = bw.algbw
-                attrs[semconv.COLL_BUSBW] = bw.busbw
+        attrs = self.attrs
+        if duration is None or _DURATION in attrs:
+            return attrs
+        attrs[_DURATION] = duration
+        nbytes = attrs.get(_BYTES)
+        size = attrs.get(_SIZE)
+        if duration > 0 and nbytes and size:
+            op = attrs.get(_OP, "")
+            scale = _SCALES.get((op, size))
+            if scale is None:
+                scale = _scales(op, size)
+            algbw = nbytes * scale[0] / duration  # bytes/ns == GB/s
+            attrs[_ALGBW] = algbw
+            attrs[_BUSBW] = algbw * scale[1]
         return attrs
 
     def hang_attributes(self) -> dict[str, Any]:
         """The attributes of this collective on a ``commspan.hang`` record: the event's,
-        plus ``commspan.collective.state``."""
+        plus ``commspan.collective.state`` (a copy; safe from any thread)."""
         done = self.finished()
-        attrs = self.event_attributes() if done else dict(self.attrs)
+        attrs = dict(self.attrs)
+        if done and _DURATION not in attrs and self.duration is not None:
+            attrs[_DURATION] = self.duration
         attrs[semconv.COLL_STATE] = semconv.STATE_COMPLETED if done else semconv.STATE_ISSUED
         return attrs
 
@@ -163,12 +183,13 @@ class CollectiveLog:
         recent.append(timing)
 
     def _keep_pending(self, timing: CollectiveTiming) -> None:
-        older = [t for t in self._older if not t.finished() and not t.abandoned]
-        if len(older) >= self._max_pending:
-            older.pop(0)
-            self.forgotten += 1
+        older = self._older
+        if len(older) >= self._max_pending:  # prune now and then: amortised O(1) per add
+            older[:] = [t for t in older if not t.finished() and not t.abandoned]
+            while len(older) >= self._max_pending:
+                older.pop(0)
+                self.forgotten += 1
         older.append(timing)
-        self._older = older
 
     def snapshot(self) -> list[CollectiveTiming]:
         """Every logged collective, oldest first per group (groups in first-use order);
