@@ -277,9 +277,11 @@ ATTRIBUTES: dict[str, str] = {
     ),
     COLL_REDUCE_OP: "Reduce op, e.g. ``sum``, when the op has one.",
     COLL_DURATION_NS: "Issue to completion of the collective as the issuing process observes "
-    "it (``Work`` wait, ``wait_tensor``, the future of an async op; synchronous ops at "
-    "return), int ns, when recorded. The rank that arrived last waits least; the HTML "
-    "report and the Chrome trace draw collectives with this width.",
+    "it (``wait_tensor`` for functional collectives, the ``Work`` of a blocking c10d op, the "
+    "future of an async one, CUDA events for CUDA tensors), int ns; absent with "
+    "``time_collectives=False`` or when the completion was not seen before the step ended. "
+    "The rank that arrived last waits least; the HTML report and the Chrome trace draw "
+    "collectives with this width.",
     COLL_PEER: "Global rank of the peer of a point-to-point op (ops take group ranks; "
     "commspan maps them through the group's ranks).",
     PG_NAME: "Process group name.",
