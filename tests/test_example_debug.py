@@ -40,7 +40,9 @@ def test_example_exits_cleanly_without_tracebacks(
     assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
 
 
-def test_straggler_is_rank_2_in_blocks_1(run: tuple[subprocess.CompletedProcess[str], Path]) -> None:
+def test_straggler_is_rank_2_in_blocks_1(
+    run: tuple[subprocess.CompletedProcess[str], Path],
+) -> None:
     """The printed straggler table starts with rank 2 in Net.blocks.1, every step; the
     library says the same about the files."""
     proc, out = run

@@ -118,7 +118,7 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
         # stack); the plain TorchDispatchMode initialisation is all we need.
         TorchDispatchMode.__init__(self)
         self._table: dict[Any, CollectiveInfo] = build_overload_table()
-        self._lazy = _ACT if timing else None
+        self._lazy: type | None = _ACT if timing else None
         if timing:
             for op in wait_overloads():
                 self._table[op] = _WAIT
@@ -175,7 +175,8 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
         """An op on the lazy output of a functional collective (``AsyncCollectiveTensor``):
         the subclass waits on it inside the op, out of this mode's sight; afterwards
         the outputs it waited on say so (``completed``), which is their completion."""
-        lazy = [a for a in args if isinstance(a, self._lazy) and not a.completed]
+        lazy_type: Any = self._lazy
+        lazy: list[Any] = [a for a in args if isinstance(a, lazy_type) and not a.completed]
         info = self._table.get(func)
         out = self._collective(info, func, args, kwargs) if info is not None else func(
             *args, **kwargs
