@@ -24,12 +24,14 @@ from commspan._dtensor import DTensor as _DTensor
 from commspan._dtensor import placements_str
 from commspan.collectives import CollectiveInfo, build_overload_table
 
-__all__ = ["CollectiveDispatchMode", "describe"]
+__all__ = ["CollectiveDispatchMode", "OpRecordingDispatchMode", "describe"]
 
 _log = logging.getLogger(__name__)
 _Tensor = torch.Tensor
 
 CollectiveCallback = Callable[[CollectiveInfo, dict[str, Any]], None]
+OpCallback = Callable[[Any, Any, Any, bool], None]
+"""``on_op(func, types, args, deferred)``: see :class:`OpRecordingDispatchMode`."""
 
 try:  # DTensor reports redistributions to the active DebugMode (torch >= 2.10 or so)
     import torch.distributed.tensor._redistribute as _redistribute_mod
@@ -191,6 +193,54 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
 
     def record_triton_kernel(self, *args: Any, **kwargs: Any) -> None:
         """Called by the inductor launcher under DebugMode; ignored."""
+
+
+class OpRecordingDispatchMode(CollectiveDispatchMode):
+    """A :class:`CollectiveDispatchMode` that also reports every op it sees.
+
+    Only ``commspan.compat.CommDebugMode`` uses it (torch's CommDebugMode lists
+    the ops run in each module at noise levels 1-3); ``CommSpanMode`` picks it
+    at construction only when given an op observer, so the ordinary dispatch
+    path pays nothing for it.
+
+    ``on_op(func, types, args, deferred)`` is called once per op overload:
+    with ``deferred=True`` before a tensor subclass such as DTensor runs the op
+    (its local ops, collectives included, come back here afterwards), and with
+    ``deferred=False`` after a plain op ran (after ``on_collective`` for a
+    collective). Higher-order operators are not reported. An exception raised
+    by ``on_op`` is counted in ``errors`` and never reaches the step.
+
+    Args:
+        on_collective: as for :class:`CollectiveDispatchMode`.
+        on_op: called for each op, as above.
+    """
+
+    def __init__(self, on_collective: CollectiveCallback, on_op: OpCallback) -> None:
+        super().__init__(on_collective)
+        self._on_op = on_op
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        if types and _defers(types):
+            self._report(func, types, args, True)
+            if REDISTRIBUTE_HOOK:
+                self._tls.op = func
+            return NotImplemented
+        info = self._table.get(func)
+        if info is not None:
+            self._collective(info, args, kwargs)
+        out = func(*args, **kwargs) if kwargs else func(*args)
+        self._report(func, types, args, False)
+        return out
+
+    def _report(self, func: Any, types: Any, args: Any, deferred: bool) -> None:
+        try:
+            self._on_op(func, types, args, deferred)
+        except Exception:  # tracing never breaks the step
+            self._error("could not record op %s", func)
 
 
 class _Redistribution:

@@ -27,7 +27,7 @@ from opentelemetry.sdk.trace.export import SpanExporter
 from commspan import semconv
 from commspan.aggregate import Aggregator
 from commspan.collectives import CollectiveInfo
-from commspan.dispatch import CollectiveDispatchMode
+from commspan.dispatch import CollectiveDispatchMode, OpCallback, OpRecordingDispatchMode
 from commspan.export import ExportQueue
 from commspan.module_tracker import ModuleHooks, ModuleTracker
 from commspan.spans import Frame, SpanRecorder, derive_ids
@@ -133,6 +133,7 @@ class CommSpanMode:
         export_queue_size: int = 65536,
         flush_timeout_s: float = 5.0,
         _observer: ModuleHooks | None = None,
+        _op_observer: OpCallback | None = None,
     ) -> None:
         if tracer_provider is not None and not isinstance(tracer_provider, TracerProvider):
             raise TypeError(
@@ -184,6 +185,7 @@ class CommSpanMode:
         self._extra_resource = _check_resource_attributes(resource_attributes)
         self._flush_timeout = flush_timeout_s
         self._observer = _observer
+        self._op_observer = _op_observer
 
         self._processors: list[Callable[[ReadableSpan], None]] = []
         self._recorder: SpanRecorder | None = None
@@ -232,7 +234,10 @@ class CommSpanMode:
         # again keeps what they learned (module names and attributes, process
         # groups, per-group sequence numbers).
         if self._dispatch is None:
-            self._dispatch = CollectiveDispatchMode(self._on_collective)
+            if self._op_observer is None:
+                self._dispatch = CollectiveDispatchMode(self._on_collective)
+            else:  # commspan.compat's CommDebugMode lists every op; nothing else pays for it
+                self._dispatch = OpRecordingDispatchMode(self._on_collective, self._op_observer)
         if self._tracker is None:
             self._tracker = ModuleTracker(
                 self._recorder,
