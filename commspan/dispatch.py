@@ -210,6 +210,11 @@ class OpRecordingDispatchMode(CollectiveDispatchMode):
     collective). Higher-order operators are not reported. An exception raised
     by ``on_op`` is counted in ``errors`` and never reaches the step.
 
+    Like torch's CommDebugMode, and unlike :class:`CollectiveDispatchMode`, it
+    is not an "infra" mode for ``torch.compile``: while it is active, dynamo
+    runs frames eagerly, so every op reaches it (a compiled graph would run
+    ops it does not list, such as in-place collectives).
+
     Args:
         on_collective: as for :class:`CollectiveDispatchMode`.
         on_op: called for each op, as above.
@@ -218,6 +223,10 @@ class OpRecordingDispatchMode(CollectiveDispatchMode):
     def __init__(self, on_collective: CollectiveCallback, on_op: OpCallback) -> None:
         super().__init__(on_collective)
         self._on_op = on_op
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return False
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: Any = (), kwargs: Any = None

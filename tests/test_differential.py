@@ -40,7 +40,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode as TorchCommDebugMode
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.hooks import BackwardHook
@@ -919,4 +919,32 @@ def test_module_first_seen_in_backward(fake_pg: None) -> None:
     assert {fqn: dict(p["backward"]) for fqn, p in comm_mode.comm_module_counts.items()} == {
         "Global": {torch.ops.c10d_functional.all_reduce: 1},
         "_AllReduce": {torch.ops.c10d_functional.all_reduce: 1},
+    }
+
+
+def test_compiled_code_counts_match_torch(tp_mesh: DeviceMesh) -> None:
+    """Under torch's CommDebugMode, torch.compile runs frames eagerly (it is not an "infra"
+    dispatch mode); compat's mode does the same, so a compiled funcol all_reduce and a
+    compiled DTensor redistribution count as they do under torch."""
+
+    def redistribute(x: Any) -> torch.Tensor:
+        return x.redistribute(tp_mesh, [Replicate()]).to_local() * 2
+
+    def reduce(x: torch.Tensor) -> torch.Tensor:
+        return funcol.all_reduce(x * 2, "sum", dist.group.WORLD) + 1
+
+    counts = {}
+    for impl, cls in (("torch", TorchCommDebugMode), ("compat", CompatCommDebugMode)):
+        torch._dynamo.reset()
+        compiled = [torch.compile(fn, backend="inductor") for fn in (redistribute, reduce)]
+        x = distribute_tensor(torch.randn(8, 8), tp_mesh, [Shard(0)])
+        cdm = cls()
+        with cdm:
+            compiled[0](x)
+            compiled[1](torch.randn(4))
+        counts[impl] = dict(cdm.get_comm_counts())
+    torch._dynamo.reset()
+    assert counts["compat"] == counts["torch"] == {
+        torch.ops.c10d_functional.all_gather_into_tensor: 1,
+        torch.ops.c10d_functional.all_reduce: 1,
     }
