@@ -69,7 +69,9 @@ def test_mlp_tracker_dicts(mesh: DeviceMesh) -> None:
     helper = tracker.module_helper_dict
     assert list(helper) == ["Global", "MLPModule", "MLPModule.net1", "MLPModule.relu",
                             "MLPModule.net2"]
-    assert helper["MLPModule"] == {"module_type": "class 'models.MLPModule'", "depth": 1}
+    assert helper["MLPModule"] == {
+        "module_type": f"class '{MLPModule.__module__}.MLPModule'", "depth": 1
+    }
     assert helper["MLPModule.net1"] == {
         "module_type": "class 'torch.nn.modules.linear.Linear'",
         "depth": 2,

@@ -116,9 +116,13 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
         except Exception:  # pragma: no cover - depends on the torch build
             return False
 
+    # An "infra" mode for torch.compile: without this, torch 2.13 runs compiled
+    # code eagerly whenever the mode is active.
+    _compile_infra = True
+
     @classmethod
     def ignore_compile_internals(cls) -> bool:
-        return True
+        return cls._compile_infra
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: Any = (), kwargs: Any = None
@@ -241,25 +245,19 @@ class OpRecordingDispatchMode(CollectiveDispatchMode):
         super().__init__(on_collective, groups)
         self._on_op = on_op
 
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        return False
+    _compile_infra = False
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: Any = (), kwargs: Any = None
     ) -> Any:
         if isinstance(func, torch._ops.HigherOrderOperator):
             return super().__torch_dispatch__(func, types, args, kwargs)
-        if types and _defers(types):
+        deferred = bool(types) and _defers(types)
+        if deferred:  # reported before DTensor runs it (its local ops come back here)
             self._report(func, types, args, True)
-            if REDISTRIBUTE_HOOK:
-                self._tls.op = func
-            return NotImplemented
-        info = self._table.get(func)
-        if info is not None:
-            self._collective(info, args, kwargs)
-        out = func(*args, **kwargs) if kwargs else func(*args)
-        self._report(func, types, args, False)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if not deferred:
+            self._report(func, types, args, False)
         return out
 
     def _report(self, func: Any, types: Any, args: Any, deferred: bool) -> None:

@@ -19,12 +19,12 @@ of PyTorch's own tests pass on them.
 
 Example:
     >>> import torch
-    >>> from commspan.compat import CommDebugMode
-    >>> comm_mode = CommDebugMode()
-    >>> with comm_mode:
-    ...     torch.nn.Linear(2, 2)(torch.ones(1, 2)).sum().backward()
-    >>> comm_mode.get_total_counts()
-    0
+    >>> from commspan.compat import ModTracker
+    >>> layer = torch.nn.Linear(2, 2)
+    >>> with ModTracker() as tracker:
+    ...     _ = layer(torch.ones(1, 2))
+    >>> tracker.get_known_fqn(layer)
+    'Linear'
 """
 
 from commspan.compat.comm_debug_mode import CommDebugMode
