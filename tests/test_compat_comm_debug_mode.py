@@ -438,3 +438,26 @@ def test_dtensor_collectives_are_counted_under_the_current_module(mesh: DeviceMe
         torch.ops.c10d.scatter_: 1, torch.ops.c10d_functional.all_gather_into_tensor: 1,
     }
 
+
+# ---------------------------------------------------------------- docs/compat.md
+def test_docs_compat_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/compat.md's Python block runs as written and writes both files."""
+    from test_docs import REPO, run_blocks
+
+    monkeypatch.chdir(tmp_path)
+    run_blocks(REPO / "docs" / "compat.md")
+    out = capsys.readouterr().out
+    assert out.startswith("0\n{'forward': {}, 'backward': {}}\nGlobal\n")
+    assert "*module type: class 'torch.nn.modules.linear.Linear'" in out
+    assert json.loads((tmp_path / "comm_mode_log.json").read_text())["fqn"] == "Global"
+    assert (tmp_path / "comm_mode_log.txt").read_text().startswith("Global\n")
+
+
+def test_docs_compat_links_resolve() -> None:
+    """Every relative link in docs/compat.md points at a file of the repository."""
+    from test_docs import REPO
+
+    doc = REPO / "docs" / "compat.md"
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", doc.read_text(encoding="utf-8"))
+    assert [t for t in targets if "://" not in t and not (doc.parent / t).exists()] == []
