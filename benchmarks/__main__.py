@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.model import SIZES, ModelConfig
+from benchmarks.workload import SIZES, ModelConfig
 
 SECTIONS = ("step", "export", "memory", "profile", "labels")
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "latest.json"

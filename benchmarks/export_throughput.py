@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import quiet
-from benchmarks.model import ModelConfig
+from benchmarks.workload import ModelConfig
 
 __all__ = ["run_export_throughput"]
 
@@ -33,7 +33,7 @@ def _capture(cfg: ModelConfig, steps: int) -> list[list[Any]]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from benchmarks.model import build_model, make_batch, train_step
+    from benchmarks.workload import build_model, make_batch, train_step
     from commspan import CommSpanMode
 
     class Keep(SpanExporter):

@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from benchmarks.common import quiet, rss_mb, run_in_subprocess
-from benchmarks.model import ModelConfig
+from benchmarks.workload import ModelConfig
 
 __all__ = ["MEMORY_VARIANTS", "run_memory"]
 
@@ -50,7 +50,7 @@ def _worker(
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from benchmarks.model import build_model, make_batch, train_step
+    from benchmarks.workload import build_model, make_batch, train_step
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
     cfg = ModelConfig(**cfg_dict)

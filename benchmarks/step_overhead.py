@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import free_port, median, quiet, spread
-from benchmarks.model import ModelConfig
 from benchmarks.otlp_receiver import OtlpReceiver
 from benchmarks.variants import LABELS, available
+from benchmarks.workload import ModelConfig
 
 __all__ = ["run_step_overhead", "summarize"]
 
@@ -55,8 +55,8 @@ def _rank_main(
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from benchmarks.model import build_model, make_batch, train_step
     from benchmarks.variants import make_variant
+    from benchmarks.workload import build_model, make_batch, train_step
 
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:

@@ -1,6 +1,6 @@
 """Errors: how commspan describes a user's exception, and counts and logs its own.
 
-Two concerns, each with one owner here:
+Three concerns, each with one owner here:
 
 - :func:`describe_error`: the text a span keeps of an exception that crossed it
   (never the exception itself: its traceback holds the step's tensors);
@@ -8,7 +8,9 @@ Two concerns, each with one owner here:
   breaks training, nothing is lost silently): :class:`ErrorCounter` counts the
   errors of one kind and logs the first with its traceback; :class:`Once`
   remembers which kinds of event were already logged, for counters that live
-  elsewhere (an export queue's ``dropped``, taken under its lock).
+  elsewhere (an export queue's ``dropped``, taken under its lock);
+- a user's bad number: :func:`positive_int` raises the error that names the
+  parameter, the value and the fix.
 
 Example:
     >>> import logging
@@ -30,7 +32,7 @@ import logging
 import threading
 from typing import Any
 
-__all__ = ["ErrorCounter", "Once", "describe_error", "error_message"]
+__all__ = ["ErrorCounter", "Once", "describe_error", "error_message", "positive_int"]
 
 _FURTHER = " (further errors are counted, not logged)"
 
@@ -55,6 +57,18 @@ def error_message(error: BaseException) -> str:
         return str(error)
     except Exception:  # a user's __str__ that raises: keep the type, lose the text
         return "<str() of the exception raised>"
+
+
+def positive_int(name: str, value: Any, fix: str) -> int:
+    """``value`` if it is an int >= 1 (not a bool).
+
+    Raises:
+        ValueError: naming the parameter and the value, then ``fix``
+            (``"x=0 is not valid; pass a positive int"``).
+    """
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}={value!r} is not valid; {fix}")
+    return value
 
 
 class ErrorCounter:

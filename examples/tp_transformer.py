@@ -2,7 +2,7 @@
 
 Run it with one command (it spawns its own gloo ranks), or under torchrun::
 
-    python examples/tp_transformer.py [--out DIR] [--steps N]
+    python examples/tp_transformer.py [--out DIR] [--steps N] [--sequence-parallel]
     torchrun --nproc-per-node 4 examples/tp_transformer.py
 
 Every rank writes its spans to ``DIR/commspan-rank<r>.jsonl`` (default
@@ -25,8 +25,14 @@ import torch.nn.functional as F
 from opentelemetry.sdk.trace.export import SpanExporter
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 from torch.utils.checkpoint import checkpoint
 
 from commspan import CommSpanMode
@@ -35,6 +41,8 @@ from commspan.exporters import JsonlSpanExporter, otlp_exporter
 WORLD_SIZE = 4
 
 
+# The model is a copy of commspan.testing.models.Transformer, kept short here so
+# the example reads on its own (tests/test_example.py checks the two agree).
 @dataclass
 class Config:
     vocab: int = 8
@@ -42,6 +50,7 @@ class Config:
     dim: int = 16
     n_heads: int = 4
     n_layers: int = 2
+    dropout: float = 0.0
     checkpointed: tuple[int, ...] = (1,)  # blocks re-run in backward (activation checkpointing)
 
 
@@ -50,6 +59,7 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads = c.n_heads
         self.wq, self.wk, self.wv, self.wo = (nn.Linear(c.dim, c.dim, bias=False) for _ in range(4))
+        self.resid_dropout = nn.Dropout(c.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape  # under TP, q/k/v hold this rank's heads only
@@ -57,19 +67,20 @@ class Attention(nn.Module):
             w(x).view(b, s, self.n_heads, -1).transpose(1, 2) for w in (self.wq, self.wk, self.wv)
         )
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(o.transpose(1, 2).reshape(b, s, -1))
+        return self.resid_dropout(self.wo(o.transpose(1, 2).reshape(b, s, -1)))
 
 
 class FeedForward(nn.Module):
     def __init__(self, c: Config) -> None:
         super().__init__()
-        self.w1, self.w2 = nn.Linear(c.dim, 4 * c.dim), nn.Linear(4 * c.dim, c.dim)
+        self.w1, self.gelu = nn.Linear(c.dim, 4 * c.dim), nn.GELU()
+        self.w2, self.resid_dropout = nn.Linear(4 * c.dim, c.dim), nn.Dropout(c.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.gelu(self.w1(x)))
+        return self.resid_dropout(self.w2(self.gelu(self.w1(x))))
 
 
-class Block(nn.Module):
+class TransformerBlock(nn.Module):
     def __init__(self, c: Config) -> None:
         super().__init__()
         self.attention_norm, self.attention = nn.LayerNorm(c.dim), Attention(c)
@@ -86,45 +97,62 @@ class Transformer(nn.Module):
         self.checkpointed = set(c.checkpointed)
         self.tok_embeddings = nn.Embedding(c.vocab, c.dim)
         self.pos_embeddings = nn.Embedding(c.max_seq, c.dim)
-        self.layers = nn.ModuleList(Block(c) for _ in range(c.n_layers))
+        self.dropout = nn.Dropout(c.dropout)
+        self.layers = nn.ModuleList(TransformerBlock(c) for _ in range(c.n_layers))
         self.norm = nn.LayerNorm(c.dim)
         self.output = nn.Linear(c.dim, c.vocab, bias=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens) + self.pos_embeddings(torch.arange(tokens.shape[1]))
+        h = self.dropout(h)
         for i, layer in enumerate(self.layers):
             h = checkpoint(layer, h, use_reentrant=False) if i in self.checkpointed else layer(h)
         return self.output(self.norm(h))
 
 
-def parallelize(model: Transformer, mesh: DeviceMesh) -> Transformer:
-    """Megatron-style tensor parallelism over a 1-D mesh."""
+def parallelize(
+    model: Transformer, mesh: DeviceMesh, sequence_parallel: bool = False
+) -> Transformer:
+    """Megatron-style tensor parallelism over a 1-D mesh; with ``sequence_parallel`` the
+    activations between the blocks' matmuls are sharded along the sequence (norms run
+    on sequence shards, wo and w2 reduce-scatter instead of all-reducing)."""
+    seq = Shard(1) if sequence_parallel else Replicate()  # the activations between blocks
     parallelize_module(model, mesh, {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
-        "pos_embeddings": RowwiseParallel(input_layouts=Replicate()),
-        "output": ColwiseParallel(output_layouts=Replicate()),
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        "pos_embeddings": RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Shard(0) if sequence_parallel else seq
+        ),
+        "output": ColwiseParallel(input_layouts=seq, output_layouts=Replicate()),
+        **({"norm": SequenceParallel()} if sequence_parallel else {}),
     })
     for block in model.layers:
-        parallelize_module(block, mesh, {
+        plan = {
             "attention.wq": ColwiseParallel(use_local_output=True),
             "attention.wk": ColwiseParallel(use_local_output=True),
             "attention.wv": ColwiseParallel(use_local_output=True),
-            "attention.wo": RowwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=seq),
             "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(),
-        })
+            "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+        }
+        if sequence_parallel:  # norms on sequence shards; gather before the matmuls
+            for norm, inner in (("attention_norm", "attention"), ("ffn_norm", "feed_forward")):
+                plan[norm] = SequenceParallel()
+                plan[inner] = PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+                )
+        parallelize_module(block, mesh, plan)
         block.attention.n_heads //= mesh.size()  # each rank owns n_heads / tp heads
     return model
 
 
-def train(out: Path, steps: int) -> None:
+def train(out: Path, steps: int, sequence_parallel: bool = False) -> None:
     """One rank: build the model, train ``steps`` steps under commspan."""
     torch.set_num_threads(1)
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     config = Config()
     torch.manual_seed(0)  # same weights and data on every rank
-    model = parallelize(Transformer(config), mesh)
+    model = parallelize(Transformer(config), mesh, sequence_parallel)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 
     path = out / f"commspan-rank{rank}.jsonl"
@@ -156,12 +184,12 @@ def train(out: Path, steps: int) -> None:
             print(f"  {file}")
 
 
-def _rank_main(rank: int, port: int, out: Path, steps: int) -> None:
+def _rank_main(rank: int, port: int, out: Path, steps: int, sequence_parallel: bool) -> None:
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE
     )
     try:
-        train(out, steps)
+        train(out, steps, sequence_parallel)
     finally:
         dist.destroy_process_group()
 
@@ -176,17 +204,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("commspan-out"), help="JSONL directory")
     parser.add_argument("--steps", type=int, default=3, help="training steps")
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="shard activations along the sequence between the matmuls")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if "RANK" in os.environ:  # launched by torchrun: this process is one rank
         dist.init_process_group("gloo")
         try:
-            train(args.out, args.steps)
+            train(args.out, args.steps, args.sequence_parallel)
         finally:
             dist.destroy_process_group()
     else:  # start the ranks ourselves; forked ranks reuse the imported torch (CPU only)
         torch.multiprocessing.start_processes(
-            _rank_main, (_free_port(), args.out, args.steps), WORLD_SIZE, start_method="fork"
+            _rank_main, (_free_port(), args.out, args.steps, args.sequence_parallel), WORLD_SIZE,
+            start_method="fork",
         )
 
 

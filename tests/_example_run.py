@@ -20,9 +20,11 @@ EXAMPLE = REPO / "examples" / "tp_transformer.py"
 RANKS = 4
 
 
-def example_run(tmp_path_factory: pytest.TempPathFactory, steps: int) -> Path:
-    """The JSONL directory of a ``--steps steps`` run of the example (run on first use)."""
-    out = tmp_path_factory.getbasetemp() / f"tp-example-{steps}-steps"
+def example_run(tmp_path_factory: pytest.TempPathFactory, steps: int, *args: str) -> Path:
+    """The JSONL directory of a ``--steps steps`` run of the example, with more command-line
+    ``args`` (e.g. ``--sequence-parallel``), run on first use."""
+    out = tmp_path_factory.getbasetemp() / "-".join(
+        ["tp-example", f"{steps}-steps", *(a.strip("-") for a in args)])
     done = out / "DONE"
     if done.exists():
         return out
@@ -31,7 +33,7 @@ def example_run(tmp_path_factory: pytest.TempPathFactory, steps: int) -> Path:
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)  # the example starts its own ranks
     proc = subprocess.run(
-        [sys.executable, str(EXAMPLE), "--out", str(out), "--steps", str(steps)],
+        [sys.executable, str(EXAMPLE), "--out", str(out), "--steps", str(steps), *args],
         check=False,
         capture_output=True,
         text=True,

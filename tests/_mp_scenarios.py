@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.checkpoint import checkpoint
 
 from commspan import Aggregator, CommSpanMode
 from commspan.exporters import JsonlSpanExporter
+from commspan.testing.models import MLP, MLPStacked, parallelize_mlp
 
 ENV_RUN_ID_VALUE = "mp-env-run-id"
 """The ``COMMSPAN_RUN_ID`` the run-id scenario sets before its second mode."""
@@ -31,55 +31,12 @@ STEPS = 2
 DIM = 16
 
 
-class MLP(torch.nn.Module):
-    """Two linears; tensor-parallel as ColwiseParallel + RowwiseParallel."""
-
-    def __init__(self, dim: int = DIM) -> None:
-        super().__init__()
-        self.net1 = torch.nn.Linear(dim, 2 * dim)
-        self.relu = torch.nn.ReLU()
-        self.net2 = torch.nn.Linear(2 * dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net2(self.relu(self.net1(x)))
-
-
-class MLPStack(torch.nn.Module):
-    """MLP blocks in a ModuleList; blocks listed in ``checkpointed`` run under checkpoint."""
-
-    def __init__(
-        self, n_blocks: int = 2, checkpointed: tuple[int, ...] = (1,), use_reentrant: bool = False
-    ) -> None:
-        super().__init__()
-        self.layers = torch.nn.ModuleList(MLP() for _ in range(n_blocks))
-        self.checkpointed = checkpointed
-        self.use_reentrant = use_reentrant
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for i, layer in enumerate(self.layers):
-            if i in self.checkpointed:
-                x = checkpoint(layer, x, use_reentrant=self.use_reentrant)
-            else:
-                x = layer(x)
-        return x
-
-
-def parallelize_mlp(mlp: MLP, mesh: Any) -> MLP:
-    """Shard ``mlp`` over ``mesh``: net1 column-wise, net2 row-wise."""
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
-
-    parallelize_module(mlp, mesh, {"net1": ColwiseParallel(), "net2": RowwiseParallel()})
-    return mlp
-
-
-def tp_mlp_stack(mesh: Any, **kwargs: Any) -> MLPStack:
-    """An :class:`MLPStack` whose blocks are tensor-parallel over ``mesh`` (seeded)."""
+def tp_mlp_stack(mesh: Any, **kwargs: Any) -> MLPStacked:
+    """Two ``MLP(DIM, 2 * DIM)`` blocks, block 1 checkpointed, each tensor-parallel over
+    ``mesh`` (seeded); ``kwargs`` go to :class:`MLPStacked`."""
     torch.manual_seed(0)
-    model = MLPStack(**kwargs)
+    options: dict[str, Any] = {"block": lambda: MLP(DIM, 2 * DIM), "checkpointed": (1,)}
+    model = MLPStacked(**{**options, **kwargs})
     for layer in model.layers:
         parallelize_mlp(layer, mesh)  # type: ignore[arg-type]
     return model
@@ -230,13 +187,11 @@ def scenario_tp_mlp(out: Path, rank: int) -> None:
 
 
 def scenario_tp_transformer(out: Path, rank: int) -> None:
-    """The toy Transformer of tests/models.py, tensor-parallel, blocks checkpointed both ways."""
-    try:
-        from models import ModelArgs, Transformer, make_batch, parallelize, train_step
-    except ImportError as exc:  # tests/models.py is optional for these scenarios
-        _write(out, "tp_transformer", rank, {"skipped": f"tests/models.py: {exc}"})
-        return
+    """The toy Transformer of commspan.testing.models, tensor-parallel, blocks checkpointed
+    both ways."""
     from torch.distributed.device_mesh import init_device_mesh
+
+    from commspan.testing.models import ModelArgs, Transformer, make_batch, parallelize, train_step
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     torch.manual_seed(0)

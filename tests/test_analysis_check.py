@@ -151,6 +151,24 @@ def test_extra_collective_at_the_end_of_a_step_is_a_count_mismatch() -> None:
     assert "ranks 1-3 issued nothing more in the step" in f.message
 
 
+def test_count_mismatch_entry_of_the_issuing_rank_is_plain_data() -> None:
+    """In a count mismatch the rank that issued the extra collective is described by that
+    collective alone (a "count" is no field of it): the finding's JSON form serialises."""
+
+    def extra(rank: int, step: int, ops: list[Op]) -> list[Op]:
+        if rank == 0 and step == 0:
+            ops.append({"op": "all_reduce", "fqn": "Net.loss", "phase": "backward"})
+        return ops
+
+    result = run_check(build(steps=2, edit=extra))
+    (f,) = result.findings
+    assert f.ranks[0] == {"op": "all_reduce", "fqn": "Net.loss", "phase": "backward",
+                          "seq": PER_STEP + 1}
+    assert json.loads(json.dumps(result.to_dict()))["findings"][0]["ranks"]["0"]["op"] == (
+        "all_reduce")
+    assert "count <built-in" not in format_check(result)
+
+
 @pytest.mark.parametrize(
     ("field", "change", "expected"),
     [
@@ -625,23 +643,33 @@ REPO = Path(__file__).resolve().parent.parent
 _BLOCK = re.compile(r"^```python\n(.*?)^```", re.MULTILINE | re.DOTALL)
 
 
-def _run_blocks(path: Path) -> dict[str, object]:
-    namespace: dict[str, object] = {"__name__": f"docs:{path.name}"}
-    for i, block in enumerate(_BLOCK.findall(path.read_text(encoding="utf-8")), 1):
-        exec(compile(block, f"{path.name} block {i}", "exec"), namespace)  # noqa: S102
-    return namespace
+_CHILD = """
+import sys
+readme, debugging = sys.argv[1], sys.argv[2]
+ns = {"__name__": "docs:README.md"}
+exec(compile(readme, "README.md", "exec"), ns)
+ns["mode"].shutdown()
+print("=== debugging.md", flush=True)
+exec(compile(debugging, "debugging.md", "exec"), {"__name__": "docs:debugging.md"})
+"""
 
 
-def test_debugging_doc_example_runs(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """docs/debugging.md's Python block runs on the files README's example writes."""
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
-    _run_blocks(REPO / "README.md")["mode"].shutdown()  # type: ignore[attr-defined]
-    capsys.readouterr()
-    _run_blocks(REPO / "docs" / "debugging.md")
-    out = capsys.readouterr().out
+def test_debugging_doc_example_runs(tmp_path: Path) -> None:
+    """docs/debugging.md's Python block runs on the files README's example writes.
+
+    In a fresh interpreter: a process group another test left initialised would make
+    the README's one-process example a rank of that group."""
+    readme = "\n".join(_BLOCK.findall((REPO / "README.md").read_text(encoding="utf-8")))
+    debugging = "\n".join(
+        _BLOCK.findall((REPO / "docs" / "debugging.md").read_text(encoding="utf-8"))
+    )
+    env = {k: v for k, v in os.environ.items() if k != "OTEL_EXPORTER_OTLP_ENDPOINT"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD, readme, debugging],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout.split("=== debugging.md\n", 1)[1]
     assert out.startswith("consistent: checked 1 rank, 0 groups, 3 steps")
     assert "Step time per rank" in out
 

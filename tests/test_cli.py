@@ -18,18 +18,9 @@ from commspan import CommSpanMode
 from commspan.cli import main
 from commspan.exporters import JsonlSpanExporter
 from commspan.render.table import span_list
+from commspan.testing.models import MLP, parallelize_mlp
 
 STEPS = 2
-
-
-class MLP(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net1 = torch.nn.Linear(8, 16)
-        self.net2 = torch.nn.Linear(16, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net2(torch.relu(self.net1(x)))
 
 
 @pytest.fixture(scope="module")
@@ -40,16 +31,11 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory, fake_pg: None) -> Path:
     the resource, which is where the files' rank comes from.
     """
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
 
     out = tmp_path_factory.mktemp("run")
     mesh = init_device_mesh("cpu", (4,))
     torch.manual_seed(0)
-    model = parallelize_module(MLP(), mesh, {"net1": ColwiseParallel(), "net2": RowwiseParallel()})
+    model = parallelize_mlp(MLP(), mesh)
     for rank in (0, 1):
         mode = CommSpanMode(
             exporters=[JsonlSpanExporter(out / f"commspan-rank{rank}.jsonl")],
@@ -316,12 +302,12 @@ def test_keyboard_interrupt_exits_130(
     run_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Ctrl-C while reading: one line and status 130, no traceback."""
-    from commspan.analysis.counts import Aggregator
+    from commspan.cli.commands import Reader
 
     def interrupted(*args: object, **kwargs: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(Aggregator, "from_jsonl", interrupted)
+    monkeypatch.setattr(Reader, "read", interrupted)
     try:
         code, out, err = _cli(capsys, "table", str(run_dir), "--rank", "all")
     except KeyboardInterrupt:

@@ -12,22 +12,21 @@ from typing import Any
 
 import pytest
 import torch
-from models import (
-    API_NAMES,
-    MLPModule,
-    MLPStacked,
-    ModelArgs,
-    Transformer,
-    make_batch,
-    make_counter,
-    parallelize,
-    train_step,
-)
+from _counting import API_NAMES, make_counter
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from commspan.compat import CommDebugMode
+from commspan.testing.models import (
+    MLPModule,
+    MLPStacked,
+    ModelArgs,
+    Transformer,
+    make_batch,
+    parallelize,
+    train_step,
+)
 
 both_apis = pytest.mark.parametrize("api", API_NAMES)
 

@@ -17,7 +17,6 @@ from typing import Any
 
 import pytest
 import torch
-from models import ModelArgs, Transformer, make_batch, parallelize, train_step
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
@@ -27,6 +26,8 @@ from torch.distributed.tensor.debug import CommDebugMode as TorchCommDebugMode
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
 from commspan import CommSpanMode, semconv
+from commspan.testing import assert_well_formed
+from commspan.testing.models import ModelArgs, Transformer, make_batch, parallelize, train_step
 
 pytestmark = pytest.mark.filterwarnings(
     # torch's CommDebugMode installs global full-backward hooks; the embeddings' inputs need no grad
@@ -353,56 +354,6 @@ def _parent_id(span: ReadableSpan) -> int:
     return span.parent.span_id
 
 
-def _times(span: ReadableSpan) -> tuple[int, int]:
-    assert span.start_time is not None and span.end_time is not None, span.name
-    return span.start_time, span.end_time
-
-
-def check_tree(spans: list[ReadableSpan]) -> None:
-    """Assert that ``spans`` form well-formed traces (see test_span_tree_is_well_formed)."""
-    by_id = {s.context.span_id: s for s in spans}
-    assert len(by_id) == len(spans), "span ids are unique"
-    module_spans = [s for s in spans if _attr(s, semconv.PHASE) is not None]
-    assert module_spans
-    for span in spans:
-        start, end = _times(span)
-        assert start <= end, span.name
-        for event in span.events:
-            assert start <= event.timestamp <= end, (span.name, event.name)
-        if span.parent is None:
-            assert span.name in (semconv.SPAN_STEP, semconv.SPAN_SESSION), span.name
-            continue
-        parent = by_id.get(_parent_id(span))
-        assert parent is not None, f"{span.name}: parent missing"
-        assert parent.context.trace_id == span.context.trace_id, span.name
-        parent_start, parent_end = _times(parent)
-        assert parent_start <= start, (span.name, parent.name)
-        assert end <= parent_end, (span.name, parent.name)
-    for span in module_spans:
-        phase = _attr(span, semconv.PHASE)
-        fqn = _attr(span, semconv.MODULE_FQN)
-        assert span.name == f"{fqn} {phase}"
-        parent = by_id[_parent_id(span)]
-        parent_phase = _attr(parent, semconv.PHASE)
-        if parent_phase is None:  # directly under the rank span
-            assert parent.name == semconv.SPAN_RANK
-            assert phase in ("forward", "backward"), span.name
-        elif phase == "forward":
-            assert parent_phase == "forward", (span.name, parent.name)
-        elif phase == "backward":
-            assert parent_phase == "backward", (span.name, parent.name)
-        else:  # recompute: inside a backward, possibly under an enclosing recompute
-            assert parent_phase in ("backward", "recompute"), (span.name, parent.name)
-            ancestor = parent
-            while _attr(ancestor, semconv.PHASE) == "recompute":
-                ancestor = by_id[_parent_id(ancestor)]
-            assert _attr(ancestor, semconv.PHASE) == "backward", (span.name, ancestor.name)
-        for event in span.events:
-            attrs = event.attributes or {}
-            if semconv.COLL_OP in attrs:
-                assert attrs[semconv.PHASE] == phase and attrs[semconv.MODULE_FQN] == fqn
-
-
 @pytest.mark.parametrize("runner", SPAN_RUNS)
 @pytest.mark.parametrize("name", NAMES)
 def test_span_tree_is_well_formed(
@@ -411,7 +362,7 @@ def test_span_tree_is_well_formed(
     """Every span's parent is in its trace and encloses it in time; phases nest correctly
     (forward under forward, backward under backward, recompute inside a backward)."""
     run = runs(name)[runner]
-    check_tree(run.spans)
+    assert_well_formed(run.spans)
     phases = {_attr(s, semconv.PHASE) for s in run.spans} - {None}
     has_ac = bool(SCENARIOS[name].checkpoint)
     assert phases == ({"forward", "backward", "recompute"} if has_ac else {"forward", "backward"})

@@ -6,31 +6,36 @@ and in backward, for built-in exceptions (which take no weak reference) and
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from _tracing import (
+    IN_DIM,
+    Boom,
+    Holder,
+    attrs,
+    hook_sizes,
+    mlp_step,
+    named,
+    record_raised,
+    tp_mlp,
+    traced_mode,
+)
+from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from commspan import CommSpanMode, semconv
+from commspan.testing import assert_well_formed
+from commspan.testing import span_counts as counts
+from commspan.testing import span_fqn as fqn
+from commspan.testing import span_phase as phase
 
 SECRET = "tensor([0.1234, 5.6789])"  # what a message can leak
-
-
-class Boom(Exception):
-    """A user-defined exception (takes weak references, unlike built-in ones)."""
-
-
-def capture(**kwargs: Any) -> tuple[CommSpanMode, InMemorySpanExporter]:
-    """A mode whose spans also land, synchronously, in an in-memory exporter."""
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    return CommSpanMode(tracer_provider=provider, **kwargs), exporter
 
 
 def by_name(exporter: InMemorySpanExporter) -> dict[str, ReadableSpan]:
@@ -87,18 +92,8 @@ def test_forward_exception(exc: type[BaseException], use_step: bool) -> None:
     """A forward raising: the same exception reaches the user; the raiser and its
     ancestors end ERROR, only the raiser has the event; no internal error."""
     model = _Outer(exc)
-    mode, exporter = capture()
-    raised: list[BaseException] = []
-    original = _Raises.forward
-
-    def forward(self: _Raises, x: torch.Tensor) -> torch.Tensor:
-        try:
-            return original(self, x)
-        except BaseException as error:
-            raised.append(error)
-            raise
-
-    model.bad.forward = forward.__get__(model.bad)  # type: ignore[method-assign]
+    mode, exporter = traced_mode()
+    raised = record_raised(model.bad)
     with pytest.raises(exc) as info, mode:
         if use_step:
             with mode.step(0):
@@ -123,30 +118,42 @@ def test_forward_exception(exc: type[BaseException], use_step: bool) -> None:
     }
 
 
+def _bad_gradient() -> BaseException:
+    return ValueError(f"bad gradient {SECRET}")
+
+
 class _FailingBackward(torch.autograd.Function):
+    """Identity forward; its backward raises ``error()``."""
+
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, error: Callable[[], BaseException]) -> torch.Tensor:
+        ctx.error = error
         return x * 1
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        raise ValueError(f"bad gradient {SECRET}")
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        raise ctx.error()
 
 
 class _BwInner(nn.Module):
-    def __init__(self) -> None:
+    """A Linear whose output's backward raises while ``fail[0]`` is true."""
+
+    def __init__(self, dim: int, error: Callable[[], BaseException]) -> None:
         super().__init__()
-        self.lin = nn.Linear(2, 2)
+        self.lin = nn.Linear(dim, dim)
+        self.error = error
+        self.fail = [True]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _FailingBackward.apply(self.lin(x))
+        y = self.lin(x)
+        return _FailingBackward.apply(y, self.error) if self.fail[0] else y
 
 
 class _BwRoot(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, dim: int = 2, error: Callable[[], BaseException] = _bad_gradient) -> None:
         super().__init__()
-        self.inner = _BwInner()
-        self.head = nn.Linear(2, 2)
+        self.inner = _BwInner(dim, error)
+        self.head = nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.inner(x))
@@ -157,7 +164,7 @@ def test_autograd_function_raising_in_backward(use_step: bool) -> None:
     """A custom autograd Function raising in backward: the open backward spans end
     ERROR, the innermost (the module that applied it) has the event."""
     model = _BwRoot()
-    mode, exporter = capture()
+    mode, exporter = traced_mode()
     with pytest.raises(ValueError, match="bad gradient") as info, mode:
         if use_step:
             with mode.step(0):
@@ -188,7 +195,7 @@ def test_backward_hook_raising(exc: type[BaseException]) -> None:
         raise error
 
     model[1].register_full_backward_hook(hook)
-    mode, exporter = capture()
+    mode, exporter = traced_mode()
     with pytest.raises(exc) as info, mode, mode.step(0):
         model(torch.randn(1, 2, requires_grad=True)).sum().backward()
     assert info.value is error
@@ -204,7 +211,7 @@ def test_backward_error_caught_inside_the_step() -> None:
     """A backward error the user catches inside the step: its open spans still end ERROR
     (the backward did not finish)."""
     model = _BwRoot()
-    mode, exporter = capture()
+    mode, exporter = traced_mode()
     with mode, mode.step(0):
         try:
             model(torch.randn(1, 2, requires_grad=True)).sum().backward()
@@ -220,7 +227,7 @@ def test_backward_error_caught_inside_the_step() -> None:
 def test_error_outside_any_module_is_on_the_rank_span() -> None:
     """An exception raised outside every module (the loss, say) has its event on the rank span."""
     model = nn.Linear(2, 2)
-    mode, exporter = capture()
+    mode, exporter = traced_mode()
     with pytest.raises(RuntimeError), mode, mode.step(0):
         model(torch.randn(1, 2))
         raise RuntimeError("bad loss")
@@ -238,7 +245,7 @@ def test_exception_raised_again_in_the_next_step_gets_a_new_event() -> None:
             raise error
 
     model = nn.Sequential(Raiser())
-    mode, exporter = capture()
+    mode, exporter = traced_mode()
     with mode:
         for i in range(3):
             with pytest.raises(RuntimeError), mode.step(i):
@@ -251,7 +258,7 @@ def test_exception_raised_again_in_the_next_step_gets_a_new_event() -> None:
 def test_messages_left_out_on_request(where: str) -> None:
     """``record_exception_messages=False``: status descriptions are the type name, events
     carry the type only, and the message appears nowhere in the spans."""
-    mode, exporter = capture(record_exception_messages=False)
+    mode, exporter = traced_mode(record_exception_messages=False)
     model: nn.Module = _Outer(ValueError) if where == "forward" else _BwRoot()
     with pytest.raises(ValueError, match="tensor"), mode, mode.step(0):
         model(torch.randn(1, 2, requires_grad=True)).sum().backward()
@@ -281,7 +288,7 @@ def test_unprintable_exception_keeps_its_type() -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             raise Unprintable()
 
-    mode, exporter = capture()
+    mode, exporter = traced_mode()
     with pytest.raises(Unprintable), mode, mode.step(0):
         Raiser()(torch.randn(1, 2))
     spans = by_name(exporter)
@@ -289,3 +296,182 @@ def test_unprintable_exception_keeps_its_type() -> None:
     events = exception_events(spans)
     assert events["Raiser forward"][semconv.EXCEPTION_TYPE].endswith("Unprintable")
     assert mode.stats()["internal_errors"] == 0
+
+
+# ---------------------------------------------------------------- under tensor parallelism
+class _Bad(nn.Module):
+    def __init__(self, armed: list[bool]) -> None:
+        super().__init__()
+        self.lin = nn.Linear(IN_DIM, IN_DIM)
+        self.armed = armed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        if self.armed[0]:
+            raise Boom("bad forward")
+        return y
+
+
+class _Mid(nn.Module):
+    def __init__(self, armed: list[bool]) -> None:
+        super().__init__()
+        self.bad = _Bad(armed)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bad(x)
+
+
+class _Raiser(nn.Module):
+    """A TP MLP, then a module whose grandchild raises while ``armed[0]`` is true."""
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        super().__init__()
+        self.armed = [True]
+        self.pre = tp_mlp(mesh)
+        self.mid = _Mid(self.armed)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mid(self.pre(x))
+
+
+def _clean_step_reference(mesh: DeviceMesh) -> dict[str, Any]:
+    model = _Raiser(mesh)
+    model.armed[0] = False
+    mode, _ = traced_mode()
+    with mode:
+        mlp_step(model)
+    assert mode.aggregator is not None
+    return mode.aggregator.module_counts()
+
+
+def test_exception_propagates_unchanged_and_marks_spans(mesh: DeviceMesh) -> None:
+    """The exception propagates as is; raiser and ancestors end ERROR; the raiser has the event."""
+    model = _Raiser(mesh)
+    mode, exporter = traced_mode()
+    raised = record_raised(model.mid.bad)
+    with mode, pytest.raises(Boom) as info, mode.step(0):
+        mlp_step(model)
+    assert raised and info.value is raised[0]
+    assert str(info.value) == "bad forward" and type(info.value) is Boom
+
+    spans = list(exporter.get_finished_spans())
+    assert_well_formed(spans)
+    status = {s.name: s.status.status_code for s in spans}
+    for name in ("_Raiser.mid.bad forward", "_Raiser.mid forward", "_Raiser forward"):
+        assert status[name] is StatusCode.ERROR, name
+    for name in ("_Raiser.mid.bad.lin forward", "_Raiser.pre forward", "_Raiser.pre.net2 forward"):
+        assert status[name] is not StatusCode.ERROR, name
+    with_exception = {
+        s.name: e for s in spans for e in s.events if e.name == semconv.EVENT_EXCEPTION
+    }
+    assert list(with_exception) == ["_Raiser.mid.bad forward"]
+    event_attrs = dict(with_exception["_Raiser.mid.bad forward"].attributes or {})
+    assert event_attrs[semconv.EXCEPTION_TYPE] == "Boom"
+    assert event_attrs[semconv.EXCEPTION_MESSAGE] == "bad forward"
+    bad = named(spans, "_Raiser.mid.bad", "forward")[0]
+    assert "bad forward" in (bad.status.description or "")
+
+
+def test_tracker_unwinds_after_exception(mesh: DeviceMesh) -> None:
+    """After a forward raised, a later step of the same context and a new context are correct."""
+    expected = _clean_step_reference(mesh)
+    model = _Raiser(mesh)
+    mode, exporter = traced_mode()
+    with mode:
+        with pytest.raises(Boom), mode.step(0):
+            mlp_step(model)
+        failed = {s.context.trace_id for s in exporter.get_finished_spans()}
+        model.armed[0] = False
+        with mode.step(1):
+            mlp_step(model)
+    step1 = [s for s in exporter.get_finished_spans() if s.context.trace_id not in failed]
+    assert_well_formed(step1)
+    assert all(s.status.status_code is not StatusCode.ERROR for s in step1)
+    assert {fqn(s) for s in step1 if phase(s) == "forward"} == {
+        "_Raiser",
+        "_Raiser.pre",
+        "_Raiser.pre.net1",
+        "_Raiser.pre.relu",
+        "_Raiser.pre.net2",
+        "_Raiser.mid",
+        "_Raiser.mid.bad",
+        "_Raiser.mid.bad.lin",
+    }
+    depth = {fqn(s): attrs(s)[semconv.MODULE_DEPTH] for s in step1 if phase(s) == "forward"}
+    assert depth["_Raiser"] == 1 and depth["_Raiser.mid.bad.lin"] == 4
+    rank_span = next(s for s in step1 if s.name == semconv.SPAN_RANK)
+    assert counts(rank_span) == {
+        (p, op): n for p, ops in expected["Global"].items() for op, n in ops.items()
+    }
+
+    model.armed[0] = True
+    fresh, _ = traced_mode()
+    with pytest.raises(Boom), fresh:
+        mlp_step(model)
+    model.armed[0] = False
+    with fresh:
+        mlp_step(model)
+    assert fresh.aggregator is not None
+    assert fresh.aggregator.module_counts() == expected
+    assert not fresh.active
+
+
+def test_every_exception_gets_its_own_event() -> None:
+    """A forward raising in each of several steps gets a fresh exception event every time."""
+    model = Holder()
+    mode, exporter = traced_mode()
+    caught = 0
+    with mode:
+        for i in range(5):
+            try:  # as user code does: each exception is freed before the next step
+                with mode.step(i):
+                    model(torch.randn(2, IN_DIM))
+            except Boom:
+                caught += 1
+    assert caught == 5
+    bad_spans = named(list(exporter.get_finished_spans()), "_Holder.bad", "forward")
+    assert len(bad_spans) == 5
+    assert all(s.status.status_code is StatusCode.ERROR for s in bad_spans)
+    assert [sum(e.name == semconv.EVENT_EXCEPTION for e in s.events) for s in bad_spans] == [1] * 5
+
+
+def test_tracker_unwinds_after_backward_exception() -> None:
+    """After a backward raised (no steps), the next forward nests under the rank span."""
+    model = _BwRoot(4, lambda: Boom("bad backward"))
+    mode, exporter = traced_mode()
+    with mode:
+        with pytest.raises(Boom):
+            model(torch.randn(2, 4, requires_grad=True)).sum().backward()
+        model.inner.fail[0] = False
+        model(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    spans = list(exporter.get_finished_spans())
+    assert_well_formed(spans)
+    by_id = {(s.context.trace_id, s.context.span_id): s for s in spans}
+
+    def ancestors(s: ReadableSpan) -> list[ReadableSpan]:
+        out = []
+        while s.parent is not None:
+            s = by_id[(s.context.trace_id, s.parent.span_id)]
+            out.append(s)
+        return out
+
+    roots = named(spans, "_BwRoot", "forward")
+    assert len(roots) == 2
+    for root in roots:
+        assert ancestors(root)[0].name == semconv.SPAN_RANK
+    for s in spans:
+        if phase(s) == "forward":
+            assert {phase(a) for a in ancestors(s)} <= {"forward", None}, s.name
+    assert len(named(spans, "_BwRoot", "backward")) == 2
+
+
+def test_exception_leaving_the_mode_removes_hooks(mesh: DeviceMesh) -> None:
+    """An exception that leaves ``with mode:`` propagates, and the mode leaves no hook behind."""
+    model = _Raiser(mesh)
+    before = hook_sizes(model)
+    mode, exporter = traced_mode()
+    with pytest.raises(Boom), mode:
+        mlp_step(model)
+    assert not mode.active
+    assert hook_sizes(model) == before
+    assert_well_formed(list(exporter.get_finished_spans()))

@@ -27,13 +27,13 @@ from typing import Any
 import orjson
 import pytest
 import torch
-from models import ModelArgs, Transformer, make_batch, parallelize, train_step
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from commspan import Aggregator, CommSpanMode, semconv
 from commspan.exporters import JsonlSpanExporter, read_spans
+from commspan.testing.models import ModelArgs, Transformer, make_batch, parallelize, train_step
 
 HEX32 = re.compile(r"^[0-9a-f]{32}$")
 HEX16 = re.compile(r"^[0-9a-f]{16}$")
@@ -517,3 +517,18 @@ def test_encoder_agrees_with_otlp_protobuf_encoder() -> None:
         map(str, [{"intValue": "1"}, {"boolValue": True}, {"doubleValue": 1.0},
                   {"intValue": "1"}, {"boolValue": True}])
     )
+
+
+def test_every_reader_refuses_a_directory_without_jsonl_files(tmp_path: Path) -> None:
+    """One rule for paths: a directory holding no *.jsonl file is an error for
+    Aggregator.from_jsonl too (it used to count it as empty), as for the command, the
+    analyses and the views; the error is both a FileNotFoundError and a ValueError."""
+    from commspan.analysis import check_run
+    from commspan.analysis.timeline import load_records
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for read in (Aggregator.from_jsonl, check_run, load_records):
+        with pytest.raises(FileNotFoundError, match="holds no \\*.jsonl file") as info:
+            read(empty)
+        assert isinstance(info.value, ValueError), read

@@ -16,7 +16,6 @@ from typing import Any
 
 import pytest
 import torch
-from models import ModelArgs, Transformer, make_batch, parallelize, train_step
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -34,6 +33,7 @@ from torch.distributed.tensor.parallel import (
 import commspan.capture.dispatch
 from commspan import CommSpanMode, semconv
 from commspan.capture.dispatch import CollectiveDispatchMode
+from commspan.testing.models import ModelArgs, Transformer, make_batch, parallelize, train_step
 
 Expected = tuple[str, str, str, str]
 """(phase, op, src placements, dst placements) of one collective."""

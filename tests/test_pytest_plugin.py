@@ -6,17 +6,11 @@ import pytest
 
 pytest_plugins = ["pytester"]
 
-# A module that issues one all_reduce in forward, over torch's fake process group.
+# A module that issues one all_reduce in forward (over the commspan_fake_pg fixture's group).
 _ALL_REDUCE_MODULE = """
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-
-
-def _fake_pg():
-    if not dist.is_initialized():
-        from torch.testing._internal.distributed.fake_pg import FakeStore
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
 
 
 class Reduce(torch.nn.Module):
@@ -34,11 +28,10 @@ def test_capture_fixture_counts_collectives(pytester: pytest.Pytester) -> None:
     """commspan_capture runs the test under an entered mode whose counts the test asserts on."""
     result = _run(pytester, """
 import torch
-from helpers import Reduce, _fake_pg
+from helpers import Reduce
 from commspan.testing import assert_counts
 
-def test_counts(commspan_capture):
-    _fake_pg()
+def test_counts(commspan_fake_pg, commspan_capture):
     assert commspan_capture.mode.active
     Reduce()(torch.ones(2))
     assert_counts(commspan_capture, "Reduce", "forward", {"all_reduce": 1})
@@ -51,10 +44,9 @@ def test_failed_test_reports_module_table(pytester: pytest.Pytester) -> None:
     """A failing test that used commspan_capture gets a "commspan modules" report section."""
     result = _run(pytester, """
 import torch
-from helpers import Reduce, _fake_pg
+from helpers import Reduce
 
-def test_fails(commspan_capture):
-    _fake_pg()
+def test_fails(commspan_fake_pg, commspan_capture):
     Reduce()(torch.ones(2))
     assert commspan_capture.counts("Reduce", "forward") == {}
 """)

@@ -11,92 +11,43 @@ from __future__ import annotations
 
 import warnings
 from collections import Counter, defaultdict
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 import pytest
 import torch
-from models import ModelArgs, Transformer, make_batch, parallelize, train_step
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from commspan import CommSpanMode, semconv
+from commspan.testing import SpanTree, collective_events, span_counts, span_fqn, span_phase
+from commspan.testing.models import ModelArgs, Transformer, make_batch, parallelize, train_step
 
 ROOT_NAMES = {semconv.SPAN_STEP, semconv.SPAN_SESSION}
 PHASES = {p.value for p in semconv.Phase}
 STEPS = 2
 
 
-@dataclass
-class Run:
-    """Everything one traced run produced."""
+class Run(SpanTree):
+    """Everything one traced run produced: its spans as a tree, and the mode."""
 
-    spans: list[ReadableSpan]
-    mode: CommSpanMode
-    by_id: dict[tuple[int, int], ReadableSpan] = field(default_factory=dict)
-    children: dict[tuple[int, int], list[ReadableSpan]] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self.by_id = {_key(s): s for s in self.spans}
-        self.children = defaultdict(list)
-        for s in self.spans:
-            if s.parent is not None:
-                self.children[(s.context.trace_id, s.parent.span_id)].append(s)
-
-    def parent(self, span: ReadableSpan) -> ReadableSpan | None:
-        """The parent span, ``None`` for a trace root."""
-        if span.parent is None:
-            return None
-        return self.by_id[(span.context.trace_id, span.parent.span_id)]
-
-    def ancestors(self, span: ReadableSpan) -> Iterator[ReadableSpan]:
-        """Parent, grandparent, ... up to the trace root."""
-        cur = self.parent(span)
-        while cur is not None:
-            yield cur
-            cur = self.parent(cur)
-
-    def module_spans(self) -> list[ReadableSpan]:
-        """Spans of module calls (every span but the trace roots and rank spans)."""
-        return [s for s in self.spans if _phase(s) in PHASES]
-
-    def rank_spans(self) -> list[ReadableSpan]:
-        """The per-rank spans (one per trace in a single process)."""
-        return [s for s in self.spans if s.name == semconv.SPAN_RANK]
+    def __init__(self, spans: list[ReadableSpan], mode: CommSpanMode) -> None:
+        super().__init__(spans)
+        self.mode = mode
 
 
 def _key(span: ReadableSpan) -> tuple[int, int]:
     return span.context.trace_id, span.context.span_id
 
 
-def _phase(span: ReadableSpan) -> str | None:
-    value = (span.attributes or {}).get(semconv.PHASE)
-    return str(value) if value is not None else None
-
-
-def _fqn(span: ReadableSpan) -> str | None:
-    value = (span.attributes or {}).get(semconv.MODULE_FQN)
-    return str(value) if value is not None else None
+_phase, _fqn, _count_attrs = span_phase, span_fqn, span_counts
 
 
 def _collective_events(span: ReadableSpan) -> list[tuple[str, str]]:
     """``(phase, op)`` of every collective event attached to ``span``."""
-    out = []
-    for e in span.events:
-        attrs = e.attributes or {}
-        if semconv.COLL_OP in attrs:
-            out.append((str(attrs[semconv.PHASE]), str(attrs[semconv.COLL_OP])))
-    return out
-
-
-def _count_attrs(span: ReadableSpan) -> dict[tuple[str, str], int]:
-    out: dict[tuple[str, str], int] = {}
-    for key, value in (span.attributes or {}).items():
-        parsed = semconv.parse_count_key(key)
-        if parsed is not None:
-            out[parsed] = int(value)  # type: ignore[arg-type]
-    return out
+    return [
+        (str(attrs[semconv.PHASE]), str(attrs[semconv.COLL_OP]))
+        for attrs in (e.attributes or {} for e in collective_events(span))
+    ]
 
 
 @pytest.fixture(scope="module")

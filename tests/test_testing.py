@@ -2,47 +2,39 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExportResult
 
-from commspan import Aggregator, CommSpanMode, Phase, testing
+from commspan import Aggregator, CommSpanMode, Phase, semconv, testing
 from commspan.exporters import JsonlSpanExporter
 from commspan.testing import (
     CommCapture,
+    SpanTree,
     assert_counts,
     assert_no_comm,
     assert_placements,
+    assert_well_formed,
     capture,
+    collective_events,
     fresh_mode,
+    span_counts,
+    span_fqn,
+    span_phase,
 )
-
-
-class MLP(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net1 = torch.nn.Linear(8, 16)
-        self.relu = torch.nn.ReLU()
-        self.net2 = torch.nn.Linear(16, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net2(self.relu(self.net1(x)))
+from commspan.testing.models import MLP, parallelize_mlp
 
 
 @pytest.fixture()
 def tp_mlp(mesh: torch.distributed.device_mesh.DeviceMesh) -> MLP:
     """MLP with net1 column-wise and net2 row-wise over the fake 4-rank mesh."""
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
-
     torch.manual_seed(0)
-    return parallelize_module(MLP(), mesh, {"net1": ColwiseParallel(), "net2": RowwiseParallel()})
+    return parallelize_mlp(MLP(), mesh)
 
 
 @pytest.fixture()
@@ -295,3 +287,71 @@ def test_assert_helpers_accept_a_mode_and_check_live_names() -> None:
     with mode:
         Probe()(torch.ones(1))
     assert seen == ["ok"]
+
+
+# ------------------------------------------------------------------ span helpers
+def _linear_spans() -> list[ReadableSpan]:
+    """The spans of one forward and backward of a Linear inside a step."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    with capture() as cap, cap.mode.step(0):
+        model(torch.ones(1, 2, requires_grad=True)).sum().backward()
+    return cap.spans
+
+
+def test_span_tree_and_accessors_read_a_capture() -> None:
+    """SpanTree links each span to its parent up to the step root; the accessors read
+    module name, phase and counts."""
+    spans = _linear_spans()
+    tree = SpanTree(spans)
+    forward = next(s for s in tree.module_spans() if span_fqn(s) == "Sequential.0")
+    assert span_phase(forward) == "forward"
+    assert [a.name for a in tree.ancestors(forward)] == [
+        "Sequential forward", semconv.SPAN_RANK, semconv.SPAN_STEP]
+    assert len(tree.rank_spans()) == 1 and span_counts(forward) == {}
+    assert collective_events(forward) == []
+    assert_well_formed(spans)
+
+
+def _rebuilt(span: ReadableSpan, **changes: Any) -> ReadableSpan:
+    """``span`` with some of its fields replaced."""
+    fields = {
+        "name": span.name, "context": span.context, "parent": span.parent,
+        "attributes": span.attributes, "events": span.events,
+        "start_time": span.start_time, "end_time": span.end_time,
+    }
+    fields.update(changes)
+    return ReadableSpan(**fields)
+
+
+@pytest.mark.parametrize(
+    ("breakage", "message"),
+    [
+        ("orphan", "parent missing"),
+        ("outlives", "Sequential.0 forward"),
+        ("renamed", "Sequential.0 forward"),
+        ("rank_root", "commspan.rank: a trace root that is not a step or session"),
+    ],
+)
+def test_assert_well_formed_catches_a_broken_tree(breakage: str, message: str) -> None:
+    """A span whose parent is gone, one that ends after its parent, a module span not
+    named '<fqn> <phase>', a trace whose root is not a step or session span: each fails
+    naming the span."""
+    spans = _linear_spans()
+    index = next(i for i, s in enumerate(spans) if s.name == "Sequential.0 forward")
+    span = spans[index]
+    parent = SpanTree(spans).parent(span)
+    assert parent is not None and parent.end_time is not None
+    if breakage == "orphan":
+        spans = [s for s in spans if s is not parent]
+    elif breakage == "outlives":
+        spans[index] = _rebuilt(span, end_time=parent.end_time + 1)
+    elif breakage == "renamed":
+        spans[index] = _rebuilt(span, name="Sequential.0 fwd")
+    else:  # the rank span without its step root above it
+        spans = [
+            _rebuilt(s, parent=None) if s.name == semconv.SPAN_RANK else s
+            for s in spans
+            if s.name != semconv.SPAN_STEP
+        ]
+    with pytest.raises(AssertionError, match=re.escape(message)):
+        assert_well_formed(spans)

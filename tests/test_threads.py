@@ -11,13 +11,14 @@ from typing import Any
 
 import pytest
 import torch
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from _tracing import traced_mode
+from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from commspan import CommSpanMode, semconv
+from commspan.testing import assert_well_formed
 
 STEPS = 30
 
@@ -43,14 +44,6 @@ class Beta(nn.Module):
 def train_step(model: nn.Module) -> None:
     """Forward and backward."""
     model(torch.randn(2, 4, requires_grad=True)).sum().backward()
-
-
-def capture() -> tuple[CommSpanMode, InMemorySpanExporter]:
-    """A mode whose spans also land, synchronously, in an in-memory exporter."""
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    return CommSpanMode(tracer_provider=provider), exporter
 
 
 def run_threads(*targets: Callable[[], None]) -> list[BaseException]:
@@ -83,18 +76,10 @@ def module_names(spans: list[ReadableSpan]) -> set[str]:
     }
 
 
-def well_formed(spans: list[ReadableSpan]) -> None:
-    """Every parent of a span is a span of the same trace (except the step roots)."""
-    ids = {(s.context.trace_id, s.context.span_id) for s in spans}
-    for s in spans:
-        if s.parent is not None:
-            assert (s.context.trace_id, s.parent.span_id) in ids, s.name
-
-
 def test_one_mode_used_from_two_threads(caplog: pytest.LogCaptureFixture) -> None:
     """The entering thread's steps are traced; another thread's ``mode.step()`` yields
     False without raising (logged once) and its modules are not recorded."""
-    mode, exporter = capture()
+    mode, exporter = traced_mode()
     alpha, beta = Alpha(), Beta()
     yielded: list[bool] = []
     start = threading.Barrier(2)
@@ -119,7 +104,7 @@ def test_one_mode_used_from_two_threads(caplog: pytest.LogCaptureFixture) -> Non
     assert errors == []
     assert yielded == [False] * STEPS
     spans = list(exporter.get_finished_spans())
-    well_formed(spans)
+    assert_well_formed(spans)
     assert module_names(spans) == {"Alpha", "Alpha.a"}
     assert mode.stats()["steps_traced"] == STEPS
     assert mode.stats()["internal_errors"] == 0
@@ -134,7 +119,7 @@ def test_one_mode_per_thread_records_only_its_thread() -> None:
 
     def run(name: str, model: nn.Module) -> Callable[[], None]:
         def target() -> None:
-            mode, exporter = capture()
+            mode, exporter = traced_mode()
             results[name] = (mode, exporter)
             with mode:
                 for i in range(STEPS):
@@ -147,7 +132,7 @@ def test_one_mode_per_thread_records_only_its_thread() -> None:
     for name, expected in (("alpha", {"Alpha", "Alpha.a"}), ("beta", {"Beta", "Beta.b"})):
         mode, exporter = results[name]
         spans = list(exporter.get_finished_spans())
-        well_formed(spans)
+        assert_well_formed(spans)
         assert module_names(spans) == expected, name
         assert mode.aggregator is not None
         assert set(mode.aggregator.modules()) == expected, name
@@ -178,12 +163,12 @@ def test_backward_of_the_owners_graph_on_another_thread_is_recorded() -> None:
     """Backward (and recompute) of a graph the entering thread built is recorded even when
     autograd runs it on another thread, as it does on GPU device threads."""
     model = _Checkpointed()
-    mode, exporter = capture()
+    mode, exporter = traced_mode()
     with mode, mode.step(0):
         loss = model(torch.randn(2, 4, requires_grad=True)).sum()
         assert run_threads(loss.backward) == []
     spans = list(exporter.get_finished_spans())
-    well_formed(spans)
+    assert_well_formed(spans)
     by_phase: dict[str, set[str]] = {}
     for s in spans:
         attrs: dict[str, Any] = dict(s.attributes or {})
@@ -198,7 +183,7 @@ def test_backward_of_the_owners_graph_on_another_thread_is_recorded() -> None:
 
 def test_other_thread_modules_ignored_while_owner_idle() -> None:
     """Module calls on a thread that did not enter the mode leave no span, even outside steps."""
-    mode, exporter = capture()
+    mode, exporter = traced_mode()
     with mode:
         assert run_threads(lambda: train_step(Beta())) == []
         train_step(Alpha())

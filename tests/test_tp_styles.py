@@ -14,7 +14,7 @@ from copy import deepcopy
 
 import pytest
 import torch
-from models import API_NAMES, make_counter
+from _counting import API_NAMES, make_counter
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard

@@ -35,14 +35,14 @@ Example:
 
 from __future__ import annotations
 
-import os
+import dataclasses
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from commspan import semconv
-from commspan.analysis.records import CollectiveRecord, HangRecord, Run, load_run
+from commspan.analysis.records import CollectiveRecord, HangRecord, Run, RunPaths, load_run
 
 __all__ = [
     "CheckResult",
@@ -142,15 +142,14 @@ class CheckResult:
 
 # ------------------------------------------------------------------ entry points
 def check_run(
-    paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+    paths: RunPaths,
     *,
     steps: Iterable[int] | None = None,
 ) -> CheckResult:
     """Check the JSONL files of a run for cross-rank consistency.
 
     Args:
-        paths: JSONL files written by ``JsonlSpanExporter`` (one per rank), or
-            directories of them.
+        paths: the run's JSONL files (see :data:`~commspan.analysis.records.RunPaths`).
         steps: check only these step numbers; ``None`` checks every step.
 
     Returns:
@@ -296,38 +295,45 @@ def sequence_findings(
         if not members:
             members = tuple(sorted({r for per in by_trace.values() for r in per}))
         counts["groups"] += 1
-        first: Finding | None = None
-        later: list[int | None] = []
-        for trace in sorted(by_trace, key=lambda t: order.get(t, -1)):
-            if trace in skipped:
-                continue
-            present = run.presence.get(trace, set())
-            per_rank = {
-                r: sorted(by_trace[trace].get(r, []), key=_order_key)
-                for r in members
-                if r in present
-            }
-            counts["collectives"] += sum(len(v) for v in per_rank.values())
-            problem = _compare(run, group, members, trace, per_rank)
-            if problem is None:
-                continue
-            if first is None:
-                first = problem
-            else:
-                later.append(run.trace_steps.get(trace))
-        if first is not None:
-            findings.append(
-                Finding(
-                    first.kind,
-                    first.group,
-                    first.seq,
-                    first.step,
-                    first.ranks,
-                    first.message,
-                    {**first.details, "later_steps": later},
-                )
-            )
+
+        def problems(
+            group: str = group, by_trace: Any = by_trace, members: tuple[int, ...] = members
+        ) -> Iterator[tuple[str, Finding | None]]:
+            for trace in sorted(by_trace, key=lambda t: order.get(t, -1)):
+                if trace in skipped:
+                    continue
+                present = run.presence.get(trace, set())
+                per_rank = {
+                    r: sorted(by_trace[trace].get(r, []), key=_order_key)
+                    for r in members
+                    if r in present
+                }
+                counts["collectives"] += sum(len(v) for v in per_rank.values())
+                yield trace, _compare(run, group, members, trace, per_rank)
+
+        finding = _first_with_later_steps(run, problems())
+        if finding is not None:
+            findings.append(finding)
     return findings
+
+
+def _first_with_later_steps(
+    run: Run, problems: Iterable[tuple[str, Finding | None]]
+) -> Finding | None:
+    """The first problem of a group (or pair of ranks), traces in run order; the steps
+    of the traces with a problem after it go to ``details["later_steps"]``."""
+    first: Finding | None = None
+    later: list[int | None] = []
+    for trace, problem in problems:
+        if problem is None:
+            continue
+        if first is None:
+            first = problem
+        else:
+            later.append(run.trace_steps.get(trace))
+    if first is None:
+        return None
+    return dataclasses.replace(first, details={**first.details, "later_steps": later})
 
 
 def _value(rec: CollectiveRecord, name: str) -> Any:
@@ -353,7 +359,7 @@ def _differing(records: Sequence[CollectiveRecord]) -> list[str]:
 def _entry(rec: CollectiveRecord, fields: Iterable[str] = ()) -> dict[str, Any]:
     out: dict[str, Any] = {"op": rec.op, "fqn": rec.fqn, "phase": rec.phase, "seq": rec.seq}
     for name in fields:
-        if name != "op":
+        if name not in ("op", "count"):  # a count is the step's, not a field of the record
             out[name] = _value(rec, name)
     return out
 
@@ -491,32 +497,22 @@ def p2p_findings(
     order = {t: i for i, t in enumerate(run.traces())}
     findings = []
     for key in sorted(set(sends) | set(recvs)):
-        group, src, dst = key
-        traces = set(sends[key]) | set(recvs[key])
-        first: Finding | None = None
-        later: list[int | None] = []
-        for trace in sorted(traces, key=lambda t: order.get(t, -1)):
-            present = run.presence.get(trace, set())
-            if trace in skipped or src not in present or dst not in present:
-                continue
-            s = sorted(sends[key].get(trace, []), key=_order_key)
-            r = sorted(recvs[key].get(trace, []), key=_order_key)
-            counts["p2p"] += len(s) + len(r)
-            problem = _compare_p2p(run, group, src, dst, trace, s, r)
-            if problem is None:
-                continue
-            if first is None:
-                first = problem
-            else:
-                later.append(run.trace_steps.get(trace))
-        if first is not None:
-            details = {**first.details, "later_steps": later}
-            findings.append(
-                Finding(
-                    first.kind, first.group, first.seq, first.step, first.ranks,
-                    first.message, details,
-                )
-            )
+
+        def problems(key: tuple[str, int, int] = key) -> Iterator[tuple[str, Finding | None]]:
+            group, src, dst = key
+            traces = set(sends[key]) | set(recvs[key])
+            for trace in sorted(traces, key=lambda t: order.get(t, -1)):
+                present = run.presence.get(trace, set())
+                if trace in skipped or src not in present or dst not in present:
+                    continue
+                s = sorted(sends[key].get(trace, []), key=_order_key)
+                r = sorted(recvs[key].get(trace, []), key=_order_key)
+                counts["p2p"] += len(s) + len(r)
+                yield trace, _compare_p2p(run, group, src, dst, trace, s, r)
+
+        finding = _first_with_later_steps(run, problems())
+        if finding is not None:
+            findings.append(finding)
     return findings
 
 
@@ -570,15 +566,8 @@ def _compare_p2p(
                     "has no matching send"
                 )
                 seq = r.seq
-        return Finding(
-            KIND_MISMATCH,
-            group,
-            seq,
-            step,
-            ranks,
-            message,
-            {"fields": fields, "src": src, "dst": dst, "trace_id": trace},
-        )
+        details = {"fields": fields, "src": src, "dst": dst, "trace_id": trace}
+        return Finding(KIND_MISMATCH, group, seq, step, ranks, message, details)
     return None
 
 

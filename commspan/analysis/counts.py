@@ -31,7 +31,7 @@ from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
 
 from commspan import semconv
 from commspan.analysis.tree import PHASE_ORDER, Counts, ModuleRecord, module_tree
-from commspan.otlpjson.decode import LineReader, decode_attributes, walk
+from commspan.otlpjson.decode import LineReader, walk
 from commspan.otlpjson.encode import paused_gc
 from commspan.otlpjson.files import jsonl_files
 from commspan.otlpjson.records import DEFAULT_MAX_LINE_BYTES, ReadReport, rank_value
@@ -454,7 +454,6 @@ _SPAN_KEYS = frozenset(
         semconv.PARAM_SHAPES,
     }
 )
-_RANK_KEY = frozenset({semconv.RANK})
 _EVENT_KEYS = frozenset(
     {
         semconv.COLL_OP,
@@ -476,40 +475,29 @@ def _decode_document(doc: dict[str, Any]) -> tuple[int, list[_Add]]:
     """Decode one OTLP/JSON request, only what counts need: the number of spans
     and ``(rank, fqn, attributes, start, events)`` of each commspan span. Raises
     (TypeError, KeyError, ...) on a malformed request before anything is counted."""
-    prefix = semconv.COUNT_PREFIX
-    spans = 0
+    decoded = walk(doc, _SPAN_KEYS, _EVENT_KEYS, semconv.COUNT_PREFIX)  # counts: ints
     adds: list[_Add] = []
-    for resource, resource_spans in walk(doc):
-        r = rank_value(decode_attributes(resource, _RANK_KEY).get(semconv.RANK))
-        spans += len(resource_spans)
-        for s in resource_spans:
-            attrs = decode_attributes(s.get("attributes"), _SPAN_KEYS, prefix)
-            fqn = attrs.get(semconv.MODULE_FQN)
-            if fqn is None:
-                continue
-            # values the aggregator converts are checked before anything is
-            # counted, so that a malformed line adds nothing
-            for k, v in attrs.items():
-                if k.startswith(prefix):  # a count: an int
-                    attrs[k] = int(v)
-            if semconv.MODULE_DEPTH in attrs:
-                attrs[semconv.MODULE_DEPTH] = int(attrs[semconv.MODULE_DEPTH] or 1)
-            if semconv.PARAM_NAMES in attrs:
-                _check_params(attrs)
-            events = []
-            for e in s.get("events", ()):
-                ev = decode_attributes(e.get("attributes", ()), _EVENT_KEYS)
-                if semconv.TENSOR_BYTES in ev:
-                    ev[semconv.TENSOR_BYTES] = int(ev[semconv.TENSOR_BYTES] or 0)
-                credited = ev.get(semconv.OWNER_CREDIT)
-                if credited is not None and not isinstance(credited, list):
-                    raise ValueError(
-                        f"{semconv.OWNER_CREDIT} is {credited!r}, expected an array of "
-                        "module names"
-                    )
-                events.append((e.get("name", ""), ev))
-            adds.append((r, str(fqn), attrs, int(s.get("startTimeUnixNano", 0)), events))
-    return spans, adds
+    for resource, s, attrs, events in decoded:
+        fqn = attrs.get(semconv.MODULE_FQN)
+        if fqn is None:
+            continue
+        # values the aggregator converts are checked before anything is counted,
+        # so that a malformed line adds nothing
+        if semconv.MODULE_DEPTH in attrs:
+            attrs[semconv.MODULE_DEPTH] = int(attrs[semconv.MODULE_DEPTH] or 1)
+        if semconv.PARAM_NAMES in attrs:
+            _check_params(attrs)
+        for _name, ev in events:
+            if semconv.TENSOR_BYTES in ev:
+                ev[semconv.TENSOR_BYTES] = int(ev[semconv.TENSOR_BYTES] or 0)
+            credited = ev.get(semconv.OWNER_CREDIT)
+            if credited is not None and not isinstance(credited, list):
+                raise ValueError(
+                    f"{semconv.OWNER_CREDIT} is {credited!r}, expected an array of module names"
+                )
+        r = rank_value(resource.get(semconv.RANK))
+        adds.append((r, str(fqn), attrs, int(s.get("startTimeUnixNano", 0)), events))
+    return len(decoded), adds
 
 
 def _check_params(attrs: dict[str, Any]) -> None:

@@ -22,7 +22,7 @@ from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Union
 
 from commspan import semconv
 from commspan.otlpjson.decode import read_spans
@@ -35,11 +35,15 @@ __all__ = [
     "ModuleSpan",
     "RankStep",
     "Run",
+    "RunPaths",
     "build_run",
     "load_run",
 ]
 
 _log = logging.getLogger(__name__)
+
+RunPaths = Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]
+"""JSONL files of a run (one per rank), or directories of them."""
 
 
 class CollectiveRecord(NamedTuple):
@@ -197,7 +201,7 @@ def _step_key(step: int | None) -> tuple[bool, int]:
 
 
 def load_run(
-    paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+    paths: RunPaths,
     *,
     steps: Iterable[int] | None = None,
     module_spans: bool = True,

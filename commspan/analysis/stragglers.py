@@ -28,14 +28,13 @@ Example:
 
 from __future__ import annotations
 
-import os
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from commspan import semconv
-from commspan.analysis.records import CollectiveRecord, Run, load_run
+from commspan.analysis.records import CollectiveRecord, Run, RunPaths, load_run
 
 __all__ = [
     "RankWaits",
@@ -146,16 +145,11 @@ class StragglerResult:
 
 
 # ------------------------------------------------------------------ entry points
-def stragglers(
-    paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
-    *,
-    steps: Iterable[int] | None = None,
-) -> StragglerResult:
+def stragglers(paths: RunPaths, *, steps: Iterable[int] | None = None) -> StragglerResult:
     """Read the JSONL files of a run and say who arrives last, and where steps go.
 
     Args:
-        paths: JSONL files written by ``JsonlSpanExporter`` (one per rank), or
-            directories of them.
+        paths: the run's JSONL files (see :data:`~commspan.analysis.records.RunPaths`).
         steps: only these step numbers; ``None`` for all.
 
     Returns:

@@ -121,6 +121,16 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
             return False
         raise AttributeError(name)
 
+    def on_top(self) -> bool:
+        """Whether this mode is the innermost dispatch mode of this thread (only
+        then can it leave the mode stack without disturbing modes pushed later)."""
+        try:
+            from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+            return _get_current_dispatch_mode() is self
+        except Exception:  # pragma: no cover - depends on the torch build
+            return False
+
     @classmethod
     def ignore_compile_internals(cls) -> bool:
         return True
@@ -280,12 +290,8 @@ class _Redistribution:
         implicit: bool,
         explicit: bool,
     ) -> None:
-        self.stack = stack
-        self.src = src
-        self.dst = dst
-        self.op = op
-        self.implicit = implicit
-        self.explicit = explicit
+        self.stack, self.src, self.dst, self.op = stack, src, dst, op
+        self.implicit, self.explicit = implicit, explicit
         self.outer: _Redistribution | None = None
         self.text: tuple[str, str, str] | None = None
         self.failed = False

@@ -1,173 +1,46 @@
-"""The ``commspan`` command: read JSONL span files, print collective counts.
+"""The ``commspan`` command: look at the JSONL span files of a run.
 
-Argument parsing and exit codes only, over :meth:`commspan.Aggregator.from_jsonl`,
-:func:`commspan.exporters.read_spans`, :mod:`commspan.analysis` and
-:mod:`commspan.render` (also ``python -m commspan.cli``)::
+::
 
-    commspan table  run/commspan-rank*.jsonl --rank 0 --noise 1
-    commspan summary run/ --rank all
-    commspan summary run/ --rank all --json
+    commspan table      run/ --rank 0 --noise 1 --show bytes,groups
+    commspan summary    run/ --rank all --json
+    commspan html       run/ -o report.html --check
+    commspan perfetto   run/ -o trace.json
+    commspan check      run/
+    commspan stragglers run/
+    commspan diff       runs/sp-off runs/sp-on
+    commspan diff       run/ --step 3 --step 7
 
 ``FILES`` are JSONL files written by ``JsonlSpanExporter`` or directories
-holding ``*.jsonl`` files. ``--rank`` picks one rank (``N``) or sums every
-rank (``all``); without it the files must hold one rank.
+holding ``*.jsonl`` files. Every command takes ``--run ID`` (files holding
+several runs are never summed: without ``--run`` the latest run is read and
+stderr says so), ``--step N`` or ``--steps A-B``, ``--json`` and
+``--max-line-mib``. ``docs/cli.md`` describes every command and flag.
 
 Damaged lines (complete lines that are not OTLP/JSON trace requests) are
-skipped: each is named on stderr (``ValueError: FILE:LINE: reason``), the
-output counts every other line, and the exit status is 1. A torn last line
-(no trailing newline: a crash, or a file still being written) is named with a
-warning and does not change the status. A line longer than ``--max-line-mib``
-ends the reading of its file.
+skipped: each is named on stderr (``ValueError: FILE:LINE: reason``) and the
+exit status says so. A torn last line (no trailing newline: a crash, or a
+file still being written) is named with a warning and does not change the
+status. A line longer than ``--max-line-mib`` ends the reading of its file.
 
 Exit status: 0 success; 1 an error (one line ``TypeName: message`` on stderr,
-nothing on stdout), damaged lines skipped, or no commspan span in the files;
-2 bad arguments; 130 interrupted (Ctrl-C).
+nothing on stdout), damaged lines skipped, or no commspan span in the files —
+except for ``check`` (1: findings) and ``diff`` (1: the two differ), whose
+errors and damaged input exit with 2; 2 bad arguments; 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import IO, Any
 
 __all__ = ["main"]
 
 _MAX_LISTED = 20  # damaged lines named one by one; then a count
-_MIB = 1024 * 1024
-
-
-def _rank(value: str) -> int | str:
-    if value == "all":
-        return "all"
-    try:
-        rank = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"--rank {value!r} is not valid; pass a rank number or 'all'"
-        ) from None
-    if rank < 0:
-        raise argparse.ArgumentTypeError(f"--rank {value!r} is not valid; ranks are >= 0")
-    return rank
-
-
-def _mib(value: str) -> int:
-    try:
-        mib = int(value)
-    except ValueError:
-        mib = 0
-    if mib < 1:
-        raise argparse.ArgumentTypeError(
-            f"--max-line-mib {value!r} is not valid; pass a whole number of MiB >= 1"
-        )
-    return mib
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="commspan",
-        description="Collective counts per module from commspan JSONL span files.",
-        epilog="Exit status: 0 ok; 1 error, damaged lines skipped, or no commspan span; "
-               "2 bad arguments; 130 interrupted.",
-    )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("files", nargs="+", metavar="FILES",
-                       help="JSONL files or directories of *.jsonl files")
-        p.add_argument("--rank", type=_rank, default=None, metavar="N|all",
-                       help="count one rank, or 'all' to sum every rank "
-                            "(required when the files hold several ranks)")
-        p.add_argument("--max-line-mib", type=_mib, default=64, metavar="MIB",
-                       help="longest line read, in MiB (default 64); a longer line ends "
-                            "the reading of its file")
-
-    table = sub.add_parser("table", help="the module tree with collective counts per phase")
-    common(table)
-    table.add_argument("--noise", type=int, choices=(0, 1), default=0,
-                       help="1 also shows module types and parameter placements")
-    table.add_argument("--json", action="store_true", help="print the tree as JSON")
-
-    summary = sub.add_parser("summary", help="spans, ranks, steps and collective totals")
-    common(summary)
-    summary.add_argument("--json", action="store_true", help="print the summary as JSON")
-    return parser
-
-
-class _Damaged(Exception):
-    """No commspan span was read and lines were damaged: the lines naming them say why."""
-
-
-def _read(args: argparse.Namespace, report: Any) -> tuple[Any, list[Path]]:
-    """The files' aggregate (every rank, or ``--rank N``), after the checks that
-    need the whole read: commspan spans present, ranks. ``report`` collects
-    what was read and skipped."""
-    from commspan.analysis.counts import Aggregator
-    from commspan.otlpjson.files import jsonl_files
-    from commspan.render.table import span_list
-
-    files = jsonl_files(args.files, param="FILES")
-    agg = Aggregator.from_jsonl(
-        *files, rank="all" if args.rank is None else args.rank, strict=False, report=report,
-        max_line_bytes=args.max_line_mib * _MIB,
-    )
-    if not report.commspan_spans:
-        if report.damaged:
-            raise _Damaged
-        what = f"{len(files)} files" if len(files) > 1 else str(files[0])
-        raise ValueError(
-            f"FILES: no commspan span in {what} ({report.lines} lines, {report.spans} spans, "
-            "none with commspan.module.fqn): not files written by commspan's "
-            "JsonlSpanExporter"
-        )
-    ranks = sorted(r for r in report.ranks if isinstance(r, int))
-    if args.rank is None and len(report.ranks) > 1:
-        unranked = " and spans without a rank" if None in report.ranks else ""
-        raise ValueError(
-            f"--rank is needed: the files hold spans of ranks {span_list(ranks)}{unranked}; "
-            "pass --rank N for one rank or --rank all to sum them"
-        )
-    if isinstance(args.rank, int) and args.rank not in ranks:
-        raise ValueError(
-            f"--rank {args.rank}: the files hold no span of that rank "
-            f"(ranks: {span_list(ranks)})"
-        )
-    return agg, files
-
-
-def _table(args: argparse.Namespace, report: Any) -> str:
-    from commspan.render.table import tree_json
-
-    agg, _ = _read(args, report)
-    if args.json:
-        return tree_json(agg.to_dict())  # json.dumps recurses per level: deep models fail
-    return agg.table(noise_level=args.noise).rstrip("\n")
-
-
-def _summary(args: argparse.Namespace, report: Any) -> str:
-    from commspan.analysis.summary import summarize
-    from commspan.otlpjson.decode import read_spans
-    from commspan.otlpjson.records import ReadReport
-    from commspan.render.table import summary_table
-
-    agg, files = _read(args, report)
-    # the same lines again, every span decoded (Aggregator.from_jsonl decodes only
-    # what counts need): problems found only now join the report
-    again = ReadReport()
-    spans = read_spans(*files, strict=False, report=again,
-                       max_line_bytes=args.max_line_mib * _MIB)
-    data = summarize(agg, spans, args.rank if isinstance(args.rank, int) else None)
-    known = {(s.path, s.line) for s in report.skipped}
-    new = [s for s in again.skipped if (s.path, s.line) not in known]
-    report.skipped.extend(new)
-    report.lines -= len(new)
-    if args.json:
-        return json.dumps(data, indent=2)
-    return summary_table(data)
 
 
 def _problems(report: Any, args: argparse.Namespace) -> list[str]:
@@ -231,14 +104,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Returns:
         0 on success; 1 on an error, when damaged lines were skipped or the
-        files hold no commspan span; 130 when interrupted. Bad arguments exit
-        with status 2 (``SystemExit``, from argparse).
+        files hold no commspan span (``check``: findings, ``diff``: a
+        difference; their errors return 2); 130 when interrupted. Bad
+        arguments exit with status 2 (``SystemExit``, from argparse).
 
     Example:
         ``commspan table out/ --rank all`` prints the module table of every rank's
         files summed.
     """
-    args = _parser().parse_args(argv)
+    from commspan.cli.parser import build_parser, check_usage
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_usage(parser, args)
     try:
         return _run(args)
     except KeyboardInterrupt:
@@ -247,34 +125,36 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from commspan.otlpjson.records import ReadReport
+    from commspan.cli.commands import COMMANDS, ERROR_STATUS, Damaged, Reader
 
-    report = ReadReport()
+    failed = ERROR_STATUS.get(args.command, 1)
+    reader = Reader(args)
     error = None
     try:
-        out = _table(args, report) if args.command == "table" else _summary(args, report)
-    except _Damaged:
-        out = None
+        outcome = COMMANDS[args.command](args, reader)
+    except Damaged:
+        outcome = None
     except Exception as exc:  # noqa: BLE001 - a user-facing command: one line, no traceback
-        out, error = None, f"{_type_name(exc)}: {exc}"
-    for line in _problems(report, args):
+        outcome, error = None, f"{_type_name(exc)}: {exc}"
+    for line in reader.notes:
         _err(line)
-    if out is None:
+    for line in _problems(reader.report, args):
+        _err(line)
+    if outcome is None:
         if error is not None:
             _err(error)
-        return 1
+        return failed
     try:
-        _say(sys.stdout, out)
+        _say(sys.stdout, outcome.text)
     except BrokenPipeError:  # `commspan table ... | head`
         _silence(sys.stdout)
-        return 0
+        return outcome.status
     except OSError as exc:  # stdout on a full disk
         _silence(sys.stdout)
         _err(f"{type(exc).__name__}: cannot write the output to stdout: {exc}")
-        return 1
-    if report.damaged:
-        _err(f"commspan: {len(report.damaged)} damaged line(s) skipped; the output counts "
-             f"the other {report.lines} line(s)")
-        return 1
-    return 0
-
+        return failed
+    if reader.report.damaged:
+        _err(f"commspan: {len(reader.report.damaged)} damaged line(s) skipped; the output "
+             f"counts the other {reader.report.lines} line(s)")
+        return failed
+    return outcome.status

@@ -32,6 +32,8 @@ from opentelemetry.context import attach, detach, set_value
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
+from commspan._errors import Once
+
 __all__ = ["ExportQueue", "ExportStats"]
 
 _log = logging.getLogger(__name__)
@@ -154,9 +156,7 @@ class ExportQueue(SpanProcessor):
         self.dropped = 0
         self.failed = 0
         self.abandoned = 0
-        self._warned_drop = False
-        self._warned_fail = False
-        self._warned_slow = False
+        self._logged = Once()  # each kind of loss is logged once: "drop", "fail", "slow"
 
     # ------------------------------------------------------------ processor API
     def on_start(self, span: Any, parent_context: Any = None) -> None:
@@ -169,8 +169,7 @@ class ExportQueue(SpanProcessor):
             queue = self._queue
             if self._stopped or len(queue) >= self._max_queue:
                 self.dropped += 1
-                warn = not self._warned_drop
-                self._warned_drop = True
+                warn = self._logged.first("drop")
             else:
                 warn = False
                 queue.append(span)
@@ -230,8 +229,7 @@ class ExportQueue(SpanProcessor):
                     return False
                 if left <= 0 or not worker.is_alive():
                     self._healthy = False
-                    warn = not self._warned_slow
-                    self._warned_slow = True
+                    warn = self._logged.first("slow")
                     break
                 self._cond.wait(left)
             else:
@@ -265,7 +263,7 @@ class ExportQueue(SpanProcessor):
             if self._closing:
                 return
             self._closing = True
-            self._warned_slow = True  # a slow flush here is reported as shutdown's loss
+            self._logged.mark("slow")  # a slow flush here is reported as shutdown's loss
         timeout = self._timeout if timeout_s is None else max(0.0, timeout_s)
         deadline = time.monotonic() + timeout
         self.flush(timeout)
@@ -403,8 +401,7 @@ class ExportQueue(SpanProcessor):
                 return
             self.failed += n
             self._healthy = False
-            warn = not self._warned_fail
-            self._warned_fail = True
+            warn = self._logged.first("fail")
         if warn:
             _log.warning(
                 "commspan: %s.export %s; %d spans lost (further failures are counted "

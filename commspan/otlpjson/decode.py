@@ -3,16 +3,16 @@
 - :class:`LineReader` reads lines, bounded in length, and deals with the ones
   it must skip (raise, report or log);
 - :func:`walk` is the one walk over a document (``resourceSpans`` ->
-  ``scopeSpans`` -> ``spans``); :func:`decode_attributes` decodes an attribute
-  list, all of it or only some keys (the aggregator's fast path);
+  ``scopeSpans`` -> ``spans``), decoding every attribute or only some keys
+  (the aggregator's fast path) with :func:`decode_attributes`;
 - :func:`read_spans` and :func:`read_documents` put them together for files.
 
 Example:
     >>> doc = {"resourceSpans": [{"resource": {"attributes": [
     ...     {"key": "commspan.rank", "value": {"intValue": "1"}}]},
     ...     "scopeSpans": [{"spans": [{"name": "s"}]}]}]}
-    >>> [(decode_attributes(res), [s["name"] for s in spans]) for res, spans in walk(doc)]
-    [({'commspan.rank': 1}, ['s'])]
+    >>> [(resource, span["name"]) for resource, span, _, _ in walk(doc)]
+    [({'commspan.rank': 1}, 's')]
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from typing import Any
 import orjson
 
 from commspan import semconv
+from commspan._errors import positive_int
 from commspan.otlpjson.encode import paused_gc
 from commspan.otlpjson.records import (
     DEFAULT_MAX_LINE_BYTES,
@@ -73,17 +74,13 @@ def _decode_value(v: dict[str, Any]) -> Any:
 
 
 def decode_attributes(
-    items: Sequence[dict[str, Any]] | None,
-    keys: Container[str] | None = None,
-    prefix: str | None = None,
+    items: Sequence[dict[str, Any]] | None, keys: Container[str] | None = None
 ) -> dict[str, Any]:
     """Decode an OTLP/JSON attribute list (``[{"key": k, "value": AnyValue}]``).
 
     Args:
         items: the list (``None`` or empty: ``{}``).
-        keys: decode only these keys (and those starting with ``prefix``);
-            ``None`` decodes every attribute.
-        prefix: with ``keys``, also decode the keys starting with it.
+        keys: decode only these keys; ``None`` decodes every attribute.
 
     Raises:
         KeyError, TypeError, AttributeError, ValueError: a malformed list.
@@ -94,25 +91,70 @@ def decode_attributes(
         return {a["key"]: _decode_value(a.get("value", {})) for a in items}
     out: dict[str, Any] = {}
     for a in items:
-        k = a["key"]
-        if k in keys or (prefix is not None and k.startswith(prefix)):
+        if a["key"] in keys:
             v = a["value"]
-            text = v.get("stringValue")  # most of them: skip the decoder
-            out[k] = text if text is not None else _decode_value(v)
+            text = v.get("stringValue")
+            out[a["key"]] = text if text is not None else _decode_value(v)
     return out
 
 
-def walk(doc: dict[str, Any]) -> Iterator[tuple[Sequence[dict[str, Any]], list[dict[str, Any]]]]:
-    """The one walk over an OTLP/JSON trace request: for each ``resourceSpans``
-    entry, its resource's attribute list and the spans of all its scopes.
+Decoded = tuple[dict[str, Any], dict[str, Any], dict[str, Any], list[tuple[str, dict[str, Any]]]]
+"""``(resource attributes, raw span object, span attributes, [(event name, event attributes)])``."""
+
+
+def walk(
+    doc: dict[str, Any],
+    span_keys: Container[str] | None = None,
+    event_keys: Container[str] | None = None,
+    int_prefix: str | None = None,
+) -> list[Decoded]:
+    """The one walk over an OTLP/JSON trace request (``resourceSpans`` ->
+    ``scopeSpans`` -> ``spans``), decoding each span's attributes and events.
+
+    Args:
+        doc: the parsed request.
+        span_keys: decode only these span attributes (and the ``int_prefix``
+            ones); ``None`` decodes them all. The resource is always decoded whole.
+        event_keys: decode only these event attributes; ``None``: all.
+        int_prefix: with ``span_keys``, also decode the span attributes starting
+            with it, as ints (the aggregator's count attributes).
+
+    Returns:
+        One :data:`Decoded` tuple per span, in document order; the raw span
+        object gives its ids, name, times and status.
 
     Raises:
-        KeyError, TypeError, AttributeError: a malformed document.
+        KeyError, TypeError, AttributeError, ValueError: a malformed document;
+            nothing is returned for it.
     """
+    out: list[Decoded] = []
+    append = out.append
+    decode = _decode_value
     for rs in doc["resourceSpans"]:
-        resource = rs.get("resource", {}).get("attributes", ())
-        spans = [s for ss in rs.get("scopeSpans", ()) for s in ss.get("spans", ())]
-        yield resource, spans
+        resource = decode_attributes(rs.get("resource", {}).get("attributes"))
+        for ss in rs.get("scopeSpans", ()):
+            for s in ss.get("spans", ()):
+                items = s.get("attributes")
+                if span_keys is None:
+                    attrs = decode_attributes(items)
+                else:  # the filtered decode, inline: it runs once per span of a file
+                    attrs = {}
+                    for a in items or ():
+                        k = a["key"]
+                        if k in span_keys:
+                            v = a["value"]
+                            text = v.get("stringValue")  # most of them: skip the decoder
+                            attrs[k] = text if text is not None else decode(v)
+                        elif int_prefix is not None and k.startswith(int_prefix):
+                            v = a["value"]
+                            n = v.get("intValue")
+                            attrs[k] = int(n if n is not None else decode(v))
+                events = [
+                    (e.get("name", ""), decode_attributes(e.get("attributes"), event_keys))
+                    for e in s.get("events") or ()
+                ]
+                append((resource, s, attrs, events))
+    return out
 
 
 _MAX_LOGGED = 10
@@ -129,15 +171,10 @@ class LineReader:
             raise TypeError(f"strict={strict!r} is not valid; pass True or False")
         if report is not None and not isinstance(report, ReadReport):
             raise TypeError(f"report={report!r} is not valid; pass a ReadReport or None")
-        if (
-            not isinstance(max_line_bytes, int)
-            or isinstance(max_line_bytes, bool)
-            or max_line_bytes < 1
-        ):
-            raise ValueError(
-                f"max_line_bytes={max_line_bytes!r} is not valid; pass a positive number "
-                f"of bytes (default {DEFAULT_MAX_LINE_BYTES}, 64 MiB)"
-            )
+        positive_int(
+            "max_line_bytes", max_line_bytes,
+            f"pass a positive number of bytes (default {DEFAULT_MAX_LINE_BYTES}, 64 MiB)",
+        )
         self.strict = strict
         self.report = report
         self.max_line_bytes = max_line_bytes
@@ -413,25 +450,20 @@ def read_spans(
 
 
 def _records(doc: dict[str, Any]) -> Iterator[SpanRecord]:
-    for resource, spans in walk(doc):
-        res = decode_attributes(resource)
-        rank = rank_value(res.get(semconv.RANK))
-        for s in spans:
-            events = s.get("events") or ()
-            status = s.get("status") or {}
-            yield SpanRecord(
-                name=s.get("name", ""),
-                trace_id=s.get("traceId", ""),
-                span_id=s.get("spanId", ""),
-                parent_span_id=s.get("parentSpanId", ""),
-                start_time=int(s.get("startTimeUnixNano", 0)),
-                end_time=int(s.get("endTimeUnixNano", 0)),
-                attributes=decode_attributes(s.get("attributes")),
-                events=[(e.get("name", ""), decode_attributes(e.get("attributes")))
-                        for e in events],
-                event_times=[int(e.get("timeUnixNano", 0)) for e in events],
-                status_code=int(status.get("code", 0) or 0),
-                status_message=status.get("message", ""),
-                rank=rank,
-                resource=res,
-            )
+    for res, s, attributes, events in walk(doc):
+        status = s.get("status") or {}
+        yield SpanRecord(
+            name=s.get("name", ""),
+            trace_id=s.get("traceId", ""),
+            span_id=s.get("spanId", ""),
+            parent_span_id=s.get("parentSpanId", ""),
+            start_time=int(s.get("startTimeUnixNano", 0)),
+            end_time=int(s.get("endTimeUnixNano", 0)),
+            attributes=attributes,
+            events=events,
+            event_times=[int(e.get("timeUnixNano", 0)) for e in s.get("events") or ()],
+            status_code=int(status.get("code", 0) or 0),
+            status_message=status.get("message", ""),
+            rank=rank_value(res.get(semconv.RANK)),
+            resource=res,
+        )

@@ -37,7 +37,7 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 
@@ -257,20 +257,14 @@ def _page(
     return "".join(parts)
 
 
-class _Context:
-    def __init__(
-        self,
-        ranks: list[int],
-        n_steps: int,
-        issued: dict[str, list[_Issued]],
-        times: dict[str, dict[str, list[float]]],
-        durations: bool,
-    ) -> None:
-        self.ranks = ranks
-        self.n_steps = n_steps
-        self.issued = issued
-        self.times = times
-        self.durations = durations
+class _Context(NamedTuple):
+    """What the module tree's rows are drawn from."""
+
+    ranks: list[int]
+    n_steps: int
+    issued: dict[str, list[_Issued]]
+    times: dict[str, dict[str, list[float]]]
+    durations: bool
 
 
 def _asset(name: str) -> str:

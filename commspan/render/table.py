@@ -17,12 +17,19 @@ Example:
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+from commspan.analysis.runs import format_numbers
 
 __all__ = ["module_table", "span_list", "summary_table", "tree_json"]
 
 
-def module_table(root: dict[str, Any], noise_level: int = 0) -> str:
+def module_table(
+    root: dict[str, Any],
+    noise_level: int = 0,
+    notes: Mapping[str, Sequence[str]] | None = None,
+) -> str:
     """The lines of ``root``'s tree, indented by depth, with counts per phase.
 
     A loop, not recursion: trees can be as deep as the model.
@@ -31,6 +38,8 @@ def module_table(root: dict[str, Any], noise_level: int = 0) -> str:
         root: a module tree (:meth:`commspan.Aggregator.to_dict`).
         noise_level: ``0`` modules and counts; ``1`` adds module types and
             parameter shapes and placements.
+        notes: more lines to show under some modules, by module name (e.g. what
+            each issued, from :func:`commspan.render.details.issued_notes`).
     """
     lines: list[str] = []
     todo: list[tuple[dict[str, Any], int]] = [(root, 0)]
@@ -48,6 +57,8 @@ def module_table(root: dict[str, Any], noise_level: int = 0) -> str:
         for phase, ops in node["counts"].items():
             ops_text = ", ".join(f"{op} {n}" for op, n in ops.items())
             lines.append(f"{pad}  *{phase}: {ops_text}")
+        if notes:
+            lines.extend(f"{pad}  {note}" for note in notes.get(node["fqn"], ()))
         todo.extend((child, depth + 1) for child in reversed(node["children"]))
     return "\n".join(lines) + "\n"
 
@@ -109,15 +120,4 @@ def summary_table(summary: dict[str, Any]) -> str:
 
 def span_list(values: list[int]) -> str:
     """``[0, 1, 2, 3, 7]`` -> ``"0-3,7"``; ``"-"`` when empty."""
-    if not values:
-        return "-"
-    parts: list[str] = []
-    start = prev = values[0]
-    for v in values[1:] + [None]:  # type: ignore[list-item]
-        if v is not None and v == prev + 1:
-            prev = v
-            continue
-        parts.append(str(start) if start == prev else f"{start}-{prev}")
-        if v is not None:
-            start = prev = v
-    return ",".join(parts)
+    return format_numbers(values)

@@ -15,6 +15,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SpanExporter
 
 from commspan import semconv
+from commspan._errors import positive_int
 from commspan.analysis.counts import Aggregator
 from commspan.capture import ModuleObserver
 
@@ -71,14 +72,7 @@ def mode_config(
             "opentelemetry.sdk.trace.TracerProvider; pass an SDK TracerProvider "
             "or use exporters=[...]"
         )
-    if (
-        not isinstance(export_queue_size, int)
-        or isinstance(export_queue_size, bool)
-        or export_queue_size < 1
-    ):
-        raise ValueError(
-            f"export_queue_size={export_queue_size!r} is not valid; pass a positive int"
-        )
+    positive_int("export_queue_size", export_queue_size, "pass a positive int")
     if run_id is not None and (not isinstance(run_id, str) or not run_id):
         raise TypeError(f"run_id={run_id!r} is not valid; pass a non-empty str")
     if flush_timeout_s <= 0:

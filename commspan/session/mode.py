@@ -355,7 +355,7 @@ class CommSpanMode:
             self._tracker.pause()
         # The dispatch mode leaves the stack only when it is on top; under a
         # mode pushed later it stays, and its callback ignores what it sees.
-        self._popped = _top_dispatch_mode() is self._dispatch
+        self._popped = self._dispatch is not None and self._dispatch.on_top()
         if self._popped and self._dispatch is not None:
             self._dispatch.__exit__(None, None, None)
 
@@ -571,12 +571,3 @@ class CommSpanMode:
             q.flush(0.0)
         for q in self._queues:
             q.shutdown(max(0.0, deadline - time.monotonic()))
-
-
-def _top_dispatch_mode() -> Any:
-    try:
-        from torch.utils._python_dispatch import _get_current_dispatch_mode
-
-        return _get_current_dispatch_mode()
-    except Exception:  # pragma: no cover
-        return None

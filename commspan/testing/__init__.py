@@ -17,7 +17,10 @@ Example:
     ['Linear']
 
 With pytest, the ``commspan_capture`` fixture (registered by the plugin that
-ships with commspan) does the same without the ``with`` block.
+ships with commspan, :mod:`commspan.testing.plugin`) does the same without the
+``with`` block. :func:`assert_well_formed`, :class:`SpanTree` and the
+``span_*`` accessors (:mod:`commspan.testing.spans`) look at the spans
+themselves; :mod:`commspan.testing.models` has toy models to trace.
 
 Module names are checked: a name that is neither ``Global`` nor a module that
 ran (misspelt, or a module that was never called) is an ``AssertionError`` in
@@ -25,6 +28,11 @@ the ``assert_*`` helpers (the expectation names something that did not happen)
 and a ``ValueError`` in :meth:`CommCapture.counts` (a query with a bad
 argument); both messages list the closest names that did run. A module that ran
 but issued no collectives is known: asserting that it is silent passes.
+
+Also here: :func:`assert_matches_golden` (a model's communication kept in a
+reviewable golden file, :mod:`commspan.testing.golden`) and
+:func:`fake_process_group` / :func:`fake_mesh` (torch's fake process group
+without private imports, :mod:`commspan.testing.distributed`).
 """
 
 from __future__ import annotations
@@ -39,15 +47,35 @@ from opentelemetry.sdk.trace import ReadableSpan
 from commspan import semconv
 from commspan.analysis.counts import Aggregator, CollectiveSummary
 from commspan.session.mode import CommSpanMode
+from commspan.testing.distributed import fake_mesh, fake_process_group
+from commspan.testing.golden import assert_matches_golden, golden_text
+from commspan.testing.spans import (
+    SpanTree,
+    assert_well_formed,
+    collective_events,
+    span_counts,
+    span_fqn,
+    span_phase,
+)
 
 __all__ = [
     "AggregatorLike",
     "CommCapture",
+    "SpanTree",
     "assert_counts",
+    "assert_matches_golden",
     "assert_no_comm",
     "assert_placements",
+    "assert_well_formed",
     "capture",
+    "collective_events",
+    "fake_mesh",
+    "fake_process_group",
     "fresh_mode",
+    "golden_text",
+    "span_counts",
+    "span_fqn",
+    "span_phase",
 ]
 
 _PHASES = tuple(p.value for p in semconv.Phase)

@@ -9,15 +9,23 @@ there. Fixtures:
   with the module table.
 * ``commspan_mode``: a fresh ``CommSpanMode``, not entered (``with
   commspan_mode:`` in the test); left and shut down after the test.
+* ``commspan_fake_pg``: torch's fake process group as the default group for
+  the test (:func:`commspan.testing.fake_process_group`), 4 ranks of which
+  this process is rank 0 unless ``@pytest.mark.commspan_fake_pg(world_size=8,
+  rank=3)`` says otherwise; yields the world group.
 
-Both take ``CommSpanMode`` arguments from a marker::
+The first two take ``CommSpanMode`` arguments from a marker::
 
     @pytest.mark.commspan(record_params=False)
     def test_tp_forward(commspan_capture):
         model(x)
         commspan_capture.assert_counts("MLP.net2", "forward", {"all_reduce": 1})
 
-commspan itself is imported only when a fixture is used.
+Option ``--commspan-update-golden``: :func:`commspan.testing.assert_matches_golden`
+writes the golden files instead of comparing them; the files written are
+listed at the end of the run.
+
+commspan itself is imported only when a fixture or the option is used.
 """
 
 from __future__ import annotations
@@ -32,16 +40,66 @@ if TYPE_CHECKING:
     from commspan.testing import CommCapture
 
 _MARKER = "commspan"
+_PG_MARKER = "commspan_fake_pg"
 _SECTION = "commspan modules"
+_UPDATE_OPTION = "--commspan-update-golden"
+_GOLDEN = pytest.StashKey[tuple[Any, list[Any]]]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    """``--commspan-update-golden``."""
+    parser.getgroup("commspan").addoption(
+        _UPDATE_OPTION,
+        action="store_true",
+        default=False,
+        help="write commspan golden files (commspan.testing.assert_matches_golden) "
+             "instead of comparing them",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Declare the ``commspan`` marker (so ``--strict-markers`` accepts it)."""
+    """Declare the markers (so ``--strict-markers`` accepts them); with
+    ``--commspan-update-golden``, switch golden files to update mode for the run."""
     config.addinivalue_line(
         "markers",
         f"{_MARKER}(**kwargs): CommSpanMode arguments for the commspan_capture and "
         "commspan_mode fixtures",
     )
+    config.addinivalue_line(
+        "markers",
+        f"{_PG_MARKER}(world_size=4, rank=0): size of the commspan_fake_pg fixture's "
+        "fake process group and the rank this process plays",
+    )
+    if config.getoption(_UPDATE_OPTION, default=False):
+        from commspan.testing.golden import update_golden
+
+        updating = update_golden()
+        config.stash[_GOLDEN] = (updating, updating.__enter__())
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Leave golden update mode (if this run entered it)."""
+    entry = config.stash.get(_GOLDEN, None)
+    if entry is not None:
+        del config.stash[_GOLDEN]
+        entry[0].__exit__(None, None, None)
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    """With ``--commspan-update-golden``: the golden files written (or that none changed)."""
+    entry = config.stash.get(_GOLDEN, None)
+    if entry is None:
+        return
+    written = entry[1]
+    if not written:
+        terminalreporter.write_line("commspan: golden files up to date, none written")
+        return
+    noun = "file" if len(written) == 1 else "files"
+    terminalreporter.write_line(
+        f"commspan: wrote {len(written)} golden {noun}: review and commit them"
+    )
+    for path in written:
+        terminalreporter.write_line(f"  {path}")
 
 
 def _mode_kwargs(request: pytest.FixtureRequest) -> dict[str, Any]:
@@ -72,6 +130,21 @@ def commspan_mode(request: pytest.FixtureRequest) -> Iterator[CommSpanMode]:
 
     with fresh_mode(**_mode_kwargs(request)) as mode:
         yield mode
+
+
+@pytest.fixture
+def commspan_fake_pg(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """torch's fake process group for the test (4 ranks, this process rank 0, unless the
+    ``commspan_fake_pg`` marker says otherwise); destroyed after the test."""
+    from commspan.testing import fake_process_group
+
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = {}
+    for marker in reversed(list(request.node.iter_markers(_PG_MARKER))):  # closest wins
+        args = marker.args or args
+        kwargs.update(marker.kwargs)
+    with fake_process_group(*args, **kwargs) as group:
+        yield group
 
 
 @pytest.hookimpl(wrapper=True)

@@ -1,23 +1,34 @@
-"""Small models the commspan tests run, and the two counting front ends of the ported tests.
+"""Toy models to trace: the ones commspan's tests and benchmarks run, for yours too.
 
-The models are commspan's own: an MLP (two Linears around a ReLU), a stack of
-them, and a toy decoder-only Transformer with a tensor-parallel plan that runs
-on CPU under torch 2.13 (fake process group and gloo), optionally with
-activation checkpointing per block, reentrant or not.
+- :class:`MLP`: two Linears around a ReLU (``net1``, ``relu``, ``net2``);
+  :func:`parallelize_mlp` makes it tensor-parallel (``net1`` column-wise,
+  ``net2`` row-wise: one all_reduce in forward, one in backward);
+  :class:`MLPModule` is the 10 -> 16 -> 10 one of torch's own tests, seeded;
+  :class:`MLPStacked` a stack of them, blocks optionally checkpointed;
+- :class:`Transformer`: a toy decoder-only Transformer (:class:`ModelArgs`
+  sizes it) with a tensor-parallel plan (:func:`parallelize`) that runs on CPU
+  under torch 2.13 (fake process group and gloo), optionally with activation
+  checkpointing per block, reentrant or not; :func:`make_batch` and
+  :func:`train_step` drive it.
 
-The ported reference tests run once through ``commspan.compat.CommDebugMode``
-(the reference API, keyed by legacy ``torch.ops.c10d_functional`` packets) and
-once through the native API (``CommSpanMode`` + its ``Aggregator``, keyed by
-canonical names). :class:`CompatCounts` and :class:`NativeCounts` put both
-behind one small interface so each test body is written once.
+The example ``examples/tp_transformer.py`` keeps its own, shorter copy of the
+Transformer; ``tests/test_example.py`` checks that it has the same modules and
+parameter shapes.
+
+Example:
+    >>> import torch
+    >>> from commspan.testing import capture
+    >>> from commspan.testing.models import MLP
+    >>> with capture() as cap:
+    ...     MLP()(torch.ones(2, 8)).sum().backward()
+    >>> cap.aggregator.modules()
+    ['MLP', 'MLP.net1', 'MLP.relu', 'MLP.net2']
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
-from types import TracebackType
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -30,43 +41,38 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 from torch.utils.checkpoint import checkpoint
-from typing_extensions import Self
-
-from commspan import CommSpanMode
-from commspan.compat import CommDebugMode
 
 __all__ = [
-    "API_NAMES",
+    "MLP",
     "Attention",
-    "CompatCounts",
     "FeedForward",
     "MLPModule",
     "MLPStacked",
     "ModelArgs",
-    "NativeCounts",
     "Transformer",
     "TransformerBlock",
     "make_batch",
-    "make_counter",
     "parallelize",
+    "parallelize_mlp",
     "train_step",
 ]
 
 
 # ---------------------------------------------------------------- MLPs
-class MLPModule(nn.Module):
-    """Linear(10, 16) -> ReLU -> Linear(16, 10), initialised from a fixed seed."""
+class MLP(nn.Module):
+    """``Linear(dim, hidden) -> ReLU -> Linear(hidden, dim)``."""
 
-    def __init__(self, device: str | torch.device = "cpu", bias: bool = True) -> None:
+    def __init__(
+        self, dim: int = 8, hidden: int = 16, *, bias: bool = True,
+        device: str | torch.device = "cpu",
+    ) -> None:
         super().__init__()
-        torch.manual_seed(5)
-        self.net1 = nn.Linear(10, 16, bias=bias, device=device)
+        self.net1 = nn.Linear(dim, hidden, bias=bias, device=device)
         self.relu = nn.ReLU()
-        self.net2 = nn.Linear(16, 10, bias=bias, device=device)
+        self.net2 = nn.Linear(hidden, dim, bias=bias, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hidden = self.relu(self.net1(x))
-        return self.net2(hidden)
+        return self.net2(self.relu(self.net1(x)))
 
     def reset_parameters(self) -> None:
         """Re-draw both Linears' parameters."""
@@ -74,16 +80,53 @@ class MLPModule(nn.Module):
         self.net2.reset_parameters()
 
 
-class MLPStacked(nn.Module):
-    """``n_layers`` MLPModules applied one after the other (``layers.<i>``)."""
+def parallelize_mlp(mlp: MLP, mesh: DeviceMesh) -> MLP:
+    """Shard ``mlp`` over the 1-D ``mesh`` in place: net1 column-wise, net2 row-wise."""
+    parallelize_module(mlp, mesh, {"net1": ColwiseParallel(), "net2": RowwiseParallel()})
+    return mlp
 
-    def __init__(self, device: str | torch.device = "cpu", n_layers: int = 2) -> None:
+
+class MLPModule(MLP):
+    """The MLP of torch's own tests: ``Linear(10, 16) -> ReLU -> Linear(16, 10)``,
+    initialised from a fixed seed (5)."""
+
+    def __init__(self, device: str | torch.device = "cpu", bias: bool = True) -> None:
+        torch.manual_seed(5)
+        super().__init__(10, 16, bias=bias, device=device)
+
+
+class MLPStacked(nn.Module):
+    """``n_layers`` blocks applied one after the other (``layers.<i>``).
+
+    Args:
+        device: where a default block's parameters live.
+        n_layers: how many blocks.
+        block: makes each block (default: :class:`MLPModule` on ``device``).
+        checkpointed: indices of the blocks run under ``torch.utils.checkpoint``.
+        use_reentrant: the checkpointing flavour.
+    """
+
+    def __init__(
+        self,
+        device: str | torch.device = "cpu",
+        n_layers: int = 2,
+        *,
+        block: Callable[[], nn.Module] | None = None,
+        checkpointed: Iterable[int] = (),
+        use_reentrant: bool = False,
+    ) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(MLPModule(device) for _ in range(n_layers))
+        make = block if block is not None else (lambda: MLPModule(device))
+        self.layers = nn.ModuleList(make() for _ in range(n_layers))
+        self.checkpointed = frozenset(checkpointed)
+        self.use_reentrant = use_reentrant
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for mlp in self.layers:
-            x = mlp(x)
+        for i, layer in enumerate(self.layers):
+            if i in self.checkpointed:
+                x = checkpoint(layer, x, use_reentrant=self.use_reentrant)
+            else:
+                x = layer(x)
         return x
 
 
@@ -208,11 +251,12 @@ def parallelize(model: Transformer, mesh: DeviceMesh) -> Transformer:
     column-sharded.
 
     Raises:
-        ValueError: ``n_heads`` or ``vocab_size`` is not a multiple of the mesh size.
+        ValueError: ``n_heads``, ``vocab_size`` or ``dim`` is not a multiple of
+            the mesh size.
     """
     tp = mesh.size()
     args = model.model_args
-    for name in ("n_heads", "vocab_size"):
+    for name in ("n_heads", "vocab_size", "dim"):
         if getattr(args, name) % tp:
             raise ValueError(
                 f"{name}={getattr(args, name)} must be a multiple of the mesh size {tp}"
@@ -254,148 +298,27 @@ def make_batch(
     return tokens, targets
 
 
-def train_step(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Forward, cross-entropy and backward; returns the (detached) loss."""
+def train_step(
+    model: nn.Module,
+    tokens: torch.Tensor,
+    targets: torch.Tensor,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    zero_grad: bool = False,
+) -> torch.Tensor:
+    """Forward, cross-entropy and backward; returns the (detached) loss.
+
+    Args:
+        optimizer: if given, its gradients are zeroed first and it steps last.
+        zero_grad: zero the model's gradients first (without an optimizer).
+    """
+    if optimizer is not None:
+        optimizer.zero_grad(set_to_none=True)
+    elif zero_grad:
+        model.zero_grad(set_to_none=True)
     logits = model(tokens)
     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
     loss.backward()
+    if optimizer is not None:
+        optimizer.step()
     return loss.detach()
-
-
-# ---------------------------------------------------------------- counting front ends
-API_NAMES = ("compat", "native")
-"""The two ways the ported tests read counts: ``commspan.compat`` and the native API."""
-
-
-class CompatCounts:
-    """Reads counts through ``commspan.compat.CommDebugMode``, the reference way.
-
-    Ops are looked up by the legacy ``torch.ops.c10d_functional`` packet, as the
-    reference tests do.
-    """
-
-    api = "compat"
-
-    def __init__(self) -> None:
-        self.comm_mode = CommDebugMode()
-
-    def __enter__(self) -> Self:
-        self.comm_mode.__enter__()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.comm_mode.__exit__(exc_type, exc, tb)
-
-    @staticmethod
-    def _packet(op: str) -> Any:
-        return getattr(torch.ops.c10d_functional, op)
-
-    def total(self) -> int:
-        """All collectives seen in the context."""
-        return self.comm_mode.get_total_counts()
-
-    def count(self, op: str) -> int:
-        """Collectives of canonical kind ``op`` seen in the context."""
-        return self.comm_mode.get_comm_counts()[self._packet(op)]
-
-    def module_count(self, fqn: str, op: str, phase: str | None = None) -> int:
-        """``op`` collectives in module ``fqn``: one phase or all (backward includes recompute)."""
-        per_module = self.comm_mode.comm_module_counts.get(fqn)
-        if per_module is None:  # like the reference, modules without collectives are absent
-            return 0
-        if phase is None:
-            return per_module[self._packet(op)]
-        return per_module[phase][self._packet(op)]
-
-    def module_depths(self) -> dict[str, int]:
-        """``{fqn: depth}`` of every module seen, ``Global`` included."""
-        return dict(self.comm_mode.advanced_module_tracker.module_depth_dict)
-
-    def parameter_keys(self) -> list[tuple[str, str]]:
-        """``(module fqn, parameter name)`` of every parameter seen, in order."""
-        return _nested_keys(self.comm_mode.get_parameter_info())
-
-    def sharding_keys(self) -> list[str]:
-        """``"<fqn>.<param>"`` of every DTensor parameter seen, in order."""
-        return list(self.comm_mode.get_sharding_info())
-
-
-class NativeCounts:
-    """Reads counts through ``CommSpanMode`` and its aggregator (canonical op names)."""
-
-    api = "native"
-
-    def __init__(self) -> None:
-        self.mode = CommSpanMode()
-
-    def __enter__(self) -> Self:
-        self.mode.__enter__()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.mode.__exit__(exc_type, exc, tb)
-
-    @property
-    def _agg(self) -> Any:
-        assert self.mode.aggregator is not None
-        return self.mode.aggregator
-
-    def total(self) -> int:
-        """All collectives seen in the context."""
-        return self._agg.total_count()
-
-    def count(self, op: str) -> int:
-        """Collectives of canonical kind ``op`` seen in the context."""
-        return self._agg.comm_counts().get(op, 0)
-
-    def module_count(self, fqn: str, op: str, phase: str | None = None) -> int:
-        """``op`` collectives in module ``fqn``: one phase or all (backward includes recompute)."""
-        phases = self._agg.module_counts().get(fqn, {})
-        wanted = {None: phases, "forward": ["forward"], "backward": ["backward", "recompute"]}
-        return sum(phases.get(p, {}).get(op, 0) for p in wanted[phase])
-
-    def module_depths(self) -> dict[str, int]:
-        """``{fqn: depth}`` of every module seen, ``Global`` (depth 0) included."""
-        depths = {"Global": 0}
-
-        def walk(node: dict[str, Any], depth: int) -> None:
-            for child in node["children"]:
-                depths[child["fqn"]] = depth
-                walk(child, depth + 1)
-
-        walk(self._agg.to_dict(), 1)
-        return depths
-
-    def parameter_keys(self) -> list[tuple[str, str]]:
-        """``(module fqn, parameter name)`` of every parameter seen, in order."""
-        return _nested_keys(self._agg.parameter_info())
-
-    def sharding_keys(self) -> list[str]:
-        """``"<fqn>.<param>"`` of every DTensor parameter seen, in order."""
-        return list(self._agg.sharding_info())
-
-
-Counts = CompatCounts | NativeCounts
-
-
-def make_counter(api: str) -> Counts:
-    """A fresh counting front end: ``"compat"`` or ``"native"``."""
-    if api == "compat":
-        return CompatCounts()
-    if api == "native":
-        return NativeCounts()
-    raise ValueError(f"api={api!r} is not one of {API_NAMES}")
-
-
-def _nested_keys(nested: Mapping[str, Mapping[str, Any]]) -> list[tuple[str, str]]:
-    return [(outer, inner) for outer, values in nested.items() for inner in values]

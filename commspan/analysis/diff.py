@@ -1,0 +1,216 @@
+"""Compare the collectives of two runs, or of two steps of one run.
+
+Each side is reduced to a *profile*: per module, phase and op, the collectives
+the module issued itself (not its children's, so a change shows once, at the
+module that made it), as count and bytes **per step** (summed over the side's
+steps and ranks, divided by its number of steps, so a 3-step run and a 5-step
+run of the same model compare equal), with the set of DTensor placements
+(``src->dst``) they redistributed. :func:`diff` then says, per module, phase
+and op, what was added (only in B), removed (only in A) or changed (count,
+bytes or placements differ).
+
+A change of parallelism plan reads as such: turning sequence parallelism on
+replaces a row-parallel Linear's forward ``all_reduce`` by a
+``reduce_scatter`` and adds an ``all_gather`` in front of the blocks.
+
+Example:
+    >>> from commspan.analysis.diff import diff, profile
+    >>> result = diff(profile([]), profile([]))
+    >>> result.equal, result.counts()
+    (True, {'added': 0, 'removed': 0, 'changed': 0, 'same': 0})
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from commspan import semconv
+from commspan.analysis.issued import issued, natural_key
+from commspan.otlpjson.records import SpanRecord
+
+__all__ = ["ADDED", "CHANGED", "REMOVED", "DiffEntry", "DiffResult", "Profile", "Usage",
+           "diff", "profile"]
+
+ADDED = "added"
+REMOVED = "removed"
+CHANGED = "changed"
+
+_PHASES = {p.value: n for n, p in enumerate(semconv.Phase)}
+
+
+@dataclass(frozen=True)
+class Usage:
+    """One module's collectives of one phase and op, per step.
+
+    Attributes:
+        count: collectives per step (an int when whole).
+        bytes: input bytes per step.
+        placements: the ``src->dst`` DTensor redistributions they served, sorted
+            (empty for collectives issued without a redistribution).
+    """
+
+    count: float
+    bytes: float
+    placements: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form: ``count``, ``bytes``, ``placements``."""
+        return {"count": self.count, "bytes": self.bytes, "placements": list(self.placements)}
+
+
+@dataclass(frozen=True)
+class Profile:
+    """The collectives of one side of a comparison.
+
+    Attributes:
+        usage: ``(fqn, phase, op) -> Usage``.
+        steps: number of steps the totals were divided by (at least 1).
+        ranks: the ranks summed.
+    """
+
+    usage: dict[tuple[str, str, str], Usage]
+    steps: int
+    ranks: tuple[int, ...]
+
+
+class DiffEntry(NamedTuple):
+    """One module, phase and op that differs between A and B.
+
+    Attributes:
+        status: ``added`` (only in B), ``removed`` (only in A) or ``changed``.
+        a: A's usage (``None`` when added).
+        b: B's usage (``None`` when removed).
+        fields: for ``changed``: which of ``count``, ``bytes``, ``placements`` differ.
+    """
+
+    fqn: str
+    phase: str
+    op: str
+    status: str
+    a: Usage | None
+    b: Usage | None
+    fields: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form: ``fqn``, ``phase``, ``op``, ``status``, ``a``, ``b``, ``fields``."""
+        return {
+            "fqn": self.fqn,
+            "phase": self.phase,
+            "op": self.op,
+            "status": self.status,
+            "a": None if self.a is None else self.a.to_dict(),
+            "b": None if self.b is None else self.b.to_dict(),
+            "fields": list(self.fields),
+        }
+
+
+@dataclass(frozen=True)
+class DiffResult:
+    """What :func:`diff` found.
+
+    Attributes:
+        entries: the differences, by module name, then phase and op.
+        same: how many (module, phase, op) were equal on both sides.
+        a: profile of side A.
+        b: profile of side B.
+    """
+
+    entries: list[DiffEntry]
+    same: int
+    a: Profile = field(repr=False)
+    b: Profile = field(repr=False)
+
+    @property
+    def equal(self) -> bool:
+        """``True`` when nothing differs."""
+        return not self.entries
+
+    def counts(self) -> dict[str, int]:
+        """``{"added": n, "removed": n, "changed": n, "same": n}``."""
+        out = {ADDED: 0, REMOVED: 0, CHANGED: 0}
+        for e in self.entries:
+            out[e.status] += 1
+        return {**out, "same": self.same}
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{"equal", "counts", "entries"}``, ready for ``json.dumps``."""
+        return {
+            "equal": self.equal,
+            "counts": self.counts(),
+            "entries": [e.to_dict() for e in self.entries],
+        }
+
+
+def _per_step(total: int, steps: int) -> float:
+    value = total / steps
+    return int(value) if value == int(value) else round(value, 3)
+
+
+def profile(
+    records: Iterable[SpanRecord], *, rank: int | None = None, steps: int | None = None
+) -> Profile:
+    """Reduce span records to the per-step collectives of each module, phase and op.
+
+    Args:
+        records: one side's span records (one run, or the steps compared).
+        rank: only this rank; ``None`` sums every rank.
+        steps: divide the totals by this; ``None``: by the number of numbered
+            steps in the records (1 when there is none).
+
+    Returns:
+        The :class:`Profile`.
+
+    Raises:
+        ValueError: ``steps`` is not a positive int.
+    """
+    records = list(records)
+    if steps is None:
+        numbered = {
+            r.trace_id for r in records
+            if r.name in (semconv.SPAN_RANK, semconv.SPAN_STEP)
+            and isinstance(r.attributes.get(semconv.STEP), int)
+        }
+        steps = max(1, len(numbered))
+    elif not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise ValueError(f"steps={steps!r} is not valid; pass a number of steps >= 1")
+    totals: dict[tuple[str, str, str], list[Any]] = {}
+    ranks: set[int] = set()
+    for row in issued(records, rank=rank):
+        slot = totals.setdefault((row.fqn, row.phase, row.op), [0, 0, set()])
+        slot[0] += row.count
+        slot[1] += row.bytes
+        if row.src or row.dst:
+            slot[2].add(f"{row.src or '?'}->{row.dst or '?'}")
+        ranks.update(row.ranks)
+    usage = {
+        key: Usage(_per_step(c, steps), _per_step(b, steps), tuple(sorted(p)))
+        for key, (c, b, p) in totals.items()
+    }
+    return Profile(usage, steps, tuple(sorted(ranks)))
+
+
+def diff(a: Profile, b: Profile) -> DiffResult:
+    """Compare two profiles per module, phase and op.
+
+    Returns:
+        The differences (added, removed, changed) and how many were the same.
+    """
+    entries: list[DiffEntry] = []
+    same = 0
+    for key in sorted(set(a.usage) | set(b.usage),
+                      key=lambda k: (natural_key(k[0]), _PHASES.get(k[1], 9), k[2])):
+        ua, ub = a.usage.get(key), b.usage.get(key)
+        if ua is None:
+            entries.append(DiffEntry(*key, ADDED, None, ub))
+        elif ub is None:
+            entries.append(DiffEntry(*key, REMOVED, ua, None))
+        else:
+            fields = tuple(f for f in ("count", "bytes", "placements")
+                           if getattr(ua, f) != getattr(ub, f))
+            if fields:
+                entries.append(DiffEntry(*key, CHANGED, ua, ub, fields))
+            else:
+                same += 1
+    return DiffResult(entries, same, a, b)

@@ -1,0 +1,142 @@
+"""What each module issued itself: collectives grouped by module, phase, op, process
+group and placements, with counts, bytes and (when recorded) time.
+
+:class:`~commspan.Aggregator` counts per module and phase, subtree-inclusive;
+this module keeps what the counts leave out — the process group and its mesh
+dimension, the DTensor placements, the bytes and the time — per group of
+identical collectives, for the command line's ``--show`` columns and for
+``commspan diff``.
+
+Example:
+    >>> from commspan.analysis.issued import issued
+    >>> issued([])
+    []
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from commspan import semconv
+from commspan.otlpjson.records import SpanRecord
+
+__all__ = ["Issued", "issued", "natural_key"]
+
+
+@dataclass(frozen=True)
+class Issued:
+    """Identical collectives one module issued itself, summed.
+
+    Attributes:
+        fqn: the module that issued them (``Global`` outside any module).
+        phase: ``forward``, ``backward`` or ``recompute``.
+        op: canonical op name.
+        group: process group name (``""`` when unknown).
+        group_ranks: global ranks of that group.
+        mesh_dim: the DeviceMesh dimension of the group, when known.
+        src: DTensor placements before the redistribution (``""`` if none).
+        dst: placements after it.
+        count: how many.
+        bytes: input bytes, summed.
+        duration_ns: issue-to-completion time, summed over the ``timed`` ones.
+        timed: how many of them carry a duration.
+        ranks: the ranks whose collectives are summed here.
+    """
+
+    fqn: str
+    phase: str
+    op: str
+    group: str
+    group_ranks: tuple[int, ...]
+    mesh_dim: int | None
+    src: str
+    dst: str
+    count: int
+    bytes: int
+    duration_ns: int
+    timed: int
+    ranks: tuple[int, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form; ``duration_ns`` is ``null`` when no collective here was timed."""
+        out = asdict(self)
+        out["group_ranks"] = list(self.group_ranks)
+        out["ranks"] = list(self.ranks)
+        if not self.timed:
+            out["duration_ns"] = None
+        return out
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def issued(records: Iterable[SpanRecord], *, rank: int | None = None) -> list[Issued]:
+    """Group the collective events of ``records`` by module, phase, op, group and placements.
+
+    Args:
+        records: span records (``read_spans``), any number of ranks.
+        rank: only this rank's collectives; ``None`` sums every rank.
+
+    Returns:
+        One :class:`Issued` per group, sorted by module, phase, op, group.
+    """
+    acc: dict[tuple[Any, ...], list[Any]] = {}
+    for rec in records:
+        fqn = rec.attributes.get(semconv.MODULE_FQN)
+        if fqn is None or not rec.events:
+            continue
+        r = rec.rank
+        if rank is not None and r != rank:
+            continue
+        for _name, ev in rec.events:
+            op = ev.get(semconv.COLL_OP)
+            if op is None:
+                continue
+            pg_ranks = ev.get(semconv.PG_RANKS)
+            key = (
+                str(ev.get(semconv.MODULE_FQN, fqn)),
+                str(ev.get(semconv.PHASE, "")),
+                str(op),
+                str(ev.get(semconv.PG_NAME, "")),
+                tuple(x for x in pg_ranks if isinstance(x, int)) if isinstance(pg_ranks, list)
+                else (),
+                _int(ev.get(semconv.MESH_DIM)),
+                str(ev.get(semconv.REDIST_SRC, "")),
+                str(ev.get(semconv.REDIST_DST, "")),
+            )
+            slot = acc.get(key)
+            if slot is None:
+                slot = acc[key] = [0, 0, 0, 0, set()]
+            slot[0] += 1
+            slot[1] += _int(ev.get(semconv.TENSOR_BYTES)) or 0
+            duration = _int(ev.get(semconv.COLL_DURATION_NS))
+            if duration is not None and duration >= 0:
+                slot[2] += duration
+                slot[3] += 1
+            if r is not None:
+                slot[4].add(r)
+    out = [
+        Issued(fqn=k[0], phase=k[1], op=k[2], group=k[3], group_ranks=k[4], mesh_dim=k[5],
+               src=k[6], dst=k[7], count=s[0], bytes=s[1], duration_ns=s[2], timed=s[3],
+               ranks=tuple(sorted(s[4])))
+        for k, s in acc.items()
+    ]
+    out.sort(key=lambda i: (natural_key(i.fqn), _PHASES.get(i.phase, 9), i.op, i.group, i.src,
+                            i.dst))
+    return out
+
+
+_PHASES = {p.value: n for n, p in enumerate(semconv.Phase)}
+
+
+def natural_key(fqn: str) -> tuple[tuple[int, int, str], ...]:
+    """Sort key of a module name in which numbers sort as numbers.
+
+    Example:
+        >>> sorted(["m.layers.10", "m.layers.2", "m"], key=natural_key)
+        ['m', 'm.layers.2', 'm.layers.10']
+    """
+    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in fqn.split("."))

@@ -1,0 +1,277 @@
+"""Which runs a set of span records holds, and one run's steps picked out of them.
+
+A folder of JSONL files can hold more than one run: a job restarted into the
+same output directory appends a second run (another ``commspan.run_id``) to
+the same files. Counting them together would sum two runs silently, so every
+reader of the command line goes through :func:`select`: it lists the runs
+(:class:`RunInfo`, in the order they started), keeps one (the one asked for,
+else the latest, with a :attr:`Selection.note` saying so) and, optionally,
+some of its steps.
+
+A run's id is the ``commspan.run_id`` of a span's resource (or of the span);
+spans without one (written by something else than commspan) form the run
+``""``. A step is one trace; its number is the ``commspan.step`` of its step,
+rank or hang spans. Traces outside steps (a plain ``with mode:`` block) have
+no number: selecting steps leaves them out.
+
+Example:
+    >>> from commspan.analysis.runs import select
+    >>> sel = select([])
+    >>> sel.records, sel.runs, sel.note
+    ([], (), None)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from commspan import semconv
+from commspan.otlpjson.records import SpanRecord
+
+__all__ = [
+    "RunInfo",
+    "Selection",
+    "SelectionError",
+    "StepRange",
+    "format_numbers",
+    "list_runs",
+    "select",
+]
+
+
+class SelectionError(ValueError):
+    """A run or steps asked for that the records do not hold.
+
+    Attributes:
+        param: ``"run"`` or ``"steps"``.
+        value: what was asked for.
+        detail: what the records hold instead, for people.
+    """
+
+    def __init__(self, param: str, value: object, detail: str) -> None:
+        super().__init__(f"{param}={value!r} is not valid: {detail}")
+        self.param = param
+        self.value = value
+        self.detail = detail
+
+
+class RunInfo(NamedTuple):
+    """One run found in the records.
+
+    Attributes:
+        run_id: its ``commspan.run_id`` (``""`` when the spans carry none).
+        ranks: the ranks that wrote spans of it.
+        steps: its step numbers.
+        spans: how many spans it has.
+        start_ns: its earliest span start (Unix ns).
+        end_ns: its latest span end.
+    """
+
+    run_id: str
+    ranks: tuple[int, ...]
+    steps: tuple[int, ...]
+    spans: int
+    start_ns: int
+    end_ns: int
+
+    def describe(self) -> str:
+        """``"cli-test (ranks 0-1, steps 0-4)"``: the run for messages."""
+        name = self.run_id or "(no run id)"
+        return f"{name} (ranks {format_numbers(self.ranks)}, steps {format_numbers(self.steps)})"
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form: ``run_id``, ``ranks``, ``steps``, ``spans``, ``start_ns``, ``end_ns``."""
+        return {
+            "run_id": self.run_id,
+            "ranks": list(self.ranks),
+            "steps": list(self.steps),
+            "spans": self.spans,
+            "start_ns": self.start_ns,
+            "end_ns": self.end_ns,
+        }
+
+
+class StepRange(NamedTuple):
+    """Steps ``first`` to ``last``, both included (``first == last``: one step)."""
+
+    first: int
+    last: int
+
+    def __str__(self) -> str:
+        return str(self.first) if self.first == self.last else f"{self.first}-{self.last}"
+
+    def __contains__(self, step: object) -> bool:
+        return isinstance(step, int) and self.first <= step <= self.last
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What :func:`select` kept.
+
+    Attributes:
+        records: the records of the chosen run (and steps), in input order.
+        run: the chosen run; ``None`` when there were no records.
+        runs: every run in the input, in the order they started.
+        steps: the step numbers kept (of the chosen run).
+        note: a sentence saying which run was chosen among several when none
+            was asked for (``None`` otherwise); the caller shows it.
+    """
+
+    records: list[SpanRecord]
+    run: RunInfo | None
+    runs: tuple[RunInfo, ...]
+    steps: tuple[int, ...]
+    note: str | None = None
+
+
+def _run_of(rec: SpanRecord) -> str:
+    run = rec.resource.get(semconv.RUN_ID) or rec.attributes.get(semconv.RUN_ID)
+    return str(run) if run else ""
+
+
+def _rank_of(rec: SpanRecord) -> int | None:
+    if rec.rank is not None:
+        return rec.rank
+    r = rec.attributes.get(semconv.RANK)
+    return r if isinstance(r, int) and not isinstance(r, bool) else None
+
+
+_STEP_SPANS = frozenset({semconv.SPAN_STEP, semconv.SPAN_RANK, semconv.SPAN_HANG})
+
+
+def _trace_steps(records: Iterable[SpanRecord]) -> dict[str, int]:
+    steps: dict[str, int] = {}
+    for rec in records:
+        if rec.name in _STEP_SPANS:
+            step = rec.attributes.get(semconv.STEP)
+            if isinstance(step, int) and not isinstance(step, bool):
+                steps.setdefault(rec.trace_id, step)
+    return steps
+
+
+def list_runs(records: Sequence[SpanRecord]) -> list[RunInfo]:
+    """The runs of ``records``, in the order they started (earliest span first).
+
+    Example:
+        >>> list_runs([])
+        []
+    """
+    trace_steps = _trace_steps(records)
+    acc: dict[str, list[Any]] = {}  # run -> [ranks, steps, spans, start, end]
+    for rec in records:
+        slot = acc.get(run := _run_of(rec))
+        if slot is None:
+            slot = acc[run] = [set(), set(), 0, rec.start_time, rec.end_time]
+        rank = _rank_of(rec)
+        if rank is not None:
+            slot[0].add(rank)
+        step = trace_steps.get(rec.trace_id)
+        if step is not None:
+            slot[1].add(step)
+        slot[2] += 1
+        slot[3] = min(slot[3], rec.start_time)
+        slot[4] = max(slot[4], rec.end_time)
+    runs = [
+        RunInfo(run, tuple(sorted(s[0])), tuple(sorted(s[1])), s[2], s[3], s[4])
+        for run, s in acc.items()
+    ]
+    runs.sort(key=lambda r: (r.start_ns, r.run_id))
+    return runs
+
+
+def _find(runs: Sequence[RunInfo], wanted: str) -> RunInfo:
+    exact = [r for r in runs if r.run_id == wanted]
+    if exact:
+        return exact[0]
+    prefixed = [r for r in runs if wanted and r.run_id.startswith(wanted)]
+    if len(prefixed) == 1:
+        return prefixed[0]
+    listed = "; ".join(r.describe() for r in runs) or "none"
+    if len(prefixed) > 1:
+        raise SelectionError(
+            "run", wanted,
+            f"{len(prefixed)} runs start with it ({listed}); give more of the run id",
+        )
+    raise SelectionError("run", wanted, f"no such run in the files (runs: {listed})")
+
+
+def select(
+    records: Sequence[SpanRecord],
+    *,
+    run: str | None = None,
+    steps: StepRange | None = None,
+) -> Selection:
+    """Keep the records of one run, and of some of its steps.
+
+    Args:
+        records: span records of any number of runs (``read_spans``).
+        run: the run id to keep, or a prefix of it naming one run; ``None``:
+            the only run, or the latest of several (the selection's ``note``
+            then says so).
+        steps: keep only these steps of the run (traces outside steps go too);
+            ``None`` keeps everything.
+
+    Returns:
+        The :class:`Selection`.
+
+    Raises:
+        SelectionError: (a ``ValueError``) ``run`` names no run of the records,
+            or more than one; no step of ``steps`` is in the run (the message
+            lists the runs or the steps there are).
+
+    Example:
+        >>> select([], steps=StepRange(0, 2)).steps
+        ()
+    """
+    records = list(records)
+    runs = tuple(list_runs(records))
+    if not runs:
+        return Selection([], None, (), ())
+    note = None
+    if run is not None:
+        chosen = _find(runs, run)
+    else:
+        chosen = runs[-1]
+        if len(runs) > 1:
+            note = (
+                f"the files hold {len(runs)} runs: "
+                + "; ".join(r.describe() for r in runs)
+                + f"; showing the latest, {chosen.run_id or '(no run id)'}"
+            )
+    kept = [r for r in records if _run_of(r) == chosen.run_id] if len(runs) > 1 else records
+    kept_steps = chosen.steps
+    if steps is not None:
+        kept_steps = tuple(s for s in chosen.steps if s in steps)
+        if not kept_steps:
+            there = f"steps {format_numbers(chosen.steps)}" if chosen.steps else "no steps"
+            where = f"run {chosen.run_id}" if chosen.run_id else "the files"
+            what = "not" if steps.first == steps.last else "none of them is"
+            raise SelectionError("steps", str(steps), f"{what} in {where}, which has {there}")
+        trace_steps = _trace_steps(kept)
+        traces = {t for t, s in trace_steps.items() if s in steps}
+        kept = [r for r in kept if r.trace_id in traces]
+    return Selection(kept, chosen, runs, kept_steps, note)
+
+
+def format_numbers(values: Iterable[int]) -> str:
+    """``[0, 1, 2, 3, 7]`` -> ``"0-3,7"``; ``"-"`` when empty.
+
+    Example:
+        >>> format_numbers([0, 1, 2, 3, 7, 9, 10])
+        '0-3,7,9-10'
+    """
+    numbers = sorted(set(values))
+    if not numbers:
+        return "-"
+    parts: list[str] = []
+    start = prev = numbers[0]
+    for v in numbers[1:]:
+        if v == prev + 1:
+            prev = v
+            continue
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+        start = prev = v
+    parts.append(str(start) if start == prev else f"{start}-{prev}")
+    return ",".join(parts)

@@ -1,0 +1,370 @@
+"""One function per ``commspan`` command: read the files, call analysis/ and render/.
+
+Each command takes the parsed arguments and a :class:`Reader` (which reads the
+files, keeps what was skipped and what to say on stderr) and returns an
+:class:`Outcome`: the text for stdout and the status when all went well
+(``check`` and ``diff`` say 1 when they found something). An error is raised
+and turned into one line by :func:`commspan.cli.main`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from commspan import semconv
+from commspan.analysis.runs import Selection, SelectionError, StepRange, format_numbers, select
+from commspan.otlpjson.decode import read_spans
+from commspan.otlpjson.files import jsonl_files
+from commspan.otlpjson.records import ReadReport, SpanRecord
+
+__all__ = ["COMMANDS", "ERROR_STATUS", "Damaged", "Outcome", "Reader"]
+
+_MIB = 1024 * 1024
+
+
+class Outcome(NamedTuple):
+    """What a command prints on stdout and its exit status."""
+
+    text: str
+    status: int = 0
+
+
+class Damaged(Exception):
+    """No commspan span was read and lines were damaged: the lines naming them say why."""
+
+
+class Reader:
+    """Reads the files of one command: skipped lines go to one report, notes for stderr
+    (which run was picked among several) to :attr:`notes`."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.report = ReadReport()
+        self.notes: list[str] = []
+
+    def read(self, paths: Sequence[str], label: str = "FILES") -> list[SpanRecord]:
+        """Every span of ``paths``; an error if none of them is a commspan span."""
+        files = jsonl_files(paths, param=label)
+        spans, ours, lines = self.report.spans, self.report.commspan_spans, self.report.lines
+        skipped = len(self.report.damaged)
+        records = list(read_spans(*files, strict=False, report=self.report,
+                                  max_line_bytes=self.args.max_line_mib * _MIB))
+        if self.report.commspan_spans == ours:
+            if len(self.report.damaged) > skipped:
+                raise Damaged
+            what = f"{len(files)} files" if len(files) > 1 else str(files[0])
+            raise ValueError(
+                f"{label}: no commspan span in {what} ({self.report.lines - lines} lines, "
+                f"{self.report.spans - spans} spans, none with commspan.module.fqn): not files "
+                "written by commspan's JsonlSpanExporter"
+            )
+        return records
+
+    def select(
+        self, records: list[SpanRecord], run: str | None, steps: StepRange | None,
+        option: str | None = None, label: str = "",
+    ) -> Selection:
+        """One run (and steps) of ``records``; errors in the terms of the options."""
+        try:
+            sel = select(records, run=run, steps=steps)
+        except SelectionError as exc:
+            name = "--run" if exc.param == "run" else (option or "--steps")
+            raise ValueError(f"{label}{name} {exc.value}: {exc.detail}") from None
+        if sel.note:
+            self.notes.append(f"commspan: {label}{sel.note} (--run ID picks another)")
+        return sel
+
+    def load(self, paths: Sequence[str]) -> Selection:
+        """Read ``paths`` and select with the command's ``--run`` and ``--step(s)``."""
+        return self.select(self.read(paths), _first(self.args.run), *_steps_of(self.args, 0))
+
+
+def _first(values: Sequence[Any] | None, index: int = 0) -> Any:
+    if not values:
+        return None
+    return values[min(index, len(values) - 1)]
+
+
+def _steps_of(args: argparse.Namespace, index: int) -> tuple[StepRange | None, str | None]:
+    if args.step:
+        return _first(args.step, index), "--step"
+    if args.steps:
+        return _first(args.steps, index), "--steps"
+    return None, None
+
+
+def _ranks(sel: Selection) -> set[int | None]:
+    return {r.rank for r in sel.records if semconv.MODULE_FQN in r.attributes}
+
+
+def _rank_filter(rank: int | str | None, sel: Selection) -> int | None:
+    """The rank to count (``None``: all), after checking ``--rank`` against the files."""
+    present = _ranks(sel)
+    numbered = sorted(r for r in present if r is not None)
+    if rank is None and len(present) > 1:
+        unranked = " and spans without a rank" if None in present else ""
+        raise ValueError(
+            f"--rank is needed: the files hold spans of ranks {format_numbers(numbered)}"
+            f"{unranked}; pass --rank N for one rank or --rank all to sum them"
+        )
+    if isinstance(rank, int) and rank not in numbered:
+        raise ValueError(
+            f"--rank {rank}: the files hold no span of that rank "
+            f"(ranks: {format_numbers(numbered)})"
+        )
+    return rank if isinstance(rank, int) else None
+
+
+def _json(data: Any) -> str:
+    from commspan.render.table import tree_json
+
+    return tree_json(data)  # json.dumps recurses per level: deep module trees fail
+
+
+# ------------------------------------------------------------------ commands
+def table(args: argparse.Namespace, reader: Reader) -> Outcome:
+    """The module tree with counts per phase (``--show``: and what each module issued)."""
+    from commspan.analysis.counts import Aggregator
+    from commspan.analysis.issued import issued
+    from commspan.render.details import issued_notes
+    from commspan.render.table import module_table
+
+    sel = reader.load(args.files)
+    rank = _rank_filter(args.rank, sel)
+    agg = Aggregator.from_records(sel.records, rank="all" if rank is None else rank)
+    tree = agg.to_dict()
+    if not args.show:
+        return Outcome(_json(tree) if args.json else agg.table(noise_level=args.noise).rstrip())
+    rows = issued(sel.records, rank=rank)
+    if args.json:  # each node also lists what its module issued itself
+        by_fqn: dict[str, list[dict[str, Any]]] = {}
+        for row in rows:
+            by_fqn.setdefault(row.fqn, []).append(row.to_dict())
+        todo = [tree]
+        while todo:
+            node = todo.pop()
+            node["issued"] = by_fqn.get(node["fqn"], [])
+            todo.extend(node["children"])
+        return Outcome(_json(tree))
+    return Outcome(module_table(tree, args.noise, issued_notes(rows, args.show)).rstrip())
+
+
+def summary(args: argparse.Namespace, reader: Reader) -> Outcome:
+    """Spans, traces, ranks, steps and collectives per phase and op; the runs."""
+    from commspan.analysis.counts import Aggregator
+    from commspan.analysis.issued import issued
+    from commspan.analysis.summary import summarize
+    from commspan.render.details import runs_lines, summary_rows
+    from commspan.render.table import summary_table
+
+    sel = reader.load(args.files)
+    rank = _rank_filter(args.rank, sel)
+    agg = Aggregator.from_records(sel.records, rank="all" if rank is None else rank)
+    data = summarize(agg, sel.records, rank)
+    rows = issued(sel.records, rank=rank) if args.show else []
+    data["run"] = sel.run.run_id if sel.run else None
+    data["runs"] = [r.to_dict() for r in sel.runs]
+    if args.show:
+        data["issued"] = [r.to_dict() for r in rows]
+    if args.json:
+        return Outcome(json.dumps(data, indent=2))
+    text = summary_table(data)
+    if args.show:  # the first line, then the table with the asked-for columns
+        text = "\n".join([text.splitlines()[0], *summary_rows(rows, args.show)])
+    if len(sel.runs) > 1:
+        text = "\n".join([text, *runs_lines(sel.runs, sel.run)])
+    return Outcome(text)
+
+
+def _written(path: Path, sel: Selection, extra: dict[str, Any], args: argparse.Namespace,
+             what: str) -> Outcome:
+    size = path.stat().st_size
+    ranks = sorted({r.rank for r in sel.records if r.rank is not None})
+    data = {
+        "output": str(path),
+        "bytes": size,
+        "run": sel.run.run_id if sel.run else None,
+        "ranks": ranks,
+        "steps": list(sel.steps),
+        **extra,
+    }
+    if args.json:
+        return Outcome(json.dumps(data, indent=2))
+    run = f"run {data['run']}, " if data["run"] else ""
+    text = (f"wrote {what} {path} ({size:,} bytes): {run}ranks {format_numbers(ranks)}, "
+            f"steps {format_numbers(sel.steps)}")
+    if "findings" in extra:
+        text += f", {extra['findings']} findings"
+    return Outcome(text)
+
+
+def _findings_file(name: str) -> Any:
+    path = Path(name)
+    try:
+        text = path.read_bytes()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"--findings {name!r} does not exist") from None
+    except OSError as exc:
+        raise OSError(f"--findings {name!r} cannot be read: {exc.strerror or exc}") from None
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise ValueError(
+            f"--findings {name!r} is not JSON ({exc}); pass the output of "
+            "`commspan check --json`"
+        ) from None
+
+
+def html(args: argparse.Namespace, reader: Reader) -> Outcome:
+    """Write the HTML report of the selected run (and steps)."""
+    from commspan.render.html import write_html_report
+
+    findings: list[Any] | None = None
+    if args.findings is not None:
+        findings = _finding_list(_findings_file(args.findings), args.findings)
+    sel = reader.load(args.files)
+    if args.check:
+        from commspan.analysis import build_run, check
+
+        found = check(build_run(sel.records, module_spans=False)).to_dict()["findings"]
+        findings = (findings or []) + found
+    try:
+        path = write_html_report(sel.records, args.output, findings=findings, title=args.title)
+    except TypeError as exc:  # a finding of the wrong shape
+        raise TypeError(f"--findings {args.findings!r}: {exc}") from None
+    return _written(path, sel, {} if findings is None else {"findings": len(findings)}, args,
+                    "report")
+
+
+_JSON_KINDS = {dict: "an object", list: "an array", str: "a string", int: "a number",
+               float: "a number", bool: "a boolean", type(None): "null"}
+
+
+def _finding_list(findings: Any, name: str) -> list[Any]:
+    """The findings of a ``check --json`` document (or a list of findings)."""
+    if isinstance(findings, dict) and isinstance(findings.get("findings"), list):
+        return list(findings["findings"])
+    if isinstance(findings, list):
+        return findings
+    what = _JSON_KINDS.get(type(findings), type(findings).__name__)
+    if isinstance(findings, dict):
+        what += " without a findings list"
+    raise TypeError(
+        f"--findings {name!r} holds {what}, not the output of `commspan check --json`"
+    )
+
+
+def perfetto(args: argparse.Namespace, reader: Reader) -> Outcome:
+    """Write the Chrome trace (Perfetto) of the selected run (and steps)."""
+    from commspan.render.perfetto import write_chrome_trace
+
+    sel = reader.load(args.files)
+    path = write_chrome_trace(sel.records, args.output)
+    return _written(path, sel, {}, args, "trace")
+
+
+def check(args: argparse.Namespace, reader: Reader) -> Outcome:
+    """Cross-rank consistency: status 1 when something was found."""
+    from commspan.analysis import build_run
+    from commspan.analysis import check as run_check
+    from commspan.render.findings import format_check
+
+    sel = reader.load(args.files)
+    result = run_check(build_run(sel.records, module_spans=False))
+    status = 0 if result.ok else 1
+    if args.json:
+        data = result.to_dict()
+        data["run"] = sel.run.run_id if sel.run else None
+        return Outcome(json.dumps(data, indent=2), status)
+    return Outcome(format_check(result), status)
+
+
+def stragglers(args: argparse.Namespace, reader: Reader) -> Outcome:
+    """Who arrives last at each collective, and where each rank's step goes."""
+    from commspan.analysis import build_run
+    from commspan.analysis.stragglers import analyze
+    from commspan.render.findings import format_stragglers
+
+    sel = reader.load(args.files)
+    result = analyze(build_run(sel.records))
+    if args.json:
+        data = result.to_dict()
+        data["run"] = sel.run.run_id if sel.run else None
+        return Outcome(json.dumps(data, indent=2))
+    return Outcome(format_stragglers(result, top=args.top))
+
+
+def diff(args: argparse.Namespace, reader: Reader) -> Outcome:
+    """Two runs, or two steps (or runs) of one folder, compared: status 1 when they differ."""
+    from commspan.analysis.diff import diff as compare
+    from commspan.analysis.diff import profile
+    from commspan.render.diff import format_diff
+
+    paths = [args.a, args.b if args.b is not None else args.a]
+    read: dict[str, list[SpanRecord]] = {}
+    sides: list[Selection] = []
+    labels: list[str] = []
+    for i, (name, path) in enumerate(zip("AB", paths)):
+        if path not in read:
+            read[path] = reader.read([path], label=name if args.b is not None else "A")
+        steps, option = _steps_of(args, i)
+        sel = reader.select(read[path], _first(args.run, i), steps, option,
+                            label=f"{name}: " if args.b is not None or args.run else "")
+        sides.append(sel)
+        labels.append(_label(name, path, sel))
+    rank = args.rank if isinstance(args.rank, int) else None
+    for sel, name in zip(sides, "AB"):
+        if rank is not None and rank not in _ranks(sel):
+            raise ValueError(
+                f"--rank {rank}: {name} holds no span of that rank "
+                f"(ranks: {format_numbers(r for r in _ranks(sel) if r is not None)})"
+            )
+    a, b = (profile(s.records, rank=rank, steps=max(1, len(s.steps))) for s in sides)
+    result = compare(a, b)
+    status = 0 if result.equal else 1
+    if args.json:
+        data = result.to_dict()
+        data["a"] = _side(paths[0], sides[0], a.ranks)
+        data["b"] = _side(paths[1], sides[1], b.ranks)
+        return Outcome(json.dumps(data, indent=2), status)
+    return Outcome(format_diff(result, labels[0], labels[1]), status)
+
+
+def _label(name: str, path: str, sel: Selection) -> str:
+    run = sel.run
+    bits = []
+    if run is not None and run.run_id:
+        bits.append(f"run {run.run_id}")
+    ranks = sorted({r.rank for r in sel.records if r.rank is not None})
+    bits.append(f"ranks {format_numbers(ranks)}")
+    bits.append(f"steps {format_numbers(sel.steps)}")
+    return f"{name}: {os.fspath(path)} ({', '.join(bits)})"
+
+
+def _side(path: str, sel: Selection, ranks: tuple[int, ...]) -> dict[str, Any]:
+    return {
+        "path": path,
+        "run": sel.run.run_id if sel.run else None,
+        "steps": list(sel.steps),
+        "ranks": list(ranks),
+    }
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace, Reader], Outcome]] = {
+    "table": table,
+    "summary": summary,
+    "html": html,
+    "perfetto": perfetto,
+    "check": check,
+    "stragglers": stragglers,
+    "diff": diff,
+}
+
+ERROR_STATUS = {"check": 2, "diff": 2}
+"""Exit status of an error, for commands whose status 1 means "found something"
+(every other command: 1)."""

@@ -1,0 +1,201 @@
+"""The ``commspan`` command's arguments: one parser, one argument type per kind of value.
+
+Every error found here is a usage error: argparse prints the usage and the
+message and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+from commspan import __version__
+from commspan.analysis.runs import StepRange
+from commspan.render.details import SHOW_FIELDS
+
+__all__ = ["build_parser", "check_usage"]
+
+_EPILOG = (
+    "Exit status: 0 ok; 1 an error, damaged lines skipped or no commspan span (check: "
+    "findings; diff: differences); 2 bad arguments (check, diff: also unreadable input); "
+    "130 interrupted. See docs/cli.md."
+)
+
+
+def _rank(value: str) -> int | str:
+    if value == "all":
+        return "all"
+    try:
+        rank = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--rank {value!r} is not valid; pass a rank number or 'all'"
+        ) from None
+    if rank < 0:
+        raise argparse.ArgumentTypeError(f"--rank {value!r} is not valid; ranks are >= 0")
+    return rank
+
+
+def _at_least_one(option: str, value: str, what: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{option} {value!r} is not valid; pass {what}")
+    return n
+
+
+def _mib(value: str) -> int:
+    return _at_least_one("--max-line-mib", value, "a whole number of MiB >= 1")
+
+
+def _step(value: str) -> StepRange:
+    try:
+        step = int(value)
+    except ValueError:
+        step = -1
+    if step < 0:
+        raise argparse.ArgumentTypeError(
+            f"--step {value!r} is not valid; pass a step number >= 0 (or --steps A-B for a range)"
+        )
+    return StepRange(step, step)
+
+
+def _steps(value: str) -> StepRange:
+    first, sep, last = value.partition("-")
+    try:
+        a, b = int(first), int(last if sep else first)
+    except ValueError:
+        a = b = -1
+    if a < 0 or b < a:
+        raise argparse.ArgumentTypeError(
+            f"--steps {value!r} is not valid; pass A-B with 0 <= A <= B, e.g. 0-9 (or one step)"
+        )
+    return StepRange(a, b)
+
+
+def _show(value: str) -> tuple[str, ...]:
+    wanted = [v.strip() for v in value.split(",") if v.strip()]
+    if wanted == ["all"]:
+        return SHOW_FIELDS
+    bad = [v for v in wanted if v not in SHOW_FIELDS]
+    if bad or not wanted:
+        raise argparse.ArgumentTypeError(
+            f"--show {value!r} is not valid; pass a comma-separated list of "
+            f"{', '.join(SHOW_FIELDS)}, or all"
+        )
+    return tuple(f for f in SHOW_FIELDS if f in wanted)
+
+
+def _positive(value: str) -> int:
+    return _at_least_one("--top", value, "a number >= 1")
+
+
+def _selection(p: argparse.ArgumentParser, twice: bool) -> None:
+    """--run, --step / --steps, --json and --max-line-mib (every command has them)."""
+    again = " (diff: give it twice, for A then B)" if twice else ""
+    p.add_argument("--run", action="append", metavar="ID",
+                   help="the run to read when the files hold several (its run id, or the "
+                        "start of it); default: the latest, named on stderr" + again)
+    steps = p.add_mutually_exclusive_group()
+    steps.add_argument("--step", action="append", type=_step, metavar="N",
+                       help="only step N" + again)
+    steps.add_argument("--steps", action="append", type=_steps, metavar="A-B",
+                       help="only steps A to B (both included)" + again)
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--max-line-mib", type=_mib, default=64, metavar="MIB",
+                   help="longest line read, in MiB (default 64); a longer line ends the "
+                        "reading of its file")
+
+
+def _files(p: argparse.ArgumentParser) -> None:
+    p.add_argument("files", nargs="+", metavar="FILES",
+                   help="JSONL files or directories of *.jsonl files")
+
+
+def _rank_option(p: argparse.ArgumentParser, required_note: str) -> None:
+    p.add_argument("--rank", type=_rank, default=None, metavar="N|all",
+                   help="one rank, or 'all' to sum every rank " + required_note)
+
+
+_HELP = {
+    "table": "the module tree with collective counts per phase",
+    "summary": "runs, spans, ranks, steps and collective totals",
+    "html": "a self-contained HTML report of the run",
+    "perfetto": "a Chrome trace for ui.perfetto.dev",
+    "check": "cross-rank consistency, missing ranks and hangs (exit 1 on findings)",
+    "stragglers": "who arrives last at collectives, and where step time goes",
+    "diff": "compare two runs, or two steps of one run (exit 1 when they differ)",
+}
+_SHOW_HELP = f"{','.join(SHOW_FIELDS)} or all"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of every command (see ``docs/cli.md``)."""
+    parser = argparse.ArgumentParser(
+        prog="commspan",
+        description="Look at what commspan recorded: JSONL span files in, tables, "
+                    "reports, checks and diffs out.",
+        epilog=_EPILOG,
+    )
+    parser.add_argument("--version", action="version", version=f"commspan {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands = {name: sub.add_parser(name, help=text, epilog=_EPILOG)
+                for name, text in _HELP.items()}
+    for name, command in commands.items():
+        if name != "diff":
+            _files(command)
+
+    for name in ("table", "summary"):
+        _rank_option(commands[name], "(required when the files hold several ranks)")
+    commands["table"].add_argument("--noise", type=int, choices=(0, 1), default=0,
+                                   help="1 also shows module types and parameter placements")
+    commands["table"].add_argument(
+        "--show", type=_show, default=(), metavar="FIELDS",
+        help=f"under each module, the collectives it issued itself with: {_SHOW_HELP}")
+    commands["summary"].add_argument("--show", type=_show, default=(), metavar="FIELDS",
+                                     help=f"columns beside the counts: {_SHOW_HELP}")
+
+    html = commands["html"]
+    html.add_argument("-o", "--output", required=True, metavar="PATH",
+                      help="the HTML file to write")
+    html.add_argument("--findings", metavar="FILE",
+                      help="findings to show: the output of `commspan check --json`")
+    html.add_argument("--check", action="store_true",
+                      help="run `commspan check` on the same files and show its findings")
+    html.add_argument("--title", help="page title (default: commspan report)")
+    commands["perfetto"].add_argument("-o", "--output", required=True, metavar="PATH",
+                                      help="the trace file to write (.json, or .json.gz)")
+    commands["stragglers"].add_argument(
+        "--top", type=_positive, default=20, metavar="N",
+        help="straggler rows shown (default 20; --json lists all)")
+
+    diff = commands["diff"]
+    diff.add_argument("a", metavar="A", help="a run: JSONL file or directory")
+    diff.add_argument("b", metavar="B", nargs="?",
+                      help="the other run (omit it to compare two steps or two runs of A)")
+    _rank_option(diff, "(default: all ranks summed)")
+
+    for name, command in commands.items():
+        _selection(command, twice=name == "diff")
+    return parser
+
+
+def check_usage(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Rules argparse cannot say: options given twice only for ``diff``, and a diff
+    of one path needs two steps or two runs. Exits with status 2 (usage) otherwise."""
+    for name in ("run", "step", "steps"):
+        values: Sequence[object] = getattr(args, name) or ()
+        limit = 2 if args.command == "diff" else 1
+        if len(values) > limit:
+            where = "diff takes it at most twice (A, then B)" if limit == 2 else \
+                "it can be given once"
+            parser.error(f"--{name} given {len(values)} times; {where}")
+    if args.command == "diff" and args.b is None:
+        twice = [n for n in ("run", "step", "steps") if len(getattr(args, n) or ()) == 2]
+        if not twice:
+            parser.error(
+                "diff compares two things: pass two runs (diff A B), or one folder with two "
+                "steps (diff DIR --step 3 --step 7) or two runs (diff DIR --run X --run Y)"
+            )

@@ -1,0 +1,232 @@
+"""Golden files: a model's communication, written down once and compared in every test run.
+
+:func:`assert_matches_golden` turns what a capture recorded into a stable,
+reviewable text file — one line per module, phase and op, with the count of
+collectives the module issued itself (optionally their bytes and DTensor
+placements, and its parameters' placements) — and compares it with the file
+kept next to the test. A change in a model's communication then fails the
+test with a unified diff, and the updated file shows the change in review.
+
+Run pytest with ``--commspan-update-golden`` (the option of commspan's pytest
+plugin) to write or rewrite the files instead of comparing; outside pytest,
+set ``COMMSPAN_UPDATE_GOLDEN=1``.
+
+The file::
+
+    # commspan golden file v1: collectives each module issued itself, per phase and op.
+    # options: bytes=False placements=False
+    # update: pytest --commspan-update-golden
+    MLP.net2 forward all_reduce count=1
+
+Lines are sorted by module name (numbers in names sort as numbers:
+``layers.2`` before ``layers.10``), then phase (forward, backward,
+recompute) and op; counts are summed over everything the capture recorded.
+Only modules that issued collectives have lines (with ``placements=True``
+also every module with DTensor parameters).
+
+Example:
+    >>> import torch, pathlib, tempfile
+    >>> from commspan.testing import assert_matches_golden, capture
+    >>> with capture() as cap:
+    ...     _ = torch.nn.Linear(2, 2)(torch.ones(1, 2))
+    >>> path = pathlib.Path(tempfile.mkdtemp()) / "linear.txt"
+    >>> _ = path.write_text(golden_text(cap))
+    >>> assert_matches_golden(cap, path)
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from commspan import semconv
+from commspan.analysis.issued import natural_key
+
+__all__ = ["UPDATE_ENV", "assert_matches_golden", "golden_text", "update_golden"]
+
+UPDATE_ENV = "COMMSPAN_UPDATE_GOLDEN"
+"""Environment variable: ``1`` makes :func:`assert_matches_golden` (re)write the files."""
+
+_VERSION_LINE = (
+    "# commspan golden file v1: collectives each module issued itself, per phase and op."
+)
+_UPDATE_LINE = "# update: pytest --commspan-update-golden (or COMMSPAN_UPDATE_GOLDEN=1)"
+_PHASES = {p.value: n for n, p in enumerate(semconv.Phase)}
+
+_written: list[Path] | None = None  # inside update_golden(): the files written so far
+
+
+@contextmanager
+def update_golden() -> Iterator[list[Path]]:
+    """Within the block, :func:`assert_matches_golden` writes files instead of comparing.
+
+    The pytest plugin enters it for the whole session when pytest runs with
+    ``--commspan-update-golden``; the previous setting is restored on exit.
+
+    Yields:
+        The list of golden files written (created or changed) in the block, filled as
+        they are written.
+
+    Example:
+        >>> with update_golden() as written:
+        ...     pass
+        >>> written
+        []
+    """
+    global _written
+    previous = _written
+    _written = []
+    try:
+        yield _written
+    finally:
+        _written = previous
+
+
+def _updating() -> bool:
+    return _written is not None or os.environ.get(UPDATE_ENV, "").strip() not in ("", "0")
+
+
+def golden_text(
+    capture: Any, *, bytes: bool = False, placements: bool = False, fqn: str | None = None
+) -> str:
+    """The golden-file text of what ``capture`` recorded (see the module docstring).
+
+    Args:
+        capture: a :class:`~commspan.testing.CommCapture`, a ``CommSpanMode`` or an
+            :class:`~commspan.Aggregator`.
+        bytes: add the bytes of each line's collectives (``bytes=4096``).
+        placements: one line per DTensor redistribution (``placements=P(sum)->R``)
+            and a line per DTensor parameter (``param weight 16x16 S(0)``).
+        fqn: only this module and the modules inside it.
+
+    Raises:
+        ValueError: no module named ``fqn`` ran (the message lists the closest
+            names that did).
+    """
+    from commspan.testing import _aggregator, _unknown_module
+
+    agg = _aggregator(capture)
+    if fqn is not None:
+        unknown = _unknown_module(agg, fqn)
+        if unknown:
+            raise ValueError(f"fqn={fqn!r} is not valid: {unknown}")
+
+    def inside(name: str) -> bool:
+        return (fqn is None or fqn == semconv.GLOBAL_FQN or name == fqn
+                or name.startswith(fqn + "."))
+
+    lines: dict[tuple[Any, ...], str] = {}
+    totals: dict[tuple[str, str, str, str], list[int]] = {}
+    for s in agg.collectives():
+        if not inside(s.fqn):
+            continue
+        where = f"{s.src or '?'}->{s.dst or '?'}" if placements and (s.src or s.dst) else ""
+        slot = totals.setdefault((s.fqn, s.phase, s.op, where), [0, 0])
+        slot[0] += s.count
+        slot[1] += s.bytes
+    for (name, phase, op, where), (count, nbytes) in totals.items():
+        text = f"{name} {phase} {op} count={count}"
+        if bytes:
+            text += f" bytes={nbytes}"
+        if where:
+            text += f" placements={where}"
+        lines[(natural_key(name), 1, _PHASES.get(phase, 9), phase, op, where)] = text
+    if placements:
+        for name, params in agg.parameter_info().items():
+            if not inside(name):
+                continue
+            for index, (param, info) in enumerate(params.items()):
+                if info["placements"]:
+                    lines[(natural_key(name), 0, index, "", "", "")] = (
+                        f"{name} param {param} {info['shape']} {info['placements']}"
+                    )
+    header = [
+        _VERSION_LINE,
+        f"# options: bytes={bool(bytes)} placements={bool(placements)}"
+        + (f" fqn={fqn}" if fqn is not None else ""),
+        _UPDATE_LINE,
+    ]
+    body = [lines[k] for k in sorted(lines)] or ["# (no collectives)"]
+    return "\n".join(header + body) + "\n"
+
+
+def assert_matches_golden(
+    capture: Any,
+    path: str | os.PathLike[str],
+    *,
+    bytes: bool = False,
+    placements: bool = False,
+    fqn: str | None = None,
+) -> None:
+    """Assert that what ``capture`` recorded matches the golden file at ``path``.
+
+    With pytest's ``--commspan-update-golden`` (or ``COMMSPAN_UPDATE_GOLDEN=1``)
+    the file is written instead (directories created; left untouched when
+    already equal) and the assertion passes.
+
+    Args:
+        capture: a :class:`~commspan.testing.CommCapture`, a ``CommSpanMode`` or
+            an :class:`~commspan.Aggregator`.
+        path: the golden file; a relative path is relative to the current
+            directory (``Path(__file__).parent / "golden" / "mlp.txt"`` keeps it
+            next to the test).
+        bytes: compare the bytes of the collectives too.
+        placements: compare DTensor placements (of redistributions and parameters) too.
+        fqn: only this module and the modules inside it.
+
+    Raises:
+        AssertionError: the recorded text differs from the file (the message is
+            a unified diff, golden file first), or the file does not exist (the
+            message says how to create it).
+        ValueError: no module named ``fqn`` ran (the message lists the closest names).
+        TypeError: ``path`` is not a path.
+
+    Example:
+        ``assert_matches_golden(cap, Path(__file__).parent / "golden" / "tp_mlp.txt")``
+    """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path={path!r} is not valid; pass the golden file's path (str or Path)")
+    target = Path(path)
+    text = golden_text(capture, bytes=bytes, placements=placements, fqn=fqn)
+    try:
+        kept: str | None = target.read_text(encoding="utf-8").replace("\r\n", "\n")
+    except FileNotFoundError:
+        kept = None
+    if _updating():
+        if kept != text:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(text, encoding="utf-8")
+            if _written is not None:
+                _written.append(target)
+        return
+    if kept is None:
+        raise AssertionError(
+            f"golden file {str(target)!r} does not exist; create it by running the test with "
+            "`pytest --commspan-update-golden` (or COMMSPAN_UPDATE_GOLDEN=1), then review "
+            f"and commit it. It would hold:\n{text}"
+        )
+    if kept == text:
+        return
+    delta = "".join(
+        difflib.unified_diff(
+            kept.splitlines(keepends=True),
+            text.splitlines(keepends=True),
+            fromfile=f"{target} (golden)",
+            tofile="recorded",
+        )
+    )
+    hint = ""
+    old_options = next((ln for ln in kept.splitlines() if ln.startswith("# options:")), None)
+    new_options = text.splitlines()[1]
+    if old_options is not None and old_options != new_options:
+        hint = (f"\n(the file was written with {old_options[len('# options: '):]}; "
+                f"this call uses {new_options[len('# options: '):]})")
+    raise AssertionError(
+        f"the recorded collectives differ from golden file {str(target)!r}; if the change "
+        "is intended, run `pytest --commspan-update-golden` and review the file's diff"
+        f"{hint}\n{delta}"
+    )

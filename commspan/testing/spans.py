@@ -1,0 +1,189 @@
+"""Looking at finished spans in tests: accessors, a tree view, a well-formedness check.
+
+For the spans a mode emitted (``CommCapture.spans``, an in-memory exporter's
+``get_finished_spans()``):
+
+- :func:`span_fqn`, :func:`span_phase`, :func:`span_counts` and
+  :func:`collective_events` read commspan's attributes and events of one span;
+- :class:`SpanTree` indexes spans by trace and id: parents, ancestors,
+  children, module spans and rank spans;
+- :func:`assert_well_formed` checks the rules every trace commspan writes
+  follows (docs/design.md, "Traces, spans and events").
+
+Example:
+    >>> import torch
+    >>> from commspan.testing import assert_well_formed, capture, span_phase
+    >>> with capture() as cap:
+    ...     torch.nn.Linear(2, 2)(torch.ones(1, 2, requires_grad=True)).sum().backward()
+    >>> assert_well_formed(cap.spans)
+    >>> sorted({span_phase(s) for s in cap.spans if span_phase(s)})
+    ['backward', 'forward']
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from opentelemetry.sdk.trace import Event, ReadableSpan
+
+from commspan import semconv
+
+__all__ = [
+    "SpanTree",
+    "assert_well_formed",
+    "collective_events",
+    "span_counts",
+    "span_fqn",
+    "span_phase",
+]
+
+_ROOTS = (semconv.SPAN_STEP, semconv.SPAN_SESSION)
+_PHASES = tuple(p.value for p in semconv.Phase)
+
+
+def span_fqn(span: ReadableSpan) -> str | None:
+    """The span's module name (``Global`` for a rank span, ``None`` for trace roots)."""
+    value = (span.attributes or {}).get(semconv.MODULE_FQN)
+    return None if value is None else str(value)
+
+
+def span_phase(span: ReadableSpan) -> str | None:
+    """The span's phase, ``None`` for trace roots and rank spans."""
+    value = (span.attributes or {}).get(semconv.PHASE)
+    return None if value is None else str(value)
+
+
+def span_counts(span: ReadableSpan) -> dict[tuple[str, str], int]:
+    """``{(phase, op): n}`` from the span's count attributes (its subtree's collectives)."""
+    out: dict[tuple[str, str], int] = {}
+    for key, value in (span.attributes or {}).items():
+        parsed = semconv.parse_count_key(key)
+        if parsed is not None:
+            out[parsed] = int(value)  # type: ignore[arg-type]
+    return out
+
+
+def collective_events(span: ReadableSpan) -> list[Event]:
+    """The events of ``span`` that record a collective, in order."""
+    return [e for e in span.events if semconv.COLL_OP in (e.attributes or {})]
+
+
+def _key(span: ReadableSpan) -> tuple[int, int]:
+    return span.context.trace_id, span.context.span_id
+
+
+class SpanTree:
+    """Finished spans indexed by ``(trace id, span id)``.
+
+    Args:
+        spans: the spans, in any order.
+
+    Attributes:
+        spans: the spans, as given.
+        by_id: ``{(trace id, span id): span}``.
+        children: ``{(trace id, span id): [child spans]}``.
+    """
+
+    def __init__(self, spans: Iterable[ReadableSpan]) -> None:
+        self.spans = list(spans)
+        self.by_id = {_key(s): s for s in self.spans}
+        self.children: dict[tuple[int, int], list[ReadableSpan]] = defaultdict(list)
+        for s in self.spans:
+            if s.parent is not None:
+                self.children[(s.context.trace_id, s.parent.span_id)].append(s)
+
+    def parent(self, span: ReadableSpan) -> ReadableSpan | None:
+        """The parent span; ``None`` for a trace root.
+
+        Raises:
+            KeyError: the parent is not among the spans.
+        """
+        if span.parent is None:
+            return None
+        return self.by_id[(span.context.trace_id, span.parent.span_id)]
+
+    def ancestors(self, span: ReadableSpan) -> Iterator[ReadableSpan]:
+        """Parent, grandparent, ... up to the trace root."""
+        cur = self.parent(span)
+        while cur is not None:
+            yield cur
+            cur = self.parent(cur)
+
+    def module_spans(self) -> list[ReadableSpan]:
+        """Spans of module calls (every span but trace roots and rank spans)."""
+        return [s for s in self.spans if span_phase(s) in _PHASES]
+
+    def rank_spans(self) -> list[ReadableSpan]:
+        """The ``commspan.rank`` spans (one per trace and rank)."""
+        return [s for s in self.spans if s.name == semconv.SPAN_RANK]
+
+
+def _times(span: ReadableSpan) -> tuple[int, int]:
+    assert span.start_time is not None and span.end_time is not None, span.name
+    return span.start_time, span.end_time
+
+
+def assert_well_formed(spans: Iterable[ReadableSpan]) -> None:
+    """Assert the rules every trace commspan writes follows.
+
+    - ids are unique; each trace has one root, a ``commspan.step`` or
+      ``commspan.session`` span, and every other span's parent is a span of
+      the same trace;
+    - a span starts before it ends, inside its parent's interval, and its
+      events happen while it is open;
+    - a module span is named ``"<fqn> <phase>"``; a forward span nests under a
+      forward span or the rank span, a backward span under a backward span or
+      the rank span, a recompute span under a backward or recompute span with
+      a backward span above it;
+    - a collective event carries the module and phase of the span it is on.
+
+    Args:
+        spans: every span of the traces to check (a trace's root included).
+
+    Raises:
+        AssertionError: a rule is broken; the message names the span.
+    """
+    tree = SpanTree(spans)
+    assert len(tree.by_id) == len(tree.spans), "span ids are unique"
+    roots: Counter[int] = Counter()
+    for span in tree.spans:
+        start, end = _times(span)
+        assert start <= end, span.name
+        for event in span.events:
+            assert start <= event.timestamp <= end, (span.name, event.name)
+        if span.parent is None:
+            assert span.name in _ROOTS, f"{span.name}: a trace root that is not a step or session"
+            roots[span.context.trace_id] += 1
+            continue
+        parent = tree.by_id.get((span.context.trace_id, span.parent.span_id))
+        assert parent is not None, f"{span.name}: parent missing"
+        parent_start, parent_end = _times(parent)
+        assert parent_start <= start and end <= parent_end, (span.name, parent.name)
+    assert set(roots) == {s.context.trace_id for s in tree.spans}, "a trace without its root"
+    assert all(n == 1 for n in roots.values()), "a trace with several roots"
+    for span in tree.module_spans():
+        _check_module_span(tree, span)
+
+
+def _check_module_span(tree: SpanTree, span: ReadableSpan) -> None:
+    phase, fqn = span_phase(span), span_fqn(span)
+    assert span.name == f"{fqn} {phase}", span.name
+    parent = tree.parent(span)
+    assert parent is not None, span.name
+    parent_phase = span_phase(parent)
+    if parent_phase is None:  # directly under the rank span
+        assert parent.name == semconv.SPAN_RANK, (span.name, parent.name)
+        assert phase in ("forward", "backward"), span.name
+    elif phase in ("forward", "backward"):
+        assert parent_phase == phase, (span.name, parent.name)
+    else:  # recompute: inside a backward, possibly under an enclosing recompute
+        assert parent_phase in ("backward", "recompute"), (span.name, parent.name)
+        ancestor: Any = parent
+        while span_phase(ancestor) == "recompute":
+            ancestor = tree.parent(ancestor)
+        assert span_phase(ancestor) == "backward", (span.name, ancestor.name)
+    for event in collective_events(span):
+        attrs = event.attributes or {}
+        assert attrs[semconv.PHASE] == phase and attrs[semconv.MODULE_FQN] == fqn, span.name

@@ -1,0 +1,225 @@
+"""capture/backward.py: backward spans inferred from the forward pass, in awkward cases:
+in-place modules, deleted modules, inputs without grad, no_grad, activation checkpointing,
+and nothing left behind step after step.
+
+Spans are captured synchronously through a ``TracerProvider`` with an in-memory
+exporter. Tensor parallelism runs on the fake process group (``mesh`` fixture).
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from collections import Counter
+
+import pytest
+import torch
+from _tracing import (
+    IN_DIM,
+    Boom,
+    Holder,
+    mlp_step,
+    named,
+    tp_mlp,
+    traced_mode,
+)
+from opentelemetry.trace import StatusCode
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.utils.checkpoint import checkpoint
+
+from commspan import semconv
+from commspan.testing import assert_well_formed
+from commspan.testing import span_fqn as fqn
+from commspan.testing import span_phase as phase
+
+
+class _PassThrough(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.act = nn.ReLU(inplace=True)
+        self.ident = nn.Identity()
+        self.out = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.ident(self.act(self.lin(x))))
+
+
+def test_inplace_module_keeps_backward_span_identity_gets_none() -> None:
+    """ReLU(inplace=True), which returns its input modified, gets a backward span; Identity none."""
+    mode, exporter = traced_mode()
+    with mode:
+        _PassThrough()(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    spans = list(exporter.get_finished_spans())
+    assert_well_formed(spans)
+    backward = {fqn(s) for s in spans if phase(s) == "backward"}
+    assert "_PassThrough.act" in backward
+    assert "_PassThrough.ident" not in backward
+    assert {"_PassThrough", "_PassThrough.lin", "_PassThrough.out"} <= backward
+
+
+def test_module_deleted_before_backward(mesh: DeviceMesh) -> None:
+    """Backward after the model is deleted and collected still yields named, well-formed spans."""
+    mode, exporter = traced_mode()
+    model = tp_mlp(mesh)
+    ref = weakref.ref(model)
+    with mode:
+        loss = model(torch.randn(4, IN_DIM, requires_grad=True)).sum()
+        del model
+        gc.collect()
+        assert ref() is None
+        loss.backward()
+    spans = list(exporter.get_finished_spans())
+    assert_well_formed(spans)
+    backward = {fqn(s) for s in spans if phase(s) == "backward"}
+    assert backward == {"MLPModule", "MLPModule.net1", "MLPModule.relu", "MLPModule.net2"}
+    assert mode.stats()["internal_errors"] == 0
+    assert mode.aggregator is not None
+    assert mode.aggregator.module_counts()["MLPModule.net1"] == {"backward": {"all_reduce": 1}}
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+def test_inputs_that_do_not_require_grad(mesh: DeviceMesh) -> None:
+    """Inputs without grad: counts match torch's CommDebugMode; every module has a backward span."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    model = tp_mlp(mesh)
+    reference = CommDebugMode()
+    with reference:
+        mlp_step(model, requires_grad=False)
+    mode, exporter = traced_mode()
+    with mode:
+        mlp_step(model, requires_grad=False)
+    spans = list(exporter.get_finished_spans())
+    assert_well_formed(spans)
+    forward = {fqn(s) for s in spans if phase(s) == "forward"}
+    assert {fqn(s) for s in spans if phase(s) == "backward"} == forward
+    assert mode.aggregator is not None
+    assert mode.aggregator.total_count() == reference.get_total_counts() >= 1
+    assert mode.stats()["internal_errors"] == 0
+
+
+def test_no_grad_forward_has_no_backward_spans(mesh: DeviceMesh) -> None:
+    """Under torch.no_grad only forward spans are recorded, with their collectives."""
+    model = tp_mlp(mesh)
+    mode, exporter = traced_mode()
+    with mode, torch.no_grad():
+        model(torch.randn(4, IN_DIM))
+    spans = list(exporter.get_finished_spans())
+    assert_well_formed(spans)
+    assert {phase(s) for s in spans} == {None, "forward"}
+    assert mode.aggregator is not None
+    assert mode.aggregator.comm_counts("forward") == {"all_reduce": 1}
+    assert mode.aggregator.comm_counts("backward") == {}
+
+
+class _Checkpointed(nn.Module):
+    """Two TP MLPs; the second runs under activation checkpointing."""
+
+    def __init__(self, mesh: DeviceMesh, use_reentrant: bool) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([tp_mlp(mesh), tp_mlp(mesh)])
+        self.use_reentrant = use_reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.layers[0](x)
+        return checkpoint(self.layers[1], x, use_reentrant=self.use_reentrant)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_checkpoint_recompute_spans_nest_under_backward(
+    mesh: DeviceMesh, use_reentrant: bool
+) -> None:
+    """Checkpointed blocks get recompute spans, each with a backward span among its ancestors."""
+    model = _Checkpointed(mesh, use_reentrant)
+    mode, exporter = traced_mode()
+    with mode:
+        for i in range(2):
+            with mode.step(i):
+                mlp_step(model)
+    spans = list(exporter.get_finished_spans())
+    assert_well_formed(spans)
+    by_id = {(s.context.trace_id, s.context.span_id): s for s in spans}
+    recompute = [s for s in spans if phase(s) == "recompute"]
+    assert len(named(spans, "_Checkpointed.layers.1", "recompute")) == 2
+    assert all(str(fqn(s)).startswith("_Checkpointed.layers.1") for s in recompute)
+    for s in recompute:
+        ancestors = []
+        cur = s
+        while cur.parent is not None:
+            cur = by_id[(cur.context.trace_id, cur.parent.span_id)]
+            ancestors.append(cur)
+        assert any(phase(a) == "backward" for a in ancestors), s.name
+    assert len(named(spans, "_Checkpointed.layers.1", "backward")) == 2
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_checkpoint_step_has_no_error_spans(mesh: DeviceMesh, use_reentrant: bool) -> None:
+    """A successful checkpointed step has no ERROR span or exception event (early stop)."""
+    model = _Checkpointed(mesh, use_reentrant)
+    mode, exporter = traced_mode()
+    with mode:
+        mlp_step(model)
+    spans = list(exporter.get_finished_spans())
+    errors = [s.name for s in spans if s.status.status_code is StatusCode.ERROR]
+    exceptions = [s.name for s in spans for e in s.events if e.name == semconv.EVENT_EXCEPTION]
+    assert errors == [] and exceptions == []
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_checkpoint_totals_match_commdebugmode(mesh: DeviceMesh, use_reentrant: bool) -> None:
+    """With checkpointing, the total over all phases equals torch's CommDebugMode total."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    model = _Checkpointed(mesh, use_reentrant)
+    cdm = CommDebugMode()
+    with cdm:
+        mlp_step(model)
+    mode, _ = traced_mode()
+    with mode:
+        mlp_step(model)
+    assert mode.aggregator is not None
+    assert mode.aggregator.total_count() == cdm.get_total_counts() >= 4
+
+
+def _live_objects() -> Counter[str]:
+    """Live commspan frames and calls, and live tensors, after a full garbage collection."""
+    from commspan.capture.backward import _Call
+    from commspan.spans.frames import Frame
+
+    gc.collect()
+    live: Counter[str] = Counter()
+    tensor = torch.Tensor
+    for obj in gc.get_objects():
+        kind = type(obj)  # not isinstance: that may call a module's __getattr__
+        if kind is Frame:
+            live["Frame"] += 1
+        elif kind is _Call:
+            live["_Call"] += 1
+        elif issubclass(kind, tensor):
+            live["Tensor"] += 1
+    return live
+
+
+def test_nothing_accumulates_over_steps(mesh: DeviceMesh) -> None:
+    """Over many checkpointed steps, some failing, live frames, calls and tensors stay flat."""
+    models = [_Checkpointed(mesh, use_reentrant=False), _Checkpointed(mesh, use_reentrant=True)]
+    failing = Holder()
+    mode, _ = traced_mode()
+    samples = []
+    with mode:
+        for i in range(16):
+            with mode.step(i):
+                for model in models:
+                    mlp_step(model)
+                if i % 3 == 0:
+                    try:
+                        failing(torch.randn(2, IN_DIM))
+                    except Boom:
+                        pass
+            if i in (3, 15):
+                samples.append(_live_objects())
+    first, last = samples
+    assert last["Frame"] <= first["Frame"] and last["_Call"] <= first["_Call"]
+    assert last["Tensor"] <= first["Tensor"]

@@ -1,0 +1,98 @@
+"""capture/dispatch.py: commspan's dispatch mode nested with torch's CommDebugMode,
+either way round."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from _tracing import (
+    mlp_step,
+    tp_mlp,
+    traced_mode,
+)
+from torch.distributed.device_mesh import DeviceMesh
+
+
+def _cdm_counts(cdm: Any) -> tuple[int, dict[str, int], dict[str, dict[str, dict[str, int]]]]:
+    module_counts = {
+        m: {p: {str(op): n for op, n in ops.items()} for p, ops in phases.items()}
+        for m, phases in cdm.comm_module_counts.items()
+    }
+    return (
+        cdm.get_total_counts(),
+        {str(op): n for op, n in cdm.get_comm_counts().items()},
+        module_counts,
+    )
+
+
+@pytest.mark.parametrize(
+    "commspan_outside", [True, False], ids=["commspan-outside", "commspan-inside"]
+)
+def test_nesting_with_torch_commdebugmode(mesh: DeviceMesh, commspan_outside: bool) -> None:
+    """CommSpanMode around or inside torch's CommDebugMode (fresh per step) changes no counts."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    model = tp_mlp(mesh)
+    alone = []
+    for _ in range(2):
+        cdm = CommDebugMode()
+        with cdm:
+            mlp_step(model)
+        alone.append(_cdm_counts(cdm))
+    solo, _ = traced_mode()
+    with solo:
+        for i in range(2):
+            with solo.step(i):
+                mlp_step(model)
+    assert solo.aggregator is not None
+
+    nested, _ = traced_mode()
+    together = []
+    if commspan_outside:
+        with nested:
+            for i in range(2):
+                cdm = CommDebugMode()
+                with nested.step(i), cdm:
+                    mlp_step(model)
+                together.append(_cdm_counts(cdm))
+    else:
+        for _ in range(2):
+            cdm = CommDebugMode()
+            with cdm, nested:
+                mlp_step(model)
+            together.append(_cdm_counts(cdm))
+    assert together == alone
+    assert alone[0][0] == 2
+    assert nested.aggregator is not None
+    if commspan_outside:
+        assert nested.aggregator.module_counts() == solo.aggregator.module_counts()
+    else:  # a fresh context per step: compare with one step alone
+        one, _ = traced_mode()
+        with one:
+            mlp_step(model)
+        assert one.aggregator is not None
+        assert nested.aggregator.module_counts() == one.aggregator.module_counts()
+
+
+def test_sampled_out_steps_with_commdebugmode_around_or_inside(mesh: DeviceMesh) -> None:
+    """Sampled-out steps record nothing, with torch's CommDebugMode around or inside the step."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    model = tp_mlp(mesh)
+    for cdm_outside in (True, False):
+        mode, _ = traced_mode(sample={0, 2})
+        seen = []
+        with mode:
+            for i in range(4):
+                cdm = CommDebugMode()
+                if cdm_outside:
+                    with cdm, mode.step(i):
+                        mlp_step(model)
+                else:
+                    with mode.step(i), cdm:
+                        mlp_step(model)
+                assert mode.aggregator is not None
+                seen.append((cdm.get_total_counts(), mode.aggregator.total_count()))
+        assert seen == [(2, 2), (2, 2), (2, 4), (2, 4)], cdm_outside
+        assert mode.stats()["collectives"] == 4

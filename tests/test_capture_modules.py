@@ -1,0 +1,176 @@
+"""capture/modules.py: module spans under awkward conditions: a module called twice,
+containers, torch.compile.
+
+Spans are captured synchronously through a ``TracerProvider`` with an in-memory
+exporter. Tensor parallelism runs on the fake process group (``mesh`` fixture).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from _tracing import (
+    IN_DIM,
+    attrs,
+    mlp_step,
+    named,
+    quiet,
+    tp_mlp,
+    traced_mode,
+)
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from commspan import semconv
+from commspan.testing import assert_well_formed
+from commspan.testing import span_counts as counts
+from commspan.testing import span_fqn as fqn
+from commspan.testing import span_phase as phase
+
+
+class _Tied(nn.Module):
+    """Calls ``block`` twice, then a head kept in a ModuleDict."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+        self.head = nn.ModuleDict({"out": nn.Linear(IN_DIM, IN_DIM)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head["out"](self.block(self.block(x)))
+
+
+def test_module_called_twice_gets_two_spans_and_counts_add(mesh: DeviceMesh) -> None:
+    """A module called twice in one forward gets two spans per phase, and its counts double."""
+    single, _ = traced_mode()
+    model = _Tied(tp_mlp(mesh))
+    with single:
+        mlp_step(model.block)
+    assert single.aggregator is not None
+    once = single.aggregator.module_counts()["MLPModule"]
+    assert once["forward"]["all_reduce"] >= 1 and once["backward"]["all_reduce"] >= 1
+
+    mode, exporter = traced_mode()
+    with mode:
+        mlp_step(model)
+    spans = list(exporter.get_finished_spans())
+    assert_well_formed(spans)
+    for in_phase in ("forward", "backward"):
+        block_spans = named(spans, "_Tied.block", in_phase)
+        assert len(block_spans) == 2
+        assert len(named(spans, "_Tied.block.net2", in_phase)) == 2
+        for s in block_spans:
+            assert counts(s) == {(in_phase, op): n for op, n in once[in_phase].items()}
+    assert mode.aggregator is not None
+    got = mode.aggregator.module_counts()
+    doubled = {p: {op: 2 * n for op, n in ops.items()} for p, ops in once.items()}
+    assert got["_Tied.block"] == doubled
+    assert got["_Tied"] == doubled
+    assert got["Global"] == doubled
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.ModuleDict({"inp": nn.Linear(4, 4), "out": nn.Linear(4, 4)})
+        self.act = nn.Sequential(nn.ReLU(), nn.Identity())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj["out"](self.act(self.proj["inp"](x)))
+
+
+class _Containers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([_Block(), _Block()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_container_names() -> None:
+    """ModuleList/ModuleDict children are named like Root.layers.0.proj.inp; containers get none."""
+    mode, exporter = traced_mode()
+    with mode:
+        _Containers()(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    spans = list(exporter.get_finished_spans())
+    forward_names = {fqn(s) for s in spans if phase(s) == "forward"}
+    expected = {"_Containers"}
+    for i in range(2):
+        expected |= {
+            f"_Containers.layers.{i}",
+            f"_Containers.layers.{i}.proj.inp",
+            f"_Containers.layers.{i}.proj.out",
+            f"_Containers.layers.{i}.act",
+            f"_Containers.layers.{i}.act.0",
+            f"_Containers.layers.{i}.act.1",
+        }
+    assert forward_names == expected
+    assert {fqn(s) for s in spans if phase(s) == "backward"} <= expected
+    assert "_Containers.layers.0.proj.inp" in {fqn(s) for s in spans if phase(s) == "backward"}
+    depth = {fqn(s): attrs(s)[semconv.MODULE_DEPTH] for s in spans if phase(s) == "forward"}
+    assert depth["_Containers"] == 1
+    assert depth["_Containers.layers.1"] == 2
+    assert depth["_Containers.layers.1.proj.out"] == 3
+    assert depth["_Containers.layers.1.act.0"] == 4
+    assert_well_formed(spans)
+
+
+class _Inner(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(4, 4)
+        self.l2 = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l2(torch.relu(self.l1(x)))
+
+
+class _Outer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.pre = nn.Linear(4, 4)
+        self.inner = torch.compile(_Inner(), backend="eager")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(self.pre(x))
+
+
+def test_compiled_submodule_inside_mode() -> None:
+    """A torch.compile'd submodule runs under the mode without errors; outer modules get spans."""
+    model = _Outer()
+    x = torch.randn(2, 4)
+    expected = quiet(lambda: model(x)).detach()
+    mode, exporter = traced_mode()
+    with mode:
+        for _ in range(2):
+            out = quiet(lambda: model(x.clone().requires_grad_()))
+            out.sum().backward()
+    assert torch.allclose(out.detach(), expected)
+    spans = list(exporter.get_finished_spans())
+    assert_well_formed(spans)
+    names = {fqn(s) for s in spans if phase(s) is not None}
+    assert {"_Outer", "_Outer.pre"} <= names
+    assert all(n.startswith("_Outer") for n in names if n)
+    assert len(named(spans, "_Outer", "forward")) == 2
+    assert mode.stats()["internal_errors"] == 0
+
+
+def test_compiled_tp_module_collectives_still_counted(mesh: DeviceMesh) -> None:
+    """A compiled (eager backend) TP MLP runs under the mode and its collectives are counted."""
+    eager_mode, _ = traced_mode()
+    eager = tp_mlp(mesh)
+    with eager_mode:
+        mlp_step(eager)
+    compiled: Any = torch.compile(tp_mlp(mesh), backend="eager")
+    mode, exporter = traced_mode()
+    with mode:
+        quiet(lambda: mlp_step(compiled))
+    assert_well_formed(list(exporter.get_finished_spans()))
+    assert mode.aggregator is not None and eager_mode.aggregator is not None
+    assert mode.aggregator.comm_counts() == eager_mode.aggregator.comm_counts()
+    assert mode.stats()["internal_errors"] == 0

@@ -1,0 +1,139 @@
+"""`commspan check` and `commspan stragglers` on JSONL written by traced models: exit
+statuses, text and JSON, errors as one line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from _cli_runs import add_durations, net_step, run_cli, session_dir, write_run
+
+
+@pytest.fixture(scope="module")
+def consistent(tmp_path_factory: pytest.TempPathFactory, fake_pg: None) -> Path:
+    """4 ranks, steps 0-1, one forward and one backward all_reduce per step, everywhere."""
+    return session_dir(tmp_path_factory, "check-ok", lambda out: write_run(
+        out, "same", net_step()))
+
+
+@pytest.fixture(scope="module")
+def divergent(tmp_path_factory: pytest.TempPathFactory, fake_pg: None) -> Path:
+    """As ``consistent``, but rank 1 issues one more forward all_reduce in step 1."""
+    return session_dir(tmp_path_factory, "check-bad", lambda out: write_run(
+        out, "divergent", net_step(extra_on=(1, 1))))
+
+
+@pytest.fixture(scope="module")
+def timed(tmp_path_factory: pytest.TempPathFactory, consistent: Path) -> Path:
+    """``consistent`` with durations: at Net's collectives rank 2 waits 0.1 µs, the others
+    5 µs (rank 2 arrives last)."""
+    def build(out: Path) -> None:
+        for f in consistent.glob("*.jsonl"):
+            shutil.copy(f, out / f.name)
+        add_durations(out, "Net", {2: 100}, 5_000)
+
+    return session_dir(tmp_path_factory, "check-timed", build)
+
+
+def test_consistent_run_exits_0(consistent: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Every rank issued the same collectives: 'consistent', exit 0."""
+    code, out, err = run_cli(capsys, "check", str(consistent))
+    assert (code, err) == (0, "")
+    assert out == ("consistent: checked 4 ranks, 1 group, 2 steps, 16 collectives, "
+                   "0 p2p ops\n")
+
+
+def test_divergent_run_exits_1(divergent: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Rank 1's extra all_reduce: a mismatch in step 1, group 0, naming the module; exit 1;
+    --json has the documented keys."""
+    code, out, err = run_cli(capsys, "check", str(divergent))
+    assert (code, err) == (1, "")
+    first = out.splitlines()[0]
+    assert first.startswith("mismatch") and "step 1" in first and "`Net`" in first
+    code, out, _ = run_cli(capsys, "check", str(divergent), "--json")
+    data = json.loads(out)
+    assert code == 1 and set(data) == {"findings", "checked", "run"}
+    finding = data["findings"][0]
+    assert {"kind", "group", "seq", "step", "ranks", "message"} <= set(finding)
+    assert (finding["kind"], finding["group"], finding["step"]) == ("mismatch", "0", 1)
+    assert finding["ranks"]["1"]["fqn"] == "Net"
+    code, _, _ = run_cli(capsys, "check", str(divergent), "--step", "0")
+    assert code == 0  # step 0 is consistent
+
+
+@pytest.mark.parametrize(
+    ("setup", "message"),
+    [
+        ("missing", "FileNotFoundError: FILES: '{p}' does not exist"),
+        ("empty", "FileNotFoundError: FILES: directory '{p}' holds no *.jsonl file"),
+        ("garbage", "ValueError: {p}:1: not a JSON line"),
+        ("foreign", "ValueError: FILES: no commspan span in {p}"),
+    ],
+)
+def test_unreadable_input_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], setup: str, message: str
+) -> None:
+    """A missing path, an empty folder, a file that is not JSONL or holds no commspan span:
+    one line on stderr, exit 2 (1 would mean findings)."""
+    p = tmp_path / "x.jsonl"
+    if setup == "empty":
+        p = tmp_path
+    elif setup == "garbage":
+        p.write_text("garbage\n")
+    elif setup == "foreign":
+        p.write_text('{"resourceSpans": [{"scopeSpans": [{"spans": [{"name": "GET /"}]}]}]}\n')
+    for command in ("check", "stragglers"):
+        code, out, err = run_cli(capsys, command, str(p))
+        assert (code, out) == (2 if command == "check" else 1, ""), command
+        assert err.startswith(message.format(p=p)) and err.count("\n") == 1, err
+
+
+def test_damaged_lines_exit_2_after_the_result(
+    consistent: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A damaged line among good ones: check still prints its result, names the line, and
+    exits 2 (the verdict does not cover the lost line)."""
+    for f in consistent.glob("*.jsonl"):
+        shutil.copy(f, tmp_path / f.name)
+    rank0 = tmp_path / "commspan-rank0.jsonl"
+    rank0.write_bytes(b"{oops\n" + rank0.read_bytes())
+    code, out, err = run_cli(capsys, "check", str(tmp_path))
+    assert code == 2
+    assert out.startswith("consistent: ") or out.startswith("mismatch")
+    assert err.splitlines()[0].startswith(f"ValueError: {rank0}:1: not a JSON line")
+    assert err.splitlines()[-1].startswith("commspan: 1 damaged line(s) skipped")
+
+
+def test_stragglers_without_timing(consistent: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """No durations recorded: stragglers says timing is needed and still shows where each
+    rank's step goes; exit 0; --json keys."""
+    code, out, err = run_cli(capsys, "stragglers", str(consistent))
+    assert (code, err) == (0, "")
+    assert "stragglers need collective timing" in out.splitlines()[0]
+    assert "Step time per rank (mean per step)" in out
+    code, out, _ = run_cli(capsys, "stragglers", str(consistent), "--json")
+    data = json.loads(out)
+    assert set(data) == {"stragglers", "ranks", "step_times", "checked", "run"}
+    assert sorted({(s["rank"], s["step"]) for s in data["step_times"]}) == [
+        (r, s) for r in range(4) for s in range(2)]
+
+
+def test_stragglers_names_the_last_rank_and_module(
+    timed: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Rank 2 waited least at Net's collectives: it is named last, with the wait it caused
+    (4.9 µs per other rank and collective)."""
+    code, out, _ = run_cli(capsys, "stragglers", str(timed), "--json")
+    data = json.loads(out)
+    assert code == 0
+    top = data["stragglers"][0]
+    assert (top["rank"], top["fqn"]) == (2, "Net")
+    assert top["max_wait_ns"] == 4_900
+    assert {r["rank"] for r in data["stragglers"]} == {2}
+    code, out, _ = run_cli(capsys, "stragglers", str(timed), "--top", "1")
+    rows = out.splitlines()
+    assert rows[1].split()[:4] == ["step", "module", "phase", "rank"]
+    assert rows[2].split()[1:4] == ["Net", rows[2].split()[2], "2"]
+    assert "more rows (--json lists all)" in rows[3]

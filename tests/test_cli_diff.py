@@ -1,0 +1,207 @@
+"""`commspan diff`: two runs, or two steps of one run, compared per module, phase and op."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from _cli_runs import run_cli, session_dir, tp_transformer, transformer_step, write_run
+
+from commspan.cli import main
+from commspan.testing import fake_mesh
+
+WO = "Transformer.layers.0.attention.wo"
+
+
+
+@pytest.fixture(scope="module")
+def plans(tmp_path_factory: pytest.TempPathFactory, fake_pg: None) -> dict[str, Path]:
+    """Rank 0 of the tensor-parallel toy Transformer, one training step per run: plain
+    tensor parallelism, the same with sequence parallelism, and one run whose step 0
+    is plain and step 1 sequence parallel."""
+    mesh = fake_mesh(4)
+
+    def one(sp: bool, run_id: str) -> object:
+        return lambda out: write_run(
+            out, run_id, transformer_step(tp_transformer(mesh, sequence_parallel=sp)),
+            steps=(0,), ranks=(0,))
+
+    def mixed(out: Path) -> None:
+        tp = transformer_step(tp_transformer(mesh))
+        sp = transformer_step(tp_transformer(mesh, sequence_parallel=True))
+        write_run(out, "mixed", lambda rank, step: (sp if step else tp)(rank, step),
+                  steps=(0, 1), ranks=(0,))
+
+    return {
+        "tp": session_dir(tmp_path_factory, "diff-tp", one(False, "tp")),  # type: ignore[arg-type]
+        "tp-again": session_dir(tmp_path_factory, "diff-tp2", one(False, "tp2")),  # type: ignore[arg-type]
+        "sp": session_dir(tmp_path_factory, "diff-sp", one(True, "sp")),  # type: ignore[arg-type]
+        "mixed": session_dir(tmp_path_factory, "diff-mixed", mixed),
+    }
+
+
+def test_sequence_parallel_shows_as_a_readable_diff(
+    plans: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Turning sequence parallelism on: wo's forward all_reduce becomes a reduce_scatter
+    (P(sum)->S(1)), attention gains a forward all_gather (S(1)->R); exit 1."""
+    code, out, err = run_cli(capsys, "diff", str(plans["tp"]), str(plans["sp"]))
+    assert (code, err) == (1, "")
+    lines = out.splitlines()
+    assert lines[0] == f"--- A: {plans['tp']} (run tp, ranks 0, steps 0)"
+    assert lines[1] == f"+++ B: {plans['sp']} (run sp, ranks 0, steps 0)"
+    wo = lines.index(WO)
+    assert [ln.split() for ln in lines[wo + 1: wo + 4]] == [
+        ["-", "forward", "all_reduce", "x1", "1,024", "B", "P(sum)->R"],
+        ["+", "forward", "reduce_scatter_tensor", "x1", "1,024", "B", "P(sum)->S(1)"],
+        ["+", "backward", "all_gather_into_tensor", "x1", "256", "B", "S(1)->R"],
+    ]
+    assert lines[wo + 4] == "Transformer.layers.0.attention.wq"  # the next module's block
+    attention = lines.index("Transformer.layers.0.attention")
+    assert [ln.split() for ln in lines[attention + 1: attention + 3]] == [
+        ["+", "forward", "all_gather_into_tensor", "x1", "256", "B", "S(1)->R"],
+        ["+", "backward", "reduce_scatter_tensor", "x1", "1,024", "B", "P(sum)->S(1)"],
+    ]
+    # the vocab head gathers its input too: same op, now twice, with another placement
+    output = lines.index("Transformer.output")
+    assert lines[output + 1].split() == [
+        "~", "forward", "all_gather_into_tensor", "count", "1", "=>", "2;", "bytes", "128", "B",
+        "=>", "384", "B;", "placements", "S(2)->R", "=>", "S(1)->R,", "S(2)->R"]
+    # 16 (module, phase, op) without SP, 22 with; only the head's forward gather is in both
+    assert lines[-1] == "21 added, 15 removed, 1 changed, 0 same (per step)"
+
+
+def test_diff_json_lists_added_removed_changed(
+    plans: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--json: equal, counts, one entry per module/phase/op with both sides' usage."""
+    code, out, _ = run_cli(capsys, "diff", str(plans["tp"]), str(plans["sp"]), "--json")
+    data = json.loads(out)
+    assert code == 1 and data["equal"] is False
+    assert set(data) >= {"equal", "counts", "entries", "a", "b"}
+    assert data["a"] == {"path": str(plans["tp"]), "run": "tp", "steps": [0], "ranks": [0]}
+    entries = {(e["fqn"], e["phase"], e["op"]): e for e in data["entries"]}
+    removed = entries[(WO, "forward", "all_reduce")]
+    assert removed["status"] == "removed" and removed["b"] is None
+    assert removed["a"] == {"count": 1, "bytes": 1024, "placements": ["P(sum)->R"]}
+    added = entries[(WO, "forward", "reduce_scatter_tensor")]
+    assert added["status"] == "added" and added["a"] is None
+    assert added["b"] == {"count": 1, "bytes": 1024, "placements": ["P(sum)->S(1)"]}
+    assert data["counts"] == {"added": 21, "removed": 15, "changed": 1, "same": 0}
+    assert len(data["entries"]) == 37
+
+
+def test_equal_runs_exit_0(plans: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    """Two runs of the same plan (other run ids) are equal: exit 0, one line saying so."""
+    code, out, _ = run_cli(capsys, "diff", str(plans["tp"]), str(plans["tp-again"]))
+    assert code == 0
+    assert out.splitlines()[-1] == "no difference: 16 module/phase/op compared (per step)"
+    code, out, _ = run_cli(capsys, "diff", str(plans["tp"]), str(plans["tp-again"]), "--json")
+    assert code == 0 and json.loads(out)["entries"] == []
+
+
+def test_two_steps_of_one_run(plans: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    """`diff DIR --step 0 --step 1` compares two steps of one run: the same difference
+    as between the two runs."""
+    code, out, _ = run_cli(capsys, "diff", str(plans["mixed"]), "--step", "0", "--step", "1",
+                        "--json")
+    across_steps = json.loads(out)
+    _, out, _ = run_cli(capsys, "diff", str(plans["tp"]), str(plans["sp"]), "--json")
+    across_runs = json.loads(out)
+    assert code == 1
+    assert across_steps["entries"] == across_runs["entries"]
+    assert across_steps["a"]["steps"] == [0] and across_steps["b"]["steps"] == [1]
+    code, out, _ = run_cli(capsys, "diff", str(plans["mixed"]), "--step", "0", "--step", "0")
+    assert code == 0
+
+
+def test_steps_are_compared_per_step(
+    plans: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A 2-step run compared with a 1-step run of the same plan is equal (counts per step);
+    --steps applies the same range to both sides."""
+    code, _, _ = run_cli(capsys, "diff", str(plans["mixed"]), str(plans["tp"]), "--steps", "0-0")
+    assert code == 0
+    code, out, _ = run_cli(capsys, "diff", str(plans["mixed"]), str(plans["tp"]), "--json")
+    data = json.loads(out)
+    assert code == 1 and data["a"]["steps"] == [0, 1]
+    fwd = {(e["fqn"], e["phase"], e["op"]): e for e in data["entries"]}[(WO, "forward",
+                                                                          "all_reduce")]
+    assert fwd["status"] == "changed" and fwd["fields"] == ["count", "bytes"]
+    assert fwd["a"]["count"] == 0.5 and fwd["b"]["count"] == 1  # 1 all_reduce in 2 steps
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["diff", "{tp}", "{missing}"], "FileNotFoundError: B: '{missing}' does not exist"),
+        (["diff", "{tp}", "{tp}", "--step", "5"],
+         "ValueError: A: --step 5: not in run tp, which has steps 0"),
+        (["diff", "{tp}", "{sp}", "--rank", "3"],
+         "ValueError: --rank 3: A holds no span of that rank (ranks: 0)"),
+        (["diff", "{mixed}", "--step", "0", "--step", "4"],
+         "ValueError: --step 4: not in run mixed, which has steps 0-1"),
+        (["diff", "{tp}", "{notjsonl}"],
+         "ValueError: {notjsonl}:1: not a JSON line"),
+    ],
+)
+def test_bad_input_exits_2(
+    plans: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    argv: list[str], message: str,
+) -> None:
+    """A missing path, a step or rank not in a run, a file that is not JSONL: one line on
+    stderr, nothing on stdout, exit 2 (1 would mean "different")."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("hello\n")
+    fill = {**{k.replace("-", ""): str(v) for k, v in plans.items()},
+            "missing": str(tmp_path / "nope"), "notjsonl": str(bad)}
+    code, out, err = run_cli(capsys, *(a.format(**fill) for a in argv))
+    assert (code, out) == (2, "")
+    assert err.startswith(message.format(**fill)), err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["diff", "{tp}"],
+        ["diff", "{tp}", "--step", "0"],
+        ["diff", "{tp}", "{sp}", "--step", "0", "--step", "0", "--step", "0"],
+        ["diff", "{tp}", "{sp}", "--step", "0", "--steps", "0-1"],
+    ],
+)
+def test_usage_errors_exit_2(
+    plans: dict[str, Path], capsys: pytest.CaptureFixture[str], argv: list[str]
+) -> None:
+    """One path without two steps or runs, an option three times, --step with --steps:
+    argparse's usage error, status 2."""
+    with pytest.raises(SystemExit) as info:
+        main([a.format(tp=plans["tp"], sp=plans["sp"]) for a in argv])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "error:" in err
+
+
+@pytest.mark.multiprocess
+def test_example_with_sequence_parallel(
+    tmp_path_factory: pytest.TempPathFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The README's diff: examples/tp_transformer.py on 4 gloo ranks, with and without
+    --sequence-parallel; wo's all_reduce turns into a reduce_scatter in forward and in
+    the recompute of the checkpointed block."""
+    from _example_run import example_run
+
+    tp = example_run(tmp_path_factory, 3)
+    sp = example_run(tmp_path_factory, 3, "--sequence-parallel")
+    code, out, err = run_cli(capsys, "diff", str(tp), str(sp))
+    assert (code, err) == (1, "")
+    lines = out.splitlines()
+    for block, recomputed in (("0", False), ("1", True)):
+        wo = lines.index(f"Transformer.layers.{block}.attention.wo")
+        changes = [ln.split()[:3] for ln in lines[wo + 1:wo + 6] if ln[:1] in "+-~"]
+        assert ["-", "forward", "all_reduce"] in changes
+        assert ["+", "forward", "reduce_scatter_tensor"] in changes
+        assert (["+", "recompute", "reduce_scatter_tensor"] in changes) is recomputed
+    code, out, _ = run_cli(capsys, "diff", str(sp), str(sp), "--json")
+    assert code == 0 and json.loads(out)["equal"] is True

@@ -1,0 +1,135 @@
+"""`commspan html` and `commspan perfetto`: the report and the trace written from the
+command line, for the run and steps chosen."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+from _cli_runs import (
+    net_step,
+    run_cli,
+    session_dir,
+    tp_run,
+    write_run,
+)
+from _report_dom import embedded_data
+
+
+@pytest.fixture(scope="module")
+def tp(tmp_path_factory: pytest.TempPathFactory, fake_pg: None) -> Path:
+    """4 ranks, steps 0-2 of the tensor-parallel toy Transformer (run "tp-run")."""
+    return tp_run(tmp_path_factory)
+
+@pytest.fixture(scope="module")
+def divergent(tmp_path_factory: pytest.TempPathFactory, fake_pg: None) -> Path:
+    """4 ranks, steps 0-1 of one all_reduce per step; rank 1 issues one more in step 1."""
+    return session_dir(tmp_path_factory, "views-divergent", lambda out: write_run(
+        out, "divergent", net_step(extra_on=(1, 1))))
+
+
+def test_html_writes_the_report(
+    tp: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`html DIR -o FILE`: one self-contained page with the run's modules; stdout says
+    what was written."""
+    out = tmp_path / "sub" / "report.html"
+    code, text, err = run_cli(capsys, "html", str(tp), "-o", str(out))
+    assert (code, err) == (0, "")
+    size = out.stat().st_size
+    assert text == (f"wrote report {out} ({size:,} bytes): run tp-run, ranks 0-3, "
+                    "steps 0-2\n")
+    page = out.read_text()
+    assert page.startswith("<!doctype html>")
+    assert "Transformer.layers.1.attention.wo" in page
+    assert [s["l"] for s in embedded_data(page)["steps"]] == ["step 0", "step 1", "step 2"]
+
+
+def test_html_step_keeps_that_step(
+    tp: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--step 1: the report covers step 1 only (timeline and counts)."""
+    out = tmp_path / "report.html"
+    code, text, _ = run_cli(capsys, "html", str(tp), "-o", str(out), "--step", "1", "--json")
+    assert code == 0 and json.loads(text)["steps"] == [1]
+    assert [s["l"] for s in embedded_data(out.read_text())["steps"]] == ["step 1"]
+
+
+def test_html_check_and_findings_file(
+    divergent: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--check shows check's findings; --findings FILE shows those of `check --json`."""
+    code, checked, _ = run_cli(capsys, "check", str(divergent), "--json")
+    assert code == 1
+    message = json.loads(checked)["findings"][0]["message"]
+    findings = tmp_path / "findings.json"
+    findings.write_text(checked)
+    for extra in (["--check"], ["--findings", str(findings)]):
+        out = tmp_path / "report.html"
+        code, text, err = run_cli(capsys, "html", str(divergent), "-o", str(out), *extra)
+        assert (code, err) == (0, "")
+        assert text.rstrip().endswith(", 1 findings")
+        assert message.split("`")[0].strip() in out.read_text()
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (None, "FileNotFoundError: --findings '{f}' does not exist"),
+        ("{not json", "ValueError: --findings '{f}' is not JSON"),
+        ("42", "TypeError: --findings '{f}' holds a number, not the output of `commspan "
+               "check --json`"),
+        ('{"other": 1}', "TypeError: --findings '{f}' holds an object without a findings "
+                         "list, not the output of `commspan check --json`"),
+        ('{"findings": [1]}', "TypeError: --findings '{f}': findings[0] is a int, not a dict"),
+    ],
+)
+def test_html_bad_findings_file(
+    tp: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str | None,
+    message: str,
+) -> None:
+    """A findings file that is missing, not JSON or not check's JSON: one line, exit 1,
+    no report written."""
+    f = tmp_path / "f.json"
+    if content is not None:
+        f.write_text(content)
+    out = tmp_path / "report.html"
+    code, text, err = run_cli(capsys, "html", str(tp), "-o", str(out), "--findings", str(f))
+    assert (code, text) == (1, "")
+    assert err.startswith(message.format(f=f)) and err.count("\n") == 1, err
+    assert not out.exists()
+
+
+def test_perfetto_writes_the_trace(
+    tp: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`perfetto DIR -o trace.json(.gz)`: one process per rank; --step keeps one step."""
+    out = tmp_path / "trace.json"
+    code, text, err = run_cli(capsys, "perfetto", str(tp), "-o", str(out))
+    assert (code, err) == (0, "")
+    assert text.startswith(f"wrote trace {out} (")
+    trace = json.loads(out.read_text())
+    assert trace["otherData"]["ranks"] == [0, 1, 2, 3] and trace["otherData"]["steps"] == 3
+    assert {e["pid"] for e in trace["traceEvents"]} == {0, 1, 2, 3}
+    gz = tmp_path / "trace.json.gz"
+    code, _, _ = run_cli(capsys, "perfetto", str(tp), "-o", str(gz), "--step", "2")
+    one = json.loads(gzip.decompress(gz.read_bytes()))
+    assert code == 0 and one["otherData"]["steps"] == 1
+    assert one["otherData"]["collectives"] * 3 == trace["otherData"]["collectives"]
+
+
+@pytest.mark.parametrize("command", ["html", "perfetto"])
+def test_unwritable_output_is_one_line(
+    tp: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    """-o naming a directory (or a path under a file): one line naming it, exit 1."""
+    code, text, err = run_cli(capsys, command, str(tp), "-o", str(tmp_path))
+    assert (code, text) == (1, "")
+    assert err.startswith("IsADirectoryError: ") and str(tmp_path) in err
+    assert err.count("\n") == 1
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    code, _, err = run_cli(capsys, command, str(tp), "-o", str(blocker / "out"))
+    assert code == 1 and err.count("\n") == 1 and "Traceback" not in err

@@ -1,0 +1,193 @@
+"""Golden files: commspan.testing.assert_matches_golden and pytest's --commspan-update-golden."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.tensor.parallel import parallelize_module
+
+from commspan.testing import CommCapture, assert_matches_golden, capture, golden_text
+from commspan.testing.golden import update_golden
+
+pytest_plugins = ["pytester"]
+
+HEADER = [
+    "# commspan golden file v1: collectives each module issued itself, per phase and op.",
+    "# options: bytes=False placements=False",
+    "# update: pytest --commspan-update-golden (or COMMSPAN_UPDATE_GOLDEN=1)",
+]
+# one forward+backward of the tensor-parallel MLP: the row-wise net2 all-reduces its
+# output, the column-wise net1 all-reduces its input's gradient
+LINES = [
+    "MLPModule.net1 backward all_reduce count=1",
+    "MLPModule.net2 forward all_reduce count=1",
+]
+
+
+@pytest.fixture()
+def tp_cap(mesh: torch.distributed.device_mesh.DeviceMesh) -> CommCapture:
+    """One forward+backward of the toy MLP (net1 column-wise, net2 row-wise) over 4 fake
+    ranks, its input requiring grad."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from commspan.testing.models import MLPModule
+
+    model = parallelize_module(MLPModule(), mesh, {"net1": ColwiseParallel(),
+                                                   "net2": RowwiseParallel()})
+    with capture() as cap:
+        model(torch.ones(4, 10, requires_grad=True)).sum().backward()
+    return cap
+
+
+def test_golden_text_counts_per_module_phase_op(tp_cap: CommCapture) -> None:
+    """The file: a header, then one line per module, phase and op with its count."""
+    assert golden_text(tp_cap) == "\n".join([*HEADER, *LINES]) + "\n"
+
+
+def test_golden_text_bytes_and_placements(tp_cap: CommCapture) -> None:
+    """bytes=True adds bytes (4x10 float32 = 160 B); placements=True adds the
+    redistribution and each DTensor parameter's shape and placements."""
+    text = golden_text(tp_cap, bytes=True, placements=True)
+    assert text.splitlines()[1] == "# options: bytes=True placements=True"
+    assert text.splitlines()[3:] == [
+        "MLPModule.net1 param weight 16x10 S(0)",
+        "MLPModule.net1 param bias 16 S(0)",
+        "MLPModule.net1 backward all_reduce count=1 bytes=160 placements=P(sum)->R",
+        "MLPModule.net2 param weight 10x16 S(1)",
+        "MLPModule.net2 param bias 10 R",
+        "MLPModule.net2 forward all_reduce count=1 bytes=160 placements=P(sum)->R",
+    ]
+
+
+def test_lines_sort_numbers_as_numbers() -> None:
+    """`layers.2` comes before `layers.10`; a model without collectives says so."""
+    from commspan.analysis.issued import natural_key
+
+    names = ["m.layers.10.w", "m.layers.2.w", "m.layers.2"]
+    assert sorted(names, key=natural_key) == ["m.layers.2", "m.layers.2.w", "m.layers.10.w"]
+    with capture() as cap:
+        torch.nn.Linear(2, 2)(torch.ones(1, 2))
+    assert golden_text(cap).splitlines()[3:] == ["# (no collectives)"]
+
+
+def test_matching_file_passes(tp_cap: CommCapture, tmp_path: Path) -> None:
+    """A file holding exactly the recorded text passes (CRLF line ends too)."""
+    path = tmp_path / "mlp.txt"
+    path.write_text(golden_text(tp_cap))
+    assert_matches_golden(tp_cap, path)
+    path.write_bytes(golden_text(tp_cap).replace("\n", "\r\n").encode())
+    assert_matches_golden(tp_cap, str(path))
+
+
+def test_difference_is_a_unified_diff(tp_cap: CommCapture, tmp_path: Path) -> None:
+    """A changed count fails with a unified diff, golden file first, and says how to accept."""
+    path = tmp_path / "mlp.txt"
+    path.write_text("\n".join([*HEADER, LINES[0], "MLPModule.net2 forward all_reduce count=2"])
+                    + "\n")
+    with pytest.raises(AssertionError) as info:
+        assert_matches_golden(tp_cap, path)
+    message = str(info.value)
+    assert message.splitlines()[0] == (
+        f"the recorded collectives differ from golden file {str(path)!r}; if the change is "
+        "intended, run `pytest --commspan-update-golden` and review the file's diff")
+    assert f"--- {path} (golden)\n+++ recorded\n" in message
+    assert ("\n-MLPModule.net2 forward all_reduce count=2\n"
+            "+MLPModule.net2 forward all_reduce count=1") in message
+    assert f" {LINES[0]}\n" in message  # context line
+
+
+def test_other_options_are_named(tp_cap: CommCapture, tmp_path: Path) -> None:
+    """A file written with other options says which, beside the diff."""
+    path = tmp_path / "mlp.txt"
+    path.write_text(golden_text(tp_cap, bytes=True))
+    with pytest.raises(AssertionError, match=r"\(the file was written with bytes=True "
+                                             r"placements=False; this call uses bytes=False "
+                                             r"placements=False\)"):
+        assert_matches_golden(tp_cap, path)
+
+
+def test_missing_file_says_how_to_create_it(tp_cap: CommCapture, tmp_path: Path) -> None:
+    """No file: the message names the option that writes it and shows what it would hold."""
+    path = tmp_path / "none.txt"
+    with pytest.raises(AssertionError) as info:
+        assert_matches_golden(tp_cap, path)
+    message = str(info.value)
+    assert message.startswith(f"golden file {str(path)!r} does not exist; create it by running "
+                              "the test with `pytest --commspan-update-golden`")
+    assert message.endswith(golden_text(tp_cap))
+    assert not path.exists()
+
+
+def test_update_mode_writes_only_changes(
+    tp_cap: CommCapture, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In update mode files are created (directories too) or rewritten, and pass; an equal
+    file is left alone. COMMSPAN_UPDATE_GOLDEN=1 does the same."""
+    path = tmp_path / "golden" / "mlp.txt"
+    with update_golden() as written:
+        assert_matches_golden(tp_cap, path)
+        assert_matches_golden(tp_cap, path)
+    assert written == [path]
+    assert path.read_text() == golden_text(tp_cap)
+    path.write_text("stale\n")
+    monkeypatch.setenv("COMMSPAN_UPDATE_GOLDEN", "1")
+    assert_matches_golden(tp_cap, path)
+    assert path.read_text() == golden_text(tp_cap)
+    monkeypatch.setenv("COMMSPAN_UPDATE_GOLDEN", "0")
+    path.write_text("stale\n")
+    with pytest.raises(AssertionError):
+        assert_matches_golden(tp_cap, path)
+
+
+def test_subtree_and_misspelt_module(tp_cap: CommCapture, tmp_path: Path) -> None:
+    """fqn= keeps one module's subtree; a name that never ran is a ValueError naming the
+    closest names."""
+    assert golden_text(tp_cap, fqn="MLPModule.net2").splitlines()[3:] == [LINES[1]]
+    assert golden_text(tp_cap, fqn="MLPModule").splitlines()[3:] == LINES
+    with pytest.raises(ValueError, match=r"fqn='MLPModule.net_2' is not valid: no module "
+                                         r"named 'MLPModule.net_2' ran; did you mean "
+                                         r"'MLPModule.net2'"):
+        assert_matches_golden(tp_cap, tmp_path / "x.txt", fqn="MLPModule.net_2")
+    with pytest.raises(TypeError, match="path=3 is not valid"):
+        assert_matches_golden(tp_cap, 3)  # type: ignore[arg-type]
+
+
+_GOLDEN_TEST = """
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from pathlib import Path
+from commspan.testing import assert_matches_golden
+
+GOLDEN = Path(__file__).parent / "golden" / "reduce.txt"
+N = {n}
+
+class Reduce(torch.nn.Module):
+    def forward(self, x):
+        for _ in range(N):
+            x = funcol.wait_tensor(funcol.all_reduce(x, "sum", group=dist.group.WORLD))
+        return x
+
+def test_reduce(commspan_fake_pg, commspan_capture):
+    Reduce()(torch.ones(2))
+    assert_matches_golden(commspan_capture, GOLDEN)
+"""
+
+
+def test_pytest_option_writes_then_compares(pytester: pytest.Pytester, fake_pg: None) -> None:
+    """--commspan-update-golden writes the file and lists it at the end; without it the same
+    test passes, and fails with the diff once the model issues one more collective."""
+    pytester.makepyfile(test_golden=_GOLDEN_TEST.format(n=1))
+    first = pytester.runpytest_inprocess("-p", "no:cacheprovider", "--commspan-update-golden")
+    first.assert_outcomes(passed=1)
+    golden = pytester.path / "golden" / "reduce.txt"
+    assert golden.read_text().splitlines()[3:] == ["Reduce forward all_reduce count=1"]
+    first.stdout.fnmatch_lines(["*commspan: wrote 1 golden file:*", f"*{golden}*"])
+    pytester.runpytest_inprocess("-p", "no:cacheprovider").assert_outcomes(passed=1)
+    pytester.makepyfile(test_golden=_GOLDEN_TEST.format(n=2))
+    failed = pytester.runpytest_inprocess("-p", "no:cacheprovider")
+    failed.assert_outcomes(failed=1)
+    failed.stdout.fnmatch_lines(["*-Reduce forward all_reduce count=1",
+                                 "*+Reduce forward all_reduce count=2"])
