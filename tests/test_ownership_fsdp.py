@@ -374,6 +374,14 @@ def test_live_and_jsonl_tables_agree(fake_pg: None, tmp_path: Any) -> None:
                 slot = by_span.setdefault(credited, {}).setdefault(ph, {})
                 slot[op] = slot.get(op, 0) + 1
     assert by_span == live.module_counts()
+    # the command line's per-module details (--show, diff) group by owner too
+    from commspan.analysis.issued import issued
+    from commspan.exporters import read_spans
+
+    records = read_spans(*tmp_path.glob("*.jsonl"))
+    details = {(i.fqn, i.phase, i.op): i.count for i in issued(records)}
+    assert details == {(c.fqn, c.phase, c.op): c.count for c in live.collectives()}
+    assert {fqn for fqn, _, _ in details} == {"FSDPNet", "FSDPNet.blocks.0", "FSDPNet.blocks.1"}
 
 
 def test_a_second_model_with_the_same_names_is_one_owner(fake_pg: None) -> None:
