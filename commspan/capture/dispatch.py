@@ -2,10 +2,15 @@
 
 For every aten op the mode sees, the hot path is one check (a tensor
 subclass such as DTensor is involved: let it run first, its local ops come
-back here) and one dict lookup (is this a collective?). A collective is
-described (op, tensors, process group, sequence number, reduce op, peer,
-DTensor redistribution) and handed to a callback; the mode itself does no IO
-and no counting.
+back here) and one dict lookup (is this a collective, or a
+``record_function`` label?). A collective is described (op, tensors, process
+group, sequence number, reduce op, peer, DTensor redistribution) and handed to
+a callback; the mode itself does no IO and no counting.
+
+It also keeps, per thread, the stack of ``torch.profiler.record_function``
+labels open right now (:meth:`CollectiveDispatchMode.labels`): frameworks
+name their communication with them (FSDP2's ``FSDP::all_gather (<unit>)``),
+and :mod:`commspan.ownership` reads them when a collective is issued.
 """
 
 from __future__ import annotations
@@ -20,12 +25,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from commspan import semconv
 from commspan._errors import ErrorCounter
-from commspan.capture.collectives import CollectiveInfo, build_overload_table
+from commspan.capture.collectives import CollectiveInfo, build_overload_table, label_overloads
 from commspan.capture.dtensor import DTensor as _DTensor
 from commspan.capture.dtensor import placements_str
 from commspan.capture.groups import ProcessGroups
 
-__all__ = ["CollectiveDispatchMode", "OpRecordingDispatchMode", "describe"]
+
+__all__ = ["MAX_LABELS", "CollectiveDispatchMode", "OpRecordingDispatchMode", "describe"]
 
 _log = logging.getLogger(__name__)
 _Tensor = torch.Tensor
@@ -45,6 +51,15 @@ except Exception:  # pragma: no cover - older torch: no placements on events
     REDISTRIBUTE_HOOK = False
 
 _ModeBase: Any = _DebugMode if REDISTRIBUTE_HOOK else TorchDispatchMode
+
+MAX_LABELS = 256
+"""Most labels kept open per thread. A ``record_function`` ended through
+``_call_end_callbacks_on_future`` never sends its exit op; labels beyond this
+are not tracked, so the stack cannot grow without bound."""
+
+# Markers in the op table: the profiler ops that open and close a label.
+_LABEL_ENTER: Any = object()
+_LABEL_EXIT: Any = object()
 
 
 def _op_name(op: Any) -> str:
@@ -89,7 +104,10 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
         # DebugMode.__init__ sets up op recording (and imports the compiler
         # stack); the plain TorchDispatchMode initialisation is all we need.
         TorchDispatchMode.__init__(self)
-        self._table = build_overload_table()
+        self._table: dict[Any, Any] = dict(build_overload_table())
+        enter, leave = label_overloads()
+        self._table.update(dict.fromkeys(enter, _LABEL_ENTER))
+        self._table.update(dict.fromkeys(leave, _LABEL_EXIT))
         self._on_collective = on_collective
         self.groups = groups if groups is not None else ProcessGroups()
         self._tls = threading.local()
@@ -134,10 +152,64 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
             return NotImplemented
         info = self._table.get(func)
         if info is not None:
-            self._collective(info, args, kwargs)
+            if info is _LABEL_ENTER:
+                return self._open_label(func, args, kwargs)
+            if info is _LABEL_EXIT:
+                self._close_label(args, kwargs)
+            else:
+                self._collective(info, args, kwargs)
         if kwargs:
             return func(*args, **kwargs)
         return func(*args)
+
+    # ------------------------------------------------ record_function labels
+    def _open_label(self, func: Any, args: Any, kwargs: Any) -> Any:
+        handle = func(*args, **kwargs) if kwargs else func(*args)
+        try:
+            tls = self._tls
+            try:
+                names = tls.labels
+            except AttributeError:
+                names = tls.labels = []
+                tls.handles = []
+            if len(names) < MAX_LABELS:
+                names.append(args[0] if args else kwargs["name"])
+                # the exit op receives another Python object for the same
+                # handle: ``is`` fails, the hash matches
+                tls.handles.append(hash(handle))
+        except Exception:
+            self._errors.record(message="could not track a record_function label")
+        return handle
+
+    def _close_label(self, args: Any, kwargs: Any) -> None:
+        try:
+            tls = self._tls
+            handles = getattr(tls, "handles", None)
+            if not handles:
+                return
+            key = hash(args[0] if args else next(iter(kwargs.values())))
+            if handles[-1] == key:  # labels nest: the usual case
+                handles.pop()
+                tls.labels.pop()
+                return
+            for i in range(len(handles) - 2, -1, -1):
+                if handles[i] == key:  # left out of order: those opened after it go too
+                    del handles[i:]
+                    del tls.labels[i:]
+                    return
+        except Exception:
+            self._errors.record(message="could not track a record_function label")
+
+    def labels(self) -> tuple[str, ...]:
+        """The ``record_function`` labels open on this thread, outermost first."""
+        names = getattr(self._tls, "labels", None)
+        return tuple(names) if names else ()
+
+    def clear_labels(self) -> None:
+        """Forget this thread's open labels (at the end of a step: a label
+        whose exit the mode did not see must not outlive it)."""
+        tls = self._tls
+        tls.labels, tls.handles = [], []
 
     def _collective(self, info: CollectiveInfo, args: Any, kwargs: Any) -> None:
         try:
@@ -386,6 +458,9 @@ def describe(
         mesh_dim = groups.mesh_dims.get(name)
         if mesh_dim is not None:
             attrs[semconv.MESH_DIM] = mesh_dim
+            dim_name = groups.mesh_dim_names.get(name)
+            if dim_name is not None:
+                attrs[semconv.MESH_DIM_NAME] = dim_name
         attrs[semconv.COLL_SEQ] = groups.next_seq(name)
     reduce_op = _reduce_name(_arg(info, args, kwargs, info.reduce_index))
     if reduce_op is not None:

@@ -41,8 +41,12 @@ from commspan.capture.dispatch import (
 )
 from commspan.capture.groups import ProcessGroups
 from commspan.capture.modules import ModuleTracker
+from commspan.capture.parallel import ParallelModules
 from commspan.capture.ranks import Ranks, process_ranks
 from commspan.exporters.queue import ExportQueue
+from commspan.ownership import CollectiveRule, Issued, counted_names, resolve
+from commspan.ownership.ddp import DdpModules
+from commspan.ownership.fsdp import FsdpUnits
 from commspan.ownership.innermost import InnermostModule
 from commspan.session.config import Sampler, mode_config
 from commspan.session.resource import build_resource
@@ -171,6 +175,9 @@ class CommSpanMode:
             ExportQueue(e, max_queue_size=config.export_queue_size) for e in config.exporters
         ]
         self._ownership = InnermostModule()
+        # framework rules, tried before the position (docs/parallelisms.md)
+        self._rules: tuple[CollectiveRule, ...] = (FsdpUnits(), DdpModules())
+        self._parallel = ParallelModules()
         self._traces = TraceOpener()  # lives as long as the mode: session traces number on
         self._groups = ProcessGroups()
         self._op_observer = _op_observer
@@ -239,6 +246,7 @@ class CommSpanMode:
                 observer=config.module_observer,
                 record_params=config.record_params,
                 groups=self._groups,
+                parallel=self._parallel,
             )
         else:
             self._tracker.recorder = self._recorder
@@ -338,6 +346,8 @@ class CommSpanMode:
             self._end_trace(error)
             if self._tracker is not None:
                 self._tracker.reset_step()
+            if self._dispatch is not None:
+                self._dispatch.clear_labels()
 
     def _foreign_step(self, index: int) -> None:
         if self._warned.first("foreign step"):
@@ -366,6 +376,7 @@ class CommSpanMode:
             assert self._tracker is not None and self._dispatch is not None
             self._tracker.install()
             if self._popped:
+                self._dispatch.clear_labels()  # it saw no label exits while off the stack
                 self._dispatch.__enter__()
                 self._popped = False
 
@@ -382,17 +393,42 @@ class CommSpanMode:
 
     # ------------------------------------------------------------ capture
     def _on_collective(self, info: CollectiveInfo, attrs: dict[str, Any]) -> None:
+        """Attach a collective to the span open now; charge it to its owner."""
         rec = self._recorder
         if rec is None or self._paused:
             return
         rec.ensure_trace()
         top = rec.stack[-1]
-        owner = self._ownership.owner(top.fqn, top.phase, _graph_task_id() != -1)
+        in_autograd = _graph_task_id() != -1
+        attrs[semconv.MODULE_FQN] = top.fqn  # where it was issued: the timeline
+        owner = None
+        parallel = self._parallel
+        dispatch = self._dispatch
+        if parallel.has_fsdp or parallel.has_ddp or top.phase is None:
+            labels = dispatch.labels() if dispatch is not None else ()
+            issued = Issued(info.name, attrs, top.fqn, top.phase, in_autograd, labels,
+                            self._open_fqns)
+            owner = resolve(issued, parallel, self._rules)
+        counted: tuple[str, ...] = ()
+        if owner is None:
+            owner = self._ownership.owner(top.fqn, top.phase, in_autograd)
+        else:
+            if owner.kind:
+                attrs[semconv.OWNER_KIND] = owner.kind
+            if owner.attributes:
+                attrs.update(owner.attributes)
+            assert self._tracker is not None
+            counted = counted_names(owner.fqn, self._tracker.ran)
         phase = owner.phase.value
-        attrs[semconv.MODULE_FQN] = owner.fqn
+        attrs[semconv.OWNER_FQN] = owner.fqn
+        attrs[semconv.OWNER_SOURCE] = owner.source
         attrs[semconv.PHASE] = phase
         self._stats["collectives"] += 1
-        rec.add_event(info.name, info.name, phase, attrs)
+        rec.add_event(info.name, info.name, phase, attrs, counted)
+
+    def _open_fqns(self) -> list[str]:
+        rec = self._recorder
+        return [f.fqn for f in rec.stack] if rec is not None else []
 
     def _emit(self, span: ReadableSpan) -> None:
         self._stats["spans"] += 1

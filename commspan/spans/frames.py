@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
 from opentelemetry.trace import SpanContext
@@ -19,6 +20,7 @@ from commspan.semconv import Phase
 __all__ = ["Frame", "OpenSpan"]
 
 _now = time.time_ns
+_NO_CREDITS: Mapping[tuple[str, str, str], int] = MappingProxyType({})
 
 
 class Frame:
@@ -38,6 +40,9 @@ class Frame:
         phase: phase of a module frame; ``None`` for the root.
         events: ``(name, timestamp_ns, attributes)`` tuples attached so far.
         counts: ``{(phase, op): n}`` collectives in this frame's subtree.
+        credits: ``{(module fqn, phase, op): n}`` for collectives of this frame's
+            events that count for modules with no open frame when they were
+            issued (their events' ``commspan.owner.credit_fqns``); ``None`` if none.
         finished: the capture layer has finished with the frame; it closes when
             the frames above it have closed.
         closed: its span was emitted.
@@ -61,6 +66,7 @@ class Frame:
         "finished",
         "closed",
         "task",
+        "credits",
     )
 
     def __init__(
@@ -89,6 +95,7 @@ class Frame:
         self.finished = False
         self.closed = False
         self.task = task
+        self.credits: dict[tuple[str, str, str], int] | None = None
 
     def __repr__(self) -> str:
         return f"Frame({self.name!r}, finished={self.finished}, closed={self.closed})"
@@ -106,9 +113,13 @@ class OpenSpan(NamedTuple):
         attributes: the span's attributes so far (module type, depth, ...).
         counts: ``{(phase, op): n}`` collectives in the frame's subtree so far.
         finished: the capture layer has finished with it (see :class:`Frame`).
+        credits: ``{(module fqn, phase, op): n}``: collectives of the frame's
+            events that count for other modules, which had no open span (see
+            :meth:`~commspan.spans.SpanRecorder.add_event`).
     """
 
     fqn: str
     attributes: Mapping[str, Any]
     counts: Mapping[tuple[str, str], int]
     finished: bool
+    credits: Mapping[tuple[str, str, str], int] = _NO_CREDITS

@@ -158,7 +158,8 @@ class SpanRecorder:
         copies do not change afterwards.
         """
         return tuple(
-            OpenSpan(f.fqn, dict(f.attrs), dict(f.counts), f.finished) for f in list(self.stack)
+            OpenSpan(f.fqn, dict(f.attrs), dict(f.counts), f.finished, dict(f.credits or {}))
+            for f in list(self.stack)
         )
 
     # ------------------------------------------------------------ module frames
@@ -246,14 +247,30 @@ class SpanRecorder:
         return self.stack[-1] if self.stack else None
 
     # ------------------------------------------------------------ events
-    def add_event(self, name: str, op: str, phase: str, attrs: dict[str, Any]) -> None:
+    def add_event(
+        self,
+        name: str,
+        op: str,
+        phase: str,
+        attrs: dict[str, Any],
+        counted: tuple[str, ...] = (),
+    ) -> None:
         """Attach a collective event to the innermost frame and count it up the chain.
 
-        The event counts once per module name (at its innermost frame), for
-        the frames :func:`commspan.ownership.innermost.counts_for` names: the
-        root, every frame of the same phase, and a frame of another phase (a
-        backward frame around a recompute) only when its module encloses the
-        event's module by name.
+        The event stays on the innermost frame (where it was issued) whoever
+        owns it. It counts once per module name (at its innermost frame):
+
+        - owned by the innermost frame (``counted`` empty): for the frames
+          :func:`commspan.ownership.innermost.counts_for` names: the root,
+          every frame of the same phase, and a frame of another phase (a
+          backward frame around a recompute) only when its module encloses the
+          event's module by name;
+        - owned by another module (``counted``: the owner and the modules
+          enclosing it by name, :func:`commspan.ownership.counted_names`): for
+          the root and the open frames of those modules, in any phase. Those of
+          them with no open frame are named in the event's
+          ``commspan.owner.credit_fqns``, and readers add the event to their
+          counts (:class:`~commspan.spans.OpenSpan` ``credits`` while open).
         """
         stack = self.stack
         if not stack:
@@ -265,6 +282,9 @@ class SpanRecorder:
         top.events.append((name, _now(), attrs))
         top.self_count += 1
         key = (phase, op)
+        if counted:
+            self._count_owned(stack, key, attrs, counted)
+            return
         owner = top.fqn
         seen: set[str] = set()
         for frame in reversed(stack):
@@ -282,6 +302,31 @@ class SpanRecorder:
             seen.add(fqn)
             counts = frame.counts
             counts[key] = counts.get(key, 0) + 1
+
+    @staticmethod
+    def _count_owned(
+        stack: list[Frame], key: tuple[str, str], attrs: dict[str, Any], counted: tuple[str, ...]
+    ) -> None:
+        """Count an event for the root and the open frames of the modules in
+        ``counted``; credit the others on the event (and, while open, its frame)."""
+        seen: set[str] = set()
+        for frame in reversed(stack):
+            fqn = frame.fqn
+            if frame.phase is not None and (fqn in seen or fqn not in counted):
+                continue
+            seen.add(fqn)
+            counts = frame.counts
+            counts[key] = counts.get(key, 0) + 1
+        missing = [fqn for fqn in counted if fqn not in seen]
+        if missing:
+            attrs[semconv.OWNER_CREDIT] = missing
+            top = stack[-1]
+            credits = top.credits
+            if credits is None:
+                credits = top.credits = {}
+            for fqn in missing:
+                slot = (fqn, *key)
+                credits[slot] = credits.get(slot, 0) + 1
 
     def add_plain_event(self, frame: Frame, name: str, attrs: dict[str, Any]) -> None:
         """Attach a non-collective event to ``frame``."""
