@@ -30,7 +30,6 @@ from commspan.capture.dtensor import DTensor as _DTensor
 from commspan.capture.dtensor import placements_str
 from commspan.capture.groups import ProcessGroups
 
-
 __all__ = ["MAX_LABELS", "CollectiveDispatchMode", "OpRecordingDispatchMode", "describe"]
 
 _log = logging.getLogger(__name__)
