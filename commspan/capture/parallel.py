@@ -56,6 +56,19 @@ _current_node = torch._C._current_autograd_node
 _STACK_DEPTH = 96  # frames searched above a collective for FSDP's or DDP's own code
 
 
+def _self_of_caller(match: Callable[[Any], bool]) -> Any:
+    """``self`` of the nearest frame above the caller's caller whose code ``match``es
+    (searching at most ``_STACK_DEPTH`` frames); ``None`` when there is none."""
+    frame = sys._getframe(2)
+    for _ in range(_STACK_DEPTH):
+        if frame is None:
+            return None
+        if match(frame.f_code):
+            return frame.f_locals.get("self")
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
 def _code(function: Any) -> Any:
     return inspect.unwrap(function).__code__
 
@@ -143,18 +156,11 @@ class ParallelModules:
         codes = self._group_codes
         if not codes:
             return None
-        frame = sys._getframe(1)
-        for _ in range(_STACK_DEPTH):
-            if frame is None:
-                return None
-            if frame.f_code in codes:
-                group = frame.f_locals.get("self")
-                for module in getattr(group, "modules", ()) or ():
-                    unit = self._unit_of(module)
-                    if unit is not None:
-                        return unit
-                return None
-            frame = frame.f_back  # type: ignore[assignment]
+        group = _self_of_caller(codes.__contains__)
+        for module in getattr(group, "modules", ()) or ():
+            unit = self._unit_of(module)
+            if unit is not None:
+                return unit
         return None
 
     def ddp_bucket_now(self) -> DdpBucket | None:
@@ -175,17 +181,10 @@ class ParallelModules:
         code = self._init_code
         if code is None:
             return None
-        frame = sys._getframe(1)
-        for _ in range(_STACK_DEPTH):
-            if frame is None:
-                return None
-            if frame.f_code is code:
-                ddp = frame.f_locals.get("self")
-                if ddp is None or self.namer is None:
-                    return None
-                return self.namer(ddp)
-            frame = frame.f_back  # type: ignore[assignment]
-        return None
+        ddp = _self_of_caller(code.__eq__)
+        if ddp is None or self.namer is None:
+            return None
+        return self.namer(ddp)
 
     # ------------------------------------------------------------ learning
     namer: Callable[[Any], str] | None = None
