@@ -30,12 +30,14 @@ from commspan.capture.dtensor import DTensor as _DTensor
 from commspan.capture.dtensor import placements_str
 from commspan.capture.groups import ProcessGroups
 
-__all__ = ["MAX_LABELS", "CollectiveDispatchMode", "describe"]
+__all__ = ["MAX_LABELS", "CollectiveDispatchMode", "OpRecordingDispatchMode", "describe"]
 
 _log = logging.getLogger(__name__)
 _Tensor = torch.Tensor
 
 CollectiveCallback = Callable[[CollectiveInfo, dict[str, Any]], None]
+OpCallback = Callable[[Any, Any, Any, bool], None]
+"""``on_op(func, types, args, deferred)``: see :class:`OpRecordingDispatchMode`."""
 
 try:  # DTensor reports redistributions to the active DebugMode (torch >= 2.10 or so)
     import torch.distributed.tensor._redistribute as _redistribute_mod
@@ -131,9 +133,13 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
         except Exception:  # pragma: no cover - depends on the torch build
             return False
 
+    # An "infra" mode for torch.compile: without this, torch 2.13 runs compiled
+    # code eagerly whenever the mode is active.
+    _compile_infra = True
+
     @classmethod
     def ignore_compile_internals(cls) -> bool:
-        return True
+        return cls._compile_infra
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: Any = (), kwargs: Any = None
@@ -285,6 +291,62 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
 
     def record_triton_kernel(self, *args: Any, **kwargs: Any) -> None:
         """Called by the inductor launcher under DebugMode; ignored."""
+
+
+class OpRecordingDispatchMode(CollectiveDispatchMode):
+    """A :class:`CollectiveDispatchMode` that also reports every op it sees.
+
+    Only ``commspan.compat.CommDebugMode`` uses it (torch's CommDebugMode lists
+    the ops run in each module at noise levels 1-3); ``CommSpanMode`` picks it
+    at construction only when given an op observer, so the ordinary dispatch
+    path pays nothing for it.
+
+    ``on_op(func, types, args, deferred)`` is called once per op overload:
+    with ``deferred=True`` before a tensor subclass such as DTensor runs the op
+    (its local ops, collectives included, come back here afterwards), and with
+    ``deferred=False`` after a plain op ran (after ``on_collective`` for a
+    collective). Higher-order operators are not reported. An exception raised
+    by ``on_op`` is counted in ``errors`` and never reaches the step.
+
+    Like torch's CommDebugMode, and unlike :class:`CollectiveDispatchMode`, it
+    is not an "infra" mode for ``torch.compile``: while it is active, dynamo
+    runs frames eagerly, so every op reaches it (a compiled graph would run
+    ops it does not list, such as in-place collectives).
+
+    Args:
+        on_collective: as for :class:`CollectiveDispatchMode`.
+        on_op: called for each op, as above.
+    """
+
+    def __init__(
+        self,
+        on_collective: CollectiveCallback,
+        on_op: OpCallback,
+        groups: ProcessGroups | None = None,
+    ) -> None:
+        super().__init__(on_collective, groups)
+        self._on_op = on_op
+
+    _compile_infra = False
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        deferred = bool(types) and _defers(types)
+        if deferred:  # reported before DTensor runs it (its local ops come back here)
+            self._report(func, types, args, True)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if not deferred:
+            self._report(func, types, args, False)
+        return out
+
+    def _report(self, func: Any, types: Any, args: Any, deferred: bool) -> None:
+        try:
+            self._on_op(func, types, args, deferred)
+        except Exception:  # tracing never breaks the step
+            self._errors.record(func, message="could not record op %s")
 
 
 class _Redistribution:

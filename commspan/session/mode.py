@@ -34,7 +34,11 @@ from commspan.analysis.counts import Aggregator
 from commspan.capture import ModuleObserver
 from commspan.capture.backward import graph_task_id
 from commspan.capture.collectives import CollectiveInfo
-from commspan.capture.dispatch import CollectiveDispatchMode
+from commspan.capture.dispatch import (
+    CollectiveDispatchMode,
+    OpCallback,
+    OpRecordingDispatchMode,
+)
 from commspan.capture.groups import ProcessGroups
 from commspan.capture.modules import ModuleTracker
 from commspan.capture.parallel import ParallelModules
@@ -149,6 +153,7 @@ class CommSpanMode:
         record_exception_messages: bool = True,
         module_observer: ModuleObserver | None = None,
         _observer: ModuleObserver | None = None,
+        _op_observer: OpCallback | None = None,
     ) -> None:
         self._config = config = mode_config(
             tracer_provider=tracer_provider,
@@ -176,6 +181,7 @@ class CommSpanMode:
         self._parallel = ParallelModules()
         self._traces = TraceOpener()  # lives as long as the mode: session traces number on
         self._groups = ProcessGroups()
+        self._op_observer = _op_observer
         self._processors: list[Callable[[ReadableSpan], None]] = []
         self._recorder: SpanRecorder | None = None
         self._tracker: ModuleTracker | None = None
@@ -229,7 +235,12 @@ class CommSpanMode:
         # again keeps what they learned (module names and attributes, process
         # groups, per-group sequence numbers).
         if self._dispatch is None:
-            self._dispatch = CollectiveDispatchMode(self._on_collective, self._groups)
+            if self._op_observer is None:
+                self._dispatch = CollectiveDispatchMode(self._on_collective, self._groups)
+            else:  # commspan.compat's CommDebugMode lists every op; nothing else pays for it
+                self._dispatch = OpRecordingDispatchMode(
+                    self._on_collective, self._op_observer, self._groups
+                )
         if self._tracker is None:
             self._tracker = ModuleTracker(
                 self._recorder,
