@@ -57,11 +57,16 @@ __all__ = [
     "OWNER_CREDIT",
     "OWNER_FQN",
     "OWNER_KIND",
+    "OWNER_KIND_ACTIVATION_RECV",
+    "OWNER_KIND_ACTIVATION_SEND",
     "OWNER_KIND_ALL_REDUCE",
     "OWNER_KIND_BUCKET",
     "OWNER_KIND_FORWARD_SYNC",
+    "OWNER_KIND_GRADIENT_RECV",
+    "OWNER_KIND_GRADIENT_SEND",
     "OWNER_KIND_INIT_SYNC",
     "OWNER_KIND_REDUCE_GRAD",
+    "OWNER_KIND_STAGE_SETUP",
     "OWNER_KIND_UNSHARD",
     "OWNER_KIND_UNUSED_MAP",
     "OWNER_PARAMS",
@@ -74,6 +79,9 @@ __all__ = [
     "PG_RANKS",
     "PG_SIZE",
     "PHASE",
+    "PP_MICROBATCH",
+    "PP_PEER_STAGE",
+    "PP_STAGE",
     "PROCESS_PID",
     "Phase",
     "RANK",
@@ -89,6 +97,7 @@ __all__ = [
     "SERVICE_NAME",
     "SOURCE_DDP",
     "SOURCE_FSDP",
+    "SOURCE_PIPELINE",
     "SOURCE_POSITION",
     "SPAN_HANG",
     "SPAN_RANK",
@@ -222,6 +231,9 @@ OWNER_BYTES = "commspan.owner.bytes"
 OWNER_CREDIT = "commspan.owner.credit_fqns"
 DDP_BUCKET_INDEX = "commspan.ddp.bucket.index"
 DDP_BUCKET_MODULES = "commspan.ddp.bucket.modules"
+PP_STAGE = "commspan.pp.stage"
+PP_MICROBATCH = "commspan.pp.microbatch"
+PP_PEER_STAGE = "commspan.pp.peer_stage"
 TENSOR_SHAPE = "commspan.tensor.shape"
 TENSOR_DTYPE = "commspan.tensor.dtype"
 TENSOR_BYTES = "commspan.tensor.bytes"
@@ -243,6 +255,8 @@ SOURCE_FSDP = "fsdp"
 """``commspan.owner.source``: an FSDP2 (``fully_shard``) collective, owned by its unit."""
 SOURCE_DDP = "ddp"
 """``commspan.owner.source``: a DistributedDataParallel collective."""
+SOURCE_PIPELINE = "pipeline"
+"""``commspan.owner.source``: a point-to-point op of a watched pipeline stage."""
 
 OWNER_KIND_UNSHARD = "unshard"
 """``commspan.owner.kind``: FSDP2 all-gather of a unit's parameters."""
@@ -260,6 +274,17 @@ OWNER_KIND_INIT_SYNC = "init_sync"
 """``commspan.owner.kind``: DDP's construction: parameter shape check, state broadcast."""
 OWNER_KIND_FORWARD_SYNC = "forward_sync"
 """``commspan.owner.kind``: DDP's forward: bucket-rebuild and buffer broadcasts."""
+OWNER_KIND_ACTIVATION_SEND = "activation_send"
+"""``commspan.owner.kind``: a pipeline stage sends a microbatch's activations on."""
+OWNER_KIND_ACTIVATION_RECV = "activation_recv"
+"""``commspan.owner.kind``: a pipeline stage receives a microbatch's activations."""
+OWNER_KIND_GRADIENT_SEND = "gradient_send"
+"""``commspan.owner.kind``: a pipeline stage sends a microbatch's input gradients back."""
+OWNER_KIND_GRADIENT_RECV = "gradient_recv"
+"""``commspan.owner.kind``: a pipeline stage receives its output gradients."""
+OWNER_KIND_STAGE_SETUP = "stage_setup"
+"""``commspan.owner.kind``: pipeline stages exchanging tensor shapes before their first
+microbatch."""
 
 STATE_ISSUED = "issued"
 """``commspan.collective.state``: issued, not known to have completed."""
@@ -332,10 +357,11 @@ ATTRIBUTES: dict[str, str] = {
     "collectives; the FSDP unit whose parameters it moves; the lowest module holding all "
     "of a DDP bucket's parameters; the DDP module for DDP's own syncs. See "
     "docs/parallelisms.md.",
-    OWNER_SOURCE: "What decided the owner: ``position``, ``fsdp`` or ``ddp``.",
+    OWNER_SOURCE: "What decided the owner: ``position``, ``fsdp``, ``ddp`` or ``pipeline``.",
     OWNER_KIND: "What the collective does for its owner (FSDP: ``unshard``, ``reduce_grad``, "
-    "``all_reduce``; DDP: ``bucket``, ``unused_map``, ``init_sync``, ``forward_sync``); "
-    "absent for ``position``.",
+    "``all_reduce``; DDP: ``bucket``, ``unused_map``, ``init_sync``, ``forward_sync``; "
+    "pipeline: ``activation_send``, ``activation_recv``, ``gradient_send``, "
+    "``gradient_recv``, ``stage_setup``); absent for ``position``.",
     OWNER_PREFETCH: "FSDP unshard: issued ahead of its unit's use by another unit's hook "
     "(implicit backward prefetch, or ``set_modules_to_*_prefetch``) (bool).",
     OWNER_PARAMS: "Number of parameters the collective moves: the FSDP unit's own "
@@ -348,6 +374,11 @@ ATTRIBUTES: dict[str, str] = {
     "it by name) that had no open span when it was issued, so that no span's count "
     "attributes hold it; readers add the event to these modules' counts (array).",
     DDP_BUCKET_INDEX: "DDP bucket index (the reducer's; buckets are launched in index order).",
+    PP_STAGE: "Pipeline stage index: on the module spans of a watched stage while it runs a "
+    "microbatch, and on its point-to-point events (int).",
+    PP_MICROBATCH: "Microbatch index, on the same spans and events (int).",
+    PP_PEER_STAGE: "The stage a pipeline point-to-point op exchanges with (int; its global "
+    "rank is ``commspan.collective.peer``).",
     DDP_BUCKET_MODULES: "Modules holding the DDP bucket's parameters (array of module fqns).",
     TENSOR_SHAPE: "Shape of the (first) input tensor.",
     TENSOR_DTYPE: "Dtype of the input tensor(s), e.g. ``float32``.",

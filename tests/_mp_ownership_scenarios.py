@@ -5,7 +5,8 @@ Run as ``python tests/_mp_ownership_scenarios.py OUT_DIR`` with ``RANK``,
 one JSONL file per rank and ``OUT_DIR/<scenario>/rank<r>.result.json``: the
 rank's in-process view and the facts the tests use as references, gathered
 without commspan (parameter sizes before sharding, the time each step's
-backward began, what a DDP comm hook saw).
+backward began, what a DDP comm hook saw, which pipeline buffer each
+point-to-point op used).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from commspan import Aggregator, CommSpanMode
 from commspan.exporters import JsonlSpanExporter
@@ -159,11 +161,88 @@ def _ddp_run(
     _write(out, name, rank, {"hook": seen, "stats": mode.stats(), **_view(mode.aggregator)})
 
 
+MICROBATCHES = 4
+
+
+class _RecvReference(TorchDispatchMode):
+    """Notes, for each point-to-point op, what the stage's own buffers say it is:
+    a receive whose tensor is the stage's pre-allocated buffer for microbatch m,
+    or a send of microbatch m's forward output (same storage). Independent of
+    commspan; it runs inside commspan's mode and hands every op on."""
+
+    def __init__(self, stage: Any) -> None:
+        super().__init__()
+        self.stage = stage
+        self.seen: list[list[Any]] = []  # [op, microbatch or None, direction or None]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        name = func._opname
+        if func.namespace == "c10d" and name in ("send", "recv_"):
+            tensor = args[0][0]
+            self.seen.append(["send" if name == "send" else "recv", *self._lookup(tensor)])
+        return func(*args, **(kwargs or {}))
+
+    def _lookup(self, tensor: torch.Tensor) -> tuple[int | None, str | None]:
+        for mb, infos in getattr(self.stage, "args_recv_info", {}).items():
+            for info in infos:
+                if getattr(info, "buffer", None) is tensor:
+                    return mb, "activation_recv"
+        for mb, infos in getattr(self.stage, "grad_recv_info", {}).items():
+            for info in infos or ():
+                if getattr(info, "buffer", None) is tensor:
+                    return mb, "gradient_recv"
+        ptr = tensor.untyped_storage().data_ptr()
+        for mb, (outputs, _) in getattr(self.stage, "fwd_cache", {}).items():
+            for out in outputs:
+                if isinstance(out, torch.Tensor) and out.untyped_storage().data_ptr() == ptr:
+                    return mb, "activation_send"
+        return None, None
+
+
+def _pipeline_run(out: Path, rank: int, name: str) -> None:
+    """Two stages (one per rank) of a small MLP, 4 microbatches, 2 steps."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    torch.manual_seed(0)
+    full = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16), torch.nn.ReLU(),
+        torch.nn.Linear(16, 4),
+    )
+    stage = PipelineStage(full[:3] if rank == 0 else full[3:], rank, dist.get_world_size(),
+                          torch.device("cpu"))
+    schedule_class = ScheduleGPipe if name == "pp_gpipe" else Schedule1F1B
+    schedule = schedule_class(stage, n_microbatches=MICROBATCHES,
+                              loss_fn=lambda output, target: ((output - target) ** 2).mean())
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    exporter = JsonlSpanExporter(out / name / "trace-rank{rank}.jsonl")
+    mode = CommSpanMode(exporters=[exporter])
+    mode.watch_pipeline(schedule)
+    reference = _RecvReference(stage)
+    with mode:
+        for i in range(STEPS):
+            with mode.step(i), reference:
+                if rank == 0:
+                    schedule.step(x)
+                else:
+                    schedule.step(target=y)
+    wrapped = sorted(k for k in vars(stage) if k.endswith(("_ops", "_one_chunk")))
+    mode.shutdown()
+    assert mode.aggregator is not None
+    _write(out, name, rank, {
+        "reference": reference.seen,
+        "left_on_stage": wrapped,
+        "stats": mode.stats(),
+        **_view(mode.aggregator),
+    })
+
+
 SCENARIOS: dict[str, Callable[[Path, int], None]] = {
     "fsdp": scenario_fsdp,
     "ddp": lambda out, rank: _ddp_run(out, rank, "ddp"),
     "ddp_hook": lambda out, rank: _ddp_run(out, rank, "ddp_hook", hook=True),
     "ddp_unused": lambda out, rank: _ddp_run(out, rank, "ddp_unused", find_unused=True),
+    "pp_gpipe": lambda out, rank: _pipeline_run(out, rank, "pp_gpipe"),
+    "pp_1f1b": lambda out, rank: _pipeline_run(out, rank, "pp_1f1b"),
 }
 
 

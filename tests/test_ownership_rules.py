@@ -17,9 +17,10 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan
 
 from commspan import Aggregator, semconv
-from commspan.ownership import DdpBucket, FsdpUnit, Issued, counted_names, resolve
+from commspan.ownership import DdpBucket, FsdpUnit, Issued, PipelineTag, counted_names, resolve
 from commspan.ownership.ddp import DDP_FORWARD_LABEL, DdpModules
 from commspan.ownership.fsdp import FsdpUnits, parse_labels
+from commspan.ownership.pipeline import PipelineStages
 from commspan.semconv import Phase
 from commspan.spans.recorder import SpanRecorder
 from commspan.spans.traces import TraceOpener
@@ -35,6 +36,8 @@ class Facts:
     ddps: set[str] = field(default_factory=set)
     constructing: str | None = None
     asked_stack: int = 0
+    tags: dict[int, PipelineTag] = field(default_factory=dict)
+    setup_stage: str | None = None
 
     @property
     def has_fsdp(self) -> bool:
@@ -60,6 +63,16 @@ class Facts:
     def ddp_constructing(self) -> str | None:
         return self.constructing
 
+    @property
+    def has_pipeline(self) -> bool:
+        return bool(self.tags) or self.setup_stage is not None
+
+    def pipeline_tag(self, tensor: Any) -> PipelineTag | None:
+        return self.tags.pop(id(tensor), None)
+
+    def pipeline_setup(self) -> str | None:
+        return self.setup_stage
+
 
 def _issued(
     op: str,
@@ -70,10 +83,11 @@ def _issued(
     in_autograd: bool = False,
     attrs: dict[str, Any] | None = None,
     open_fqns: tuple[str, ...] = ("Global", "Net"),
+    tensor: Any = None,
 ) -> Issued:
     base = {semconv.TENSOR_BYTES: 40, semconv.PG_SIZE: 4}
     return Issued(op, {**base, **(attrs or {})}, fqn, phase, in_autograd, labels,
-                  lambda: open_fqns)
+                  lambda: open_fqns, tensor)
 
 
 UNITS = {"": [FsdpUnit("FSDPNet", 4)], "blocks.0": [FsdpUnit("FSDPNet.blocks.0", 2)]}
@@ -212,6 +226,47 @@ def test_ddp_forward_sync_and_construction() -> None:
     assert rule.owner(_issued("all_reduce", fqn="Global", phase=None),
                       Facts(constructing="DDP")) is None
     assert rule.owner(_issued("broadcast"), Facts(constructing="DDP")) is None
+
+
+# ------------------------------------------------------------------ pipelining
+def test_pipeline_ops_are_owned_by_their_stage_for_their_microbatch() -> None:
+    """An announced send/recv is owned by the stage module: activations serve forward,
+    gradients backward; the event names stage, microbatch and peer stage."""
+    activations, gradients = object(), object()
+    facts = Facts(tags={
+        id(activations): PipelineTag("Sequential", 1, 2, "activation_recv", 0),
+        id(gradients): PipelineTag("Sequential", 1, 2, "gradient_send", 0),
+    })
+    rule = PipelineStages()
+    recv = rule.owner(_issued("recv", fqn="Global", phase=None, tensor=activations), facts)
+    send = rule.owner(_issued("send", fqn="Global", phase=None, tensor=gradients), facts)
+    assert recv is not None and send is not None
+    assert (recv.fqn, recv.phase, recv.source, recv.kind) == (
+        "Sequential", Phase.FORWARD, "pipeline", "activation_recv")
+    assert recv.attributes == {semconv.PP_STAGE: 1, semconv.PP_MICROBATCH: 2,
+                               semconv.PP_PEER_STAGE: 0}
+    assert (send.phase, send.kind) == (Phase.BACKWARD, "gradient_send")
+
+
+def test_pipeline_unannounced_p2p_is_setup_or_not_the_rules() -> None:
+    """A send/recv nobody announced is the stage's setup when the capture layer says
+    so (before the step's first microbatch), else not the pipeline rule's; other
+    ops are never the pipeline rule's."""
+    rule = PipelineStages()
+    setup = rule.owner(_issued("send", tensor=object()), Facts(setup_stage="Sequential"))
+    assert setup is not None
+    assert (setup.fqn, setup.phase, setup.kind) == ("Sequential", Phase.SETUP, "stage_setup")
+    assert rule.owner(_issued("send", tensor=object()), Facts(tags={1: PipelineTag(
+        "S", 0, 0, "activation_send", 1)})) is None
+    assert rule.owner(_issued("all_reduce"), Facts(setup_stage="Sequential")) is None
+
+
+def test_watch_pipeline_rejects_what_is_not_a_schedule() -> None:
+    """watch_pipeline() names the argument, the value and what to pass instead."""
+    from commspan import CommSpanMode
+
+    with pytest.raises(TypeError, match=r"schedule=.*not a pipeline schedule.*ScheduleGPipe"):
+        CommSpanMode().watch_pipeline(object())
 
 
 def test_resolve_takes_the_first_rule_that_knows() -> None:

@@ -211,6 +211,7 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
         tls.labels, tls.handles = [], []
 
     def _collective(self, info: CollectiveInfo, args: Any, kwargs: Any) -> None:
+        tls = self._tls
         try:
             redist = self.current_redistribution()
             attrs = describe(info, args, kwargs, self.groups)
@@ -219,9 +220,19 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
                 attrs[semconv.REDIST_DST] = redist[1]
                 if redist[2]:
                     attrs[semconv.REDIST_OP] = redist[2]
+            if info.kind == semconv.KIND_P2P:  # which op it is: its tensor object
+                tensors = _tensor_list(_arg(info, args, kwargs, info.input_index))
+                tls.p2p_tensor = tensors[0] if tensors else None
             self._on_collective(info, attrs)
         except Exception:  # tracing never breaks the step
             self._errors.record(info.overload, message="could not record collective %s")
+        finally:
+            tls.p2p_tensor = None
+
+    def p2p_tensor(self) -> Any:
+        """The tensor of the point-to-point op being described on this thread
+        (inside the ``on_collective`` callback), else ``None``."""
+        return getattr(self._tls, "p2p_tensor", None)
 
     # ------------------------------------------------ DTensor's debug-mode hooks
     def current_redistribution(self) -> tuple[str, str, str] | None:

@@ -211,8 +211,13 @@ class ModuleTracker(BackwardNesting):
         self.parallel = parallel
         if parallel is not None:
             parallel.namer = self.name
+            parallel.pipeline.namer = self.name
+            parallel.pipeline.on_microbatch = self._tag_spans
         self.ran: set[str] = set()
         """Names of the modules whose forward has run (the modules with spans)."""
+        self.span_tags: dict[str, Any] | None = None
+        """Attributes every frame opened now gets (the pipeline stage and microbatch
+        running, set by :class:`~commspan.capture.pipeline.PipelineWatch`)."""
         self.groups = groups
         self._on_mesh = groups.add_mesh if groups is not None else None
         self.observer = observer
@@ -313,6 +318,9 @@ class ModuleTracker(BackwardNesting):
         info = self._known.get(module)
         return info.fqn if info is not None else None
 
+    def _tag_spans(self, tags: dict[str, Any] | None) -> None:
+        self.span_tags = tags
+
     def name(self, module: torch.nn.Module) -> str:
         """The name spans give ``module``, naming its module tree if it is new."""
         return self._info(module).fqn
@@ -397,6 +405,8 @@ class ModuleTracker(BackwardNesting):
         re-sharded or re-registered parameter)."""
         attrs = info.attrs[phase].copy()
         attrs[semconv.MODULE_DEPTH] = depth
+        if self.span_tags is not None:  # a pipeline stage's microbatch is running
+            attrs.update(self.span_tags)
         if self.record_params and phase is _FORWARD:
             ids = tuple(map(id, module._parameters.values()))
             if info.params is None or ids != info.param_ids:

@@ -1,4 +1,5 @@
-"""What commspan knows of the parallel wrappers on this rank: FSDP2 units, DDP buckets.
+"""What commspan knows of the parallel wrappers on this rank: FSDP2 units, DDP buckets,
+watched pipeline stages (:mod:`commspan.capture.pipeline`).
 
 The module tracker hands :class:`ParallelModules` every module tree it names
 (:meth:`ParallelModules.learn`) and the end of every DistributedDataParallel
@@ -36,7 +37,8 @@ from typing import Any
 
 import torch
 
-from commspan.ownership import DdpBucket, FsdpUnit
+from commspan.capture.pipeline import PipelineWatch
+from commspan.ownership import DdpBucket, FsdpUnit, PipelineTag
 
 __all__ = ["ParallelModules", "lowest_common_module"]
 
@@ -134,6 +136,8 @@ class ParallelModules:
         self._buckets: dict[int, tuple[Callable[[], Any], DdpBucket]] = {}
         self._group_codes: frozenset[Any] | None = None
         self._init_code = _ddp_init_code()
+        self.pipeline = PipelineWatch()
+        """The pipeline stages ``mode.watch_pipeline()`` was given."""
 
     # ------------------------------------------------------------ facts
     @property
@@ -149,6 +153,16 @@ class ParallelModules:
 
     def ddp_fqns(self) -> Container[str]:
         return self._ddp_names
+
+    @property
+    def has_pipeline(self) -> bool:
+        return self.pipeline.watching
+
+    def pipeline_tag(self, tensor: Any) -> PipelineTag | None:
+        return self.pipeline.tag(tensor)
+
+    def pipeline_setup(self) -> str | None:
+        return self.pipeline.setup_stage()
 
     def fsdp_unit_on_stack(self) -> FsdpUnit | None:
         if self._group_codes is None:

@@ -12,7 +12,8 @@ read and tested on its own:
   else);
 - :class:`CollectiveRule`: a rule for one source of framework-issued
   communication, tried before the default one: :mod:`~commspan.ownership.fsdp`
-  (FSDP2 / HSDP units), :mod:`~commspan.ownership.ddp` (DDP buckets and syncs).
+  (FSDP2 / HSDP units), :mod:`~commspan.ownership.ddp` (DDP buckets and syncs),
+  :mod:`~commspan.ownership.pipeline` (point-to-point ops of pipeline stages).
   It reads an :class:`Issued` collective and the :class:`ParallelFacts` the
   capture layer gathered, and returns an :class:`Ownership` or ``None``
   (not its collective); :func:`resolve` tries them in order;
@@ -44,6 +45,7 @@ __all__ = [
     "Ownership",
     "OwnershipRule",
     "ParallelFacts",
+    "PipelineTag",
     "counted_names",
     "phase_now",
     "resolve",
@@ -127,6 +129,7 @@ class Issued(NamedTuple):
         in_autograd: autograd is executing a graph on this thread.
         labels: the ``record_function`` labels open on this thread, outermost first.
         open_fqns: returns the modules of the open spans, outermost first.
+        tensor: the tensor of a point-to-point op (the object itself), else ``None``.
     """
 
     op: str
@@ -136,6 +139,7 @@ class Issued(NamedTuple):
     in_autograd: bool
     labels: tuple[str, ...]
     open_fqns: Callable[[], Sequence[str]]
+    tensor: Any = None
 
 
 class FsdpUnit(NamedTuple):
@@ -173,6 +177,25 @@ class DdpBucket:
     find_unused: bool
 
 
+class PipelineTag(NamedTuple):
+    """A point-to-point op a watched pipeline stage announced for one microbatch.
+
+    Attributes:
+        stage_fqn: the stage module (commspan name).
+        stage: the stage index.
+        microbatch: the microbatch index.
+        kind: ``activation_send``, ``activation_recv``, ``gradient_send`` or
+            ``gradient_recv``.
+        peer_stage: the stage it exchanges with.
+    """
+
+    stage_fqn: str
+    stage: int
+    microbatch: int
+    kind: str
+    peer_stage: int
+
+
 class ParallelFacts(Protocol):
     """What the capture layer knows of the parallel wrappers on this rank
     (:class:`commspan.capture.parallel.ParallelModules`)."""
@@ -207,6 +230,19 @@ class ParallelFacts(Protocol):
 
     def ddp_constructing(self) -> str | None:
         """Name of a DistributedDataParallel module being constructed on this thread."""
+        ...
+
+    @property
+    def has_pipeline(self) -> bool:
+        """A pipeline stage is watched."""
+        ...
+
+    def pipeline_tag(self, tensor: Any) -> PipelineTag | None:
+        """The op a watched stage announced for ``tensor``, if any."""
+        ...
+
+    def pipeline_setup(self) -> str | None:
+        """The watched stage whose setup an unannounced point-to-point op is, if any."""
         ...
 
 

@@ -48,6 +48,7 @@ from commspan.ownership import CollectiveRule, Issued, counted_names, resolve
 from commspan.ownership.ddp import DdpModules
 from commspan.ownership.fsdp import FsdpUnits
 from commspan.ownership.innermost import InnermostModule
+from commspan.ownership.pipeline import PipelineStages
 from commspan.session.config import Sampler, mode_config
 from commspan.session.resource import build_resource
 from commspan.spans.frames import OpenSpan
@@ -176,7 +177,7 @@ class CommSpanMode:
         ]
         self._ownership = InnermostModule()
         # framework rules, tried before the position (docs/parallelisms.md)
-        self._rules: tuple[CollectiveRule, ...] = (FsdpUnits(), DdpModules())
+        self._rules: tuple[CollectiveRule, ...] = (PipelineStages(), FsdpUnits(), DdpModules())
         self._parallel = ParallelModules()
         self._traces = TraceOpener()  # lives as long as the mode: session traces number on
         self._groups = ProcessGroups()
@@ -256,6 +257,7 @@ class CommSpanMode:
         self._active = True
         self._paused = False
         self._start_capture()
+        self._parallel.pipeline.install()
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
@@ -264,6 +266,7 @@ class CommSpanMode:
                 self._in_step = False
             self._stop_capture()
             self._end_trace(exc)
+            self._parallel.pipeline.uninstall()
             if self._tracker is not None:
                 self._tracker.uninstall()
         finally:
@@ -330,6 +333,7 @@ class CommSpanMode:
                 yield False
             finally:
                 self._in_step = False
+                self._parallel.pipeline.reset_step()  # ops announced but never seen
                 self._resume()
             return
         self._stats["steps_traced"] += 1
@@ -348,6 +352,7 @@ class CommSpanMode:
                 self._tracker.reset_step()
             if self._dispatch is not None:
                 self._dispatch.clear_labels()
+            self._parallel.pipeline.reset_step()
 
     def _foreign_step(self, index: int) -> None:
         if self._warned.first("foreign step"):
@@ -404,10 +409,11 @@ class CommSpanMode:
         owner = None
         parallel = self._parallel
         dispatch = self._dispatch
-        if parallel.has_fsdp or parallel.has_ddp or top.phase is None:
+        if parallel.has_fsdp or parallel.has_ddp or parallel.has_pipeline or top.phase is None:
             labels = dispatch.labels() if dispatch is not None else ()
+            tensor = dispatch.p2p_tensor() if dispatch is not None else None
             issued = Issued(info.name, attrs, top.fqn, top.phase, in_autograd, labels,
-                            self._open_fqns)
+                            self._open_fqns, tensor)
             owner = resolve(issued, parallel, self._rules)
         counted: tuple[str, ...] = ()
         if owner is None:
@@ -488,6 +494,36 @@ class CommSpanMode:
         if rec is None or not self._active:
             return ()
         return rec.open_spans()
+
+    def watch_pipeline(self, schedule: Any) -> None:
+        """Attribute a pipeline's point-to-point ops to its stages, per microbatch.
+
+        For each stage of ``schedule`` (``torch.distributed.pipelining``), while
+        the mode is entered: its sends and receives are owned by the stage
+        module, phase forward for activations and backward for gradients, and
+        name the microbatch, the direction and the peer stage
+        (``commspan.pp.*``); the module spans of a microbatch carry its index.
+        The ops the stages exchange before their first microbatch (tensor
+        shapes) are phase ``setup``. commspan sets wrappers on the stage
+        objects' own methods (``get_*_ops``, ``*_one_chunk``) when the mode is
+        entered and removes them when it is left; nothing else changes. See
+        docs/parallelisms.md.
+
+        Args:
+            schedule: the schedule you call ``step()`` on (``ScheduleGPipe``,
+                ``Schedule1F1B``, ...), or one of its ``PipelineStage`` objects.
+
+        Raises:
+            TypeError: ``schedule`` is neither a pipeline schedule nor a stage.
+
+        Example:
+            ``mode.watch_pipeline(schedule)`` once, then ``with mode.step(i):
+            schedule.step(x, target=y)`` on every rank.
+        """
+        from commspan.capture.pipeline import stages_of
+
+        for stage in stages_of(schedule):
+            self._parallel.pipeline.watch(stage)
 
     def module_name(self, module: torch.nn.Module) -> str | None:
         """The name spans give ``module`` (e.g. ``"Net.blocks.0"``), once the mode
