@@ -29,7 +29,7 @@ from typing import Any
 
 from benchmarks.workload import SIZES, ModelConfig
 
-SECTIONS = ("step", "export", "memory", "profile", "timing")
+SECTIONS = ("step", "export", "memory", "profile", "labels", "timing")
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "latest.json"
 
 
@@ -191,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from benchmarks.export_throughput import run_export_throughput
     from benchmarks.hotspots import run_profile
+    from benchmarks.labels import run_labels
     from benchmarks.memory import run_memory
     from benchmarks.step_overhead import run_step_overhead
     from benchmarks.timing import run_timing
@@ -226,6 +227,12 @@ def main(argv: list[str] | None = None) -> int:
         "profile",
         f"one rank's step split, then cProfile of {plan.profile_steps} traced steps, {size} model",
         lambda: run_profile(cfg, steps=plan.profile_steps, rounds=plan.profile_rounds),
+    )
+
+    section(
+        "labels",
+        "record_function label tracking (FSDP2 ownership): per label pair and per FSDP2 step",
+        lambda: run_labels(rounds=plan.rounds, steps=plan.steps_per_round * 3),
     )
 
     section(

@@ -245,6 +245,21 @@ def _profile_section(profile: dict[str, Any]) -> str:
     return split + "\n".join([head, "", table, "", by_pkg])
 
 
+def _labels_section(labels: dict[str, Any]) -> str:
+    pair = labels["pair_us"]
+    rows = [[k, _f(v, "{:.2f}")] for k, v in pair.items()]
+    steps = labels["fsdp_step_ms"]
+    return (
+        "record_function labels (how commspan finds FSDP2's units)\n\n"
+        + _table(["one with record_function(...) pair under", "us"], rows, right={1})
+        + f"\n\nlabel tracking: {labels['label_pair_cost_us']:.2f} us per pair; an FSDP2 step "
+        f"opens {labels['fsdp_labels_per_step']} labels and costs "
+        f"{steps['labels']:.2f} ms CPU traced vs {steps['no_labels']:.2f} ms without label "
+        f"tracking: {labels['fsdp_label_cost_ms_per_step']:.3f} ms "
+        f"({labels['fsdp_label_cost_share']:.1%}) per step"
+    )
+
+
 def _timing_section(data: dict[str, Any]) -> str:
     rows = [
         [kind, _f(v["us_per_collective_no_mode"]), _f(v["us_per_collective_untimed"]),
@@ -280,7 +295,7 @@ def format_report(results: dict[str, Any]) -> str:
         )
     for name, fn in (("step", _step_section), ("export", _export_section),
                      ("memory", _memory_section), ("profile", _profile_section),
-                     ("timing", _timing_section)):
+                     ("labels", _labels_section), ("timing", _timing_section)):
         if name in results:
             data = results[name]
             if isinstance(data, dict) and data.get("error"):

@@ -33,6 +33,8 @@ __all__ = [
     "COMM_TIME_PREFIX",
     "COUNT_PREFIX",
     "COUNT_TOTAL",
+    "DDP_BUCKET_INDEX",
+    "DDP_BUCKET_MODULES",
     "EVENT_EXCEPTION",
     "EXCEPTION_MESSAGE",
     "EXCEPTION_TYPE",
@@ -49,9 +51,29 @@ __all__ = [
     "KIND_COLLECTIVE",
     "LOCAL_RANK",
     "MESH_DIM",
+    "MESH_DIM_NAME",
     "MODULE_DEPTH",
     "MODULE_FQN",
     "MODULE_TYPE",
+    "OWNER_BYTES",
+    "OWNER_CREDIT",
+    "OWNER_FQN",
+    "OWNER_KIND",
+    "OWNER_KIND_ACTIVATION_RECV",
+    "OWNER_KIND_ACTIVATION_SEND",
+    "OWNER_KIND_ALL_REDUCE",
+    "OWNER_KIND_BUCKET",
+    "OWNER_KIND_FORWARD_SYNC",
+    "OWNER_KIND_GRADIENT_RECV",
+    "OWNER_KIND_GRADIENT_SEND",
+    "OWNER_KIND_INIT_SYNC",
+    "OWNER_KIND_REDUCE_GRAD",
+    "OWNER_KIND_STAGE_SETUP",
+    "OWNER_KIND_UNSHARD",
+    "OWNER_KIND_UNUSED_MAP",
+    "OWNER_PARAMS",
+    "OWNER_PREFETCH",
+    "OWNER_SOURCE",
     "PARAM_NAMES",
     "PARAM_PLACEMENTS",
     "PARAM_SHAPES",
@@ -59,6 +81,9 @@ __all__ = [
     "PG_RANKS",
     "PG_SIZE",
     "PHASE",
+    "PP_MICROBATCH",
+    "PP_PEER_STAGE",
+    "PP_STAGE",
     "PROCESS_PID",
     "Phase",
     "RANK",
@@ -72,6 +97,10 @@ __all__ = [
     "SELF_COUNT",
     "SERVICE_INSTANCE_ID",
     "SERVICE_NAME",
+    "SOURCE_DDP",
+    "SOURCE_FSDP",
+    "SOURCE_PIPELINE",
+    "SOURCE_POSITION",
     "SPAN_HANG",
     "SPAN_RANK",
     "SPAN_SESSION",
@@ -91,8 +120,10 @@ __all__ = [
     "parse_count_key",
 ]
 
-SCHEMA_VERSION = "1"
-"""Version of commspan's span schema; bumped whenever a name below changes."""
+SCHEMA_VERSION = "2"
+"""Version of commspan's span schema; bumped whenever a name below changes or changes
+meaning. 2: collectives have an owner (``commspan.owner.*``) and count for it, not for
+the span open when they were issued; phase ``setup``; ``commspan.mesh.dim_name``."""
 
 SCHEMA_URL = f"https://commspan.dev/schemas/{SCHEMA_VERSION}"
 """Schema URL recorded on the instrumentation scope of every span."""
@@ -110,6 +141,9 @@ class Phase(str, enum.Enum):
     """The module's part of autograd's backward pass."""
     RECOMPUTE = "recompute"
     """The forward re-run during backward by activation checkpointing."""
+    SETUP = "setup"
+    """Collectives only: a parallel wrapper setting itself up, not a training phase
+    (DDP's construction: its parameter check and state broadcast)."""
 
     def __str__(self) -> str:
         return self.value
@@ -162,12 +196,17 @@ COUNT_PREFIX = "commspan.collectives."
 """Prefix of per-op collective counts on module and rank spans.
 
 ``commspan.collectives.<phase>.<op>`` is the number of ``<op>`` collectives of
-``<phase>`` issued inside the span or any span nested in it, with two rules: a
-module open twice in one chain (a recompute inside its own backward) counts an
-op once, and a span of another phase counts the op only if its module encloses
-the issuing module by name (a recompute that runs inside ``w2``'s backward is
-not charged to ``w2``). Summing it over the spans of one module gives the
-module's count.
+``<phase>`` issued inside the span or any span nested in it that count for the
+span's module. A collective counts for its owner (``commspan.owner.fqn``), for
+the modules enclosing the owner by name, and for the rank span. For a
+collective owned by the span open when it was issued (tensor parallelism,
+``commspan.owner.source`` ``position``) that means: every open span of its phase,
+and a span of another phase only if its module encloses the owner by name (a
+recompute that runs inside ``w2``'s backward is not charged to ``w2``). A module
+open twice in one chain (a recompute inside its own backward) counts it once.
+A module a collective counts for that had no open span when it was issued is
+named in the event's ``commspan.owner.credit_fqns`` instead. A module's count is
+the sum over its spans plus the events that credit it.
 """
 COUNT_TOTAL = "total"
 """``commspan.collectives.<phase>.total``: all ops of that phase, same rules."""
@@ -201,6 +240,19 @@ PG_NAME = "commspan.pg.name"
 PG_SIZE = "commspan.pg.size"
 PG_RANKS = "commspan.pg.ranks"
 MESH_DIM = "commspan.mesh.dim"
+MESH_DIM_NAME = "commspan.mesh.dim_name"
+OWNER_FQN = "commspan.owner.fqn"
+OWNER_SOURCE = "commspan.owner.source"
+OWNER_KIND = "commspan.owner.kind"
+OWNER_PREFETCH = "commspan.owner.prefetch"
+OWNER_PARAMS = "commspan.owner.params"
+OWNER_BYTES = "commspan.owner.bytes"
+OWNER_CREDIT = "commspan.owner.credit_fqns"
+DDP_BUCKET_INDEX = "commspan.ddp.bucket.index"
+DDP_BUCKET_MODULES = "commspan.ddp.bucket.modules"
+PP_STAGE = "commspan.pp.stage"
+PP_MICROBATCH = "commspan.pp.microbatch"
+PP_PEER_STAGE = "commspan.pp.peer_stage"
 TENSOR_SHAPE = "commspan.tensor.shape"
 TENSOR_DTYPE = "commspan.tensor.dtype"
 TENSOR_BYTES = "commspan.tensor.bytes"
@@ -215,6 +267,43 @@ COLL_STATE = "commspan.collective.state"
 
 KIND_COLLECTIVE = "collective"
 KIND_P2P = "p2p"
+
+SOURCE_POSITION = "position"
+"""``commspan.owner.source``: owned by the innermost span open when it was issued."""
+SOURCE_FSDP = "fsdp"
+"""``commspan.owner.source``: an FSDP2 (``fully_shard``) collective, owned by its unit."""
+SOURCE_DDP = "ddp"
+"""``commspan.owner.source``: a DistributedDataParallel collective."""
+SOURCE_PIPELINE = "pipeline"
+"""``commspan.owner.source``: a point-to-point op of a watched pipeline stage."""
+
+OWNER_KIND_UNSHARD = "unshard"
+"""``commspan.owner.kind``: FSDP2 all-gather of a unit's parameters."""
+OWNER_KIND_REDUCE_GRAD = "reduce_grad"
+"""``commspan.owner.kind``: FSDP2 reduce-scatter of a unit's gradients."""
+OWNER_KIND_ALL_REDUCE = "all_reduce"
+"""``commspan.owner.kind``: HSDP all-reduce of a unit's gradient shard across replicas."""
+OWNER_KIND_BUCKET = "bucket"
+"""``commspan.owner.kind``: DDP all-reduce of one gradient bucket (or a comm hook's
+collective for it)."""
+OWNER_KIND_UNUSED_MAP = "unused_map"
+"""``commspan.owner.kind``: DDP's all-reduce of which parameters were used
+(``find_unused_parameters=True``)."""
+OWNER_KIND_INIT_SYNC = "init_sync"
+"""``commspan.owner.kind``: DDP's construction: parameter shape check, state broadcast."""
+OWNER_KIND_FORWARD_SYNC = "forward_sync"
+"""``commspan.owner.kind``: DDP's forward: bucket-rebuild and buffer broadcasts."""
+OWNER_KIND_ACTIVATION_SEND = "activation_send"
+"""``commspan.owner.kind``: a pipeline stage sends a microbatch's activations on."""
+OWNER_KIND_ACTIVATION_RECV = "activation_recv"
+"""``commspan.owner.kind``: a pipeline stage receives a microbatch's activations."""
+OWNER_KIND_GRADIENT_SEND = "gradient_send"
+"""``commspan.owner.kind``: a pipeline stage sends a microbatch's input gradients back."""
+OWNER_KIND_GRADIENT_RECV = "gradient_recv"
+"""``commspan.owner.kind``: a pipeline stage receives its output gradients."""
+OWNER_KIND_STAGE_SETUP = "stage_setup"
+"""``commspan.owner.kind``: pipeline stages exchanging tensor shapes before their first
+microbatch."""
 
 STATE_ISSUED = "issued"
 """``commspan.collective.state``: issued, not known to have completed."""
@@ -288,6 +377,36 @@ ATTRIBUTES: dict[str, str] = {
     PG_SIZE: "Process group size.",
     PG_RANKS: "Global ranks of the process group.",
     MESH_DIM: "DeviceMesh dimension the process group belongs to, when known.",
+    MESH_DIM_NAME: "Name of that mesh dimension (``mesh_dim_names``), when the mesh names "
+    "it, e.g. ``tp``, ``dp``.",
+    OWNER_FQN: "The module that owns the collective: its counts include it. The span open "
+    "when it was issued (``commspan.module.fqn``) for tensor parallelism and a module's own "
+    "collectives; the FSDP unit whose parameters it moves; the lowest module holding all "
+    "of a DDP bucket's parameters; the DDP module for DDP's own syncs. See "
+    "docs/parallelisms.md.",
+    OWNER_SOURCE: "What decided the owner: ``position``, ``fsdp``, ``ddp`` or ``pipeline``.",
+    OWNER_KIND: "What the collective does for its owner (FSDP: ``unshard``, ``reduce_grad``, "
+    "``all_reduce``; DDP: ``bucket``, ``unused_map``, ``init_sync``, ``forward_sync``; "
+    "pipeline: ``activation_send``, ``activation_recv``, ``gradient_send``, "
+    "``gradient_recv``, ``stage_setup``); absent for ``position``.",
+    OWNER_PREFETCH: "FSDP unshard: issued ahead of its unit's use by another unit's hook "
+    "(implicit backward prefetch, or ``set_modules_to_*_prefetch``) (bool).",
+    OWNER_PARAMS: "Number of parameters the collective moves: the FSDP unit's own "
+    "parameters (nested units excluded), or the DDP bucket's (int).",
+    OWNER_BYTES: "Bytes of the owner's data the collective carries: the whole (padded) "
+    "unit for an FSDP all-gather (its output) or reduce-scatter (its input), the unit's "
+    "shard for HSDP's all-reduce, the bucket for DDP (int). Over the wire each rank "
+    "sends about this x (n-1)/n (all-gather, reduce-scatter) or x 2(n-1)/n (all-reduce).",
+    OWNER_CREDIT: "Modules the collective counts for (its owner and the modules enclosing "
+    "it by name) that had no open span when it was issued, so that no span's count "
+    "attributes hold it; readers add the event to these modules' counts (array).",
+    DDP_BUCKET_INDEX: "DDP bucket index (the reducer's; buckets are launched in index order).",
+    PP_STAGE: "Pipeline stage index: on the module spans of a watched stage while it runs a "
+    "microbatch, and on its point-to-point events (int).",
+    PP_MICROBATCH: "Microbatch index, on the same spans and events (int).",
+    PP_PEER_STAGE: "The stage a pipeline point-to-point op exchanges with (int; its global "
+    "rank is ``commspan.collective.peer``).",
+    DDP_BUCKET_MODULES: "Modules holding the DDP bucket's parameters (array of module fqns).",
     TENSOR_SHAPE: "Shape of the (first) input tensor.",
     TENSOR_DTYPE: "Dtype of the input tensor(s), e.g. ``float32``.",
     TENSOR_BYTES: "Bytes of all input tensors of the op.",

@@ -11,23 +11,43 @@ must change neither's counts. The spans must form a well-formed tree.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
+import json
+import os
+import re
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode as TorchCommDebugMode
-from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.utils.hooks import BackwardHook
 
 from commspan import CommSpanMode, semconv
+from commspan.compat import CommDebugMode as CompatCommDebugMode
 from commspan.testing import assert_well_formed
-from commspan.testing.models import ModelArgs, Transformer, make_batch, parallelize, train_step
+from commspan.testing.models import (
+    MLPModule,
+    MLPStacked,
+    ModelArgs,
+    Transformer,
+    make_batch,
+    parallelize,
+    train_step,
+)
 
 pytestmark = pytest.mark.filterwarnings(
     # torch's CommDebugMode installs global full-backward hooks; the embeddings' inputs need no grad
@@ -439,3 +459,443 @@ def test_recompute_runs_inside_the_backward_that_needs_it(
         assert (
             _nearest_backward(span, by_id).name == "Transformer.layers.1.feed_forward.w2 backward"
         )
+
+
+# ------------------------------------------------------------------ compat CommDebugMode == torch's
+# commspan.compat.CommDebugMode and torch 2.13's CommDebugMode run the same scenario (fresh
+# module instances, each run once per context: torch 2.13 raises IndexError otherwise), and
+# every report is compared with torch's own. torch's CommDebugMode also lists ops that its own
+# hooks issue (it reads each parameter's ``.data`` four times, and its global backward hook
+# wraps module inputs and outputs in views); compat's hooks issue none, so those records are
+# taken out of torch's data, by torch's own hooks telling which ones they made, before torch
+# renders its reports. Everything else is torch's own output.
+
+
+@contextlib.contextmanager
+def without_torch_hook_ops(cdm: TorchCommDebugMode) -> Iterator[None]:
+    """Drop, at exit, the op records torch's CommDebugMode made of its own hooks' ops:
+    those appended while its tracker's forward pre-hook or torch's backward-hook
+    wrapping (``BackwardHook.setup_input_hook`` / ``setup_output_hook``) ran."""
+    own: list[dict[str, Any]] = []
+
+    def lengths() -> dict[str, int]:
+        return {k: len(v["operations_list"]) for k, v in cdm.comm_module_operation_counts.items()}
+
+    def tagged(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            before = lengths()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                for name, entry in cdm.comm_module_operation_counts.items():
+                    own.extend(entry["operations_list"][before.get(name, 0):])
+
+        return run
+
+    tracker = cdm.advanced_module_tracker
+    tracker._fw_pre_hook = tagged(tracker._fw_pre_hook)  # registered on __enter__
+    saved = (BackwardHook.setup_input_hook, BackwardHook.setup_output_hook)
+    BackwardHook.setup_input_hook = tagged(saved[0])  # type: ignore[method-assign]
+    BackwardHook.setup_output_hook = tagged(saved[1])  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        BackwardHook.setup_input_hook, BackwardHook.setup_output_hook = saved  # type: ignore[method-assign]
+        drop = {id(record) for record in own}
+        for entry in cdm.comm_module_operation_counts.values():
+            entry["operations_list"][:] = [
+                r for r in entry["operations_list"] if id(r) not in drop
+            ]
+
+
+class _Collectives(nn.Module):
+    """Issues functional, coalesced and c10d collectives, and ops torch does not count
+    (an in-place functional collective, point-to-point, barrier)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        group = dist.group.WORLD
+        y = funcol.all_gather_single(x, 0, group)
+        y = funcol.reduce_scatter_single(y, "sum", 0, group)
+        y = funcol.all_reduce(y, "sum", group)
+        y = funcol.all_reduce_coalesced([y, y], "sum", group)[0]
+        dist.all_reduce(x)
+        dist.broadcast(x, 0)
+        gathered = torch.empty(x.shape[0] * dist.get_world_size(), *x.shape[1:])
+        dist.all_gather_single(gathered, x)
+        dist.reduce_scatter_single(x, gathered)
+        dist.all_to_all_single(torch.empty_like(x), x)
+        torch.ops._c10d_functional.all_reduce_(x, "sum", group.group_name)  # torch: not counted
+        dist.send(x, 1)  # not counted
+        dist.recv(x, 1)  # not counted
+        dist.barrier()  # not counted
+        return y
+
+
+class _Redistributing(nn.Module):
+    """DTensor redistributions (scatter, all_gather) around a module that issues collectives."""
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        super().__init__()
+        self.mesh = mesh
+        self.comms = _Collectives()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = distribute_tensor(torch.arange(64.0).reshape(8, 8), self.mesh, [Shard(0)])
+        d.redistribute(self.mesh, [Shard(1)]).full_tensor()
+        return self.comms(x)
+
+
+class _Passthrough(nn.Module):
+    """Modules that hand their input back (Identity, Dropout(p=0)) between Linears."""
+
+    def __init__(self, inplace: bool = False) -> None:
+        super().__init__()
+        self.lin1 = nn.Linear(4, 4)
+        self.ident = nn.Identity()
+        self.drop = nn.Dropout(0.0)
+        self.act = nn.ReLU(inplace=inplace)
+        self.lin2 = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ident(self.lin1(x)) * 2
+        h = self.act(self.drop(h))
+        return self.lin2(h) + h.sum()
+
+
+def _forward_backward(model: nn.Module, *inputs: torch.Tensor) -> StepFn:
+    """A step: forward, ``sum().backward()``, nothing after it."""
+    return lambda: model(*inputs).sum().backward()
+
+
+def _transformer_step(args: ModelArgs, mesh: DeviceMesh) -> StepFn:
+    torch.manual_seed(0)
+    model = parallelize(Transformer(args), mesh)
+    tokens, targets = make_batch(args)
+
+    def step() -> None:
+        logits = model(tokens)
+        F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)).backward()
+
+    return step
+
+
+def _collectives_step(mesh: DeviceMesh) -> StepFn:
+    model = _Redistributing(mesh)
+
+    def step() -> None:
+        model(torch.ones(4, 4))
+        dist.all_reduce(torch.ones(2))  # outside any module: Global only
+
+    return step
+
+
+_MLP_PLAN = {"net1": ColwiseParallel(), "net2": RowwiseParallel()}
+_STACKED_PLAN = {
+    f"layers.{i}.{name}": style
+    for i in range(2)
+    for name, style in (("net1", ColwiseParallel()), ("net2", RowwiseParallel()))
+}
+
+REPORT_SCENARIOS: dict[str, Callable[[DeviceMesh], StepFn]] = {
+    "empty": lambda mesh: lambda: None,
+    "no_module": lambda mesh: lambda: torch.ones(2, 2).sum(),
+    "mlp": lambda mesh: _forward_backward(
+        parallelize_module(MLPModule(), mesh, dict(_MLP_PLAN)), torch.rand(8, 10)
+    ),
+    "mlp_stacked": lambda mesh: _forward_backward(
+        parallelize_module(MLPStacked(), mesh, dict(_STACKED_PLAN)), torch.rand(8, 10)
+    ),
+    "collectives": _collectives_step,
+    "passthrough": lambda mesh: _forward_backward(
+        _Passthrough(), torch.rand(3, 4, requires_grad=True)
+    ),
+    **{
+        f"transformer_{name}": functools.partial(_transformer_step, args)
+        for name, args in SCENARIOS.items()
+    },
+}
+LEVELS = (0, 1, 2, 3)
+
+
+@dataclasses.dataclass
+class Reports:
+    """What one CommDebugMode recorded and wrote for one scenario."""
+
+    total: int
+    comm_counts: dict[Any, int]
+    module_counts: dict[str, dict[str, dict[Any, int]]]
+    helper: dict[str, dict[str, Any]]
+    parent_dict: dict[str, list[str]]
+    parents: dict[str, set[str]]
+    sharding: dict[str, Any]
+    parameters: list[tuple[str, str, type, tuple[int, ...]]]
+    tables: dict[Any, str]
+    dumps: dict[Any, str]
+    logs: dict[Any, str]
+
+
+def _reports(cdm: Any, folder: Path) -> Reports:
+    tracker = cdm.advanced_module_tracker
+    tables: dict[Any, str] = {lvl: cdm.generate_comm_debug_tracing_table(lvl) for lvl in LEVELS}
+    tables["default"] = cdm.generate_comm_debug_tracing_table()
+    dumps: dict[Any, str] = {}
+    logs: dict[Any, str] = {}
+    for lvl in LEVELS:
+        cdm.generate_json_dump(file_name=folder / f"dump{lvl}.json", noise_level=lvl)
+        dumps[lvl] = (folder / f"dump{lvl}.json").read_text()
+        cdm.log_comm_debug_tracing_table_to_file(folder / f"log{lvl}.txt", lvl)
+        logs[lvl] = (folder / f"log{lvl}.txt").read_text()
+    cwd = os.getcwd()
+    os.chdir(folder)  # the default file names
+    try:
+        cdm.generate_json_dump()
+        cdm.log_comm_debug_tracing_table_to_file()
+    finally:
+        os.chdir(cwd)
+    dumps["default"] = (folder / "comm_mode_log.json").read_text()
+    logs["default"] = (folder / "comm_mode_log.txt").read_text()
+    return Reports(
+        total=cdm.get_total_counts(),
+        comm_counts=dict(cdm.get_comm_counts()),
+        module_counts={
+            fqn: {phase: dict(ops) for phase, ops in phases.items()}
+            for fqn, phases in cdm.comm_module_counts.items()
+        },
+        helper={fqn: dict(info) for fqn, info in tracker.module_helper_dict.items()},
+        parent_dict={k: list(v) for k, v in tracker.parent_dict.items()},
+        parents={k: set(v) for k, v in tracker.module_parents_dict.items()},
+        sharding=dict(cdm.get_sharding_info()),
+        parameters=[
+            (fqn, name, type(t), tuple(t.shape))
+            for fqn, params in cdm.get_parameter_info().items()
+            for name, t in params.items()
+        ],
+        tables=tables,
+        dumps=dumps,
+        logs=logs,
+    )
+
+
+@pytest.fixture(scope="module")
+def reports(
+    tp_mesh: DeviceMesh, tmp_path_factory: pytest.TempPathFactory
+) -> Callable[[str], dict[str, Reports]]:
+    """``reports(scenario)``: ``{"torch": Reports, "compat": Reports}``, computed once."""
+    cache: dict[str, dict[str, Reports]] = {}
+
+    def get(name: str) -> dict[str, Reports]:
+        if name not in cache:
+            out = {}
+            for impl in ("torch", "compat"):
+                torch.manual_seed(0)
+                step = REPORT_SCENARIOS[name](tp_mesh)
+                folder = tmp_path_factory.mktemp(f"{name}-{impl}")
+                if impl == "torch":
+                    cdm: Any = TorchCommDebugMode()
+                    with without_torch_hook_ops(cdm), cdm:
+                        step()
+                else:
+                    cdm = CompatCommDebugMode()
+                    with cdm:
+                        step()
+                out[impl] = _reports(cdm, folder)
+            cache[name] = out
+        return cache[name]
+
+    return get
+
+
+REPORT_NAMES = list(REPORT_SCENARIOS)
+
+
+@pytest.mark.parametrize("name", REPORT_NAMES)
+def test_compat_counts_match_torch(name: str, reports: Callable[[str], dict[str, Reports]]) -> None:
+    """compat's total, per-op and per-module/phase counts equal torch's, keys included."""
+    got, want = reports(name)["compat"], reports(name)["torch"]
+    assert got.total == want.total
+    assert got.comm_counts == want.comm_counts
+    assert got.module_counts == want.module_counts
+    if name == "collectives":  # c10d ops under their own keys; in-place funcol, barrier not counted
+        assert want.comm_counts[torch.ops.c10d.allreduce_] == 2
+        assert want.comm_counts[torch.ops.c10d_functional.all_reduce] == 1
+        assert torch.ops._c10d_functional.all_reduce not in got.comm_counts
+
+
+@pytest.mark.parametrize("name", REPORT_NAMES)
+def test_compat_tracker_dicts_match_torch(
+    name: str, reports: Callable[[str], dict[str, Reports]]
+) -> None:
+    """module_helper_dict, parent_dict, module_parents_dict, sharding and parameter info
+    equal torch's (parameters: names, types and shapes, in order)."""
+    got, want = reports(name)["compat"], reports(name)["torch"]
+    assert got.helper == want.helper
+    assert list(got.helper) == list(want.helper)
+    assert got.parent_dict == want.parent_dict
+    assert got.parents == want.parents
+    assert got.sharding == want.sharding
+    assert list(got.sharding) == list(want.sharding)
+    assert got.parameters == want.parameters
+
+
+@pytest.mark.parametrize("level", (0, 1, 2))
+@pytest.mark.parametrize("name", REPORT_NAMES)
+def test_compat_reports_equal_torch(
+    name: str, level: int, reports: Callable[[str], dict[str, Reports]]
+) -> None:
+    """At noise levels 0-2 the table, the JSON dump and the log file equal torch's byte for byte."""
+    got, want = reports(name)["compat"], reports(name)["torch"]
+    assert got.tables[level] == want.tables[level]
+    assert got.dumps[level] == want.dumps[level]
+    assert got.logs[level] == want.logs[level]
+
+
+_OP_ENTRY = re.compile(r"^(\x1b\[1;33m)? *\*\*")  # the log file has no colours
+_DETAIL = re.compile(r"^(\x1b\[1;31m)? *(shape|sharding|device mesh): ")
+
+
+def _ops_unordered(table: str) -> list[str]:
+    """The table with each run of op entries (an op line and its detail lines) sorted."""
+    out: list[str] = []
+    run: list[str] = []
+    for line in table.splitlines():
+        if _OP_ENTRY.match(line):
+            run.append(line)
+        elif _DETAIL.match(line) and run:
+            run[-1] += "\n" + line
+        else:
+            out.extend(sorted(run))
+            run = []
+            out.append(line)
+    return out + sorted(run)
+
+
+def _dump_ops_unordered(text: str) -> Any:
+    """A JSON dump with each op list sorted."""
+
+    def walk(node: dict[str, Any]) -> dict[str, Any]:
+        for key in ("operations_forward", "operations_backward", "operations_checkpointing"):
+            node[key] = sorted(node[key], key=lambda op: json.dumps(op, sort_keys=True))
+        node["children"] = [walk(child) for child in node["children"]]
+        return node
+
+    return walk(json.loads(text))
+
+
+@pytest.mark.parametrize("name", REPORT_NAMES)
+def test_compat_level_3_reports_match_torch(
+    name: str, reports: Callable[[str], dict[str, Reports]]
+) -> None:
+    """At noise level 3 (the default) the reports list the same ops per module and phase as
+    torch's; only the order among ops run by one autograd step may differ (torch's backward
+    hooks add nodes to the autograd graph, which moves gradient accumulation)."""
+    got, want = reports(name)["compat"], reports(name)["torch"]
+    for key in (3, "default"):
+        assert _ops_unordered(got.tables[key]) == _ops_unordered(want.tables[key]), key
+        assert _dump_ops_unordered(got.dumps[key]) == _dump_ops_unordered(want.dumps[key]), key
+        assert _ops_unordered(got.logs[key]) == _ops_unordered(want.logs[key]), key
+    assert got.tables["default"] == got.tables[3]
+    assert got.dumps["default"] == got.dumps[3]
+    assert got.logs["default"] == got.logs[3]
+
+
+def test_collective_after_backward_is_filed_as_torch_does_not(
+    tp_mesh: DeviceMesh,
+) -> None:
+    """A collective after backward in the same context: torch 2.13 files it as a forward
+    collective of the module whose backward started last (and its ancestors); compat files it
+    under the module whose forward is running, here none: Global. Documented in docs/compat.md."""
+    filed = {}
+    for impl, cls in (("torch", TorchCommDebugMode), ("compat", CompatCommDebugMode)):
+        torch.manual_seed(0)
+        model = parallelize_module(MLPModule(), tp_mesh, dict(_MLP_PLAN))
+        cdm = cls()
+        with cdm:
+            model(torch.rand(8, 10)).sum().backward()
+            model.net1.weight.full_tensor()  # one all_gather
+        gather = torch.ops.c10d_functional.all_gather_into_tensor
+        filed[impl] = {
+            fqn: n
+            for fqn, phases in cdm.comm_module_counts.items()
+            if (n := phases["forward"][gather])
+        }
+    assert filed["torch"] == {"Global": 1, "MLPModule": 1, "MLPModule.net1": 1}
+    assert filed["compat"] == {"Global": 1}
+
+
+def test_in_place_module_breaks_torch_not_compat() -> None:
+    """torch 2.13's CommDebugMode wraps module inputs in views for its backward hook, so a
+    module that changes its input in place (ReLU(inplace=True)) raises under it; compat
+    wraps nothing and runs the model."""
+    x = torch.rand(3, 4, requires_grad=True)
+    with pytest.raises(RuntimeError, match="is a view and is being modified inplace"):
+        with TorchCommDebugMode():
+            _Passthrough(inplace=True)(x).sum().backward()
+    comm_mode = CompatCommDebugMode()
+    with comm_mode:
+        _Passthrough(inplace=True)(x).sum().backward()
+    ops = comm_mode.comm_module_operation_counts["_Passthrough.act"]["operations_list"]
+    assert "aten.relu_.default" in [str(op["name"]) for op in ops if not op["is_bw"]]
+
+
+class _BackwardCalls(torch.autograd.Function):
+    """Calls a module (first seen here) inside its backward; that module all-reduces."""
+
+    module: nn.Module
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return _BackwardCalls.module(grad)
+
+
+class _AllReduce(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return funcol.all_reduce(x, "sum", dist.group.WORLD)
+
+
+def test_module_first_seen_in_backward(fake_pg: None) -> None:
+    """A module that first runs inside backward: torch 2.13 raises KeyError on its
+    collective; compat counts it under the module and Global, as backward."""
+    x = torch.rand(4, requires_grad=True)
+    _BackwardCalls.module = _AllReduce()
+    with pytest.raises(KeyError, match="_AllReduce"):
+        with TorchCommDebugMode():
+            _BackwardCalls.apply(x).sum().backward()
+    comm_mode = CompatCommDebugMode()
+    with comm_mode:
+        _BackwardCalls.apply(x).sum().backward()
+    assert {fqn: dict(p["backward"]) for fqn, p in comm_mode.comm_module_counts.items()} == {
+        "Global": {torch.ops.c10d_functional.all_reduce: 1},
+        "_AllReduce": {torch.ops.c10d_functional.all_reduce: 1},
+    }
+
+
+def test_compiled_code_counts_match_torch(tp_mesh: DeviceMesh) -> None:
+    """Under torch's CommDebugMode, torch.compile runs frames eagerly (it is not an "infra"
+    dispatch mode); compat's mode does the same, so a compiled funcol all_reduce and a
+    compiled DTensor redistribution count as they do under torch."""
+
+    def redistribute(x: Any) -> torch.Tensor:
+        return x.redistribute(tp_mesh, [Replicate()]).to_local() * 2
+
+    def reduce(x: torch.Tensor) -> torch.Tensor:
+        return funcol.all_reduce(x * 2, "sum", dist.group.WORLD) + 1
+
+    counts = {}
+    for impl, cls in (("torch", TorchCommDebugMode), ("compat", CompatCommDebugMode)):
+        torch._dynamo.reset()
+        compiled = [torch.compile(fn, backend="inductor") for fn in (redistribute, reduce)]
+        x = distribute_tensor(torch.randn(8, 8), tp_mesh, [Shard(0)])
+        cdm = cls()
+        with cdm:
+            compiled[0](x)
+            compiled[1](torch.randn(4))
+        counts[impl] = dict(cdm.get_comm_counts())
+    torch._dynamo.reset()
+    assert counts["compat"] == counts["torch"] == {
+        torch.ops.c10d_functional.all_gather_into_tensor: 1,
+        torch.ops.c10d_functional.all_reduce: 1,
+    }

@@ -53,7 +53,15 @@ def test_docs_examples_run(name: str, tmp_path: Path, monkeypatch: pytest.Monkey
 
 
 @pytest.mark.parametrize(
-    "doc", ["README.md", "docs/design.md", "docs/jsonl.md", "docs/schema.md", "docs/views.md"]
+    "doc",
+    [
+        "README.md",
+        "docs/design.md",
+        "docs/jsonl.md",
+        "docs/parallelisms.md",
+        "docs/schema.md",
+        "docs/views.md",
+    ],
 )
 def test_relative_links_resolve(doc: str) -> None:
     """Every relative link in the documentation points at a file of the repository."""

@@ -137,10 +137,13 @@ def generate() -> str:
         "|---|---|---|",
         (
             "| the collective's canonical op name (below) | the innermost module span open "
-            "when the op was issued, else the rank span | "
-            f"`{semconv.COLL_OP}`, `{semconv.COLL_KIND}`, `{semconv.MODULE_FQN}`, "
-            f"`{semconv.PHASE}` and the other `commspan.collective.*`, `commspan.pg.*`, "
-            "`commspan.tensor.*`, `commspan.redistribute.*`, `commspan.mesh.*` keys that apply |"
+            "when the op was issued, else the rank span, whoever owns it | "
+            f"`{semconv.COLL_OP}`, `{semconv.COLL_KIND}`, `{semconv.MODULE_FQN}` (where it "
+            f"was issued), `{semconv.OWNER_FQN}` and `{semconv.OWNER_SOURCE}` (who it counts "
+            f"for), `{semconv.PHASE}` (the phase it serves) and the other "
+            "`commspan.collective.*`, `commspan.pg.*`, `commspan.tensor.*`, "
+            "`commspan.redistribute.*`, `commspan.mesh.*`, `commspan.owner.*`, "
+            "`commspan.ddp.*` keys that apply ([parallelisms.md](parallelisms.md)) |"
         ),
         (
             f"| the collective's canonical op name | a `{semconv.SPAN_HANG}` span | the "

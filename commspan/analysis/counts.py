@@ -3,9 +3,11 @@
 The :class:`Aggregator` is an ordinary OpenTelemetry span processor. It reads
 only what the spans carry: the per-op count attributes of module and rank
 spans (``commspan.collectives.<phase>.<op>``), their parameter attributes, and
-their collective events. So the same numbers come out of a live run, of JSONL
-files written by :class:`~commspan.exporters.JsonlSpanExporter`
-(:meth:`Aggregator.from_jsonl`), and of any backend the spans were sent to.
+their collective events (whose ``commspan.owner.credit_fqns`` name the modules
+a collective counts for that had no open span when it was issued). So the same
+numbers come out of a live run, of JSONL files written by
+:class:`~commspan.exporters.JsonlSpanExporter` (:meth:`Aggregator.from_jsonl`),
+and of any backend the spans were sent to.
 
 Example:
     >>> from commspan import CommSpanMode
@@ -42,11 +44,14 @@ _PHASE_ORDER = PHASE_ORDER
 
 @dataclass(frozen=True)
 class CollectiveSummary:
-    """Collectives of one kind issued directly by one module (not its children).
+    """Collectives of one kind owned directly by one module (not its children).
 
     Attributes:
-        fqn: module that issued them (``Global`` outside any module).
-        phase: ``forward``, ``backward`` or ``recompute``.
+        fqn: module that owns them (``commspan.owner.fqn``): the module that
+            issued them (``Global`` outside any module), or for framework
+            communication the module it serves (an FSDP unit, a DDP bucket's
+            module; docs/parallelisms.md).
+        phase: ``forward``, ``backward``, ``recompute`` or ``setup``.
         op: canonical op name.
         src: DTensor placements before the redistribution, ``""`` if none.
         dst: DTensor placements after it, ``""`` if none.
@@ -70,8 +75,9 @@ LiveView = Callable[[], Iterable[OpenSpan]]
 class Aggregator(SpanProcessor):
     """Counts collectives per module and phase from commspan spans.
 
-    A collective counts for the module that issued it, for every module
-    enclosing it, and for ``Global``. Counts accumulate until :meth:`reset`
+    A collective counts for the module that owns it (the module that issued
+    it, or the one framework communication serves: docs/parallelisms.md), for
+    every module enclosing it, and for ``Global``. Counts accumulate until :meth:`reset`
     (``CommSpanMode`` resets its aggregator each time it is entered).
 
     Args:
@@ -149,8 +155,11 @@ class Aggregator(SpanProcessor):
             op = ev.get(semconv.COLL_OP)
             if op is None:
                 continue
+            credited = ev.get(semconv.OWNER_CREDIT)
+            if credited:
+                self._credit(credited, str(ev.get(semconv.PHASE, "")), str(op), start)
             key = (
-                str(ev.get(semconv.MODULE_FQN, fqn)),
+                str(ev.get(semconv.OWNER_FQN) or ev.get(semconv.MODULE_FQN, fqn)),
                 str(ev.get(semconv.PHASE, "")),
                 str(op),
                 str(ev.get(semconv.REDIST_SRC, "")),
@@ -162,6 +171,16 @@ class Aggregator(SpanProcessor):
             slot[0] += 1
             slot[1] += int(ev.get(semconv.TENSOR_BYTES, 0) or 0)
 
+    def _credit(self, fqns: Iterable[Any], phase: str, op: str, start: int) -> None:
+        """Count one collective for modules that had no open span when it was
+        issued (an event's ``commspan.owner.credit_fqns``)."""
+        for name in fqns:
+            fqn = str(name)
+            slot = self._counts.setdefault(fqn, {}).setdefault(phase, {})
+            slot[op] = slot.get(op, 0) + 1
+            if fqn not in self._modules:  # e.g. a DDP module before its first forward
+                self._modules[fqn] = ModuleRecord(fqn, "", fqn.count(".") + 1, start)
+
     def _note_module(self, fqn: str, attrs: Mapping[str, Any], start: int) -> None:
         rec = self._modules.get(fqn)
         if rec is None:
@@ -169,6 +188,11 @@ class Aggregator(SpanProcessor):
             rec = self._modules[fqn] = ModuleRecord(
                 fqn, str(attrs.get(semconv.MODULE_TYPE, "")), depth, start
             )
+        elif not rec.type and attrs.get(semconv.MODULE_TYPE):
+            # known from a credit only: its span tells what it is
+            rec.type = str(attrs[semconv.MODULE_TYPE])
+            rec.depth = int(attrs.get(semconv.MODULE_DEPTH, 1) or 1)
+            rec.first_seen = min(rec.first_seen, start)
         elif start < rec.first_seen:
             rec.first_seen = start
             rec.depth = int(attrs.get(semconv.MODULE_DEPTH, 1) or 1)
@@ -192,6 +216,13 @@ class Aggregator(SpanProcessor):
                 for (phase, op), n in span.counts.items():
                     slot = counts.setdefault(fqn, {}).setdefault(phase, {})
                     slot[op] = slot.get(op, 0) + n
+                for (credited, phase, op), n in span.credits.items():
+                    slot = counts.setdefault(credited, {}).setdefault(phase, {})
+                    slot[op] = slot.get(op, 0) + n
+                    if credited not in modules:
+                        modules[credited] = ModuleRecord(
+                            credited, "", credited.count(".") + 1, 0
+                        )
                 if fqn != semconv.GLOBAL_FQN and fqn not in modules:
                     modules[fqn] = ModuleRecord(
                         fqn,
@@ -251,7 +282,7 @@ class Aggregator(SpanProcessor):
     def collectives(
         self, fqn: str | None = None, phase: str | None = None, op: str | None = None
     ) -> list[CollectiveSummary]:
-        """Collectives grouped by issuing module, phase, op and placements."""
+        """Collectives grouped by owning module, phase, op and placements."""
         with self._lock:
             items = list(self._summaries.items())
         out = [
@@ -431,6 +462,8 @@ _EVENT_KEYS = frozenset(
         semconv.REDIST_SRC,
         semconv.REDIST_DST,
         semconv.TENSOR_BYTES,
+        semconv.OWNER_FQN,
+        semconv.OWNER_CREDIT,
     }
 )
 
@@ -457,6 +490,11 @@ def _decode_document(doc: dict[str, Any]) -> tuple[int, list[_Add]]:
         for _name, ev in events:
             if semconv.TENSOR_BYTES in ev:
                 ev[semconv.TENSOR_BYTES] = int(ev[semconv.TENSOR_BYTES] or 0)
+            credited = ev.get(semconv.OWNER_CREDIT)
+            if credited is not None and not isinstance(credited, list):
+                raise ValueError(
+                    f"{semconv.OWNER_CREDIT} is {credited!r}, expected an array of module names"
+                )
         r = rank_value(resource.get(semconv.RANK))
         adds.append((r, str(fqn), attrs, int(s.get("startTimeUnixNano", 0)), events))
     return len(decoded), adds

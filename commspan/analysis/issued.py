@@ -30,7 +30,9 @@ class Issued:
     """Identical collectives one module issued itself, summed.
 
     Attributes:
-        fqn: the module that issued them (``Global`` outside any module).
+        fqn: the module that issued them (``Global`` outside any module), or for
+            framework communication (FSDP2, DDP) the module that owns them, as the
+            counts do (``commspan.owner.fqn``, docs/parallelisms.md).
         phase: ``forward``, ``backward`` or ``recompute``.
         op: canonical op name.
         group: process group name (``""`` when unknown).
@@ -97,7 +99,9 @@ def issued(records: Iterable[SpanRecord], *, rank: int | None = None) -> list[Is
                 continue
             pg_ranks = ev.get(semconv.PG_RANKS)
             key = (
-                str(ev.get(semconv.MODULE_FQN, fqn)),
+                # the owner, as the counts: the module that issued it, or the one
+                # framework communication serves (docs/parallelisms.md)
+                str(ev.get(semconv.OWNER_FQN) or ev.get(semconv.MODULE_FQN, fqn)),
                 str(ev.get(semconv.PHASE, "")),
                 str(op),
                 str(ev.get(semconv.PG_NAME, "")),

@@ -116,6 +116,7 @@ class BackwardNesting:
     _tasks: set[int]  # graph tasks running a backward this tracker follows
     _bw_open: list[_Call]  # calls whose backward frame is open
     _leaf_handles: list[Any]  # hooks on leaf tensors, removed after backward
+    span_tags: dict[str, Any] | None  # extra attributes of frames opened now (pipeline)
 
     def _init_backward(self) -> None:
         self._tasks = set()
@@ -215,6 +216,8 @@ class BackwardNesting:
         info = call.info
         attrs = info.attrs[Phase.BACKWARD].copy()
         attrs[semconv.MODULE_DEPTH] = call.depth
+        if self.span_tags is not None:  # a pipeline stage's microbatch is running
+            attrs.update(self.span_tags)
         call.bw_frame = self.recorder.push(
             info.fqn, Phase.BACKWARD, attrs, task, under, info.names[Phase.BACKWARD]
         )

@@ -31,6 +31,7 @@ from commspan import semconv
 __all__ = [
     "CollectiveInfo",
     "build_overload_table",
+    "label_overloads",
     "canonical_name",
     "canonical_names",
     "collective_packets",
@@ -234,6 +235,32 @@ def wait_overloads() -> list[Any]:
         out.append(packet)
         out.extend(getattr(packet, name) for name in packet.overloads())
     return out
+
+
+def label_overloads() -> tuple[list[Any], list[Any]]:
+    """``(enter overloads, exit overloads)`` of ``torch.profiler.record_function``.
+
+    With a dispatch mode active, entering ``record_function(name)`` reaches the
+    mode as ``profiler._record_function_enter_new(name, args)`` (it returns the
+    handle) and leaving it as ``profiler._record_function_exit(handle)``,
+    whether a profiler runs or not. Frameworks label their communication this
+    way (FSDP2's ``FSDP::all_gather (<unit>)``); the dispatch mode puts these
+    overloads in its op table next to the collectives, so telling them apart
+    from every other op stays one dict lookup.
+    """
+    enter: list[Any] = []
+    leave: list[Any] = []
+    for name, into in (
+        ("_record_function_enter_new", enter),
+        ("_record_function_enter", enter),  # legacy: a Tensor handle
+        ("_record_function_exit", leave),
+    ):
+        packet = _packet("profiler", name)
+        if packet is None:
+            continue
+        for overload_name in packet.overloads():
+            into.append(getattr(packet, overload_name))
+    return enter, leave
 
 
 _CANONICAL: dict[Any, str] | None = None

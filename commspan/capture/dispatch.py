@@ -2,13 +2,18 @@
 
 For every aten op the mode sees, the hot path is one check (a tensor
 subclass such as DTensor is involved: let it run first, its local ops come
-back here) and one dict lookup (is this a collective, or ``wait_tensor``?).
-A collective is described (op, tensors, process group, sequence number,
-reduce op, peer, DTensor redistribution) and handed to a callback; when the
-callback returns a :class:`~commspan.spans.timing.CollectiveTiming`, the
-mode times the op from issue to completion
-(:mod:`commspan.capture.completion`). The mode itself does no IO and no
-counting.
+back here) and one dict lookup (is this a collective, a ``record_function``
+label, or ``wait_tensor``?). A collective is described (op, tensors, process
+group, sequence number, reduce op, peer, DTensor redistribution) and handed to
+a callback; when the callback returns a
+:class:`~commspan.spans.timing.CollectiveTiming`, the mode times the op from
+issue to completion (:mod:`commspan.capture.completion`). The mode itself does
+no IO and no counting.
+
+It also keeps, per thread, the stack of ``torch.profiler.record_function``
+labels open right now (:meth:`CollectiveDispatchMode.labels`): frameworks
+name their communication with them (FSDP2's ``FSDP::all_gather (<unit>)``),
+and :mod:`commspan.ownership` reads them when a collective is issued.
 """
 
 from __future__ import annotations
@@ -24,33 +29,27 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from commspan import semconv
 from commspan._errors import ErrorCounter
-from commspan.capture.collectives import CollectiveInfo, build_overload_table, wait_overloads
+from commspan.capture.collectives import (
+    CollectiveInfo,
+    build_overload_table,
+    label_overloads,
+    wait_overloads,
+)
 from commspan.capture.completion import CompletionTracker
 from commspan.capture.dtensor import DTensor as _DTensor
 from commspan.capture.dtensor import placements_str
 from commspan.capture.groups import ProcessGroups
 from commspan.spans.timing import CollectiveTiming
 
-__all__ = ["CollectiveDispatchMode", "describe"]
+__all__ = ["MAX_LABELS", "CollectiveDispatchMode", "OpRecordingDispatchMode", "describe"]
 
 _log = logging.getLogger(__name__)
 _Tensor = torch.Tensor
 
 CollectiveCallback = Callable[[CollectiveInfo, dict[str, Any]], "CollectiveTiming | None"]
 """Told about each collective before it runs; returns the timing to complete, or ``None``."""
-_perf = time.perf_counter_ns
-
-_ACT: type | None
-try:  # functional collectives' lazy outputs: their ops wait, then come back here
-    from torch.distributed._functional_collectives import AsyncCollectiveTensor
-
-    _ACT = AsyncCollectiveTensor
-except Exception:  # pragma: no cover - torch built without distributed
-    _ACT = None
-
-_WAIT = CollectiveInfo("wait_tensor", "wait", "_c10d_functional.wait_tensor", None,
-                       0, -1, -1, -1, -1, ("tensor",))
-"""The table's entry for ``wait_tensor``: the completion of a functional collective."""
+OpCallback = Callable[[Any, Any, Any, bool], None]
+"""``on_op(func, types, args, deferred)``: see :class:`OpRecordingDispatchMode`."""
 
 try:  # DTensor reports redistributions to the active DebugMode (torch >= 2.10 or so)
     import torch.distributed.tensor._redistribute as _redistribute_mod
@@ -63,6 +62,28 @@ except Exception:  # pragma: no cover - older torch: no placements on events
     REDISTRIBUTE_HOOK = False
 
 _ModeBase: Any = _DebugMode if REDISTRIBUTE_HOOK else TorchDispatchMode
+
+MAX_LABELS = 256
+"""Most labels kept open per thread. A ``record_function`` ended through
+``_call_end_callbacks_on_future`` never sends its exit op; labels beyond this
+are not tracked, so the stack cannot grow without bound."""
+
+# Markers in the op table: the profiler ops that open and close a label.
+_LABEL_ENTER: Any = object()
+_LABEL_EXIT: Any = object()
+_perf = time.perf_counter_ns
+
+_ACT: type | None
+try:  # functional collectives' lazy outputs: an op on one may wait on it
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    _ACT = AsyncCollectiveTensor
+except Exception:  # pragma: no cover - torch built without distributed
+    _ACT = None
+
+_WAIT = CollectiveInfo("wait_tensor", "wait", "_c10d_functional.wait_tensor", None,
+                       0, -1, -1, -1, -1, ("tensor",))
+"""The table's entry for ``wait_tensor``: the completion of a functional collective."""
 
 
 def _op_name(op: Any) -> str:
@@ -117,11 +138,13 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
         # DebugMode.__init__ sets up op recording (and imports the compiler
         # stack); the plain TorchDispatchMode initialisation is all we need.
         TorchDispatchMode.__init__(self)
-        self._table: dict[Any, CollectiveInfo] = build_overload_table()
+        self._table: dict[Any, Any] = dict(build_overload_table())
+        enter, leave = label_overloads()
+        self._table.update(dict.fromkeys(enter, _LABEL_ENTER))
+        self._table.update(dict.fromkeys(leave, _LABEL_EXIT))
         self._lazy: type | None = _ACT if timing else None
         if timing:
-            for op in wait_overloads():
-                self._table[op] = _WAIT
+            self._table.update(dict.fromkeys(wait_overloads(), _WAIT))
         self.completions = CompletionTracker()
         self._on_collective = on_collective
         self.groups = groups if groups is not None else ProcessGroups()
@@ -149,15 +172,19 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
         except Exception:  # pragma: no cover - depends on the torch build
             return False
 
+    # An "infra" mode for torch.compile: without this, torch 2.13 runs compiled
+    # code eagerly whenever the mode is active.
+    _compile_infra = True
+
     @classmethod
     def ignore_compile_internals(cls) -> bool:
-        return True
+        return cls._compile_infra
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: Any = (), kwargs: Any = None
     ) -> Any:
         if types:
-            if _DTensor is not None and _has(types, _DTensor):
+            if _defers(types):
                 # DTensor runs first: its local ops (collectives included) come back here
                 if REDISTRIBUTE_HOOK:
                     self._tls.op = func
@@ -166,7 +193,12 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
                 return self._on_lazy(func, args, kwargs or {})
         info = self._table.get(func)
         if info is not None:
-            return self._collective(info, func, args, kwargs or {})
+            if info is _LABEL_ENTER:
+                return self._open_label(func, args, kwargs)
+            if info is _LABEL_EXIT:
+                self._close_label(args, kwargs)
+            else:
+                return self._collective(info, func, args, kwargs or {})
         if kwargs:
             return func(*args, **kwargs)
         return func(*args)
@@ -178,9 +210,10 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
         lazy_type: Any = self._lazy
         lazy: list[Any] = [a for a in args if isinstance(a, lazy_type) and not a.completed]
         info = self._table.get(func)
-        out = self._collective(info, func, args, kwargs) if info is not None else func(
-            *args, **kwargs
-        )
+        if isinstance(info, CollectiveInfo):
+            out = self._collective(info, func, args, kwargs)
+        else:
+            out = func(*args, **kwargs)
         if lazy:
             now = _perf()
             try:
@@ -191,7 +224,57 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
                 self._errors.record(message="could not time the completion of a collective")
         return out
 
+    # ------------------------------------------------ record_function labels
+    def _open_label(self, func: Any, args: Any, kwargs: Any) -> Any:
+        handle = func(*args, **kwargs) if kwargs else func(*args)
+        try:
+            tls = self._tls
+            try:
+                names = tls.labels
+            except AttributeError:
+                names = tls.labels = []
+                tls.handles = []
+            if len(names) < MAX_LABELS:
+                names.append(args[0] if args else kwargs["name"])
+                # the exit op receives another Python object for the same
+                # handle: ``is`` fails, the hash matches
+                tls.handles.append(hash(handle))
+        except Exception:
+            self._errors.record(message="could not track a record_function label")
+        return handle
+
+    def _close_label(self, args: Any, kwargs: Any) -> None:
+        try:
+            tls = self._tls
+            handles = getattr(tls, "handles", None)
+            if not handles:
+                return
+            key = hash(args[0] if args else next(iter(kwargs.values())))
+            if handles[-1] == key:  # labels nest: the usual case
+                handles.pop()
+                tls.labels.pop()
+                return
+            for i in range(len(handles) - 2, -1, -1):
+                if handles[i] == key:  # left out of order: those opened after it go too
+                    del handles[i:]
+                    del tls.labels[i:]
+                    return
+        except Exception:
+            self._errors.record(message="could not track a record_function label")
+
+    def labels(self) -> tuple[str, ...]:
+        """The ``record_function`` labels open on this thread, outermost first."""
+        names = getattr(self._tls, "labels", None)
+        return tuple(names) if names else ()
+
+    def clear_labels(self) -> None:
+        """Forget this thread's open labels (at the end of a step: a label
+        whose exit the mode did not see must not outlive it)."""
+        tls = self._tls
+        tls.labels, tls.handles = [], []
+
     def _collective(self, info: CollectiveInfo, func: Any, args: Any, kwargs: Any) -> Any:
+        """Describe a collective, hand it over, run it and time it; returns its result."""
         if info is _WAIT:
             out = func(*args, **kwargs)
             now = _perf()
@@ -200,6 +283,7 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
             except Exception:
                 self._errors.record(message="could not time the completion of a collective")
             return out
+        tls = self._tls
         timing: CollectiveTiming | None = None
         try:
             redist = self.current_redistribution()
@@ -209,9 +293,14 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
                 attrs[semconv.REDIST_DST] = redist[1]
                 if redist[2]:
                     attrs[semconv.REDIST_OP] = redist[2]
+            if info.kind == semconv.KIND_P2P:  # which op it is: its tensor object
+                tensors = _tensor_list(_arg(info, args, kwargs, info.input_index))
+                tls.p2p_tensor = tensors[0] if tensors else None
             timing = self._on_collective(info, attrs)
         except Exception:  # tracing never breaks the step
             self._errors.record(info.overload, message="could not record collective %s")
+        finally:
+            tls.p2p_tensor = None
         if timing is None:
             return func(*args, **kwargs)
         completions = self.completions
@@ -226,6 +315,11 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
         except Exception:
             self._errors.record(info.overload, message="could not time collective %s")
         return out
+
+    def p2p_tensor(self) -> Any:
+        """The tensor of the point-to-point op being described on this thread
+        (inside the ``on_collective`` callback), else ``None``."""
+        return getattr(self._tls, "p2p_tensor", None)
 
     # ------------------------------------------------ DTensor's debug-mode hooks
     def current_redistribution(self) -> tuple[str, str, str] | None:
@@ -286,6 +380,64 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
         """Called by the inductor launcher under DebugMode; ignored."""
 
 
+class OpRecordingDispatchMode(CollectiveDispatchMode):
+    """A :class:`CollectiveDispatchMode` that also reports every op it sees.
+
+    Only ``commspan.compat.CommDebugMode`` uses it (torch's CommDebugMode lists
+    the ops run in each module at noise levels 1-3); ``CommSpanMode`` picks it
+    at construction only when given an op observer, so the ordinary dispatch
+    path pays nothing for it.
+
+    ``on_op(func, types, args, deferred)`` is called once per op overload:
+    with ``deferred=True`` before a tensor subclass such as DTensor runs the op
+    (its local ops, collectives included, come back here afterwards), and with
+    ``deferred=False`` after a plain op ran (after ``on_collective`` for a
+    collective). Higher-order operators are not reported. An exception raised
+    by ``on_op`` is counted in ``errors`` and never reaches the step.
+
+    Like torch's CommDebugMode, and unlike :class:`CollectiveDispatchMode`, it
+    is not an "infra" mode for ``torch.compile``: while it is active, dynamo
+    runs frames eagerly, so every op reaches it (a compiled graph would run
+    ops it does not list, such as in-place collectives).
+
+    Args:
+        on_collective: as for :class:`CollectiveDispatchMode`.
+        on_op: called for each op, as above.
+    """
+
+    def __init__(
+        self,
+        on_collective: CollectiveCallback,
+        on_op: OpCallback,
+        groups: ProcessGroups | None = None,
+        *,
+        timing: bool = False,
+    ) -> None:
+        super().__init__(on_collective, groups, timing=timing)
+        self._on_op = on_op
+
+    _compile_infra = False
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        deferred = bool(types) and _defers(types)
+        if deferred:  # reported before DTensor runs it (its local ops come back here)
+            self._report(func, types, args, True)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if not deferred:
+            self._report(func, types, args, False)
+        return out
+
+    def _report(self, func: Any, types: Any, args: Any, deferred: bool) -> None:
+        try:
+            self._on_op(func, types, args, deferred)
+        except Exception:  # tracing never breaks the step
+            self._errors.record(func, message="could not record op %s")
+
+
 class _Redistribution:
     """One redistribution DTensor reported, on a per-thread stack while it runs."""
 
@@ -344,6 +496,22 @@ class _Redistribution:
         return text
 
 
+def _defers(types: Any) -> bool:
+    if _DTensor is None:
+        return False
+    for t in types:
+        if issubclass(t, _DTensor):
+            return True
+    return False
+
+
+def _has(types: Any, cls: type) -> bool:
+    for t in types:
+        if issubclass(t, cls):
+            return True
+    return False
+
+
 def _arg(info: CollectiveInfo, args: Any, kwargs: Any, index: int) -> Any:
     if index < 0:
         return None
@@ -352,13 +520,6 @@ def _arg(info: CollectiveInfo, args: Any, kwargs: Any, index: int) -> Any:
     if kwargs:
         return kwargs.get(info.arg_names[index])
     return None
-
-
-def _has(types: Any, cls: type) -> bool:
-    for t in types:
-        if issubclass(t, cls):
-            return True
-    return False
 
 
 def _tensor_list(value: Any) -> list[torch.Tensor]:
@@ -403,6 +564,9 @@ def describe(
         mesh_dim = groups.mesh_dims.get(name)
         if mesh_dim is not None:
             attrs[semconv.MESH_DIM] = mesh_dim
+            dim_name = groups.mesh_dim_names.get(name)
+            if dim_name is not None:
+                attrs[semconv.MESH_DIM_NAME] = dim_name
         attrs[semconv.COLL_SEQ] = groups.next_seq(name)
     reduce_op = _reduce_name(_arg(info, args, kwargs, info.reduce_index))
     if reduce_op is not None:

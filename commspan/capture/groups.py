@@ -4,7 +4,10 @@
 ``ScriptObject``, a group name, or the ranks list of legacy functional
 collectives) to ``(name, size, global ranks)`` once, numbers each group's
 collectives (``commspan.collective.seq``), and remembers which mesh dimension
-each group of a known device mesh is (``commspan.mesh.dim``).
+each group of a known device mesh is (``commspan.mesh.dim``) and its name
+(``commspan.mesh.dim_name``). A group that is a dimension of several meshes
+(``mesh["tp"]`` and the 2-D mesh it was sliced from) is described by the mesh
+with the most dimensions.
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ class ProcessGroups:
         self._by_key: dict[Any, tuple[str, int, list[int]] | None] = {}
         self._seq: dict[str, int] = {}
         self.mesh_dims: dict[str, int] = {}
+        self.mesh_dim_names: dict[str, str] = {}
+        self._mesh_ndim: dict[str, int] = {}  # ndim of the mesh that described each group
         # id -> weak reference: an id alone would be another mesh's once this one dies
         self._meshes: dict[int, Callable[[], Any]] = {}
 
@@ -64,8 +69,16 @@ class ProcessGroups:
         except TypeError:  # not weakly referenceable: keep it
             self._meshes[key] = lambda: mesh
         try:
-            for dim in range(mesh.ndim):
-                self.mesh_dims[str(mesh.get_group(dim).group_name)] = dim
+            ndim = int(mesh.ndim)
+            names = getattr(mesh, "mesh_dim_names", None) or ()
+            for dim in range(ndim):
+                group = str(mesh.get_group(dim).group_name)
+                if self._mesh_ndim.get(group, 0) > ndim:
+                    continue  # a larger mesh already described it
+                self._mesh_ndim[group] = ndim
+                self.mesh_dims[group] = dim
+                if dim < len(names) and names[dim]:
+                    self.mesh_dim_names[group] = str(names[dim])
         except Exception as exc:
             _log.debug("commspan: cannot read the groups of mesh %r: %s", mesh, exc)
 

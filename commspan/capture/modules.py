@@ -38,6 +38,7 @@ from commspan.capture import ModuleObserver
 from commspan.capture.backward import BackwardNesting, _Call, graph_task_id
 from commspan.capture.dtensor import param_summary
 from commspan.capture.groups import ProcessGroups
+from commspan.capture.parallel import ParallelModules
 from commspan.ownership import phase_now
 from commspan.semconv import Phase
 from commspan.spans.recorder import SpanRecorder
@@ -161,10 +162,12 @@ class ModuleInfo:
         "names",
         "depth",
         "ref",
+        "ddp",
     )
 
     def __init__(self, fqn: str, mtype: str) -> None:
         self.fqn = fqn
+        self.ddp = False  # a DistributedDataParallel module: its forward end reads buckets
         self.type = mtype
         self.params: dict[str, Any] | None = None
         self.param_ids: tuple[int, ...] = ()  # the parameters params describes
@@ -192,6 +195,8 @@ class ModuleTracker(BackwardNesting):
         record_params: put parameter names, shapes and placements on forward spans.
         groups: the process-group registry that learns the device meshes of
             DTensor parameters (shared with the dispatch mode).
+        parallel: the registry of FSDP2 units and DDP modules to teach the
+            module trees the tracker names (read by the ownership rules).
     """
 
     def __init__(
@@ -200,8 +205,19 @@ class ModuleTracker(BackwardNesting):
         observer: ModuleObserver | None = None,
         record_params: bool = True,
         groups: ProcessGroups | None = None,
+        parallel: ParallelModules | None = None,
     ) -> None:
         self.recorder = recorder
+        self.parallel = parallel
+        if parallel is not None:
+            parallel.namer = self.name
+            parallel.pipeline.namer = self.name
+            parallel.pipeline.on_microbatch = self._tag_spans
+        self.ran: set[str] = set()
+        """Names of the modules whose forward has run (the modules with spans)."""
+        self.span_tags: dict[str, Any] | None = None
+        """Attributes every frame opened now gets (the pipeline stage and microbatch
+        running, set by :class:`~commspan.capture.pipeline.PipelineWatch`)."""
         self.groups = groups
         self._on_mesh = groups.add_mesh if groups is not None else None
         self.observer = observer
@@ -302,15 +318,28 @@ class ModuleTracker(BackwardNesting):
         info = self._known.get(module)
         return info.fqn if info is not None else None
 
+    def _tag_spans(self, tags: dict[str, Any] | None) -> None:
+        self.span_tags = tags
+
+    def name(self, module: torch.nn.Module) -> str:
+        """The name spans give ``module``, naming its module tree if it is new."""
+        return self._info(module).fqn
+
     def _info(self, module: torch.nn.Module) -> ModuleInfo:
         info = self._known.get(module)
         if info is not None:
             return info
         root = type(module).__name__
         known = self._known
+        new: list[tuple[str, torch.nn.Module]] = []
         for name, sub in _named_modules(module):
             if sub not in known:
-                known[sub] = ModuleInfo(f"{root}.{name}" if name else root, type(sub).__name__)
+                fqn = f"{root}.{name}" if name else root
+                known[sub] = ModuleInfo(fqn, type(sub).__name__)
+                new.append((fqn, sub))
+        if self.parallel is not None and new:
+            for ddp in self.parallel.learn(new, self._on_mesh):
+                known[ddp].ddp = True
         return known[module]
 
     def open_fqns(self) -> set[str]:
@@ -360,6 +389,7 @@ class ModuleTracker(BackwardNesting):
         if phase is _FORWARD:
             if not info.depth:
                 info.depth = depth
+                self.ran.add(info.fqn)
         elif info.depth:
             depth = info.depth  # a recompute sits where its forward sat
         if depth > self._deepest:  # each traced level costs a frame more
@@ -375,6 +405,8 @@ class ModuleTracker(BackwardNesting):
         re-sharded or re-registered parameter)."""
         attrs = info.attrs[phase].copy()
         attrs[semconv.MODULE_DEPTH] = depth
+        if self.span_tags is not None:  # a pipeline stage's microbatch is running
+            attrs.update(self.span_tags)
         if self.record_params and phase is _FORWARD:
             ids = tuple(map(id, module._parameters.values()))
             if info.params is None or ids != info.param_ids:
@@ -434,6 +466,9 @@ class ModuleTracker(BackwardNesting):
                 self._record_exception(error)
             self.recorder.close_now(call.frame, error)
             error = None
+            if info.ddp and output is not None and self.parallel is not None:
+                # the bucket layout, read here and never in backward (docs/parallelisms.md)
+                self.parallel.ddp_forward_done(module, self.fqn)
             if output is not None and torch.is_grad_enabled():
                 self._watch_outputs(call, output)
         except Exception:

@@ -7,10 +7,19 @@ read and tested on its own:
 - :func:`phase_now`: the one place that decides the phase of the work running
   now (a module call starting, or a collective being issued);
 - :class:`OwnershipRule`: decides the owner of a collective from what is open
-  when it is issued; :mod:`~commspan.ownership.innermost` is today's rule (the
-  innermost open module span owns it: tensor parallelism and everything
-  else). Rules for other sources (FSDP2, DDP, pipeline) arrive as sibling
-  modules behind the same interface.
+  when it is issued; :mod:`~commspan.ownership.innermost` is the default rule
+  (the innermost open module span owns it: tensor parallelism and everything
+  else);
+- :class:`CollectiveRule`: a rule for one source of framework-issued
+  communication, tried before the default one: :mod:`~commspan.ownership.fsdp`
+  (FSDP2 / HSDP units), :mod:`~commspan.ownership.ddp` (DDP buckets and syncs),
+  :mod:`~commspan.ownership.pipeline` (point-to-point ops of pipeline stages).
+  It reads an :class:`Issued` collective and the :class:`ParallelFacts` the
+  capture layer gathered, and returns an :class:`Ownership` or ``None``
+  (not its collective); :func:`resolve` tries them in order;
+- :func:`counted_names`: the modules a collective counts for, by name.
+
+docs/parallelisms.md has the rule for each source.
 
 Example:
     >>> from commspan.ownership import phase_now
@@ -21,11 +30,26 @@ Example:
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol
+from collections.abc import Callable, Container, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol
 
+from commspan import semconv
 from commspan.semconv import Phase
 
-__all__ = ["Ownership", "OwnershipRule", "phase_now"]
+__all__ = [
+    "CollectiveRule",
+    "DdpBucket",
+    "FsdpUnit",
+    "Issued",
+    "Ownership",
+    "OwnershipRule",
+    "ParallelFacts",
+    "PipelineTag",
+    "counted_names",
+    "phase_now",
+    "resolve",
+]
 
 _FORWARD, _BACKWARD, _RECOMPUTE = Phase.FORWARD, Phase.BACKWARD, Phase.RECOMPUTE
 
@@ -65,10 +89,19 @@ class Ownership(NamedTuple):
     Attributes:
         fqn: the module that owns it (``Global`` outside any module).
         phase: the phase it serves.
+        source: what decided it (``commspan.owner.source``: ``position``,
+            ``fsdp``, ``ddp``).
+        kind: what the collective does for its owner (``commspan.owner.kind``),
+            ``""`` for the position.
+        attributes: further event attributes the rule knows (parameters and
+            bytes moved, DDP bucket, prefetch).
     """
 
     fqn: str
     phase: Phase
+    source: str = semconv.SOURCE_POSITION
+    kind: str = ""
+    attributes: Mapping[str, Any] | None = None
 
 
 class OwnershipRule(Protocol):
@@ -83,3 +116,169 @@ class OwnershipRule(Protocol):
             in_autograd: autograd is executing a graph on this thread.
         """
         ...
+
+
+class Issued(NamedTuple):
+    """A collective being issued, as the ownership rules see it.
+
+    Attributes:
+        op: canonical op name (``all_gather_into_tensor``, ``all_reduce``, ...).
+        attributes: its event attributes so far (sizes, dtype, process group).
+        fqn: the innermost open span's module (``Global`` for the rank span).
+        phase: that span's phase, ``None`` for the rank span.
+        in_autograd: autograd is executing a graph on this thread.
+        labels: the ``record_function`` labels open on this thread, outermost first.
+        open_fqns: returns the modules of the open spans, outermost first.
+        tensor: the tensor of a point-to-point op (the object itself), else ``None``.
+    """
+
+    op: str
+    attributes: Mapping[str, Any]
+    fqn: str
+    phase: Phase | None
+    in_autograd: bool
+    labels: tuple[str, ...]
+    open_fqns: Callable[[], Sequence[str]]
+    tensor: Any = None
+
+
+class FsdpUnit(NamedTuple):
+    """One FSDP2 unit (a module ``fully_shard`` was applied to).
+
+    Attributes:
+        fqn: its module's name in commspan's naming (``FSDPNet.blocks.0``).
+        params: its own parameters (those of nested units excluded).
+    """
+
+    fqn: str
+    params: int
+
+
+@dataclass(frozen=True)
+class DdpBucket:
+    """One gradient bucket of a DistributedDataParallel module.
+
+    Attributes:
+        index: the reducer's bucket index.
+        numel: elements of all its gradients.
+        params: number of parameters.
+        modules: modules holding those parameters (commspan names).
+        owner: the lowest module holding all of them.
+        ddp_fqn: the DistributedDataParallel module.
+        find_unused: the DDP module was built with ``find_unused_parameters=True``.
+    """
+
+    index: int
+    numel: int
+    params: int
+    modules: tuple[str, ...]
+    owner: str
+    ddp_fqn: str
+    find_unused: bool
+
+
+class PipelineTag(NamedTuple):
+    """A point-to-point op a watched pipeline stage announced for one microbatch.
+
+    Attributes:
+        stage_fqn: the stage module (commspan name).
+        stage: the stage index.
+        microbatch: the microbatch index.
+        kind: ``activation_send``, ``activation_recv``, ``gradient_send`` or
+            ``gradient_recv``.
+        peer_stage: the stage it exchanges with.
+    """
+
+    stage_fqn: str
+    stage: int
+    microbatch: int
+    kind: str
+    peer_stage: int
+
+
+class ParallelFacts(Protocol):
+    """What the capture layer knows of the parallel wrappers on this rank
+    (:class:`commspan.capture.parallel.ParallelModules`)."""
+
+    @property
+    def has_fsdp(self) -> bool:
+        """An FSDP2 unit was seen."""
+        ...
+
+    @property
+    def has_ddp(self) -> bool:
+        """A DistributedDataParallel module was seen."""
+        ...
+
+    def fsdp_units(self, relative: str) -> Sequence[FsdpUnit]:
+        """Units whose path relative to their FSDP root is ``relative`` ("" = a root)."""
+        ...
+
+    def fsdp_unit_on_stack(self) -> FsdpUnit | None:
+        """The unit whose FSDP parameter group is gathering or reducing right now
+        (read from the Python stack; used only to tell apart units with the same
+        relative name)."""
+        ...
+
+    def ddp_bucket_now(self) -> DdpBucket | None:
+        """The bucket of the parameter whose gradient hook is running now, if any."""
+        ...
+
+    def ddp_fqns(self) -> Container[str]:
+        """Names of the DistributedDataParallel modules seen."""
+        ...
+
+    def ddp_constructing(self) -> str | None:
+        """Name of a DistributedDataParallel module being constructed on this thread."""
+        ...
+
+    @property
+    def has_pipeline(self) -> bool:
+        """A pipeline stage is watched."""
+        ...
+
+    def pipeline_tag(self, tensor: Any) -> PipelineTag | None:
+        """The op a watched stage announced for ``tensor``, if any."""
+        ...
+
+    def pipeline_setup(self) -> str | None:
+        """The watched stage whose setup an unannounced point-to-point op is, if any."""
+        ...
+
+
+class CollectiveRule(Protocol):
+    """Decides the owner of collectives of one source; ``None`` for the others."""
+
+    def owner(self, issued: Issued, facts: ParallelFacts) -> Ownership | None:
+        """The owner of ``issued``, or ``None`` if this rule does not know it."""
+        ...
+
+
+def resolve(
+    issued: Issued, facts: ParallelFacts, rules: Sequence[CollectiveRule]
+) -> Ownership | None:
+    """The first owner one of ``rules`` gives ``issued``; ``None`` if none does
+    (then the default rule, the position, applies)."""
+    for rule in rules:
+        owner = rule.owner(issued, facts)
+        if owner is not None:
+            return owner
+    return None
+
+
+def counted_names(owner: str, ran: Container[str]) -> tuple[str, ...]:
+    """The modules a collective owned by ``owner`` counts for, innermost first:
+    ``owner`` and each module enclosing it by name that has run (``ran``); a
+    container never called, such as a ``ModuleList``, has no spans and is skipped.
+
+    Example:
+        >>> counted_names("Net.blocks.0", {"Net", "Net.blocks.0"})
+        ('Net.blocks.0', 'Net')
+    """
+    out = [owner]
+    head = owner
+    while "." in head:
+        head = head.rsplit(".", 1)[0]
+        if head in ran:
+            out.append(head)
+    return tuple(out)

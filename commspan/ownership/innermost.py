@@ -11,8 +11,8 @@ the subtree counts a span carries when it closes.
 
 Example:
     >>> from commspan.semconv import Phase
-    >>> InnermostModule().owner("Net.mlp", Phase.BACKWARD, in_autograd=True)
-    Ownership(fqn='Net.mlp', phase=<Phase.BACKWARD: 'backward'>)
+    >>> InnermostModule().owner("Net.mlp", Phase.BACKWARD, in_autograd=True)[:3]
+    ('Net.mlp', <Phase.BACKWARD: 'backward'>, 'position')
     >>> counts_for("Net", Phase.BACKWARD, "Net.mlp.fc", "recompute")
     True
     >>> counts_for("Net.head", Phase.BACKWARD, "Net.mlp.fc", "recompute")

@@ -34,12 +34,21 @@ from commspan.analysis.counts import Aggregator
 from commspan.capture import ModuleObserver
 from commspan.capture.backward import graph_task_id
 from commspan.capture.collectives import CollectiveInfo
-from commspan.capture.dispatch import CollectiveDispatchMode
+from commspan.capture.dispatch import (
+    CollectiveDispatchMode,
+    OpCallback,
+    OpRecordingDispatchMode,
+)
 from commspan.capture.groups import ProcessGroups
 from commspan.capture.modules import ModuleTracker
+from commspan.capture.parallel import ParallelModules
 from commspan.capture.ranks import Ranks, process_ranks
 from commspan.exporters.queue import ExportQueue
+from commspan.ownership import CollectiveRule, Issued, counted_names, resolve
+from commspan.ownership.ddp import DdpModules
+from commspan.ownership.fsdp import FsdpUnits
 from commspan.ownership.innermost import InnermostModule
+from commspan.ownership.pipeline import PipelineStages
 from commspan.session.config import Sampler, mode_config
 from commspan.session.hang import HangWatch
 from commspan.session.resource import build_resource
@@ -167,6 +176,7 @@ class CommSpanMode:
         hang_timeout_s: float | None = None,
         dump_signal: int | None = None,
         _observer: ModuleObserver | None = None,
+        _op_observer: OpCallback | None = None,
     ) -> None:
         self._config = config = mode_config(
             tracer_provider=tracer_provider,
@@ -192,8 +202,12 @@ class CommSpanMode:
             ExportQueue(e, max_queue_size=config.export_queue_size) for e in config.exporters
         ]
         self._ownership = InnermostModule()
+        # framework rules, tried before the position (docs/parallelisms.md)
+        self._rules: tuple[CollectiveRule, ...] = (PipelineStages(), FsdpUnits(), DdpModules())
+        self._parallel = ParallelModules()
         self._traces = TraceOpener()  # lives as long as the mode: session traces number on
         self._groups = ProcessGroups()
+        self._op_observer = _op_observer
         self._processors: list[Callable[[ReadableSpan], None]] = []
         self._recorder: SpanRecorder | None = None
         self._tracker: ModuleTracker | None = None
@@ -251,15 +265,22 @@ class CommSpanMode:
         # again keeps what they learned (module names and attributes, process
         # groups, per-group sequence numbers).
         if self._dispatch is None:
-            self._dispatch = CollectiveDispatchMode(
-                self._on_collective, self._groups, timing=config.time_collectives
-            )
+            if self._op_observer is None:
+                self._dispatch = CollectiveDispatchMode(
+                    self._on_collective, self._groups, timing=config.time_collectives
+                )
+            else:  # commspan.compat's CommDebugMode lists every op; nothing else pays for it
+                self._dispatch = OpRecordingDispatchMode(
+                    self._on_collective, self._op_observer, self._groups,
+                    timing=config.time_collectives,
+                )
         if self._tracker is None:
             self._tracker = ModuleTracker(
                 self._recorder,
                 observer=config.module_observer,
                 record_params=config.record_params,
                 groups=self._groups,
+                parallel=self._parallel,
             )
         else:
             self._tracker.recorder = self._recorder
@@ -269,6 +290,7 @@ class CommSpanMode:
         self._active = True
         self._paused = False
         self._start_capture()
+        self._parallel.pipeline.install()
         if config.hang_timeout_s is not None or config.dump_signal is not None:
             self._watch = HangWatch(
                 self._write_hang, self._log.oldest_pending, config.hang_timeout_s,
@@ -286,6 +308,7 @@ class CommSpanMode:
                 self._in_step = False
             self._stop_capture()
             self._end_trace(exc)
+            self._parallel.pipeline.uninstall()
             if self._tracker is not None:
                 self._tracker.uninstall()
         finally:
@@ -357,6 +380,7 @@ class CommSpanMode:
                 yield False
             finally:
                 self._in_step = False
+                self._parallel.pipeline.reset_step()  # ops announced but never seen
                 self._resume()
             return
         self._stats["steps_traced"] += 1
@@ -373,6 +397,9 @@ class CommSpanMode:
             self._end_trace(error)
             if self._tracker is not None:
                 self._tracker.reset_step()
+            if self._dispatch is not None:
+                self._dispatch.clear_labels()
+            self._parallel.pipeline.reset_step()
 
     def _foreign_step(self, index: int) -> None:
         if self._warned.first("foreign step"):
@@ -401,6 +428,7 @@ class CommSpanMode:
             assert self._tracker is not None and self._dispatch is not None
             self._tracker.install()
             if self._popped:
+                self._dispatch.clear_labels()  # it saw no label exits while off the stack
                 self._dispatch.__enter__()
                 self._popped = False
 
@@ -419,21 +447,44 @@ class CommSpanMode:
     def _on_collective(
         self, info: CollectiveInfo, attrs: dict[str, Any]
     ) -> CollectiveTiming | None:
+        """Attach a collective to the span open now; charge it to its owner. Returns the
+        record of its completion to fill in, when collectives are timed."""
         rec = self._recorder
         if rec is None or self._paused:
             return None
         rec.ensure_trace()
         top = rec.stack[-1]
-        owner = self._ownership.owner(top.fqn, top.phase, _graph_task_id() != -1)
+        in_autograd = _graph_task_id() != -1
+        attrs[semconv.MODULE_FQN] = top.fqn  # where it was issued: the timeline
+        owner = None
+        parallel = self._parallel
+        dispatch = self._dispatch
+        if parallel.has_fsdp or parallel.has_ddp or parallel.has_pipeline or top.phase is None:
+            labels = dispatch.labels() if dispatch is not None else ()
+            tensor = dispatch.p2p_tensor() if dispatch is not None else None
+            issued = Issued(info.name, attrs, top.fqn, top.phase, in_autograd, labels,
+                            self._open_fqns, tensor)
+            owner = resolve(issued, parallel, self._rules)
+        counted: tuple[str, ...] = ()
+        if owner is None:
+            owner = self._ownership.owner(top.fqn, top.phase, in_autograd)
+        else:
+            if owner.kind:
+                attrs[semconv.OWNER_KIND] = owner.kind
+            if owner.attributes:
+                attrs.update(owner.attributes)
+            assert self._tracker is not None
+            counted = counted_names(owner.fqn, self._tracker.ran)
         phase = owner.phase.value
-        attrs[semconv.MODULE_FQN] = owner.fqn
+        attrs[semconv.OWNER_FQN] = owner.fqn
+        attrs[semconv.OWNER_SOURCE] = owner.source
         attrs[semconv.PHASE] = phase
         self._stats["collectives"] += 1
         if not self._config.time_collectives:
-            rec.add_event(info.name, info.name, phase, attrs)
+            rec.add_event(info.name, info.name, phase, attrs, counted)
             return None
         timing = CollectiveTiming(attrs, phase)
-        rec.add_event(info.name, info.name, phase, attrs, timing)
+        rec.add_event(info.name, info.name, phase, attrs, counted, timing)
         self._log.add(timing)
         return timing
 
@@ -488,6 +539,10 @@ class CommSpanMode:
                 _describe_stuck(stuck) if stuck is not None else "",
             )
         return self._flush_queues(timeout, wait_if_unhealthy=True)
+
+    def _open_fqns(self) -> list[str]:
+        rec = self._recorder
+        return [f.fqn for f in rec.stack] if rec is not None else []
 
     def _emit(self, span: ReadableSpan) -> None:
         self._stats["spans"] += 1
@@ -547,6 +602,36 @@ class CommSpanMode:
         if rec is None or not self._active:
             return ()
         return rec.open_spans()
+
+    def watch_pipeline(self, schedule: Any) -> None:
+        """Attribute a pipeline's point-to-point ops to its stages, per microbatch.
+
+        For each stage of ``schedule`` (``torch.distributed.pipelining``), while
+        the mode is entered: its sends and receives are owned by the stage
+        module, phase forward for activations and backward for gradients, and
+        name the microbatch, the direction and the peer stage
+        (``commspan.pp.*``); the module spans of a microbatch carry its index.
+        The ops the stages exchange before their first microbatch (tensor
+        shapes) are phase ``setup``. commspan sets wrappers on the stage
+        objects' own methods (``get_*_ops``, ``*_one_chunk``) when the mode is
+        entered and removes them when it is left; nothing else changes. See
+        docs/parallelisms.md.
+
+        Args:
+            schedule: the schedule you call ``step()`` on (``ScheduleGPipe``,
+                ``Schedule1F1B``, ...), or one of its ``PipelineStage`` objects.
+
+        Raises:
+            TypeError: ``schedule`` is neither a pipeline schedule nor a stage.
+
+        Example:
+            ``mode.watch_pipeline(schedule)`` once, then ``with mode.step(i):
+            schedule.step(x, target=y)`` on every rank.
+        """
+        from commspan.capture.pipeline import stages_of
+
+        for stage in stages_of(schedule):
+            self._parallel.pipeline.watch(stage)
 
     def module_name(self, module: torch.nn.Module) -> str | None:
         """The name spans give ``module`` (e.g. ``"Net.blocks.0"``), once the mode

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
 from opentelemetry.trace import SpanContext
@@ -20,6 +21,7 @@ from commspan.spans.timing import CollectiveTiming
 __all__ = ["Frame", "OpenSpan"]
 
 _now = time.time_ns
+_NO_CREDITS: Mapping[tuple[str, str, str], int] = MappingProxyType({})
 
 
 class Frame:
@@ -48,7 +50,12 @@ class Frame:
             (``None`` until one has bytes).
         timings: the timings of the collectives in this frame's subtree, counted
             by the rules of :attr:`counts` (``None`` until one is timed).
+        own: timings of this frame's own events that it does not count (owned
+            by another module); its span waits for them too.
         end: when the frame closed (ns), once ``closed``.
+        credits: ``{(module fqn, phase, op): n}`` for collectives of this frame's
+            events that count for modules with no open frame when they were
+            issued (their events' ``commspan.owner.credit_fqns``); ``None`` if none.
         finished: the capture layer has finished with the frame; it closes when
             the frames above it have closed.
         closed: it left the stack (its span is emitted, or waits for completions).
@@ -70,12 +77,14 @@ class Frame:
         "nbytes",
         "timings",
         "timed_upto",
+        "own",
         "end",
         "self_count",
         "error",
         "finished",
         "closed",
         "task",
+        "credits",
     )
 
     def __init__(
@@ -102,15 +111,23 @@ class Frame:
         self.nbytes: dict[str, int] | None = None
         self.timings: list[CollectiveTiming] | None = None
         self.timed_upto = 0  # timings[:timed_upto] are known to have finished
+        self.own: list[CollectiveTiming] | None = None  # its events' timings it does not count
         self.end = 0
         self.self_count = 0
         self.error: str | None = None  # status description; never the exception itself
         self.finished = False
         self.closed = False
         self.task = task
+        self.credits: dict[tuple[str, str, str], int] | None = None
 
     def ready(self) -> bool:
-        """Whether every collective of the subtree has completed (or none is timed)."""
+        """Whether every collective of the subtree, and of its own events, has completed
+        (or none is timed)."""
+        own = self.own
+        if own is not None:
+            if not all(t.finished() for t in own):
+                return False
+            self.own = None
         timings = self.timings
         if timings is None:
             return True
@@ -136,9 +153,13 @@ class OpenSpan(NamedTuple):
         attributes: the span's attributes so far (module type, depth, ...).
         counts: ``{(phase, op): n}`` collectives in the frame's subtree so far.
         finished: the capture layer has finished with it (see :class:`Frame`).
+        credits: ``{(module fqn, phase, op): n}``: collectives of the frame's
+            events that count for other modules, which had no open span (see
+            :meth:`~commspan.spans.SpanRecorder.add_event`).
     """
 
     fqn: str
     attributes: Mapping[str, Any]
     counts: Mapping[tuple[str, str], int]
     finished: bool
+    credits: Mapping[tuple[str, str, str], int] = _NO_CREDITS

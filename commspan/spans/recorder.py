@@ -181,7 +181,8 @@ class SpanRecorder:
         copies do not change afterwards.
         """
         return tuple(
-            OpenSpan(f.fqn, dict(f.attrs), dict(f.counts), f.finished) for f in list(self.stack)
+            OpenSpan(f.fqn, dict(f.attrs), dict(f.counts), f.finished, dict(f.credits or {}))
+            for f in list(self.stack)
         )
 
     def live_spans(self) -> tuple[OpenSpan, ...]:
@@ -189,7 +190,8 @@ class SpanRecorder:
         collectives to complete before they are emitted (``finished`` is ``True``
         for those): every span of the trace not handed to the sink yet."""
         waiting = tuple(
-            OpenSpan(f.fqn, dict(f.attrs), dict(f.counts), True) for f in list(self._closed)
+            OpenSpan(f.fqn, dict(f.attrs), dict(f.counts), True, dict(f.credits or {}))
+            for f in list(self._closed)
         )
         return waiting + self.open_spans()
 
@@ -284,16 +286,28 @@ class SpanRecorder:
         op: str,
         phase: str,
         attrs: dict[str, Any],
+        counted: tuple[str, ...] = (),
         timing: CollectiveTiming | None = None,
     ) -> None:
         """Attach a collective event to the innermost frame and count it up the chain.
 
-        The event counts once per module name (at its innermost frame), for
-        the frames :func:`commspan.ownership.innermost.counts_for` names: the
-        root, every frame of the same phase, and a frame of another phase (a
-        backward frame around a recompute) only when its module encloses the
-        event's module by name. Its bytes and ``timing`` (whose duration is
-        known later) roll up to the same frames.
+        The event stays on the innermost frame (where it was issued) whoever
+        owns it. It counts once per module name (at its innermost frame):
+
+        - owned by the innermost frame (``counted`` empty): for the frames
+          :func:`commspan.ownership.innermost.counts_for` names: the root,
+          every frame of the same phase, and a frame of another phase (a
+          backward frame around a recompute) only when its module encloses the
+          event's module by name;
+        - owned by another module (``counted``: the owner and the modules
+          enclosing it by name, :func:`commspan.ownership.counted_names`): for
+          the root and the open frames of those modules, in any phase. Those of
+          them with no open frame are named in the event's
+          ``commspan.owner.credit_fqns``, and readers add the event to their
+          counts (:class:`~commspan.spans.OpenSpan` ``credits`` while open).
+
+        Its bytes and ``timing`` (whose duration is known later) roll up to the
+        frames that count it.
         """
         stack = self.stack
         if not stack:
@@ -309,35 +323,72 @@ class SpanRecorder:
             timing.wall = now
         nbytes = attrs.get(semconv.TENSOR_BYTES)
         key = (phase, op)
-        owner = top.fqn
+        if counted:
+            top_counts = self._count_owned(stack, key, attrs, counted, nbytes, timing)
+        else:
+            top_counts = False
+            owner = top.fqn
+            seen: set[str] = set()
+            for frame in reversed(stack):
+                fqn = frame.fqn
+                if fqn in seen:
+                    continue
+                frame_phase = frame.phase
+                # the same phase always counts; another phase asks the rule
+                if (
+                    frame_phase is not None
+                    and frame_phase.value != phase
+                    and not counts_for(fqn, frame_phase, owner, phase)
+                ):
+                    continue
+                seen.add(fqn)
+                counts = frame.counts
+                counts[key] = counts.get(key, 0) + 1
+                if nbytes or timing is not None:
+                    _roll_up(frame, phase, nbytes, timing)
+                    top_counts = top_counts or frame is top
+        if timing is not None and not top_counts:  # its span still waits for it
+            if top.own is None:
+                top.own = [timing]
+            else:
+                top.own.append(timing)
+
+    @staticmethod
+    def _count_owned(
+        stack: list[Frame],
+        key: tuple[str, str],
+        attrs: dict[str, Any],
+        counted: tuple[str, ...],
+        nbytes: Any = None,
+        timing: CollectiveTiming | None = None,
+    ) -> bool:
+        """Count an event for the root and the open frames of the modules in
+        ``counted``; credit the others on the event (and, while open, its frame).
+        Returns whether the innermost frame counts it."""
         seen: set[str] = set()
+        top = stack[-1]
+        top_counts = False
         for frame in reversed(stack):
             fqn = frame.fqn
-            if fqn in seen:
-                continue
-            frame_phase = frame.phase
-            # the same phase always counts; another phase asks the rule
-            if (
-                frame_phase is not None
-                and frame_phase.value != phase
-                and not counts_for(fqn, frame_phase, owner, phase)
-            ):
+            if frame.phase is not None and (fqn in seen or fqn not in counted):
                 continue
             seen.add(fqn)
             counts = frame.counts
             counts[key] = counts.get(key, 0) + 1
-            if nbytes:
-                sizes = frame.nbytes
-                if sizes is None:
-                    frame.nbytes = {phase: nbytes}
-                else:
-                    sizes[phase] = sizes.get(phase, 0) + nbytes
-            if timing is not None:
-                timings = frame.timings
-                if timings is None:
-                    frame.timings = [timing]
-                else:
-                    timings.append(timing)
+            if nbytes or timing is not None:
+                _roll_up(frame, key[0], nbytes, timing)
+            top_counts = top_counts or frame is top
+        missing = [fqn for fqn in counted if fqn not in seen]
+        if missing:
+            attrs[semconv.OWNER_CREDIT] = missing
+            top = stack[-1]
+            credits = top.credits
+            if credits is None:
+                credits = top.credits = {}
+            for fqn in missing:
+                slot = (fqn, *key)
+                credits[slot] = credits.get(slot, 0) + 1
+        return top_counts
 
     def add_plain_event(self, frame: Frame, name: str, attrs: dict[str, Any]) -> None:
         """Attach a non-collective event to ``frame``."""
@@ -556,6 +607,22 @@ class SpanRecorder:
                 self._emit_lock.release()
         else:
             self._sink(span)
+
+
+def _roll_up(frame: Frame, phase: str, nbytes: Any, timing: CollectiveTiming | None) -> None:
+    """Add a collective's bytes and timing to a frame that counts it."""
+    if nbytes:
+        sizes = frame.nbytes
+        if sizes is None:
+            frame.nbytes = {phase: nbytes}
+        else:
+            sizes[phase] = sizes.get(phase, 0) + nbytes
+    if timing is not None:
+        timings = frame.timings
+        if timings is None:
+            frame.timings = [timing]
+        else:
+            timings.append(timing)
 
 
 def _status(desc: str | None) -> Status:

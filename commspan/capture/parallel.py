@@ -1,0 +1,327 @@
+"""What commspan knows of the parallel wrappers on this rank: FSDP2 units, DDP buckets,
+watched pipeline stages (:mod:`commspan.capture.pipeline`).
+
+The module tracker hands :class:`ParallelModules` every module tree it names
+(:meth:`ParallelModules.learn`) and the end of every DistributedDataParallel
+forward (:meth:`ParallelModules.ddp_forward_done`). The ownership rules
+(:mod:`commspan.ownership.fsdp`, :mod:`commspan.ownership.ddp`) ask it, when a
+collective is issued, through the :class:`~commspan.ownership.ParallelFacts`
+interface. Nothing here runs for a model without FSDP or DDP, except one
+``isinstance`` check per module when it is first named.
+
+Private torch symbols used, each behind a ``try`` (a failure turns the fact
+off and the owner falls back to the position):
+
+- ``DistributedDataParallel.reducer._get_zeros_like_grad_buckets()``: the
+  bucket layout, read after a DDP forward and only when it may have changed
+  (first forward, after the rebuild of iteration 1; ``_has_rebuilt_buckets``).
+  Never during backward: the reducer holds its lock while it launches a bucket,
+  and reading the layout then deadlocks.
+- ``torch._C._current_autograd_node()``: during a bucket's all-reduce, the
+  ``AccumulateGrad`` node whose hook launched it; ``.variable`` is the parameter.
+- ``FSDPParamGroup.unshard`` / ``.post_backward`` (code objects) and the
+  group's ``modules``: to tell apart FSDP units with the same relative name
+  (several FSDP roots), read from the Python stack, only then.
+- ``DistributedDataParallel.__init__`` (code object): a collective issued
+  from it is DDP's construction.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import sys
+import weakref
+from collections.abc import Callable, Container, Sequence
+from typing import Any
+
+import torch
+
+from commspan.capture.pipeline import PipelineWatch
+from commspan.ownership import DdpBucket, FsdpUnit, PipelineTag
+
+__all__ = ["ParallelModules", "lowest_common_module"]
+
+_log = logging.getLogger(__name__)
+
+try:
+    from torch.distributed.fsdp import FSDPModule as _FSDPModule
+except Exception:  # pragma: no cover - a torch build without distributed
+    _FSDPModule = None  # type: ignore[assignment,misc]
+
+try:
+    from torch.nn.parallel import DistributedDataParallel as _DDP
+except Exception:  # pragma: no cover
+    _DDP = None  # type: ignore[assignment,misc]
+
+_current_node = torch._C._current_autograd_node
+_STACK_DEPTH = 96  # frames searched above a collective for FSDP's or DDP's own code
+
+
+def _self_of_caller(match: Callable[[Any], bool]) -> Any:
+    """``self`` of the nearest frame above the caller's caller whose code ``match``es
+    (searching at most ``_STACK_DEPTH`` frames); ``None`` when there is none."""
+    frame = sys._getframe(2)
+    for _ in range(_STACK_DEPTH):
+        if frame is None:
+            return None
+        if match(frame.f_code):
+            return frame.f_locals.get("self")
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
+def _code(function: Any) -> Any:
+    return inspect.unwrap(function).__code__
+
+
+def _ddp_init_code() -> Any:
+    try:
+        return _code(_DDP.__init__) if _DDP is not None else None
+    except Exception:  # pragma: no cover
+        return None
+
+
+def _fsdp_group_codes() -> frozenset[Any]:
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+        return frozenset({_code(FSDPParamGroup.unshard), _code(FSDPParamGroup.post_backward)})
+    except Exception:
+        _log.debug("commspan: FSDP parameter groups cannot be read from the stack",
+                   exc_info=True)
+        return frozenset()
+
+
+def lowest_common_module(paths: Sequence[str]) -> str:
+    """The deepest dotted path that is a prefix (by whole names) of every path.
+
+    Example:
+        >>> lowest_common_module(["l2.0", "l2.2"]), lowest_common_module(["l2.2", "l3"])
+        ('l2', '')
+    """
+    split = [p.split(".") if p else [] for p in paths]
+    common: list[str] = []
+    for parts in zip(*split):
+        if any(part != parts[0] for part in parts):
+            break
+        common.append(parts[0])
+    return ".".join(common)
+
+
+class _DdpState:
+    """One DistributedDataParallel module: its name and current bucket layout."""
+
+    __slots__ = ("fqn", "key", "params")
+
+    def __init__(self, fqn: str) -> None:
+        self.fqn = fqn
+        self.key: Any = None  # (reducer id, rebuilt) the layout was read for
+        self.params: list[int] = []  # ids of its parameters in the bucket map
+
+
+class ParallelModules:
+    """FSDP2 units and DDP modules of the models the tracker has named.
+
+    Implements :class:`commspan.ownership.ParallelFacts`.
+    """
+
+    def __init__(self) -> None:
+        self._fsdp: dict[str, list[FsdpUnit]] = {}  # relative path -> units
+        # id(unit module) -> (module ref, unit): the ref guards against a reused id
+        self._fsdp_modules: dict[int, tuple[Callable[[], Any], FsdpUnit]] = {}
+        self._ddp: weakref.WeakKeyDictionary[Any, _DdpState] = weakref.WeakKeyDictionary()
+        self._ddp_names: set[str] = set()
+        # id(parameter) -> (parameter ref, bucket): the ref guards against a reused id
+        self._buckets: dict[int, tuple[Callable[[], Any], DdpBucket]] = {}
+        self._group_codes: frozenset[Any] | None = None
+        self._init_code = _ddp_init_code()
+        self.pipeline = PipelineWatch()
+        """The pipeline stages ``mode.watch_pipeline()`` was given."""
+
+    # ------------------------------------------------------------ facts
+    @property
+    def has_fsdp(self) -> bool:
+        return bool(self._fsdp)
+
+    @property
+    def has_ddp(self) -> bool:
+        return bool(self._ddp_names)
+
+    def fsdp_units(self, relative: str) -> Sequence[FsdpUnit]:
+        return self._fsdp.get(relative, ())
+
+    def ddp_fqns(self) -> Container[str]:
+        return self._ddp_names
+
+    @property
+    def has_pipeline(self) -> bool:
+        return self.pipeline.watching
+
+    def pipeline_tag(self, tensor: Any) -> PipelineTag | None:
+        return self.pipeline.tag(tensor)
+
+    def pipeline_setup(self) -> str | None:
+        return self.pipeline.setup_stage()
+
+    def fsdp_unit_on_stack(self) -> FsdpUnit | None:
+        if self._group_codes is None:
+            self._group_codes = _fsdp_group_codes()
+        codes = self._group_codes
+        if not codes:
+            return None
+        group = _self_of_caller(codes.__contains__)
+        for module in getattr(group, "modules", ()) or ():
+            unit = self._unit_of(module)
+            if unit is not None:
+                return unit
+        return None
+
+    def ddp_bucket_now(self) -> DdpBucket | None:
+        if not self._buckets:
+            return None
+        node = _current_node()
+        if node is None:
+            return None
+        param = getattr(node, "variable", None)
+        if param is None:
+            return None
+        hit = self._buckets.get(id(param))
+        if hit is None or hit[0]() is not param:
+            return None
+        return hit[1]
+
+    def ddp_constructing(self) -> str | None:
+        code = self._init_code
+        if code is None:
+            return None
+        ddp = _self_of_caller(code.__eq__)
+        if ddp is None or self.namer is None:
+            return None
+        return self.namer(ddp)
+
+    # ------------------------------------------------------------ learning
+    namer: Callable[[Any], str] | None = None
+    """The tracker's name for a module, naming (and :meth:`learn`-ing) its tree if
+    it has not seen it yet; set by the tracker this registry is given to."""
+
+    def learn(
+        self,
+        named: Sequence[tuple[str, torch.nn.Module]],
+        on_mesh: Callable[[Any], None] | None = None,
+    ) -> list[torch.nn.Module]:
+        """Note the FSDP units and DDP modules of a newly named module tree.
+
+        Args:
+            named: ``(commspan name, module)`` in ``named_modules`` order.
+            on_mesh: told the device mesh of each FSDP unit's sharded parameters
+                (so FSDP's process groups get their mesh dimension and name).
+
+        Returns:
+            The DistributedDataParallel modules among them.
+        """
+        if _FSDPModule is not None:
+            units: list[tuple[str, torch.nn.Module]] = [
+                (fqn, m) for fqn, m in named if isinstance(m, _FSDPModule)
+            ]
+            if units:
+                self._learn_fsdp(units, on_mesh)
+        ddps: list[torch.nn.Module] = []
+        if _DDP is not None:
+            for fqn, m in named:
+                if isinstance(m, _DDP) and m not in self._ddp:
+                    self._ddp[m] = _DdpState(fqn)
+                    self._ddp_names.add(fqn)
+                    ddps.append(m)
+        return ddps
+
+    def _learn_fsdp(
+        self, units: list[tuple[str, torch.nn.Module]], on_mesh: Callable[[Any], None] | None
+    ) -> None:
+        ids = {id(m) for _, m in units}
+        roots: list[str] = []
+        for fqn, module in units:  # parents come before their children
+            root = next((r for r in roots if fqn.startswith(r + ".")), None)
+            if root is None:
+                roots.append(fqn)
+                relative = ""
+            else:
+                relative = fqn[len(root) + 1 :]
+            params = _own_params(module, ids)
+            unit = FsdpUnit(fqn, len(params))
+            same = self._fsdp.setdefault(relative, [])
+            # a new model with the names of one seen before (commspan names by class
+            # and path) replaces it: one name, one owner
+            same[:] = [u for u in same if u.fqn != fqn]
+            same.append(unit)
+            self._fsdp_modules[id(module)] = (weakref.ref(module), unit)
+            if on_mesh is not None:
+                meshes = {id(m): m for m in (getattr(p, "device_mesh", None) for p in params)
+                          if m is not None}
+                for mesh in meshes.values():
+                    on_mesh(mesh)
+
+    def _unit_of(self, module: Any) -> FsdpUnit | None:
+        hit = self._fsdp_modules.get(id(module))
+        if hit is None or hit[0]() is not module:
+            return None
+        return hit[1]
+
+    def ddp_forward_done(self, module: Any, name_of: Callable[[Any], str | None]) -> None:
+        """After a DDP module's forward: read its bucket layout if it may have changed.
+
+        Args:
+            module: the DistributedDataParallel module.
+            name_of: the tracker's name of a module (``None`` if unknown).
+        """
+        state = self._ddp.get(module)
+        if state is None:
+            return
+        reducer = getattr(module, "reducer", None)
+        if reducer is None:
+            return
+        key = (id(reducer), bool(getattr(module, "_has_rebuilt_buckets", False)))
+        if key == state.key:
+            return
+        state.key = key
+        for pid in state.params:
+            self._buckets.pop(pid, None)
+        state.params = []
+        owners: dict[int, str] = {}
+        for sub in module.module.modules():
+            name = name_of(sub)
+            if name is None:
+                continue
+            for p in sub._parameters.values():
+                if p is not None:
+                    owners.setdefault(id(p), name)
+        prefix = name_of(module.module) or state.fqn
+        find_unused = bool(getattr(module, "find_unused_parameters", False))
+        for grad_bucket in reducer._get_zeros_like_grad_buckets():
+            params = grad_bucket.parameters()
+            modules = sorted({owners.get(id(p), prefix) for p in params})
+            common = lowest_common_module([m[len(prefix) + 1 :] if m != prefix else ""
+                                           for m in modules])
+            bucket = DdpBucket(
+                index=int(grad_bucket.index()),
+                numel=sum(p.numel() for p in params),
+                params=len(params),
+                modules=tuple(modules),
+                owner=prefix + ("." + common if common else ""),
+                ddp_fqn=state.fqn,
+                find_unused=find_unused,
+            )
+            for p in params:
+                self._buckets[id(p)] = (weakref.ref(p), bucket)
+                state.params.append(id(p))
+
+
+def _own_params(module: torch.nn.Module, units: set[int]) -> list[Any]:
+    """Parameters of ``module`` and its submodules, those of nested units excluded."""
+    params: list[Any] = []
+    todo = [module]
+    while todo:
+        current = todo.pop()
+        params.extend(p for p in current._parameters.values() if p is not None)
+        todo.extend(c for c in current._modules.values() if c is not None and id(c) not in units)
+    return params

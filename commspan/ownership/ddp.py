@@ -1,0 +1,91 @@
+"""DistributedDataParallel: bucket all-reduces, and DDP's own syncs.
+
+- A bucket all-reduce runs from the gradient hook of the parameter whose
+  gradient completed the bucket (autograd's current node is that parameter's
+  ``AccumulateGrad``): the capture layer maps the parameter to its bucket
+  (:meth:`~commspan.ownership.ParallelFacts.ddp_bucket_now`). Owner: the lowest
+  module holding all the bucket's parameters; phase backward. A comm hook's
+  collectives for the bucket (PowerSGD, compression) are the bucket's too.
+- With ``find_unused_parameters=True`` the same hook all-reduces the map of
+  used parameters (one integer per parameter): owner the DDP module.
+- DDP's forward broadcasts (the bucket layout after its rebuild, buffers) run
+  inside the label ``DistributedDataParallel.forward``: owner the DDP module.
+- DDP's construction (parameter shape check, state broadcast from rank 0):
+  owner the DDP module, phase ``setup`` (not a training step's forward).
+
+Example:
+    >>> from commspan.ownership import DdpBucket
+    >>> bucket = DdpBucket(1, 1056, 2, ("DDP.module.l2.0",), "DDP.module.l2.0", "DDP", False)
+    >>> numel({semconv.TENSOR_SHAPE: [1056], semconv.TENSOR_COUNT: 1}) == bucket.numel
+    True
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from commspan import semconv
+from commspan.ownership import Issued, Ownership, ParallelFacts
+from commspan.semconv import Phase
+
+__all__ = ["DDP_FORWARD_LABEL", "DdpModules", "numel"]
+
+DDP_FORWARD_LABEL = "DistributedDataParallel.forward"
+"""The ``record_function`` label DDP's ``forward`` runs in."""
+
+_INIT_OPS = frozenset({"all_gather", "broadcast", "all_gather_into_tensor"})
+_INTEGER = ("int", "uint", "bool")
+
+
+def numel(attributes: Mapping[str, Any]) -> int | None:
+    """Elements of a single-tensor collective, from its event attributes."""
+    shape = attributes.get(semconv.TENSOR_SHAPE)
+    if shape is None or attributes.get(semconv.TENSOR_COUNT, 1) != 1:
+        return None
+    return math.prod(int(d) for d in shape)
+
+
+class DdpModules:
+    """The :class:`~commspan.ownership.CollectiveRule` for DistributedDataParallel."""
+
+    def owner(self, issued: Issued, facts: ParallelFacts) -> Ownership | None:
+        """See :meth:`commspan.ownership.CollectiveRule.owner`."""
+        if issued.in_autograd:
+            if not facts.has_ddp:
+                return None
+            bucket = facts.ddp_bucket_now()
+            if bucket is None:
+                return None
+            return self._from_bucket(issued, bucket)
+        if facts.has_ddp and DDP_FORWARD_LABEL in issued.labels:
+            ddps = facts.ddp_fqns()
+            for fqn in reversed(issued.open_fqns()):
+                if fqn in ddps:
+                    return Ownership(fqn, Phase.FORWARD, semconv.SOURCE_DDP,
+                                     semconv.OWNER_KIND_FORWARD_SYNC)
+            return None
+        if issued.fqn == semconv.GLOBAL_FQN and issued.op in _INIT_OPS:
+            ddp = facts.ddp_constructing()
+            if ddp is not None:
+                return Ownership(ddp, Phase.SETUP, semconv.SOURCE_DDP,
+                                 semconv.OWNER_KIND_INIT_SYNC)
+        return None
+
+    @staticmethod
+    def _from_bucket(issued: Issued, bucket: Any) -> Ownership:
+        attrs = issued.attributes
+        dtype = str(attrs.get(semconv.TENSOR_DTYPE, ""))
+        if bucket.find_unused and dtype.startswith(_INTEGER) and numel(attrs) != bucket.numel:
+            # the map of used parameters, all-reduced from the same hook
+            return Ownership(bucket.ddp_fqn, Phase.BACKWARD, semconv.SOURCE_DDP,
+                             semconv.OWNER_KIND_UNUSED_MAP)
+        extra = {
+            semconv.DDP_BUCKET_INDEX: bucket.index,
+            semconv.OWNER_PARAMS: bucket.params,
+            semconv.DDP_BUCKET_MODULES: list(bucket.modules),
+            semconv.OWNER_BYTES: int(attrs.get(semconv.TENSOR_BYTES, 0) or 0),
+        }
+        return Ownership(bucket.owner, Phase.BACKWARD, semconv.SOURCE_DDP,
+                         semconv.OWNER_KIND_BUCKET, extra)

@@ -1,0 +1,138 @@
+"""FSDP2 (``fully_shard``, HSDP): a collective is owned by the unit whose parameters it moves.
+
+FSDP2 names its communication with ``torch.profiler.record_function`` labels,
+which the dispatch mode keeps on a per-thread stack
+(:meth:`commspan.capture.dispatch.CollectiveDispatchMode.labels`):
+
+- ``FSDP::all_gather (<unit>)`` around the all-gather of a unit's parameters
+  (unshard), ``FSDP::post_backward_reduce (<unit>)`` around the gradient
+  reduce-scatter and, for HSDP, the all-reduce across replicas;
+- ``FSDP::forward_prefetch for <unit>`` / ``FSDP::backward_prefetch for <unit>``
+  around an unshard another unit's hook issues ahead of time;
+- ``FSDP::pre_forward (<unit>)``, ``FSDP::pre_backward (<unit>)``: the hook that
+  runs it.
+
+``<unit>`` is the unit's path relative to its FSDP root (no suffix for the
+root itself); a ``[pg=N]`` suffix follows when a module has several parameter
+groups. The labels are not an API of torch: ``tests/test_ownership_fsdp.py``
+pins them, and checks them against the parameter group on the Python stack.
+
+Example:
+    >>> parse_labels(("FSDP::pre_backward (blocks.1)", "FSDP::backward_prefetch for blocks.0",
+    ...               "FSDP::all_gather (blocks.0)"))
+    FsdpLabel(unit='blocks.0', kind='unshard', prefetch='backward', hook='pre_backward')
+"""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+from typing import NamedTuple
+
+from commspan import semconv
+from commspan.ownership import Issued, Ownership, ParallelFacts
+from commspan.semconv import Phase
+
+__all__ = ["FsdpLabel", "FsdpUnits", "parse_labels"]
+
+_PREFIX = "FSDP::"
+# "FSDP::<what>" + " (<unit>)" unless the root + " [pg=N]" with several param groups
+_UNIT_LABEL = re.compile(r"^FSDP::(?P<what>[a-z_]+)(?: \((?P<unit>.*?)\))?(?: \[pg=\d+\])?$")
+_PREFETCH_LABEL = re.compile(r"^FSDP::(?P<pass>forward|backward)_prefetch for (?P<unit>.*)$")
+_KINDS = {"all_gather": semconv.OWNER_KIND_UNSHARD,
+          "post_backward_reduce": semconv.OWNER_KIND_REDUCE_GRAD}
+
+
+class FsdpLabel(NamedTuple):
+    """What FSDP's open labels say about a collective.
+
+    Attributes:
+        unit: the unit's path relative to its FSDP root (``""``: the root).
+        kind: ``unshard`` or ``reduce_grad``.
+        prefetch: ``"forward"`` / ``"backward"`` when another unit's hook
+            prefetches it for that pass, else ``None``.
+        hook: the innermost FSDP hook label around it (``pre_forward``,
+            ``pre_backward``, ``root_post_backward_callback``, ...), ``""`` if none.
+    """
+
+    unit: str
+    kind: str
+    prefetch: str | None
+    hook: str
+
+
+@lru_cache(maxsize=4096)  # a few distinct label stacks per unit and pass
+def parse_labels(labels: tuple[str, ...]) -> FsdpLabel | None:
+    """The innermost FSDP unshard or gradient-reduction label and what encloses
+    it, from ``labels`` (outermost first); ``None`` without one."""
+    found: FsdpLabel | None = None
+    prefetch: str | None = None
+    hook = ""
+    for name in reversed(labels):
+        if not name.startswith(_PREFIX):
+            continue
+        if found is None:
+            m = _UNIT_LABEL.match(name)
+            if m is not None and m.group("what") in _KINDS:
+                found = FsdpLabel(m.group("unit") or "", _KINDS[m.group("what")], None, "")
+            continue
+        m = _PREFETCH_LABEL.match(name)
+        if m is not None:
+            prefetch = prefetch or m.group("pass")
+            continue
+        if not hook:
+            m = _UNIT_LABEL.match(name)
+            if m is not None:
+                hook = m.group("what")
+    if found is None:
+        return None
+    return found._replace(prefetch=prefetch, hook=hook)
+
+
+class FsdpUnits:
+    """The :class:`~commspan.ownership.CollectiveRule` for FSDP2 and HSDP.
+
+    Owner: the unit named by the label. Phase: gradient reduction serves
+    backward; an unshard serves the pass it was prefetched for, backward when
+    FSDP's pre-backward hook issued it, recompute when a forward hook issued it
+    while autograd runs (activation checkpointing), forward otherwise.
+    """
+
+    def owner(self, issued: Issued, facts: ParallelFacts) -> Ownership | None:
+        """See :meth:`commspan.ownership.CollectiveRule.owner`."""
+        if not issued.labels or not facts.has_fsdp:
+            return None
+        label = parse_labels(issued.labels)
+        if label is None:
+            return None
+        candidates = facts.fsdp_units(label.unit)
+        if len(candidates) == 1:
+            unit = candidates[0]
+        elif candidates:  # several FSDP roots: ask the parameter group on the stack
+            on_stack = facts.fsdp_unit_on_stack()
+            if on_stack is None or on_stack not in candidates:
+                return None
+            unit = on_stack
+        else:
+            return None
+        op = issued.op
+        attrs = issued.attributes
+        moved = int(attrs.get(semconv.TENSOR_BYTES, 0) or 0)
+        if label.kind == semconv.OWNER_KIND_REDUCE_GRAD:
+            phase = Phase.BACKWARD
+            kind = semconv.OWNER_KIND_ALL_REDUCE if op == "all_reduce" else label.kind
+        else:
+            kind = label.kind
+            moved *= int(attrs.get(semconv.PG_SIZE, 1) or 1)  # output: every rank's shard
+            if label.prefetch is not None:
+                phase = Phase(label.prefetch)
+            elif label.hook == "pre_backward":
+                phase = Phase.BACKWARD
+            elif issued.in_autograd:
+                phase = Phase.RECOMPUTE
+            else:
+                phase = Phase.FORWARD
+        extra = {semconv.OWNER_PARAMS: unit.params, semconv.OWNER_BYTES: moved}
+        if kind == semconv.OWNER_KIND_UNSHARD:
+            extra[semconv.OWNER_PREFETCH] = label.prefetch is not None
+        return Ownership(unit.fqn, phase, semconv.SOURCE_FSDP, kind, extra)

@@ -1,0 +1,142 @@
+"""FSDP2 + tensor parallelism on a 2x2 mesh of 4 CPU ranks, traced by commspan.
+
+The toy Transformer of ``tp_transformer.py`` (embeddings, attention,
+feed-forward, norms; its second block under activation checkpointing) is
+tensor-parallel over the mesh's ``tp`` dimension and sharded with FSDP2
+(``fully_shard``: each block, then the root) over its ``dp`` dimension, as
+torchtitan does. Run it with one command (it spawns its own gloo ranks), or
+under torchrun::
+
+    python examples/fsdp2_tp.py [--out DIR] [--steps N]
+    torchrun --nproc-per-node 4 examples/fsdp2_tp.py
+
+Every rank writes its spans to ``DIR/commspan-rank<r>.jsonl`` (default
+``./commspan-out-fsdp2-tp``). Rank 0 prints the module table, then its
+collectives grouped by owner, kind and mesh dimension: FSDP2's all-gathers and
+reduce-scatters on ``dp``, owned by the block (or root) whose parameters they
+move, wherever they were issued; the tensor-parallel all-reduces and
+all-gathers on ``tp``, owned by the layer that issues them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+from collections import Counter
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tp_transformer import Config, Transformer, parallelize  # noqa: E402 - the sibling example
+
+from commspan import CommSpanMode, semconv  # noqa: E402
+from commspan.exporters import JsonlSpanExporter, read_spans  # noqa: E402
+
+WORLD_SIZE = 4
+MESH = (2, 2)  # (dp, tp)
+
+
+def build(config: Config) -> torch.nn.Module:
+    """The Transformer, tensor-parallel over ``tp``, then FSDP2 over ``dp``."""
+    mesh = init_device_mesh("cpu", MESH, mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)  # same weights and data on every rank
+    model = parallelize(Transformer(config), mesh["tp"])
+    for block in model.layers:
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])  # the root: embeddings, final norm, output
+    return model
+
+
+def train(out: Path, steps: int) -> None:
+    """One rank: build the model, train ``steps`` steps under commspan."""
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    config = Config()
+    model = build(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    path = out / f"commspan-rank{rank}.jsonl"
+    path.unlink(missing_ok=True)  # JsonlSpanExporter appends; start afresh
+    tokens = torch.randint(0, config.vocab, (2, 9))
+    mode = CommSpanMode(exporters=[JsonlSpanExporter(path)])
+    with mode:
+        for i in range(steps):
+            with mode.step(i):
+                logits = model(tokens[:, :-1])
+                loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            if rank == 0:
+                print(f"step {i}: loss {loss.item():.4f}")
+    mode.shutdown()
+    dist.barrier()  # every rank's file is complete
+    if rank == 0:
+        assert mode.aggregator is not None
+        print(f"\nCollectives per module on rank 0, summed over {steps} steps:")
+        print(mode.aggregator.table())
+        print("Rank 0's collectives by owner, kind (or op), phase and mesh dimension:")
+        for line in owners(path):
+            print(f"  {line}")
+
+
+def owners(path: Path) -> list[str]:
+    """``count  owner  kind/op  on <mesh dim>`` lines from one rank's JSONL file."""
+    seen: Counter[tuple[str, str, str, str]] = Counter()
+    for span in read_spans(path):
+        for _, attrs in span.events:
+            if semconv.COLL_OP not in attrs:
+                continue
+            seen[(
+                str(attrs.get(semconv.OWNER_FQN)),
+                str(attrs.get(semconv.OWNER_KIND) or attrs[semconv.COLL_OP]),
+                str(attrs.get(semconv.PHASE)),
+                str(attrs.get(semconv.MESH_DIM_NAME, "?")),
+            )] += 1
+    return [f"{n:3d}  {fqn:<44} {kind:<22} {phase:<9} on {dim}"
+            for (fqn, kind, phase, dim), n in sorted(seen.items())]
+
+
+def _rank_main(rank: int, port: int, out: Path, steps: int) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE
+    )
+    try:
+        train(out, steps)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("commspan-out-fsdp2-tp"),
+                        help="JSONL directory")
+    parser.add_argument("--steps", type=int, default=2, help="training steps")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if "RANK" in os.environ:  # launched by torchrun: this process is one rank
+        dist.init_process_group("gloo")
+        try:
+            train(args.out, args.steps)
+        finally:
+            dist.destroy_process_group()
+    else:  # start the ranks ourselves; forked ranks reuse the imported torch (CPU only)
+        torch.multiprocessing.start_processes(
+            _rank_main, (_free_port(), args.out, args.steps), WORLD_SIZE, start_method="fork"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,264 @@
+"""Scenarios run by each spawned gloo rank for tests/test_ownership_multiprocess.py.
+
+Run as ``python tests/_mp_ownership_scenarios.py OUT_DIR`` with ``RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set. Each scenario writes
+one JSONL file per rank and ``OUT_DIR/<scenario>/rank<r>.result.json``: the
+rank's in-process view and the facts the tests use as references, gathered
+without commspan (parameter sizes before sharding, the time each step's
+backward began, what a DDP comm hook saw, which pipeline buffer each
+point-to-point op used).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from commspan import Aggregator, CommSpanMode
+from commspan.exporters import JsonlSpanExporter
+
+STEPS = 2
+
+
+class Block(torch.nn.Module):
+    """The block of issue 10's FSDP2 table: two linears, a residual."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(dim, hidden)
+        self.b = torch.nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.b(torch.relu(self.a(x)))
+
+
+class Net(torch.nn.Module):
+    """Two blocks of different sizes and a head (issue 10's FSDP2 example)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([Block(8, 16), Block(8, 24)])
+        self.head = torch.nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class DdpNet(torch.nn.Module):
+    """Layers of distinct sizes; ``spare`` is never used (find_unused_parameters)."""
+
+    def __init__(self, spare: bool = False) -> None:
+        super().__init__()
+        self.l0 = torch.nn.Linear(6, 8)
+        self.l1 = torch.nn.Linear(8, 32)
+        self.l2 = torch.nn.Sequential(
+            torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32)
+        )
+        self.l3 = torch.nn.Linear(32, 4)
+        self.spare = torch.nn.Linear(4, 4) if spare else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l3(torch.relu(self.l2(torch.relu(self.l1(self.l0(x))))))
+
+
+def _view(agg: Aggregator) -> dict[str, Any]:
+    return {
+        "module_counts": agg.module_counts(),
+        "table": agg.table(0),
+        "collectives": [list(vars(s).values()) for s in agg.collectives()],
+    }
+
+
+def _write(out: Path, name: str, rank: int, data: dict[str, Any]) -> None:
+    d = out / name
+    d.mkdir(parents=True, exist_ok=True)
+    (d / f"rank{rank}.result.json").write_text(json.dumps(data, sort_keys=True))
+
+
+def scenario_fsdp(out: Path, rank: int) -> None:
+    """fully_shard on both blocks and the root, 2 steps (issue 10's FSDP2 table)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    world = dist.get_world_size()
+    torch.manual_seed(0)
+    model = Net()
+    units = {"blocks.0": model.blocks[0], "blocks.1": model.blocks[1], "": model}
+    nested = {id(m) for m in units.values()}
+    sizes: dict[str, list[int]] = {}
+    for rel, module in units.items():  # numel and parameter count, before sharding
+        shapes = []
+        todo = [module]
+        while todo:
+            cur = todo.pop()
+            shapes.extend(p.shape for p in cur._parameters.values())
+            todo.extend(c for c in cur._modules.values() if id(c) not in nested)
+        padded = sum(math.ceil(s[0] / world) * world * math.prod(s[1:]) for s in shapes)
+        sizes[rel] = [padded, len(shapes)]
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    exporter = JsonlSpanExporter(out / "fsdp" / "trace-rank{rank}.jsonl")
+    mode = CommSpanMode(exporters=[exporter])
+    steps = []
+    with mode:
+        for i in range(STEPS):
+            with mode.step(i):
+                t_forward = time.time_ns()
+                loss = model(torch.randn(4, 8)).sum()
+                steps.append((t_forward, time.time_ns()))
+                loss.backward()
+    mode.shutdown()
+    assert mode.aggregator is not None
+    _write(out, "fsdp", rank, {
+        "root": type(model).__name__,
+        "units": sizes,
+        "steps": steps,
+        "stats": mode.stats(),
+        **_view(mode.aggregator),
+    })
+
+
+def _ddp_run(
+    out: Path, rank: int, name: str, *, hook: bool = False, find_unused: bool = False
+) -> None:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = DdpNet(spare=find_unused)
+    names = {id(p): n for n, p in model.named_parameters()}
+    exporter = JsonlSpanExporter(out / name / "trace-rank{rank}.jsonl")
+    mode = CommSpanMode(exporters=[exporter])
+    seen: list[list[Any]] = []  # what the comm hook saw, in call order
+    with mode:
+        ddp = DDP(model, bucket_cap_mb=0.004, find_unused_parameters=find_unused)
+        if hook:
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+            # no annotations: DDP checks them against dist.GradBucket / Future at runtime
+            def recording_hook(state, bucket):  # type: ignore[no-untyped-def]
+                seen.append([bucket.index(), [names[id(p)] for p in bucket.parameters()]])
+                return allreduce_hook(state, bucket)
+
+            ddp.register_comm_hook(None, recording_hook)
+        for i in range(3):
+            with mode.step(i):
+                ddp(torch.randn(4, 6)).sum().backward()
+    mode.shutdown()
+    assert mode.aggregator is not None
+    _write(out, name, rank, {"hook": seen, "stats": mode.stats(), **_view(mode.aggregator)})
+
+
+MICROBATCHES = 4
+
+
+class _RecvReference(TorchDispatchMode):
+    """Notes, for each point-to-point op, what the stage's own buffers say it is:
+    a receive whose tensor is the stage's pre-allocated buffer for microbatch m,
+    or a send of microbatch m's forward output (same storage). Independent of
+    commspan; it runs inside commspan's mode and hands every op on."""
+
+    def __init__(self, stage: Any) -> None:
+        super().__init__()
+        self.stage = stage
+        self.seen: list[list[Any]] = []  # [op, microbatch or None, direction or None]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        name = func._opname
+        if func.namespace == "c10d" and name in ("send", "recv_"):
+            tensor = args[0][0]
+            self.seen.append(["send" if name == "send" else "recv", *self._lookup(tensor)])
+        return func(*args, **(kwargs or {}))
+
+    def _lookup(self, tensor: torch.Tensor) -> tuple[int | None, str | None]:
+        for mb, infos in getattr(self.stage, "args_recv_info", {}).items():
+            for info in infos:
+                if getattr(info, "buffer", None) is tensor:
+                    return mb, "activation_recv"
+        for mb, infos in getattr(self.stage, "grad_recv_info", {}).items():
+            for info in infos or ():
+                if getattr(info, "buffer", None) is tensor:
+                    return mb, "gradient_recv"
+        ptr = tensor.untyped_storage().data_ptr()
+        for mb, (outputs, _) in getattr(self.stage, "fwd_cache", {}).items():
+            for out in outputs:
+                if isinstance(out, torch.Tensor) and out.untyped_storage().data_ptr() == ptr:
+                    return mb, "activation_send"
+        return None, None
+
+
+def _pipeline_run(out: Path, rank: int, name: str) -> None:
+    """Two stages (one per rank) of a small MLP, 4 microbatches, 2 steps."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    torch.manual_seed(0)
+    full = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16), torch.nn.ReLU(),
+        torch.nn.Linear(16, 4),
+    )
+    stage = PipelineStage(full[:3] if rank == 0 else full[3:], rank, dist.get_world_size(),
+                          torch.device("cpu"))
+    schedule_class = ScheduleGPipe if name == "pp_gpipe" else Schedule1F1B
+    schedule = schedule_class(stage, n_microbatches=MICROBATCHES,
+                              loss_fn=lambda output, target: ((output - target) ** 2).mean())
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    exporter = JsonlSpanExporter(out / name / "trace-rank{rank}.jsonl")
+    mode = CommSpanMode(exporters=[exporter])
+    mode.watch_pipeline(schedule)
+    reference = _RecvReference(stage)
+    with mode:
+        for i in range(STEPS):
+            with mode.step(i), reference:
+                if rank == 0:
+                    schedule.step(x)
+                else:
+                    schedule.step(target=y)
+    wrapped = sorted(k for k in vars(stage) if k.endswith(("_ops", "_one_chunk")))
+    mode.shutdown()
+    assert mode.aggregator is not None
+    _write(out, name, rank, {
+        "reference": reference.seen,
+        "left_on_stage": wrapped,
+        "stats": mode.stats(),
+        **_view(mode.aggregator),
+    })
+
+
+SCENARIOS: dict[str, Callable[[Path, int], None]] = {
+    "fsdp": scenario_fsdp,
+    "ddp": lambda out, rank: _ddp_run(out, rank, "ddp"),
+    "ddp_hook": lambda out, rank: _ddp_run(out, rank, "ddp_hook", hook=True),
+    "ddp_unused": lambda out, rank: _ddp_run(out, rank, "ddp_unused", find_unused=True),
+    "pp_gpipe": lambda out, rank: _pipeline_run(out, rank, "pp_gpipe"),
+    "pp_1f1b": lambda out, rank: _pipeline_run(out, rank, "pp_1f1b"),
+}
+
+
+def main(argv: list[str]) -> int:
+    """Initialise gloo from the environment and run every scenario."""
+    out = Path(argv[1])
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    try:
+        for scenario in SCENARIOS.values():
+            scenario(out, rank)
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,134 @@
+"""examples/fsdp2_tp.py runs end to end: TP + FSDP2 on a 2x2 mesh of 4 gloo ranks.
+
+Every collective has an owner and a mesh dimension name: FSDP2's on ``dp``,
+owned by the unit whose parameters they move; tensor parallelism's on ``tp``,
+owned by the layer that issues them. The reference for the FSDP units is built
+here without commspan: the same model, tensor-parallel on the fake process
+group, gives each unit's local parameter sizes (what FSDP2 gathers, padded to
+the ``dp`` size); FSDP2 gathers each unit once for forward, each block once
+more for backward (the root stays gathered) and reduces each unit's gradients
+once per step.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from commspan import semconv
+from commspan.exporters import read_spans
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLE = REPO / "examples" / "fsdp2_tp.py"
+RANKS = 4
+STEPS = 2
+DP = 2
+ROOT = "FSDPTransformer"
+LAYERS = [f"{ROOT}.layers.0", f"{ROOT}.layers.1"]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """Run the example once, as a user would, into a fresh output directory."""
+    out = tmp_path_factory.mktemp("fsdp2-tp") / "out"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_EXPORTER_OTLP")}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)  # the example starts its own ranks
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLE), "--out", str(out), "--steps", str(STEPS)],
+        check=False, capture_output=True, text=True, timeout=600, env=env, cwd=out.parent,
+    )
+    return proc, out
+
+
+def _unit_sizes(fake_pg: None) -> dict[str, int]:
+    """Elements FSDP2 gathers per unit: the root's and a block's own parameters as
+    tensor parallelism leaves them on a rank, dim 0 padded to a multiple of dp."""
+    sys.path.insert(0, str(REPO / "examples"))
+    try:
+        from tp_transformer import Config, Transformer, parallelize
+    finally:
+        sys.path.pop(0)
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (DP, RANKS // DP), mesh_dim_names=("dp", "tp"))
+    model = parallelize(Transformer(Config()), mesh["tp"])
+
+    def padded(params: list[torch.Tensor]) -> int:
+        total = 0
+        for p in params:
+            local = p.to_local() if hasattr(p, "to_local") else p
+            shape = list(local.shape) or [1]
+            total += math.ceil(shape[0] / DP) * DP * math.prod(shape[1:])
+        return total
+
+    block = list(model.layers[0].parameters())
+    in_blocks = {id(p) for layer in model.layers for p in layer.parameters()}
+    root = [p for p in model.parameters() if id(p) not in in_blocks]
+    return {"root": padded(root), "block": padded(block)}
+
+
+@pytest.mark.multiprocess
+def test_example_runs_and_prints_owners(run: tuple[subprocess.CompletedProcess[str], Path]) -> None:
+    """The example exits 0, prints a loss per step, the table and the owner lines."""
+    proc, out = run
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert sum(line.startswith("step ") for line in proc.stdout.splitlines()) == STEPS
+    assert "by owner, kind (or op), phase and mesh dimension" in proc.stdout
+    assert len(sorted(out.glob("commspan-rank*.jsonl"))) == RANKS
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("rank", range(RANKS))
+def test_every_collective_has_an_owner_and_a_mesh_dimension(
+    run: tuple[subprocess.CompletedProcess[str], Path], rank: int, fake_pg: None
+) -> None:
+    """FSDP2's collectives are on dp, owned by the unit they move (size and count
+    reference above), in order of the blocks; tensor parallelism's are on tp, owned
+    by the layer that issued them (the span they sit on)."""
+    proc, out = run
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    sizes = _unit_sizes(fake_pg)
+    assert sizes["root"] != sizes["block"]
+    events: list[tuple[int, dict[str, Any]]] = []
+    for span in read_spans(out / f"commspan-rank{rank}.jsonl"):
+        for (_, attrs), when in zip(span.events, span.event_times):
+            if semconv.COLL_OP in attrs:
+                events.append((when, attrs))
+    events.sort(key=lambda item: item[0])
+    assert events
+    fsdp: Counter[tuple[str, str, str]] = Counter()
+    forward_gathers: list[str] = []
+    for _, attrs in events:
+        assert attrs.get(semconv.OWNER_FQN), attrs
+        if attrs[semconv.OWNER_SOURCE] == semconv.SOURCE_FSDP:
+            assert attrs[semconv.MESH_DIM_NAME] == "dp"
+            owner, kind = attrs[semconv.OWNER_FQN], attrs[semconv.OWNER_KIND]
+            want = sizes["root"] if owner == ROOT else sizes["block"]
+            assert owner in (ROOT, *LAYERS)
+            assert attrs[semconv.OWNER_BYTES] == want * 4, attrs
+            fsdp[(owner, kind, attrs[semconv.PHASE])] += 1
+            if kind == "unshard" and attrs[semconv.PHASE] == "forward":
+                forward_gathers.append(owner)
+        else:
+            assert attrs[semconv.OWNER_SOURCE] == semconv.SOURCE_POSITION
+            assert attrs[semconv.MESH_DIM_NAME] == "tp"
+            assert attrs[semconv.OWNER_FQN] == attrs[semconv.MODULE_FQN]
+    expected = Counter({
+        (ROOT, "unshard", "forward"): STEPS,  # the root stays gathered for backward
+        (ROOT, "reduce_grad", "backward"): STEPS,
+    })
+    for layer in LAYERS:
+        for kind, phase in (("unshard", "forward"), ("unshard", "backward"),
+                            ("reduce_grad", "backward")):
+            expected[(layer, kind, phase)] = STEPS
+    assert fsdp == expected
+    assert forward_gathers == [ROOT, *LAYERS] * STEPS

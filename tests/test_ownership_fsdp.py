@@ -1,0 +1,406 @@
+"""FSDP2 (``fully_shard``) collectives are owned by the unit whose parameters they move.
+
+Fake process group of 4 ranks (this process is rank 0). The reference never
+looks at commspan's attribution: each FSDP unit has a distinct parameter size,
+so the unit a collective serves follows from its size alone (all-gather output
+and reduce-scatter input = the unit's padded parameter numel, HSDP all-reduce =
+that / shard size), and the phase it serves from when it was issued (before or
+after the step's ``backward()`` call).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+
+from commspan import semconv
+from commspan.testing import CommCapture, capture
+
+WORLD = 4
+STEPS = 2
+
+
+class Block(torch.nn.Module):
+    """Two linears with a residual; optionally under activation checkpointing."""
+
+    def __init__(self, dim: int, hidden: int, ac: bool = False) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(dim, hidden)
+        self.b = torch.nn.Linear(hidden, dim)
+        self.ac = ac
+
+    def _body(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.b(torch.relu(self.a(x)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ac:
+            from torch.utils.checkpoint import checkpoint
+
+            return checkpoint(self._body, x, use_reentrant=False)
+        return self._body(x)
+
+
+class Net(torch.nn.Module):
+    """inp -> blocks.0 -> blocks.1 -> head. The blocks differ in size; head's 3 rows
+    do not divide by the shard size, so FSDP pads them."""
+
+    def __init__(self, ac: bool = False) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(6, 8)
+        self.blocks = torch.nn.ModuleList([Block(8, 16, ac), Block(8, 24, ac)])
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+@dataclass
+class Unit:
+    """Reference facts of one FSDP unit, computed from the model before sharding."""
+
+    fqn: str  # commspan's name of the unit module
+    params: int  # its own parameters (nested units' excluded)
+    padded: int  # sum over them of ceil(dim0 / shard) * shard * (other dims)
+
+
+@dataclass
+class Run:
+    cap: CommCapture
+    units: list[Unit]
+    shard: int
+    modules: set[str]  # commspan names of the modules that ran
+    steps: list[tuple[int, int]] = field(default_factory=list)  # (forward, backward) start ns
+
+
+def _units(roots: dict[str, torch.nn.Module], shard: int) -> dict[str, Unit]:
+    nested = {id(m) for m in roots.values()}
+    out = {}
+    for rel, module in roots.items():
+        shapes: list[torch.Size] = []
+        todo = [module]
+        while todo:
+            cur = todo.pop()
+            shapes.extend(p.shape for p in cur._parameters.values() if p is not None)
+            todo.extend(c for c in cur._modules.values() if c is not None and id(c) not in nested)
+        padded = sum(math.ceil(s[0] / shard) * shard * math.prod(s[1:]) for s in shapes)
+        out[rel] = Unit(rel, len(shapes), padded)
+    return out
+
+
+def _run(
+    *,
+    hsdp: bool = False,
+    reshard: bool | int = True,
+    ac: bool = False,
+    root: bool = True,
+    setup: Callable[[Net], None] | None = None,
+) -> Run:
+    """Shard ``Net`` (both blocks, and the root unless ``root=False``), train 2 steps."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    if hsdp:
+        mesh = init_device_mesh("cpu", (2, WORLD // 2), mesh_dim_names=("replicate", "shard"))
+        shard = WORLD // 2
+    else:
+        mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",))
+        shard = WORLD
+    model = Net(ac)
+    roots: dict[str, torch.nn.Module] = {"blocks.0": model.blocks[0], "blocks.1": model.blocks[1]}
+    if root:
+        roots[""] = model
+    units = _units(roots, shard)
+    assert len({u.padded for u in units.values()}) == len(units), "sizes must tell units apart"
+    ran = [n for n, m in model.named_modules() if not isinstance(m, torch.nn.ModuleList)]
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+    if root:
+        fully_shard(model, mesh=mesh)
+    if setup is not None:
+        setup(model)
+    prefix = type(model).__name__  # fully_shard renames the class: FSDPNet
+    for unit in units.values():
+        unit.fqn = prefix + ("." + unit.fqn if unit.fqn else "")
+    modules = {prefix + ("." + n if n else "") for n in ran}
+    steps: list[tuple[int, int]] = []
+    with capture() as cap:
+        for step in range(STEPS):
+            with cap.mode.step(step):
+                t_forward = time.time_ns()
+                loss = model(torch.randn(4, 6)).sum()
+                steps.append((t_forward, time.time_ns()))
+                loss.backward()
+    return Run(cap, list(units.values()), shard, modules, steps)
+
+
+def _collectives(run: Run) -> list[tuple[str, int, dict[str, Any]]]:
+    """(fqn of the span holding it, time, attributes) of every collective event."""
+    out = []
+    for span in run.cap.spans:
+        for event in span.events:
+            if semconv.COLL_OP in event.attributes:
+                fqn = span.attributes[semconv.MODULE_FQN]
+                out.append((str(fqn), event.timestamp, dict(event.attributes)))
+    return out
+
+
+@dataclass
+class Ref:
+    unit: Unit
+    kind: str
+    phase: str
+    moved: int  # bytes of the unit's tensors the collective carries
+
+
+def _reference(run: Run, attrs: dict[str, Any], when: int) -> Ref:
+    """What the collective is, from its size and the time it was issued alone."""
+    op = attrs[semconv.COLL_OP]
+    elements = attrs[semconv.TENSOR_BYTES] // 4  # float32 parameters and gradients
+    if op.startswith("all_gather"):  # input: one rank's shard; output: the whole unit
+        full, kind, moved = elements * attrs[semconv.PG_SIZE], "unshard", elements * attrs[
+            semconv.PG_SIZE
+        ]
+    elif op.startswith("reduce_scatter"):  # input: the whole unit's gradients
+        full, kind, moved = elements, "reduce_grad", elements
+    else:  # HSDP: the reduce-scattered shard, all-reduced across replicas
+        assert op == "all_reduce", op
+        full, kind, moved = elements * run.shard, "all_reduce", elements
+    matches = [u for u in run.units if u.padded == full]
+    assert len(matches) == 1, (op, elements, run.units)
+    step = max(i for i, (t_forward, _) in enumerate(run.steps) if t_forward <= when)
+    in_backward = when >= run.steps[step][1]
+    phase = "backward" if kind != "unshard" or in_backward else "forward"
+    return Ref(matches[0], kind, phase, moved * 4)
+
+
+def _ancestors(fqn: str, modules: set[str]) -> list[str]:
+    """``fqn`` and the modules (that ran) enclosing it by name."""
+    out = [fqn]
+    head = fqn
+    while "." in head:
+        head = head.rsplit(".", 1)[0]
+        if head in modules:
+            out.append(head)
+    return out
+
+
+def _check(run: Run) -> list[dict[str, Any]]:
+    """Every collective's owner, kind, phase, size and counts equal the reference;
+    returns the collectives' attributes for further checks."""
+    expected: dict[str, dict[str, dict[str, int]]] = {}
+    seen = []
+    for span_fqn, when, attrs in _collectives(run):
+        ref = _reference(run, attrs, when)
+        got = (
+            attrs.get(semconv.OWNER_FQN),
+            attrs.get(semconv.OWNER_SOURCE),
+            attrs.get(semconv.OWNER_KIND),
+            attrs.get(semconv.PHASE),
+            attrs.get(semconv.OWNER_PARAMS),
+            attrs.get(semconv.OWNER_BYTES),
+        )
+        assert got == (ref.unit.fqn, "fsdp", ref.kind, ref.phase, ref.unit.params, ref.moved), (
+            attrs
+        )
+        assert attrs[semconv.MODULE_FQN] == span_fqn  # the event stays where it was issued
+        op = attrs[semconv.COLL_OP]
+        for fqn in [*_ancestors(ref.unit.fqn, run.modules), semconv.GLOBAL_FQN]:
+            slot = expected.setdefault(fqn, {}).setdefault(ref.phase, {})
+            slot[op] = slot.get(op, 0) + 1
+        seen.append(attrs)
+    counts = run.cap.aggregator.module_counts()
+    assert {f: c for f, c in counts.items() if c} == expected, run.cap.table(0)
+    assert run.cap.mode.stats()["internal_errors"] == 0
+    return seen
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {},
+        {"reshard": False},
+        {"reshard": 2},
+        {"hsdp": True},
+        {"ac": True},
+        {"root": False},
+    ],
+    ids=["default", "no-reshard", "reshard-2", "hsdp", "checkpointed", "two-roots"],
+)
+def test_fsdp_collectives_owned_by_their_unit(fake_pg: None, config: dict[str, Any]) -> None:
+    """Each all-gather, reduce-scatter and HSDP all-reduce names the unit whose
+    parameters it moves, its kind, phase, parameter count and bytes, and counts for
+    that unit, the modules enclosing it by name and Global only."""
+    run = _run(**config)
+    seen = _check(run)
+    kinds = {a[semconv.OWNER_KIND] for a in seen}
+    assert kinds == ({"unshard", "reduce_grad", "all_reduce"} if config.get("hsdp")
+                     else {"unshard", "reduce_grad"})
+    backward_gathers = [
+        a for a in seen if a[semconv.OWNER_KIND] == "unshard" and a[semconv.PHASE] == "backward"
+    ]
+    if config.get("reshard") is False:
+        assert backward_gathers == []  # nothing was resharded after forward
+    else:
+        assert backward_gathers, "the blocks are re-gathered for backward"
+
+
+def _prefetch_both_ways(model: Net) -> None:
+    model.blocks[0].set_modules_to_forward_prefetch([model.blocks[1]])
+    model.blocks[1].set_modules_to_backward_prefetch([model.blocks[0]])
+
+
+def test_prefetched_unshards_are_marked_and_owned_by_their_unit(fake_pg: None) -> None:
+    """An unshard issued by another unit's hook (explicit forward prefetch,
+    implicit and explicit backward prefetch) is marked prefetched and owned by
+    the unit it gathers, although it sits on the span that was open then; the
+    unit's own unshards are not marked."""
+    run = _run(setup=_prefetch_both_ways)
+    seen = _check(run)
+    gathers = [a for a in seen if a[semconv.OWNER_KIND] == "unshard"]
+    blocks1 = "FSDPNet.blocks.1"
+    forward_prefetch = [a for a in gathers if a[semconv.OWNER_FQN] == blocks1
+                        and a[semconv.PHASE] == "forward"]
+    assert len(forward_prefetch) == STEPS
+    for attrs in forward_prefetch:  # issued by blocks.0's pre-forward, for blocks.1
+        assert attrs[semconv.OWNER_PREFETCH] is True
+        assert attrs[semconv.MODULE_FQN] == "FSDPNet.blocks.0"
+    for attrs in gathers:
+        # a unit's own pre-forward gathers inside its own span; any other
+        # position means another unit's hook fetched it ahead of time
+        inside = attrs[semconv.MODULE_FQN] == attrs[semconv.OWNER_FQN] or attrs[
+            semconv.MODULE_FQN].startswith(attrs[semconv.OWNER_FQN] + ".")
+        assert attrs[semconv.OWNER_PREFETCH] is (not inside), attrs
+
+
+def test_default_backward_gathers_are_prefetches_outside_their_unit(fake_pg: None) -> None:
+    """With default settings FSDP2 gathers every block for backward from the hook
+    of the module after it: the event sits where it was issued (another module's
+    span, or Global), the unit owns and counts it; credit_fqns names the owners
+    that had no open span."""
+    run = _run()
+    seen = _check(run)
+    backward = [a for a in seen if a[semconv.OWNER_KIND] == "unshard"
+                and a[semconv.PHASE] == "backward"]
+    assert backward and all(a[semconv.OWNER_PREFETCH] for a in backward)
+    for attrs in backward:
+        assert attrs[semconv.MODULE_FQN] != attrs[semconv.OWNER_FQN]
+        assert attrs[semconv.OWNER_FQN] in attrs[semconv.OWNER_CREDIT]
+
+
+def test_owner_from_labels_matches_the_parameter_group_on_the_stack(fake_pg: None) -> None:
+    """FSDP's labels (what commspan reads) and its parameter group on the Python
+    stack name the same unit for every FSDP collective, HSDP included: a torch
+    upgrade that renames or drops the labels fails here."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from commspan.capture.dispatch import CollectiveDispatchMode
+    from commspan.capture.parallel import ParallelModules
+    from commspan.ownership.fsdp import parse_labels
+
+    parallel = ParallelModules()
+    found: list[tuple[str | None, str | None]] = []
+
+    class Spy(CollectiveDispatchMode):
+        def __init__(self) -> None:
+            super().__init__(self._seen)
+
+        def _seen(self, info: Any, attrs: Any) -> None:
+            label = parse_labels(self.labels())
+            unit = parallel.fsdp_unit_on_stack()
+            found.append((label.unit if label else None, unit.fqn if unit else None))
+
+    mesh = init_device_mesh("cpu", (2, WORLD // 2), mesh_dim_names=("replicate", "shard"))
+    model = Net()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    parallel.learn([("FSDPNet" + ("." + n if n else ""), m) for n, m in model.named_modules()])
+    with Spy():
+        model(torch.randn(4, 6)).sum().backward()
+    assert len(found) == 11  # 3 gathers, 2 re-gathers, 3 reduce-scatters, 3 all-reduces
+    for label_unit, stack_unit in found:
+        assert label_unit is not None and stack_unit is not None
+        assert ("FSDPNet." + label_unit if label_unit else "FSDPNet") == stack_unit
+
+
+def test_live_and_jsonl_tables_agree(fake_pg: None, tmp_path: Any) -> None:
+    """The live aggregator, Aggregator.from_jsonl and the spans' count attributes plus
+    credits give the same per-module counts, table and collectives."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from commspan import Aggregator
+    from commspan.exporters import JsonlSpanExporter
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    model = Net()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    with capture(exporters=[JsonlSpanExporter(tmp_path / "rank{rank}.jsonl")]) as cap:
+        for step in range(STEPS):
+            with cap.mode.step(step):
+                model(torch.randn(4, 6)).sum().backward()
+    offline = Aggregator.from_jsonl(tmp_path)
+    live = cap.aggregator
+    assert offline.module_counts() == live.module_counts()
+    assert offline.table(1) == live.table(1)
+    assert offline.collectives() == live.collectives()
+    # from the spans alone: count attributes + the events' credits
+    by_span: dict[str, dict[str, dict[str, int]]] = {}
+    for span in cap.spans:
+        fqn = span.attributes.get(semconv.MODULE_FQN)
+        if fqn is None:
+            continue
+        for key, value in span.attributes.items():
+            parsed = semconv.parse_count_key(key)
+            if parsed is not None:
+                slot = by_span.setdefault(str(fqn), {}).setdefault(parsed[0], {})
+                slot[parsed[1]] = slot.get(parsed[1], 0) + int(value)
+        for event in span.events:
+            for credited in event.attributes.get(semconv.OWNER_CREDIT, ()):
+                ph, op = event.attributes[semconv.PHASE], event.attributes[semconv.COLL_OP]
+                slot = by_span.setdefault(credited, {}).setdefault(ph, {})
+                slot[op] = slot.get(op, 0) + 1
+    assert by_span == live.module_counts()
+    # the command line's per-module details (--show, diff) group by owner too
+    from commspan.analysis.issued import issued
+    from commspan.exporters import read_spans
+
+    records = read_spans(*tmp_path.glob("*.jsonl"))
+    details = {(i.fqn, i.phase, i.op): i.count for i in issued(records)}
+    assert details == {(c.fqn, c.phase, c.op): c.count for c in live.collectives()}
+    assert {fqn for fqn, _, _ in details} == {"FSDPNet", "FSDPNet.blocks.0", "FSDPNet.blocks.1"}
+
+
+def test_a_second_model_with_the_same_names_is_one_owner(fake_pg: None) -> None:
+    """A model built again (same classes, same names) replaces the units of the first
+    in the registry: the relative name stays unambiguous, so its collectives are
+    owned from the labels alone, not by walking the stack."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from commspan.capture.parallel import ParallelModules
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    parallel = ParallelModules()
+    for _ in range(2):
+        model = Net()
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        parallel.learn([("FSDPNet" + ("." + n if n else ""), m) for n, m in model.named_modules()])
+    assert [u.fqn for u in parallel.fsdp_units("")] == ["FSDPNet"]
+    assert [u.fqn for u in parallel.fsdp_units("blocks.1")] == ["FSDPNet.blocks.1"]
+    assert parallel.fsdp_units("blocks.1")[0].params == 4

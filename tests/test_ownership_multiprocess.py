@@ -1,0 +1,375 @@
+"""Owners of FSDP2 and DDP collectives on real gloo ranks: 2 ranks, spawned once.
+
+Each rank runs ``tests/_mp_ownership_scenarios.py`` (FSDP2 on issue 10's
+model; DDP with small buckets, plain, with a recording comm hook, and with
+``find_unused_parameters``; a two-stage pipeline, GPipe and 1F1B) and writes
+one JSONL file per scenario plus its in-process results and reference facts.
+The references never use commspan's attribution: FSDP units from the sizes of
+their parameters before sharding, DDP buckets from what a comm hook saw
+(``GradBucket.index()`` and ``.parameters()``) or from the order the reducer
+launches them, pipeline ops from the stage's own buffers (which microbatch's
+receive buffer or forward output a tensor is) and from the schedule (every
+microbatch's activations go forward once and its gradients back once).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from commspan import Aggregator, semconv
+from commspan.exporters import SpanRecord, read_spans
+
+pytestmark = pytest.mark.multiprocess
+
+WORLD = 2
+SCRIPT = Path(__file__).with_name("_mp_ownership_scenarios.py")
+SCENARIOS = ["fsdp", "ddp", "ddp_hook", "ddp_unused", "pp_gpipe", "pp_1f1b"]
+PIPELINES = ["pp_gpipe", "pp_1f1b"]
+MICROBATCHES = 4
+STAGE = ["Sequential", "Sequential"]  # each rank's stage module: a slice of one Sequential
+DDP = "DistributedDataParallel"
+WRAPPED = f"{DDP}.module"
+
+
+@dataclass
+class MpRun:
+    root: Path
+    returncodes: list[int | None]
+    logs: list[str]
+
+    def result(self, scenario: str, rank: int) -> dict[str, Any]:
+        return json.loads((self.root / scenario / f"rank{rank}.result.json").read_text())
+
+    def spans(self, scenario: str, rank: int) -> list[SpanRecord]:
+        return list(read_spans(self.root / scenario / f"trace-rank{rank}.jsonl"))
+
+    def collectives(self, scenario: str, rank: int) -> list[tuple[str, int, dict[str, Any]]]:
+        """(fqn of the span holding it, time, attributes) of each collective, in time order."""
+        out = []
+        for span in self.spans(scenario, rank):
+            for (_, attrs), when in zip(span.events, span.event_times):
+                if semconv.COLL_OP in attrs:
+                    out.append((str(span.attributes.get(semconv.MODULE_FQN)), when, attrs))
+        return sorted(out, key=lambda item: item[1])
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def mp_run(tmp_path_factory: pytest.TempPathFactory) -> MpRun:
+    """Spawn the ranks once; wait for all (killing the rest if one fails or time runs out)."""
+    root = tmp_path_factory.mktemp("mp-ownership")
+    base = {
+        k: v for k, v in os.environ.items() if k not in ("COMMSPAN_RUN_ID", "TORCHELASTIC_RUN_ID")
+    }
+    base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(WORLD),
+                OMP_NUM_THREADS="1")
+    logs = [root / f"rank{r}.log" for r in range(WORLD)]
+    procs = []
+    for r in range(WORLD):
+        with logs[r].open("w") as log:
+            procs.append(subprocess.Popen(
+                [sys.executable, str(SCRIPT), str(root)],
+                env=dict(base, RANK=str(r), LOCAL_RANK=str(r)),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            ))
+    deadline = time.monotonic() + 150
+    try:
+        while any(p.poll() is None for p in procs):
+            if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs):
+                break
+            time.sleep(0.1)
+        end = min(deadline, time.monotonic() + 5)
+        while any(p.poll() is None for p in procs) and time.monotonic() < end:
+            time.sleep(0.1)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return MpRun(root, [p.returncode for p in procs],
+                 [log.read_text(errors="replace") for log in logs])
+
+
+@pytest.fixture()
+def ok_run(mp_run: MpRun) -> MpRun:
+    """The run, if every rank exited 0 (else the test fails with the ranks' logs)."""
+    if any(rc != 0 for rc in mp_run.returncodes):
+        logs = "\n".join(f"--- rank {r}\n{log[-4000:]}" for r, log in enumerate(mp_run.logs))
+        pytest.fail(f"ranks failed:\n{logs}")
+    return mp_run
+
+
+def _ancestors(fqn: str, ran: set[str]) -> list[str]:
+    out = [fqn]
+    head = fqn
+    while "." in head:
+        head = head.rsplit(".", 1)[0]
+        if head in ran:
+            out.append(head)
+    return out
+
+
+def _add(counts: dict[str, dict[str, dict[str, int]]], fqn: str, phase: str, op: str) -> None:
+    slot = counts.setdefault(fqn, {}).setdefault(phase, {})
+    slot[op] = slot.get(op, 0) + 1
+
+
+# ------------------------------------------------------------------ FSDP2
+@pytest.mark.parametrize("rank", range(WORLD))
+def test_fsdp_owner_phase_and_counts_match_the_size_reference(ok_run: MpRun, rank: int) -> None:
+    """On gloo, every FSDP2 collective names the unit whose parameters it moves
+    (the unit with that padded size), its kind and phase (forward for gathers
+    before the step's backward() call, backward after), and the table counts it
+    for that unit, its enclosing modules and Global: in process and from JSONL."""
+    res = ok_run.result("fsdp", rank)
+    root = res["root"]
+    assert root == "FSDPNet"  # fully_shard renamed the class; commspan names the unit so
+    units = {(root + "." + rel if rel else root): tuple(v) for rel, v in res["units"].items()}
+    blocks = {f"{root}.blocks.{i}{sub}" for i in (0, 1) for sub in ("", ".a", ".b")}
+    ran = {root, f"{root}.head"} | blocks
+    steps = res["steps"]
+    expected: dict[str, dict[str, dict[str, int]]] = {}
+    n = 0
+    for _, when, attrs in ok_run.collectives("fsdp", rank):
+        op = attrs[semconv.COLL_OP]
+        elements = attrs[semconv.TENSOR_BYTES] // 4
+        full = elements * WORLD if op.startswith("all_gather") else elements
+        (unit,) = [u for u, (padded, _) in units.items() if padded == full]
+        step = max(i for i, (t_forward, _) in enumerate(steps) if t_forward <= when)
+        backward = when >= steps[step][1]
+        kind = "unshard" if op.startswith("all_gather") else "reduce_grad"
+        phase = "backward" if backward or kind == "reduce_grad" else "forward"
+        assert (attrs[semconv.OWNER_FQN], attrs[semconv.OWNER_KIND], attrs[semconv.PHASE]) == (
+            unit, kind, phase)
+        assert attrs[semconv.OWNER_PARAMS] == units[unit][1]
+        assert attrs[semconv.OWNER_BYTES] == full * 4
+        for fqn in [*_ancestors(unit, ran), semconv.GLOBAL_FQN]:
+            _add(expected, fqn, phase, op)
+        n += 1
+    assert n == 16  # per step: 3 forward gathers, 2 backward re-gathers, 3 reduce-scatters
+    live = {f: c for f, c in res["module_counts"].items() if c}
+    offline = Aggregator.from_jsonl(ok_run.root / "fsdp", rank=rank)
+    assert live == expected
+    assert {f: c for f, c in offline.module_counts().items() if c} == expected
+    assert offline.table(0) == res["table"]
+    assert res["stats"]["internal_errors"] == 0
+
+
+# ------------------------------------------------------------------ DDP
+def _lowest_common_module(param_names: list[str]) -> str:
+    """The deepest module path that contains every parameter ('' = the wrapped model)."""
+    paths = [n.split(".")[:-1] for n in param_names]
+    common: list[str] = []
+    for parts in zip(*paths):
+        if len(set(parts)) > 1:
+            break
+        common.append(parts[0])
+    return ".".join(common)
+
+
+def _module_name(path: str) -> str:
+    return WRAPPED + ("." + path if path else "")
+
+
+def _bucket_events(run: MpRun, scenario: str, rank: int) -> list[dict[str, Any]]:
+    return [a for _, _, a in run.collectives(scenario, rank)
+            if a.get(semconv.OWNER_KIND) == "bucket"]
+
+
+@pytest.mark.parametrize("rank", range(WORLD))
+def test_ddp_bucket_all_reduces_match_the_comm_hook(ok_run: MpRun, rank: int) -> None:
+    """Each bucket all-reduce names the bucket a comm hook saw (index), is owned by the
+    lowest module holding all its parameters and lists their number and modules."""
+    hook = ok_run.result("ddp_hook", rank)["hook"]
+    events = _bucket_events(ok_run, "ddp_hook", rank)
+    assert len(events) == len(hook) == 7  # step 0: one bucket; after the rebuild: three
+    for attrs, (index, params) in zip(events, hook):
+        assert attrs[semconv.DDP_BUCKET_INDEX] == index
+        assert attrs[semconv.OWNER_FQN] == _module_name(_lowest_common_module(params))
+        assert attrs[semconv.OWNER_PARAMS] == len(params)
+        modules = sorted({_module_name(p.rsplit(".", 1)[0]) for p in params})
+        assert sorted(attrs[semconv.DDP_BUCKET_MODULES]) == modules
+        assert attrs[semconv.PHASE] == "backward"
+        assert attrs[semconv.OWNER_SOURCE] == "ddp"
+
+
+@pytest.mark.parametrize("scenario", ["ddp", "ddp_unused"])
+def test_ddp_buckets_are_launched_in_index_order(ok_run: MpRun, scenario: str) -> None:
+    """Without a hook, the k-th bucket all-reduce of a backward is bucket k (the
+    reducer launches buckets in index order)."""
+    for rank in range(WORLD):
+        indices = [a[semconv.DDP_BUCKET_INDEX] for a in _bucket_events(ok_run, scenario, rank)]
+        per_step: list[list[int]] = []
+        for i in indices:
+            if i == 0:
+                per_step.append([])
+            per_step[-1].append(i)
+        assert len(per_step) == 3
+        assert all(step == list(range(len(step))) for step in per_step), indices
+
+
+@pytest.mark.parametrize("scenario", ["ddp", "ddp_hook", "ddp_unused"])
+def test_ddp_construction_broadcasts_are_setup_of_the_ddp_module(
+    ok_run: MpRun, scenario: str
+) -> None:
+    """DDP's start-up collectives (parameter shape check, module state broadcast),
+    issued while the mode is on but outside any step, are phase setup, owned by the
+    DDP module, in a session trace, and no step counts them."""
+    for rank in range(WORLD):
+        spans = ok_run.spans(scenario, rank)
+        init = [
+            (span, attrs)
+            for span in spans
+            for _, attrs in span.events
+            if attrs.get(semconv.OWNER_KIND) == "init_sync"
+        ]
+        assert init, "the start-up collectives are recorded"
+        for span, attrs in init:
+            assert (attrs[semconv.OWNER_FQN], attrs[semconv.PHASE]) == (DDP, "setup")
+            assert semconv.STEP not in span.attributes  # a session trace, not a step
+        assert {attrs[semconv.COLL_OP] for _, attrs in init} == {"all_gather", "broadcast"}
+        counts = Aggregator.from_jsonl(ok_run.root / scenario, rank=rank).module_counts()
+        assert counts[DDP]["setup"] == {"all_gather": 1, "broadcast": 2}
+        assert "forward" not in counts[DDP] or "all_gather" not in counts[DDP]["forward"]
+
+
+@pytest.mark.parametrize("scenario", ["ddp", "ddp_hook", "ddp_unused"])
+def test_ddp_counts_follow_the_bucket_owner(ok_run: MpRun, scenario: str) -> None:
+    """Per-module counts: a bucket all-reduce counts for its owner, the modules
+    enclosing it and Global, not for the layer whose backward was open; live and
+    from JSONL agree."""
+    for rank in range(WORLD):
+        res = ok_run.result(scenario, rank)
+        offline = Aggregator.from_jsonl(ok_run.root / scenario, rank=rank)
+        live = {f: c for f, c in res["module_counts"].items() if c}
+        assert {f: c for f, c in offline.module_counts().items() if c} == live
+        assert offline.table(0) == res["table"]
+        ran = set(offline.modules())
+        expected: dict[str, dict[str, dict[str, int]]] = {}
+        for _, _, attrs in ok_run.collectives(scenario, rank):
+            for fqn in [*_ancestors(attrs[semconv.OWNER_FQN], ran), semconv.GLOBAL_FQN]:
+                _add(expected, fqn, attrs[semconv.PHASE], attrs[semconv.COLL_OP])
+        assert live == expected
+        assert res["stats"]["internal_errors"] == 0
+
+
+def test_ddp_unused_map_all_reduce_is_the_ddp_modules(ok_run: MpRun) -> None:
+    """With find_unused_parameters, the reducer's all-reduce of the used-parameter map
+    (one int per parameter) is owned by the DDP module, kind unused_map."""
+    for rank in range(WORLD):
+        maps = [a for _, _, a in ok_run.collectives("ddp_unused", rank)
+                if a.get(semconv.OWNER_KIND) == "unused_map"]
+        assert len(maps) == 3  # one per step
+        for attrs in maps:
+            assert attrs[semconv.OWNER_FQN] == DDP
+            assert attrs[semconv.TENSOR_SHAPE] == [12]  # 10 used + 2 unused parameters
+
+
+# ------------------------------------------------------------------ pipelining
+def _pp_expected(rank: int) -> dict[tuple[str, int], int]:
+    """Per step: stage 0 sends each microbatch's activations and receives its
+    gradients; stage 1 the other way round."""
+    kinds = ("activation_send", "gradient_recv") if rank == 0 else (
+        "activation_recv", "gradient_send")
+    return {(kind, mb): 1 for kind in kinds for mb in range(MICROBATCHES)}
+
+
+@pytest.mark.parametrize("scenario", PIPELINES)
+@pytest.mark.parametrize("rank", range(WORLD))
+def test_pipeline_p2p_owned_by_the_stage_per_microbatch(
+    ok_run: MpRun, scenario: str, rank: int
+) -> None:
+    """Each send and receive of a microbatch is owned by the rank's stage module,
+    names the microbatch, direction and peer stage (peer rank = the other rank),
+    serves forward (activations) or backward (gradients), and agrees with what
+    the stage's own buffers say (receives, activation sends); per step every
+    microbatch goes each way once; the shape exchange of the first step is setup."""
+    res = ok_run.result(scenario, rank)
+    events = [a for _, _, a in ok_run.collectives(scenario, rank)]
+    assert [a[semconv.COLL_OP] for a in events] == [op for op, _, _ in res["reference"]]
+    tagged = [a for a in events if a[semconv.OWNER_KIND] != "stage_setup"]
+    setup = [a for a in events if a[semconv.OWNER_KIND] == "stage_setup"]
+    assert len(tagged) == 2 * MICROBATCHES * 2  # two steps, two directions
+    assert setup and all(a[semconv.PHASE] == "setup" for a in setup)
+    checked = 0
+    for attrs, (_, ref_mb, ref_kind) in zip(events, res["reference"]):
+        if attrs[semconv.OWNER_KIND] == "stage_setup":
+            assert attrs[semconv.OWNER_FQN] == STAGE[rank]
+            continue
+        kind, mb = attrs[semconv.OWNER_KIND], attrs[semconv.PP_MICROBATCH]
+        assert attrs[semconv.OWNER_SOURCE] == "pipeline"
+        assert attrs[semconv.OWNER_FQN] == STAGE[rank]
+        assert attrs[semconv.PP_STAGE] == rank
+        assert attrs[semconv.PP_PEER_STAGE] == 1 - rank
+        assert attrs[semconv.COLL_PEER] == 1 - rank
+        serves = "forward" if kind.startswith("activation") else "backward"
+        assert attrs[semconv.PHASE] == serves
+        if ref_kind is not None:  # the stage's buffers know this one
+            assert (kind, mb) == (ref_kind, ref_mb)
+            checked += 1
+    steps = [tagged[: len(tagged) // 2], tagged[len(tagged) // 2 :]]
+    for step in steps:
+        got = Counter((a[semconv.OWNER_KIND], a[semconv.PP_MICROBATCH]) for a in step)
+        assert got == _pp_expected(rank)
+    # checked against the buffers: every receive, and stage 0's activation sends
+    # (stage 1's gradient sends have no buffer to compare: the schedule count covers them)
+    assert checked == (2 if rank == 0 else 1) * MICROBATCHES * 2
+
+
+@pytest.mark.parametrize("scenario", PIPELINES)
+@pytest.mark.parametrize("rank", range(WORLD))
+def test_pipeline_module_spans_carry_the_microbatch(
+    ok_run: MpRun, scenario: str, rank: int
+) -> None:
+    """In each step, the stage module has one forward and one backward span per
+    microbatch, carrying its index and the stage; both ranks' spans of a step are in
+    one trace; the wrappers are gone from the stage after the mode."""
+    spans = ok_run.spans(scenario, rank)
+    per_trace: dict[str, Counter] = {}  # type: ignore[type-arg]
+    for span in spans:
+        a = span.attributes
+        if a.get(semconv.MODULE_FQN) != STAGE[rank] or semconv.PP_MICROBATCH not in a:
+            continue
+        assert a[semconv.PP_STAGE] == rank
+        per_trace.setdefault(span.trace_id, Counter())[
+            (a[semconv.PHASE], a[semconv.PP_MICROBATCH])] += 1
+    assert len(per_trace) == 2  # one trace per step
+    for counts in per_trace.values():
+        assert counts == {(phase, mb): 1 for phase in ("forward", "backward")
+                          for mb in range(MICROBATCHES)}
+    other = {s.trace_id for s in ok_run.spans(scenario, 1 - rank) if s.name == "commspan.rank"}
+    mine = {s.trace_id for s in spans if s.name == "commspan.rank"}
+    assert set(per_trace) <= mine and (set(per_trace) & other) == set(per_trace)
+    assert ok_run.result(scenario, rank)["left_on_stage"] == []
+
+
+@pytest.mark.parametrize("scenario", PIPELINES)
+def test_pipeline_counts_live_and_from_jsonl(ok_run: MpRun, scenario: str) -> None:
+    """The stage module counts its sends and receives per phase (credited: they are
+    issued outside its spans); live and JSONL tables agree."""
+    for rank in range(WORLD):
+        res = ok_run.result(scenario, rank)
+        offline = Aggregator.from_jsonl(ok_run.root / scenario, rank=rank)
+        assert offline.table(0) == res["table"]
+        counts = offline.module_counts()[STAGE[rank]]
+        sends, recvs = ("forward", "backward") if rank == 0 else ("backward", "forward")
+        assert counts[sends]["send"] == counts[recvs]["recv"] == 2 * MICROBATCHES
+        assert counts["setup"] == offline.module_counts()[semconv.GLOBAL_FQN]["setup"]
+        assert res["stats"]["internal_errors"] == 0
