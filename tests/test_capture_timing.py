@@ -231,3 +231,35 @@ def test_dispatch_path_of_other_ops_is_unchanged_without_timing() -> None:
     assert waits and not any(w in plain._table for w in waits)
     assert all(w in timed._table for w in waits)
     assert set(timed._table) - set(plain._table) == set(waits)
+
+
+def test_roll_ups_follow_the_owner_for_fsdp2(mesh: Any) -> None:
+    """FSDP2 collectives are counted for their unit, not where they were issued: every
+    event has a duration, the rank span's roll-ups are the sums over all events, and each
+    span has a byte and time roll-up for exactly the phases it counts collectives in."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model[2], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    with capture() as cap:
+        with cap.mode.step(0):
+            model(torch.randn(4, 8)).sum().backward()
+    events = [e for s in cap.spans for e in collective_events(s)]
+    assert events and all(e.attributes[semconv.COLL_DURATION_NS] >= 0 for e in events)
+    assert any(semconv.OWNER_KIND in e.attributes for e in events)  # owned, not innermost
+    rank = _rank_span(cap.spans)
+    for phase in semconv.Phase:
+        mine = [e for e in events if e.attributes[semconv.PHASE] == phase.value]
+        assert rank.attributes.get(semconv.bytes_key(phase)) == (
+            sum(e.attributes[semconv.TENSOR_BYTES] for e in mine) or None)
+        assert rank.attributes.get(semconv.comm_time_key(phase)) == (
+            sum(e.attributes[semconv.COLL_DURATION_NS] for e in mine) if mine else None)
+    for span in cap.spans:
+        for phase in semconv.Phase:
+            counted = span.attributes.get(f"{semconv.COUNT_PREFIX}{phase.value}.total", 0)
+            assert (semconv.bytes_key(phase) in span.attributes) == (counted > 0), span.name
+            assert (semconv.comm_time_key(phase) in span.attributes) == (counted > 0), span.name
+    assert_well_formed(cap.spans)
