@@ -78,19 +78,21 @@ class CompletionTracker:
         self._outputs: dict[int, CollectiveTiming] = {}
         self._max = max_outstanding
         self._sweep_at = 256
-        self._polled: list[CollectiveTiming] = []
+        self.polled: list[CollectiveTiming] = []
+        """Timings of ``Work`` s without a future, asked at each collective."""
         self.forgotten = 0
-        self._cuda = torch.cuda.is_available()
+        self.cuda = torch.cuda.is_available()
+        """CUDA is available: collectives on CUDA tensors are timed with CUDA events."""
 
     # ------------------------------------------------------------ issue
     def start(self, info: CollectiveInfo, timing: CollectiveTiming, args: Any,
               kwargs: Any) -> Any:
         """Right before the op runs: the issue time (and, for CUDA tensors, a CUDA
         event on the current stream). Returns what :meth:`issued` needs back."""
-        if self._polled:
+        if self.polled:
             self.poll()
         event = None
-        if self._cuda and _on_cuda(info, args, kwargs):
+        if self.cuda and _on_cuda(info, args, kwargs):
             event = torch.cuda.Event(enable_timing=True)
             event.record()
         timing.issued = _perf()
@@ -102,11 +104,15 @@ class CompletionTracker:
         if info.functional:
             self._remember(timing, out, cuda_start)
             return
-        work = out[-1] if isinstance(out, (tuple, list)) and out else out
+        work = out[-1] if type(out) is tuple and out else out
         if _Work is None or not isinstance(work, _ScriptObject):
             return
         handle = _Work.unbox(work)
-        if info.async_index >= 0 and _arg(info, args, kwargs, info.async_index, True) is False:
+        index = info.async_index
+        if index >= 0 and (
+            args[index] if index < len(args)
+            else (kwargs.get(info.arg_names[index], True) if kwargs else True)
+        ) is False:
             # the caller waits right after this returns: wait first, and time it
             if cuda_start is not None:
                 _finish_cuda(timing, cuda_start)  # a blocking op ran on the current stream
@@ -115,13 +121,13 @@ class CompletionTracker:
                 handle.wait()  # releases the GIL, as the caller's wait does
             except Exception:
                 return  # the op failed: the caller's own wait raises it again
-            timing.complete()
+            timing.duration = max(0, _perf() - timing.issued)
             return
         try:
             future = handle.get_future()
         except RuntimeError:  # no future (gloo's send/recv): ask the Work later
             timing.resolve = partial(_poll_work, handle, timing, cuda_start)
-            self._polled.append(timing)
+            self.polled.append(timing)
             return
         if cuda_start is not None:
             future.add_done_callback(partial(_cuda_done, timing, cuda_start))
@@ -130,7 +136,7 @@ class CompletionTracker:
 
     def poll(self) -> None:
         """Ask the ``Work`` s without a future whether they have completed."""
-        self._polled = [t for t in self._polled if not t.finished() and not t.abandoned]
+        self.polled = [t for t in self.polled if not t.finished() and not t.abandoned]
 
     def _remember(self, timing: CollectiveTiming, out: Any, cuda_start: Any) -> None:
         outputs: Sequence[Any] = out if isinstance(out, (list, tuple)) else (out,)
@@ -162,7 +168,7 @@ class CompletionTracker:
     def waited(self, args: Any, kwargs: Any, now: int) -> None:
         """``wait_tensor`` returned at ``now``: complete the collective that
         produced its argument, if one is waiting."""
-        if self._polled:
+        if self.polled:
             self.poll()
         tensor = args[0] if args else (kwargs or {}).get("tensor")
         if not isinstance(tensor, _Tensor):
@@ -187,7 +193,7 @@ class CompletionTracker:
     def clear(self) -> None:
         """Forget every output and ``Work`` still waiting (the mode is left)."""
         self._outputs.clear()
-        self._polled = []
+        self.polled = []
 
     @property
     def outstanding(self) -> int:

@@ -207,9 +207,11 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
         """An op on the lazy output of a functional collective (``AsyncCollectiveTensor``):
         the subclass waits on it inside the op, out of this mode's sight; afterwards
         the outputs it waited on say so (``completed``), which is their completion."""
+        info = self._table.get(func)
+        if info is _WAIT:  # wait_tensor on it: timed as any wait
+            return self._collective(info, func, args, kwargs)
         lazy_type: Any = self._lazy
         lazy: list[Any] = [a for a in args if isinstance(a, lazy_type) and not a.completed]
-        info = self._table.get(func)
         if isinstance(info, CollectiveInfo):
             out = self._collective(info, func, args, kwargs)
         else:
@@ -304,11 +306,15 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
         if timing is None:
             return func(*args, **kwargs)
         completions = self.completions
-        try:
-            started = completions.start(info, timing, args, kwargs)
-        except Exception:
-            self._errors.record(info.overload, message="could not time collective %s")
-            return func(*args, **kwargs)
+        if completions.cuda or completions.polled:
+            try:
+                started = completions.start(info, timing, args, kwargs)
+            except Exception:
+                self._errors.record(info.overload, message="could not time collective %s")
+                return func(*args, **kwargs)
+        else:  # CPU, nothing to poll: the issue time is all start() would take
+            started = None
+            timing.issued = _perf()
         out = func(*args, **kwargs)
         try:
             completions.issued(info, timing, args, kwargs, out, started)

@@ -132,7 +132,10 @@ class Frame:
         if timings is None:
             return True
         i, n = self.timed_upto, len(timings)
-        while i < n and timings[i].finished():
+        while i < n:
+            timing = timings[i]
+            if timing.duration is None and not timing.finished():
+                break
             i += 1
         self.timed_upto = i
         return i == n

@@ -420,7 +420,9 @@ class SpanRecorder:
     def _close_top(self, now: int) -> None:
         frame = self.stack[-1]
         frame.end = max(now, frame.start)
-        if not self._closed and frame.ready():
+        if not self._closed and (
+            (frame.timings is None and frame.own is None) or frame.ready()
+        ):
             # the span is built before the frame leaves the stack: if building
             # fails, the frame stays open and a later close emits it
             span = self._build(frame)

@@ -38,6 +38,7 @@ _DURATION = semconv.COLL_DURATION_NS
 _BYTES = semconv.TENSOR_BYTES
 _SIZE = semconv.PG_SIZE
 _OP = semconv.COLL_OP
+_GROUP = semconv.PG_NAME
 _ALGBW = semconv.COLL_ALGBW
 _BUSBW = semconv.COLL_BUSBW
 _SCALES: dict[tuple[str, int], tuple[int, float]] = {}
@@ -152,33 +153,33 @@ class CollectiveTiming:
 
 
 class CollectiveLog:
-    """Per process group, the last ``keep`` collectives and every older one not completed.
+    """The rank's recent collectives: per process group the last ``keep`` of its last
+    ``size`` collectives, and every collective not completed.
 
-    :meth:`add` runs on the issuing thread; :meth:`snapshot` and
-    :meth:`oldest_pending` may run on any thread (they read copies).
+    :meth:`add` runs on the issuing thread (one deque append); :meth:`snapshot`
+    and :meth:`oldest_pending` may run on any thread (they read copies).
 
     Args:
-        keep: collectives kept per group, completed or not.
+        keep: collectives listed per group, completed or not.
+        size: collectives remembered in all (the groups share them).
         max_pending: older collectives not completed kept in all (beyond it the
             oldest is forgotten and counted in :attr:`forgotten`).
     """
 
-    def __init__(self, keep: int = 8, max_pending: int = 1024) -> None:
+    def __init__(self, keep: int = 8, size: int = 64, max_pending: int = 1024) -> None:
         self._keep = keep
+        self._size = size
         self._max_pending = max_pending
-        self._recent: dict[str, deque[CollectiveTiming]] = {}
+        self._recent: deque[CollectiveTiming] = deque(maxlen=size)
         self._older: list[CollectiveTiming] = []
         self.forgotten = 0
 
     def add(self, timing: CollectiveTiming) -> None:
         """Log a collective just issued."""
-        group = timing.attrs.get(semconv.PG_NAME, "")
-        recent = self._recent.get(group)
-        if recent is None:
-            recent = self._recent[group] = deque(maxlen=self._keep)
-        elif len(recent) == self._keep:
+        recent = self._recent
+        if len(recent) == self._size:
             oldest = recent[0]
-            if not oldest.finished() and not oldest.abandoned:
+            if oldest.duration is None and not oldest.abandoned and not oldest.finished():
                 self._keep_pending(oldest)
         recent.append(timing)
 
@@ -192,11 +193,17 @@ class CollectiveLog:
         older.append(timing)
 
     def snapshot(self) -> list[CollectiveTiming]:
-        """Every logged collective, oldest first per group (groups in first-use order);
-        older collectives not completed come first. Abandoned ones are left out."""
-        out = [t for t in list(self._older) if not t.finished() and not t.abandoned]
-        for recent in list(self._recent.values()):
-            out.extend(t for t in list(recent) if not t.abandoned)
+        """The collectives a hang record lists: per group (in first-use order), oldest
+        first, the last ``keep`` and every one not completed; abandoned ones left out."""
+        groups: dict[Any, list[CollectiveTiming]] = {}
+        for t in [*self._older, *list(self._recent)]:
+            if not t.abandoned:
+                groups.setdefault(t.attrs.get(_GROUP, ""), []).append(t)
+        out: list[CollectiveTiming] = []
+        keep = self._keep
+        for timings in groups.values():
+            cut = len(timings) - keep
+            out.extend(t for i, t in enumerate(timings) if i >= cut or not t.finished())
         return out
 
     def oldest_pending(self) -> CollectiveTiming | None:
@@ -209,5 +216,5 @@ class CollectiveLog:
 
     def clear(self) -> None:
         """Forget everything (the mode's process groups start over)."""
-        self._recent = {}
+        self._recent.clear()
         self._older = []
