@@ -38,6 +38,7 @@ __all__ = [
     "EVENT_EXCEPTION",
     "EXCEPTION_MESSAGE",
     "EXCEPTION_TYPE",
+    "FSDP_UNIT_MODULES",
     "GLOBAL_FQN",
     "HANG_REASON",
     "HANG_REASON_DUMP",
@@ -250,6 +251,7 @@ OWNER_BYTES = "commspan.owner.bytes"
 OWNER_CREDIT = "commspan.owner.credit_fqns"
 DDP_BUCKET_INDEX = "commspan.ddp.bucket.index"
 DDP_BUCKET_MODULES = "commspan.ddp.bucket.modules"
+FSDP_UNIT_MODULES = "commspan.fsdp.unit.modules"
 PP_STAGE = "commspan.pp.stage"
 PP_MICROBATCH = "commspan.pp.microbatch"
 PP_PEER_STAGE = "commspan.pp.peer_stage"
@@ -381,7 +383,8 @@ ATTRIBUTES: dict[str, str] = {
     "it, e.g. ``tp``, ``dp``.",
     OWNER_FQN: "The module that owns the collective: its counts include it. The span open "
     "when it was issued (``commspan.module.fqn``) for tensor parallelism and a module's own "
-    "collectives; the FSDP unit whose parameters it moves; the lowest module holding all "
+    "collectives; the FSDP unit whose parameters it moves (for a unit of several modules, the "
+    "lowest module holding them all); the lowest module holding all "
     "of a DDP bucket's parameters; the DDP module for DDP's own syncs. See "
     "docs/parallelisms.md.",
     OWNER_SOURCE: "What decided the owner: ``position``, ``fsdp``, ``ddp`` or ``pipeline``.",
@@ -407,6 +410,8 @@ ATTRIBUTES: dict[str, str] = {
     PP_PEER_STAGE: "The stage a pipeline point-to-point op exchanges with (int; its global "
     "rank is ``commspan.collective.peer``).",
     DDP_BUCKET_MODULES: "Modules holding the DDP bucket's parameters (array of module fqns).",
+    FSDP_UNIT_MODULES: "The modules of an FSDP unit made of several (``fully_shard([a, b])``; "
+    "array of module fqns); its owner is the lowest module holding them all.",
     TENSOR_SHAPE: "Shape of the (first) input tensor.",
     TENSOR_DTYPE: "Dtype of the input tensor(s), e.g. ``float32``.",
     TENSOR_BYTES: "Bytes of all input tensors of the op.",

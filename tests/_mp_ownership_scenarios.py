@@ -170,29 +170,38 @@ class _RecvReference(TorchDispatchMode):
     or a send of microbatch m's forward output (same storage). Independent of
     commspan; it runs inside commspan's mode and hands every op on."""
 
-    def __init__(self, stage: Any) -> None:
+    def __init__(self, *stages: Any) -> None:
         super().__init__()
-        self.stage = stage
-        self.seen: list[list[Any]] = []  # [op, microbatch or None, direction or None]
+        self.stages = stages
+        # [op, microbatch or None, direction or None] (+ the stage index with several)
+        self.seen: list[list[Any]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         name = func._opname
         if func.namespace == "c10d" and name in ("send", "recv_"):
             tensor = args[0][0]
-            self.seen.append(["send" if name == "send" else "recv", *self._lookup(tensor)])
+            found: list[Any] = [None, None, None]
+            for stage in self.stages:
+                mb, kind = self._lookup(stage, tensor)
+                if kind is not None:
+                    found = [mb, kind, stage.stage_index]
+                    break
+            self.seen.append(["send" if name == "send" else "recv",
+                              *found[: 3 if len(self.stages) > 1 else 2]])
         return func(*args, **(kwargs or {}))
 
-    def _lookup(self, tensor: torch.Tensor) -> tuple[int | None, str | None]:
-        for mb, infos in getattr(self.stage, "args_recv_info", {}).items():
+    @staticmethod
+    def _lookup(stage: Any, tensor: torch.Tensor) -> tuple[int | None, str | None]:
+        for mb, infos in getattr(stage, "args_recv_info", {}).items():
             for info in infos:
                 if getattr(info, "buffer", None) is tensor:
                     return mb, "activation_recv"
-        for mb, infos in getattr(self.stage, "grad_recv_info", {}).items():
+        for mb, infos in getattr(stage, "grad_recv_info", {}).items():
             for info in infos or ():
                 if getattr(info, "buffer", None) is tensor:
                     return mb, "gradient_recv"
         ptr = tensor.untyped_storage().data_ptr()
-        for mb, (outputs, _) in getattr(self.stage, "fwd_cache", {}).items():
+        for mb, (outputs, _) in getattr(stage, "fwd_cache", {}).items():
             for out in outputs:
                 if isinstance(out, torch.Tensor) and out.untyped_storage().data_ptr() == ptr:
                     return mb, "activation_send"
@@ -225,7 +234,45 @@ def _pipeline_run(out: Path, rank: int, name: str) -> None:
                     schedule.step(x)
                 else:
                     schedule.step(target=y)
-    wrapped = sorted(k for k in vars(stage) if k.endswith(("_ops", "_one_chunk")))
+    wrapped = sorted(k for k in vars(stage)
+                     if k.endswith(("_ops", "_one_chunk", "_infra", "_vote", "_result")))
+    mode.shutdown()
+    assert mode.aggregator is not None
+    _write(out, name, rank, {
+        "reference": reference.seen,
+        "left_on_stage": wrapped,
+        "stats": mode.stats(),
+        **_view(mode.aggregator),
+    })
+
+
+def _interleaved_run(out: Path, rank: int) -> None:
+    """Four stages on two ranks (rank r holds stages r and r + 2), Interleaved1F1B,
+    4 microbatches, 2 steps."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+
+    torch.manual_seed(0)
+    chunks = [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()) for _ in range(4)]
+    world = dist.get_world_size()
+    stages = [PipelineStage(chunks[i], i, 2 * world, torch.device("cpu"))
+              for i in (rank, rank + world)]
+    schedule = ScheduleInterleaved1F1B(
+        stages, n_microbatches=MICROBATCHES,
+        loss_fn=lambda output, target: ((output - target) ** 2).mean())
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    name = "pp_interleaved"
+    mode = CommSpanMode(exporters=[JsonlSpanExporter(out / name / "trace-rank{rank}.jsonl")])
+    mode.watch_pipeline(schedule)
+    reference = _RecvReference(*stages)
+    with mode:
+        for i in range(STEPS):
+            with mode.step(i), reference:
+                if rank == 0:
+                    schedule.step(x)
+                else:
+                    schedule.step(target=y)
+    wrapped = sorted(k for stage in stages for k in vars(stage)
+                     if k.endswith(("_ops", "_one_chunk", "_infra", "_vote", "_result")))
     mode.shutdown()
     assert mode.aggregator is not None
     _write(out, name, rank, {
@@ -243,6 +290,7 @@ SCENARIOS: dict[str, Callable[[Path, int], None]] = {
     "ddp_unused": lambda out, rank: _ddp_run(out, rank, "ddp_unused", find_unused=True),
     "pp_gpipe": lambda out, rank: _pipeline_run(out, rank, "pp_gpipe"),
     "pp_1f1b": lambda out, rank: _pipeline_run(out, rank, "pp_1f1b"),
+    "pp_interleaved": _interleaved_run,
 }
 
 

@@ -81,12 +81,13 @@ class Run:
     steps: list[tuple[int, int]] = field(default_factory=list)  # (forward, backward) start ns
 
 
-def _units(roots: dict[str, torch.nn.Module], shard: int) -> dict[str, Unit]:
-    nested = {id(m) for m in roots.values()}
+def _units(roots: dict[str, list[torch.nn.Module]], shard: int) -> dict[str, Unit]:
+    """``roots``: the reference's name of each unit -> the modules sharded as one."""
+    nested = {id(m) for ms in roots.values() for m in ms}
     out = {}
-    for rel, module in roots.items():
+    for rel, members in roots.items():
         shapes: list[torch.Size] = []
-        todo = [module]
+        todo = list(members)
         while todo:
             cur = todo.pop()
             shapes.extend(p.shape for p in cur._parameters.values() if p is not None)
@@ -102,9 +103,12 @@ def _run(
     reshard: bool | int = True,
     ac: bool = False,
     root: bool = True,
+    grouped: bool = False,
     setup: Callable[[Net], None] | None = None,
 ) -> Run:
-    """Shard ``Net`` (both blocks, and the root unless ``root=False``), train 2 steps."""
+    """Shard ``Net`` (both blocks, and the root unless ``root=False``), train 2 steps.
+    ``grouped``: blocks.1 and head are one unit (``fully_shard([blocks.1, head])``),
+    which the lowest module holding both, the root, owns."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -116,14 +120,23 @@ def _run(
         mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",))
         shard = WORLD
     model = Net(ac)
-    roots: dict[str, torch.nn.Module] = {"blocks.0": model.blocks[0], "blocks.1": model.blocks[1]}
-    if root:
-        roots[""] = model
+    roots: dict[str, list[torch.nn.Module]] = {"blocks.0": [model.blocks[0]]}
+    if grouped:  # named by hand: the root is the lowest module holding both
+        roots[""] = [model.blocks[1], model.head]
+        roots["<root>"] = [model]
+    else:
+        roots["blocks.1"] = [model.blocks[1]]
+        if root:
+            roots[""] = [model]
     units = _units(roots, shard)
     assert len({u.padded for u in units.values()}) == len(units), "sizes must tell units apart"
     ran = [n for n, m in model.named_modules() if not isinstance(m, torch.nn.ModuleList)]
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model.blocks[0], mesh=mesh, reshard_after_forward=reshard)
+    if grouped:
+        fully_shard([model.blocks[1], model.head], mesh=mesh, reshard_after_forward=reshard)
+        units["<root>"].fqn = ""
+    else:
+        fully_shard(model.blocks[1], mesh=mesh, reshard_after_forward=reshard)
     if root:
         fully_shard(model, mesh=mesh)
     if setup is not None:
@@ -233,8 +246,9 @@ def _check(run: Run) -> list[dict[str, Any]]:
         {"hsdp": True},
         {"ac": True},
         {"root": False},
+        {"grouped": True},
     ],
-    ids=["default", "no-reshard", "reshard-2", "hsdp", "checkpointed", "two-roots"],
+    ids=["default", "no-reshard", "reshard-2", "hsdp", "checkpointed", "two-roots", "grouped"],
 )
 def test_fsdp_collectives_owned_by_their_unit(fake_pg: None, config: dict[str, Any]) -> None:
     """Each all-gather, reduce-scatter and HSDP all-reduce names the unit whose
@@ -248,6 +262,15 @@ def test_fsdp_collectives_owned_by_their_unit(fake_pg: None, config: dict[str, A
     backward_gathers = [
         a for a in seen if a[semconv.OWNER_KIND] == "unshard" and a[semconv.PHASE] == "backward"
     ]
+    grouped = [a for a in seen if semconv.FSDP_UNIT_MODULES in a]
+    if config.get("grouped"):  # every collective of the grouped unit names its modules
+        unit = next(u for u in run.units if u.params == 6)  # blocks.1 (4) + head (2)
+        assert grouped and all(a[semconv.OWNER_PARAMS] == unit.params for a in grouped)
+        assert len(grouped) == sum(a[semconv.OWNER_PARAMS] == unit.params for a in seen)
+        assert {tuple(a[semconv.FSDP_UNIT_MODULES]) for a in grouped} == {
+            ("FSDPNet.blocks.1", "FSDPNet.head")}
+    else:
+        assert grouped == []
     if config.get("reshard") is False:
         assert backward_gathers == []  # nothing was resharded after forward
     else:

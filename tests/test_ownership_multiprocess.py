@@ -9,7 +9,8 @@ their parameters before sharding, DDP buckets from what a comm hook saw
 (``GradBucket.index()`` and ``.parameters()``) or from the order the reducer
 launches them, pipeline ops from the stage's own buffers (which microbatch's
 receive buffer or forward output a tensor is) and from the schedule (every
-microbatch's activations go forward once and its gradients back once).
+microbatch's activations go forward once and its gradients back once; with
+an interleaved schedule, four stages on the two ranks, through every stage).
 """
 
 from __future__ import annotations
@@ -34,9 +35,10 @@ pytestmark = pytest.mark.multiprocess
 
 WORLD = 2
 SCRIPT = Path(__file__).with_name("_mp_ownership_scenarios.py")
-SCENARIOS = ["fsdp", "ddp", "ddp_hook", "ddp_unused", "pp_gpipe", "pp_1f1b"]
+SCENARIOS = ["fsdp", "ddp", "ddp_hook", "ddp_unused", "pp_gpipe", "pp_1f1b", "pp_interleaved"]
 PIPELINES = ["pp_gpipe", "pp_1f1b"]
 MICROBATCHES = 4
+STEPS = 2
 STAGE = ["Sequential", "Sequential"]  # each rank's stage module: a slice of one Sequential
 DDP = "DistributedDataParallel"
 WRAPPED = f"{DDP}.module"
@@ -373,3 +375,74 @@ def test_pipeline_counts_live_and_from_jsonl(ok_run: MpRun, scenario: str) -> No
         assert counts[sends]["send"] == counts[recvs]["recv"] == 2 * MICROBATCHES
         assert counts["setup"] == offline.module_counts()[semconv.GLOBAL_FQN]["setup"]
         assert res["stats"]["internal_errors"] == 0
+
+
+# ------------------------------------------------------------------ interleaved pipeline
+# rank r holds stages r and r + 2 of four: what each stage sends and receives per microbatch
+_INTERLEAVED_KINDS = {
+    0: ("activation_send", "gradient_recv"),
+    1: ("activation_recv", "activation_send", "gradient_recv", "gradient_send"),
+    2: ("activation_recv", "activation_send", "gradient_recv", "gradient_send"),
+    3: ("activation_recv", "gradient_send"),
+}
+_PEER_STEP = {"activation_send": 1, "gradient_recv": 1, "activation_recv": -1,
+              "gradient_send": -1}
+
+
+@pytest.mark.parametrize("rank", range(WORLD))
+def test_interleaved_pipeline_p2p_owned_by_each_stage(ok_run: MpRun, rank: int) -> None:
+    """With two stages per rank (Interleaved1F1B), each send and receive names the
+    stage it serves, the microbatch and the peer stage, as the stages' own buffers
+    and the schedule say; the stages' set-up traffic (warm-up votes, shape
+    exchange) is owned by the stage as ``setup``; nothing falls back to the position."""
+    res = ok_run.result("pp_interleaved", rank)
+    events = [a for _, _, a in ok_run.collectives("pp_interleaved", rank)]
+    assert [a[semconv.COLL_OP] for a in events] == [ref[0] for ref in res["reference"]]
+    assert all(a[semconv.OWNER_SOURCE] == "pipeline" for a in events)
+    assert all(a[semconv.OWNER_FQN] == "Sequential" for a in events)
+    mine = (rank, rank + WORLD)
+    tagged = [a for a in events if a[semconv.OWNER_KIND] != "stage_setup"]
+    setup = [a for a in events if a[semconv.OWNER_KIND] == "stage_setup"]
+    assert setup and all(a[semconv.PHASE] == "setup" for a in setup)
+    checked = 0
+    for attrs, ref in zip(events, res["reference"]):
+        if attrs[semconv.OWNER_KIND] == "stage_setup":
+            continue
+        kind, stage = attrs[semconv.OWNER_KIND], attrs[semconv.PP_STAGE]
+        assert stage in mine
+        assert attrs[semconv.PP_PEER_STAGE] == stage + _PEER_STEP[kind]
+        assert attrs[semconv.COLL_PEER] == 1 - rank  # the neighbouring stages are on the other rank
+        assert attrs[semconv.PHASE] == ("forward" if kind.startswith("activation") else "backward")
+        if ref[2] is not None:  # the stage's buffers know this one
+            assert (stage, kind, attrs[semconv.PP_MICROBATCH]) == (ref[3], ref[2], ref[1])
+            checked += 1
+    expected = Counter({(stage, kind, mb): 1 for stage in mine
+                        for kind in _INTERLEAVED_KINDS[stage] for mb in range(MICROBATCHES)})
+    per_step = len(tagged) // STEPS
+    assert len(tagged) == STEPS * sum(expected.values())
+    for step in range(STEPS):
+        got = Counter((a[semconv.PP_STAGE], a[semconv.OWNER_KIND], a[semconv.PP_MICROBATCH])
+                      for a in tagged[step * per_step: (step + 1) * per_step])
+        assert got == expected
+    assert checked >= STEPS * MICROBATCHES * 2  # at least the receives of both stages
+    assert res["left_on_stage"] == []
+    assert res["stats"]["internal_errors"] == 0
+
+
+@pytest.mark.parametrize("rank", range(WORLD))
+def test_interleaved_pipeline_module_spans_carry_stage_and_microbatch(
+    ok_run: MpRun, rank: int
+) -> None:
+    """Each stage's module has one forward and one backward span per microbatch and
+    step, carrying its stage index and the microbatch."""
+    per_trace: dict[str, Counter] = {}  # type: ignore[type-arg]
+    for span in ok_run.spans("pp_interleaved", rank):
+        a = span.attributes
+        if a.get(semconv.MODULE_FQN) != "Sequential" or semconv.PP_MICROBATCH not in a:
+            continue
+        per_trace.setdefault(span.trace_id, Counter())[
+            (a[semconv.PP_STAGE], a[semconv.PHASE], a[semconv.PP_MICROBATCH])] += 1
+    assert len(per_trace) == STEPS
+    for counts in per_trace.values():
+        assert counts == {(stage, phase, mb): 1 for stage in (rank, rank + WORLD)
+                          for phase in ("forward", "backward") for mb in range(MICROBATCHES)}

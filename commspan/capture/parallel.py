@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from commspan.capture.pipeline import PipelineWatch
-from commspan.ownership import DdpBucket, FsdpUnit, PipelineTag
+from commspan.ownership import DdpBucket, FsdpUnit, PipelineTag, lowest_common_module
 
 __all__ = ["ParallelModules", "lowest_common_module"]
 
@@ -91,22 +91,6 @@ def _fsdp_group_codes() -> frozenset[Any]:
         _log.debug("commspan: FSDP parameter groups cannot be read from the stack",
                    exc_info=True)
         return frozenset()
-
-
-def lowest_common_module(paths: Sequence[str]) -> str:
-    """The deepest dotted path that is a prefix (by whole names) of every path.
-
-    Example:
-        >>> lowest_common_module(["l2.0", "l2.2"]), lowest_common_module(["l2.2", "l3"])
-        ('l2', '')
-    """
-    split = [p.split(".") if p else [] for p in paths]
-    common: list[str] = []
-    for parts in zip(*split):
-        if any(part != parts[0] for part in parts):
-            break
-        common.append(parts[0])
-    return ".".join(common)
 
 
 class _DdpState:

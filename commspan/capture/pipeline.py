@@ -15,9 +15,11 @@ class's methods show through again) when the mode is left:
   ``backward_weight_one_chunk(chunk_id)``: while one runs, module spans carry
   the stage index and the microbatch.
 
-Point-to-point ops of a watched stage's step that were not announced, issued
-before the step's first microbatch (the stages exchanging tensor shapes at the
-first step), are the stages' setup.
+Point-to-point ops of a watched stage that were not announced, issued while
+the stage prepares its first step (``_prepare_forward_infra`` /
+``_prepare_backward_infra``: the stages exchange tensor shapes), are that
+stage's setup; so are, when the rank has one stage, those issued before the
+step's first microbatch.
 
 Nothing global is changed: other stage objects, and the class, are untouched.
 """
@@ -44,6 +46,11 @@ _OPS = (
     ("get_bwd_send_ops", semconv.OWNER_KIND_GRADIENT_SEND),
 )
 _CHUNKS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+# a stage's set-up at its first step: the votes and metadata it exchanges with its
+# neighbours
+# (private methods of torch's stages: missing ones are skipped)
+_SETUP = ("_warmup_forward_vote", "_warmup_backward_result", "_prepare_forward_infra",
+          "_prepare_backward_infra")
 # the stage a direction talks to, relative to this one (stage i exchanges with i - 1, i + 1)
 _PEER = {
     semconv.OWNER_KIND_ACTIVATION_RECV: -1,
@@ -99,6 +106,7 @@ class PipelineWatch:
         self.current: dict[str, int] | None = None
         """Span attributes of the microbatch running now (stage, microbatch), or None."""
         self._started = False  # a microbatch ran in this step
+        self._setting_up: _Watched | None = None  # the stage whose set-up runs now
         self._active = False
         self.namer: Callable[[Any], str] | None = None
         """The module tracker's name of a module (set by the tracker)."""
@@ -172,6 +180,12 @@ class PipelineWatch:
                 continue
             setattr(stage, name, functools.partial(self._chunk, original, w))
             w.installed.append(name)
+        for name in _SETUP:
+            original = getattr(stage, name, None)
+            if original is None:
+                continue
+            setattr(stage, name, functools.partial(self._setup, original, w))
+            w.installed.append(name)
 
     # ------------------------------------------------------------ wrappers
     def _ops(self, original: Callable[..., Any], w: _Watched, kind: str,
@@ -196,6 +210,15 @@ class PipelineWatch:
         finally:
             self._set_current(previous)
 
+    def _setup(self, original: Callable[..., Any], w: _Watched,
+               *args: Any, **kwargs: Any) -> Any:
+        previous = self._setting_up
+        self._setting_up = w
+        try:
+            return original(*args, **kwargs)
+        finally:
+            self._setting_up = previous
+
     # ------------------------------------------------------------ facts
     def tag(self, tensor: Any) -> PipelineTag | None:
         """The announced op of ``tensor`` (forgotten once asked), or None."""
@@ -206,7 +229,11 @@ class PipelineWatch:
 
     def setup_stage(self) -> str | None:
         """The watched stage whose setup an unannounced point-to-point op is: one
-        issued before the step's first microbatch (one stage per rank), else None."""
+        issued while the stage prepares its first step (it exchanges shapes with its
+        neighbours), or before the step's first microbatch when the rank has one
+        stage; else None."""
+        if self._setting_up is not None:
+            return self._setting_up.fqn
         if self._started or self.current is not None:
             return None
         live = [w for w in self._stages if w.ref() is not None]

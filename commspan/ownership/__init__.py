@@ -47,6 +47,7 @@ __all__ = [
     "ParallelFacts",
     "PipelineTag",
     "counted_names",
+    "lowest_common_module",
     "phase_now",
     "resolve",
 ]
@@ -264,6 +265,22 @@ def resolve(
         if owner is not None:
             return owner
     return None
+
+
+def lowest_common_module(paths: Sequence[str]) -> str:
+    """The deepest dotted path that is a prefix (by whole names) of every path.
+
+    Example:
+        >>> lowest_common_module(["l2.0", "l2.2"]), lowest_common_module(["l2.2", "l3"])
+        ('l2', '')
+    """
+    split = [p.split(".") if p else [] for p in paths]
+    common: list[str] = []
+    for parts in zip(*split):
+        if any(part != parts[0] for part in parts):
+            break
+        common.append(parts[0])
+    return ".".join(common)
 
 
 def counted_names(owner: str, ran: Container[str]) -> tuple[str, ...]:

@@ -13,9 +13,11 @@ which the dispatch mode keeps on a per-thread stack
   runs it.
 
 ``<unit>`` is the unit's path relative to its FSDP root (no suffix for the
-root itself); a ``[pg=N]`` suffix follows when a module has several parameter
-groups. The labels are not an API of torch: ``tests/test_ownership_fsdp.py``
-pins them, and checks them against the parameter group on the Python stack.
+root itself; ``a, b`` for one unit of several modules, ``fully_shard([a, b])``,
+owned by the lowest module holding them all); a ``[pg=N]`` suffix follows
+when a module has several parameter groups. The labels are not an API of
+torch: ``tests/test_ownership_fsdp.py`` pins them, and checks them against the
+parameter group on the Python stack.
 
 Example:
     >>> parse_labels(("FSDP::pre_backward (blocks.1)", "FSDP::backward_prefetch for blocks.0",
@@ -27,10 +29,10 @@ from __future__ import annotations
 
 import re
 from functools import lru_cache
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from commspan import semconv
-from commspan.ownership import Issued, Ownership, ParallelFacts
+from commspan.ownership import FsdpUnit, Issued, Ownership, ParallelFacts, lowest_common_module
 from commspan.semconv import Phase
 
 __all__ = ["FsdpLabel", "FsdpUnits", "parse_labels"]
@@ -105,16 +107,19 @@ class FsdpUnits:
         label = parse_labels(issued.labels)
         if label is None:
             return None
-        candidates = facts.fsdp_units(label.unit)
-        if len(candidates) == 1:
-            unit = candidates[0]
-        elif candidates:  # several FSDP roots: ask the parameter group on the stack
-            on_stack = facts.fsdp_unit_on_stack()
-            if on_stack is None or on_stack not in candidates:
+        # fully_shard([a, b]) makes one unit of several modules: FSDP names it
+        # "a, b" and it is owned by the lowest module holding all of them
+        members: list[FsdpUnit] = []
+        for relative in label.unit.split(", ") if ", " in label.unit else (label.unit,):
+            unit = _resolve(relative, facts)
+            if unit is None:
                 return None
-            unit = on_stack
+            members.append(unit)
+        if len(members) == 1:
+            owner, params = members[0].fqn, members[0].params
         else:
-            return None
+            owner = lowest_common_module([m.fqn for m in members])
+            params = sum(m.params for m in members)
         op = issued.op
         attrs = issued.attributes
         moved = int(attrs.get(semconv.TENSOR_BYTES, 0) or 0)
@@ -132,7 +137,22 @@ class FsdpUnits:
                 phase = Phase.RECOMPUTE
             else:
                 phase = Phase.FORWARD
-        extra = {semconv.OWNER_PARAMS: unit.params, semconv.OWNER_BYTES: moved}
+        extra: dict[str, Any] = {semconv.OWNER_PARAMS: params, semconv.OWNER_BYTES: moved}
         if kind == semconv.OWNER_KIND_UNSHARD:
             extra[semconv.OWNER_PREFETCH] = label.prefetch is not None
-        return Ownership(unit.fqn, phase, semconv.SOURCE_FSDP, kind, extra)
+        if len(members) > 1:
+            extra[semconv.FSDP_UNIT_MODULES] = tuple(m.fqn for m in members)
+        return Ownership(owner, phase, semconv.SOURCE_FSDP, kind, extra)
+
+
+def _resolve(relative: str, facts: ParallelFacts) -> FsdpUnit | None:
+    """The unit at ``relative`` (its path from its FSDP root); with several FSDP
+    roots, the one whose parameter group is on the stack."""
+    candidates = facts.fsdp_units(relative)
+    if len(candidates) == 1:
+        return candidates[0]
+    if candidates:
+        on_stack = facts.fsdp_unit_on_stack()
+        if on_stack is not None and on_stack in candidates:
+            return on_stack
+    return None

@@ -6,8 +6,9 @@ carries (:class:`~commspan.ownership.PipelineTag`). Owner: the stage module.
 Phase: forward for activations, backward for gradients. The event names the
 microbatch, the stage and the stage it exchanges with (the peer's global rank
 is already ``commspan.collective.peer``). An unannounced point-to-point op
-before a step's first microbatch is the stages' setup (exchanging shapes):
-owner the stage module, phase ``setup``.
+while a stage prepares its first step (warm-up votes, exchanging shapes), or,
+with one stage per rank, before a step's first microbatch, is that stage's
+setup: owner the stage module, phase ``setup``.
 
 Example:
     >>> from commspan.ownership import PipelineTag
