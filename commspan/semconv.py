@@ -23,8 +23,10 @@ __all__ = [
     "COLL_ALGBW",
     "COLL_BUSBW",
     "COLL_DURATION_NS",
+    "COLL_INPUT_SPLITS",
     "COLL_KIND",
     "COLL_OP",
+    "COLL_OUTPUT_SPLITS",
     "COLL_OVERLOAD",
     "COLL_PEER",
     "COLL_REDUCE_OP",
@@ -236,6 +238,8 @@ COLL_KIND = "commspan.collective.kind"
 COLL_SEQ = "commspan.collective.seq"
 COLL_REDUCE_OP = "commspan.collective.reduce_op"
 COLL_PEER = "commspan.collective.peer"
+COLL_INPUT_SPLITS = "commspan.collective.input_split_sizes"
+COLL_OUTPUT_SPLITS = "commspan.collective.output_split_sizes"
 COLL_DURATION_NS = "commspan.collective.duration_ns"
 PG_NAME = "commspan.pg.name"
 PG_SIZE = "commspan.pg.size"
@@ -373,6 +377,11 @@ ATTRIBUTES: dict[str, str] = {
     "``time_collectives=False`` or when the completion was not seen before the step ended. "
     "The rank that arrived last waits least; the HTML report and the Chrome trace draw "
     "collectives with this width.",
+    COLL_INPUT_SPLITS: "``all_to_all_single`` with uneven splits (expert parallelism): how "
+    "many rows of the input go to each rank of the group, in group rank order (int array); "
+    "absent when the caller passes none (even splits).",
+    COLL_OUTPUT_SPLITS: "``all_to_all_single`` with uneven splits: how many rows come from "
+    "each rank of the group (int array); absent when the caller passes none.",
     COLL_PEER: "Global rank of the peer of a point-to-point op (ops take group ranks; "
     "commspan maps them through the group's ranks).",
     PG_NAME: "Process group name.",

@@ -577,6 +577,12 @@ def describe(
     reduce_op = _reduce_name(_arg(info, args, kwargs, info.reduce_index))
     if reduce_op is not None:
         attrs[semconv.COLL_REDUCE_OP] = reduce_op
+    if info.split_in_index >= 0:  # all_to_all_single: how much goes to / comes from each rank
+        for index, key in ((info.split_in_index, semconv.COLL_INPUT_SPLITS),
+                           (info.split_out_index, semconv.COLL_OUTPUT_SPLITS)):
+            splits = _arg(info, args, kwargs, index) if index >= 0 else None
+            if splits and all(type(n) is int for n in splits):
+                attrs[key] = list(splits)
     if info.peer_index >= 0:
         peer = _arg(info, args, kwargs, info.peer_index)
         if not info.peer_is_group_rank:
