@@ -100,6 +100,7 @@ __all__ = [
     "SELF_COUNT",
     "SERVICE_INSTANCE_ID",
     "SERVICE_NAME",
+    "SOURCE_COMPILE",
     "SOURCE_DDP",
     "SOURCE_FSDP",
     "SOURCE_PIPELINE",
@@ -282,6 +283,9 @@ SOURCE_DDP = "ddp"
 """``commspan.owner.source``: a DistributedDataParallel collective."""
 SOURCE_PIPELINE = "pipeline"
 """``commspan.owner.source``: a point-to-point op of a watched pipeline stage."""
+SOURCE_COMPILE = "compile"
+"""``commspan.owner.source``: in a torch.compile'd region run by torch's DebugInterpreter
+(``aot_eager``), owned by the submodule of the graph node that issued it."""
 
 OWNER_KIND_UNSHARD = "unshard"
 """``commspan.owner.kind``: FSDP2 all-gather of a unit's parameters."""
@@ -396,7 +400,8 @@ ATTRIBUTES: dict[str, str] = {
     "lowest module holding them all); the lowest module holding all "
     "of a DDP bucket's parameters; the DDP module for DDP's own syncs. See "
     "docs/parallelisms.md.",
-    OWNER_SOURCE: "What decided the owner: ``position``, ``fsdp``, ``ddp`` or ``pipeline``.",
+    OWNER_SOURCE: "What decided the owner: ``position``, ``fsdp``, ``ddp``, ``pipeline`` or "
+    "``compile`` (the submodule a compiled graph's node belongs to, ``aot_eager``).",
     OWNER_KIND: "What the collective does for its owner (FSDP: ``unshard``, ``reduce_grad``, "
     "``all_reduce``; DDP: ``bucket``, ``unused_map``, ``init_sync``, ``forward_sync``; "
     "pipeline: ``activation_send``, ``activation_recv``, ``gradient_send``, "
