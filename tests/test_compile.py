@@ -196,3 +196,46 @@ def test_fsdp2_with_compiled_blocks_keeps_unit_owners(fake_pg: None) -> None:
     for e in events:  # the whole padded unit: the all-gather's output, the scatter's input
         assert e[semconv.OWNER_BYTES] == sizes[e[semconv.OWNER_FQN]], e
     assert cap.mode.stats()["internal_errors"] == 0
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_tensor_parallel_mlp_compiled(fake_pg: None, backend: str) -> None:
+    """A DTensor tensor-parallel MLP, compiled: one graph, each all_reduce counted
+    once; under aot_eager owned per submodule and phase as torch's own
+    CommDebugMode counts them on the uncompiled model."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from commspan.testing import fake_mesh
+    from commspan.testing.models import MLPModule, parallelize_mlp
+
+    mesh = fake_mesh(4)
+    x = torch.randn(8, 10, requires_grad=True)
+    plain = parallelize_mlp(MLPModule(), mesh)
+    torch_cdm = CommDebugMode()
+    with torch_cdm:
+        plain(x).sum().backward()
+    per_module = torch_cdm.comm_module_counts  # {fqn: {phase: {op: n}}}, leaves direct
+    expected: Counter[tuple[str, str]] = Counter()
+    for fqn, phases in per_module.items():
+        if fqn in ("Global", "MLPModule"):  # the sums of the leaves'
+            continue
+        for phase in ("forward", "backward"):
+            for n in phases.get(phase, {}).values():
+                expected[(fqn, phase)] += n
+    assert expected, per_module
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(parallelize_mlp(MLPModule(), mesh), backend=backend)
+    with capture() as cap:
+        with cap.mode.step(0):
+            compiled(x).sum().backward()
+    assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0
+    events = _events(cap)
+    assert len(events) == sum(expected.values())
+    if backend == "aot_eager":
+        got = Counter((e[semconv.OWNER_FQN], e[semconv.PHASE]) for e in events)
+        assert got == expected
+    else:
+        assert {e[semconv.OWNER_FQN] for e in events} == {"MLPModule"}
+    assert cap.mode.stats()["internal_errors"] == 0
