@@ -25,7 +25,9 @@ __all__ = [
     "CollectiveSummary",
     "CommSpanMode",
     "Phase",
+    "StepPlan",
     "__version__",
+    "plan_step",
 ]
 
 _LAZY = {
@@ -33,12 +35,15 @@ _LAZY = {
     "CollectiveSummary": ".analysis.counts",
     "CommSpanMode": ".session.mode",
     "Phase": ".semconv",
+    "StepPlan": ".session.plan",
+    "plan_step": ".session.plan",
 }
 
 if _typing.TYPE_CHECKING:
     from commspan.analysis.counts import Aggregator, CollectiveSummary
     from commspan.semconv import Phase
     from commspan.session.mode import CommSpanMode
+    from commspan.session.plan import StepPlan, plan_step
 
 
 def __getattr__(name: str) -> _typing.Any:

@@ -23,8 +23,10 @@ __all__ = [
     "COLL_ALGBW",
     "COLL_BUSBW",
     "COLL_DURATION_NS",
+    "COLL_INPUT_SPLITS",
     "COLL_KIND",
     "COLL_OP",
+    "COLL_OUTPUT_SPLITS",
     "COLL_OVERLOAD",
     "COLL_PEER",
     "COLL_REDUCE_OP",
@@ -98,6 +100,7 @@ __all__ = [
     "SELF_COUNT",
     "SERVICE_INSTANCE_ID",
     "SERVICE_NAME",
+    "SOURCE_COMPILE",
     "SOURCE_DDP",
     "SOURCE_FSDP",
     "SOURCE_PIPELINE",
@@ -236,6 +239,8 @@ COLL_KIND = "commspan.collective.kind"
 COLL_SEQ = "commspan.collective.seq"
 COLL_REDUCE_OP = "commspan.collective.reduce_op"
 COLL_PEER = "commspan.collective.peer"
+COLL_INPUT_SPLITS = "commspan.collective.input_split_sizes"
+COLL_OUTPUT_SPLITS = "commspan.collective.output_split_sizes"
 COLL_DURATION_NS = "commspan.collective.duration_ns"
 PG_NAME = "commspan.pg.name"
 PG_SIZE = "commspan.pg.size"
@@ -278,6 +283,9 @@ SOURCE_DDP = "ddp"
 """``commspan.owner.source``: a DistributedDataParallel collective."""
 SOURCE_PIPELINE = "pipeline"
 """``commspan.owner.source``: a point-to-point op of a watched pipeline stage."""
+SOURCE_COMPILE = "compile"
+"""``commspan.owner.source``: in a torch.compile'd region run by torch's DebugInterpreter
+(``aot_eager``), owned by the submodule of the graph node that issued it."""
 
 OWNER_KIND_UNSHARD = "unshard"
 """``commspan.owner.kind``: FSDP2 all-gather of a unit's parameters."""
@@ -373,6 +381,11 @@ ATTRIBUTES: dict[str, str] = {
     "``time_collectives=False`` or when the completion was not seen before the step ended. "
     "The rank that arrived last waits least; the HTML report and the Chrome trace draw "
     "collectives with this width.",
+    COLL_INPUT_SPLITS: "``all_to_all_single`` with uneven splits (expert parallelism): how "
+    "many rows of the input go to each rank of the group, in group rank order (int array); "
+    "absent when the caller passes none (even splits).",
+    COLL_OUTPUT_SPLITS: "``all_to_all_single`` with uneven splits: how many rows come from "
+    "each rank of the group (int array); absent when the caller passes none.",
     COLL_PEER: "Global rank of the peer of a point-to-point op (ops take group ranks; "
     "commspan maps them through the group's ranks).",
     PG_NAME: "Process group name.",
@@ -387,7 +400,8 @@ ATTRIBUTES: dict[str, str] = {
     "lowest module holding them all); the lowest module holding all "
     "of a DDP bucket's parameters; the DDP module for DDP's own syncs. See "
     "docs/parallelisms.md.",
-    OWNER_SOURCE: "What decided the owner: ``position``, ``fsdp``, ``ddp`` or ``pipeline``.",
+    OWNER_SOURCE: "What decided the owner: ``position``, ``fsdp``, ``ddp``, ``pipeline`` or "
+    "``compile`` (the submodule a compiled graph's node belongs to, ``aot_eager``).",
     OWNER_KIND: "What the collective does for its owner (FSDP: ``unshard``, ``reduce_grad``, "
     "``all_reduce``; DDP: ``bucket``, ``unused_map``, ``init_sync``, ``forward_sync``; "
     "pipeline: ``activation_send``, ``activation_recv``, ``gradient_send``, "

@@ -37,6 +37,9 @@ EXCEPTIONS = {
     # Aggregator.table() is public since 0.1; it renders with the text view, imported
     # inside the method.
     ("commspan.analysis.counts", "commspan.render.table"),
+    # `commspan plan` runs the user's step under a mode on the fake process group: the
+    # one command that needs the session; imported inside the command.
+    ("commspan.cli.commands", "commspan.session.plan"),
 }
 
 # Where torch may be imported.

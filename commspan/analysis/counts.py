@@ -35,9 +35,10 @@ from commspan.otlpjson.decode import LineReader, walk
 from commspan.otlpjson.encode import paused_gc
 from commspan.otlpjson.files import jsonl_files
 from commspan.otlpjson.records import DEFAULT_MAX_LINE_BYTES, ReadReport, rank_value
+from commspan.ownership import counted_names
 from commspan.spans.frames import OpenSpan
 
-__all__ = ["Aggregator", "CollectiveSummary", "LiveView"]
+__all__ = ["Aggregator", "CollectiveSummary", "LiveView", "mesh_dim_of"]
 
 _PHASE_ORDER = PHASE_ORDER
 
@@ -122,6 +123,8 @@ class Aggregator(SpanProcessor):
         self._counts: Counts = {}
         self._modules: dict[str, ModuleRecord] = {}
         self._summaries: dict[tuple[str, str, str, str, str], list[int]] = {}
+        # (owner, mesh dimension, phase, op) -> [count, bytes]
+        self._by_dim: dict[tuple[str, str, str, str], list[int]] = {}
         self._seen_global = False
 
     def attach_live(self, live: LiveView | None) -> None:
@@ -165,11 +168,18 @@ class Aggregator(SpanProcessor):
                 str(ev.get(semconv.REDIST_SRC, "")),
                 str(ev.get(semconv.REDIST_DST, "")),
             )
+            nbytes = int(ev.get(semconv.TENSOR_BYTES, 0) or 0)
             slot = self._summaries.get(key)
             if slot is None:
                 slot = self._summaries[key] = [0, 0]
             slot[0] += 1
-            slot[1] += int(ev.get(semconv.TENSOR_BYTES, 0) or 0)
+            slot[1] += nbytes
+            dim_key = (key[0], mesh_dim_of(ev), key[1], key[2])
+            slot = self._by_dim.get(dim_key)
+            if slot is None:
+                slot = self._by_dim[dim_key] = [0, 0]
+            slot[0] += 1
+            slot[1] += nbytes
 
     def _credit(self, fqns: Iterable[Any], phase: str, op: str, start: int) -> None:
         """Count one collective for modules that had no open span when it was
@@ -293,6 +303,54 @@ class Aggregator(SpanProcessor):
             and (op is None or k[2] == op)
         ]
         out.sort(key=lambda s: (s.fqn, _phase_rank(s.phase), s.op, s.src, s.dst))
+        return out
+
+    def mesh_dim_counts(
+        self, phase: str | None = None, *, subtree: bool = True
+    ) -> dict[str, dict[str, dict[str, dict[str, int]]]]:
+        """Collectives and their bytes per module and mesh dimension.
+
+        ``{module fqn: {mesh dimension: {op: {"count": n, "bytes": b}}}}``.
+        The mesh dimension is the name the device mesh gives it
+        (``mesh_dim_names``, e.g. ``tp``, ``dp_shard``), else ``dim <i>``, else,
+        for a process group outside any mesh, ``group <name>``
+        (:func:`mesh_dim_of`). Bytes are the input bytes of each collective
+        (``commspan.tensor.bytes``), summed. Built from the collective events of
+        finished spans, so it is the same live and from JSONL.
+
+        Args:
+            phase: only this phase (``forward``, ``backward``, ``recompute``,
+                ``setup``); ``None``: all.
+            subtree: count a collective for its owner, every module enclosing
+                the owner that has run, and ``Global``, as :meth:`module_counts`
+                does (default); ``False``: for its owner only.
+
+        Example:
+            >>> from commspan import Aggregator
+            >>> Aggregator().mesh_dim_counts()
+            {}
+
+            After a TP + FSDP2 step on a mesh named ``("dp", "tp")``,
+            ``agg.mesh_dim_counts()["Model.layers.0"]["tp"]["all_reduce"]``
+            might be ``{"count": 2, "bytes": 65536}``.
+        """
+        with self._lock:
+            items = list(self._by_dim.items())
+            ran = set(self._modules)
+        out: dict[str, dict[str, dict[str, dict[str, int]]]] = {}
+        for (owner, dim, ph, op), (count, nbytes) in items:
+            if phase is not None and ph != phase:
+                continue
+            if not subtree:
+                names: tuple[str, ...] = (owner,)
+            else:
+                names = counted_names(owner, ran) if owner != semconv.GLOBAL_FQN else ()
+                names = (*names, semconv.GLOBAL_FQN)
+            for name in names:
+                slot = out.setdefault(name, {}).setdefault(dim, {}).setdefault(
+                    op, {"count": 0, "bytes": 0})
+                slot["count"] += count
+                slot["bytes"] += nbytes
         return out
 
     def to_dict(self) -> dict[str, Any]:
@@ -464,8 +522,29 @@ _EVENT_KEYS = frozenset(
         semconv.TENSOR_BYTES,
         semconv.OWNER_FQN,
         semconv.OWNER_CREDIT,
+        semconv.MESH_DIM,
+        semconv.MESH_DIM_NAME,
+        semconv.PG_NAME,
     }
 )
+
+
+def mesh_dim_of(event: Mapping[str, Any]) -> str:
+    """The mesh dimension a collective event ran on, as :meth:`Aggregator.mesh_dim_counts`
+    names it: the mesh's name for it, else ``dim <i>``, else ``group <process group>``.
+
+    Example:
+        >>> mesh_dim_of({"commspan.mesh.dim_name": "tp"}), mesh_dim_of({"commspan.pg.name": "0"})
+        ('tp', 'group 0')
+    """
+    name = event.get(semconv.MESH_DIM_NAME)
+    if name:
+        return str(name)
+    index = event.get(semconv.MESH_DIM)
+    if index is not None and index != "":
+        return f"dim {index}"
+    group = event.get(semconv.PG_NAME)
+    return f"group {group}" if group not in (None, "") else "unknown"
 
 
 _Add = tuple[Any, str, dict[str, Any], int, list[tuple[str, dict[str, Any]]]]

@@ -108,6 +108,8 @@ _REDUCE_ARGS = ("reduce_op", "reduceOp")
 _PEER_ARGS = ("dst", "src", "peer_list")
 _RANKS_ARGS = ("ranks",)
 _ASYNC_ARGS = ("async_op",)
+_SPLIT_IN_ARGS = ("input_split_sizes",)
+_SPLIT_OUT_ARGS = ("output_split_sizes",)
 _FUNCTIONAL_NAMESPACES = ("_c10d_functional.", "c10d_functional.", "_c10d_functional_autograd.")
 
 
@@ -129,6 +131,8 @@ class CollectiveInfo:
             ``wait_tensor`` on them is its completion.
         async_index: position of the ``async_op`` argument of a ``c10d`` op
             (``-1`` when absent): ``False`` means the caller waits right away.
+        split_in_index / split_out_index: positions of the input and output
+            split sizes of an ``all_to_all_single`` (``-1`` when absent).
     """
 
     name: str
@@ -144,6 +148,8 @@ class CollectiveInfo:
     peer_is_group_rank: bool = False
     functional: bool = False
     async_index: int = -1
+    split_in_index: int = -1
+    split_out_index: int = -1
 
 
 def canonical_names() -> list[str]:
@@ -191,6 +197,8 @@ def _info(overload: Any, canonical: str, kind: str) -> CollectiveInfo:
         peer_is_group_rank=str(overload).startswith("c10d."),
         functional=str(overload).startswith(_FUNCTIONAL_NAMESPACES),
         async_index=_index(names, _ASYNC_ARGS),
+        split_in_index=_index(names, _SPLIT_IN_ARGS),
+        split_out_index=_index(names, _SPLIT_OUT_ARGS),
     )
 
 

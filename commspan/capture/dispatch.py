@@ -115,7 +115,6 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
 
     # DebugMode's switches: commspan records none of what DebugMode records.
     record_torchfunction = False
-    record_nn_module = False
     record_stack_trace = False
     record_faketensor = False
     record_realtensor = False
@@ -125,8 +124,16 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
     record_profiler_context = False
     record_localtensor = False
     store_original_args = False
-    run_compile_with_interpreter = False
     supports_higher_order_operators = True
+    # torch.compile with the aot_eager backend: while a DebugMode is active and asks
+    # for it, the compiled graph runs in torch's DebugInterpreter, which reports each
+    # node's module stack to the mode (_handle_fx_nn_module_stack): the collectives of
+    # the region are owned by the submodule that issued them. DebugMode's own module
+    # tracking stays off (module_tracker below does nothing).
+    run_compile_with_interpreter = True
+    record_nn_module = True
+    call_depth = 0
+    current_nn_module_stack: tuple[str, ...] = ()
 
     def __init__(
         self,
@@ -155,6 +162,40 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
     def errors(self) -> int:
         """Internal errors counted so far (the first is logged)."""
         return self._errors.count
+
+    # ------------------------------------------------ compiled regions (aot_eager)
+    @property
+    def module_tracker(self) -> _NoTracker:
+        """DebugMode's module tracking, which commspan does not use."""
+        return _NO_TRACKER
+
+    @property
+    def operators(self) -> _RegionLog:
+        """Where torch's DebugInterpreter announces a compiled region's start and end."""
+        return _RegionLog(self._tls)
+
+    def _handle_fx_nn_module_stack(
+        self, base: Any, nn_module_stack: Any, fwd_nn_module_stack: Any
+    ) -> None:
+        """The module stack of the compiled graph's next node: its innermost module
+        (by identity), and whether the node is forward or backward."""
+        try:
+            stack = nn_module_stack or fwd_nn_module_stack
+            self._tls.compiled = (next(reversed(stack)), bool(nn_module_stack)) if stack \
+                else None
+        except Exception:
+            self._errors.record(message="could not read a compiled graph's module stack")
+
+    def compiled_module(self) -> tuple[int, bool] | None:
+        """In a compiled region run by torch's DebugInterpreter (aot_eager): the ``id``
+        of the module the running node belongs to, and whether it is forward; else None."""
+        found = getattr(self._tls, "compiled", None)
+        if found is None:
+            return None
+        try:
+            return int(found[0]), found[1]
+        except (TypeError, ValueError):  # a key that is not a module id: unknown
+            return None
 
     def __getattr__(self, name: str) -> Any:
         # torch internals probe DebugMode flags added in newer releases
@@ -541,6 +582,41 @@ def _tensor_list(value: Any) -> list[torch.Tensor]:
     return out
 
 
+class _NoTracker:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+_NO_TRACKER = _NoTracker()
+
+
+class _RegionLog:
+    """Stands in for DebugMode's op log for the DebugInterpreter: its ``enter`` and
+    ``exit`` annotations bracket a compiled region; the module stack of a region is
+    forgotten when it ends (regions nest)."""
+
+    __slots__ = ("_tls",)
+
+    def __init__(self, tls: threading.local) -> None:
+        self._tls = tls
+
+    def append(self, call: Any) -> None:
+        tag = getattr(call, "tag", None)
+        tls = self._tls
+        if tag == "enter":
+            saved = getattr(tls, "regions", None)
+            if saved is None:
+                saved = tls.regions = []
+            saved.append(getattr(tls, "compiled", None))
+            tls.compiled = None
+        elif tag == "exit":
+            saved = getattr(tls, "regions", None)
+            tls.compiled = saved.pop() if saved else None
+
+
 def describe(
     info: CollectiveInfo, args: Any, kwargs: Any, groups: ProcessGroups
 ) -> dict[str, Any]:
@@ -577,6 +653,12 @@ def describe(
     reduce_op = _reduce_name(_arg(info, args, kwargs, info.reduce_index))
     if reduce_op is not None:
         attrs[semconv.COLL_REDUCE_OP] = reduce_op
+    if info.split_in_index >= 0:  # all_to_all_single: how much goes to / comes from each rank
+        for index, key in ((info.split_in_index, semconv.COLL_INPUT_SPLITS),
+                           (info.split_out_index, semconv.COLL_OUTPUT_SPLITS)):
+            splits = _arg(info, args, kwargs, index) if index >= 0 else None
+            if splits and all(type(n) is int for n in splits):
+                attrs[key] = list(splits)
     if info.peer_index >= 0:
         peer = _arg(info, args, kwargs, info.peer_index)
         if not info.peer_is_group_rank:

@@ -24,6 +24,7 @@ import logging
 import sys
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -68,6 +69,18 @@ except Exception:  # pragma: no cover - depends on the torch build
 
     def _in_compiled() -> bool:
         return False
+
+
+_Compiled: Any
+try:  # torch.compile(module) wraps the module: the wrapper's call is the compiled module's
+    from torch._dynamo.eval_frame import OptimizedModule as _Compiled
+except Exception:  # pragma: no cover - depends on the torch build
+    _Compiled = ()
+
+# True while dynamo traces: a hook it traces (``model.compile()`` compiles the
+# module's ``_call_impl``, global hooks included) must return before anything
+# dynamo cannot trace, or it breaks the user's graph at every module
+_is_compiling = torch.compiler.is_compiling
 
 
 class _RecursionHeadroom:
@@ -225,6 +238,8 @@ class ModuleTracker(BackwardNesting):
         self._known: weakref.WeakKeyDictionary[torch.nn.Module, ModuleInfo] = (
             weakref.WeakKeyDictionary()
         )
+        # id(module) -> (module ref, name), for compiled graphs' module stacks
+        self._by_id: dict[int, tuple[Callable[[], Any], str]] = {}
         self._calls: list[_Call] = []
         self._handles: list[Any] = []
         self._local: list[Any] = []
@@ -303,13 +318,15 @@ class ModuleTracker(BackwardNesting):
             self._headroom = False
             _HEADROOM.release()
 
-    def _ignores_this_call(self) -> bool:
+    def _ignores_this_call(self, module: torch.nn.Module | None = None) -> bool:
         """Not tracking, a call on a thread the tracker does not follow, or
-        inside a torch.compile'd region."""
+        inside a torch.compile'd region (but the call of ``torch.compile(m)``'s
+        wrapper itself: the compiled module's span)."""
         return (
-            not self.active
+            _is_compiling()
+            or not self.active
             or (_get_ident() != self.owner and not self._follows())
-            or _in_compiled()
+            or (_in_compiled() and not isinstance(module, _Compiled))
         )
 
     # ------------------------------------------------------------ names
@@ -317,6 +334,20 @@ class ModuleTracker(BackwardNesting):
         """The name the tracker knows ``module`` by, or ``None``."""
         info = self._known.get(module)
         return info.fqn if info is not None else None
+
+    def fqn_of_id(self, ident: int) -> str | None:
+        """The name of the module whose ``id`` is ``ident`` (a compiled graph names
+        modules by identity), or ``None`` if the tracker has not named it."""
+        by_id = self._by_id
+        hit = by_id.get(ident)
+        if hit is None or hit[0]() is None:
+            by_id.clear()
+            for module, info in list(self._known.items()):
+                by_id[id(module)] = (weakref.ref(module), info.fqn)
+            hit = by_id.get(ident)
+        if hit is None or hit[0]() is None:
+            return None
+        return hit[1]
 
     def _tag_spans(self, tags: dict[str, Any] | None) -> None:
         self.span_tags = tags
@@ -332,6 +363,9 @@ class ModuleTracker(BackwardNesting):
         root = type(module).__name__
         known = self._known
         new: list[tuple[str, torch.nn.Module]] = []
+        if isinstance(module, _Compiled):  # torch.compile(m): named, and spanned, as m
+            info = known[module] = self._info(module._orig_mod)
+            return info
         for name, sub in _named_modules(module):
             if sub not in known:
                 fqn = f"{root}.{name}" if name else root
@@ -350,7 +384,7 @@ class ModuleTracker(BackwardNesting):
     def _pre_fw(self, module: torch.nn.Module, args: Any) -> None:
         """A module call starts: open its frame (steps below), watch its inputs
         for backward, tell the observer."""
-        if self._ignores_this_call():
+        if self._ignores_this_call(module):
             return
         try:
             self._error_mark = None
@@ -424,7 +458,7 @@ class ModuleTracker(BackwardNesting):
         info.local_hooked = True
 
     def _post_fw(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if self._ignores_this_call():
+        if self._ignores_this_call(module):
             return
         info = self._known.get(module)
         if info is None or info.local_hooked:
@@ -432,7 +466,7 @@ class ModuleTracker(BackwardNesting):
         self._finish_forward(info, module, args, output)
 
     def _local_post_fw(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if self._ignores_this_call():
+        if self._ignores_this_call(module):
             return
         info = self._known.get(module)
         if info is not None:

@@ -355,7 +355,74 @@ def _side(path: str, sel: Selection, ranks: tuple[int, ...]) -> dict[str, Any]:
     }
 
 
+def plan(args: argparse.Namespace, reader: Reader) -> Outcome:
+    """``commspan plan FILE.py:FUNCTION --world N``: run the user's step as one rank
+    of a fake world and print its collectives per module and mesh dimension."""
+    # the one command that runs a model: it needs the session (and torch)
+    from commspan.session.plan import plan_step
+
+    setup = _load_function(args.target)
+    try:
+        result = plan_step(setup, world_size=args.world, rank=args.rank,
+                           warmup_steps=args.warmup)
+    except Exception as exc:
+        raise PlanError(f"{args.target} raised {type(exc).__name__}{_where(exc)}: {exc}") from None
+    return Outcome(_json(result.to_dict()) if args.json else result.table())
+
+
+class PlanError(RuntimeError):
+    """The user's setup or step raised: its type, place and message in one line."""
+
+
+def _where(exc: BaseException) -> str:
+    """`` at FILE:LINE`` of the innermost frame of the traceback outside torch and commspan."""
+    tb, place = exc.__traceback__, ""
+    while tb is not None:
+        name = tb.tb_frame.f_code.co_filename
+        if not any(part in name for part in ("/torch/", "/commspan/", "<frozen")):
+            place = f" at {name}:{tb.tb_lineno}"
+        tb = tb.tb_next
+    return place
+
+
+def _load_function(target: str) -> Callable[[], Any]:
+    """``FILE.py:FUNCTION`` or ``MODULE:FUNCTION`` -> the function (errors name TARGET)."""
+    import importlib
+    import importlib.util
+    import sys
+
+    where, sep, name = target.rpartition(":")
+    if not sep or not where or not name.isidentifier():
+        raise ValueError(f"TARGET {target!r} is not valid; pass FILE.py:FUNCTION or "
+                         "MODULE:FUNCTION, e.g. examples/plan_at_scale.py:setup")
+    try:
+        if where.endswith(".py") or os.sep in where or "/" in where:
+            path = Path(where)
+            if not path.is_file():
+                raise FileNotFoundError(f"TARGET {target!r}: {where} is not a file")
+            spec = importlib.util.spec_from_file_location(f"_commspan_plan_{path.stem}", path)
+            assert spec is not None and spec.loader is not None
+            module = importlib.util.module_from_spec(spec)
+            sys.path.insert(0, str(path.resolve().parent))  # its sibling imports
+            try:
+                spec.loader.exec_module(module)
+            finally:
+                sys.path.remove(str(path.resolve().parent))
+        else:
+            module = importlib.import_module(where)
+    except (FileNotFoundError, ModuleNotFoundError):
+        raise
+    except Exception as exc:
+        raise PlanError(f"importing {where} raised {type(exc).__name__}{_where(exc)}: "
+                        f"{exc}") from None
+    function = getattr(module, name, None)
+    if not callable(function):
+        raise AttributeError(f"TARGET {target!r}: {where} has no function {name!r}")
+    return function  # type: ignore[no-any-return]
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace, Reader], Outcome]] = {
+    "plan": plan,
     "table": table,
     "summary": summary,
     "html": html,

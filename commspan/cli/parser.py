@@ -179,12 +179,53 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name, command in commands.items():
         _selection(command, twice=name == "diff")
+
+    plan = sub.add_parser(
+        "plan", epilog=_EPILOG,
+        help="one step of one rank of a large job, on this CPU (fake process group): "
+             "collectives, counts and bytes per module and mesh dimension")
+    plan.add_argument("target", metavar="FILE.py:FUNCTION",
+                      help="a function of no arguments that builds the mesh, model and plan "
+                           "and returns the step (also MODULE:FUNCTION)")
+    plan.add_argument("--world", type=_world, required=True, metavar="N",
+                      help="ranks in the job, e.g. 512")
+    plan.add_argument("--rank", type=_played_rank, default=0, metavar="R",
+                      help="the rank to play (default 0)")
+    plan.add_argument("--warmup", type=_warmup, default=0, metavar="N",
+                      help="untraced steps first (default 0)")
+    plan.add_argument("--json", action="store_true", help="print the result as JSON")
     return parser
+
+
+def _world(value: str) -> int:
+    return _at_least_one("--world", value, "a number of ranks >= 1")
+
+
+def _played_rank(value: str) -> int:
+    rank = _rank(value)
+    if not isinstance(rank, int):
+        raise argparse.ArgumentTypeError(f"--rank {value!r} is not valid; pass one rank number")
+    return rank
+
+
+def _warmup(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"--warmup {value!r} is not valid; pass a number >= 0")
+    return n
 
 
 def check_usage(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Rules argparse cannot say: options given twice only for ``diff``, and a diff
     of one path needs two steps or two runs. Exits with status 2 (usage) otherwise."""
+    if args.command == "plan":
+        if args.rank >= args.world:
+            parser.error(f"--rank {args.rank} is not valid with --world {args.world}; "
+                         f"pass a rank from 0 to {args.world - 1}")
+        return
     for name in ("run", "step", "steps"):
         values: Sequence[object] = getattr(args, name) or ()
         limit = 2 if args.command == "diff" else 1

@@ -22,7 +22,7 @@ from typing import Any
 
 from commspan.analysis.runs import format_numbers
 
-__all__ = ["module_table", "span_list", "summary_table", "tree_json"]
+__all__ = ["human_bytes", "module_table", "plan_table", "span_list", "summary_table", "tree_json"]
 
 
 def module_table(
@@ -121,3 +121,60 @@ def summary_table(summary: dict[str, Any]) -> str:
 def span_list(values: list[int]) -> str:
     """``[0, 1, 2, 3, 7]`` -> ``"0-3,7"``; ``"-"`` when empty."""
     return format_numbers(values)
+
+
+def human_bytes(n: float) -> str:
+    """``1536`` -> ``'1.5 KiB'``: bytes in binary units, one decimal.
+
+    Example:
+        >>> human_bytes(512), human_bytes(3 * 1024 ** 3)
+        ('512 B', '3.0 GiB')
+    """
+    if n < 1024:
+        return f"{int(n)} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        n /= 1024
+        if n < 1024 or unit == "TiB":
+            break
+    return f"{n:.1f} {unit}"
+
+
+def plan_table(plan: Mapping[str, Any]) -> str:
+    """One rank's step per mesh dimension, then per module
+    (:meth:`commspan.session.plan.StepPlan.to_dict`): counts and input bytes.
+
+    Example:
+        >>> print(plan_table({"world_size": 4, "rank": 0, "seconds": 0.1,
+        ...     "totals": {"tp": {"all_reduce": {"count": 2, "bytes": 2048}}},
+        ...     "modules": [{"fqn": "Net.l1",
+        ...                  "mesh_dims": {"tp": {"all_reduce": {"count": 2, "bytes": 2048}}}}]}))
+        rank 0 of 4, one step (0.1 s)
+        mesh dim  op          count    bytes
+        tp        all_reduce      2  2.0 KiB
+        <BLANKLINE>
+        module  mesh dim  op          count    bytes
+        Net.l1  tp        all_reduce      2  2.0 KiB
+    """
+    head = f"rank {plan['rank']} of {plan['world_size']}, one step ({plan['seconds']} s)"
+    totals = [(dim, op, v["count"], v["bytes"])
+              for dim, ops in sorted(plan["totals"].items()) for op, v in sorted(ops.items())]
+    rows = [(m["fqn"], dim, op, v["count"], v["bytes"])
+            for m in plan["modules"] for dim, ops in sorted(m["mesh_dims"].items())
+            for op, v in sorted(ops.items())]
+    if not totals:
+        return head + "\nno collectives"
+    return "\n".join([head, *_columns(["mesh dim", "op", "count", "bytes"], totals), "",
+                      *_columns(["module", "mesh dim", "op", "count", "bytes"], rows)])
+
+
+def _columns(names: list[str], rows: Sequence[tuple[Any, ...]]) -> list[str]:
+    """Text columns: the last two (count, bytes) right-aligned, bytes in binary units."""
+    cells = [[str(c) for c in row[:-1]] + [human_bytes(row[-1])] for row in rows]
+    widths = [max(len(names[i]), *(len(r[i]) for r in cells)) for i in range(len(names))]
+    right = {len(names) - 2, len(names) - 1}
+
+    def fmt(row: Sequence[str]) -> str:
+        return "  ".join(c.rjust(w) if i in right else c.ljust(w)
+                         for i, (c, w) in enumerate(zip(row, widths))).rstrip()
+
+    return [fmt(names), *(fmt(r) for r in cells)]

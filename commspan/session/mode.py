@@ -44,11 +44,12 @@ from commspan.capture.modules import ModuleTracker
 from commspan.capture.parallel import ParallelModules
 from commspan.capture.ranks import Ranks, process_ranks
 from commspan.exporters.queue import ExportQueue
-from commspan.ownership import CollectiveRule, Issued, counted_names, resolve
+from commspan.ownership import CollectiveRule, Issued, Ownership, counted_names, resolve
 from commspan.ownership.ddp import DdpModules
 from commspan.ownership.fsdp import FsdpUnits
 from commspan.ownership.innermost import InnermostModule
 from commspan.ownership.pipeline import PipelineStages
+from commspan.semconv import Phase
 from commspan.session.config import Sampler, mode_config
 from commspan.session.hang import HangWatch
 from commspan.session.resource import build_resource
@@ -465,6 +466,8 @@ class CommSpanMode:
             issued = Issued(info.name, attrs, top.fqn, top.phase, in_autograd, labels,
                             self._open_fqns, tensor)
             owner = resolve(issued, parallel, self._rules)
+        if owner is None and dispatch is not None:
+            owner = self._compiled_owner(dispatch, in_autograd)
         counted: tuple[str, ...] = ()
         if owner is None:
             owner = self._ownership.owner(top.fqn, top.phase, in_autograd)
@@ -487,6 +490,19 @@ class CommSpanMode:
         rec.add_event(info.name, info.name, phase, attrs, counted, timing)
         self._log.add(timing)
         return timing
+
+    def _compiled_owner(self, dispatch: Any, in_autograd: bool) -> Ownership | None:
+        """In a compiled region run node by node (aot_eager): the submodule of the
+        graph node issuing the collective, and its pass."""
+        compiled = dispatch.compiled_module()
+        if compiled is None or self._tracker is None:
+            return None
+        fqn = self._tracker.fqn_of_id(compiled[0])
+        if fqn is None:
+            return None
+        phase = Phase.FORWARD if compiled[1] and not in_autograd else (
+            Phase.RECOMPUTE if compiled[1] else Phase.BACKWARD)
+        return Ownership(fqn, phase, semconv.SOURCE_COMPILE)
 
     # ------------------------------------------------------------ hang records
     def dump(self, timeout_s: float | None = None) -> bool:

@@ -1,0 +1,241 @@
+"""torch.compile: no graph break from commspan, every collective counted once, the
+compiled module spanned, and (aot_eager) each collective owned by its submodule.
+
+Fake process group of 4 ranks. References that do not use commspan's
+attribution: a dispatch mode of the test's own (an "infra" mode, as commspan's,
+so that compile still compiles) counting the collective ops each step runs;
+dynamo's own counters (graphs compiled, graph breaks); and, for the owners,
+which submodule issues which op in the uncompiled model, from a forward-hook
+stack (their backward ops follow from autograd: an all_reduce's gradient is an
+all_reduce, an all_gather's a reduce_scatter).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from commspan import semconv
+from commspan.testing import capture
+
+DIM = 8
+STEPS = 2
+_OPS = {"all_reduce", "all_reduce_", "all_gather_into_tensor", "reduce_scatter_tensor"}
+_CANONICAL = {"all_reduce_": "all_reduce"}  # inductor calls the in-place variant
+
+
+class _Reference(TorchDispatchMode):
+    """Counts functional collectives; an infra mode, so dynamo still compiles."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: Counter[str] = Counter()
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func.namespace == "_c10d_functional" and func._opname in _OPS:
+            self.seen[_CANONICAL.get(func._opname, func._opname)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class Attn(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return funcol.all_reduce(self.proj(x), "sum", dist.group.WORLD)
+
+
+class MLP(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gathered = funcol.all_gather_single_autograd(self.fc(x), 0, dist.group.WORLD)
+        return gathered[: x.shape[0]]
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = Attn()
+        self.mlp = MLP()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.attn(x))
+
+
+def _owner_reference() -> dict[tuple[str, str], str]:
+    """(phase, op) -> the submodule that issues it, from the uncompiled model."""
+    net, stack, seen = Net(), [], []
+
+    class Hooked(_Reference):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if func.namespace == "_c10d_functional" and func._opname in _OPS:
+                seen.append((func._opname, stack[-1] if stack else None))
+            return func(*args, **(kwargs or {}))
+
+    for name, module in (("Net.attn", net.attn), ("Net.mlp", net.mlp)):
+        module.register_forward_pre_hook(lambda m, a, name=name: stack.append(name) and None)
+        module.register_forward_hook(lambda m, a, o: stack.pop() and None)
+    with Hooked():
+        net(torch.randn(4, DIM))
+    forward = {("forward", op): owner for op, owner in seen}
+    grad_of = {"all_reduce": "all_reduce", "all_gather_into_tensor": "reduce_scatter_tensor"}
+    backward = {("backward", grad_of[op]): owner for op, owner in seen}
+    return {**forward, **backward}
+
+
+@pytest.fixture(scope="module")
+def owners(fake_pg: None) -> dict[tuple[str, str], str]:
+    return _owner_reference()
+
+
+def _run(backend: str) -> tuple[Any, Counter[str], dict[str, int]]:
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    torch.manual_seed(0)
+    compiled = torch.compile(Net(), backend=backend)
+    reference = _Reference()
+    with capture() as cap:
+        for step in range(STEPS):
+            with cap.mode.step(step), reference:
+                compiled(torch.randn(4, DIM, requires_grad=True)).sum().backward()
+    stats = {"graphs": int(torch._dynamo.utils.counters["stats"]["unique_graphs"]),
+             "breaks": sum(torch._dynamo.utils.counters["graph_break"].values())}
+    return cap, reference.seen, stats
+
+
+def _events(cap: Any) -> list[dict[str, Any]]:
+    return [dict(e.attributes) for s in cap.spans for e in s.events
+            if semconv.COLL_OP in e.attributes]
+
+
+@pytest.fixture(scope="module", params=["eager", "aot_eager", "inductor"])
+def compiled_run(request: pytest.FixtureRequest, fake_pg: None) -> Iterator[Any]:
+    yield request.param, *_run(request.param)
+
+
+def test_compiled_and_counted_once(compiled_run: Any) -> None:
+    """The model is compiled into one graph (commspan's hooks do not break it) and
+    each collective it runs is one event, as the reference mode counts them."""
+    backend, cap, seen, stats = compiled_run
+    assert stats["breaks"] == 0, backend
+    assert stats["graphs"] >= 1
+    events = _events(cap)
+    assert Counter(e[semconv.COLL_OP] for e in events) == seen
+    assert sum(seen.values()) == 4 * STEPS  # all_reduce, all_gather; their backwards
+    assert cap.aggregator.comm_counts() == dict(seen)
+    assert cap.mode.stats()["internal_errors"] == 0
+
+
+def test_the_compiled_module_has_forward_and_backward_spans(compiled_run: Any) -> None:
+    """torch.compile(model)'s call is the model's span: forward and backward, named
+    as the model; every collective is issued inside one of them."""
+    backend, cap, _, _ = compiled_run
+    spans = Counter((s.attributes.get(semconv.MODULE_FQN), s.attributes.get(semconv.PHASE))
+                    for s in cap.spans if s.attributes.get(semconv.MODULE_FQN) != "Global")
+    assert spans[("Net", "forward")] == STEPS and spans[("Net", "backward")] == STEPS, spans
+    assert {e[semconv.MODULE_FQN] for e in _events(cap)} == {"Net"}
+
+
+def test_owners_under_each_backend(compiled_run: Any,
+                                   owners: dict[tuple[str, str], str]) -> None:
+    """aot_eager: each collective is owned by the submodule that issues it (the
+    reference), in its phase. eager and inductor keep no module at run time: the
+    compiled module owns them."""
+    backend, cap, _, _ = compiled_run
+    for e in _events(cap):
+        key = (e[semconv.PHASE], e[semconv.COLL_OP])
+        if backend == "aot_eager":
+            assert (e[semconv.OWNER_FQN], e[semconv.OWNER_SOURCE]) == (owners[key], "compile")
+        else:
+            assert (e[semconv.OWNER_FQN], e[semconv.OWNER_SOURCE]) == ("Net", "position")
+    counts = cap.aggregator.module_counts()
+    if backend == "aot_eager":
+        assert counts["Net.attn"] == {"forward": {"all_reduce": STEPS},
+                                      "backward": {"all_reduce": STEPS}}
+        assert counts["Net.mlp"] == {"forward": {"all_gather_into_tensor": STEPS},
+                                     "backward": {"reduce_scatter_tensor": STEPS}}
+
+
+def test_fsdp2_with_compiled_blocks_keeps_unit_owners(fake_pg: None) -> None:
+    """FSDP2 units whose blocks are compiled (aot_eager): FSDP's hooks run eagerly,
+    so each all-gather and reduce-scatter is still owned by its unit; the
+    reference counts them per step, and the units are told apart by size."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (4,))
+    blocks = torch.nn.Sequential(torch.nn.Linear(DIM, 16), torch.nn.Linear(16, DIM))
+    for block in blocks:
+        fully_shard(block, mesh=mesh)
+        block.compile(backend="aot_eager")
+    reference = _Reference()
+    with capture() as cap:
+        for step in range(STEPS):
+            with cap.mode.step(step), reference:
+                blocks(torch.randn(4, DIM)).sum().backward()
+    events = [e for e in _events(cap) if e[semconv.COLL_OP] != "all_reduce"]
+    assert events and all(e[semconv.OWNER_SOURCE] == "fsdp" for e in events)
+    sizes = {"Sequential.0": (16 * DIM + 16) * 4, "Sequential.1": (DIM * 16 + DIM) * 4}
+    for e in events:  # the whole padded unit: the all-gather's output, the scatter's input
+        assert e[semconv.OWNER_BYTES] == sizes[e[semconv.OWNER_FQN]], e
+    assert cap.mode.stats()["internal_errors"] == 0
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_tensor_parallel_mlp_compiled(fake_pg: None, backend: str) -> None:
+    """A DTensor tensor-parallel MLP, compiled: one graph, each all_reduce counted
+    once; under aot_eager owned per submodule and phase as torch's own
+    CommDebugMode counts them on the uncompiled model."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from commspan.testing import fake_mesh
+    from commspan.testing.models import MLPModule, parallelize_mlp
+
+    mesh = fake_mesh(4)
+    x = torch.randn(8, 10, requires_grad=True)
+    plain = parallelize_mlp(MLPModule(), mesh)
+    torch_cdm = CommDebugMode()
+    with torch_cdm:
+        plain(x).sum().backward()
+    per_module = torch_cdm.comm_module_counts  # {fqn: {phase: {op: n}}}, leaves direct
+    expected: Counter[tuple[str, str]] = Counter()
+    for fqn, phases in per_module.items():
+        if fqn in ("Global", "MLPModule"):  # the sums of the leaves'
+            continue
+        for phase in ("forward", "backward"):
+            for n in phases.get(phase, {}).values():
+                expected[(fqn, phase)] += n
+    assert expected, per_module
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(parallelize_mlp(MLPModule(), mesh), backend=backend)
+    with capture() as cap:
+        with cap.mode.step(0):
+            compiled(x).sum().backward()
+    assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0
+    events = _events(cap)
+    assert len(events) == sum(expected.values())
+    if backend == "aot_eager":
+        got = Counter((e[semconv.OWNER_FQN], e[semconv.PHASE]) for e in events)
+        assert got == expected
+    else:
+        assert {e[semconv.OWNER_FQN] for e in events} == {"MLPModule"}
+    assert cap.mode.stats()["internal_errors"] == 0
