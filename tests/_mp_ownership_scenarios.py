@@ -222,28 +222,7 @@ def _pipeline_run(out: Path, rank: int, name: str) -> None:
     schedule_class = ScheduleGPipe if name == "pp_gpipe" else Schedule1F1B
     schedule = schedule_class(stage, n_microbatches=MICROBATCHES,
                               loss_fn=lambda output, target: ((output - target) ** 2).mean())
-    x, y = torch.randn(8, 8), torch.randn(8, 4)
-    exporter = JsonlSpanExporter(out / name / "trace-rank{rank}.jsonl")
-    mode = CommSpanMode(exporters=[exporter])
-    mode.watch_pipeline(schedule)
-    reference = _RecvReference(stage)
-    with mode:
-        for i in range(STEPS):
-            with mode.step(i), reference:
-                if rank == 0:
-                    schedule.step(x)
-                else:
-                    schedule.step(target=y)
-    wrapped = sorted(k for k in vars(stage)
-                     if k.endswith(("_ops", "_one_chunk", "_infra", "_vote", "_result")))
-    mode.shutdown()
-    assert mode.aggregator is not None
-    _write(out, name, rank, {
-        "reference": reference.seen,
-        "left_on_stage": wrapped,
-        "stats": mode.stats(),
-        **_view(mode.aggregator),
-    })
+    _train_schedule(out, rank, name, schedule, [stage], torch.randn(8, 4))
 
 
 def _interleaved_run(out: Path, rank: int) -> None:
@@ -259,8 +238,13 @@ def _interleaved_run(out: Path, rank: int) -> None:
     schedule = ScheduleInterleaved1F1B(
         stages, n_microbatches=MICROBATCHES,
         loss_fn=lambda output, target: ((output - target) ** 2).mean())
-    x, y = torch.randn(8, 8), torch.randn(8, 8)
-    name = "pp_interleaved"
+    _train_schedule(out, rank, "pp_interleaved", schedule, stages, torch.randn(8, 8))
+
+
+def _train_schedule(out: Path, rank: int, name: str, schedule: Any, stages: list[Any],
+                    target: torch.Tensor) -> None:
+    """STEPS steps of ``schedule`` under a mode watching it, with the buffers' reference."""
+    x = torch.randn(8, 8)
     mode = CommSpanMode(exporters=[JsonlSpanExporter(out / name / "trace-rank{rank}.jsonl")])
     mode.watch_pipeline(schedule)
     reference = _RecvReference(*stages)
@@ -270,7 +254,7 @@ def _interleaved_run(out: Path, rank: int) -> None:
                 if rank == 0:
                     schedule.step(x)
                 else:
-                    schedule.step(target=y)
+                    schedule.step(target=target)
     wrapped = sorted(k for stage in stages for k in vars(stage)
                      if k.endswith(("_ops", "_one_chunk", "_infra", "_vote", "_result")))
     mode.shutdown()

@@ -15,7 +15,6 @@ references never use commspan's attribution:
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from _fsdp_sizes import padded_unit_elements
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from commspan import Aggregator, CommSpanMode, semconv
@@ -77,22 +77,6 @@ class _Reference(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _padded_shard_bytes(modules: list[torch.nn.Module], nested: set[int], shard: int) -> int:
-    """A rank's all-gather input for an FSDP unit: its own parameters (nested units
-    excluded; tensor-parallel ones as this rank's local shard), each padded on dim 0
-    to a multiple of ``shard``, one shard of it, float32."""
-    total = 0
-    todo = list(modules)
-    while todo:
-        cur = todo.pop()
-        for p in cur._parameters.values():
-            if p is not None:
-                shape = p.to_local().shape if hasattr(p, "to_local") else p.shape  # TP-local
-                total += math.ceil(shape[0] / shard) * math.prod(shape[1:])
-        todo.extend(c for c in cur._modules.values() if c is not None and id(c) not in nested)
-    return total * 4
-
-
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     from torch.distributed.fsdp import fully_shard
@@ -105,9 +89,9 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         model = parallelize(Transformer(args), mesh["tp"])
         # the units' all-gather input bytes, from the (TP-local) parameters before FSDP
         nested = {id(b) for b in model.layers}
-        unit_bytes = {f"Transformer.layers.{i}": _padded_shard_bytes([b], set(), DP)
+        unit_bytes = {f"Transformer.layers.{i}": padded_unit_elements([b], set(), DP) // DP * 4
                       for i, b in enumerate(model.layers)}
-        unit_bytes["Transformer"] = _padded_shard_bytes([model], nested, DP)
+        unit_bytes["Transformer"] = padded_unit_elements([model], nested, DP) // DP * 4
         for block in model.layers:
             fully_shard(block, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])

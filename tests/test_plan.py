@@ -15,7 +15,6 @@ computed by the test before sharding, never commspan's attribution:
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -24,6 +23,7 @@ from typing import Any
 
 import pytest
 import torch
+from _fsdp_sizes import padded_unit_elements
 
 from commspan import StepPlan, plan_step
 from commspan.testing.models import ModelArgs, Transformer, make_batch, parallelize, train_step
@@ -33,19 +33,6 @@ WORLD, TP = 512, 8
 DP = WORLD // TP
 ARGS = ModelArgs(n_layers=2, vocab_size=64, dim=64, n_heads=8, max_seq_len=16)
 BATCH, SEQ = 2, 16
-
-
-def _padded_unit_bytes(modules: list[torch.nn.Module], nested: set[int]) -> int:
-    total = 0
-    todo = list(modules)
-    while todo:
-        cur = todo.pop()
-        for p in cur._parameters.values():
-            if p is not None:
-                shape = p.to_local().shape if hasattr(p, "to_local") else p.shape
-                total += math.ceil(shape[0] / DP) * DP * math.prod(shape[1:])
-        todo.extend(c for c in cur._modules.values() if c is not None and id(c) not in nested)
-    return total * 4
 
 
 def _plan_in_this_process() -> dict[str, Any]:
@@ -61,8 +48,8 @@ def _plan_in_this_process() -> dict[str, Any]:
         model = parallelize(Transformer(ARGS), mesh["tp"])
         nested = {id(b) for b in model.layers}
         for i, block in enumerate(model.layers):
-            units[f"FSDPTransformer.layers.{i}"] = _padded_unit_bytes([block], set())
-        units["FSDPTransformer"] = _padded_unit_bytes([model], nested)
+            units[f"FSDPTransformer.layers.{i}"] = padded_unit_elements([block], set(), DP) * 4
+        units["FSDPTransformer"] = padded_unit_elements([model], nested, DP) * 4
         for block in model.layers:
             fully_shard(block, mesh=mesh["dp_shard"])
         fully_shard(model, mesh=mesh["dp_shard"])

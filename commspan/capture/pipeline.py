@@ -174,18 +174,13 @@ class PipelineWatch:
                 continue
             setattr(stage, name, functools.partial(self._ops, original, w, kind))
             w.installed.append(name)
-        for name in _CHUNKS:
-            original = getattr(stage, name, None)
-            if original is None:
-                continue
-            setattr(stage, name, functools.partial(self._chunk, original, w))
-            w.installed.append(name)
-        for name in _SETUP:
-            original = getattr(stage, name, None)
-            if original is None:
-                continue
-            setattr(stage, name, functools.partial(self._setup, original, w))
-            w.installed.append(name)
+        for names, wrapper in ((_CHUNKS, self._chunk), (_SETUP, self._setup)):
+            for name in names:
+                original = getattr(stage, name, None)
+                if original is None:
+                    continue
+                setattr(stage, name, functools.partial(wrapper, original, w))
+                w.installed.append(name)
 
     # ------------------------------------------------------------ wrappers
     def _ops(self, original: Callable[..., Any], w: _Watched, kind: str,

@@ -50,15 +50,18 @@ def _mib(value: str) -> int:
     return _at_least_one("--max-line-mib", value, "a whole number of MiB >= 1")
 
 
-def _step(value: str) -> StepRange:
+def _at_least_zero(option: str, value: str, what: str) -> int:
     try:
-        step = int(value)
+        n = int(value)
     except ValueError:
-        step = -1
-    if step < 0:
-        raise argparse.ArgumentTypeError(
-            f"--step {value!r} is not valid; pass a step number >= 0 (or --steps A-B for a range)"
-        )
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{option} {value!r} is not valid; pass {what}")
+    return n
+
+
+def _step(value: str) -> StepRange:
+    step = _at_least_zero("--step", value, "a step number >= 0 (or --steps A-B for a range)")
     return StepRange(step, step)
 
 
@@ -209,13 +212,7 @@ def _played_rank(value: str) -> int:
 
 
 def _warmup(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        n = -1
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"--warmup {value!r} is not valid; pass a number >= 0")
-    return n
+    return _at_least_zero("--warmup", value, "a number >= 0")
 
 
 def check_usage(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
