@@ -29,7 +29,7 @@ from typing import Any
 
 from benchmarks.workload import SIZES, ModelConfig
 
-SECTIONS = ("step", "export", "memory", "profile", "labels", "timing")
+SECTIONS = ("step", "export", "memory", "profile", "labels", "timing", "tracesize")
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "latest.json"
 
 
@@ -195,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.memory import run_memory
     from benchmarks.step_overhead import run_step_overhead
     from benchmarks.timing import run_timing
+    from benchmarks.tracesize import WORLDS, run_tracesize
     from benchmarks.variants import ALL_VARIANTS
 
     section(
@@ -239,6 +240,12 @@ def main(argv: list[str] | None = None) -> int:
         "timing",
         f"CPU per collective on the training thread, timing off/on, {plan.timing_rounds} rounds",
         lambda: run_timing(rounds=plan.timing_rounds, calls=plan.timing_calls),
+    )
+    section(
+        "tracesize",
+        f"bytes of a step's trace for world sizes {', '.join(map(str, WORLDS))} "
+        "(fake process group, rank 0 of TP 8 x FSDP)",
+        lambda: run_tracesize(WORLDS[:2] if ns.quick else WORLDS),
     )
 
     from benchmarks.report import evaluate_targets, format_report

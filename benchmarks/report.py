@@ -274,6 +274,22 @@ def _timing_section(data: dict[str, Any]) -> str:
     )
 
 
+def _tracesize_section(data: dict[str, Any]) -> str:
+    worlds = data["worlds"]
+    kinds = list(next(iter(worlds.values()))["step_bytes"]) if worlds else []
+    rows = [
+        [f"{int(w):,}", f"{v['bytes_per_rank_step'] / 1e3:,.0f} kB", str(v["collectives"]),
+         *(f"{v['step_bytes'][k] / 1e6:,.1f} MB ({v['traced_ranks'][k]:,})" for k in kinds)]
+        for w, v in worlds.items()
+    ]
+    return (
+        f"Trace size per step: rank 0 of TP {data['tp']} x FSDP (world / {data['tp']}) on the "
+        "fake process group, the step section's model; one traced step to JSONL, times the "
+        "ranks that trace (in brackets)\n\n"
+        + _table(["world", "per rank", "collectives", *kinds], rows)
+    )
+
+
 def format_report(results: dict[str, Any]) -> str:
     parts = []
     machine = results.get("machine", {})
@@ -295,7 +311,8 @@ def format_report(results: dict[str, Any]) -> str:
         )
     for name, fn in (("step", _step_section), ("export", _export_section),
                      ("memory", _memory_section), ("profile", _profile_section),
-                     ("labels", _labels_section), ("timing", _timing_section)):
+                     ("labels", _labels_section), ("timing", _timing_section),
+                     ("tracesize", _tracesize_section)):
         if name in results:
             data = results[name]
             if isinstance(data, dict) and data.get("error"):

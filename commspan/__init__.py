@@ -25,6 +25,7 @@ __all__ = [
     "CollectiveSummary",
     "CommSpanMode",
     "Phase",
+    "RankSample",
     "StepPlan",
     "__version__",
     "plan_step",
@@ -35,6 +36,7 @@ _LAZY = {
     "CollectiveSummary": ".analysis.counts",
     "CommSpanMode": ".session.mode",
     "Phase": ".semconv",
+    "RankSample": ".session.sampling",
     "StepPlan": ".session.plan",
     "plan_step": ".session.plan",
 }
@@ -44,6 +46,7 @@ if _typing.TYPE_CHECKING:
     from commspan.semconv import Phase
     from commspan.session.mode import CommSpanMode
     from commspan.session.plan import StepPlan, plan_step
+    from commspan.session.sampling import RankSample
 
 
 def __getattr__(name: str) -> _typing.Any:

@@ -94,6 +94,7 @@ __all__ = [
     "REDIST_OP",
     "REDIST_SRC",
     "RUN_ID",
+    "SAMPLING_RANKS",
     "SCHEMA",
     "SCHEMA_URL",
     "SCHEMA_VERSION",
@@ -186,6 +187,7 @@ STEP = "commspan.step"
 RANK = "commspan.rank"
 LOCAL_RANK = "commspan.local_rank"
 WORLD_SIZE = "commspan.world_size"
+SAMPLING_RANKS = "commspan.sampling.ranks"
 SCHEMA = "commspan.schema_version"
 
 MODULE_FQN = "commspan.module.fqn"
@@ -367,6 +369,9 @@ ATTRIBUTES: dict[str, str] = {
     "collectives of that phase inside the span's subtree, same rules as the counts (int ns). "
     "Collectives overlap each other and compute, so this is time spent waiting on "
     "collectives summed per collective, not a share of the span's duration.",
+    SAMPLING_RANKS: "Resource: how the ranks that trace were chosen, when not all do "
+    "(``CommSpanMode(ranks=...)``), e.g. ``fraction 0.125``, ``one per tp group``, "
+    "``ranks 0,8``; ``commspan check`` then expects only the ranks that wrote spans.",
     COLL_OP: "Canonical op name (also the event name), e.g. ``all_reduce``.",
     COLL_OVERLOAD: "Full op overload, e.g. ``_c10d_functional.all_reduce.default``.",
     COLL_KIND: "``collective`` or ``p2p`` (send/recv).",

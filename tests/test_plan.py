@@ -162,3 +162,25 @@ def test_example_prints_a_512_rank_plan() -> None:
 
 if __name__ == "__main__":  # the planned fixture's process
     print(json.dumps(_plan_in_this_process()))
+
+
+def test_plan_step_writes_the_traced_step_to_exporters(fake_pg: None, tmp_path: Path) -> None:
+    """``exporters=``: the planned step's spans, readable, one collective per call."""
+    import torch.distributed as dist
+
+    from commspan.exporters import JsonlSpanExporter, read_spans
+
+    def setup() -> Any:
+        layer = torch.nn.Linear(4, 4)
+
+        def step() -> None:
+            out = layer(torch.randn(2, 4))
+            dist.all_reduce(out)
+
+        return step
+
+    plan = plan_step(setup, world_size=4, warmup_steps=1,
+                     exporters=[JsonlSpanExporter(tmp_path / "rank0.jsonl")])
+    spans = list(read_spans(tmp_path / "rank0.jsonl"))
+    events = [e for s in spans for e in s.events if e[0] == "all_reduce"]
+    assert len(events) == plan.aggregator.total_count() == 1

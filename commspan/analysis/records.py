@@ -158,6 +158,8 @@ class Run:
         presence: ``trace_id -> ranks`` that wrote any span of that trace.
         trace_start: ``trace_id -> `` earliest start of any span of it (orders traces).
         world_size: from the resources or rank spans, when any says.
+        rank_sample: how the traced ranks were chosen (``commspan.sampling.ranks``),
+            when not all ranks traced.
         ranks: every rank that wrote a span.
         skipped: counts of what could not be used (spans without a rank, ...).
     """
@@ -172,11 +174,14 @@ class Run:
     world_size: int | None = None
     ranks: set[int] = field(default_factory=set)
     skipped: Counter[str] = field(default_factory=Counter)
+    rank_sample: str | None = None
 
     def expected_ranks(self) -> list[int]:
-        """Ranks that should have written spans: ``range(world_size)`` and every rank seen."""
+        """Ranks that should have written spans: ``range(world_size)`` and every rank
+        seen; only the ranks seen when the run traced some ranks only
+        (:attr:`rank_sample`)."""
         expected = set(self.ranks)
-        if self.world_size:
+        if self.world_size and self.rank_sample is None:
             expected.update(range(self.world_size))
         return sorted(expected)
 
@@ -298,6 +303,9 @@ def build_run(
         world = span.resource.get(semconv.WORLD_SIZE, span.attributes.get(semconv.WORLD_SIZE))
         if isinstance(world, int) and world > 0:
             run.world_size = max(run.world_size or 0, world)
+        sample = span.resource.get(semconv.SAMPLING_RANKS)
+        if sample:
+            run.rank_sample = str(sample)
         step = span.attributes.get(semconv.STEP)
         if span.name in (semconv.SPAN_STEP, semconv.SPAN_RANK, semconv.SPAN_HANG) and isinstance(
             step, int

@@ -19,6 +19,7 @@ from commspan import semconv
 from commspan._errors import positive_int
 from commspan.analysis.counts import Aggregator
 from commspan.capture import ModuleObserver
+from commspan.session.sampling import RankSample, rank_sample
 
 __all__ = ["ModeConfig", "Sampler", "mode_config"]
 
@@ -47,6 +48,7 @@ class ModeConfig:
     time_collectives: bool = True
     hang_timeout_s: float | None = None
     dump_signal: int | None = None
+    ranks: RankSample = RankSample.all()
 
 
 def mode_config(
@@ -65,6 +67,7 @@ def mode_config(
     time_collectives: bool = True,
     hang_timeout_s: float | None = None,
     dump_signal: int | None = None,
+    ranks: RankSample | Iterable[int] | float | None = None,
 ) -> ModeConfig:
     """Check the arguments of ``CommSpanMode(...)``.
 
@@ -110,6 +113,7 @@ def mode_config(
         time_collectives=time_collectives,
         hang_timeout_s=hang,
         dump_signal=_dump_signal(dump_signal),
+        ranks=rank_sample(ranks),
     )
 
 

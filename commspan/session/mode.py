@@ -53,6 +53,7 @@ from commspan.semconv import Phase
 from commspan.session.config import Sampler, mode_config
 from commspan.session.hang import HangWatch
 from commspan.session.resource import build_resource
+from commspan.session.sampling import RankSample
 from commspan.spans.frames import OpenSpan
 from commspan.spans.recorder import SpanRecorder
 from commspan.spans.timing import CollectiveLog, CollectiveTiming
@@ -135,6 +136,13 @@ class CommSpanMode:
             collective. Needs the mode entered on the main thread; the
             previous handler is restored when the mode is left. ``None``
             (default): no handler.
+        ranks: which ranks trace, for big jobs: ``None`` (default, all), a set
+            of ranks, a fraction (``0.125``: every 8th rank, rank 0 included) or
+            a :class:`~commspan.session.sampling.RankSample`, e.g.
+            ``RankSample.one_per_group(mesh, "tp")``. The other ranks run every
+            step as a sampled-out step and record nothing (no hang records
+            either); traced ranks name
+            the rule in their resource (``commspan.sampling.ranks``).
 
     Threads: a mode traces the thread that entered it (and the autograd work
     done for that thread's graphs); module calls on other threads are not
@@ -176,6 +184,7 @@ class CommSpanMode:
         time_collectives: bool = True,
         hang_timeout_s: float | None = None,
         dump_signal: int | None = None,
+        ranks: RankSample | Iterable[int] | float | None = None,
         _observer: ModuleObserver | None = None,
         _op_observer: OpCallback | None = None,
     ) -> None:
@@ -195,6 +204,7 @@ class CommSpanMode:
             time_collectives=time_collectives,
             hang_timeout_s=hang_timeout_s,
             dump_signal=dump_signal,
+            ranks=ranks,
         )
         self.aggregator: Aggregator | None = config.aggregator
         self.run_id = run_id or ""
@@ -220,6 +230,7 @@ class CommSpanMode:
         self._paused = False
         self._popped = False
         self._ranks = Ranks(0, 0, 1)
+        self._rank_traced = True
         self._resource_key: tuple[Any, ...] | None = None
         self._processor_errors = ErrorCounter(
             _log,
@@ -241,15 +252,18 @@ class CommSpanMode:
             )
         config = self._config
         self._ranks = ranks = process_ranks()
+        # a rank the rank sample leaves out runs every step as a sampled-out one
+        self._rank_traced = config.ranks.traces(ranks.rank, ranks.world_size)
         if not self.run_id:
             from commspan.session.run_id import resolve_run_id
 
             self.run_id = resolve_run_id(config.run_id)
         key = (*ranks, self.run_id)
         if self.resource is None or self._resource_key != key:
-            self.resource = build_resource(
-                ranks, self.run_id, config.tracer_provider, config.resource_attributes
-            )
+            extra = dict(config.resource_attributes)
+            if config.ranks.description != "all":
+                extra.setdefault(semconv.SAMPLING_RANKS, config.ranks.description)
+            self.resource = build_resource(ranks, self.run_id, config.tracer_provider, extra)
             self._resource_key = key
         if self.aggregator is not None:
             self.aggregator.reset()
@@ -292,7 +306,9 @@ class CommSpanMode:
         self._paused = False
         self._start_capture()
         self._parallel.pipeline.install()
-        if config.hang_timeout_s is not None or config.dump_signal is not None:
+        if not self._rank_traced:
+            self._pause()  # nothing is recorded on this rank, in steps or between them
+        elif config.hang_timeout_s is not None or config.dump_signal is not None:
             self._watch = HangWatch(
                 self._write_hang, self._log.oldest_pending, config.hang_timeout_s,
                 config.dump_signal,
@@ -372,17 +388,19 @@ class CommSpanMode:
                 f"mode.step({index}) was entered inside another step; steps do not nest"
             )
         self._end_trace(None)
-        traced = self._config.sampler(index)
+        traced = self._rank_traced and self._config.sampler(index)
         self._in_step = True
         if not traced:
             self._stats["steps_skipped"] += 1
-            self._pause()
+            if self._rank_traced:  # an untraced rank is paused from the start
+                self._pause()
             try:
                 yield False
             finally:
                 self._in_step = False
                 self._parallel.pipeline.reset_step()  # ops announced but never seen
-                self._resume()
+                if self._rank_traced:
+                    self._resume()
             return
         self._stats["steps_traced"] += 1
         assert self._recorder is not None

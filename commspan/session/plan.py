@@ -19,9 +19,11 @@ Example:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from opentelemetry.sdk.trace.export import SpanExporter
 
 from commspan import semconv
 from commspan.analysis.counts import Aggregator
@@ -78,6 +80,7 @@ def plan_step(
     world_size: int,
     rank: int = 0,
     warmup_steps: int = 0,
+    exporters: Sequence[SpanExporter] = (),
 ) -> StepPlan:
     """Play ``rank`` of ``world_size`` ranks on torch's fake process group and trace
     one training step.
@@ -92,6 +95,8 @@ def plan_step(
         rank: the rank this process plays.
         warmup_steps: steps run untraced first (lazy initialisation that issues
             collectives, e.g. DDP's bucket rebuild at the second step).
+        exporters: where the traced step's spans go too (e.g. a
+            ``JsonlSpanExporter``, to see how many bytes a rank writes per step).
 
     Returns:
         The :class:`StepPlan`.
@@ -117,7 +122,7 @@ def plan_step(
             )
         for _ in range(warmup_steps):
             step()
-        mode = CommSpanMode()
+        mode = CommSpanMode(exporters=exporters)
         start = time.perf_counter()
         with mode, mode.step(0):
             step()

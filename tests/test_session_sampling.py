@@ -1,0 +1,139 @@
+"""Rank sampling: which ranks trace (``CommSpanMode(ranks=...)``), and what the others do.
+
+The chosen ranks are checked against lists worked out by hand from each rule;
+the modes run over the fake process group, with the rank a process plays set
+through ``commspan.session.mode.process_ranks`` (one process plays each rank in
+turn, writing that rank's file).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from commspan import CommSpanMode, RankSample, semconv
+from commspan.analysis import build_run, check
+from commspan.capture.ranks import Ranks
+from commspan.exporters import JsonlSpanExporter, read_spans
+from commspan.session import mode as mode_module
+from commspan.session.sampling import rank_sample
+from commspan.testing import fake_mesh
+
+
+@pytest.mark.parametrize(("share", "world", "expected"), [
+    (0.25, 16, [0, 4, 8, 12]),
+    (0.5, 5, [0, 2, 4]),
+    (0.3, 10, [0, 4, 7]),
+    (1.0, 3, [0, 1, 2]),
+    (0.01, 8, [0]),
+])
+def test_fraction_spreads_evenly_from_rank_0(share: float, world: int,
+                                             expected: list[int]) -> None:
+    assert RankSample.fraction(share).chosen(world) == expected
+
+
+def test_fraction_of_a_big_world() -> None:
+    chosen = RankSample.fraction(1 / 8).chosen(4096)
+    assert len(chosen) == math.floor(4095 / 8) + 1 == 512
+    assert {b - a for a, b in zip(chosen, chosen[1:])} == {8}
+
+
+def test_explicit_ranks_and_all() -> None:
+    assert RankSample.of({3, 0}).chosen(6) == [0, 3]
+    assert RankSample.of([0, 3]).description == "ranks 0,3"
+    assert RankSample.all().chosen(3) == [0, 1, 2]
+
+
+def test_one_per_group_of_a_mesh_dimension(fake_pg: None) -> None:
+    """On a (dp 2, tp 2) mesh of ranks [[0, 1], [2, 3]]: one per tp group is the
+    ranks with tp coordinate 0, [0, 2]; one per dp group, [0, 1]."""
+    mesh = fake_mesh((2, 2), names=("dp", "tp"))
+    assert RankSample.one_per_group(mesh, "tp").chosen(4) == [0, 2]
+    assert RankSample.one_per_group(mesh, "dp").chosen(4) == [0, 1]
+    assert RankSample.one_per_group(mesh, 1).description == "one per tp group"
+    with pytest.raises(ValueError, match="dim='pp' is not a dimension of the mesh"):
+        RankSample.one_per_group(mesh, "pp")
+
+
+@pytest.mark.parametrize(("value", "error", "match"), [
+    (3, TypeError, r"ranks=3 is not valid; pass a set of ranks \(\[3\]\)"),
+    ("0,1", TypeError, "ranks='0,1' is not valid"),
+    (1.5, ValueError, "ranks=1.5 is not a valid fraction"),
+    (0.0, ValueError, "not a valid fraction"),
+    ([], ValueError, "ranks is empty"),
+    ([0, -1], ValueError, "-1 is not a rank"),
+])
+def test_bad_values_name_the_argument(value: Any, error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        rank_sample(value)
+    with pytest.raises(error, match=match):
+        CommSpanMode(ranks=value)
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        dist.all_reduce(y)
+        return y
+
+
+def _play(out: Path, world: int, ranks: Any, monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Each rank of ``world`` in turn, 2 steps, its own JSONL file; returns the modes."""
+    modes = []
+    for rank in range(world):
+        monkeypatch.setattr(mode_module, "process_ranks", lambda r=rank: Ranks(r, r, world))
+        mode = CommSpanMode(run_id="sampled", ranks=ranks,
+                            exporters=[JsonlSpanExporter(out / f"rank{rank}.jsonl")])
+        traced = []
+        with mode:
+            for step in range(2):
+                with mode.step(step) as on:
+                    traced.append(on)
+                    Net()(torch.randn(2, 4))
+        mode.shutdown()
+        modes.append((mode, traced))
+    return modes
+
+
+def test_ranks_left_out_record_nothing_and_check_expects_only_the_traced(
+    fake_pg: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ranks=[0, 2] of 4: ranks 1 and 3 trace no step and export no span; the traced
+    ranks' resources name the rule; ``commspan check`` finds nothing missing."""
+    modes = _play(tmp_path, 4, [0, 2], monkeypatch)
+    for rank, (mode, traced) in enumerate(modes):
+        exported = mode.stats()["spans"]
+        if rank in (0, 2):
+            assert traced == [True, True] and exported > 0
+        else:
+            assert traced == [False, False] and exported == 0
+            assert mode.stats()["collectives"] == 0
+    spans = list(read_spans(*sorted(tmp_path.glob("*.jsonl")), strict=False))
+    assert {s.resource.get(semconv.RANK) for s in spans} == {0, 2}
+    assert {s.resource.get(semconv.SAMPLING_RANKS) for s in spans} == {"ranks 0,2"}
+    result = check(build_run(spans))
+    assert result.ok, [f.message for f in result.findings]
+    assert result.checked["ranks"] == 2
+
+
+def test_without_sampling_a_rank_without_spans_is_missing(
+    fake_pg: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reference for the test above: the same files without the rule in their
+    resources (all ranks traced, ranks 1 and 3 lost) are missing ranks."""
+    _play(tmp_path, 4, None, monkeypatch)
+    for rank in (1, 3):
+        (tmp_path / f"rank{rank}.jsonl").unlink()
+    spans = list(read_spans(*sorted(tmp_path.glob("*.jsonl")), strict=False))
+    assert all(semconv.SAMPLING_RANKS not in s.resource for s in spans)
+    (finding,) = check(build_run(spans)).findings
+    assert finding.kind == "missing" and sorted(finding.ranks) == [1, 3]
