@@ -241,11 +241,12 @@ def main(argv: list[str] | None = None) -> int:
         f"CPU per collective on the training thread, timing off/on, {plan.timing_rounds} rounds",
         lambda: run_timing(rounds=plan.timing_rounds, calls=plan.timing_calls),
     )
+    worlds = WORLDS[:2] if ns.quick else WORLDS
     section(
         "tracesize",
-        f"bytes of a step's trace for world sizes {', '.join(map(str, WORLDS))} "
+        f"bytes of a step's trace for world sizes {', '.join(map(str, worlds))} "
         "(fake process group, rank 0 of TP 8 x FSDP)",
-        lambda: run_tracesize(WORLDS[:2] if ns.quick else WORLDS),
+        lambda: run_tracesize(worlds),
     )
 
     from benchmarks.report import evaluate_targets, format_report

@@ -30,7 +30,7 @@ def _rank_bytes(world: int) -> dict[str, Any]:
     from benchmarks.common import quiet
     from commspan import plan_step
     from commspan.exporters import JsonlSpanExporter
-    from commspan.testing.models import ModelArgs, Transformer, make_batch, parallelize, train_step
+    from commspan.testing.models import ModelArgs, make_batch, tp_fsdp_transformer, train_step
 
     quiet()
     torch.set_num_threads(1)
@@ -39,14 +39,9 @@ def _rank_bytes(world: int) -> dict[str, Any]:
 
     def setup() -> Any:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh("cpu", (world // TP, TP), mesh_dim_names=("dp_shard", "tp"))
-        torch.manual_seed(0)
-        model = parallelize(Transformer(args), mesh["tp"])
-        for block in model.layers:
-            fully_shard(block, mesh=mesh["dp_shard"])
-        fully_shard(model, mesh=mesh["dp_shard"])
+        model = tp_fsdp_transformer(args, mesh)
         tokens, targets = make_batch(args, batch=8, seq=64)
         return lambda: train_step(model, tokens, targets)
 

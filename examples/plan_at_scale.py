@@ -31,10 +31,9 @@ import warnings
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
 from commspan import plan_step
-from commspan.testing.models import ModelArgs, Transformer, make_batch, parallelize, train_step
+from commspan.testing.models import ModelArgs, make_batch, tp_fsdp_transformer, train_step
 
 # the toy model's output is a view; its step does no in-place op on it
 warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
@@ -54,11 +53,7 @@ def setup(tp: int | None = None) -> object:
     if world % tp:
         raise ValueError(f"world size {world} is not a multiple of tp={tp}")
     mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp_shard", "tp"))
-    torch.manual_seed(0)
-    model = parallelize(Transformer(ARGS), mesh["tp"])
-    for block in model.layers:
-        fully_shard(block, mesh=mesh["dp_shard"])
-    fully_shard(model, mesh=mesh["dp_shard"])
+    model = tp_fsdp_transformer(ARGS, mesh)  # TP over "tp", then FSDP2 over "dp_shard"
     tokens, targets = make_batch(ARGS, batch=BATCH, seq=SEQ)
     return lambda: train_step(model, tokens, targets)
 

@@ -54,6 +54,7 @@ __all__ = [
     "make_batch",
     "parallelize",
     "parallelize_mlp",
+    "tp_fsdp_transformer",
     "train_step",
 ]
 
@@ -285,6 +286,29 @@ def parallelize(model: Transformer, mesh: DeviceMesh) -> Transformer:
         attention.n_heads //= tp
     if args.weight_tying:  # both weights are (vocab, dim) sharded S(0): tie the DTensors
         model.output.weight = model.tok_embeddings.weight
+    return model
+
+
+def tp_fsdp_transformer(args: ModelArgs, mesh: DeviceMesh, tp: str = "tp",
+                        dp: str = "dp_shard") -> nn.Module:
+    """The Transformer, tensor-parallel over mesh dimension ``tp``, then sharded with
+    FSDP2 over ``dp`` (each block, then the root), as torchtitan does. Seeded: the
+    same weights on every rank.
+
+    Example:
+        >>> from commspan.testing import fake_process_group, fake_mesh
+        >>> with fake_process_group(world_size=4):
+        ...     mesh = fake_mesh((2, 2), names=("dp_shard", "tp"))
+        ...     type(tp_fsdp_transformer(ModelArgs(), mesh)).__name__
+        'FSDPTransformer'
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = parallelize(Transformer(args), mesh[tp])
+    for block in model.layers:
+        fully_shard(block, mesh=mesh[dp])
+    fully_shard(model, mesh=mesh[dp])
     return model
 
 
