@@ -239,3 +239,48 @@ def test_tensor_parallel_mlp_compiled(fake_pg: None, backend: str) -> None:
     else:
         assert {e[semconv.OWNER_FQN] for e in events} == {"MLPModule"}
     assert cap.mode.stats()["internal_errors"] == 0
+
+
+def test_a_compiled_region_left_by_an_exception_does_not_outlive_its_step(
+    fake_pg: None,
+) -> None:
+    """A compiled region that raised never says it ended: the module stack it
+    reported is forgotten when the step ends, so the next step's eager
+    collectives are owned by their own span, not by the stale submodule."""
+    net = Net()
+    with capture() as cap:
+        with cap.mode.step(0):
+            net(torch.randn(4, DIM))  # names the modules
+            dispatch = cap.mode._dispatch
+            assert dispatch is not None
+            dispatch.operators.append(type("Enter", (), {"tag": "enter"})())
+            dispatch._handle_fx_nn_module_stack([], {str(id(net.mlp)): ("L['self'].mlp", MLP)},
+                                                None)
+            assert dispatch.compiled_module() == (id(net.mlp), True)  # as in a region
+        with cap.mode.step(1):
+            assert dispatch.compiled_module() is None
+            net.attn(torch.randn(4, DIM))
+    last = [e for e in _events(cap)][-1]
+    assert (last[semconv.OWNER_FQN], last[semconv.OWNER_SOURCE]) == ("Net.attn", "position")
+
+
+def test_unknown_module_ids_do_not_rebuild_the_id_map(fake_pg: None) -> None:
+    """A compiled graph's module the tracker never named (``model.compile()`` in
+    place) is unknown at the cost of a lookup: the id map is rebuilt only after
+    the tracker has named new modules."""
+    first = Net()
+    with capture() as cap:
+        with cap.mode.step(0):
+            first(torch.randn(4, DIM))
+        tracker = cap.mode._tracker
+        assert tracker is not None
+        assert tracker.fqn_of_id(12345) is None
+        built = dict(tracker._by_id)
+        assert built  # the first model's modules
+        tracker._by_id.clear()  # a rebuild would fill it again
+        assert tracker.fqn_of_id(54321) is None and tracker._by_id == {}
+        net = Net()
+        with cap.mode.step(1):
+            net(torch.randn(4, DIM))
+        assert tracker.fqn_of_id(id(net.mlp)) == "Net.mlp"
+        assert len(tracker._by_id) > len(built) / 2

@@ -311,10 +311,12 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
         return tuple(names) if names else ()
 
     def clear_labels(self) -> None:
-        """Forget this thread's open labels (at the end of a step: a label
-        whose exit the mode did not see must not outlive it)."""
+        """Forget this thread's open labels and compiled-region module stack (at
+        the end of a step: a label whose exit the mode did not see, or a compiled
+        region an exception left, must not outlive it)."""
         tls = self._tls
         tls.labels, tls.handles = [], []
+        tls.compiled, tls.regions = None, []
 
     def _collective(self, info: CollectiveInfo, func: Any, args: Any, kwargs: Any) -> Any:
         """Describe a collective, hand it over, run it and time it; returns its result."""

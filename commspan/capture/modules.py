@@ -240,6 +240,8 @@ class ModuleTracker(BackwardNesting):
         )
         # id(module) -> (module ref, name), for compiled graphs' module stacks
         self._by_id: dict[int, tuple[Callable[[], Any], str]] = {}
+        self._named = 0  # modules named so far (a version of _known)
+        self._by_id_known = -1  # self._named when _by_id was built
         self._calls: list[_Call] = []
         self._handles: list[Any] = []
         self._local: list[Any] = []
@@ -340,10 +342,13 @@ class ModuleTracker(BackwardNesting):
         modules by identity), or ``None`` if the tracker has not named it."""
         by_id = self._by_id
         hit = by_id.get(ident)
-        if hit is None or hit[0]() is None:
+        if (hit is None or hit[0]() is None) and self._named != self._by_id_known:
+            # rebuilt only when the tracker has named modules since: an unknown id
+            # (a module never called eagerly) costs one lookup, not a walk
             by_id.clear()
             for module, info in list(self._known.items()):
                 by_id[id(module)] = (weakref.ref(module), info.fqn)
+            self._by_id_known = self._named
             hit = by_id.get(ident)
         if hit is None or hit[0]() is None:
             return None
@@ -371,6 +376,7 @@ class ModuleTracker(BackwardNesting):
                 fqn = f"{root}.{name}" if name else root
                 known[sub] = ModuleInfo(fqn, type(sub).__name__)
                 new.append((fqn, sub))
+        self._named += len(new)
         if self.parallel is not None and new:
             for ddp in self.parallel.learn(new, self._on_mesh):
                 known[ddp].ddp = True
