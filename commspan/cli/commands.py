@@ -403,11 +403,10 @@ def _load_function(target: str) -> Callable[[], Any]:
             spec = importlib.util.spec_from_file_location(f"_commspan_plan_{path.stem}", path)
             assert spec is not None and spec.loader is not None
             module = importlib.util.module_from_spec(spec)
-            sys.path.insert(0, str(path.resolve().parent))  # its sibling imports
-            try:
-                spec.loader.exec_module(module)
-            finally:
-                sys.path.remove(str(path.resolve().parent))
+            # its sibling imports, also those made when the step runs (the command's
+            # process ends with the plan)
+            sys.path.insert(0, str(path.resolve().parent))
+            spec.loader.exec_module(module)
         else:
             module = importlib.import_module(where)
     except (FileNotFoundError, ModuleNotFoundError):
