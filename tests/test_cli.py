@@ -384,3 +384,14 @@ def test_stdout_on_a_full_disk(run_dir: Path) -> None:
     assert proc.returncode == 1
     assert proc.stderr == ("OSError: cannot write the output to stdout: [Errno 28] No space "
                            "left on device\n")
+
+
+@pytest.mark.parametrize("extra", [["--show", "bytes"], ["--noise", "1"]])
+def test_table_by_mesh_dim_takes_no_tree_options(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str]
+) -> None:
+    """--by-mesh-dim is its own table: with --show or --noise it is a usage error (2)."""
+    with pytest.raises(SystemExit) as exc:
+        main(["table", str(tmp_path), "--by-mesh-dim", *extra])
+    assert exc.value.code == 2
+    assert "--by-mesh-dim is a table of its own" in capsys.readouterr().err

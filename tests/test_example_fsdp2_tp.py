@@ -132,3 +132,45 @@ def test_every_collective_has_an_owner_and_a_mesh_dimension(
             expected[(layer, kind, phase)] = STEPS
     assert fsdp == expected
     assert forward_gathers == [ROOT, *LAYERS] * STEPS
+
+
+def test_table_by_mesh_dim_of_the_run(run: tuple[subprocess.CompletedProcess[str], Path]) -> None:
+    """``commspan table OUT --rank 0 --by-mesh-dim --json``: per mesh dimension, the
+    count and input bytes of rank 0's collectives, as summed here from the events'
+    own group and size attributes; per owner, the same totals again."""
+    import json
+
+    proc, out = run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    done = subprocess.run(
+        [sys.executable, "-m", "commspan.cli", "table", str(out), "--rank", "0",
+         "--by-mesh-dim", "--json"],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
+    assert done.returncode == 0, done.stderr
+    data = json.loads(done.stdout)
+    expected: dict[str, dict[str, dict[str, int]]] = {}
+    for span in read_spans(out / "commspan-rank0.jsonl"):
+        for _, attrs in span.events:
+            if semconv.COLL_OP not in attrs:
+                continue
+            slot = expected.setdefault(str(attrs[semconv.MESH_DIM_NAME]), {}).setdefault(
+                str(attrs[semconv.COLL_OP]), {"count": 0, "bytes": 0})
+            slot["count"] += 1
+            slot["bytes"] += int(attrs[semconv.TENSOR_BYTES])
+    assert set(expected) == {"dp", "tp"}
+    assert data["totals"] == expected
+    summed: dict[str, dict[str, dict[str, int]]] = {}
+    for module in data["modules"]:
+        for dim, ops in module["mesh_dims"].items():
+            for op, v in ops.items():
+                slot = summed.setdefault(dim, {}).setdefault(op, {"count": 0, "bytes": 0})
+                slot["count"] += v["count"]
+                slot["bytes"] += v["bytes"]
+    assert summed == expected
+    text = subprocess.run(
+        [sys.executable, "-m", "commspan.cli", "table", str(out), "--rank", "0",
+         "--by-mesh-dim"], capture_output=True, text=True, timeout=120, cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=str(REPO))).stdout
+    assert text.startswith("mesh dim  op") and "\ntp " in text and "\ndp " in text

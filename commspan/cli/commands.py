@@ -137,6 +137,8 @@ def table(args: argparse.Namespace, reader: Reader) -> Outcome:
     sel = reader.load(args.files)
     rank = _rank_filter(args.rank, sel)
     agg = Aggregator.from_records(sel.records, rank="all" if rank is None else rank)
+    if args.by_mesh_dim:
+        return _mesh_dim_view(agg, args.json)
     tree = agg.to_dict()
     if not args.show:
         return Outcome(_json(tree) if args.json else agg.table(noise_level=args.noise).rstrip())
@@ -152,6 +154,21 @@ def table(args: argparse.Namespace, reader: Reader) -> Outcome:
             todo.extend(node["children"])
         return Outcome(_json(tree))
     return Outcome(module_table(tree, args.noise, issued_notes(rows, args.show)).rstrip())
+
+
+def _mesh_dim_view(agg: Any, as_json: bool) -> Outcome:
+    """``table --by-mesh-dim``: per mesh dimension, then per owner and dimension."""
+    from commspan.render.table import mesh_dim_table
+
+    owned = agg.mesh_dim_counts(subtree=False)
+    order = [f for f in agg.modules() if f in owned]
+    if semconv.GLOBAL_FQN in owned:
+        order.append(semconv.GLOBAL_FQN)
+    data = {"totals": agg.mesh_dim_counts().get(semconv.GLOBAL_FQN, {}),
+            "modules": [{"fqn": f, "mesh_dims": owned[f]} for f in order]}
+    if as_json:
+        return Outcome(_json(data))
+    return Outcome(mesh_dim_table(data["totals"], data["modules"]))
 
 
 def summary(args: argparse.Namespace, reader: Reader) -> Outcome:

@@ -157,6 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
     commands["table"].add_argument(
         "--show", type=_show, default=(), metavar="FIELDS",
         help=f"under each module, the collectives it issued itself with: {_SHOW_HELP}")
+    commands["table"].add_argument(
+        "--by-mesh-dim", action="store_true",
+        help="collectives and bytes per mesh dimension, then per owning module and "
+             "dimension (instead of the tree)")
     commands["summary"].add_argument("--show", type=_show, default=(), metavar="FIELDS",
                                      help=f"columns beside the counts: {_SHOW_HELP}")
 
@@ -218,6 +222,8 @@ def _warmup(value: str) -> int:
 def check_usage(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Rules argparse cannot say: options given twice only for ``diff``, and a diff
     of one path needs two steps or two runs. Exits with status 2 (usage) otherwise."""
+    if args.command == "table" and args.by_mesh_dim and (args.show or args.noise):
+        parser.error("--by-mesh-dim is a table of its own; it takes neither --show nor --noise")
     if args.command == "plan":
         if args.rank >= args.world:
             parser.error(f"--rank {args.rank} is not valid with --world {args.world}; "

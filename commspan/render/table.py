@@ -22,7 +22,10 @@ from typing import Any
 
 from commspan.analysis.runs import format_numbers
 
-__all__ = ["human_bytes", "module_table", "plan_table", "span_list", "summary_table", "tree_json"]
+__all__ = [
+    "human_bytes", "mesh_dim_table", "module_table", "plan_table", "span_list", "summary_table",
+    "tree_json",
+]
 
 
 def module_table(
@@ -156,21 +159,40 @@ def plan_table(plan: Mapping[str, Any]) -> str:
         Net.l1  tp        all_reduce      2  2.0 KiB
     """
     head = f"rank {plan['rank']} of {plan['world_size']}, one step ({plan['seconds']} s)"
-    totals = [(dim, op, v["count"], v["bytes"])
-              for dim, ops in sorted(plan["totals"].items()) for op, v in sorted(ops.items())]
-    rows = [(m["fqn"], dim, op, v["count"], v["bytes"])
-            for m in plan["modules"] for dim, ops in sorted(m["mesh_dims"].items())
-            for op, v in sorted(ops.items())]
-    if not totals:
-        return head + "\nno collectives"
-    return "\n".join([head, *_columns(["mesh dim", "op", "count", "bytes"], totals), "",
-                      *_columns(["module", "mesh dim", "op", "count", "bytes"], rows)])
+    return head + "\n" + mesh_dim_table(plan["totals"], plan["modules"])
+
+
+def mesh_dim_table(totals: Mapping[str, Any], modules: Sequence[Mapping[str, Any]]) -> str:
+    """Collectives per mesh dimension, then per module and mesh dimension: each
+    op's count and input bytes.
+
+    Args:
+        totals: ``{mesh dim: {op: {"count", "bytes"}}}`` over the whole rank.
+        modules: ``[{"fqn", "mesh_dims": {mesh dim: {op: {"count", "bytes"}}}}]``, in
+            the order to show (:meth:`commspan.Aggregator.mesh_dim_counts` per owner).
+
+    Example:
+        >>> print(mesh_dim_table({"dp": {"all_gather": {"count": 1, "bytes": 64}}}, []))
+        mesh dim  op          count  bytes
+        dp        all_gather      1   64 B
+        <BLANKLINE>
+        module  mesh dim  op  count  bytes
+    """
+    rows = [(dim, op, v["count"], v["bytes"])
+            for dim, ops in sorted(totals.items()) for op, v in sorted(ops.items())]
+    per_module = [(m["fqn"], dim, op, v["count"], v["bytes"])
+                  for m in modules for dim, ops in sorted(m["mesh_dims"].items())
+                  for op, v in sorted(ops.items())]
+    if not rows:
+        return "no collectives"
+    return "\n".join([*_columns(["mesh dim", "op", "count", "bytes"], rows), "",
+                      *_columns(["module", "mesh dim", "op", "count", "bytes"], per_module)])
 
 
 def _columns(names: list[str], rows: Sequence[tuple[Any, ...]]) -> list[str]:
     """Text columns: the last two (count, bytes) right-aligned, bytes in binary units."""
     cells = [[str(c) for c in row[:-1]] + [human_bytes(row[-1])] for row in rows]
-    widths = [max(len(names[i]), *(len(r[i]) for r in cells)) for i in range(len(names))]
+    widths = [max([len(names[i]), *(len(r[i]) for r in cells)]) for i in range(len(names))]
     right = {len(names) - 2, len(names) - 1}
 
     def fmt(row: Sequence[str]) -> str:
