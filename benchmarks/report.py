@@ -263,14 +263,17 @@ def _labels_section(labels: dict[str, Any]) -> str:
 def _timing_section(data: dict[str, Any]) -> str:
     rows = [
         [kind, _f(v["us_per_collective_no_mode"]), _f(v["us_per_collective_untimed"]),
-         _f(v["us_per_collective_timed"]), _f(v["added_us"], "{:.2f}")]
+         _f(v["us_per_collective_timed"]), _f(v["added_us"], "{:.2f}"),
+         _f(v.get("opcodes_untimed", float("nan")), "{:.0f}"),
+         _f(v.get("opcodes_added", float("nan")), "{:+.0f}")]
         for kind, v in data["kinds"].items()
     ]
     return (
         f"Collective timing: CPU µs per collective on the training thread (one process, fake "
         f"process group, a module per collective; median of {data['rounds']} rounds of "
-        f"{data['calls']:,} calls)\n\n"
-        + _table(["collective", "no mode", "timing off", "timing on", "added"], rows)
+        f"{data['calls']:,} calls), and Python bytecodes per collective (deterministic)\n\n"
+        + _table(["collective", "no mode", "timing off", "timing on", "added",
+                  "bytecodes off", "bytecodes added"], rows)
     )
 
 

@@ -10,15 +10,20 @@ waiting). A module issues one collective per call, a step every 50 calls,
 - ``c10d_async``: ``dist.all_reduce(t, async_op=True).wait()``.
 
 For each, the training thread's CPU time (``time.thread_time_ns``) per
-collective with ``time_collectives=False`` and ``True``, interleaved round by
+collective with ``time_collectives=False`` and ``True``, inside the entered
+mode (entering and leaving are not per collective), interleaved round by
 round (order alternating), median over rounds; the difference is what timing
-adds: the timing record, learning of the completion, and, when the span is
-emitted, the duration, bandwidths and roll-ups. The no-mode time of the same
-loop is the reference.
+adds on the training thread: the issue time, learning of the completion, the
+recent-collectives log, the readiness check and the time roll-ups (durations
+and bandwidths are written by the export thread). The no-mode time of the
+same loop is the reference. Since the clock of a shared VM moves by several
+µs between rounds, the Python bytecodes run per collective are counted too
+(``sys.settrace``, one loop each): a deterministic measure of the same work.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any
 
@@ -60,18 +65,38 @@ def _measure(rounds: int, calls: int) -> dict[str, Any]:
     models = {"functional": Functional(), "c10d_blocking": Blocking(), "c10d_async": Async()}
     x = torch.ones(256)
 
-    def loop(model: torch.nn.Module, mode: CommSpanMode | None) -> float:
-        t0 = time.thread_time_ns()
+    def loop(model: torch.nn.Module, mode: CommSpanMode | None, trace: Any = None) -> float:
         if mode is None:
+            t0 = time.thread_time_ns()
             for _ in range(calls):
                 model(x)
-        else:
-            with mode:
+            return (time.thread_time_ns() - t0) / calls / 1000
+        with mode:  # entering and leaving are not per collective: outside the clock
+            t0 = time.thread_time_ns()
+            if trace is not None:
+                sys.settrace(trace)
+            try:
                 for start in range(0, calls, 50):
                     with mode.step(start // 50):
                         for _ in range(min(50, calls - start)):
                             model(x)
-        return (time.thread_time_ns() - t0) / calls / 1000
+            finally:
+                sys.settrace(None)
+            t1 = time.thread_time_ns()
+        return (t1 - t0) / calls / 1000
+
+    def opcodes(model: torch.nn.Module, mode: CommSpanMode) -> float:
+        """Python bytecodes run per collective: deterministic, unlike the clock."""
+        count = [0]
+
+        def trace(frame: Any, event: str, _arg: Any) -> Any:
+            frame.f_trace_opcodes = True
+            if event == "opcode":
+                count[0] += 1
+            return trace
+
+        loop(model, mode, trace)
+        return count[0] / calls
 
     out: dict[str, Any] = {}
     with fake_process_group(world_size=4, rank=0):
@@ -86,7 +111,11 @@ def _measure(rounds: int, calls: int) -> dict[str, Any]:
                 for name, mode in order if r % 2 == 0 else order[::-1]:
                     samples[name].append(loop(model, mode))
             stats = timed.stats()
+            ops_untimed, ops_timed = opcodes(model, untimed), opcodes(model, timed)
             out[kind] = {
+                "opcodes_untimed": ops_untimed,
+                "opcodes_timed": ops_timed,
+                "opcodes_added": ops_timed - ops_untimed,
                 "us_per_collective_no_mode": median(samples["none"]),
                 "us_per_collective_untimed": median(samples["untimed"]),
                 "us_per_collective_timed": median(samples["timed"]),

@@ -263,3 +263,58 @@ def test_roll_ups_follow_the_owner_for_fsdp2(mesh: Any) -> None:
             assert (semconv.bytes_key(phase) in span.attributes) == (counted > 0), span.name
             assert (semconv.comm_time_key(phase) in span.attributes) == (counted > 0), span.name
     assert_well_formed(cap.spans)
+
+
+class _Keep(SpanProcessor):
+    """A processor of the user's tracer provider: keeps what it is handed, as handed."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, dict[str, Any], list[dict[str, Any]]]] = []
+
+    def on_end(self, span: ReadableSpan) -> None:
+        self.seen.append((span.name, dict(span.attributes or {}),
+                          [dict(e.attributes or {}) for e in span.events]))
+
+
+def test_timing_attributes_reach_every_reader_written_once() -> None:
+    """The durations, bandwidths and comm-time roll-ups are written off the training
+    thread, yet a processor of the user's provider, two exporters running at once and
+    the capture all see them, with the same values (computed once)."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from commspan.spans.timing import add_timing
+
+    keep = _Keep()
+    provider = TracerProvider()
+    provider.add_span_processor(keep)
+    first, second = InMemorySpanExporter(), InMemorySpanExporter()
+    with capture(tracer_provider=provider, exporters=[first, second]) as cap:
+        C10dOps()(torch.ones(64))
+        WaitLater()(torch.ones(4))
+    key = semconv.comm_time_key("forward")
+
+    def durations(spans: list[ReadableSpan]) -> list[int]:
+        return [e.attributes[semconv.COLL_DURATION_NS] for s in spans
+                for e in collective_events(s)]
+
+    captured = durations(cap.spans)
+    assert len(captured) == 3 and all(d > 0 for d in captured)
+    assert durations(list(first.get_finished_spans())) == captured
+    assert durations(list(second.get_finished_spans())) == captured
+    user = [ev[semconv.COLL_DURATION_NS] for _n, _a, evs in keep.seen for ev in evs
+            if semconv.COLL_OP in ev]
+    assert user == captured
+    (ops,) = [a for n, a, _e in keep.seen if n.startswith("C10dOps")]
+    c10d = durations([_by_fqn(cap.spans, "C10dOps")])
+    assert ops[key] == sum(c10d)
+    for span in cap.spans:  # idempotent: a second pass changes nothing
+        before = dict(span.attributes or {})
+        add_timing(span)
+        assert dict(span.attributes or {}) == before
+    (event,) = collective_events(_by_fqn(cap.spans, "WaitLater.issue"))
+    expected = bandwidth(str(event.attributes[semconv.COLL_OP]),
+                         nbytes=int(event.attributes[semconv.TENSOR_BYTES]),
+                         group_size=int(event.attributes[semconv.PG_SIZE]),
+                         duration_ns=int(event.attributes[semconv.COLL_DURATION_NS]))
+    assert expected is not None
+    assert event.attributes[semconv.COLL_BUSBW] == pytest.approx(expected.busbw)

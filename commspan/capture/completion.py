@@ -75,9 +75,12 @@ class CompletionTracker:
     """
 
     def __init__(self, max_outstanding: int = 4096) -> None:
-        self._outputs: dict[int, CollectiveTiming] = {}
+        self.pending: dict[int, CollectiveTiming] = {}
+        """Functional collectives waiting for their ``wait_tensor``, by the data pointer
+        (or ``id``) of their outputs."""
         self._max = max_outstanding
-        self._sweep_at = 256
+        self.sweep_at = 256
+        """:meth:`sweep` when :attr:`pending` grows beyond this."""
         self.polled: list[CollectiveTiming] = []
         """Timings of ``Work`` s without a future, asked at each collective."""
         self.forgotten = 0
@@ -102,6 +105,14 @@ class CompletionTracker:
                kwargs: Any, out: Any, cuda_start: Any) -> None:
         """Right after the op returned: arrange to learn of its completion."""
         if info.functional:
+            if cuda_start is None and type(out) is _Tensor:
+                key = out.data_ptr()
+                if key:  # the usual case: one output on the CPU, one dict store
+                    table = self.pending
+                    table[key] = timing
+                    if len(table) > self.sweep_at:
+                        self.sweep()
+                    return
             self._remember(timing, out, cuda_start)
             return
         work = out[-1] if type(out) is tuple and out else out
@@ -141,7 +152,7 @@ class CompletionTracker:
     def _remember(self, timing: CollectiveTiming, out: Any, cuda_start: Any) -> None:
         outputs: Sequence[Any] = out if isinstance(out, (list, tuple)) else (out,)
         keys = []
-        table = self._outputs
+        table = self.pending
         for t in outputs:
             if isinstance(t, _Tensor):
                 key = t.data_ptr() or id(t)
@@ -150,55 +161,56 @@ class CompletionTracker:
         if not keys:
             return
         timing.hold = (outputs, keys, cuda_start)
-        if len(table) > self._sweep_at:
-            self._sweep()
+        if len(table) > self.sweep_at:
+            self.sweep()
 
-    def _sweep(self) -> None:
+    def sweep(self) -> None:
         """Forget outputs whose collective is settled (completed, or given up at the end
         of its trace), then the oldest beyond ``max_outstanding``."""
-        table = self._outputs
+        table = self.pending
         for key in [k for k, t in table.items() if t.duration is not None or t.abandoned]:
             del table[key]
         while len(table) > self._max:
             del table[next(iter(table))]
             self.forgotten += 1
-        self._sweep_at = max(256, 2 * len(table))
+        self.sweep_at = max(256, 2 * len(table))
 
     # ------------------------------------------------------------ completion
-    def waited(self, args: Any, kwargs: Any, now: int) -> None:
-        """``wait_tensor`` returned at ``now``: complete the collective that
-        produced its argument, if one is waiting."""
+    def waited(self, tensor: Any, now: int) -> None:
+        """``wait_tensor`` on ``tensor`` returned at ``now``: complete the collective
+        that produced it, if one is waiting."""
         if self.polled:
             self.poll()
-        tensor = args[0] if args else (kwargs or {}).get("tensor")
-        if not isinstance(tensor, _Tensor):
-            return
-        elem = getattr(tensor, "elem", None)  # a lazy output: the collective's tensor inside
-        if isinstance(elem, _Tensor):
-            tensor = elem
-        timing = self._outputs.pop(tensor.data_ptr() or id(tensor), None)
+        timing = self.pending.pop(tensor.data_ptr() or id(tensor), None)
         if timing is None:
             return
-        hold = timing.hold
-        if hold is not None:
-            _outputs, keys, cuda_start = hold
-            for key in keys:
-                if self._outputs.get(key) is timing:
-                    del self._outputs[key]
-            if cuda_start is not None:
-                _finish_cuda(timing, cuda_start)
-                return
+        if timing.hold is None:  # one CPU output (issued's fast path)
+            if timing.duration is None:
+                timing.duration = max(0, now - timing.issued)
+            return
+        self.settle(timing, now)
+
+    def settle(self, timing: CollectiveTiming, now: int) -> None:
+        """Complete a collective held by its outputs (several, or on CUDA), one of
+        which was waited at ``now``; forget the others."""
+        _outputs, keys, cuda_start = timing.hold
+        for key in keys:
+            if self.pending.get(key) is timing:
+                del self.pending[key]
+        if cuda_start is not None:
+            _finish_cuda(timing, cuda_start)
+            return
         timing.complete(now)
 
     def clear(self) -> None:
         """Forget every output and ``Work`` still waiting (the mode is left)."""
-        self._outputs.clear()
+        self.pending.clear()
         self.polled = []
 
     @property
     def outstanding(self) -> int:
         """Functional outputs issued and not waited yet."""
-        return len(self._outputs)
+        return len(self.pending)
 
 
 def _arg(info: CollectiveInfo, args: Any, kwargs: Any, index: int, default: Any) -> Any:

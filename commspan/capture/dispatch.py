@@ -224,16 +224,20 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
     def __torch_dispatch__(
         self, func: Any, types: Any, args: Any = (), kwargs: Any = None
     ) -> Any:
+        info = self._table.get(func)
         if types:
             if _defers(types):
                 # DTensor runs first: its local ops (collectives included) come back here
                 if REDISTRIBUTE_HOOK:
                     self._tls.op = func
                 return NotImplemented
+            if info is _WAIT:  # on a lazy output, the usual case
+                return self._wait(func, args, kwargs)
             if self._lazy is not None and _has(types, self._lazy):
-                return self._on_lazy(func, args, kwargs or {})
-        info = self._table.get(func)
+                return self._on_lazy(func, args, kwargs or {}, info)
         if info is not None:
+            if info is _WAIT:
+                return self._wait(func, args, kwargs)
             if info is _LABEL_ENTER:
                 return self._open_label(func, args, kwargs)
             if info is _LABEL_EXIT:
@@ -244,13 +248,11 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
             return func(*args, **kwargs)
         return func(*args)
 
-    def _on_lazy(self, func: Any, args: Any, kwargs: Any) -> Any:
-        """An op on the lazy output of a functional collective (``AsyncCollectiveTensor``):
-        the subclass waits on it inside the op, out of this mode's sight; afterwards
-        the outputs it waited on say so (``completed``), which is their completion."""
-        info = self._table.get(func)
-        if info is _WAIT:  # wait_tensor on it: timed as any wait
-            return self._collective(info, func, args, kwargs)
+    def _on_lazy(self, func: Any, args: Any, kwargs: Any, info: Any) -> Any:
+        """An op on the lazy output of a functional collective (``AsyncCollectiveTensor``),
+        ``info`` its entry in the op table: the subclass waits on it inside the op, out
+        of this mode's sight; afterwards the outputs it waited on say so
+        (``completed``), which is their completion."""
         lazy_type: Any = self._lazy
         lazy: list[Any] = [a for a in args if isinstance(a, lazy_type) and not a.completed]
         if isinstance(info, CollectiveInfo):
@@ -262,7 +264,7 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
             try:
                 for a in lazy:
                     if a.completed:
-                        self.completions.waited((a.elem,), None, now)
+                        self.completions.waited(a.elem, now)
             except Exception:
                 self._errors.record(message="could not time the completion of a collective")
         return out
@@ -318,16 +320,32 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
         tls.labels, tls.handles = [], []
         tls.compiled, tls.regions = None, []
 
+    def _wait(self, func: Any, args: Any, kwargs: Any) -> Any:
+        """``wait_tensor``: run it, then complete the collective whose output it waited."""
+        out = func(*args, **kwargs) if kwargs else func(*args)
+        now = _perf()
+        try:
+            tensor = args[0] if args else kwargs["tensor"]
+            if type(tensor) is not _Tensor:
+                tensor = getattr(tensor, "elem", tensor)  # a lazy output: the tensor inside
+                if not isinstance(tensor, _Tensor):
+                    return out
+            completions = self.completions
+            if completions.polled:
+                completions.poll()
+            timing = completions.pending.pop(tensor.data_ptr() or id(tensor), None)
+            if timing is not None:
+                if timing.hold is None:  # one CPU output: complete it here
+                    if timing.duration is None:
+                        timing.duration = now - timing.issued
+                else:
+                    completions.settle(timing, now)
+        except Exception:
+            self._errors.record(message="could not time the completion of a collective")
+        return out
+
     def _collective(self, info: CollectiveInfo, func: Any, args: Any, kwargs: Any) -> Any:
         """Describe a collective, hand it over, run it and time it; returns its result."""
-        if info is _WAIT:
-            out = func(*args, **kwargs)
-            now = _perf()
-            try:
-                self.completions.waited(args, kwargs, now)
-            except Exception:
-                self._errors.record(message="could not time the completion of a collective")
-            return out
         tls = self._tls
         timing: CollectiveTiming | None = None
         try:
@@ -360,6 +378,16 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
             timing.issued = _perf()
         out = func(*args, **kwargs)
         try:
+            if started is None and info.functional and type(out) is _Tensor:
+                # the usual functional collective: one CPU output, waited by its data
+                # pointer (CompletionTracker.issued's first case, without the call)
+                key = out.data_ptr()
+                if key:
+                    pending = completions.pending
+                    pending[key] = timing
+                    if len(pending) > completions.sweep_at:
+                        completions.sweep()
+                    return out
             completions.issued(info, timing, args, kwargs, out, started)
         except Exception:
             self._errors.record(info.overload, message="could not time collective %s")

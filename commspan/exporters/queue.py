@@ -33,6 +33,7 @@ from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from commspan._errors import Once
+from commspan.spans.timing import add_timing
 
 __all__ = ["ExportQueue", "ExportStats"]
 
@@ -374,6 +375,8 @@ class ExportQueue(SpanProcessor):
                 self.in_flight = n
             todo -= n
             try:
+                for span in batch:  # held back at build, off the training thread
+                    add_timing(span)
                 result = self.exporter.export(batch)
             except BaseException as exc:
                 self._settle(number, n, "raised", exc)

@@ -56,7 +56,7 @@ from commspan.session.resource import build_resource
 from commspan.session.sampling import RankSample
 from commspan.spans.frames import OpenSpan
 from commspan.spans.recorder import SpanRecorder
-from commspan.spans.timing import CollectiveLog, CollectiveTiming
+from commspan.spans.timing import CollectiveLog, CollectiveTiming, add_timing
 from commspan.spans.traces import TraceOpener
 
 __all__ = ["CommSpanMode", "Sampler"]
@@ -504,9 +504,12 @@ class CommSpanMode:
         if not self._config.time_collectives:
             rec.add_event(info.name, info.name, phase, attrs, counted)
             return None
-        timing = CollectiveTiming(attrs, phase)
+        timing = CollectiveTiming(attrs, phase, info.name)
         rec.add_event(info.name, info.name, phase, attrs, counted, timing)
-        self._log.add(timing)
+        log = self._log
+        log.recent.append(timing)  # CollectiveLog.add, without the call
+        if len(log.recent) >= log.trim_at:
+            log.trim()
         return timing
 
     def _compiled_owner(self, dispatch: Any, in_autograd: bool) -> Ownership | None:
@@ -596,7 +599,13 @@ class CommSpanMode:
                 self._config.tracer_provider, "_active_span_processor", None
             )
             if active is not None:
-                procs.append(active.on_end)
+                on_end = active.on_end
+
+                def user_on_end(span: ReadableSpan) -> None:
+                    add_timing(span)  # the user's processors see a finished span
+                    on_end(span)
+
+                procs.append(user_on_end)
         return procs
 
     # ------------------------------------------------------------ public extras

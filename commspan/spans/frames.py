@@ -42,9 +42,9 @@ class Frame:
     Attributes:
         fqn: module name (``Global`` for the rank root).
         phase: phase of a module frame; ``None`` for the root.
-        events: ``(name, timestamp_ns, attributes, timing)`` tuples attached so
-            far (``timing``: the collective's :class:`~commspan.spans.timing.CollectiveTiming`,
-            ``None`` for other events or when collectives are not timed).
+        events: the events attached so far: a collective's
+            :class:`~commspan.spans.timing.CollectiveTiming` (its record, timed or
+            not), or a ``(name, timestamp_ns, attributes)`` tuple for other events.
         counts: ``{(phase, op): n}`` collectives in this frame's subtree.
         nbytes: ``{phase: bytes}`` of the collectives in this frame's subtree
             (``None`` until one has bytes).
@@ -106,7 +106,7 @@ class Frame:
         self.attrs = attrs
         self.parent = parent
         self.start = _now()
-        self.events: list[tuple[str, int, dict[str, Any], CollectiveTiming | None]] = []
+        self.events: list[CollectiveTiming | tuple[str, int, dict[str, Any]]] = []
         self.counts: dict[tuple[str, str], int] = {}
         self.nbytes: dict[str, int] | None = None
         self.timings: list[CollectiveTiming] | None = None
@@ -131,14 +131,14 @@ class Frame:
         timings = self.timings
         if timings is None:
             return True
-        i, n = self.timed_upto, len(timings)
-        while i < n:
-            timing = timings[i]
+        i = self.timed_upto
+        for timing in timings[i:] if i else timings:
             if timing.duration is None and not timing.finished():
-                break
+                self.timed_upto = i
+                return False
             i += 1
         self.timed_upto = i
-        return i == n
+        return True
 
     def __repr__(self) -> str:
         return f"Frame({self.name!r}, finished={self.finished}, closed={self.closed})"

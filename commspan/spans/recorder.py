@@ -50,7 +50,7 @@ from commspan._errors import describe_error, error_message
 from commspan.ownership.innermost import counts_for
 from commspan.semconv import Phase
 from commspan.spans.frames import Frame, OpenSpan
-from commspan.spans.timing import CollectiveTiming
+from commspan.spans.timing import CollectiveTiming, hold_timing
 from commspan.spans.traces import Trace, TraceOpener
 
 __all__ = ["SpanRecorder", "SpanSink"]
@@ -291,6 +291,9 @@ class SpanRecorder:
     ) -> None:
         """Attach a collective event to the innermost frame and count it up the chain.
 
+        The event's record on the frame is ``timing`` when the collective is
+        timed (its span then waits for the completion), else a record made here.
+
         The event stays on the innermost frame (where it was issued) whoever
         owns it. It counts once per module name (at its innermost frame):
 
@@ -316,11 +319,14 @@ class SpanRecorder:
             if not stack:
                 return
         top = stack[-1]
-        now = _now()
-        top.events.append((name, now, attrs, timing))
-        top.self_count += 1
         if timing is not None:
-            timing.wall = now
+            record = timing
+        else:  # not timed: nobody waits for it, no hang record lists it
+            record = CollectiveTiming(attrs, phase, name)
+            record.abandoned = True
+        record.wall = _now()
+        top.events.append(record)
+        top.self_count += 1
         nbytes = attrs.get(semconv.TENSOR_BYTES)
         key = (phase, op)
         if counted:
@@ -392,7 +398,7 @@ class SpanRecorder:
 
     def add_plain_event(self, frame: Frame, name: str, attrs: dict[str, Any]) -> None:
         """Attach a non-collective event to ``frame``."""
-        frame.events.append((name, _now(), attrs, None))
+        frame.events.append((name, _now(), attrs))
 
     def add_exception(self, frame: Frame, error: BaseException) -> None:
         """Attach an ``exception`` event for ``error`` to ``frame`` (its message
@@ -400,7 +406,7 @@ class SpanRecorder:
         attrs: dict[str, Any] = {semconv.EXCEPTION_TYPE: type(error).__qualname__}
         if self.record_messages:
             attrs[semconv.EXCEPTION_MESSAGE] = error_message(error)
-        frame.events.append((semconv.EVENT_EXCEPTION, _now(), attrs, None))
+        frame.events.append((semconv.EVENT_EXCEPTION, _now(), attrs))
 
     def describe(self, error: BaseException | None) -> str | None:
         """Status description of a span ``error`` crossed (see :func:`describe_error`)."""
@@ -467,8 +473,12 @@ class SpanRecorder:
                     break
                 closed.popleft()  # first: a frame that cannot be built is not retried forever
                 if force:
-                    for _n, _t, _a, timing in head.events:
-                        if timing is not None and not timing.finished():
+                    for timing in head.events:
+                        if (
+                            type(timing) is CollectiveTiming
+                            and not timing.abandoned
+                            and not timing.finished()
+                        ):
                             if abandon:
                                 timing.abandon()
                             self.forced += 1
@@ -491,29 +501,16 @@ class SpanRecorder:
         if frame.nbytes:
             for phase, n in frame.nbytes.items():
                 attrs[semconv.bytes_key(phase)] = n
-        timings = frame.timings
-        if timings:
-            if len(timings) == 1:
-                duration = timings[0].duration
-                if duration is not None:
-                    attrs[semconv.comm_time_key(timings[0].phase)] = duration
-            else:
-                spent: dict[str, int] = {}
-                for timing in timings:
-                    duration = timing.duration
-                    if duration is not None:
-                        spent[timing.phase] = spent.get(timing.phase, 0) + duration
-                for phase, ns in spent.items():
-                    attrs[semconv.comm_time_key(phase)] = ns
         events: Iterable[Event] = (
             tuple(
-                Event(n, timing.event_attributes() if timing is not None else a, t)
-                for n, t, a, timing in frame.events
+                Event(e.name, e.attrs, e.wall) if isinstance(e, CollectiveTiming)
+                else Event(e[0], e[2], e[1])
+                for e in frame.events
             )
             if frame.events
             else ()
         )
-        return ReadableSpan(
+        span = ReadableSpan(
             frame.name,
             frame.context,
             frame.parent,
@@ -526,6 +523,11 @@ class SpanRecorder:
             end_time=frame.end,
             instrumentation_scope=self._scope,
         )
+        if frame.timings is not None or frame.events:
+            # durations, bandwidths and comm-time roll-ups are written off the
+            # training thread, before the span is exported (add_timing)
+            hold_timing(span, frame.timings, frame.events)
+        return span
 
     # ------------------------------------------------------------ hang records
     def hang_span(

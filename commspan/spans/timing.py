@@ -23,15 +23,15 @@ Example:
 
 from __future__ import annotations
 
+import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 from commspan import semconv
 from commspan._bandwidth import bus_factor, operation_bytes
 
-__all__ = ["CollectiveLog", "CollectiveTiming"]
+__all__ = ["CollectiveLog", "CollectiveTiming", "add_timing", "hold_timing"]
 
 _perf = time.perf_counter_ns
 _DURATION = semconv.COLL_DURATION_NS
@@ -53,9 +53,13 @@ def _scales(op: str, size: int) -> tuple[int, float]:
 
 
 class CollectiveTiming:
-    """One collective from issue to completion.
+    """One collective from issue to completion: its event's record on its frame.
+
+    Every collective event is recorded as one of these (timed or not: a
+    collective not timed keeps ``duration`` ``None`` and nobody waits for it).
 
     Attributes:
+        name: the event's name.
         attrs: the collective event's attributes (never changed after issue;
             :meth:`event_attributes` returns a copy with the timing added).
         phase: the phase the collective is counted in.
@@ -72,11 +76,13 @@ class CollectiveTiming:
             in hang records.
     """
 
-    __slots__ = ("attrs", "phase", "issued", "wall", "duration", "resolve", "hold", "abandoned")
+    __slots__ = ("attrs", "phase", "name", "issued", "wall", "duration", "resolve", "hold",
+                 "abandoned")
 
-    def __init__(self, attrs: dict[str, Any], phase: str) -> None:
+    def __init__(self, attrs: dict[str, Any], phase: str, name: str = "") -> None:
         self.attrs = attrs
         self.phase = phase
+        self.name = name
         self.issued = 0
         self.wall = 0
         self.duration: int | None = None
@@ -156,7 +162,7 @@ class CollectiveLog:
     """The rank's recent collectives: per process group the last ``keep`` of its last
     ``size`` collectives, and every collective not completed.
 
-    :meth:`add` runs on the issuing thread (one deque append); :meth:`snapshot`
+    :meth:`add` runs on the issuing thread (one list append); :meth:`snapshot`
     and :meth:`oldest_pending` may run on any thread (they read copies).
 
     Args:
@@ -170,18 +176,30 @@ class CollectiveLog:
         self._keep = keep
         self._size = size
         self._max_pending = max_pending
-        self._recent: deque[CollectiveTiming] = deque(maxlen=size)
+        self.recent: list[CollectiveTiming] = []
+        """The last ``size`` to ``2 * size`` collectives, oldest first: an add is an
+        append and, at :attr:`trim_at`, a :meth:`trim` (amortised O(1))."""
+        self.trim_at = 2 * size
         self._older: list[CollectiveTiming] = []
         self.forgotten = 0
 
     def add(self, timing: CollectiveTiming) -> None:
         """Log a collective just issued."""
-        recent = self._recent
-        if len(recent) == self._size:
-            oldest = recent[0]
-            if oldest.duration is None and not oldest.abandoned and not oldest.finished():
-                self._keep_pending(oldest)
+        recent = self.recent
         recent.append(timing)
+        if len(recent) >= self.trim_at:
+            self.trim()
+
+    def trim(self) -> None:
+        """Keep the last ``size`` collectives; those before them not completed move
+        to the older ones (first: a snapshot taken meanwhile may list one twice, never
+        miss it, and :meth:`snapshot` lists each once)."""
+        recent = self.recent
+        cut = len(recent) - self._size
+        for timing in recent[:cut]:
+            if timing.duration is None and not timing.abandoned and not timing.finished():
+                self._keep_pending(timing)
+        del recent[:cut]
 
     def _keep_pending(self, timing: CollectiveTiming) -> None:
         older = self._older
@@ -196,8 +214,10 @@ class CollectiveLog:
         """The collectives a hang record lists: per group (in first-use order), oldest
         first, the last ``keep`` and every one not completed; abandoned ones left out."""
         groups: dict[Any, list[CollectiveTiming]] = {}
-        for t in [*self._older, *list(self._recent)]:
-            if not t.abandoned:
+        seen: set[int] = set()
+        for t in [*list(self._older), *list(self.recent)]:
+            if not t.abandoned and id(t) not in seen:
+                seen.add(id(t))
                 groups.setdefault(t.attrs.get(_GROUP, ""), []).append(t)
         out: list[CollectiveTiming] = []
         keep = self._keep
@@ -216,5 +236,70 @@ class CollectiveLog:
 
     def clear(self) -> None:
         """Forget everything (the mode's process groups start over)."""
-        self._recent.clear()
+        self.recent.clear()
         self._older = []
+
+
+_HELD = "_commspan_timing"
+_held_lock = threading.Lock()
+
+
+def hold_timing(span: Any, timings: list[CollectiveTiming] | None, events: Any) -> None:
+    """Keep on a span just built what its timing attributes are made of, for
+    :func:`add_timing` (one attribute store on the training thread).
+
+    Args:
+        span: the ``ReadableSpan``, whose attribute and event dicts are the
+            recorder's own (written in place later).
+        timings: the collectives its module's counts include (comm-time roll-ups).
+        events: its frame's events (collectives' records and other events' tuples).
+    """
+    setattr(span, _HELD, (timings, events))
+
+
+def add_timing(span: Any) -> None:
+    """Write a span's timing attributes: each timed collective event's
+    ``duration_ns``, ``algbw`` and ``busbw``, and the span's
+    ``commspan.comm_time_ns.<phase>`` roll-ups.
+
+    The recorder holds them back when it builds the span (:func:`hold_timing`),
+    so this work is done by whoever needs them first: the export thread before
+    an exporter sees the span, or the mode before a processor of the user's
+    tracer provider does. Idempotent and safe from any thread; a span built
+    elsewhere is left as it is.
+
+    Example:
+        >>> from opentelemetry.sdk.trace import Event, ReadableSpan
+        >>> t = CollectiveTiming({"commspan.collective.op": "all_reduce",
+        ...                       "commspan.tensor.bytes": 1000,
+        ...                       "commspan.process_group.size": 2}, "forward")
+        >>> t.issued, t.duration = 0, 500
+        >>> attrs = {"commspan.module.fqn": "m"}
+        >>> span = ReadableSpan("m", attributes=attrs, events=[Event("all_reduce", t.attrs)])
+        >>> hold_timing(span, [t], [t])
+        >>> add_timing(span)
+        >>> span.attributes["commspan.comm_time_ns.forward"]
+        500
+        >>> span.events[0].attributes["commspan.collective.duration_ns"]
+        500
+    """
+    if getattr(span, _HELD, None) is None:
+        return
+    with _held_lock:
+        held = getattr(span, _HELD, None)
+        if held is None:
+            return
+        setattr(span, _HELD, None)
+        timings, events = held
+        attrs = span._attributes
+        if timings:
+            spent: dict[str, int] = {}
+            for timing in timings:
+                duration = timing.duration
+                if duration is not None:
+                    spent[timing.phase] = spent.get(timing.phase, 0) + duration
+            for phase, ns in spent.items():
+                attrs[semconv.comm_time_key(phase)] = ns
+        for event in events:
+            if type(event) is CollectiveTiming:
+                event.event_attributes()

@@ -47,6 +47,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from commspan import semconv
 from commspan.analysis.counts import Aggregator, CollectiveSummary
 from commspan.session.mode import CommSpanMode
+from commspan.spans.timing import add_timing
 from commspan.testing.distributed import fake_mesh, fake_process_group
 from commspan.testing.golden import assert_matches_golden, golden_text
 from commspan.testing.spans import (
@@ -119,7 +120,10 @@ class CommCapture:
     @property
     def spans(self) -> list[ReadableSpan]:
         """Every span the mode finished, in the order they ended (children first)."""
-        return list(self._recording.spans)
+        spans = list(self._recording.spans)
+        for span in spans:  # the timing attributes the recorder held back
+            add_timing(span)
+        return spans
 
     def counts(self, fqn: str = semconv.GLOBAL_FQN, phase: str | None = None) -> dict[str, int]:
         """``{op: count}`` of module ``fqn`` (subtree-inclusive), one phase or all summed.
