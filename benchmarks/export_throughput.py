@@ -80,7 +80,7 @@ def _events(spans: Sequence[Any]) -> int:
 
 
 def _time_exports(
-    batch: list[Any], directory: Path, min_seconds: float, repeats: int
+    batch: list[Any], directory: Path, min_seconds: float, repeats: int, compress: bool = False
 ) -> dict[str, float]:
     """Best of ``repeats`` passes of at least ``min_seconds`` exporting ``batch``."""
     from commspan.exporters import JsonlSpanExporter
@@ -89,7 +89,7 @@ def _time_exports(
     nbytes = 0
     for rep in range(repeats):
         path = directory / f"throughput-{rep}.jsonl"
-        exporter = JsonlSpanExporter(path)
+        exporter = JsonlSpanExporter(path, compress=compress)
         exporter.export(batch)  # opens the file; not timed
         n = 0
         w0, c0 = time.perf_counter(), time.process_time()
@@ -127,6 +127,7 @@ def _worker(cfg_dict: dict[str, Any], capture_steps: int, file_steps: int, min_s
     with tempfile.TemporaryDirectory(prefix="commspan-bench-export-") as tmp:
         d = Path(tmp)
         small = _time_exports(one_step, d, min_seconds, repeats)
+        packed = _time_exports(one_step, d, min_seconds, repeats, compress=True)
         large_batch = (all_spans * (LARGE_BATCH // len(all_spans) + 1))[:LARGE_BATCH]
         large = _time_exports(large_batch, d, min_seconds, repeats)
 
@@ -159,6 +160,18 @@ def _worker(cfg_dict: dict[str, Any], capture_steps: int, file_steps: int, min_s
                     orjson.loads(line)
             parse_cpu.append(time.process_time() - c0)
         size = path.stat().st_size
+        gz_path = d / "steps.jsonl.gz"
+        exporter = JsonlSpanExporter(gz_path, compress=True)
+        for i in range(file_steps):
+            exporter.export(per_step[i % len(per_step)])
+        exporter.shutdown()
+        gz_cpu = []
+        for _ in range(repeats):
+            c0 = time.process_time()
+            gz_agg = Aggregator.from_jsonl(gz_path)
+            gz_cpu.append(time.process_time() - c0)
+        if gz_agg.total_count() != ingested:
+            raise RuntimeError("the compressed file counts differently from the plain one")
     best, best_cpu = min(times), min(cpu_times)
     return {
         "config": cfg_dict,
@@ -175,6 +188,13 @@ def _worker(cfg_dict: dict[str, Any], capture_steps: int, file_steps: int, min_s
             "large_batch_spans": len(large_batch),
             "large_spans_per_s": large["spans_per_cpu_s"],
             "large_spans_per_wall_s": large["spans_per_s"],
+            "bytes_per_step": small["bytes_per_batch"],
+            "gzip_bytes_per_step": packed["bytes_per_batch"],
+            "kb_per_step": small["bytes_per_batch"] / 1e3,
+            "gzip_kb_per_step": packed["bytes_per_batch"] / 1e3,
+            "gzip_spans_per_s": packed["spans_per_cpu_s"],
+            "gzip_cpu_ms_per_step": (1 / packed["spans_per_cpu_s"] - 1 / small["spans_per_cpu_s"])
+            * len(one_step) * 1e3,
         },
         "from_jsonl": {
             "steps": file_steps,
@@ -190,6 +210,7 @@ def _worker(cfg_dict: dict[str, Any], capture_steps: int, file_steps: int, min_s
             "parse_only_cpu_seconds": min(parse_cpu),
             "parse_only_events_per_s": n_events / min(parse_cpu),
             "parse_only_mb_per_s": size / 1e6 / min(parse_cpu),
+            "gzip_events_per_s": n_events / min(gz_cpu),
             "cpu_seconds_all": cpu_times,
             "wall_seconds_all": times,
         },

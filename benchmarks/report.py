@@ -15,6 +15,9 @@ TARGETS: list[tuple[str, str, str, str, float]] = [
      "step.variants.cs_jsonl.cpu_above_floor_vs_cdm", "<=", 0.25),
     ("sampled_out", "sampled-out step, CPU step time vs no mode",
      "step.variants.cs_sampled_out.cpu_ratio", "<=", 1.02),
+    ("jsonl_kb", "JSONL kB per rank per step, plain", "export.jsonl.kb_per_step", "<=", 50.0),
+    ("jsonl_gzip_kb", "JSONL kB per rank per step, compress=True",
+     "export.jsonl.gzip_kb_per_step", "<=", 50.0),
     ("jsonl_spans_per_s", "JsonlSpanExporter spans/s (one core)", "export.jsonl.spans_per_s",
      ">=", 200_000),
     ("from_jsonl_events_per_s", "Aggregator.from_jsonl events/s",
@@ -137,10 +140,20 @@ def _export_section(export: dict[str, Any]) -> str:
          f"wall {j['spans_per_wall_s']:,.0f} spans/s"],
         ["JsonlSpanExporter.export, large batches", f"{j['large_spans_per_s']:,.0f} spans/s",
          f"{j['large_batch_spans']} spans/batch, wall {j['large_spans_per_wall_s']:,.0f} spans/s"],
+        *([["JsonlSpanExporter(compress=True).export, one step per batch",
+            f"{j['gzip_spans_per_s']:,.0f} spans/s",
+            f"{j['gzip_bytes_per_step'] / 1e3:,.1f} kB per step against "
+            f"{j['bytes_per_step'] / 1e3:,.1f} kB plain "
+            f"(×{j['bytes_per_step'] / max(j['gzip_bytes_per_step'], 1):.1f} smaller) "
+            f"for {j['gzip_cpu_ms_per_step']:.2f} ms more CPU per step"]]
+          if "gzip_bytes_per_step" in j else []),
         ["Aggregator.from_jsonl", f"{f['events_per_s']:,.0f} events/s",
          f"{f['spans_per_s']:,.0f} spans/s; file of {f['steps']} steps, {f['spans']:,} spans, "
          f"{f['events']:,} events, {f['bytes'] / 1e6:.1f} MB; wall {f['events_per_wall_s']:,.0f} "
          "events/s"],
+        *([["Aggregator.from_jsonl, the same file compressed",
+            f"{f['gzip_events_per_s']:,.0f} events/s", ""]]
+          if "gzip_events_per_s" in f else []),
         ["  ceiling: orjson.loads of the same lines only",
          f"{f['parse_only_events_per_s']:,.0f} events/s",
          f"{f['parse_only_mb_per_s']:,.0f} MB/s of OTLP/JSON; "
@@ -281,15 +294,19 @@ def _tracesize_section(data: dict[str, Any]) -> str:
     worlds = data["worlds"]
     kinds = list(next(iter(worlds.values()))["step_bytes"]) if worlds else []
     rows = [
-        [f"{int(w):,}", f"{v['bytes_per_rank_step'] / 1e3:,.0f} kB", str(v["collectives"]),
-         *(f"{v['step_bytes'][k] / 1e6:,.1f} MB ({v['traced_ranks'][k]:,})" for k in kinds)]
+        [f"{int(w):,}", f"{v['bytes_per_rank_step'] / 1e3:,.0f} kB",
+         f"{v.get('gzip_bytes_per_rank_step', float('nan')) / 1e3:,.0f} kB",
+         str(v["collectives"]),
+         *(f"{v['step_bytes'][k] / 1e6:,.1f} MB ({v['traced_ranks'][k]:,})" for k in kinds),
+         f"{v.get('gzip_step_bytes_all', float('nan')) / 1e6:,.1f} MB"]
         for w, v in worlds.items()
     ]
     return (
         f"Trace size per step: rank 0 of TP {data['tp']} x FSDP (world / {data['tp']}) on the "
         "fake process group, the step section's model; one traced step to JSONL, times the "
         "ranks that trace (in brackets)\n\n"
-        + _table(["world", "per rank", "collectives", *kinds], rows)
+        + _table(["world", "per rank", "per rank, gzip", "collectives", *kinds,
+                  "all ranks, gzip"], rows)
     )
 
 

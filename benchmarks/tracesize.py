@@ -3,7 +3,8 @@
 For each world size W, one spawned process plays rank 0 of a TP 8 x FSDP (W / 8)
 job (``commspan.plan_step``) on the toy Transformer at the step section's
 medium size, one untraced warm-up step then one traced step written to JSONL:
-the file's size is what a rank writes per step. Ranks of a TP x FSDP job issue
+the file's size is what a rank writes per step (plain, and with
+``compress=True``). Ranks of a TP x FSDP job issue
 the same collectives with the same shapes, so rank 0 stands for every rank,
 and a step's trace is that size times the ranks that trace: all of them, or a
 sample (``CommSpanMode(ranks=...)``: a fraction 1/8, one rank per TP group,
@@ -47,11 +48,13 @@ def _rank_bytes(world: int) -> dict[str, Any]:
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "rank0.jsonl"
-        exporter = JsonlSpanExporter(path)
-        plan = plan_step(setup, world_size=world, warmup_steps=1, exporters=[exporter])
-        size = path.stat().st_size
-    return {"bytes_per_rank_step": size, "collectives": plan.aggregator.total_count(),
-            "seconds": plan.seconds}
+        packed = Path(tmp) / "rank0.jsonl.gz"
+        plan = plan_step(setup, world_size=world, warmup_steps=1,
+                         exporters=[JsonlSpanExporter(path),
+                                    JsonlSpanExporter(packed, compress=True)])
+        size, gz_size = path.stat().st_size, packed.stat().st_size
+    return {"bytes_per_rank_step": size, "gzip_bytes_per_rank_step": gz_size,
+            "collectives": plan.aggregator.total_count(), "seconds": plan.seconds}
 
 
 def run_tracesize(worlds: tuple[int, ...] = WORLDS) -> dict[str, Any]:
@@ -62,6 +65,8 @@ def run_tracesize(worlds: tuple[int, ...] = WORLDS) -> dict[str, Any]:
         per = rank["bytes_per_rank_step"]
         traced = {"all ranks": world, "fraction 1/8": len(range(0, world, 8)),
                   "one per TP group": world // TP, "one per FSDP group": TP}
+        gz = rank["gzip_bytes_per_rank_step"]
         out["worlds"][str(world)] = {**rank, "traced_ranks": traced,
-                                     "step_bytes": {k: per * n for k, n in traced.items()}}
+                                     "step_bytes": {k: per * n for k, n in traced.items()},
+                                     "gzip_step_bytes_all": gz * world}
     return out

@@ -118,7 +118,7 @@ def test_summary_text_and_json(run_dir: Path, capsys: pytest.CaptureFixture[str]
         (["table", "{dir}/missing.jsonl"],
          "FileNotFoundError: FILES: '{dir}/missing.jsonl' does not exist"),
         (["table", "{empty}"],
-         "FileNotFoundError: FILES: directory '{empty}' holds no *.jsonl file"),
+         "FileNotFoundError: FILES: directory '{empty}' holds no *.jsonl or *.jsonl.gz file"),
     ],
 )
 def test_errors_are_one_line(

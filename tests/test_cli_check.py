@@ -67,7 +67,7 @@ def test_divergent_run_exits_1(divergent: Path, capsys: pytest.CaptureFixture[st
     ("setup", "message"),
     [
         ("missing", "FileNotFoundError: FILES: '{p}' does not exist"),
-        ("empty", "FileNotFoundError: FILES: directory '{p}' holds no *.jsonl file"),
+        ("empty", "FileNotFoundError: FILES: directory '{p}' holds no *.jsonl or *.jsonl.gz file"),
         ("garbage", "ValueError: {p}:1: not a JSON line"),
         ("foreign", "ValueError: FILES: no commspan span in {p}"),
     ],

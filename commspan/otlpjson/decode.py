@@ -18,7 +18,9 @@ Example:
 from __future__ import annotations
 
 import logging
+import mmap
 import os
+import zlib
 from collections.abc import Container, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -188,38 +190,28 @@ class LineReader:
         loads = orjson.loads
         for p in paths:
             path = Path(p)
-            with path.open("rb") as fh:
-                readline = fh.readline
-                number = 0
-                while True:
-                    raw = readline(limit)
-                    if not raw:
-                        break
-                    number += 1
-                    complete = raw[-1:] == b"\n"
-                    if not complete and len(raw) == limit:
-                        self.skip(path, number, "too_long", _too_long(self.max_line_bytes))
-                        break  # reading on would need the rest of the line in memory
-                    if raw.isspace():  # (no copy, unlike strip())
-                        continue
-                    try:
-                        if self.pause_gc:
-                            with paused_gc():
-                                doc = loads(raw)
-                        else:
+            for number, raw in _raw_lines(path, limit, self):
+                complete = raw[-1:] == b"\n"
+                if raw.isspace():  # (no copy, unlike strip())
+                    continue
+                try:
+                    if self.pause_gc:
+                        with paused_gc():
                             doc = loads(raw)
-                    except orjson.JSONDecodeError as exc:
-                        if complete:
-                            self.skip(path, number, "damaged", f"not a JSON line ({exc})")
-                        else:
-                            self.skip(path, number, "torn", _TORN)
-                        continue
-                    if type(doc) is not dict or type(doc.get("resourceSpans")) is not list:
-                        self.skip(path, number, "damaged", _not_a_request(doc))
-                        continue
-                    raw = b""  # hold neither the line nor its document longer than needed
-                    yield path, number, doc
-                    doc = None
+                    else:
+                        doc = loads(raw)
+                except orjson.JSONDecodeError as exc:
+                    if complete:
+                        self.skip(path, number, "damaged", f"not a JSON line ({exc})")
+                    else:
+                        self.skip(path, number, "torn", _TORN)
+                    continue
+                if type(doc) is not dict or type(doc.get("resourceSpans")) is not list:
+                    self.skip(path, number, "damaged", _not_a_request(doc))
+                    continue
+                raw = b""  # hold neither the line nor its document longer than needed
+                yield path, number, doc
+                doc = None
 
     def skip(self, path: Path, number: int, kind: str, reason: str) -> None:
         if self.strict and kind != "torn":
@@ -250,6 +242,91 @@ class LineReader:
 
 
 _TORN = "no trailing newline: a write cut short by a crash, or a file still being written"
+GZIP_MAGIC = b"\x1f\x8b\x08"
+"""How a compressed file (``JsonlSpanExporter(compress=...)``) begins, and each of its
+members."""
+_GZ_TORN = ("the file ends inside this compressed line: a write cut short by a crash, "
+            "or a file still being written")
+
+
+def _raw_lines(path: Path, limit: int, reader: LineReader) -> Iterator[tuple[int, bytes]]:
+    """``(line number, bytes)`` of each line of ``path``, compressed or not; lines the
+    reader must skip whole (too long, an undecodable compressed line) go to it."""
+    with path.open("rb") as fh:
+        if fh.peek(3)[:3] == GZIP_MAGIC:  # (peek: a FIFO cannot seek back)
+            yield from _gzip_lines(path, fh, limit, reader)
+            return
+        readline = fh.readline
+        number = 0
+        while True:
+            raw = readline(limit)
+            if not raw:
+                return
+            number += 1
+            if raw[-1:] != b"\n" and len(raw) == limit:
+                reader.skip(path, number, "too_long", _too_long(limit - 1))
+                return  # reading on would need the rest of the line in memory
+            yield number, raw
+
+
+def _gzip_lines(
+    path: Path, fh: Any, limit: int, reader: LineReader
+) -> Iterator[tuple[int, bytes]]:
+    """The lines of a file of gzip members (one per exported line, docs/jsonl.md).
+
+    A member that cannot be decoded is skipped as ``damaged`` (or ``torn`` when the
+    file ends inside it) and reading resumes at the next member, as a damaged line
+    of a plain file is skipped; the line numbers count members' lines.
+    """
+    try:
+        mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+    except (OSError, ValueError):  # not mappable (a pipe, ...): read it whole
+        fh.seek(0)
+        mm = fh.read()
+    view = memoryview(mm)
+    size = len(view)
+    pos, number = 0, 0
+    try:
+        while pos < size:
+            if view[pos:pos + 3] != GZIP_MAGIC:  # garbage between members: skip to the next
+                found = mm.find(GZIP_MAGIC, pos + 1)
+                number += 1
+                reader.skip(path, number, "damaged", "not a compressed line")
+                if found < 0:
+                    return
+                pos = found
+                continue
+            d = zlib.decompressobj(31)
+            try:
+                out = d.decompress(view[pos:], limit)
+            except zlib.error as exc:
+                number += 1
+                reader.skip(path, number, "damaged", f"a compressed line that cannot be "
+                            f"decompressed ({exc})")
+                found = mm.find(GZIP_MAGIC, pos + 1)
+                if found < 0:
+                    return
+                pos = found
+                continue
+            if not d.eof:
+                number += 1
+                if len(out) >= limit:
+                    reader.skip(path, number, "too_long", _too_long(limit - 1))
+                    return
+                reader.skip(path, number, "torn", _GZ_TORN)
+                found = mm.find(GZIP_MAGIC, pos + 1)
+                if found < 0:
+                    return
+                pos = found  # a writer started afresh after a crash
+                continue
+            pos = size - len(d.unused_data)
+            for line in out.splitlines(keepends=True):
+                number += 1
+                yield number, line
+    finally:
+        view.release()
+        if isinstance(mm, mmap.mmap):
+            mm.close()
 DECODE_ERRORS = (TypeError, KeyError, AttributeError, ValueError)
 
 

@@ -1,0 +1,166 @@
+"""Compressed JSONL (``JsonlSpanExporter(compress=...)``): the same lines as gzip
+members, read by every reader; a cut or damaged line costs that line only."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from commspan import Aggregator, CommSpanMode
+from commspan.cli import main
+from commspan.exporters import JsonlSpanExporter, ReadReport, read_spans
+from commspan.otlpjson.files import jsonl_files
+from commspan.testing.models import MLP, parallelize_mlp
+
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory, fake_pg: None) -> tuple[Path, Path]:
+    """The same steps of a TP MLP written twice by one mode: plain and compressed,
+    one line per step (each step flushed)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    out = tmp_path_factory.mktemp("gz")
+    plain, packed = out / "plain", out / "packed"
+    mesh = init_device_mesh("cpu", (4,))
+    torch.manual_seed(0)
+    model = parallelize_mlp(MLP(), mesh)
+    mode = CommSpanMode(
+        exporters=[JsonlSpanExporter(plain), JsonlSpanExporter(packed, compress=True)],
+        run_id="gz-test",
+    )
+    with mode:
+        for i in range(STEPS):
+            with mode.step(i):
+                model(torch.randn(4, 8)).sum().backward()
+            assert mode.flush()
+    mode.shutdown()
+    return plain, packed
+
+
+def _spans(path: Path, report: ReadReport | None = None) -> list[tuple[str, str, str]]:
+    files = jsonl_files(path)
+    return sorted(
+        (s.name, s.span_id, json.dumps(s.attributes, sort_keys=True, default=str))
+        for s in read_spans(*files, strict=False, report=report)
+    )
+
+
+def test_compressed_file_holds_the_same_lines_and_reads_the_same(
+    runs: tuple[Path, Path],
+) -> None:
+    """The directory's file is named .jsonl.gz and is a valid gzip file of OTLP/JSON
+    lines; every reader gets from it what it gets from the plain file; it is smaller."""
+    plain, packed = runs
+    (plain_file,) = plain.iterdir()
+    (packed_file,) = packed.iterdir()
+    assert plain_file.name == "commspan-rank0.jsonl"
+    assert packed_file.name == "commspan-rank0.jsonl.gz"
+    lines = gzip.decompress(packed_file.read_bytes()).splitlines()
+    assert len(lines) >= STEPS
+    assert all("resourceSpans" in json.loads(line) for line in lines)
+    assert _spans(packed) == _spans(plain) != []
+    assert Aggregator.from_jsonl(packed).module_counts() == \
+        Aggregator.from_jsonl(plain).module_counts()
+    assert packed_file.stat().st_size * 3 < plain_file.stat().st_size
+
+
+def test_cli_reads_a_compressed_run(runs: tuple[Path, Path],
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """`commspan summary DIR --json` says the same of both directories."""
+    plain, packed = runs
+    outs = []
+    for path in (plain, packed):
+        assert main(["summary", str(path), "--json"]) == 0
+        outs.append(json.loads(capsys.readouterr().out))
+    assert outs[0] == outs[1]
+
+
+def _members(path: Path) -> list[bytes]:
+    """The file cut at each member's start (the writer writes one per line, each with
+    the header magic, no flags and mtime 0: eight bytes not met inside deflate data)."""
+    data = path.read_bytes()
+    head = b"\x1f\x8b\x08\x00\x00\x00\x00\x00"
+    starts = [i for i in range(len(data)) if data.startswith(head, i)]
+    return [data[a:b] for a, b in zip(starts, [*starts[1:], len(data)])]
+
+
+def test_a_cut_last_line_costs_that_line_and_a_new_writer_appends_after_it(
+    runs: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """A crash mid-write leaves half a member at the end: the read reports it as torn
+    and keeps the lines before; a writer appending later is read after it (the cut line
+    is then damaged, as in a plain file)."""
+    _plain, packed = runs
+    (src,) = packed.iterdir()
+    members = _members(src)
+    assert len(members) >= STEPS
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(b"".join(members[:-1]) + members[-1][: len(members[-1]) // 2])
+    report = ReadReport()
+    kept = _spans(cut, report)
+    assert [s.kind for s in report.skipped] == ["torn"]
+    assert report.skipped[0].line == len(members)
+    expected = ReadReport()
+    whole = tmp_path / "whole.jsonl.gz"
+    whole.write_bytes(b"".join(members[:-1]))
+    assert kept == _spans(whole, expected) and not expected.skipped
+    with cut.open("ab") as fh:  # a new writer appends whole members after the cut one
+        fh.write(members[0])
+    report = ReadReport()
+    again = _spans(cut, report)
+    # no longer at the end: damaged, as a plain file's partial line followed by more
+    assert [(s.kind, s.line) for s in report.skipped] == [("damaged", len(members))]
+    assert again == sorted(kept + _spans(_one(tmp_path, members[0])))
+
+
+def _one(tmp_path: Path, member: bytes) -> Path:
+    path = tmp_path / "one.jsonl.gz"
+    path.write_bytes(member)
+    return path
+
+
+def test_a_damaged_line_in_the_middle_is_skipped_and_named(
+    runs: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Bytes flipped inside the second member: that line is reported damaged (file and
+    line), the others are read; strict reading raises naming the file and line."""
+    _plain, packed = runs
+    (src,) = packed.iterdir()
+    members = _members(src)
+    bad = bytearray(members[1])
+    for i in range(20, min(len(bad) - 8, 60)):
+        bad[i] ^= 0xFF
+    path = tmp_path / "bad.jsonl.gz"
+    path.write_bytes(members[0] + bytes(bad) + b"".join(members[2:]))
+    report = ReadReport()
+    got = _spans(path, report)
+    assert [(s.kind, s.line) for s in report.skipped] == [("damaged", 2)]
+    others = tmp_path / "others.jsonl.gz"
+    others.write_bytes(members[0] + b"".join(members[2:]))
+    assert got == _spans(others)
+    with pytest.raises(ValueError, match=r"bad\.jsonl\.gz:2: "):
+        list(read_spans(path, strict=True))
+
+
+def test_a_compressed_line_longer_than_the_limit_is_refused(
+    runs: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """max_line_bytes bounds the decompressed line, as for a plain file."""
+    _plain, packed = runs
+    (src,) = packed.iterdir()
+    report = ReadReport()
+    assert _spans(src, ReadReport()) != []
+    assert list(read_spans(src, strict=False, report=report, max_line_bytes=100)) == []
+    assert [s.kind for s in report.skipped] == ["too_long"]
+
+
+@pytest.mark.parametrize("bad", [0, 10, -1, 2.0, "yes", None])
+def test_compress_must_be_a_bool_or_a_level(bad: object, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"compress=.* is not valid; pass True"):
+        JsonlSpanExporter(tmp_path, compress=bad)  # type: ignore[arg-type]
