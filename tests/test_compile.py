@@ -284,3 +284,55 @@ def test_unknown_module_ids_do_not_rebuild_the_id_map(fake_pg: None) -> None:
             net(torch.randn(4, DIM))
         assert tracker.fqn_of_id(id(net.mlp)) == "Net.mlp"
         assert len(tracker._by_id) > len(built) / 2
+
+
+def test_compiled_code_running_under_the_mode_never_compiles_the_mode(
+    fake_pg: None, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The dispatch mode keeps Dynamo out of its own frames (instead of torch's wrapper on
+    every op): ops run eagerly from compiled code (a frame Dynamo leaves alone, its frame
+    callback still set) go through the Dynamo-disabled dispatch, so Dynamo never
+    compiles the dispatch (it does when the guard hands such ops to the plain dispatch:
+    the control), and the collective is counted once, owned by the module."""
+    from commspan.capture.dispatch import CollectiveDispatchMode
+
+    compiled_for = torch._C._dynamo.eval_frame._debug_get_cache_entry_list
+    code = CollectiveDispatchMode._dispatch.__code__
+
+    def eager(y: torch.Tensor) -> torch.Tensor:
+        return funcol.wait_tensor(funcol.all_reduce(y + 1, "sum", dist.group.WORLD))
+
+    # a frame Dynamo runs as it is, from compiled code: its frame callback stays set
+    eager_ops = torch.compiler.disable(eager, recursive=False)
+
+    class Broken(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return eager_ops(x * 2)
+
+    def run() -> Any:
+        torch._dynamo.reset()
+        model = torch.compile(Broken(), backend="eager")
+        with capture() as cap:
+            model(torch.ones(4))
+        return cap
+
+    guarded: list[int] = []
+    disabled = CollectiveDispatchMode._dispatch_without_dynamo
+
+    def counting(self: Any, *args: Any) -> Any:
+        guarded.append(1)
+        return disabled(self, *args)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(CollectiveDispatchMode, "_dispatch_without_dynamo", counting)
+        cap = run()
+    assert guarded, "no op ran with Dynamo's frame callback set: the test proves nothing"
+    assert compiled_for(code) == []
+    assert sum(cap.counts("Global", "forward").values()) == 1
+    assert cap.counts("Broken", "forward") == {"all_reduce": 1}
+    with monkeypatch.context() as patch:  # the control: no guard, Dynamo compiles it
+        patch.setattr(CollectiveDispatchMode, "_dispatch_without_dynamo",
+                      CollectiveDispatchMode._dispatch)
+        run()
+    assert compiled_for(code) != []
+    torch._dynamo.reset()
