@@ -294,10 +294,11 @@ def test_compiled_code_running_under_the_mode_never_compiles_the_mode(
     callback still set) go through the Dynamo-disabled dispatch, so Dynamo never
     compiles the dispatch (it does when the guard hands such ops to the plain dispatch:
     the control), and the collective is counted once, owned by the module."""
+    import commspan.capture.dispatch as dispatch
     from commspan.capture.dispatch import CollectiveDispatchMode
 
     compiled_for = torch._C._dynamo.eval_frame._debug_get_cache_entry_list
-    code = CollectiveDispatchMode._dispatch.__code__
+    code = dispatch.describe.__code__  # called by the dispatch for a collective
 
     def eager(y: torch.Tensor) -> torch.Tensor:
         return funcol.wait_tensor(funcol.all_reduce(y + 1, "sum", dist.group.WORLD))
@@ -331,8 +332,7 @@ def test_compiled_code_running_under_the_mode_never_compiles_the_mode(
     assert sum(cap.counts("Global", "forward").values()) == 1
     assert cap.counts("Broken", "forward") == {"all_reduce": 1}
     with monkeypatch.context() as patch:  # the control: no guard, Dynamo compiles it
-        patch.setattr(CollectiveDispatchMode, "_dispatch_without_dynamo",
-                      CollectiveDispatchMode._dispatch)
+        patch.setattr(dispatch, "_dynamo_callback", lambda: None)
         run()
     assert compiled_for(code) != []
     torch._dynamo.reset()

@@ -247,12 +247,8 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
     def __torch_dispatch__(
         self, func: Any, types: Any, args: Any = (), kwargs: Any = None
     ) -> Any:
-        if _dynamo_callback() is not None:
+        if _dynamo_callback() is not None:  # compiled code runs this op: Dynamo off
             return self._dispatch_without_dynamo(func, types, args, kwargs)
-        return self._dispatch(func, types, args, kwargs)
-
-    def _dispatch(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
-        """What :meth:`__torch_dispatch__` does with an op."""
         info = self._table.get(func)
         if types:
             if _defers(types):
@@ -277,7 +273,8 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
             return func(*args, **kwargs)
         return func(*args)
 
-    _dispatch_without_dynamo = torch._disable_dynamo(_dispatch, recursive=True)
+    # the same, run with Dynamo's frame callback unset (so the check above passes)
+    _dispatch_without_dynamo = torch._disable_dynamo(__torch_dispatch__, recursive=True)
 
     def _on_lazy(self, func: Any, args: Any, kwargs: Any, info: Any) -> Any:
         """An op on the lazy output of a functional collective (``AsyncCollectiveTensor``),
