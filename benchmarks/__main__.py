@@ -7,6 +7,7 @@ Run from the repository root (commspan installed, e.g. ``pip install -e .``)::
     python -m benchmarks --only step --size large --rounds 10
     python -m benchmarks --only export,memory --json /tmp/bench.json
     python -m benchmarks --only timing   # what collective timing costs per collective
+    python -m benchmarks --only stalls   # slowest steps against the median, export running
 
 Targets are reported PASS/FAIL but never change the exit status: it is 1
 only when a section could not run.
@@ -29,7 +30,7 @@ from typing import Any
 
 from benchmarks.workload import SIZES, ModelConfig
 
-SECTIONS = ("step", "export", "memory", "profile", "labels", "timing", "tracesize")
+SECTIONS = ("step", "export", "memory", "profile", "labels", "timing", "tracesize", "stalls")
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "latest.json"
 
 
@@ -49,6 +50,7 @@ class Plan:
     profile_rounds: int
     timing_rounds: int = 15
     timing_calls: int = 2000
+    stall_steps: int = 200
 
 
 FULL = Plan(
@@ -61,7 +63,7 @@ QUICK = Plan(
     rounds=2, warmup=1, steps_per_round=1, step_budget_s=45.0,
     export_min_seconds=0.2, export_repeats=2, export_file_steps=30,
     memory_steps=40, memory_warmup=3, memory_cap_s=60.0, profile_steps=3,
-    profile_rounds=2, timing_rounds=3, timing_calls=500,
+    profile_rounds=2, timing_rounds=3, timing_calls=500, stall_steps=20,
 )
 
 
@@ -193,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.hotspots import run_profile
     from benchmarks.labels import run_labels
     from benchmarks.memory import run_memory
+    from benchmarks.stalls import run_stalls
     from benchmarks.step_overhead import run_step_overhead
     from benchmarks.timing import run_timing
     from benchmarks.tracesize import WORLDS, run_tracesize
@@ -247,6 +250,13 @@ def main(argv: list[str] | None = None) -> int:
         f"bytes of a step's trace for world sizes {', '.join(map(str, worlds))} "
         "(fake process group, rank 0 of TP 8 x FSDP)",
         lambda: run_tracesize(worlds),
+    )
+
+    section(
+        "stalls",
+        f"step wall times with export running, {plan.stall_steps} steps per variant, "
+        f"{size} model (one process, fake process group)",
+        lambda: run_stalls(cfg.as_dict(), steps=plan.stall_steps),
     )
 
     from benchmarks.report import evaluate_targets, format_report

@@ -24,6 +24,10 @@ TARGETS: list[tuple[str, str, str, str, float]] = [
      "export.from_jsonl.events_per_s", ">=", 500_000),
     ("rss_growth", "RSS growth over 1,000 traced steps, commspan + JSONL (MB)",
      "memory.variants.commspan_jsonl.projected_growth_mb", "<", 20.0),
+    ("stalls_jsonl", "p99 / median step wall time, commspan + JSONL",
+     "stalls.variants.commspan + JSONL.p99_over_median", "<=", 1.3),
+    ("stalls_otlp", "p99 / median step wall time, commspan + OTLP/HTTP",
+     "stalls.variants.commspan + OTLP/HTTP (local receiver).p99_over_median", "<=", 1.3),
     ("timing_functional", "collective timing, µs added per functional collective (CPU)",
      "timing.kinds.functional.added_us", "<=", 1.0),
     ("timing_c10d", "collective timing, µs added per blocking c10d collective (CPU)",
@@ -290,6 +294,23 @@ def _timing_section(data: dict[str, Any]) -> str:
     )
 
 
+def _stalls_section(data: dict[str, Any]) -> str:
+    base = data["variants"].get("no mode", {}).get("p99_ms")
+    rows = [
+        [name, _f(v["median_ms"]), _f(v["p99_ms"]), _f(v["max_ms"]),
+         _f(v["p99_over_median"], "×{:.2f}"),
+         _f(v["p99_ms"] / base if base else float("nan"), "×{:.2f}")]
+        for name, v in data["variants"].items()
+    ]
+    return (
+        f"Stalls: wall ms per step, {data['steps']} steps per variant in one entered mode "
+        "(one process, fake process group; export runs beside the steps, never flushed "
+        "in between)\n\n"
+        + _table(["variant", "median", "p99", "worst", "p99 / median", "p99 / no mode's"],
+                 rows)
+    )
+
+
 def _tracesize_section(data: dict[str, Any]) -> str:
     worlds = data["worlds"]
     kinds = list(next(iter(worlds.values()))["step_bytes"]) if worlds else []
@@ -332,6 +353,7 @@ def format_report(results: dict[str, Any]) -> str:
     for name, fn in (("step", _step_section), ("export", _export_section),
                      ("memory", _memory_section), ("profile", _profile_section),
                      ("labels", _labels_section), ("timing", _timing_section),
+                     ("stalls", _stalls_section),
                      ("tracesize", _tracesize_section)):
         if name in results:
             data = results[name]

@@ -1,0 +1,91 @@
+"""Stalls: how far the slowest steps are from the median step, with export running.
+
+One spawned process over torch's fake process group (world 4, rank 0: the
+Python work of a rank, without the waiting), the step section's model at the
+given size. Like a training loop, each variant enters one ``CommSpanMode`` for
+all its steps (``with mode.step(i):`` each) and never flushes in between, so
+the export thread encodes and writes while the next steps run: a step during
+which it holds the interpreter for long is a stall. Variants, one after the
+other: no mode (the noise of the measurement itself), commspan + JSONL,
+commspan + JSONL compressed, commspan + OTLP/HTTP to a local receiver. For
+each, the wall time of every step; the median, the 99th percentile and the
+worst, and p99 / median (issue 13's target: at most 1.3).
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from typing import Any
+
+from benchmarks.common import median, run_in_subprocess
+
+__all__ = ["run_stalls"]
+
+VARIANTS = ("no mode", "commspan + JSONL", "commspan + JSONL, compressed",
+            "commspan + OTLP/HTTP (local receiver)")
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def _measure(cfg_dict: dict[str, Any], steps: int, warmup: int) -> dict[str, Any]:
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from benchmarks.common import quiet
+    from benchmarks.otlp_receiver import OtlpReceiver
+    from benchmarks.workload import ModelConfig, build_model, make_batch, train_step
+    from commspan import CommSpanMode
+    from commspan.exporters import JsonlSpanExporter, otlp_exporter
+    from commspan.testing import fake_process_group
+
+    quiet()
+    torch.set_num_threads(1)
+    cfg = ModelConfig(**cfg_dict)
+    out: dict[str, Any] = {}
+    with fake_process_group(world_size=4, rank=0), OtlpReceiver() as receiver, \
+            tempfile.TemporaryDirectory(prefix="commspan-bench-stalls-") as tmp:
+        mesh = init_device_mesh("cpu", (4,))
+        model = build_model(cfg, mesh)
+        batch = make_batch(cfg)
+        for name in VARIANTS:
+            if name == "no mode":
+                mode = None
+            elif name == "commspan + JSONL":
+                mode = CommSpanMode(exporters=[JsonlSpanExporter(f"{tmp}/plain")])
+            elif name == "commspan + JSONL, compressed":
+                mode = CommSpanMode(exporters=[JsonlSpanExporter(f"{tmp}/gz", compress=True)])
+            else:
+                mode = CommSpanMode(exporters=[otlp_exporter(protocol="http/protobuf",
+                                                             endpoint=receiver.endpoint)])
+            times: list[float] = []
+            if mode is None:
+                for i in range(warmup + steps):
+                    t0 = time.perf_counter()
+                    train_step(model, batch)
+                    if i >= warmup:
+                        times.append(time.perf_counter() - t0)
+            else:
+                with mode:
+                    for i in range(warmup + steps):
+                        t0 = time.perf_counter()
+                        with mode.step(i):
+                            train_step(model, batch)
+                        if i >= warmup:
+                            times.append(time.perf_counter() - t0)
+                mode.shutdown()
+            med = median(times)
+            p99 = _percentile(times, 0.99)
+            out[name] = {"median_ms": med * 1e3, "p99_ms": p99 * 1e3,
+                         "max_ms": max(times) * 1e3, "p99_over_median": p99 / med,
+                         "steps_ms": [t * 1e3 for t in times]}
+    return out
+
+
+def run_stalls(cfg_dict: dict[str, Any], steps: int = 200, warmup: int = 5) -> dict[str, Any]:
+    """Per-step wall times of each variant (see the module docstring)."""
+    variants = run_in_subprocess(_measure, cfg_dict, steps, warmup, timeout_s=1200)
+    return {"steps": steps, "warmup": warmup, "variants": variants}
