@@ -75,12 +75,9 @@ class CompletionTracker:
     """
 
     def __init__(self, max_outstanding: int = 4096) -> None:
-        self.pending: dict[int, CollectiveTiming] = {}
-        """Functional collectives waiting for their ``wait_tensor``, by the data pointer
-        (or ``id``) of their outputs."""
+        self._outputs: dict[int, CollectiveTiming] = {}
         self._max = max_outstanding
-        self.sweep_at = 256
-        """:meth:`sweep` when :attr:`pending` grows beyond this."""
+        self._sweep_at = 256
         self.polled: list[CollectiveTiming] = []
         """Timings of ``Work`` s without a future, asked at each collective."""
         self.forgotten = 0
@@ -108,10 +105,10 @@ class CompletionTracker:
             if cuda_start is None and type(out) is _Tensor:
                 key = out.data_ptr()
                 if key:  # the usual case: one output on the CPU, one dict store
-                    table = self.pending
-                    table[key] = timing
-                    if len(table) > self.sweep_at:
-                        self.sweep()
+                    table = self._outputs
+                    table[key] = timing  # no hold: waited completes it at once
+                    if len(table) > self._sweep_at:
+                        self._sweep()
                     return
             self._remember(timing, out, cuda_start)
             return
@@ -152,7 +149,7 @@ class CompletionTracker:
     def _remember(self, timing: CollectiveTiming, out: Any, cuda_start: Any) -> None:
         outputs: Sequence[Any] = out if isinstance(out, (list, tuple)) else (out,)
         keys = []
-        table = self.pending
+        table = self._outputs
         for t in outputs:
             if isinstance(t, _Tensor):
                 key = t.data_ptr() or id(t)
@@ -161,19 +158,19 @@ class CompletionTracker:
         if not keys:
             return
         timing.hold = (outputs, keys, cuda_start)
-        if len(table) > self.sweep_at:
-            self.sweep()
+        if len(table) > self._sweep_at:
+            self._sweep()
 
-    def sweep(self) -> None:
+    def _sweep(self) -> None:
         """Forget outputs whose collective is settled (completed, or given up at the end
         of its trace), then the oldest beyond ``max_outstanding``."""
-        table = self.pending
+        table = self._outputs
         for key in [k for k, t in table.items() if t.duration is not None or t.abandoned]:
             del table[key]
         while len(table) > self._max:
             del table[next(iter(table))]
             self.forgotten += 1
-        self.sweep_at = max(256, 2 * len(table))
+        self._sweep_at = max(256, 2 * len(table))
 
     # ------------------------------------------------------------ completion
     def waited(self, tensor: Any, now: int) -> None:
@@ -181,36 +178,29 @@ class CompletionTracker:
         that produced it, if one is waiting."""
         if self.polled:
             self.poll()
-        timing = self.pending.pop(tensor.data_ptr() or id(tensor), None)
+        timing = self._outputs.pop(tensor.data_ptr() or id(tensor), None)
         if timing is None:
             return
-        if timing.hold is None:  # one CPU output (issued's fast path)
-            if timing.duration is None:
-                timing.duration = max(0, now - timing.issued)
-            return
-        self.settle(timing, now)
-
-    def settle(self, timing: CollectiveTiming, now: int) -> None:
-        """Complete a collective held by its outputs (several, or on CUDA), one of
-        which was waited at ``now``; forget the others."""
-        _outputs, keys, cuda_start = timing.hold
-        for key in keys:
-            if self.pending.get(key) is timing:
-                del self.pending[key]
-        if cuda_start is not None:
-            _finish_cuda(timing, cuda_start)
-            return
+        hold = timing.hold
+        if hold is not None:
+            _outputs, keys, cuda_start = hold
+            for key in keys:
+                if self._outputs.get(key) is timing:
+                    del self._outputs[key]
+            if cuda_start is not None:
+                _finish_cuda(timing, cuda_start)
+                return
         timing.complete(now)
 
     def clear(self) -> None:
         """Forget every output and ``Work`` still waiting (the mode is left)."""
-        self.pending.clear()
+        self._outputs.clear()
         self.polled = []
 
     @property
     def outstanding(self) -> int:
         """Functional outputs issued and not waited yet."""
-        return len(self.pending)
+        return len(self._outputs)
 
 
 def _arg(info: CollectiveInfo, args: Any, kwargs: Any, index: int, default: Any) -> Any:

@@ -358,16 +358,7 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
                 tensor = getattr(tensor, "elem", tensor)  # a lazy output: the tensor inside
                 if not isinstance(tensor, _Tensor):
                     return out
-            completions = self.completions
-            if completions.polled:
-                completions.poll()
-            timing = completions.pending.pop(tensor.data_ptr() or id(tensor), None)
-            if timing is not None:
-                if timing.hold is None:  # one CPU output: complete it here
-                    if timing.duration is None:
-                        timing.duration = now - timing.issued
-                else:
-                    completions.settle(timing, now)
+            self.completions.waited(tensor, now)
         except Exception:
             self._errors.record(message="could not time the completion of a collective")
         return out
@@ -406,16 +397,6 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
             timing.issued = _perf()
         out = func(*args, **kwargs)
         try:
-            if started is None and info.functional and type(out) is _Tensor:
-                # the usual functional collective: one CPU output, waited by its data
-                # pointer (CompletionTracker.issued's first case, without the call)
-                key = out.data_ptr()
-                if key:
-                    pending = completions.pending
-                    pending[key] = timing
-                    if len(pending) > completions.sweep_at:
-                        completions.sweep()
-                    return out
             completions.issued(info, timing, args, kwargs, out, started)
         except Exception:
             self._errors.record(info.overload, message="could not time collective %s")

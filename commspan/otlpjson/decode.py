@@ -288,41 +288,31 @@ def _gzip_lines(
     pos, number = 0, 0
     try:
         while pos < size:
-            if view[pos:pos + 3] != GZIP_MAGIC:  # garbage between members: skip to the next
-                found = mm.find(GZIP_MAGIC, pos + 1)
-                number += 1
-                reader.skip(path, number, "damaged", "not a compressed line")
-                if found < 0:
-                    return
-                pos = found
-                continue
-            d = zlib.decompressobj(31)
-            try:
-                out = d.decompress(view[pos:], limit)
-            except zlib.error as exc:
-                number += 1
-                reader.skip(path, number, "damaged", f"a compressed line that cannot be "
-                            f"decompressed ({exc})")
-                found = mm.find(GZIP_MAGIC, pos + 1)
-                if found < 0:
-                    return
-                pos = found
-                continue
-            if not d.eof:
-                number += 1
-                if len(out) >= limit:
-                    reader.skip(path, number, "too_long", _too_long(limit - 1))
-                    return
-                reader.skip(path, number, "torn", _GZ_TORN)
-                found = mm.find(GZIP_MAGIC, pos + 1)
-                if found < 0:
-                    return
-                pos = found  # a writer started afresh after a crash
-                continue
-            pos = size - len(d.unused_data)
-            for line in out.splitlines(keepends=True):
-                number += 1
-                yield number, line
+            if view[pos:pos + 3] != GZIP_MAGIC:
+                kind, reason = "damaged", "not a compressed line"
+            else:
+                d = zlib.decompressobj(31)
+                try:
+                    out = d.decompress(view[pos:], limit)
+                except zlib.error as exc:
+                    kind = "damaged"
+                    reason = f"a compressed line that cannot be decompressed ({exc})"
+                else:
+                    if d.eof:
+                        pos = size - len(d.unused_data)
+                        for line in out.splitlines(keepends=True):
+                            number += 1
+                            yield number, line
+                        continue
+                    if len(out) >= limit:
+                        reader.skip(path, number + 1, "too_long", _too_long(limit - 1))
+                        return
+                    kind, reason = "torn", _GZ_TORN
+            number += 1
+            reader.skip(path, number, kind, reason)
+            pos = mm.find(GZIP_MAGIC, pos + 1)  # the next line (a writer may start afresh)
+            if pos < 0:
+                return
     finally:
         view.release()
         if isinstance(mm, mmap.mmap):

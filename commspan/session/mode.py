@@ -506,10 +506,7 @@ class CommSpanMode:
             return None
         timing = CollectiveTiming(attrs, phase, info.name)
         rec.add_event(info.name, info.name, phase, attrs, counted, timing)
-        log = self._log
-        log.recent.append(timing)  # CollectiveLog.add, without the call
-        if len(log.recent) >= log.trim_at:
-            log.trim()
+        self._log.add(timing)
         return timing
 
     def _compiled_owner(self, dispatch: Any, in_autograd: bool) -> Ownership | None:

@@ -60,8 +60,8 @@ class CollectiveTiming:
 
     Attributes:
         name: the event's name.
-        attrs: the collective event's attributes (never changed after issue;
-            :meth:`event_attributes` returns a copy with the timing added).
+        attrs: the collective event's attributes, the dict the span's event holds
+            (:meth:`event_attributes` adds the timing to it in place).
         phase: the phase the collective is counted in.
         issued: ``time.perf_counter_ns()`` when the op was issued (the dispatch
             mode sets it right before the op runs; 0 until then).
@@ -176,25 +176,24 @@ class CollectiveLog:
         self._keep = keep
         self._size = size
         self._max_pending = max_pending
-        self.recent: list[CollectiveTiming] = []
-        """The last ``size`` to ``2 * size`` collectives, oldest first: an add is an
-        append and, at :attr:`trim_at`, a :meth:`trim` (amortised O(1))."""
-        self.trim_at = 2 * size
+        # the last ``size`` to ``2 * size`` collectives, oldest first: an add is an
+        # append and, at twice ``size``, a trim (amortised O(1))
+        self._recent: list[CollectiveTiming] = []
         self._older: list[CollectiveTiming] = []
         self.forgotten = 0
 
     def add(self, timing: CollectiveTiming) -> None:
         """Log a collective just issued."""
-        recent = self.recent
+        recent = self._recent
         recent.append(timing)
-        if len(recent) >= self.trim_at:
-            self.trim()
+        if len(recent) >= 2 * self._size:
+            self._trim()
 
-    def trim(self) -> None:
+    def _trim(self) -> None:
         """Keep the last ``size`` collectives; those before them not completed move
         to the older ones (first: a snapshot taken meanwhile may list one twice, never
         miss it, and :meth:`snapshot` lists each once)."""
-        recent = self.recent
+        recent = self._recent
         cut = len(recent) - self._size
         for timing in recent[:cut]:
             if timing.duration is None and not timing.abandoned and not timing.finished():
@@ -215,7 +214,7 @@ class CollectiveLog:
         first, the last ``keep`` and every one not completed; abandoned ones left out."""
         groups: dict[Any, list[CollectiveTiming]] = {}
         seen: set[int] = set()
-        for t in [*list(self._older), *list(self.recent)]:
+        for t in [*list(self._older), *list(self._recent)]:
             if not t.abandoned and id(t) not in seen:
                 seen.add(id(t))
                 groups.setdefault(t.attrs.get(_GROUP, ""), []).append(t)
@@ -236,7 +235,7 @@ class CollectiveLog:
 
     def clear(self) -> None:
         """Forget everything (the mode's process groups start over)."""
-        self.recent.clear()
+        self._recent.clear()
         self._older = []
 
 
