@@ -1,6 +1,9 @@
-"""OTLP/JSON, both directions, and the typed records every reader shares.
+"""OTLP/JSON, both directions, OTLP/protobuf encoding, and the typed records every reader
+shares.
 
 - :mod:`~commspan.otlpjson.encode`: SDK spans -> one OTLP/JSON request (bytes);
+- :mod:`~commspan.otlpjson.protobuf`: SDK spans -> one OTLP/protobuf request
+  (bytes), what the OTLP/HTTP exporter sends;
 - :mod:`~commspan.otlpjson.decode`: JSONL lines -> documents -> spans, with one
   walk over a document and one attribute decoder;
 - :mod:`~commspan.otlpjson.records`: :class:`SpanRecord`, :class:`ReadReport`,

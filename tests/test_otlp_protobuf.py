@@ -1,0 +1,296 @@
+"""commspan's OTLP/protobuf encoder against the SDK's.
+
+The encoder is checked against the SDK's: for real commspan spans (the tensor
+parallel Transformer on the fake process group) and for hand-made spans
+covering every field (remote parents, links, trace state, events, every
+attribute type, statuses, kinds, dropped counts, several resources and
+scopes), the bytes parse with the official ``ExportTraceServiceRequest`` into
+a message equal to the SDK's ``encode_spans(spans)``, and are the same bytes
+as its ``SerializePartialToString()``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from types import MappingProxyType
+from typing import Any
+
+import pytest
+from opentelemetry import trace
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import Event, ReadableSpan, SpanLimits, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import (
+    Link,
+    NonRecordingSpan,
+    SpanContext,
+    SpanKind,
+    Status,
+    StatusCode,
+    TraceState,
+)
+
+from commspan import CommSpanMode
+from commspan.otlpjson import protobuf
+from commspan.otlpjson.protobuf import encode_spans_protobuf
+from commspan.testing.models import ModelArgs, Transformer, make_batch, parallelize, train_step
+
+
+def assert_same_as_sdk(spans: Sequence[ReadableSpan]) -> None:
+    """Our bytes parse into the SDK's message, and are its serialization byte for byte."""
+    ours = encode_spans_protobuf(spans)
+    expected = encode_spans(spans)
+    assert ExportTraceServiceRequest.FromString(ours) == expected
+    assert ours == expected.SerializePartialToString()
+
+
+def _provider(resource: Resource | None = None, **limits: int) -> tuple[TracerProvider,
+                                                                        InMemorySpanExporter]:
+    memory = InMemorySpanExporter()
+    provider = TracerProvider(resource=resource or Resource.create({"service.name": "t"}),
+                              span_limits=SpanLimits(**limits) if limits else None)
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    return provider, memory
+
+
+# every attribute value type, with the edges of each
+VALUES: dict[str, Any] = {
+    "str": "x",
+    "empty": "",
+    "unicode": "ünï — 字 🎉",
+    "zero": 0,
+    "small": 7,
+    "negative": -1,
+    "negative_large": -(1 << 40),
+    "int64_min": -(1 << 63),
+    "int64_max": (1 << 63) - 1,
+    "large": 123_456_789_012,
+    "true": True,
+    "false": False,
+    "float": 1.5,
+    "float_zero": 0.0,
+    "float_negative_zero": -0.0,
+    "float_inf": float("inf"),
+    "float_negative": -2.25e-300,
+    "strs": ["a", "", "é"],
+    "ints": [1, -1, 1 << 62, 0],
+    "bools": [True, False],
+    "floats": [0.0, -0.0, 3.5],
+    "empty_list": [],
+}
+
+
+# ------------------------------------------------------------------ equivalence
+@pytest.fixture(scope="module")
+def commspan_steps(fake_pg: None) -> list[list[ReadableSpan]]:
+    """The spans of three traced steps of the TP Transformer (checkpointed block), per step."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (4,))
+    args = ModelArgs(n_layers=2, checkpoint={1: False})
+    model = parallelize(Transformer(args), mesh)
+    provider, memory = _provider()
+    mode = CommSpanMode(tracer_provider=provider, run_id="protobuf-test")
+    steps = []
+    with mode:
+        for i in range(3):
+            with mode.step(i):
+                train_step(model, *make_batch(args, seed=i))
+            steps.append(list(memory.get_finished_spans()))
+            memory.clear()
+    mode.shutdown()
+    return steps
+
+
+def test_commspan_spans(commspan_steps: list[list[ReadableSpan]]) -> None:
+    """A step's spans (modules, collectives with their events) encode as the SDK encodes
+    them, step after step (the later steps from the caches), and all steps at once."""
+    assert all(len(step) > 10 for step in commspan_steps)
+    assert any(s.events for s in commspan_steps[0]), "the model issues collectives"
+    for step in commspan_steps:
+        assert_same_as_sdk(step)
+    assert_same_as_sdk([s for step in commspan_steps for s in step])
+
+
+def test_every_field_of_sdk_spans() -> None:
+    """Nested and remote parents, links, trace state, events, every attribute type,
+    ERROR with and without message, OK, every kind, several resources and scopes."""
+    provider, memory = _provider()
+    other, other_memory = _provider(Resource.create({"service.name": "other", "rank": 3},
+                                                    schema_url="https://schema/r"))
+    tracer = provider.get_tracer("commspan", "1.2", schema_url="https://schema/s",
+                                 attributes={"scope.attr": "v", "n": 2})
+    unversioned = provider.get_tracer("bare")
+    remote = SpanContext(0xABC, 0xDEF, is_remote=True,
+                         trace_state=TraceState([("k", "v"), ("vendor", "a=b")]))
+    local = SpanContext(1 << 127, (1 << 64) - 1, is_remote=False)
+    with tracer.start_as_current_span("root", kind=SpanKind.SERVER, attributes=VALUES,
+                                      start_time=1, links=[Link(remote, {"why": "follows"}),
+                                                           Link(local)]) as root:
+        root.add_event("no attributes", timestamp=5)
+        root.add_event("with attributes", {"a": 1, "b": "two", "c": [1.0, 2.0]})
+        with unversioned.start_as_current_span("child", kind=SpanKind.CLIENT) as child:
+            child.set_status(Status(StatusCode.ERROR, "boom"))
+            with tracer.start_as_current_span("grandchild", kind=SpanKind.PRODUCER) as g:
+                g.set_status(Status(StatusCode.ERROR))
+        with tracer.start_as_current_span("ok", kind=SpanKind.CONSUMER) as ok:
+            ok.set_status(Status(StatusCode.OK))
+    remote_ctx = trace.set_span_in_context(NonRecordingSpan(remote))
+    with tracer.start_as_current_span("remote child", context=remote_ctx):
+        pass
+    with other.get_tracer("commspan", "1.2").start_as_current_span("other", attributes={"": 1}):
+        pass
+    with tracer.start_as_current_span("", attributes={"k": "unnamed"}):
+        pass
+    spans = [*memory.get_finished_spans(), *other_memory.get_finished_spans()]
+    # interleave the resources and scopes: the grouping keeps first-seen order
+    spans = spans[::2] + spans[1::2]
+    assert_same_as_sdk(spans)
+    for span in spans:
+        assert_same_as_sdk([span])
+
+
+def test_equal_resources_and_scopes_group_together() -> None:
+    """Distinct but equal resource and scope objects share a group, as in the SDK."""
+    res = [Resource({"service.name": "a"}), Resource({"service.name": "a"}),
+           Resource({"service.name": "b"})]
+    scopes = [InstrumentationScope("s", "1"), InstrumentationScope("s", "1"),
+              InstrumentationScope("s", "2", attributes={"x": 1}), None]
+    spans = [
+        ReadableSpan(f"s{i}", SpanContext(9, i + 1, False), resource=res[i % 3],
+                     instrumentation_scope=scopes[i % 4], start_time=i, end_time=i + 1)
+        for i in range(24)
+    ]
+    assert_same_as_sdk(spans)
+    decoded = ExportTraceServiceRequest.FromString(encode_spans_protobuf(spans))
+    assert len(decoded.resource_spans) == 2
+    assert [len(r.scope_spans) for r in decoded.resource_spans] == [3, 3]
+
+
+def test_dropped_counts() -> None:
+    """Attributes, events, links and their attributes beyond the limits are counted."""
+    provider, memory = _provider(max_span_attributes=2, max_events=1, max_links=1,
+                                 max_event_attributes=1, max_link_attributes=1)
+    tracer = provider.get_tracer("t")
+    link = SpanContext(3, 4, False)
+    with tracer.start_as_current_span(
+        "limited", attributes={"a": 1, "b": 2, "c": 3},
+        links=[Link(link, {"x": 1, "y": 2}), Link(link)],
+    ) as span:
+        span.add_event("e1", {"p": 1, "q": 2})
+        span.add_event("e2")
+    (limited,) = memory.get_finished_spans()
+    assert limited.dropped_attributes and limited.dropped_events and limited.dropped_links
+    assert_same_as_sdk([limited])
+
+
+class _PropertiesOnly:
+    """A span-like object with only ReadableSpan's public properties."""
+
+    def __init__(self, span: ReadableSpan) -> None:
+        self._wrapped = span
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._wrapped, name)
+
+    def get_span_context(self) -> Any:
+        return self._wrapped.get_span_context()
+
+
+def test_hand_made_readable_spans() -> None:
+    """ReadableSpans built directly: plain dicts, None attributes, bytes, mappings and None
+    in values, no times; and span-like objects read through their public properties."""
+    ctx = SpanContext(5, 6, False)
+    spans = [
+        ReadableSpan("plain", ctx, attributes={"b": b"\x00\xff", "none": None,
+                                               "with_none": ("a", None), "map": {"k": [1, 2]},
+                                               "nested": [[1], [2]], "tuple": (1, 2)}),
+        ReadableSpan("no attributes", ctx, parent=SpanContext(5, 7, True), attributes=None,
+                     events=(Event("e", None, timestamp=0), Event("f", {"x": "y"}, 3)),
+                     kind=SpanKind.CONSUMER, status=Status(StatusCode.ERROR, "é"),
+                     start_time=10, end_time=0),
+        ReadableSpan("links only", ctx, links=(Link(SpanContext(1, 2, True), None),),
+                     attributes=MappingProxyType({"m": 1}), start_time=None, end_time=20),
+    ]
+    assert_same_as_sdk(spans)
+    assert_same_as_sdk([_PropertiesOnly(s) for s in spans])  # type: ignore[misc]
+
+
+def test_attributes_the_sdk_cannot_encode_are_left_out(caplog: pytest.LogCaptureFixture) -> None:
+    """Ints outside int64 and values of other types are dropped, the rest encoded."""
+    ctx = SpanContext(5, 6, False)
+    attrs = {"ok": 1, "too big": 1 << 64, "too small": -(1 << 63) - 1, "object": object(),
+             "bad in array": [1, object()], "last": "kept"}
+    span = ReadableSpan("s", ctx, attributes=attrs)
+    logging.getLogger("opentelemetry").setLevel(logging.CRITICAL)  # the SDK logs tracebacks
+    try:
+        with caplog.at_level(logging.WARNING, logger=protobuf.__name__):
+            assert_same_as_sdk([span])
+    finally:
+        logging.getLogger("opentelemetry").setLevel(logging.NOTSET)
+    decoded = ExportTraceServiceRequest.FromString(encode_spans_protobuf([span]))
+    keys = [kv.key for kv in decoded.resource_spans[0].scope_spans[0].spans[0].attributes]
+    assert keys == ["ok", "last"]
+    assert sum("Failed to encode attribute" in r.getMessage() for r in caplog.records) >= 4
+
+
+def test_an_unencodable_span_raises() -> None:
+    """A span the SDK cannot encode either (an unknown kind, no context) raises."""
+    span = ReadableSpan("s", SpanContext(1, 2, False), kind="not a kind")  # type: ignore[arg-type]
+    with pytest.raises(KeyError):
+        encode_spans(span_list := [span])
+    with pytest.raises(KeyError):
+        encode_spans_protobuf(span_list)
+    no_context = [ReadableSpan("s")]
+    with pytest.raises(AttributeError):
+        encode_spans(no_context)
+    with pytest.raises(ValueError, match="has no SpanContext"):
+        encode_spans_protobuf(no_context)
+
+
+def test_caches_stay_bounded_and_correct(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past their bounds the caches are cleared and the output stays right: with the real
+    bounds (more distinct entries than they hold) and with tiny ones (cleared constantly)."""
+    ctx = SpanContext(1, 2, False)
+
+    def batch(n: int, width: int, salt: str) -> list[ReadableSpan]:
+        return [
+            ReadableSpan(f"{salt}{i}", SpanContext(i + 1, i + 1, False), parent=ctx,
+                         attributes={f"{salt}k{j}": f"{salt}v{i}.{j}" if j % 2 else i * width + j
+                                     for j in range(width)})
+            for i in range(n)
+        ]
+
+    distinct = protobuf._CACHE_MAX + 100
+    spans = batch(distinct // 32 + 1, 32, "a")
+    assert_same_as_sdk(spans)
+    assert len(protobuf._ENTRY_CACHE) <= protobuf._CACHE_MAX
+    assert len(protobuf._BLOBS) <= protobuf._BLOBS_MAX
+    assert len(protobuf._TRACE_IDS) <= 256
+    assert_same_as_sdk(spans[:50])  # the first spans' entries were evicted meanwhile
+
+    monkeypatch.setattr(protobuf, "_CACHE_MAX", 3)
+    monkeypatch.setattr(protobuf, "_BLOBS_MAX", 2)
+    small = batch(20, 6, "b")
+    for _ in range(3):
+        assert_same_as_sdk(small)
+        assert len(protobuf._ENTRY_CACHE) <= 3 and len(protobuf._KEY_CACHE) <= 3
+        assert len(protobuf._BLOBS) <= 2 and len(protobuf._NAMES) <= 3
+
+
+def test_cache_keys_tell_bools_ints_and_floats_apart() -> None:
+    """``True == 1 == 1.0`` and ``0.0 == -0.0``: the caches still encode each as its type."""
+    ctx = SpanContext(1, 2, False)
+    values = [1, True, 1.0, 0, False, 0.0, -0.0, [1, 0], [True, False], [1.0, 0.0],
+              [-0.0], (1,), (True,), ("1",)]
+    spans = [ReadableSpan("s", ctx, attributes={"k": v, "s": "x"}) for v in values]
+    for _ in range(2):  # the second time from the caches
+        for span in spans:
+            assert_same_as_sdk([span])
