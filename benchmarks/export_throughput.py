@@ -1,4 +1,5 @@
-"""Exporter throughput: JSONL spans/s and ``Aggregator.from_jsonl`` events/s.
+"""Exporter throughput: JSONL spans/s, OTLP/protobuf encoding spans/s (the SDK's
+encoder against commspan's) and ``Aggregator.from_jsonl`` events/s.
 
 Runs in one spawned process with one thread. The spans are real: those of a
 few traced steps of the tensor-parallel model over torch's fake process
@@ -6,7 +7,11 @@ group (world 4), collected by a span exporter that keeps what commspan hands
 it. They are then written again and again by a ``JsonlSpanExporter`` to a
 file in a temporary directory (page cache; files are replaced between timed
 passes so they stay small), and a file of many steps is read back with
-``Aggregator.from_jsonl``.
+``Aggregator.from_jsonl``. The same spans are encoded as an OTLP
+``ExportTraceServiceRequest`` by the SDK's encoder (what its OTLP/HTTP exporter
+does on the export thread: ``encode_spans(spans).SerializePartialToString()``)
+and by commspan's (``encode_spans_protobuf``), alternately, after checking
+that both give the same bytes.
 """
 
 from __future__ import annotations
@@ -109,6 +114,40 @@ def _time_exports(
     return {"spans_per_s": best_wall, "spans_per_cpu_s": best_cpu, "bytes_per_batch": nbytes}
 
 
+def _time_encoders(batch: list[Any], min_seconds: float, repeats: int) -> dict[str, float]:
+    """Best spans per CPU second of the SDK's and commspan's OTLP/protobuf encoders on
+    ``batch``, timed alternately (a shared machine slows both alike)."""
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+
+    from commspan.otlpjson.protobuf import encode_spans_protobuf
+
+    def sdk(spans: Sequence[Any]) -> bytes:
+        return encode_spans(spans).SerializePartialToString()  # type: ignore[no-any-return]
+
+    expected = sdk(batch)
+    if encode_spans_protobuf(batch) != expected:
+        raise RuntimeError("commspan's OTLP/protobuf encoding differs from the SDK's")
+    best = {"sdk": 0.0, "commspan": 0.0}
+    for _ in range(repeats):
+        for name, fn in (("sdk", sdk), ("commspan", encode_spans_protobuf)):
+            n = 0
+            c0 = time.process_time()
+            while True:
+                fn(batch)
+                n += 1
+                c1 = time.process_time()
+                if c1 - c0 >= min_seconds:
+                    break
+            best[name] = max(best[name], n * len(batch) / (c1 - c0))
+    return {
+        "batch_spans": len(batch),
+        "bytes_per_span": len(expected) / len(batch),
+        "sdk_spans_per_s": best["sdk"],
+        "commspan_spans_per_s": best["commspan"],
+        "speedup": best["commspan"] / best["sdk"],
+    }
+
+
 def _worker(cfg_dict: dict[str, Any], capture_steps: int, file_steps: int, min_seconds: float,
             repeats: int) -> dict[str, Any]:
     quiet()
@@ -130,6 +169,8 @@ def _worker(cfg_dict: dict[str, Any], capture_steps: int, file_steps: int, min_s
         packed = _time_exports(one_step, d, min_seconds, repeats, compress=True)
         large_batch = (all_spans * (LARGE_BATCH // len(all_spans) + 1))[:LARGE_BATCH]
         large = _time_exports(large_batch, d, min_seconds, repeats)
+        protobuf = _time_encoders(one_step, min_seconds, repeats)
+        protobuf_large = _time_encoders(large_batch, min_seconds, repeats)
 
         # a file of many steps, one line per step (as a small export batch writes)
         path = d / "steps.jsonl"
@@ -196,6 +237,7 @@ def _worker(cfg_dict: dict[str, Any], capture_steps: int, file_steps: int, min_s
             "gzip_cpu_ms_per_step": (1 / packed["spans_per_cpu_s"] - 1 / small["spans_per_cpu_s"])
             * len(one_step) * 1e3,
         },
+        "otlp_protobuf": {"one_step": protobuf, "large": protobuf_large},
         "from_jsonl": {
             "steps": file_steps,
             "spans": n_spans,

@@ -151,6 +151,14 @@ def _export_section(export: dict[str, Any]) -> str:
             f"(×{j['bytes_per_step'] / max(j['gzip_bytes_per_step'], 1):.1f} smaller) "
             f"for {j['gzip_cpu_ms_per_step']:.2f} ms more CPU per step"]]
           if "gzip_bytes_per_step" in j else []),
+        *[[f"OTLP/protobuf encoding, {what}: SDK encoder / commspan's",
+            f"{e['sdk_spans_per_s']:,.0f} / {e['commspan_spans_per_s']:,.0f} spans/s",
+            f"×{e['speedup']:.1f}; {e['batch_spans']} spans/batch, "
+            f"{e['bytes_per_span']:.0f} B/span, the same bytes"]
+           for what, e in ((w, export.get("otlp_protobuf", {}).get(k))
+                           for w, k in (("one step per batch", "one_step"),
+                                        ("large batches", "large")))
+           if e],
         ["Aggregator.from_jsonl", f"{f['events_per_s']:,.0f} events/s",
          f"{f['spans_per_s']:,.0f} spans/s; file of {f['steps']} steps, {f['spans']:,} spans, "
          f"{f['events']:,} events, {f['bytes'] / 1e6:.1f} MB; wall {f['events_per_wall_s']:,.0f} "
