@@ -1,4 +1,4 @@
-"""commspan's OTLP/protobuf encoder against the SDK's.
+"""commspan's OTLP/protobuf encoder and the OTLP/HTTP exporter that uses it.
 
 The encoder is checked against the SDK's: for real commspan spans (the tensor
 parallel Transformer on the fake process group) and for hand-made spans
@@ -6,23 +6,28 @@ covering every field (remote parents, links, trace state, events, every
 attribute type, statuses, kinds, dropped counts, several resources and
 scopes), the bytes parse with the official ``ExportTraceServiceRequest`` into
 a message equal to the SDK's ``encode_spans(spans)``, and are the same bytes
-as its ``SerializePartialToString()``.
+as its ``SerializePartialToString()``. The exporter is checked against an
+HTTP endpoint on 127.0.0.1 that keeps what it receives.
 """
 
 from __future__ import annotations
 
+import http.server
 import logging
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from types import MappingProxyType
 from typing import Any
 
 import pytest
+import torch
 from opentelemetry import trace
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.exporter.otlp.proto.http import trace_exporter as sdk_http
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import Event, ReadableSpan, SpanLimits, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import (
@@ -36,6 +41,7 @@ from opentelemetry.trace import (
 )
 
 from commspan import CommSpanMode
+from commspan.exporters import _otlp_http, otlp_exporter
 from commspan.otlpjson import protobuf
 from commspan.otlpjson.protobuf import encode_spans_protobuf
 from commspan.testing.models import ModelArgs, Transformer, make_batch, parallelize, train_step
@@ -294,3 +300,126 @@ def test_cache_keys_tell_bools_ints_and_floats_apart() -> None:
     for _ in range(2):  # the second time from the caches
         for span in spans:
             assert_same_as_sdk([span])
+
+
+# ------------------------------------------------------------------ the exporter
+class _Endpoint:
+    """An OTLP/HTTP endpoint on 127.0.0.1 answering 200 and keeping every body."""
+
+    def __init__(self) -> None:
+        owner = self
+        self.bodies: list[bytes] = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
+                owner.bodies.append(self.rfile.read(int(self.headers["Content-Length"])))
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                """Quiet."""
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}/v1/traces"
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+@pytest.fixture()
+def endpoint() -> Iterator[_Endpoint]:
+    server = _Endpoint()
+    yield server
+    server.close()
+
+
+def _some_spans() -> list[ReadableSpan]:
+    provider, memory = _provider()
+    with provider.get_tracer("t").start_as_current_span("parent", attributes=VALUES):
+        with provider.get_tracer("t").start_as_current_span("child"):
+            pass
+    return list(memory.get_finished_spans())
+
+
+def test_http_exporter_sends_what_the_sdk_would(endpoint: _Endpoint) -> None:
+    """otlp_exporter('http/protobuf') is the SDK's exporter with the fast encoder: the body
+    it posts is the SDK's encoding of the batch."""
+    exporter = otlp_exporter(protocol="http/protobuf", endpoint=endpoint.url)
+    assert isinstance(exporter, sdk_http.OTLPSpanExporter)
+    assert isinstance(exporter, _otlp_http.OTLPSpanExporter) and exporter.fast_encoding
+    spans = _some_spans()
+    assert exporter.export(spans) is SpanExportResult.SUCCESS
+    exporter.shutdown()
+    assert endpoint.bodies == [encode_spans(spans).SerializePartialToString()]
+    assert exporter.export(spans) is SpanExportResult.FAILURE  # after shutdown, as the SDK
+
+
+def test_grpc_stays_the_sdk_exporter() -> None:
+    """gRPC is the SDK's own exporter."""
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+    exporter = otlp_exporter(protocol="grpc", endpoint="127.0.0.1:4317", insecure=True)
+    assert type(exporter) is OTLPSpanExporter
+    exporter.shutdown()
+
+
+def test_encoding_failure_fails_the_batch_and_is_counted(
+    endpoint: _Endpoint, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An exception while encoding fails the export (logged as the SDK logs it, nothing
+    sent); under a mode the step goes on and the spans count as failed."""
+
+    def broken(spans: Sequence[ReadableSpan]) -> bytes:
+        raise RuntimeError("encoder bug")
+
+    monkeypatch.setattr(_otlp_http, "encode_spans_protobuf", broken)
+    exporter = otlp_exporter(protocol="http/protobuf", endpoint=endpoint.url)
+    with caplog.at_level(logging.ERROR):
+        assert exporter.export(_some_spans()) is SpanExportResult.FAILURE
+    assert any("Failed to encode span batch: encoder bug" in r.getMessage()
+               for r in caplog.records)
+
+    model = torch.nn.Linear(4, 4)
+    mode = CommSpanMode(exporters=[exporter], run_id="protobuf-failure")
+    with mode:
+        for i in range(2):
+            with mode.step(i):
+                model(torch.randn(2, 4)).sum().backward()
+    mode.shutdown()
+    stats = mode.stats()
+    assert stats["spans"] > 0 and stats["spans_failed"] == stats["spans"], stats
+    assert endpoint.bodies == []
+
+
+def test_request_size_limit(endpoint: _Endpoint) -> None:
+    """A batch over max_request_size is dropped before sending, as the SDK does."""
+    exporter = _otlp_http.OTLPSpanExporter(endpoint=endpoint.url, max_request_size=10)
+    assert exporter.export(_some_spans()) is SpanExportResult.FAILURE
+    assert endpoint.bodies == []
+
+
+def test_falls_back_to_the_sdk_export_when_members_are_missing(
+    endpoint: _Endpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An SDK without a member the fast path uses (simulated) gets the SDK's own export."""
+    exporter = _otlp_http.OTLPSpanExporter(endpoint=endpoint.url)
+    del exporter._metrics
+    assert exporter._missing() == ["_metrics.export_operation"]
+
+    monkeypatch.setattr(_otlp_http, "_SDK_NAMES",
+                        (*_otlp_http._SDK_NAMES, "_not_in_this_version"))
+
+    def unused(spans: Sequence[ReadableSpan]) -> bytes:
+        raise AssertionError("the fallback must not use commspan's encoder")
+
+    monkeypatch.setattr(_otlp_http, "encode_spans_protobuf", unused)
+    fallback = otlp_exporter(protocol="http/protobuf", endpoint=endpoint.url)
+    assert isinstance(fallback, sdk_http.OTLPSpanExporter) and not fallback.fast_encoding
+    spans = _some_spans()
+    assert fallback.export(spans) is SpanExportResult.SUCCESS
+    assert endpoint.bodies == [encode_spans(spans).SerializePartialToString()]
