@@ -8,6 +8,7 @@ Run from the repository root (commspan installed, e.g. ``pip install -e .``)::
     python -m benchmarks --only export,memory --json /tmp/bench.json
     python -m benchmarks --only timing   # what collective timing costs per collective
     python -m benchmarks --only stalls   # slowest steps against the median, export running
+    python -m benchmarks --only offline  # the CLI over 1,024 generated rank files x 20 steps
 
 Targets are reported PASS/FAIL but never change the exit status: it is 1
 only when a section could not run.
@@ -30,7 +31,8 @@ from typing import Any
 
 from benchmarks.workload import SIZES, ModelConfig
 
-SECTIONS = ("step", "export", "memory", "profile", "labels", "timing", "tracesize", "stalls")
+SECTIONS = ("step", "export", "memory", "profile", "labels", "timing", "tracesize", "stalls",
+            "offline")
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "latest.json"
 
 
@@ -195,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.hotspots import run_profile
     from benchmarks.labels import run_labels
     from benchmarks.memory import run_memory
+    from benchmarks.offline import run_offline
     from benchmarks.stalls import run_stalls
     from benchmarks.step_overhead import run_step_overhead
     from benchmarks.timing import run_timing
@@ -252,6 +255,13 @@ def main(argv: list[str] | None = None) -> int:
         lambda: run_tracesize(worlds),
     )
 
+    offline_world = 64 if ns.quick else 1024
+    section(
+        "offline",
+        f"summary, table, check and from_jsonl over {offline_world} generated rank files "
+        "x 20 steps with digests",
+        lambda: run_offline(world=offline_world, steps=20),
+    )
     section(
         "stalls",
         f"step wall times with export running, {plan.stall_steps} steps per variant, "

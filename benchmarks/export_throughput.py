@@ -85,7 +85,8 @@ def _events(spans: Sequence[Any]) -> int:
 
 
 def _time_exports(
-    batch: list[Any], directory: Path, min_seconds: float, repeats: int, compress: bool = False
+    batch: list[Any], directory: Path, min_seconds: float, repeats: int, compress: bool = False,
+    digest: bool = False,
 ) -> dict[str, float]:
     """Best of ``repeats`` passes of at least ``min_seconds`` exporting ``batch``."""
     from commspan.exporters import JsonlSpanExporter
@@ -94,7 +95,7 @@ def _time_exports(
     nbytes = 0
     for rep in range(repeats):
         path = directory / f"throughput-{rep}.jsonl"
-        exporter = JsonlSpanExporter(path, compress=compress)
+        exporter = JsonlSpanExporter(path, compress=compress, digest=digest)
         exporter.export(batch)  # opens the file; not timed
         n = 0
         w0, c0 = time.perf_counter(), time.process_time()
@@ -109,9 +110,16 @@ def _time_exports(
         exporter.shutdown()
         nbytes = path.stat().st_size // (n + 1)
         path.unlink()
+        if digest:
+            side = Path(str(path) + ".digest")
+            nbytes_digest = side.stat().st_size // (n + 1)
+            side.unlink()
         best_wall = max(best_wall, n * len(batch) / (w1 - w0))
         best_cpu = max(best_cpu, n * len(batch) / max(c1 - c0, 1e-9))
-    return {"spans_per_s": best_wall, "spans_per_cpu_s": best_cpu, "bytes_per_batch": nbytes}
+    out = {"spans_per_s": best_wall, "spans_per_cpu_s": best_cpu, "bytes_per_batch": nbytes}
+    if digest:
+        out["digest_bytes_per_batch"] = nbytes_digest
+    return out
 
 
 def _time_encoders(batch: list[Any], min_seconds: float, repeats: int) -> dict[str, float]:
@@ -167,6 +175,7 @@ def _worker(cfg_dict: dict[str, Any], capture_steps: int, file_steps: int, min_s
         d = Path(tmp)
         small = _time_exports(one_step, d, min_seconds, repeats)
         packed = _time_exports(one_step, d, min_seconds, repeats, compress=True)
+        digested = _time_exports(one_step, d, min_seconds, repeats, digest=True)
         large_batch = (all_spans * (LARGE_BATCH // len(all_spans) + 1))[:LARGE_BATCH]
         large = _time_exports(large_batch, d, min_seconds, repeats)
         protobuf = _time_encoders(one_step, min_seconds, repeats)
@@ -213,6 +222,19 @@ def _worker(cfg_dict: dict[str, Any], capture_steps: int, file_steps: int, min_s
             gz_cpu.append(time.process_time() - c0)
         if gz_agg.total_count() != ingested:
             raise RuntimeError("the compressed file counts differently from the plain one")
+        # the same steps with digests (JsonlSpanExporter(digest=True)), compressed lines
+        dg_path = d / "steps-digest.jsonl.gz"
+        exporter = JsonlSpanExporter(dg_path, compress=True, digest=True)
+        for i in range(file_steps):
+            exporter.export(per_step[i % len(per_step)])
+        exporter.shutdown()
+        dg_cpu = []
+        for _ in range(repeats):
+            c0 = time.process_time()
+            dg_agg = Aggregator.from_jsonl(dg_path)
+            dg_cpu.append(time.process_time() - c0)
+        if dg_agg.to_dict() != agg.to_dict():
+            raise RuntimeError("the digests count differently from the lines")
     best, best_cpu = min(times), min(cpu_times)
     return {
         "config": cfg_dict,
@@ -236,6 +258,11 @@ def _worker(cfg_dict: dict[str, Any], capture_steps: int, file_steps: int, min_s
             "gzip_spans_per_s": packed["spans_per_cpu_s"],
             "gzip_cpu_ms_per_step": (1 / packed["spans_per_cpu_s"] - 1 / small["spans_per_cpu_s"])
             * len(one_step) * 1e3,
+            "digest_spans_per_s": digested["spans_per_cpu_s"],
+            "digest_kb_per_step": digested["digest_bytes_per_batch"] / 1e3,
+            "digest_cpu_ms_per_step": (
+                1 / digested["spans_per_cpu_s"] - 1 / small["spans_per_cpu_s"]
+            ) * len(one_step) * 1e3,
         },
         "otlp_protobuf": {"one_step": protobuf, "large": protobuf_large},
         "from_jsonl": {
@@ -253,6 +280,7 @@ def _worker(cfg_dict: dict[str, Any], capture_steps: int, file_steps: int, min_s
             "parse_only_events_per_s": n_events / min(parse_cpu),
             "parse_only_mb_per_s": size / 1e6 / min(parse_cpu),
             "gzip_events_per_s": n_events / min(gz_cpu),
+            "digest_events_per_s": n_events / min(dg_cpu),
             "cpu_seconds_all": cpu_times,
             "wall_seconds_all": times,
         },

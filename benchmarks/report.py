@@ -20,8 +20,18 @@ TARGETS: list[tuple[str, str, str, str, float]] = [
      "export.jsonl.gzip_kb_per_step", "<=", 50.0),
     ("jsonl_spans_per_s", "JsonlSpanExporter spans/s (one core)", "export.jsonl.spans_per_s",
      ">=", 200_000),
-    ("from_jsonl_events_per_s", "Aggregator.from_jsonl events/s",
+    ("from_jsonl_events_per_s", "Aggregator.from_jsonl events/s, lines only",
      "export.from_jsonl.events_per_s", ">=", 500_000),
+    ("from_jsonl_digest_events_per_s", "Aggregator.from_jsonl events/s, digest=True",
+     "export.from_jsonl.digest_events_per_s", ">=", 500_000),
+    ("offline_from_jsonl", "Aggregator.from_jsonl events/s, 1,024 ranks x 20 steps",
+     "offline.from_jsonl.events_per_s", ">=", 500_000),
+    ("offline_summary_s", "commspan summary, 1,024 ranks x 20 steps (s)",
+     "offline.commands.summary.seconds", "<=", 60.0),
+    ("offline_table_s", "commspan table, 1,024 ranks x 20 steps (s)",
+     "offline.commands.table.seconds", "<=", 60.0),
+    ("offline_check_s", "commspan check, 1,024 ranks x 20 steps (s)",
+     "offline.commands.check.seconds", "<=", 60.0),
     ("rss_growth", "RSS growth over 1,000 traced steps, commspan + JSONL (MB)",
      "memory.variants.commspan_jsonl.projected_growth_mb", "<", 20.0),
     ("stalls_jsonl", "p99 / median step wall time, commspan + JSONL",
@@ -166,6 +176,13 @@ def _export_section(export: dict[str, Any]) -> str:
         *([["Aggregator.from_jsonl, the same file compressed",
             f"{f['gzip_events_per_s']:,.0f} events/s", ""]]
           if "gzip_events_per_s" in f else []),
+        *([["JsonlSpanExporter(digest=True).export, one step per batch",
+            f"{j['digest_spans_per_s']:,.0f} spans/s",
+            f"digest {j['digest_kb_per_step']:,.1f} kB per step, "
+            f"{j['digest_cpu_ms_per_step']:.2f} ms more CPU per step than plain"],
+           ["Aggregator.from_jsonl, the same file compressed, with its digest",
+            f"{f['digest_events_per_s']:,.0f} events/s", "JsonlSpanExporter(digest=True)"]]
+          if "digest_events_per_s" in f else []),
         ["  ceiling: orjson.loads of the same lines only",
          f"{f['parse_only_events_per_s']:,.0f} events/s",
          f"{f['parse_only_mb_per_s']:,.0f} MB/s of OTLP/JSON; "
@@ -319,6 +336,28 @@ def _stalls_section(data: dict[str, Any]) -> str:
     )
 
 
+def _offline_section(data: dict[str, Any]) -> str:
+    rows = [
+        [name, f"{c['seconds']:.1f} s", f"CPU {c['cpu_seconds']:.1f} s, peak RSS "
+         f"{c['peak_rss_mb']:,.0f} MB, exit {c['status']}"]
+        for name, c in data["commands"].items()
+    ]
+    f = data["from_jsonl"]
+    rows.append(["Aggregator.from_jsonl(rank='all')", f"{f['seconds']:.1f} s",
+                 f"{f['events']:,} collective events, {f['events_per_s']:,.0f} events/s"])
+    w = data["without_digests"]
+    rows.append([f"summary without digests, {w['ranks']} ranks", f"{w['summary']['seconds']:.1f} s",
+                 f"projected to {data['world']} ranks: {w['projected_seconds']:,.0f} s"])
+    g = data["generate_seconds"]
+    head = (
+        f"Offline at scale: {data['files']} rank files x {data['steps']} steps "
+        f"({data['jsonl_gz_mb']:,.0f} MB of compressed JSONL, {data['digest_mb']:,.0f} MB of "
+        f"digests; generated in {g['base_ranks'] + g['rank_files_and_digests']:.0f} s, "
+        "benchmarks/offline.py says how)"
+    )
+    return "\n".join([head, "", _table(["what", "time", "details"], rows, right={1})])
+
+
 def _tracesize_section(data: dict[str, Any]) -> str:
     worlds = data["worlds"]
     kinds = list(next(iter(worlds.values()))["step_bytes"]) if worlds else []
@@ -362,7 +401,7 @@ def format_report(results: dict[str, Any]) -> str:
                      ("memory", _memory_section), ("profile", _profile_section),
                      ("labels", _labels_section), ("timing", _timing_section),
                      ("stalls", _stalls_section),
-                     ("tracesize", _tracesize_section)):
+                     ("tracesize", _tracesize_section), ("offline", _offline_section)):
         if name in results:
             data = results[name]
             if isinstance(data, dict) and data.get("error"):

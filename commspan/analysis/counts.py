@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from opentelemetry.context import Context
@@ -439,8 +440,9 @@ class Aggregator(SpanProcessor):
         agg = cls()
         ranks: set[Any] = set()
         only = rank if isinstance(rank, int) else None
+        regions = _use_digests(agg, files, only, ranks, report)
         with paused_gc():  # millions of small acyclic dicts: GC passes cost more than parsing
-            for path, number, doc in reader.documents(files):
+            for path, number, doc in reader.documents(files, regions):
                 try:
                     spans, adds = _decode_document(doc)
                 except (TypeError, KeyError, AttributeError, ValueError) as exc:
@@ -502,6 +504,34 @@ class Aggregator(SpanProcessor):
 
 
 # ------------------------------------------------------------------ helpers
+def _use_digests(
+    agg: Aggregator, files: Sequence[Path], only: int | None, ranks: set[Any],
+    report: ReadReport | None,
+) -> dict[str, list[tuple[int, int, int]]]:
+    """Fold what the files' digests stand for (docs/jsonl.md, "Digests") into ``agg``;
+    returns the byte ranges of each file still to be parsed."""
+    from commspan.analysis.digest import PartMerger, read_digest
+
+    regions: dict[str, list[tuple[int, int, int]]] = {}
+    merger = PartMerger(agg, only)
+    for path in files:
+        digest = read_digest(path)
+        if digest is None:
+            continue
+        for parts, spans in zip(digest.parts, digest.lines):
+            if parts is None:
+                continue
+            merger.add(parts)
+            if report is not None:
+                report.lines += 1
+                report.spans += spans
+                report.commspan_spans += sum(p["commspan_spans"] for p in parts)
+        regions[os.fspath(path)] = digest.gaps(path.stat().st_size)
+    merger.finish()
+    ranks |= merger.ranks
+    return regions
+
+
 _SPAN_KEYS = frozenset(
     {
         semconv.MODULE_FQN,

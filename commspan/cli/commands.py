@@ -14,13 +14,16 @@ import json
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from commspan import semconv
 from commspan.analysis.runs import Selection, SelectionError, StepRange, format_numbers, select
 from commspan.otlpjson.decode import read_spans
 from commspan.otlpjson.files import jsonl_files
 from commspan.otlpjson.records import ReadReport, SpanRecord
+
+if TYPE_CHECKING:
+    from commspan.analysis.digest import PartSelection
 
 __all__ = ["COMMANDS", "ERROR_STATUS", "Damaged", "Outcome", "Reader"]
 
@@ -83,6 +86,25 @@ class Reader:
         """Read ``paths`` and select with the command's ``--run`` and ``--step(s)``."""
         return self.select(self.read(paths), _first(self.args.run), *_steps_of(self.args, 0))
 
+    def load_digested(self, paths: Sequence[str]) -> PartSelection | None:
+        """:meth:`load` from the files' digests (docs/jsonl.md, "Digests"), selected
+        the same way; ``None`` when a file has none (then :meth:`load`)."""
+        from commspan.analysis.digest import load_parts, select_parts
+
+        files = jsonl_files(paths, param="FILES")
+        parts = load_parts(files, self.report, self.args.max_line_mib * _MIB)
+        if parts is None or not any(p["commspan_spans"] for p in parts):
+            return None  # (no commspan span: load() says so)
+        steps, option = _steps_of(self.args, 0)
+        try:
+            sel = select_parts(parts, run=_first(self.args.run), steps=steps)
+        except SelectionError as exc:
+            name = "--run" if exc.param == "run" else (option or "--steps")
+            raise ValueError(f"{name} {exc.value}: {exc.detail}") from None
+        if sel.note:
+            self.notes.append(f"commspan: {sel.note} (--run ID picks another)")
+        return sel
+
 
 def _first(values: Sequence[Any] | None, index: int = 0) -> Any:
     if not values:
@@ -98,11 +120,13 @@ def _steps_of(args: argparse.Namespace, index: int) -> tuple[StepRange | None, s
     return None, None
 
 
-def _ranks(sel: Selection) -> set[int | None]:
-    return {r.rank for r in sel.records if semconv.MODULE_FQN in r.attributes}
+def _ranks(sel: Selection | PartSelection) -> set[int | None]:
+    if isinstance(sel, Selection):
+        return {r.rank for r in sel.records if semconv.MODULE_FQN in r.attributes}
+    return {p["rank"] for p in sel.parts if p["commspan_spans"]}
 
 
-def _rank_filter(rank: int | str | None, sel: Selection) -> int | None:
+def _rank_filter(rank: int | str | None, sel: Selection | PartSelection) -> int | None:
     """The rank to count (``None``: all), after checking ``--rank`` against the files."""
     present = _ranks(sel)
     numbered = sorted(r for r in present if r is not None)
@@ -130,13 +154,19 @@ def _json(data: Any) -> str:
 def table(args: argparse.Namespace, reader: Reader) -> Outcome:
     """The module tree with counts per phase (``--show``: and what each module issued)."""
     from commspan.analysis.counts import Aggregator
+    from commspan.analysis.digest import aggregate_parts
     from commspan.analysis.issued import issued
     from commspan.render.details import issued_notes
     from commspan.render.table import module_table
 
-    sel = reader.load(args.files)
-    rank = _rank_filter(args.rank, sel)
-    agg = Aggregator.from_records(sel.records, rank="all" if rank is None else rank)
+    fast = None if args.show else reader.load_digested(args.files)
+    if fast is not None:
+        rank = _rank_filter(args.rank, fast)
+        agg = aggregate_parts(fast.parts, rank)
+    else:
+        sel = reader.load(args.files)
+        rank = _rank_filter(args.rank, sel)
+        agg = Aggregator.from_records(sel.records, rank="all" if rank is None else rank)
     if args.by_mesh_dim:
         return _mesh_dim_view(agg, args.json)
     tree = agg.to_dict()
@@ -174,16 +204,26 @@ def _mesh_dim_view(agg: Any, as_json: bool) -> Outcome:
 def summary(args: argparse.Namespace, reader: Reader) -> Outcome:
     """Spans, traces, ranks, steps and collectives per phase and op; the runs."""
     from commspan.analysis.counts import Aggregator
+    from commspan.analysis.digest import aggregate_parts, summarize_parts
     from commspan.analysis.issued import issued
     from commspan.analysis.summary import summarize
     from commspan.render.details import runs_lines, summary_rows
     from commspan.render.table import summary_table
 
-    sel = reader.load(args.files)
-    rank = _rank_filter(args.rank, sel)
-    agg = Aggregator.from_records(sel.records, rank="all" if rank is None else rank)
-    data = summarize(agg, sel.records, rank)
-    rows = issued(sel.records, rank=rank) if args.show else []
+    fast = None if args.show else reader.load_digested(args.files)
+    sel: Selection | PartSelection
+    if fast is not None:
+        sel = fast
+        rank = _rank_filter(args.rank, fast)
+        agg = aggregate_parts(fast.parts, rank)
+        data = summarize_parts(agg, fast.parts, rank)
+        rows = []
+    else:
+        sel = slow = reader.load(args.files)
+        rank = _rank_filter(args.rank, slow)
+        agg = Aggregator.from_records(slow.records, rank="all" if rank is None else rank)
+        data = summarize(agg, slow.records, rank)
+        rows = issued(slow.records, rank=rank) if args.show else []
     data["run"] = sel.run.run_id if sel.run else None
     data["runs"] = [r.to_dict() for r in sel.runs]
     if args.show:
@@ -289,10 +329,17 @@ def check(args: argparse.Namespace, reader: Reader) -> Outcome:
     """Cross-rank consistency: status 1 when something was found."""
     from commspan.analysis import build_run
     from commspan.analysis import check as run_check
+    from commspan.analysis.digest import run_from_parts
     from commspan.render.findings import format_check
 
-    sel = reader.load(args.files)
-    result = run_check(build_run(sel.records, module_spans=False))
+    fast = reader.load_digested(args.files)
+    sel: Selection | PartSelection
+    if fast is not None:
+        sel = fast
+        result = run_check(run_from_parts(fast.parts))
+    else:
+        sel = slow = reader.load(args.files)
+        result = run_check(build_run(slow.records, module_spans=False))
     status = 0 if result.ok else 1
     if args.json:
         data = result.to_dict()
@@ -387,6 +434,21 @@ def plan(args: argparse.Namespace, reader: Reader) -> Outcome:
     return Outcome(_json(result.to_dict()) if args.json else result.table())
 
 
+def digest(args: argparse.Namespace, reader: Reader) -> Outcome:
+    """``commspan digest FILES``: write each file's digest (docs/jsonl.md, "Digests")."""
+    from commspan.analysis.digest import write_digest
+
+    files = jsonl_files(args.files, param="FILES")
+    lines = 0
+    for path in files:
+        try:
+            lines += write_digest(path)
+        except OSError as exc:
+            raise OSError(f"{path}: cannot write its digest ({exc.strerror or exc})") from None
+    what = f"{len(files)} files" if len(files) > 1 else str(files[0])
+    return Outcome(f"digests written for {what}: {lines} lines")
+
+
 class PlanError(RuntimeError):
     """The user's setup or step raised: its type, place and message in one line."""
 
@@ -439,6 +501,7 @@ def _load_function(target: str) -> Callable[[], Any]:
 
 COMMANDS: dict[str, Callable[[argparse.Namespace, Reader], Outcome]] = {
     "plan": plan,
+    "digest": digest,
     "table": table,
     "summary": summary,
     "html": html,

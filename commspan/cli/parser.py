@@ -187,6 +187,13 @@ def build_parser() -> argparse.ArgumentParser:
     for name, command in commands.items():
         _selection(command, twice=name == "diff")
 
+    digest = sub.add_parser(
+        "digest", epilog=_EPILOG,
+        help="write the digest of JSONL files written without one, so that summary, "
+             "table and check read them fast")
+    digest.add_argument("files", nargs="+", metavar="FILES",
+                        help="JSONL files or directories of *.jsonl files")
+
     plan = sub.add_parser(
         "plan", epilog=_EPILOG,
         help="one step of one rank of a large job, on this CPU (fake process group): "
@@ -224,6 +231,8 @@ def check_usage(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     of one path needs two steps or two runs. Exits with status 2 (usage) otherwise."""
     if args.command == "table" and args.by_mesh_dim and (args.show or args.noise):
         parser.error("--by-mesh-dim is a table of its own; it takes neither --show nor --noise")
+    if args.command == "digest":
+        return
     if args.command == "plan":
         if args.rank >= args.world:
             parser.error(f"--rank {args.rank} is not valid with --world {args.world}; "

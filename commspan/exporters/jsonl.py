@@ -68,6 +68,14 @@ class JsonlSpanExporter(SpanExporter):
             lines (``zcat`` shows them); the default file name of a directory ends
             in ``.jsonl.gz``. Every commspan reader reads both kinds, and a line
             cut short by a crash costs that line only, as in a plain file.
+        digest: also append, for each line, a digest line to ``<file>.digest``:
+            the counts, collectives and steps of the line's spans, folded per rank
+            and trace, so that ``Aggregator.from_jsonl`` and ``commspan
+            summary``/``table``/``check`` read a thousand-rank run in seconds
+            (docs/jsonl.md, "Digests"). Readers check each digest line against
+            the JSONL line it stands for and parse the lines it does not cover;
+            the JSONL file stays complete on its own. Costs the export thread
+            about as much again as encoding the line.
 
     Raises:
         TypeError: ``path`` is not a str or path.
@@ -81,7 +89,12 @@ class JsonlSpanExporter(SpanExporter):
     """
 
     def __init__(
-        self, path: str | os.PathLike[str], *, fsync: bool = False, compress: bool | int = False
+        self,
+        path: str | os.PathLike[str],
+        *,
+        fsync: bool = False,
+        compress: bool | int = False,
+        digest: bool = False,
     ) -> None:
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(
@@ -98,8 +111,14 @@ class JsonlSpanExporter(SpanExporter):
                 f"compress={compress!r} is not valid; pass True (gzip level 1), False, or "
                 "a gzip level from 1 (fastest) to 9 (smallest)"
             )
+        if not isinstance(digest, bool):
+            raise ValueError(f"digest={digest!r} is not valid; pass True or False")
         self._template = os.fspath(path)
         _check_template(self._template)
+        self.digest = digest
+        """Whether a digest line follows each line, in ``<file>.digest``."""
+        self._digest_fd: int | None = None
+        self._digest_texts: Any = None
         self._fsync = fsync
         self.compress_level = level
         """The gzip level each line is written with; 0: not compressed."""
@@ -142,6 +161,8 @@ class JsonlSpanExporter(SpanExporter):
             )
             return None
         st = os.fstat(fd)
+        if self.digest:
+            self._open_digest(path, fresh=st.st_size == 0)
         self._fd = fd
         self._file_id = (st.st_dev, st.st_ino)
         self._size = st.st_size
@@ -232,7 +253,50 @@ class JsonlSpanExporter(SpanExporter):
             self._size = start + written
             self.lines_written += 1
             self.bytes_written += len(data)
+            if self._digest_fd is not None:
+                lead = 1 if data[:1] == b"\n" else 0
+                self._write_digest(spans, data, start + lead, lead)
         return SpanExportResult.SUCCESS
+
+    def _open_digest(self, path: Path, fresh: bool) -> None:
+        """Open ``<file>.digest`` for appending (emptied when the JSONL file is new: its
+        lines would not match); a digest that cannot be opened only costs speed."""
+        from commspan.analysis.digest import DigestTexts
+
+        self._close_digest()
+        self._digest_texts = DigestTexts()
+        side = os.fspath(path) + ".digest"
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
+        try:
+            self._digest_fd = os.open(side, flags | (os.O_TRUNC if fresh else 0), 0o644)
+        except OSError as exc:
+            self._warn_once(
+                "digest", "commspan: cannot write the digest %s (%s); readers parse the "
+                "JSONL file instead (not logged again)", side, exc,
+            )
+
+    def _write_digest(self, spans: Sequence[ReadableSpan], data: bytes, offset: int,
+                      lead: int) -> None:
+        # the one import of analysis from here: the digest folds spans as readers do
+        from commspan.analysis.digest import digest_line, span_records
+
+        assert self._digest_fd is not None
+        try:
+            line = digest_line(span_records(spans), memoryview(data)[lead:], offset,
+                               len(spans), self._digest_texts)
+            os.write(self._digest_fd, line)
+        except Exception as exc:  # never fail an export for its digest
+            self._warn_once(
+                "digest", "commspan: a digest line for %s could not be written (%s: %s); "
+                "readers parse the lines it misses (not logged again)",
+                self.path, type(exc).__name__, exc,
+            )
+
+    def _close_digest(self) -> None:
+        if self._digest_fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._digest_fd)
+            self._digest_fd = None
 
     def _undo(self, fd: int, start: int, written: int) -> None:
         """After a short write, cut the file back to where the line began; if that is
@@ -252,6 +316,7 @@ class JsonlSpanExporter(SpanExporter):
         self._warned.warn(_log, kind, message, *args)
 
     def _close_fd(self) -> None:
+        self._close_digest()
         if self._fd is not None:
             with contextlib.suppress(OSError):
                 os.close(self._fd)

@@ -21,7 +21,7 @@ import logging
 import mmap
 import os
 import zlib
-from collections.abc import Container, Iterator, Sequence
+from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -183,14 +183,29 @@ class LineReader:
         self.pause_gc = pause_gc
         self._logged = 0
 
-    def documents(self, paths: Sequence[str | os.PathLike[str]]) -> Iterator[tuple[Path, int, Any]]:
+    def documents(
+        self,
+        paths: Sequence[str | os.PathLike[str]],
+        regions: Mapping[str, Sequence[tuple[int, int, int]]] | None = None,
+    ) -> Iterator[tuple[Path, int, Any]]:
         """``(file, line number, parsed line)`` for every line that is an OTLP/JSON
-        trace request; the others are skipped (or raise)."""
+        trace request; the others are skipped (or raise).
+
+        ``regions`` maps a path (as given) to the ``(start, stop, lines)`` byte ranges
+        to read of it, each starting at a line, ``lines`` being the number of lines
+        not read between the previous range and this one (they keep line numbers
+        right); paths absent from it are read whole.
+        """
         limit = self.max_line_bytes + 1  # the line and its newline
         loads = orjson.loads
         for p in paths:
             path = Path(p)
-            for number, raw in _raw_lines(path, limit, self):
+            ranges = regions.get(os.fspath(p)) if regions is not None else None
+            if ranges is None:
+                lines: Iterable[tuple[int, bytes]] = _raw_lines(path, limit, self)
+            else:
+                lines = _ranges(path, limit, self, ranges)
+            for number, raw in lines:
                 complete = raw[-1:] == b"\n"
                 if raw.isspace():  # (no copy, unlike strip())
                     continue
@@ -249,19 +264,39 @@ _GZ_TORN = ("the file ends inside this compressed line: a write cut short by a c
             "or a file still being written")
 
 
-def _raw_lines(path: Path, limit: int, reader: LineReader) -> Iterator[tuple[int, bytes]]:
-    """``(line number, bytes)`` of each line of ``path``, compressed or not; lines the
-    reader must skip whole (too long, an undecodable compressed line) go to it."""
+def _ranges(
+    path: Path, limit: int, reader: LineReader, ranges: Sequence[tuple[int, int, int]]
+) -> Iterator[tuple[int, bytes]]:
+    """The lines of byte ranges of ``path``, numbered as in the whole file."""
+    last = 0
+    for start, stop, unread in ranges:
+        last += unread
+        for number, raw in _raw_lines(path, limit, reader, start, stop, last + 1):
+            last = number
+            yield number, raw
+
+
+def _raw_lines(
+    path: Path, limit: int, reader: LineReader, start: int = 0, stop: int | None = None,
+    first: int = 1,
+) -> Iterator[tuple[int, bytes]]:
+    """``(line number, bytes)`` of each line of ``path``, compressed or not, from byte
+    ``start`` (a line's start, numbered ``first``) to ``stop``; lines the reader must
+    skip whole (too long, an undecodable compressed line) go to it."""
     with path.open("rb") as fh:
+        if start:
+            fh.seek(start)
         if fh.peek(3)[:3] == GZIP_MAGIC:  # (peek: a FIFO cannot seek back)
-            yield from _gzip_lines(path, fh, limit, reader)
+            yield from _gzip_lines(path, fh, limit, reader, start, stop, first)
             return
         readline = fh.readline
-        number = 0
-        while True:
+        number = first - 1
+        pos = start
+        while stop is None or pos < stop:
             raw = readline(limit)
             if not raw:
                 return
+            pos += len(raw)
             number += 1
             if raw[-1:] != b"\n" and len(raw) == limit:
                 reader.skip(path, number, "too_long", _too_long(limit - 1))
@@ -270,7 +305,8 @@ def _raw_lines(path: Path, limit: int, reader: LineReader) -> Iterator[tuple[int
 
 
 def _gzip_lines(
-    path: Path, fh: Any, limit: int, reader: LineReader
+    path: Path, fh: Any, limit: int, reader: LineReader, start: int = 0,
+    stop: int | None = None, first: int = 1,
 ) -> Iterator[tuple[int, bytes]]:
     """The lines of a file of gzip members (one per exported line, docs/jsonl.md).
 
@@ -284,8 +320,8 @@ def _gzip_lines(
         fh.seek(0)
         mm = fh.read()
     view = memoryview(mm)
-    size = len(view)
-    pos, number = 0, 0
+    size = len(view) if stop is None else min(stop, len(view))
+    pos, number = start, first - 1
     try:
         while pos < size:
             if view[pos:pos + 3] != GZIP_MAGIC:
@@ -293,7 +329,7 @@ def _gzip_lines(
             else:
                 d = zlib.decompressobj(31)
                 try:
-                    out = d.decompress(view[pos:], limit)
+                    out = d.decompress(view[pos:size], limit)
                 except zlib.error as exc:
                     kind = "damaged"
                     reason = f"a compressed line that cannot be decompressed ({exc})"
@@ -310,7 +346,7 @@ def _gzip_lines(
                     kind, reason = "torn", _GZ_TORN
             number += 1
             reader.skip(path, number, kind, reason)
-            pos = mm.find(GZIP_MAGIC, pos + 1)  # the next line (a writer may start afresh)
+            pos = mm.find(GZIP_MAGIC, pos + 1, size)  # the next line (a writer may start afresh)
             if pos < 0:
                 return
     finally:
@@ -499,8 +535,22 @@ def read_spans(
         >>> spans
         []
     """
+    yield from read_spans_in(paths, strict=strict, report=report, max_line_bytes=max_line_bytes)
+
+
+def read_spans_in(
+    paths: Sequence[str | os.PathLike[str]],
+    *,
+    strict: bool = True,
+    report: ReadReport | None = None,
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+    regions: Mapping[str, Sequence[tuple[int, int, int]]] | None = None,
+) -> Iterator[SpanRecord]:
+    """:func:`read_spans` of parts of files: ``regions`` maps a path (as given) to the
+    ``(start, stop, lines not read before it)`` byte ranges to read of it (each
+    starting at a line); a path absent from it is read whole."""
     reader = LineReader(strict, report, max_line_bytes, True)
-    for path, number, doc in reader.documents(paths):
+    for path, number, doc in reader.documents(paths, regions):
         try:
             records = list(_records(doc))
         except DECODE_ERRORS as exc:
@@ -514,6 +564,15 @@ def read_spans(
                     report.commspan_spans += 1
                     report.ranks.add(r.rank)
         yield from records
+
+
+def request_spans(doc: dict[str, Any]) -> list[SpanRecord]:
+    """The span records of one parsed OTLP/JSON request (one JSONL line).
+
+    Raises:
+        KeyError, TypeError, AttributeError, ValueError: a malformed request.
+    """
+    return list(_records(doc))
 
 
 def _records(doc: dict[str, Any]) -> Iterator[SpanRecord]:

@@ -1,0 +1,914 @@
+"""Digests: a small side file that lets thousand-rank runs be read in seconds.
+
+A JSONL line holds every span of an export batch, about 1 kB per span; reading
+a run back means parsing all of it. ``JsonlSpanExporter(digest=True)`` also
+appends, for each line it writes, one *digest line* to ``<file>.digest``: what
+the offline readers need from that line, already folded per rank and trace:
+
+* the aggregator's counts, module records, per-owner sums and mesh-dimension
+  sums (:meth:`commspan.Aggregator.from_jsonl`, ``commspan summary``/``table``);
+* one row per collective event with the fields of a
+  :class:`~commspan.analysis.records.CollectiveRecord` (``commspan check``);
+* the rank spans, span counts, first start and last end, step and run of each
+  trace (run and step selection, ``summary``).
+
+The JSONL stays the record: a digest line names the byte offset, length and a
+checksum of the start of the line it stands for, and a reader uses it only when
+the JSONL file still holds that line there. Lines without a valid digest (a
+crash between the two writes, a digest that could not be written, a line holding
+a hang record, spans without a rank) are parsed from the JSONL as usual, so a
+run with digests gives the same answers as without them (docs/jsonl.md,
+"Digests"). The digest is plain JSON lines, also beside a compressed file: what
+repeats (a module's counts, a collective's group, shapes and module) is written
+once per file and named, so it stays a few kB per step.
+
+Example:
+    >>> from commspan.analysis.digest import digest_path
+    >>> str(digest_path("run/commspan-rank0.jsonl"))
+    'run/commspan-rank0.jsonl.digest'
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import orjson
+
+from commspan import semconv
+from commspan.analysis.counts import Aggregator
+from commspan.analysis.records import CollectiveRecord, HangRecord, RankStep, Run, _collective
+from commspan.analysis.runs import (
+    RunInfo,
+    SelectionError,
+    StepRange,
+    _find,
+    format_numbers,
+)
+from commspan.otlpjson.decode import DECODE_ERRORS, GZIP_MAGIC, read_spans_in, request_spans
+from commspan.otlpjson.records import DEFAULT_MAX_LINE_BYTES, ReadReport, SpanRecord, rank_value
+
+__all__ = [
+    "DIGEST_SUFFIX",
+    "DIGEST_VERSION",
+    "DigestPart",
+    "DigestTexts",
+    "FileDigest",
+    "PartMerger",
+    "PartSelection",
+    "aggregate_parts",
+    "list_part_runs",
+    "load_parts",
+    "select_parts",
+    "summarize_parts",
+    "write_digest",
+    "digest_line",
+    "digest_parts",
+    "digest_path",
+    "read_digest",
+    "span_records",
+]
+
+DIGEST_SUFFIX = ".digest"
+"""Appended to a JSONL file's name to name its digest."""
+DIGEST_VERSION = 1
+"""The version written in every digest line (``"digest"``); other versions are ignored."""
+_SAMPLE = 64  # bytes at the start, middle and end of a line whose CRC-32 the digest keeps
+
+DigestPart = dict[str, Any]
+"""The digest of one (rank, trace) of one line: see :func:`digest_parts`."""
+
+
+def digest_path(path: str | os.PathLike[str]) -> Path:
+    """The digest file of a JSONL file: its name with ``.digest`` appended."""
+    return Path(os.fspath(path) + DIGEST_SUFFIX)
+
+
+def _sample_ranges(length: int) -> list[tuple[int, int]]:
+    """``(start, size)`` of the bytes of a line of ``length`` bytes whose CRC-32 stands
+    for the line: its start, middle and end (lines start alike: span ids and times in
+    the middle tell them apart)."""
+    mid = max(0, length // 2 - _SAMPLE // 2)
+    return [(0, min(_SAMPLE, length)), (mid, min(_SAMPLE, length - mid)),
+            (max(0, length - _SAMPLE), min(_SAMPLE, length))]
+
+
+def _sample_crc(line: bytes | memoryview) -> int:
+    crc = 0
+    for start, size in _sample_ranges(len(line)):
+        crc = zlib.crc32(line[start:start + size], crc)
+    return crc
+
+
+def span_records(spans: Sequence[Any]) -> list[SpanRecord]:
+    """SDK spans as the :class:`~commspan.otlpjson.records.SpanRecord` s a reader would
+    get back from their JSONL line, as far as digests read them: ids as hex, event
+    array values as lists; span attributes stay the SDK's mapping (arrays as tuples)."""
+    out = []
+    resources: dict[int, dict[str, Any]] = {}
+    for span in spans:
+        try:  # the stored fields of SDK spans: their properties copy on every access
+            ctx, parent, name = span._context, span._parent, span._name
+            start, end, attrs = span._start_time, span._end_time, span._attributes
+            events, resource = span._events, span._resource
+        except AttributeError:
+            ctx, parent, name = span.context, span.parent, span.name
+            start, end, attrs = span.start_time, span.end_time, span.attributes
+            events, resource = span.events, span.resource
+        res = resources.get(id(resource))
+        if res is None:
+            res = resources[id(resource)] = _plain(resource.attributes if resource else None)
+        out.append(
+            SpanRecord(
+                name=name,
+                trace_id=f"{ctx.trace_id:032x}" if ctx is not None else "",
+                span_id=f"{ctx.span_id:016x}" if ctx is not None else "",
+                parent_span_id=f"{parent.span_id:016x}" if parent is not None else "",
+                start_time=start or 0,
+                end_time=end or 0,
+                attributes=attrs if attrs is not None else {},
+                events=[(e.name, _plain(e.attributes)) for e in events] if events else [],
+                event_times=[e.timestamp for e in events] if events else [],
+                rank=rank_value(res.get(semconv.RANK)),
+                resource=res,
+            )
+        )
+    return out
+
+
+def _plain(attrs: Any) -> dict[str, Any]:
+    if not attrs:
+        return {}
+    return {k: list(v) if type(v) is tuple else v for k, v in attrs.items()}
+
+
+def _hashable(v: Any) -> Any:
+    return tuple(v) if type(v) is list else v
+
+
+_AGG_SPAN_KEYS = frozenset({
+    semconv.MODULE_TYPE, semconv.MODULE_DEPTH, semconv.PARAM_NAMES, semconv.PARAM_PLACEMENTS,
+    semconv.PARAM_SHAPES,
+})
+_AGG_EVENT_KEYS = frozenset({
+    semconv.COLL_OP, semconv.OWNER_CREDIT, semconv.PHASE, semconv.OWNER_FQN,
+    semconv.MODULE_FQN, semconv.REDIST_SRC, semconv.REDIST_DST, semconv.TENSOR_BYTES,
+    semconv.MESH_DIM_NAME, semconv.MESH_DIM, semconv.PG_NAME,
+})
+_CONTRIBUTIONS: dict[Any, str] = {}
+_CONTRIBUTIONS_MAX = 1 << 14
+
+
+def _contribution(fqn: str, rec: SpanRecord) -> str:
+    """What one commspan span adds to an :class:`Aggregator`, as JSON text
+    (:func:`_agg_state`); the same for a module's span of one kind step after step,
+    so kept in a bounded cache keyed by what the aggregator reads of the span."""
+    prefix = semconv.COUNT_PREFIX
+    try:
+        key = (
+            fqn,
+            tuple([(k, _hashable(v)) for k, v in rec.attributes.items()
+                   if k in _AGG_SPAN_KEYS or k.startswith(prefix)]),
+            tuple([tuple([(k, _hashable(v)) for k, v in ev.items() if k in _AGG_EVENT_KEYS])
+                   for _name, ev in rec.events if semconv.COLL_OP in ev]),
+        )
+        text = _CONTRIBUTIONS.get(key)
+    except TypeError:  # a value that cannot be a key (a nested list): no caching
+        key, text = None, None
+    if text is None:
+        one = Aggregator()
+        one._add(fqn, rec.attributes, rec.start_time, rec.events)
+        text = _agg_state(one)
+        if key is not None:
+            if len(_CONTRIBUTIONS) >= _CONTRIBUTIONS_MAX:
+                _CONTRIBUTIONS.clear()
+            _CONTRIBUTIONS[key] = text
+    return text
+
+
+# ------------------------------------------------------------------ building
+def digest_parts(records: Iterable[SpanRecord]) -> list[DigestPart] | None:
+    """The digest of the spans of one line, one part per (run, rank, trace) in order of
+    first appearance; ``None`` when the line holds what a digest does not carry (a
+    hang record, a span without a rank): readers then parse the line itself.
+
+    Each part is a dict: ``run``, ``rank``, ``world_size``, ``sample``, ``trace``,
+    ``spans`` (spans of the trace), ``present`` (spans other than the step root),
+    ``commspan_spans``, ``start``/``end`` (earliest start and latest end of every
+    span), ``present_start`` (earliest start of the spans counted in ``present``),
+    ``step`` (from a step, rank or hang span), ``rank_step`` (the rank span's
+    ``[span_id, start, end, step]``), ``aggs`` (what each commspan span adds to an
+    :class:`Aggregator`, as JSON text: :func:`_agg_state`) with ``first`` (when each
+    started, after ``start``), and the collectives: ``tmpls`` (what stays the same
+    step after step, as JSON text) and ``coll`` (JSON text of ``[template index,
+    seq, issued_ns, duration_ns]`` rows).
+    """
+    parts: dict[tuple[str, int, str], _Part] = {}
+    resources: dict[int, tuple[str, int | None, str | None]] = {}
+    span_step, span_rank, span_hang = semconv.SPAN_STEP, semconv.SPAN_RANK, semconv.SPAN_HANG
+    fqn_key, step_key, op_key = semconv.MODULE_FQN, semconv.STEP, semconv.COLL_OP
+    for rec in records:
+        rank = rec.rank
+        name = rec.name
+        if rank is None or name == span_hang:
+            return None
+        attrs = rec.attributes
+        res = rec.resource
+        known = resources.get(id(res))
+        if known is None:
+            run = res.get(semconv.RUN_ID)
+            world = res.get(semconv.WORLD_SIZE)
+            sample = res.get(semconv.SAMPLING_RANKS)
+            known = resources[id(res)] = (
+                str(run) if run else "",
+                world if isinstance(world, int) and not isinstance(world, bool) and world > 0
+                else None,
+                str(sample) if sample else None,
+            )
+        run = known[0]
+        if not run and attrs.get(semconv.RUN_ID):
+            run = str(attrs[semconv.RUN_ID])
+        key = (run, rank, rec.trace_id)
+        part = parts.get(key)
+        if part is None:
+            part = parts[key] = _Part(run, rank, rec.trace_id, rec.start_time, rec.end_time)
+            part.world_size, part.sample = known[1], known[2]
+        start = rec.start_time
+        part.spans += 1
+        if start < part.start:
+            part.start = start
+        if rec.end_time > part.end:
+            part.end = rec.end_time
+        if semconv.WORLD_SIZE in attrs and known[1] is None:
+            world = attrs[semconv.WORLD_SIZE]
+            if isinstance(world, int) and world > 0:
+                part.world_size = max(part.world_size or 0, world)
+        if name == span_step or name == span_rank:
+            step = attrs.get(step_key)
+            if type(step) is not int:
+                step = None
+            if part.step is None:
+                part.step = step
+            if name == span_step:
+                continue
+            part.rank_step = [rec.span_id, start, rec.end_time, step]
+        part.present += 1
+        if part.present_start is None or start < part.present_start:
+            part.present_start = start
+        fqn = attrs.get(fqn_key)
+        if fqn is not None:
+            part.commspan_spans += 1
+            part.aggs.append(_contribution(str(fqn), rec))
+            part.first.append(start)
+        if rec.events:
+            for (_name, ev), t in zip(rec.events, _times(rec)):
+                if op_key in ev:
+                    c = _collective(rank, None, rec.trace_id, t, ev)
+                    if c is not None:
+                        part.coll.append(list(c[3:]))
+    return [part.done() for part in parts.values()]
+
+
+class _Part:
+    """A part being built (:func:`digest_parts`)."""
+
+    __slots__ = ("run", "rank", "trace", "world_size", "sample", "spans", "present",
+                 "commspan_spans", "start", "end", "present_start", "step", "rank_step",
+                 "aggs", "first", "coll")
+
+    def __init__(self, run: str, rank: int, trace: str, start: int, end: int) -> None:
+        self.run, self.rank, self.trace = run, rank, trace
+        self.world_size: int | None = None
+        self.sample: str | None = None
+        self.spans = self.present = self.commspan_spans = 0
+        self.start, self.end = start, end
+        self.present_start: int | None = None
+        self.step: int | None = None
+        self.rank_step: list[Any] | None = None
+        self.aggs: list[str] = []
+        self.first: list[int] = []
+        self.coll: list[list[Any]] = []
+
+    def done(self) -> DigestPart:
+        part = {name: getattr(self, name) for name in self.__slots__}
+        # a collective is its template (what stays the same step after step: group,
+        # op, shapes, module, ...) and what changes (sequence number, time, duration);
+        # the rows as JSON text: only check reads them, and a string costs the other
+        # readers one copy instead of thousands of objects
+        templates: dict[str, int] = {}
+        rows = []
+        for row in self.coll:
+            seq, issued, duration = row[2], row[12], row[13]
+            row[2] = row[12] = row[13] = None
+            text = orjson.dumps(row).decode()
+            index = templates.setdefault(text, len(templates))
+            rows.append([index, seq, issued, duration])
+        part["tmpls"] = list(templates)
+        part["coll"] = orjson.dumps(rows).decode()
+        return part
+
+
+def _times(rec: SpanRecord) -> Iterator[int]:
+    yield from rec.event_times
+    while True:
+        yield rec.start_time
+
+
+def _agg_state(agg: Aggregator) -> str:
+    """What an aggregator holds, as JSON text without the times modules first ran (the
+    text is then the same step after step for a module's span; readers fold each
+    distinct text once: :class:`PartMerger`)."""
+    return orjson.dumps({
+        "counts": agg._counts,
+        "modules": [
+            [m.fqn, m.type, m.depth, [[n, s, p] for n, (s, p) in m.params.items()]]
+            for m in agg._modules.values()
+        ],
+        "summaries": [[*k, *v] for k, v in agg._summaries.items()],
+        "by_dim": [[*k, *v] for k, v in agg._by_dim.items()],
+        "global": agg._seen_global,
+    }).decode()
+
+
+class PartMerger:
+    """Folds the aggregator states of digest parts into an :class:`Aggregator`.
+
+    Parts of the same modules doing the same thing carry the same state text; each
+    distinct text is decoded and folded once, times the number of parts carrying it,
+    with the earliest time each module first ran.
+
+    Args:
+        agg: the aggregator to fold into (on :meth:`finish`).
+        rank: fold the parts of this rank only (``None``: every rank).
+    """
+
+    def __init__(self, agg: Aggregator, rank: int | None) -> None:
+        self.agg = agg
+        self.rank = rank
+        self.ranks: set[int] = set()
+        """Ranks of the parts that hold commspan spans, whether folded or not."""
+        self._pending: dict[str, list[Any]] = {}  # text -> [times, earliest start]
+        # id(table) -> (a digest's texts by number, how many times each was used)
+        self._tables: dict[int, tuple[dict[int, Any], Counter[int]]] = {}
+
+    def add(self, parts: Iterable[DigestPart]) -> None:
+        """Note the parts of one line."""
+        for part in parts:
+            if not part["commspan_spans"]:
+                continue
+            r = part["rank"]
+            self.ranks.add(r)
+            if self.rank is not None and r != self.rank:
+                continue
+            table = part.get("table")
+            if table is not None:  # read from a digest: numbers of its texts
+                slot = self._tables.get(id(table))
+                if slot is None:
+                    slot = self._tables[id(table)] = (table, Counter())
+                slot[1].update(part["aggs"])
+                continue
+            pending = self._pending
+            for text, first in zip(part["aggs"], part["first"]):
+                known = pending.get(text)
+                if known is None:
+                    pending[text] = [1, first]
+                else:
+                    known[0] += 1
+                    known[1] = min(known[1], first)
+
+    def finish(self) -> Aggregator:
+        """Fold everything noted into the aggregator and return it."""
+        pending = self._pending
+        for table, counts in self._tables.values():
+            for number, times in counts.items():
+                text, first = table[number]
+                known = pending.get(text)
+                if known is None:
+                    pending[text] = [times, first]
+                else:
+                    known[0] += times
+                    known[1] = min(known[1], first)
+        for text, (times, first) in pending.items():
+            _merge_agg(self.agg, orjson.loads(text), times, first)
+        pending.clear()
+        self._tables.clear()
+        return self.agg
+
+
+def _merge_agg(agg: Aggregator, state: dict[str, Any], times: int, first: int) -> None:
+    """Fold a part's aggregator state, ``times`` over, into ``agg``."""
+    from commspan.analysis.tree import ModuleRecord
+
+    counts = agg._counts
+    for fqn, phases in state["counts"].items():
+        mine = counts.setdefault(fqn, {})
+        for phase, ops in phases.items():
+            slot = mine.setdefault(phase, {})
+            for op, n in ops.items():
+                slot[op] = slot.get(op, 0) + n * times
+    modules = agg._modules
+    seen = first
+    for fqn, mtype, depth, params in state["modules"]:
+        rec = modules.get(fqn)
+        if rec is None:
+            rec = modules[fqn] = ModuleRecord(fqn, mtype, depth, seen)
+        elif not rec.type and mtype:
+            rec.type, rec.depth = mtype, depth
+            rec.first_seen = min(rec.first_seen, seen)
+        elif seen < rec.first_seen:
+            rec.first_seen, rec.depth = seen, depth
+        elif rec.params:
+            continue
+        for name, shape, placement in params:
+            rec.params[name] = (shape, placement)
+    tables: tuple[tuple[dict[Any, list[int]], list[list[Any]]], ...] = (
+        (agg._summaries, state["summaries"]), (agg._by_dim, state["by_dim"]))
+    for table, rows in tables:
+        for row in rows:
+            key = tuple(row[:-2])
+            sums = table.get(key)
+            if sums is None:
+                table[key] = [row[-2] * times, row[-1] * times]
+            else:
+                sums[0] += row[-2] * times
+                sums[1] += row[-1] * times
+    if state["global"]:
+        agg._seen_global = True
+
+
+class DigestTexts:
+    """The texts (aggregator states, collective templates) a digest file already
+    holds: a writer keeps one per file and writes each text once, then its number.
+    Numbers belong to a random token of the writer, so that a later writer
+    appending to the file cannot be mistaken for this one."""
+
+    MAX = 1 << 14
+
+    def __init__(self) -> None:
+        self.numbers: dict[str, int] = {}
+        self.token = os.urandom(4).hex()
+        self.next = 0
+
+    def number(self, text: str, defs: dict[str, Any], first: int | None = None) -> int:
+        """The number of ``text``, adding it to ``defs`` the first time (with ``first``,
+        when the span it comes from started: the earliest in the file, since a module's
+        spans of one kind follow each other)."""
+        number = self.numbers.get(text)
+        if number is None:
+            if len(self.numbers) >= self.MAX:  # bounded: forget, numbers stay unique
+                self.numbers.clear()
+            number = self.numbers[text] = self.next
+            self.next += 1
+            defs[str(number)] = text if first is None else [text, first]
+        return number
+
+
+def digest_line(
+    records: Iterable[SpanRecord], line: bytes | memoryview, offset: int, spans: int,
+    texts: DigestTexts | None = None,
+) -> bytes:
+    """One digest line for the JSONL line ``line`` written at byte ``offset``.
+
+    The line is a JSON object, a space and the CRC-32 of that object (8 hex digits):
+    a digest line damaged in any way is not used.
+
+    Args:
+        records: the line's spans.
+        line: the bytes written (compressed, if the file is).
+        offset: where they start in the file.
+        spans: how many spans the line holds.
+        texts: the texts already written to this digest file (kept by the writer
+            across lines; ``None``: this line defines every text it uses).
+    """
+    parts = digest_parts(records)
+    texts = texts if texts is not None else DigestTexts()
+    defs: dict[str, str] = {}
+    if parts is not None:
+        number = texts.number
+        for part in parts:
+            part["aggs"] = [number(t, defs, f) for t, f in zip(part["aggs"], part["first"])]
+            del part["first"]
+            part["tmpls"] = [number(t, defs) for t in part["tmpls"]]
+    body = orjson.dumps({
+        "digest": DIGEST_VERSION, "offset": offset, "length": len(line),
+        "sample": _sample_crc(line), "spans": spans, "token": texts.token, "defs": defs,
+        "parts": parts,
+    })
+    return b"%s %08x\n" % (body, zlib.crc32(body))
+
+
+def write_digest(path: str | os.PathLike[str]) -> int:
+    """Write the digest of a JSONL file written without one (``commspan digest``).
+
+    Every complete line that is an OTLP/JSON request gets its digest line; the
+    others (damaged, cut short) get none, and readers parse them as before. The
+    digest replaces any ``<file>.digest`` there was, in one rename.
+
+    Args:
+        path: a JSONL file (plain or compressed).
+
+    Returns:
+        The number of lines the digest stands for.
+
+    Raises:
+        OSError: the file cannot be read or the digest written.
+
+    Example:
+        >>> import pathlib, tempfile
+        >>> empty = pathlib.Path(tempfile.mkdtemp()) / "commspan-rank0.jsonl"
+        >>> _ = empty.write_bytes(b"")
+        >>> write_digest(empty)
+        0
+    """
+    path = Path(path)
+    side = digest_path(path)
+    tmp = side.with_name(side.name + ".tmp")
+    texts = DigestTexts()
+    written = 0
+    with path.open("rb") as fh, tmp.open("wb") as out:
+        data = fh.read()
+        level = 1 if data[:3] == GZIP_MAGIC else 0
+        for offset, stored, text in _stored_lines(data, level):
+            records: list[SpanRecord] = []
+            try:
+                for line in text.splitlines():
+                    if line.strip():
+                        records.extend(request_spans(orjson.loads(line)))
+            except (orjson.JSONDecodeError, *DECODE_ERRORS):
+                continue
+            out.write(digest_line(records, stored, offset, len(records), texts))
+            written += 1
+    os.replace(tmp, side)
+    return written
+
+
+def _stored_lines(data: bytes, level: int) -> Iterator[tuple[int, memoryview, bytes]]:
+    """``(offset, stored bytes, text)`` of each complete line (plain) or member
+    (compressed) of a JSONL file's bytes."""
+    view = memoryview(data)
+    pos, size = 0, len(data)
+    while pos < size:
+        if not level:
+            end = data.find(b"\n", pos)
+            if end < 0:
+                return  # cut short: no digest
+            yield pos, view[pos:end + 1], data[pos:end + 1]
+            pos = end + 1
+            continue
+        d = zlib.decompressobj(31)
+        try:
+            text = d.decompress(view[pos:])
+        except zlib.error:
+            text = b""
+        if not d.eof:
+            nxt = data.find(GZIP_MAGIC, pos + 1)
+            if nxt < 0:
+                return
+            pos = nxt
+            continue
+        end = size - len(d.unused_data)
+        yield pos, view[pos:end], text
+        pos = end
+
+
+# ------------------------------------------------------------------ reading
+class FileDigest:
+    """The usable digest of one JSONL file.
+
+    Attributes:
+        parts: the parts of every line the digest stands for, in file order;
+            ``None`` in place of a line's parts when that line must be parsed.
+        covered: ``(offset, end)`` byte ranges of the JSONL file the digest
+            stands for, in order (``parts`` has one entry per range).
+        lines: spans of each covered line (``ReadReport.spans``).
+    """
+
+    def __init__(self) -> None:
+        self.parts: list[list[DigestPart] | None] = []
+        self.covered: list[tuple[int, int]] = []
+        self.lines: list[int] = []
+
+    def gaps(self, size: int) -> list[tuple[int, int, int]]:
+        """``(start, stop, lines)`` byte ranges of a file of ``size`` bytes to parse: what
+        the digest does not stand for, and the lines it says must be parsed; ``lines``
+        counts the lines the digest stands for between the previous range and this one
+        (so that the lines parsed keep their numbers)."""
+        out: list[list[int]] = []
+        pos, skipped = 0, 0
+        for (start, end), parts in zip(self.covered, self.parts):
+            if start > pos:
+                out.append([pos, start, skipped])
+                skipped = 0
+            if parts is None:
+                if out and out[-1][1] == start:
+                    out[-1][1] = end
+                else:
+                    out.append([start, end, skipped])
+                    skipped = 0
+            else:
+                skipped += 1
+            pos = max(pos, end)
+        if size > pos:
+            if out and out[-1][1] == pos and not skipped:
+                out[-1][1] = size
+            else:
+                out.append([pos, size, skipped])
+        return [(a, b, n) for a, b, n in out]
+
+
+def read_digest(path: str | os.PathLike[str]) -> FileDigest | None:
+    """The digest of JSONL file ``path``, checked line by line against the file, or
+    ``None`` when it has none (no ``.digest`` file, or not one line of it usable).
+
+    A digest line is used only if it parses, has this version, and the JSONL file
+    holds, at its offset, a line of its length whose start has its checksum; lines
+    must follow each other. Anything else leaves that part of the file to be parsed.
+    """
+    side = digest_path(path)
+    try:
+        data = side.read_bytes()
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        size = os.fstat(fd).st_size
+        result = FileDigest()
+        end = 0
+        # writer token -> (number -> (text, when its first span started, for states),
+        # the numbers of aggregator states)
+        defs: dict[str, tuple[dict[int, tuple[str, int | None]], set[int]]] = {}
+        for raw in data.splitlines():
+            body, _, stamp = raw.rpartition(b" ")
+            if len(stamp) != 8 or b"%08x" % zlib.crc32(body) != stamp:
+                continue  # damaged, cut short or not a digest line
+            try:
+                doc = orjson.loads(body)
+                if type(doc) is not dict or doc.get("digest") != DIGEST_VERSION:
+                    continue
+                offset, length = doc["offset"], doc["length"]
+                parts, spans, sample = doc["parts"], doc["spans"], doc["sample"]
+                table, states = defs.setdefault(doc["token"], ({}, set()))
+                for key, value in doc["defs"].items():
+                    if type(value) is str:
+                        table[int(key)] = (value, None)
+                    else:
+                        text, first = value
+                        table[int(key)] = (str(text), int(first))
+                        states.add(int(key))
+                if isinstance(parts, list):
+                    for part in parts:
+                        if not _valid(part) or not states.issuperset(part["aggs"]):
+                            raise TypeError("not a digest part")
+                        part["tmpls"] = [table[n][0] for n in part["tmpls"]]
+                        part["table"] = table
+            except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
+                continue  # (a text used but not defined: its line is parsed)
+            if not (isinstance(offset, int) and isinstance(length, int) and offset >= end
+                    and length > 0 and offset + length <= size):
+                continue
+            crc = 0
+            for start, count in _sample_ranges(length):
+                crc = zlib.crc32(os.pread(fd, count, offset + start), crc)
+            if crc != sample:
+                continue  # the file holds another line there: parse it
+            result.covered.append((offset, offset + length))
+            result.parts.append(parts if isinstance(parts, list) else None)
+            result.lines.append(spans if isinstance(spans, int) else 0)
+            end = offset + length
+    finally:
+        os.close(fd)
+    return result if result.covered else None
+
+
+_PART_KEYS = frozenset({
+    "run", "rank", "trace", "world_size", "sample", "spans", "present", "commspan_spans",
+    "start", "end", "present_start", "step", "rank_step", "aggs", "coll", "tmpls",
+})
+
+
+def _valid(part: Any) -> bool:
+    """Whether a part read back has the fields readers use. (Its line's checksum says
+    it is what a writer of this version wrote; a part of another shape is not used:
+    its line is parsed instead.)"""
+    return type(part) is dict and _PART_KEYS <= part.keys() and type(part["aggs"]) is list
+
+
+# ------------------------------------------------------------------ assembling
+def run_from_parts(parts: Sequence[DigestPart], hangs: Sequence[HangRecord] = ()) -> Run:
+    """The :class:`~commspan.analysis.records.Run` (without module spans) the parts
+    stand for, as :func:`~commspan.analysis.records.build_run` would build it from
+    their spans."""
+    run = Run()
+    for part in parts:
+        world = part["world_size"]
+        if world:
+            run.world_size = max(run.world_size or 0, world)
+        if part["sample"]:
+            run.rank_sample = part["sample"]
+        trace, rank = part["trace"], part["rank"]
+        if part["step"] is not None:
+            run.trace_steps[trace] = part["step"]
+        run.ranks.add(rank)
+        if not part["present"]:
+            continue
+        run.presence.setdefault(trace, set()).add(rank)
+        start = run.trace_start.get(trace)
+        if start is None or part["present_start"] < start:
+            run.trace_start[trace] = part["present_start"]
+        if part["rank_step"] is not None:
+            span_id, s, e = part["rank_step"][:3]
+            run.rank_steps[(rank, trace)] = RankStep(rank, None, trace, span_id, s, e)
+    cache: dict[str, tuple[Any, ...]] = {}
+    for part in parts:
+        trace, rank = part["trace"], part["rank"]
+        step = run.trace_steps.get(trace)
+        made = [_template(text, cache) for text in part["tmpls"]]
+        append = run.collectives.append
+        for index, seq, issued, duration in orjson.loads(part["coll"]):
+            head, fqn, phase, state = made[index]
+            group, members, op, kind, dtype, shape, nbytes, reduce_op, peer = head
+            append(CollectiveRecord(rank, step, trace, group, members, seq, op, kind, dtype,
+                                    shape, nbytes, reduce_op, peer, fqn, phase, issued,
+                                    duration, state))
+    run.hangs.extend(hangs)
+    run.rank_steps = {
+        key: rs._replace(step=run.trace_steps.get(rs.trace_id))
+        for key, rs in run.rank_steps.items()
+    }
+    return run
+
+
+def _template(text: str, cache: dict[str, tuple[Any, ...]]) -> tuple[Any, ...]:
+    """A collective template's fields, as :class:`CollectiveRecord` holds them."""
+    made = cache.get(text)
+    if made is None:
+        (group, ranks, _, op, kind, dtype, shape, nbytes, reduce_op, peer, fqn, phase, _,
+         _, state) = orjson.loads(text)
+        head = (group, tuple(ranks), op, kind, dtype,
+                tuple(shape) if shape is not None else None, nbytes, reduce_op,
+                tuple(peer) if isinstance(peer, list) else peer)
+        made = cache[text] = (head, fqn, phase, state)
+    return made
+
+
+# ------------------------------------------------------------------ runs of parts
+def load_parts(
+    files: Sequence[Path],
+    report: ReadReport | None = None,
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+) -> list[DigestPart] | None:
+    """The parts of every line of ``files``, from their digests, and the lines the
+    digests do not cover parsed and digested here; ``None`` when a file has no digest
+    or an uncovered line holds what parts cannot (a hang record): read the spans then.
+
+    What was read is added to ``report`` only when parts are returned. Damaged lines
+    are skipped (``strict=False``).
+    """
+    digests = [read_digest(f) for f in files]
+    if any(d is None for d in digests):
+        return None
+    scratch = ReadReport()
+    parts: list[DigestPart] = []
+    regions: dict[str, list[tuple[int, int, int]]] = {}
+    for path, digest in zip(files, digests):
+        assert digest is not None
+        for line_parts, spans in zip(digest.parts, digest.lines):
+            if line_parts is None:
+                continue
+            parts.extend(line_parts)
+            scratch.lines += 1
+            scratch.spans += spans
+            for part in line_parts:
+                if part["commspan_spans"]:
+                    scratch.commspan_spans += part["commspan_spans"]
+                    scratch.ranks.add(part["rank"])
+        gaps = digest.gaps(path.stat().st_size)
+        if gaps:
+            regions[os.fspath(path)] = gaps
+    if regions:
+        records = list(read_spans_in(
+            [f for f in files if os.fspath(f) in regions], strict=False, report=scratch,
+            max_line_bytes=max_line_bytes, regions=regions,
+        ))
+        extra = digest_parts(records)
+        if extra is None:
+            return None
+        parts.extend(extra)
+    if report is not None:
+        report.lines += scratch.lines
+        report.spans += scratch.spans
+        report.commspan_spans += scratch.commspan_spans
+        report.ranks |= scratch.ranks
+        report.skipped.extend(scratch.skipped)
+    return parts
+
+
+def list_part_runs(parts: Sequence[DigestPart]) -> list[RunInfo]:
+    """:func:`~commspan.analysis.runs.list_runs` of the spans the parts stand for."""
+    trace_steps: dict[str, int] = {}
+    for part in parts:
+        if part["step"] is not None:
+            trace_steps.setdefault(part["trace"], part["step"])
+    acc: dict[str, list[Any]] = {}
+    for part in parts:
+        slot = acc.get(part["run"])
+        if slot is None:
+            slot = acc[part["run"]] = [set(), set(), 0, part["start"], part["end"]]
+        slot[0].add(part["rank"])
+        step = trace_steps.get(part["trace"])
+        if step is not None:
+            slot[1].add(step)
+        slot[2] += part["spans"]
+        slot[3] = min(slot[3], part["start"])
+        slot[4] = max(slot[4], part["end"])
+    runs = [
+        RunInfo(run, tuple(sorted(s[0])), tuple(sorted(s[1])), s[2], s[3], s[4])
+        for run, s in acc.items()
+    ]
+    runs.sort(key=lambda r: (r.start_ns, r.run_id))
+    return runs
+
+
+class PartSelection(NamedTuple):
+    """What :func:`select_parts` kept: as :class:`~commspan.analysis.runs.Selection`,
+    with parts for records."""
+
+    parts: list[DigestPart]
+    run: RunInfo | None
+    runs: tuple[RunInfo, ...]
+    steps: tuple[int, ...]
+    note: str | None = None
+
+
+def select_parts(
+    parts: Sequence[DigestPart], *, run: str | None = None, steps: StepRange | None = None
+) -> PartSelection:
+    """:func:`~commspan.analysis.runs.select` on parts: the same choice, the same errors."""
+    runs = tuple(list_part_runs(parts))
+    if not runs:
+        return PartSelection([], None, (), ())
+    note = None
+    if run is not None:
+        chosen = _find(runs, run)
+    else:
+        chosen = runs[-1]
+        if len(runs) > 1:
+            note = (
+                f"the files hold {len(runs)} runs: "
+                + "; ".join(r.describe() for r in runs)
+                + f"; showing the latest, {chosen.run_id or '(no run id)'}"
+            )
+    kept = [p for p in parts if p["run"] == chosen.run_id] if len(runs) > 1 else list(parts)
+    kept_steps = chosen.steps
+    if steps is not None:
+        kept_steps = tuple(s for s in chosen.steps if s in steps)
+        if not kept_steps:
+            there = f"steps {format_numbers(chosen.steps)}" if chosen.steps else "no steps"
+            where = f"run {chosen.run_id}" if chosen.run_id else "the files"
+            what = "not" if steps.first == steps.last else "none of them is"
+            raise SelectionError("steps", str(steps), f"{what} in {where}, which has {there}")
+        trace_steps: dict[str, int] = {}
+        for part in kept:
+            if part["step"] is not None:
+                trace_steps.setdefault(part["trace"], part["step"])
+        traces = {t for t, s in trace_steps.items() if s in steps}
+        kept = [p for p in kept if p["trace"] in traces]
+    return PartSelection(kept, chosen, runs, kept_steps, note)
+
+
+def summarize_parts(
+    agg: Aggregator, parts: Sequence[DigestPart], rank: int | None
+) -> dict[str, Any]:
+    """:func:`~commspan.analysis.summary.summarize` of the spans the parts stand for."""
+    count = 0
+    ranks: set[int] = set()
+    steps: set[int] = set()
+    traces: set[str] = set()
+    for part in parts:
+        if rank is not None and part["rank"] != rank:
+            continue
+        count += part["spans"]
+        traces.add(part["trace"])
+        ranks.add(part["rank"])
+        if part["rank_step"] is not None and part["rank_step"][3] is not None:
+            steps.add(part["rank_step"][3])
+    per_phase = {phase.value: agg.comm_counts(phase.value) for phase in semconv.Phase}
+    return {
+        "spans": count,
+        "traces": len(traces),
+        "ranks": sorted(ranks),
+        "steps": sorted(steps),
+        "collectives": {ph: dict(sorted(ops.items())) for ph, ops in per_phase.items() if ops},
+        "total": agg.total_count(),
+    }
+
+
+def aggregate_parts(parts: Iterable[DigestPart], rank: int | None) -> Aggregator:
+    """An :class:`Aggregator` of the parts' counts (of ``rank`` only, unless ``None``)."""
+    merger = PartMerger(Aggregator(), rank)
+    merger.add(parts)
+    return merger.finish()

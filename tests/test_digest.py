@@ -1,0 +1,332 @@
+"""Digests (``JsonlSpanExporter(digest=True)``, ``commspan digest``): the readers give the
+same answers from a run's digests as from its JSONL lines, whatever happened to either.
+
+The reference everywhere is the same reader on the same JSONL files without their
+digests: the line-by-line parse that predates digests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import zlib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _cli_runs import net_step, run_cli, session_dir, tp_run, write_run
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+from commspan import Aggregator, CommSpanMode
+from commspan.analysis.digest import digest_path, read_digest, write_digest
+from commspan.exporters import JsonlSpanExporter, ReadReport
+from commspan.testing import fake_mesh
+from commspan.testing.models import ModelArgs, Transformer, make_batch, parallelize, train_step
+
+# what each CLI command is asked, on every run directory below
+COMMANDS: list[list[str]] = [
+    ["summary", "--rank", "all"],
+    ["summary", "--rank", "all", "--json"],
+    ["summary", "--rank", "1"],
+    ["summary", "--rank", "all", "--steps", "1-2"],
+    ["table", "--rank", "all"],
+    ["table", "--rank", "0", "--json"],
+    ["table", "--rank", "all", "--by-mesh-dim"],
+    ["table", "--rank", "all", "--step", "1", "--noise", "1"],
+    ["check"],
+    ["check", "--json"],
+    ["check", "--steps", "1-1"],
+]
+
+
+def _without_digests(run: Path, out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    for f in run.iterdir():
+        if f.is_file() and not f.name.endswith(".digest"):
+            shutil.copy(f, out / f.name)
+    return out
+
+
+def _with_digests(run: Path, out: Path) -> Path:
+    _without_digests(run, out)
+    for f in out.iterdir():
+        if f.name.endswith((".jsonl", ".jsonl.gz")):
+            write_digest(f)
+    return out
+
+
+def _answers(capsys: pytest.CaptureFixture[str], run: Path) -> list[tuple[int, str, str]]:
+    answers = []
+    for cmd in COMMANDS:
+        code, out, err = run_cli(capsys, cmd[0], str(run), *cmd[1:])
+        answers.append((code, out.replace(str(run), "RUN"), err.replace(str(run), "RUN")))
+    return answers
+
+
+def _agg(run: Path, **kwargs: Any) -> tuple[Any, ...]:
+    report = ReadReport()
+    agg = Aggregator.from_jsonl(run, report=report, strict=False, **kwargs)
+    return (agg.to_dict(), agg.mesh_dim_counts(), agg.mesh_dim_counts(subtree=False),
+            sorted(agg.collectives(), key=repr), agg.modules(), agg.parameter_info(),
+            (report.lines, report.spans, report.commspan_spans, sorted(report.ranks),
+             [(Path(s.path).name, s.kind) for s in report.skipped]))
+
+
+def _same_answers(capsys: pytest.CaptureFixture[str], digested: Path, plain: Path) -> None:
+    assert any(f.name.endswith(".digest") for f in digested.iterdir())
+    assert _answers(capsys, digested) == _answers(capsys, plain)
+    assert _agg(digested, rank="all") == _agg(plain, rank="all")
+    assert _agg(digested, rank=1) == _agg(plain, rank=1)
+
+
+# ====================================================================== runs
+@pytest.fixture(scope="module")
+def tp(tmp_path_factory: pytest.TempPathFactory, fake_pg: None) -> Path:
+    return tp_run(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def divergent_two_runs(tmp_path_factory: pytest.TempPathFactory, fake_pg: None) -> Path:
+    """Two runs in one directory; in the second, rank 1 issues one more all_reduce in step 1."""
+    def build(out: Path) -> None:
+        write_run(out, "first", net_step(), steps=(0, 1, 2))
+        write_run(out, "second", net_step(extra_on=(1, 1)), steps=(0, 1, 2))
+
+    return session_dir(tmp_path_factory, "digest-two-runs", build)
+
+
+class _Chunked(SpanExporter):
+    """Hands its exporter 50 spans at a time: lines then split steps."""
+
+    def __init__(self, inner: SpanExporter) -> None:
+        self.inner = inner
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        results = [self.inner.export(spans[i:i + 50]) for i in range(0, len(spans), 50)]
+        ok = all(r == SpanExportResult.SUCCESS for r in results)
+        return SpanExportResult.SUCCESS if ok else SpanExportResult.FAILURE
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
+
+
+def _traced(out: Path, *, steps: int = 3, ranks: tuple[int, ...] = (0, 1, 2, 3),
+            dump_at: tuple[int, int] | None = None, **exporter: Any) -> Path:
+    """The TP Transformer traced with ``JsonlSpanExporter(digest=True, **exporter)``,
+    one small export batch at a time (so steps straddle lines); ``dump_at=(rank, step)``
+    writes a hang record (``mode.dump()``) there."""
+    model = parallelize(Transformer(ModelArgs()), fake_mesh(4))
+    tokens, targets = make_batch(model.model_args)
+    out.mkdir(parents=True, exist_ok=True)
+    for rank in ranks:
+        name = f"commspan-rank{rank}.jsonl" + (".gz" if exporter.get("compress") else "")
+        mode = CommSpanMode(
+            exporters=[_Chunked(JsonlSpanExporter(out / name, **{"digest": True, **exporter}))],
+            run_id="traced", resource_attributes={"commspan.rank": rank},
+        )
+        with mode:
+            for step in range(steps):
+                with mode.step(step):
+                    train_step(model, tokens, targets)
+                    if (rank, step) == dump_at:
+                        mode.dump()
+                model.zero_grad(set_to_none=True)
+        mode.shutdown()
+    return out
+
+
+# ====================================================================== the same answers
+@pytest.mark.parametrize("name", ["tp", "divergent_two_runs"])
+def test_cli_and_from_jsonl_answer_the_same_from_digests(
+    name: str, request: pytest.FixtureRequest, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Every command of COMMANDS, and ``Aggregator.from_jsonl``, give the same output from
+    digests written by ``commspan digest`` as from the lines."""
+    run = request.getfixturevalue(name)
+    plain = _without_digests(run, tmp_path / "plain")
+    code, out, err = run_cli(capsys, "digest", str(_without_digests(run, tmp_path / "d")))
+    assert (code, err) == (0, "") and out.startswith("digests written for 4 files")
+    _same_answers(capsys, tmp_path / "d", plain)
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_digests_written_while_tracing(
+    compress: bool, tmp_path: Path, capsys: pytest.CaptureFixture[str], fake_pg: None
+) -> None:
+    """``JsonlSpanExporter(digest=True)`` (plain and compressed files, small export batches)
+    writes digests the readers use, and they give the lines' answers."""
+    run = _traced(tmp_path / "run", compress=compress)
+    suffix = ".jsonl.gz" if compress else ".jsonl"
+    for rank in range(4):
+        digest = read_digest(run / f"commspan-rank{rank}{suffix}")
+        assert digest is not None
+        size = (run / f"commspan-rank{rank}{suffix}").stat().st_size
+        assert digest.gaps(size) == []  # every line stands in the digest
+        assert len(digest.covered) > 3  # several lines: steps straddle them
+    _same_answers(capsys, run, _without_digests(run, tmp_path / "plain"))
+
+
+def test_the_digest_is_used_not_the_lines(tmp_path: Path, fake_pg: None) -> None:
+    """With a digest, ``from_jsonl`` reads no JSONL line (a reader that parsed the lines
+    would count what they say): proven by a digest whose counts differ from its lines."""
+    run = _traced(tmp_path / "run", ranks=(0,), steps=2)
+    path = run / "commspan-rank0.jsonl"
+    side = digest_path(path)
+    lines = []
+    for raw in side.read_bytes().splitlines():
+        body = raw.rsplit(b" ", 1)[0].replace(b'\\"all_reduce\\":1', b'\\"all_reduce\\":1000')
+        lines.append(b"%s %08x\n" % (body, zlib.crc32(body)))
+    assert b"".join(lines) != side.read_bytes()
+    side.write_bytes(b"".join(lines))
+    report = ReadReport()
+    counts = Aggregator.from_jsonl(run, report=report).module_counts()
+    assert report.lines == len(read_digest(path).covered)  # type: ignore[union-attr]
+    assert max(n for ph in counts.values() for ops in ph.values() for n in ops.values()) > 900
+
+
+# ====================================================================== what can go wrong
+def _cut_digest(run: Path, keep: int) -> None:
+    for side in run.glob("*.digest"):
+        lines = side.read_bytes().splitlines(keepends=True)
+        side.write_bytes(b"".join(lines[:keep]))
+
+
+def _damage_digest(run: Path) -> None:
+    for side in run.glob("*.digest"):
+        data = bytearray(side.read_bytes())
+        middle = len(data) // 2
+        data[middle:middle + 40] = b"#" * 40
+        side.write_bytes(bytes(data))
+
+
+def _append_second_writer(run: Path) -> None:
+    """A second process appends steps to the same files (its own digest lines follow)."""
+    _traced(run, steps=2)
+
+
+def _replace_jsonl(run: Path) -> None:
+    """The JSONL files are replaced by other runs' files; the old digests stay."""
+    other = _traced(run.parent / "other", steps=2)
+    for f in other.glob("*.jsonl"):
+        shutil.copy(f, run / f.name)
+
+
+def _cut_jsonl(run: Path) -> None:
+    """A crash cut each file's last line short (its digest line was written)."""
+    for f in run.glob("*.jsonl"):
+        data = f.read_bytes()
+        f.write_bytes(data[: len(data) - 100])
+
+
+@pytest.mark.parametrize("accident", [
+    _cut_digest.__name__, _damage_digest.__name__, _append_second_writer.__name__,
+    _replace_jsonl.__name__, _cut_jsonl.__name__, "hang_record",
+])
+def test_answers_stay_right_whatever_happened(
+    accident: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], fake_pg: None
+) -> None:
+    """Digests cut short, damaged, written by two writers, left beside replaced or
+    crash-cut JSONL files, or lines holding a hang record: the answers are still the
+    lines' (the reader parses what the digest does not stand for)."""
+    if accident == "hang_record":
+        run = _traced(tmp_path / "run", dump_at=(2, 1))
+    else:
+        run = _traced(tmp_path / "run")
+        {
+            "_cut_digest": lambda r: _cut_digest(r, 2),
+            "_damage_digest": _damage_digest,
+            "_append_second_writer": _append_second_writer,
+            "_replace_jsonl": _replace_jsonl,
+            "_cut_jsonl": _cut_jsonl,
+        }[accident](run)
+    _same_answers(capsys, run, _without_digests(run, tmp_path / "plain"))
+
+
+def test_a_file_without_digest_is_read_from_its_lines(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], fake_pg: None
+) -> None:
+    """One rank's digest is missing: ``from_jsonl`` uses the others' and parses that file;
+    the commands read the lines."""
+    run = _traced(tmp_path / "run")
+    digest_path(run / "commspan-rank3.jsonl").unlink()
+    _same_answers(capsys, run, _without_digests(run, tmp_path / "plain"))
+
+
+def test_write_digest_of_a_file_with_a_torn_line(tmp_path: Path, fake_pg: None) -> None:
+    """``write_digest`` stands for the complete lines only; the cut one stays torn."""
+    plain = tmp_path / "plain"
+    torch_run = _traced(tmp_path / "t", ranks=(0,))
+    _without_digests(torch_run, plain)
+    path = plain / "commspan-rank0.jsonl"
+    data = path.read_bytes()
+    path.write_bytes(data[:-50])
+    lines = write_digest(path)
+    assert lines == data.count(b"\n") - 1
+    report = ReadReport()
+    Aggregator.from_jsonl(path, report=report)
+    assert [s.kind for s in report.skipped] == ["torn"]
+
+
+# ====================================================================== the writer
+def test_digest_argument_is_checked(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"digest='yes' is not valid; pass True or False"):
+        JsonlSpanExporter(tmp_path / "x.jsonl", digest="yes")  # type: ignore[arg-type]
+
+
+def test_no_digest_unless_asked(tmp_path: Path, fake_pg: None) -> None:
+    run = tmp_path / "run"
+    write_run(run, "r", net_step(), ranks=(0,))
+    assert [f.name for f in run.iterdir()] == ["commspan-rank0.jsonl"]
+
+
+def test_a_digest_that_cannot_be_written_costs_no_span(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, fake_pg: None
+) -> None:
+    """The digest's path is taken by a directory: every span is still exported, the
+    problem is logged once, and the readers read the lines."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "commspan-rank0.jsonl.digest").mkdir()
+    _traced(run, ranks=(0,))
+    assert sum("cannot write the digest" in r.getMessage() for r in caplog.records) == 1
+    assert read_digest(run / "commspan-rank0.jsonl") is None
+    mode_spans = Aggregator.from_jsonl(run).total_count()
+    assert mode_spans > 0
+
+
+def test_digest_command_errors_are_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = run_cli(capsys, "digest", str(tmp_path / "nowhere"))
+    assert code == 1 and out == ""
+    assert err.count("\n") == 1 and "Traceback" not in err and "nowhere" in err
+
+
+def test_digest_is_small(tmp_path: Path, fake_pg: None) -> None:
+    """What repeats is written once per file: over 6 steps the digest is a fraction of
+    the JSONL it stands for."""
+    run = _traced(tmp_path / "run", ranks=(0,), steps=6)
+    path = run / "commspan-rank0.jsonl"
+    assert digest_path(path).stat().st_size < path.stat().st_size / 8
+
+
+def test_digest_lines_are_json(tmp_path: Path, fake_pg: None) -> None:
+    """Each digest line is a JSON object naming the line it stands for by offset and
+    length, and those bytes are that line in the JSONL file."""
+    run = _traced(tmp_path / "run", ranks=(0,), steps=2)
+    path = run / "commspan-rank0.jsonl"
+    data = path.read_bytes()
+    for raw in digest_path(path).read_bytes().splitlines():
+        body, crc = raw.rsplit(b" ", 1)
+        assert int(crc, 16) == zlib.crc32(body)
+        doc = json.loads(body)
+        line = data[doc["offset"]: doc["offset"] + doc["length"]]
+        assert line.endswith(b"\n") and b"\n" not in line[:-1]
+        assert doc["spans"] == len(json.loads(line)["resourceSpans"][0]["scopeSpans"][0]["spans"])
+    assert os.path.getsize(path) == sum(
+        json.loads(raw.rsplit(b" ", 1)[0])["length"]
+        for raw in digest_path(path).read_bytes().splitlines())
