@@ -519,6 +519,36 @@ def test_encoder_agrees_with_otlp_protobuf_encoder() -> None:
     )
 
 
+def test_cached_arrays_keep_their_element_types() -> None:
+    """``True == 1 == 1.0``: an array attribute encoded after an equal one of other
+    element types (bools, then ints, then floats, under the same key, alone and among
+    other attributes) is written with its own types, not the cached ones."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from commspan.exporters import encode_spans
+
+    memory = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    tracer = provider.get_tracer("t")
+    values: list[Any] = [[True, False], [1, 0], [1.0, 0.0], (True,), (1,)]
+    for value in values:
+        for extra in ({}, {"name": "x"}):
+            with tracer.start_as_current_span("s", attributes={"arr": value, **extra}):
+                pass
+    provider.shutdown()
+    spans = memory.get_finished_spans()
+    wanted = [v for v in values for _ in range(2)]
+    for _ in range(2):  # cold caches, then warm ones
+        for span, value in zip(spans, wanted):
+            doc = orjson.loads(encode_spans([span]))
+            attr = doc["resourceSpans"][0]["scopeSpans"][0]["spans"][0]["attributes"][0]
+            kind = {bool: "boolValue", int: "intValue", float: "doubleValue"}[type(value[0])]
+            assert list(attr["value"]["arrayValue"]["values"][0]) == [kind], (value, attr)
+
+
 def test_every_reader_refuses_a_directory_without_jsonl_files(tmp_path: Path) -> None:
     """One rule for paths: a directory holding no *.jsonl file is an error for
     Aggregator.from_jsonl too (it used to count it as empty), as for the command, the

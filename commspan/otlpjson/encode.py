@@ -80,8 +80,9 @@ _dumps = orjson.dumps
 
 def _entry(k: str, v: Any) -> bytes:
     t = type(v)
-    if t is list:
-        hv: Any = tuple(v)
+    if t is list or t is tuple:
+        # with the elements' types: (True, False) == (1, 0) == (1.0, 0.0) as keys
+        hv: Any = (tuple(v), tuple(map(type, v)))
     elif t is int and not -_SMALL_INT < v < _SMALL_INT:
         # large ints (sequence numbers, byte counts, steps) rarely repeat
         return b'{"key":%s,"value":{"intValue":"%d"}}' % (_text(k), v)
@@ -127,7 +128,7 @@ def _entries(attrs: Any) -> bytes:
 # too, since ``True == 1 == 1.0`` would otherwise let a bool hit an int's
 # entry. Lists (unhashable) and values that rarely repeat (floats, large ints:
 # step numbers, sequence numbers, byte counts) are not stored.
-_BLOBS: dict[tuple[Any, ...], tuple[tuple[type, ...], bytes]] = {}
+_BLOBS: dict[tuple[Any, ...], tuple[tuple[Any, ...], bytes]] = {}
 _BLOBS_MAX = 1 << 12
 _REPEATING = (str, bool, tuple)
 
@@ -140,11 +141,11 @@ def _attrs(attrs: Any) -> bytes:
         hit = _BLOBS.get(items)
     except TypeError:  # a list value
         return _entries(attrs)
-    types = tuple(map(type, attrs.values()))
+    types = _types(attrs)
     if hit is not None and hit[0] == types:
         return hit[1]
     blob = _entries(attrs)  # join() results are exact-size: safe to keep
-    for t, v in zip(types, attrs.values()):
+    for t, v in zip(map(type, attrs.values()), attrs.values()):
         if t is int:
             if not -_SMALL_INT < v < _SMALL_INT:
                 return blob
@@ -154,6 +155,18 @@ def _attrs(attrs: Any) -> bytes:
         _BLOBS.clear()
     _BLOBS[items] = (types, blob)
     return blob
+
+
+def _types(attrs: Any) -> tuple[Any, ...]:
+    """The types of the values, and of the elements of array values: ``True == 1``,
+    so a cached list must also match the types it was encoded with."""
+    types = tuple(map(type, attrs.values()))
+    if tuple in types or list in types:
+        return tuple(
+            (t, tuple(map(type, v))) if t is tuple or t is list else t
+            for t, v in zip(types, attrs.values())
+        )
+    return types
 
 
 def _text(value: str) -> bytes:
