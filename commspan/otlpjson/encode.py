@@ -128,7 +128,9 @@ def _entries(attrs: Any) -> bytes:
 # too, since ``True == 1 == 1.0`` would otherwise let a bool hit an int's
 # entry. Lists (unhashable) and values that rarely repeat (floats, large ints:
 # step numbers, sequence numbers, byte counts) are not stored.
-_BLOBS: dict[tuple[Any, ...], tuple[tuple[Any, ...], bytes]] = {}
+# items -> (the values' types, the encoded list, the array elements' types when an
+# array holds anything but strings, else None)
+_BLOBS: dict[tuple[Any, ...], tuple[tuple[type, ...], bytes, tuple[Any, ...] | None]] = {}
 _BLOBS_MAX = 1 << 12
 _REPEATING = (str, bool, tuple)
 
@@ -141,11 +143,11 @@ def _attrs(attrs: Any) -> bytes:
         hit = _BLOBS.get(items)
     except TypeError:  # a list value
         return _entries(attrs)
-    types = _types(attrs)
-    if hit is not None and hit[0] == types:
+    types = tuple(map(type, attrs.values()))
+    if hit is not None and hit[0] == types and (hit[2] is None or hit[2] == _element_types(attrs)):
         return hit[1]
     blob = _entries(attrs)  # join() results are exact-size: safe to keep
-    for t, v in zip(map(type, attrs.values()), attrs.values()):
+    for t, v in zip(types, attrs.values()):
         if t is int:
             if not -_SMALL_INT < v < _SMALL_INT:
                 return blob
@@ -153,20 +155,20 @@ def _attrs(attrs: Any) -> bytes:
             return blob
     if len(_BLOBS) >= _BLOBS_MAX:
         _BLOBS.clear()
-    _BLOBS[items] = (types, blob)
+    _BLOBS[items] = (types, blob, _element_types(attrs) if _mixed_arrays(attrs) else None)
     return blob
 
 
-def _types(attrs: Any) -> tuple[Any, ...]:
-    """The types of the values, and of the elements of array values: ``True == 1``,
-    so a cached list must also match the types it was encoded with."""
-    types = tuple(map(type, attrs.values()))
-    if tuple in types or list in types:
-        return tuple(
-            (t, tuple(map(type, v))) if t is tuple or t is list else t
-            for t, v in zip(types, attrs.values())
-        )
-    return types
+def _mixed_arrays(attrs: Any) -> bool:
+    """Whether an array value holds anything but strings: ``True == 1 == 1.0``, so a
+    cached list of those must also match the element types it was encoded with."""
+    return any(
+        type(v) is tuple and any(type(x) is not str for x in v) for v in attrs.values()
+    )
+
+
+def _element_types(attrs: Any) -> tuple[Any, ...]:
+    return tuple(tuple(map(type, v)) for v in attrs.values() if type(v) is tuple)
 
 
 def _text(value: str) -> bytes:
