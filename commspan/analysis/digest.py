@@ -42,13 +42,8 @@ import orjson
 from commspan import semconv
 from commspan.analysis.counts import Aggregator
 from commspan.analysis.records import CollectiveRecord, HangRecord, RankStep, Run, _collective
-from commspan.analysis.runs import (
-    RunInfo,
-    SelectionError,
-    StepRange,
-    _find,
-    format_numbers,
-)
+from commspan.analysis.runs import RunInfo, StepRange, choose
+from commspan.analysis.summary import summary_of
 from commspan.otlpjson.decode import DECODE_ERRORS, GZIP_MAGIC, read_spans_in, request_spans
 from commspan.otlpjson.records import DEFAULT_MAX_LINE_BYTES, ReadReport, SpanRecord, rank_value
 
@@ -851,26 +846,9 @@ def select_parts(
     runs = tuple(list_part_runs(parts))
     if not runs:
         return PartSelection([], None, (), ())
-    note = None
-    if run is not None:
-        chosen = _find(runs, run)
-    else:
-        chosen = runs[-1]
-        if len(runs) > 1:
-            note = (
-                f"the files hold {len(runs)} runs: "
-                + "; ".join(r.describe() for r in runs)
-                + f"; showing the latest, {chosen.run_id or '(no run id)'}"
-            )
+    chosen, kept_steps, note = choose(runs, run, steps)
     kept = [p for p in parts if p["run"] == chosen.run_id] if len(runs) > 1 else list(parts)
-    kept_steps = chosen.steps
     if steps is not None:
-        kept_steps = tuple(s for s in chosen.steps if s in steps)
-        if not kept_steps:
-            there = f"steps {format_numbers(chosen.steps)}" if chosen.steps else "no steps"
-            where = f"run {chosen.run_id}" if chosen.run_id else "the files"
-            what = "not" if steps.first == steps.last else "none of them is"
-            raise SelectionError("steps", str(steps), f"{what} in {where}, which has {there}")
         trace_steps: dict[str, int] = {}
         for part in kept:
             if part["step"] is not None:
@@ -896,15 +874,7 @@ def summarize_parts(
         ranks.add(part["rank"])
         if part["rank_step"] is not None and part["rank_step"][3] is not None:
             steps.add(part["rank_step"][3])
-    per_phase = {phase.value: agg.comm_counts(phase.value) for phase in semconv.Phase}
-    return {
-        "spans": count,
-        "traces": len(traces),
-        "ranks": sorted(ranks),
-        "steps": sorted(steps),
-        "collectives": {ph: dict(sorted(ops.items())) for ph, ops in per_phase.items() if ops},
-        "total": agg.total_count(),
-    }
+    return summary_of(agg, count, traces, ranks, steps)
 
 
 def aggregate_parts(parts: Iterable[DigestPart], rank: int | None) -> Aggregator:

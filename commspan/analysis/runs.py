@@ -35,6 +35,7 @@ __all__ = [
     "Selection",
     "SelectionError",
     "StepRange",
+    "choose",
     "format_numbers",
     "list_runs",
     "select",
@@ -229,6 +230,24 @@ def select(
     runs = tuple(list_runs(records))
     if not runs:
         return Selection([], None, (), ())
+    chosen, kept_steps, note = choose(runs, run, steps)
+    kept = [r for r in records if _run_of(r) == chosen.run_id] if len(runs) > 1 else records
+    if steps is not None:
+        trace_steps = _trace_steps(kept)
+        traces = {t for t, s in trace_steps.items() if s in steps}
+        kept = [r for r in kept if r.trace_id in traces]
+    return Selection(kept, chosen, runs, kept_steps, note)
+
+
+def choose(
+    runs: Sequence[RunInfo], run: str | None, steps: StepRange | None
+) -> tuple[RunInfo, tuple[int, ...], str | None]:
+    """The run :func:`select` keeps of ``runs`` (not empty), its steps kept, and the
+    note saying which run was chosen among several when none was asked for.
+
+    Raises:
+        SelectionError: as :func:`select`.
+    """
     note = None
     if run is not None:
         chosen = _find(runs, run)
@@ -240,7 +259,6 @@ def select(
                 + "; ".join(r.describe() for r in runs)
                 + f"; showing the latest, {chosen.run_id or '(no run id)'}"
             )
-    kept = [r for r in records if _run_of(r) == chosen.run_id] if len(runs) > 1 else records
     kept_steps = chosen.steps
     if steps is not None:
         kept_steps = tuple(s for s in chosen.steps if s in steps)
@@ -249,10 +267,7 @@ def select(
             where = f"run {chosen.run_id}" if chosen.run_id else "the files"
             what = "not" if steps.first == steps.last else "none of them is"
             raise SelectionError("steps", str(steps), f"{what} in {where}, which has {there}")
-        trace_steps = _trace_steps(kept)
-        traces = {t for t, s in trace_steps.items() if s in steps}
-        kept = [r for r in kept if r.trace_id in traces]
-    return Selection(kept, chosen, runs, kept_steps, note)
+    return chosen, kept_steps, note
 
 
 def format_numbers(values: Iterable[int]) -> str:

@@ -18,7 +18,7 @@ from commspan import semconv
 from commspan.analysis.counts import Aggregator
 from commspan.otlpjson.records import SpanRecord
 
-__all__ = ["summarize"]
+__all__ = ["summarize", "summary_of"]
 
 
 def summarize(
@@ -49,9 +49,16 @@ def summarize(
         step = span.attributes.get(semconv.STEP)
         if isinstance(step, int) and span.name == semconv.SPAN_RANK:
             steps.add(step)
+    return summary_of(aggregator, count, traces, ranks, steps)
+
+
+def summary_of(
+    aggregator: Aggregator, spans: int, traces: set[str], ranks: set[int], steps: set[int]
+) -> dict[str, Any]:
+    """The summary's dict (see :func:`summarize`) from what was counted of the spans."""
     per_phase = {phase.value: aggregator.comm_counts(phase.value) for phase in semconv.Phase}
     return {
-        "spans": count,
+        "spans": spans,
         "traces": len(traces),
         "ranks": sorted(ranks),
         "steps": sorted(steps),

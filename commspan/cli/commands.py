@@ -14,7 +14,7 @@ import json
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar, Union
 
 from commspan import semconv
 from commspan.analysis.runs import Selection, SelectionError, StepRange, format_numbers, select
@@ -24,6 +24,8 @@ from commspan.otlpjson.records import ReadReport, SpanRecord
 
 if TYPE_CHECKING:
     from commspan.analysis.digest import PartSelection
+
+_Sel = TypeVar("_Sel", bound=Union[Selection, "PartSelection"])
 
 __all__ = ["COMMANDS", "ERROR_STATUS", "Damaged", "Outcome", "Reader"]
 
@@ -73,8 +75,12 @@ class Reader:
         option: str | None = None, label: str = "",
     ) -> Selection:
         """One run (and steps) of ``records``; errors in the terms of the options."""
+        return self._selected(lambda: select(records, run=run, steps=steps), option, label)
+
+    def _selected(self, selecting: Callable[[], _Sel], option: str | None, label: str) -> _Sel:
+        """``selecting()``, its errors in the terms of the options, its note kept."""
         try:
-            sel = select(records, run=run, steps=steps)
+            sel = selecting()
         except SelectionError as exc:
             name = "--run" if exc.param == "run" else (option or "--steps")
             raise ValueError(f"{label}{name} {exc.value}: {exc.detail}") from None
@@ -96,14 +102,8 @@ class Reader:
         if parts is None or not any(p["commspan_spans"] for p in parts):
             return None  # (no commspan span: load() says so)
         steps, option = _steps_of(self.args, 0)
-        try:
-            sel = select_parts(parts, run=_first(self.args.run), steps=steps)
-        except SelectionError as exc:
-            name = "--run" if exc.param == "run" else (option or "--steps")
-            raise ValueError(f"{name} {exc.value}: {exc.detail}") from None
-        if sel.note:
-            self.notes.append(f"commspan: {sel.note} (--run ID picks another)")
-        return sel
+        return self._selected(
+            lambda: select_parts(parts, run=_first(self.args.run), steps=steps), option, "")
 
 
 def _first(values: Sequence[Any] | None, index: int = 0) -> Any:

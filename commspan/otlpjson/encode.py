@@ -28,7 +28,7 @@ from opentelemetry.trace import SpanContext, SpanKind
 from opentelemetry.trace.span import DEFAULT_TRACE_STATE as _NO_STATE
 from opentelemetry.trace.status import StatusCode
 
-__all__ = ["encode_lines", "encode_spans", "paused_gc"]
+__all__ = ["encode_lines", "encode_spans", "paused_gc", "span_fields"]
 
 
 @contextlib.contextmanager
@@ -205,25 +205,24 @@ def _trace_hex(trace_id: int) -> bytes:
     return out
 
 
-def _span(span: ReadableSpan) -> bytes:
-    # ReadableSpan's public properties are Python calls, and wrap attributes
-    # and events in new objects on every access: read the stored fields of SDK
-    # spans directly, the properties of anything else.
+def span_fields(span: ReadableSpan) -> tuple[Any, ...]:
+    """``(context, parent, name, kind, start, end, attributes, events, links, status)``
+    of a span, for the encoders.
+
+    ReadableSpan's public properties are Python calls that wrap attributes and
+    events in new objects on every access: the stored fields of SDK spans are read
+    directly, the properties of anything else.
+    """
     try:
-        ctx = span._context
-        parent = span._parent
-        name = span._name
-        kind = span._kind
-        start = span._start_time
-        end = span._end_time
-        attrs = span._attributes
-        events = span._events
-        links = span._links
-        status = span._status
+        return (span._context, span._parent, span._name, span._kind, span._start_time,
+                span._end_time, span._attributes, span._events, span._links, span._status)
     except AttributeError:
-        ctx, parent, name, kind = span.context, span.parent, span.name, span.kind
-        start, end, attrs, events = span.start_time, span.end_time, span.attributes, span.events
-        links, status = span.links, span.status
+        return (span.context, span.parent, span.name, span.kind, span.start_time,
+                span.end_time, span.attributes, span.events, span.links, span.status)
+
+
+def _span(span: ReadableSpan) -> bytes:
+    ctx, parent, name, kind, start, end, attrs, events, links, status = span_fields(span)
     tail = b""
     if events:
         tail = b',"events":[%s]' % b",".join(

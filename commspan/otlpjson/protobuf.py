@@ -40,7 +40,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.util import BoundedList
 from opentelemetry.trace import SpanContext, SpanKind
 
-from commspan.otlpjson.encode import paused_gc
+from commspan.otlpjson.encode import paused_gc, span_fields
 
 __all__ = ["encode_spans_protobuf"]
 
@@ -367,24 +367,7 @@ def _link(link: Any) -> bytes:
 
 def _span(span: ReadableSpan) -> bytes:
     """A ``Span``'s content (fields in number order, as protobuf writes them)."""
-    # ReadableSpan's public properties are Python calls, and wrap attributes
-    # and events in new objects on every access: read the stored fields of SDK
-    # spans directly, the properties of anything else.
-    try:
-        ctx = span._context
-        parent = span._parent
-        name = span._name
-        kind = span._kind
-        start = span._start_time
-        end = span._end_time
-        attrs = span._attributes
-        events = span._events
-        links = span._links
-        status = span._status
-    except AttributeError:
-        ctx, parent, name, kind = span.context, span.parent, span.name, span.kind
-        start, end, attrs, events = span.start_time, span.end_time, span.attributes, span.events
-        links, status = span.links, span.status
+    ctx, parent, name, kind, start, end, attrs, events, links, status = span_fields(span)
     if type(ctx) is SpanContext:  # a tuple: index it rather than call properties
         head = _trace_id(ctx[0]) + _ID.pack(0x12, 8, ctx[1])
         if ctx[4]:
