@@ -28,7 +28,7 @@ from opentelemetry.trace import SpanContext, SpanKind
 from opentelemetry.trace.span import DEFAULT_TRACE_STATE as _NO_STATE
 from opentelemetry.trace.status import StatusCode
 
-__all__ = ["encode_lines", "encode_spans", "paused_gc", "span_fields"]
+__all__ = ["encode_lines", "encode_spans", "paused_gc", "resource_and_scope", "span_fields"]
 
 
 @contextlib.contextmanager
@@ -221,6 +221,14 @@ def span_fields(span: ReadableSpan) -> tuple[Any, ...]:
                 span.end_time, span.attributes, span.events, span.links, span.status)
 
 
+def resource_and_scope(span: ReadableSpan) -> tuple[Any, Any]:
+    """A span's resource and instrumentation scope (stored fields, as :func:`span_fields`)."""
+    try:
+        return span._resource, span._instrumentation_scope
+    except AttributeError:
+        return span.resource, span.instrumentation_scope
+
+
 def _span(span: ReadableSpan) -> bytes:
     ctx, parent, name, kind, start, end, attrs, events, links, status = span_fields(span)
     tail = b""
@@ -306,11 +314,7 @@ def encode_lines(spans: Sequence[ReadableSpan], end: bytes) -> bytes:
     # commspan's spans share one resource and one scope object)
     groups: dict[int, tuple[Any, dict[int, tuple[Any, list[bytes]]]]] = {}
     for span in spans:
-        try:
-            res = span._resource
-            scope = span._instrumentation_scope
-        except AttributeError:
-            res, scope = span.resource, span.instrumentation_scope
+        res, scope = resource_and_scope(span)
         slot = groups.get(id(res))
         if slot is None:
             slot = groups[id(res)] = (res, {})

@@ -40,7 +40,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.util import BoundedList
 from opentelemetry.trace import SpanContext, SpanKind
 
-from commspan.otlpjson.encode import paused_gc, span_fields
+from commspan.otlpjson.encode import paused_gc, resource_and_scope, span_fields
 
 __all__ = ["encode_spans_protobuf"]
 
@@ -473,11 +473,7 @@ def _encode(spans: Sequence[ReadableSpan]) -> bytes:
     by_id: dict[int, _Group] = {}
     by_value: dict[Any, _Group] = {}
     for span in spans:
-        try:
-            res = span._resource
-            scope = span._instrumentation_scope
-        except AttributeError:
-            res, scope = span.resource, span.instrumentation_scope
+        res, scope = resource_and_scope(span)
         group = by_id.get(id(res))
         if group is None:
             group = by_value.get(res)
