@@ -119,27 +119,42 @@ def _expand(work: str, ranks: list[int]) -> None:
         _rank_file(bases[t], r, out)
 
 
+# The command, then its own peak RSS (VmHWM: the high-water mark of the process's
+# memory since exec; ru_maxrss would also count the pages of the benchmark process
+# it was forked from) on the last line of stderr.
+_CLI = """
+import sys
+from commspan.cli import main
+try:
+    code = main(sys.argv[1:])
+finally:
+    with open("/proc/self/status") as fh:
+        hwm = next((line.split()[1] for line in fh if line.startswith("VmHWM:")), "0")
+    sys.stderr.write(f"\\nVmHWM_kB={hwm}\\n")
+sys.exit(code)
+"""
+
+
 def _run_cli(args: list[str]) -> dict[str, Any]:
     """One command in a process of its own: wall and CPU seconds, peak RSS, status."""
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         t0 = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, "-m", "commspan.cli", *args],
-                                stdout=out, stderr=err)
+        proc = subprocess.Popen([sys.executable, "-c", _CLI, *args], stdout=out, stderr=err)
         _, status, usage = os.wait4(proc.pid, 0)
         wall = time.perf_counter() - t0
         proc.returncode = os.waitstatus_to_exitcode(status)
         out.seek(0)
         err.seek(0)
         lines = out.read().count(b"\n")
-        tail = err.read().decode(errors="replace")[-300:]
+        text, _, hwm = err.read().decode(errors="replace").rpartition("VmHWM_kB=")
     return {
         "args": args,
         "seconds": wall,
         "cpu_seconds": usage.ru_utime + usage.ru_stime,
         "status": proc.returncode,
         "stdout_lines": lines,
-        "stderr_tail": tail,
-        "peak_rss_mb": usage.ru_maxrss / 1024,
+        "stderr_tail": text.strip()[-300:],
+        "peak_rss_mb": int(hwm.strip() or 0) / 1024,
     }
 
 
