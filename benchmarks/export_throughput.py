@@ -181,12 +181,26 @@ def _worker(cfg_dict: dict[str, Any], capture_steps: int, file_steps: int, min_s
         protobuf = _time_encoders(one_step, min_seconds, repeats)
         protobuf_large = _time_encoders(large_batch, min_seconds, repeats)
 
-        # a file of many steps, one line per step (as a small export batch writes)
-        path = d / "steps.jsonl"
-        exporter = JsonlSpanExporter(path)
-        for i in range(file_steps):
-            exporter.export(per_step[i % len(per_step)])
-        exporter.shutdown()
+        def write_steps(path: Path, **options: Any) -> Path:
+            """A file of ``file_steps`` steps, one line per step (as a small export
+            batch writes)."""
+            exporter = JsonlSpanExporter(path, **options)
+            for i in range(file_steps):
+                exporter.export(per_step[i % len(per_step)])
+            exporter.shutdown()
+            return path
+
+        def read_cpu(path: Path) -> tuple[list[float], Any]:
+            """CPU seconds of each of ``repeats`` reads with from_jsonl, and the last
+            aggregator."""
+            cpu, agg = [], None
+            for _ in range(repeats):
+                c0 = time.process_time()
+                agg = Aggregator.from_jsonl(path)
+                cpu.append(time.process_time() - c0)
+            return cpu, agg
+
+        path = write_steps(d / "steps.jsonl")
         n_spans = sum(len(per_step[i % len(per_step)]) for i in range(file_steps))
         n_events = sum(_events(per_step[i % len(per_step)]) for i in range(file_steps))
         times, cpu_times = [], []
@@ -210,29 +224,12 @@ def _worker(cfg_dict: dict[str, Any], capture_steps: int, file_steps: int, min_s
                     orjson.loads(line)
             parse_cpu.append(time.process_time() - c0)
         size = path.stat().st_size
-        gz_path = d / "steps.jsonl.gz"
-        exporter = JsonlSpanExporter(gz_path, compress=True)
-        for i in range(file_steps):
-            exporter.export(per_step[i % len(per_step)])
-        exporter.shutdown()
-        gz_cpu = []
-        for _ in range(repeats):
-            c0 = time.process_time()
-            gz_agg = Aggregator.from_jsonl(gz_path)
-            gz_cpu.append(time.process_time() - c0)
+        gz_cpu, gz_agg = read_cpu(write_steps(d / "steps.jsonl.gz", compress=True))
         if gz_agg.total_count() != ingested:
             raise RuntimeError("the compressed file counts differently from the plain one")
         # the same steps with digests (JsonlSpanExporter(digest=True)), compressed lines
-        dg_path = d / "steps-digest.jsonl.gz"
-        exporter = JsonlSpanExporter(dg_path, compress=True, digest=True)
-        for i in range(file_steps):
-            exporter.export(per_step[i % len(per_step)])
-        exporter.shutdown()
-        dg_cpu = []
-        for _ in range(repeats):
-            c0 = time.process_time()
-            dg_agg = Aggregator.from_jsonl(dg_path)
-            dg_cpu.append(time.process_time() - c0)
+        dg_cpu, dg_agg = read_cpu(
+            write_steps(d / "steps-digest.jsonl.gz", compress=True, digest=True))
         if dg_agg.to_dict() != agg.to_dict():
             raise RuntimeError("the digests count differently from the lines")
     best, best_cpu = min(times), min(cpu_times)

@@ -518,15 +518,9 @@ def _use_digests(
         digest = read_digest(path)
         if digest is None:
             continue
-        for parts, spans in zip(digest.parts, digest.lines):
-            if parts is None:
-                continue
+        for parts in digest.used(report):
             merger.add(parts)
-            if report is not None:
-                report.lines += 1
-                report.spans += spans
-                report.commspan_spans += sum(p["commspan_spans"] for p in parts)
-        regions[os.fspath(path)] = digest.gaps(path.stat().st_size)
+        regions[os.fspath(path)] = digest.gaps()
     merger.finish()
     ranks |= merger.ranks
     return regions

@@ -41,10 +41,11 @@ import orjson
 
 from commspan import semconv
 from commspan.analysis.counts import Aggregator
-from commspan.analysis.records import CollectiveRecord, HangRecord, RankStep, Run, _collective
-from commspan.analysis.runs import RunInfo, StepRange, choose
+from commspan.analysis.records import CollectiveRecord, RankStep, Run, _collective, _times
+from commspan.analysis.runs import RunInfo, StepRange, choose, runs_of
 from commspan.analysis.summary import summary_of
 from commspan.otlpjson.decode import DECODE_ERRORS, GZIP_MAGIC, read_spans_in, request_spans
+from commspan.otlpjson.encode import resource_and_scope, span_fields
 from commspan.otlpjson.records import DEFAULT_MAX_LINE_BYTES, ReadReport, SpanRecord, rank_value
 
 __all__ = [
@@ -106,14 +107,8 @@ def span_records(spans: Sequence[Any]) -> list[SpanRecord]:
     out = []
     resources: dict[int, dict[str, Any]] = {}
     for span in spans:
-        try:  # the stored fields of SDK spans: their properties copy on every access
-            ctx, parent, name = span._context, span._parent, span._name
-            start, end, attrs = span._start_time, span._end_time, span._attributes
-            events, resource = span._events, span._resource
-        except AttributeError:
-            ctx, parent, name = span.context, span.parent, span.name
-            start, end, attrs = span.start_time, span.end_time, span.attributes
-            events, resource = span.events, span.resource
+        ctx, parent, name, _, start, end, attrs, events, _, _ = span_fields(span)
+        resource = resource_and_scope(span)[0]
         res = resources.get(id(resource))
         if res is None:
             res = resources[id(resource)] = _plain(resource.attributes if resource else None)
@@ -305,12 +300,6 @@ class _Part:
         part["tmpls"] = list(templates)
         part["coll"] = orjson.dumps(rows).decode()
         return part
-
-
-def _times(rec: SpanRecord) -> Iterator[int]:
-    yield from rec.event_times
-    while True:
-        yield rec.start_time
 
 
 def _agg_state(agg: Aggregator) -> str:
@@ -582,16 +571,34 @@ class FileDigest:
         lines: spans of each covered line (``ReadReport.spans``).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, size: int) -> None:
         self.parts: list[list[DigestPart] | None] = []
         self.covered: list[tuple[int, int]] = []
         self.lines: list[int] = []
+        self.size = size
+        """The JSONL file's size when the digest was checked against it."""
 
-    def gaps(self, size: int) -> list[tuple[int, int, int]]:
-        """``(start, stop, lines)`` byte ranges of a file of ``size`` bytes to parse: what
-        the digest does not stand for, and the lines it says must be parsed; ``lines``
-        counts the lines the digest stands for between the previous range and this one
-        (so that the lines parsed keep their numbers)."""
+    def used(self, report: ReadReport | None) -> Iterator[list[DigestPart]]:
+        """The parts of each line the digest stands for, counted in ``report`` as the
+        lines, spans and ranks read (as if the lines had been)."""
+        for parts, spans in zip(self.parts, self.lines):
+            if parts is None:
+                continue
+            if report is not None:
+                report.lines += 1
+                report.spans += spans
+                for part in parts:
+                    if part["commspan_spans"]:
+                        report.commspan_spans += part["commspan_spans"]
+                        report.ranks.add(part["rank"])
+            yield parts
+
+    def gaps(self) -> list[tuple[int, int, int]]:
+        """``(start, stop, lines)`` byte ranges of the file to parse: what the digest
+        does not stand for, and the lines it says must be parsed; ``lines`` counts the
+        lines the digest stands for between the previous range and this one (so that
+        the lines parsed keep their numbers)."""
+        size = self.size
         out: list[list[int]] = []
         pos, skipped = 0, 0
         for (start, end), parts in zip(self.covered, self.parts):
@@ -631,7 +638,7 @@ def read_digest(path: str | os.PathLike[str]) -> FileDigest | None:
         return None
     try:
         size = os.fstat(fd).st_size
-        result = FileDigest()
+        result = FileDigest(size)
         end = 0
         # writer token -> (number -> (text, when its first span started, for states),
         # the numbers of aggregator states)
@@ -693,7 +700,7 @@ def _valid(part: Any) -> bool:
 
 
 # ------------------------------------------------------------------ assembling
-def run_from_parts(parts: Sequence[DigestPart], hangs: Sequence[HangRecord] = ()) -> Run:
+def run_from_parts(parts: Sequence[DigestPart]) -> Run:
     """The :class:`~commspan.analysis.records.Run` (without module spans) the parts
     stand for, as :func:`~commspan.analysis.records.build_run` would build it from
     their spans."""
@@ -729,7 +736,6 @@ def run_from_parts(parts: Sequence[DigestPart], hangs: Sequence[HangRecord] = ()
             append(CollectiveRecord(rank, step, trace, group, members, seq, op, kind, dtype,
                                     shape, nbytes, reduce_op, peer, fqn, phase, issued,
                                     duration, state))
-    run.hangs.extend(hangs)
     run.rank_steps = {
         key: rs._replace(step=run.trace_steps.get(rs.trace_id))
         for key, rs in run.rank_steps.items()
@@ -763,25 +769,19 @@ def load_parts(
     What was read is added to ``report`` only when parts are returned. Damaged lines
     are skipped (``strict=False``).
     """
-    digests = [read_digest(f) for f in files]
-    if any(d is None for d in digests):
-        return None
+    digests = []
+    for f in files:
+        digest = read_digest(f)
+        if digest is None:
+            return None
+        digests.append(digest)
     scratch = ReadReport()
     parts: list[DigestPart] = []
     regions: dict[str, list[tuple[int, int, int]]] = {}
     for path, digest in zip(files, digests):
-        assert digest is not None
-        for line_parts, spans in zip(digest.parts, digest.lines):
-            if line_parts is None:
-                continue
+        for line_parts in digest.used(scratch):
             parts.extend(line_parts)
-            scratch.lines += 1
-            scratch.spans += spans
-            for part in line_parts:
-                if part["commspan_spans"]:
-                    scratch.commspan_spans += part["commspan_spans"]
-                    scratch.ranks.add(part["rank"])
-        gaps = digest.gaps(path.stat().st_size)
+        gaps = digest.gaps()
         if gaps:
             regions[os.fspath(path)] = gaps
     if regions:
@@ -804,28 +804,20 @@ def load_parts(
 
 def list_part_runs(parts: Sequence[DigestPart]) -> list[RunInfo]:
     """:func:`~commspan.analysis.runs.list_runs` of the spans the parts stand for."""
-    trace_steps: dict[str, int] = {}
+    trace_steps = _trace_steps(parts)
+    return runs_of(
+        (p["run"], p["rank"], trace_steps.get(p["trace"]), p["spans"], p["start"], p["end"])
+        for p in parts
+    )
+
+
+def _trace_steps(parts: Iterable[DigestPart]) -> dict[str, int]:
+    """``trace -> step`` of the parts that know their trace's step (the first says)."""
+    steps: dict[str, int] = {}
     for part in parts:
         if part["step"] is not None:
-            trace_steps.setdefault(part["trace"], part["step"])
-    acc: dict[str, list[Any]] = {}
-    for part in parts:
-        slot = acc.get(part["run"])
-        if slot is None:
-            slot = acc[part["run"]] = [set(), set(), 0, part["start"], part["end"]]
-        slot[0].add(part["rank"])
-        step = trace_steps.get(part["trace"])
-        if step is not None:
-            slot[1].add(step)
-        slot[2] += part["spans"]
-        slot[3] = min(slot[3], part["start"])
-        slot[4] = max(slot[4], part["end"])
-    runs = [
-        RunInfo(run, tuple(sorted(s[0])), tuple(sorted(s[1])), s[2], s[3], s[4])
-        for run, s in acc.items()
-    ]
-    runs.sort(key=lambda r: (r.start_ns, r.run_id))
-    return runs
+            steps.setdefault(part["trace"], part["step"])
+    return steps
 
 
 class PartSelection(NamedTuple):
@@ -849,11 +841,7 @@ def select_parts(
     chosen, kept_steps, note = choose(runs, run, steps)
     kept = [p for p in parts if p["run"] == chosen.run_id] if len(runs) > 1 else list(parts)
     if steps is not None:
-        trace_steps: dict[str, int] = {}
-        for part in kept:
-            if part["step"] is not None:
-                trace_steps.setdefault(part["trace"], part["step"])
-        traces = {t for t, s in trace_steps.items() if s in steps}
+        traces = {t for t, s in _trace_steps(kept).items() if s in steps}
         kept = [p for p in kept if p["trace"] in traces]
     return PartSelection(kept, chosen, runs, kept_steps, note)
 

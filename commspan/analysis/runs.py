@@ -38,6 +38,7 @@ __all__ = [
     "choose",
     "format_numbers",
     "list_runs",
+    "runs_of",
     "select",
 ]
 
@@ -160,20 +161,30 @@ def list_runs(records: Sequence[SpanRecord]) -> list[RunInfo]:
         []
     """
     trace_steps = _trace_steps(records)
+    return runs_of(
+        (_run_of(rec), _rank_of(rec), trace_steps.get(rec.trace_id), 1, rec.start_time,
+         rec.end_time)
+        for rec in records
+    )
+
+
+def runs_of(
+    rows: Iterable[tuple[str, int | None, int | None, int, int, int]],
+) -> list[RunInfo]:
+    """The runs of ``(run id, rank, step, spans, start, end)`` rows, in the order they
+    started; rows of one run add their spans and ranks and widen its times."""
     acc: dict[str, list[Any]] = {}  # run -> [ranks, steps, spans, start, end]
-    for rec in records:
-        slot = acc.get(run := _run_of(rec))
+    for run, rank, step, spans, start, end in rows:
+        slot = acc.get(run)
         if slot is None:
-            slot = acc[run] = [set(), set(), 0, rec.start_time, rec.end_time]
-        rank = _rank_of(rec)
+            slot = acc[run] = [set(), set(), 0, start, end]
         if rank is not None:
             slot[0].add(rank)
-        step = trace_steps.get(rec.trace_id)
         if step is not None:
             slot[1].add(step)
-        slot[2] += 1
-        slot[3] = min(slot[3], rec.start_time)
-        slot[4] = max(slot[4], rec.end_time)
+        slot[2] += spans
+        slot[3] = min(slot[3], start)
+        slot[4] = max(slot[4], end)
     runs = [
         RunInfo(run, tuple(sorted(s[0])), tuple(sorted(s[1])), s[2], s[3], s[4])
         for run, s in acc.items()
