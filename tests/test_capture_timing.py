@@ -157,6 +157,35 @@ def test_collective_never_waited_is_emitted_at_the_end_of_its_step() -> None:
     assert _by_fqn(cap.spans, "IssueOnly").attributes.get(semconv.comm_time_key("forward")) is None
 
 
+def test_outstanding_collectives_are_known_without_asking_each_span() -> None:
+    """The tracker says nothing is outstanding only when every timed collective has its
+    completion: not between issue and wait, again after the wait, and again once a step
+    that gave up on an output never waited has ended."""
+    settled: list[bool] = []
+
+    class Probe(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            tracker = mode._dispatch.completions  # type: ignore[union-attr]
+            y = funcol.all_reduce(x, "sum", dist.group.WORLD)
+            settled.append(tracker.settled())
+            z = funcol.wait_tensor(y)
+            settled.append(tracker.settled())
+            return z
+
+    mode = CommSpanMode()
+    with mode:
+        tracker = mode._dispatch.completions  # type: ignore[union-attr]
+        with mode.step(0):
+            Probe()(torch.ones(4))
+            IssueOnly()(torch.ones(4))
+            settled.append(tracker.settled())
+        settled.append(tracker.settled())
+        with mode.step(1):
+            Probe()(torch.ones(4))
+    assert settled == [False, True, False, True, False, True]
+    assert mode.stats()["collectives_untimed"] == 1
+
+
 def test_c10d_ops_are_timed() -> None:
     """A blocking c10d all_reduce and an async one waited by hand both get a duration."""
     with capture() as cap:

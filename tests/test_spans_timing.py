@@ -47,10 +47,11 @@ def test_completed_event_gets_duration_and_nccl_tests_bandwidths() -> None:
 
 
 def test_log_lists_recent_per_group_and_every_pending_one() -> None:
-    """Per group the last `keep`, plus every collective not completed however old;
-    abandoned ones are not listed; the oldest pending one is found."""
-    log = CollectiveLog(keep=2, size=6)
+    """Per group the last `keep`, plus every collective still waited for however old
+    (its waiter knows it once the log has moved on); abandoned ones are not listed; the
+    oldest pending one is found."""
     stuck = _timing("a", 1, done=False)
+    log = CollectiveLog(keep=2, size=6, pending=lambda: [stuck, stuck])
     log.add(stuck)
     for seq in range(2, 12):
         log.add(_timing("a" if seq % 2 else "b", seq, done=True))

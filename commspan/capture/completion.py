@@ -75,11 +75,19 @@ class CompletionTracker:
     """
 
     def __init__(self, max_outstanding: int = 4096) -> None:
-        self._outputs: dict[int, CollectiveTiming] = {}
+        self.outputs: dict[int, CollectiveTiming] = {}
+        """Functional outputs not waited yet, by data pointer: the dispatch mode stores
+        and pops them itself on its fast path (CPU, one output)."""
         self._max = max_outstanding
-        self._sweep_at = 256
+        self.sweep_at = 256
+        """Past this many :attr:`outputs`, :meth:`sweep` them."""
         self.polled: list[CollectiveTiming] = []
         """Timings of ``Work`` s without a future, asked at each collective."""
+        self.futures: dict[int, CollectiveTiming] = {}
+        """Timings whose ``Work`` future has not called back yet, by ``id``."""
+        self.devices: list[CollectiveTiming] = []
+        """Timings of collectives on CUDA tensors, completed by their CUDA events
+        (the finished ones are dropped now and then)."""
         self.forgotten = 0
         self.cuda = torch.cuda.is_available()
         """CUDA is available: collectives on CUDA tensors are timed with CUDA events."""
@@ -95,6 +103,10 @@ class CompletionTracker:
         if self.cuda and _on_cuda(info, args, kwargs):
             event = torch.cuda.Event(enable_timing=True)
             event.record()
+            devices = self.devices
+            if len(devices) >= 256:
+                devices[:] = [t for t in devices if not t.finished() and not t.abandoned]
+            devices.append(timing)
         timing.issued = _perf()
         return event
 
@@ -102,14 +114,7 @@ class CompletionTracker:
                kwargs: Any, out: Any, cuda_start: Any) -> None:
         """Right after the op returned: arrange to learn of its completion."""
         if info.functional:
-            if cuda_start is None and type(out) is _Tensor:
-                key = out.data_ptr()
-                if key:  # the usual case: one output on the CPU, one dict store
-                    table = self._outputs
-                    table[key] = timing  # no hold: waited completes it at once
-                    if len(table) > self._sweep_at:
-                        self._sweep()
-                    return
+            # (one output on the CPU, the usual case, the dispatch mode stores itself)
             self._remember(timing, out, cuda_start)
             return
         work = out[-1] if type(out) is tuple and out else out
@@ -140,7 +145,33 @@ class CompletionTracker:
         if cuda_start is not None:
             future.add_done_callback(partial(_cuda_done, timing, cuda_start))
         else:
-            future.add_done_callback(timing.on_future)
+            self.futures[id(timing)] = timing
+            future.add_done_callback(partial(self._future_done, timing))
+
+    def _future_done(self, timing: CollectiveTiming, _future: Any) -> None:
+        """A ``Work``'s future completed (on the backend's thread): complete its timing,
+        then stop counting it as outstanding (in that order, for :meth:`settled`)."""
+        timing.complete()
+        self.futures.pop(id(timing), None)
+
+    def pending(self) -> list[CollectiveTiming]:
+        """The collectives still waited for: functional outputs not waited, ``Work`` s
+        whose future has not called back or not yet polled, CUDA events not yet
+        completed (a copy; safe from any thread)."""
+        for _ in range(3):
+            try:
+                return [*self.outputs.values(), *self.polled, *self.futures.values(),
+                        *(t for t in self.devices if not t.finished())]
+            except RuntimeError:  # changed size while copied (another thread): again
+                continue
+        return []
+
+    def settled(self) -> bool:
+        """Whether every collective timed so far has its completion (or was given
+        up): no functional output waits for its ``wait_tensor``, no ``Work`` for its
+        future or for a poll, and no CUDA events are in use. Spans then need not check
+        their collectives one by one before they are emitted. Safe from any thread."""
+        return not (self.outputs or self.polled or self.futures or self.cuda)
 
     def poll(self) -> None:
         """Ask the ``Work`` s without a future whether they have completed."""
@@ -149,7 +180,7 @@ class CompletionTracker:
     def _remember(self, timing: CollectiveTiming, out: Any, cuda_start: Any) -> None:
         outputs: Sequence[Any] = out if isinstance(out, (list, tuple)) else (out,)
         keys = []
-        table = self._outputs
+        table = self.outputs
         for t in outputs:
             if isinstance(t, _Tensor):
                 key = t.data_ptr() or id(t)
@@ -158,19 +189,19 @@ class CompletionTracker:
         if not keys:
             return
         timing.hold = (outputs, keys, cuda_start)
-        if len(table) > self._sweep_at:
-            self._sweep()
+        if len(table) > self.sweep_at:
+            self.sweep()
 
-    def _sweep(self) -> None:
+    def sweep(self) -> None:
         """Forget outputs whose collective is settled (completed, or given up at the end
         of its trace), then the oldest beyond ``max_outstanding``."""
-        table = self._outputs
+        table = self.outputs
         for key in [k for k, t in table.items() if t.duration is not None or t.abandoned]:
             del table[key]
         while len(table) > self._max:
             del table[next(iter(table))]
             self.forgotten += 1
-        self._sweep_at = max(256, 2 * len(table))
+        self.sweep_at = max(256, 2 * len(table))
 
     # ------------------------------------------------------------ completion
     def waited(self, tensor: Any, now: int) -> None:
@@ -178,15 +209,19 @@ class CompletionTracker:
         that produced it, if one is waiting."""
         if self.polled:
             self.poll()
-        timing = self._outputs.pop(tensor.data_ptr() or id(tensor), None)
-        if timing is None:
-            return
+        timing = self.outputs.pop(tensor.data_ptr() or id(tensor), None)
+        if timing is not None:
+            self.finish(timing, now)
+
+    def finish(self, timing: CollectiveTiming, now: int) -> None:
+        """Complete ``timing``, just popped from :attr:`outputs` by a ``wait_tensor`` that
+        returned at ``now`` (its other outputs' keys go too)."""
         hold = timing.hold
         if hold is not None:
             _outputs, keys, cuda_start = hold
             for key in keys:
-                if self._outputs.get(key) is timing:
-                    del self._outputs[key]
+                if self.outputs.get(key) is timing:
+                    del self.outputs[key]
             if cuda_start is not None:
                 _finish_cuda(timing, cuda_start)
                 return
@@ -194,13 +229,15 @@ class CompletionTracker:
 
     def clear(self) -> None:
         """Forget every output and ``Work`` still waiting (the mode is left)."""
-        self._outputs.clear()
+        self.outputs.clear()
         self.polled = []
+        self.futures.clear()
+        self.devices = []
 
     @property
     def outstanding(self) -> int:
         """Functional outputs issued and not waited yet."""
-        return len(self._outputs)
+        return len(self.outputs)
 
 
 def _arg(info: CollectiveInfo, args: Any, kwargs: Any, index: int, default: Any) -> Any:

@@ -358,7 +358,16 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
                 tensor = getattr(tensor, "elem", tensor)  # a lazy output: the tensor inside
                 if not isinstance(tensor, _Tensor):
                     return out
-            self.completions.waited(tensor, now)
+            # CompletionTracker.waited, inline: this runs once per functional collective
+            completions = self.completions
+            if completions.polled:
+                completions.poll()
+            timing = completions.outputs.pop(tensor.data_ptr() or id(tensor), None)
+            if timing is not None:
+                if timing.hold is None and timing.duration is None:
+                    timing.duration = now - timing.issued  # the usual case: done
+                else:
+                    completions.finish(timing, now)
         except Exception:
             self._errors.record(message="could not time the completion of a collective")
         return out
@@ -397,6 +406,16 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
             timing.issued = _perf()
         out = func(*args, **kwargs)
         try:
+            if started is None and info.functional and type(out) is _Tensor:
+                # CompletionTracker.issued's usual case, inline: one output on the CPU,
+                # found by its data pointer when waited
+                key = out.data_ptr()
+                if key:
+                    outputs = completions.outputs
+                    outputs[key] = timing
+                    if len(outputs) > completions.sweep_at:
+                        completions.sweep()
+                    return out
             completions.issued(info, timing, args, kwargs, out, started)
         except Exception:
             self._errors.record(info.overload, message="could not time collective %s")

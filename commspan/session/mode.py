@@ -289,6 +289,8 @@ class CommSpanMode:
                     self._on_collective, self._op_observer, self._groups,
                     timing=config.time_collectives,
                 )
+        self._recorder.settled = self._dispatch.completions.settled
+        self._log.pending = self._dispatch.completions.pending
         if self._tracker is None:
             self._tracker = ModuleTracker(
                 self._recorder,
@@ -461,6 +463,10 @@ class CommSpanMode:
         if self._tracker is not None:
             self._tracker.unwind(error)
         rec.end(error)
+        if self._dispatch is not None and self._dispatch.completions.outputs:
+            # outputs never waited were given up with their trace: forget them, so
+            # that the next spans know at once that nothing is outstanding
+            self._dispatch.completions.sweep()
 
     # ------------------------------------------------------------ capture
     def _on_collective(

@@ -63,6 +63,10 @@ _now = time.time_ns
 SpanSink = Callable[[ReadableSpan], None]
 
 
+def _unknown() -> bool:
+    return False
+
+
 class SpanRecorder:
     """Stack of open frames for one trace at a time; emits spans as frames close.
 
@@ -99,6 +103,10 @@ class SpanRecorder:
         self._emit_lock = threading.Lock()
         self.forced = 0
         """Collectives emitted without a completion (their trace ended first)."""
+        self.settled: Callable[[], bool] = _unknown
+        """Asked before a span waits for its collectives one by one: ``True`` when
+        every collective recorded so far has completed (the dispatch mode's
+        :meth:`~commspan.capture.completion.CompletionTracker.settled`)."""
 
     # ------------------------------------------------------------ traces
     def begin(self, trace: Trace) -> Frame:
@@ -427,7 +435,7 @@ class SpanRecorder:
         frame = self.stack[-1]
         frame.end = max(now, frame.start)
         if not self._closed and (
-            (frame.timings is None and frame.own is None) or frame.ready()
+            (frame.timings is None and frame.own is None) or self.settled() or frame.ready()
         ):
             # the span is built before the frame leaves the stack: if building
             # fails, the frame stays open and a later close emits it
@@ -467,9 +475,10 @@ class SpanRecorder:
         if not self._emit_lock.acquire(timeout=timeout_s):
             return False
         try:
+            settled = force or self.settled()
             while closed:
                 head = closed[0]
-                if not force and not head.ready():
+                if not settled and not head.ready():
                     break
                 closed.popleft()  # first: a frame that cannot be built is not retried forever
                 if force:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -158,65 +159,49 @@ class CollectiveTiming:
         return attrs
 
 
+def _issued(timing: CollectiveTiming) -> int:
+    return timing.issued
+
+
 class CollectiveLog:
     """The rank's recent collectives: per process group the last ``keep`` of its last
     ``size`` collectives, and every collective not completed.
 
-    :meth:`add` runs on the issuing thread (one list append); :meth:`snapshot`
-    and :meth:`oldest_pending` may run on any thread (they read copies).
+    :meth:`add` runs on the issuing thread (one append to a bounded deque);
+    :meth:`snapshot` and :meth:`oldest_pending` may run on any thread (they
+    read copies). Collectives older than the last ``size`` that have not
+    completed come from ``pending``: whoever waits for their completion knows
+    them (the dispatch mode's
+    :meth:`~commspan.capture.completion.CompletionTracker.pending`).
 
     Args:
         keep: collectives listed per group, completed or not.
         size: collectives remembered in all (the groups share them).
-        max_pending: older collectives not completed kept in all (beyond it the
-            oldest is forgotten and counted in :attr:`forgotten`).
+        pending: returns the collectives still waited for, however old.
     """
 
-    def __init__(self, keep: int = 8, size: int = 64, max_pending: int = 1024) -> None:
+    def __init__(
+        self,
+        keep: int = 8,
+        size: int = 64,
+        pending: Callable[[], list[CollectiveTiming]] | None = None,
+    ) -> None:
         self._keep = keep
-        self._size = size
-        self._max_pending = max_pending
-        # the last ``size`` to ``2 * size`` collectives, oldest first: an add is an
-        # append and, at twice ``size``, a trim (amortised O(1))
-        self._recent: list[CollectiveTiming] = []
-        self._older: list[CollectiveTiming] = []
-        self.forgotten = 0
-
-    def add(self, timing: CollectiveTiming) -> None:
-        """Log a collective just issued."""
-        recent = self._recent
-        recent.append(timing)
-        if len(recent) >= 2 * self._size:
-            self._trim()
-
-    def _trim(self) -> None:
-        """Keep the last ``size`` collectives; those before them not completed move
-        to the older ones (first: a snapshot taken meanwhile may list one twice, never
-        miss it, and :meth:`snapshot` lists each once)."""
-        recent = self._recent
-        cut = len(recent) - self._size
-        for timing in recent[:cut]:
-            if timing.duration is None and not timing.abandoned and not timing.finished():
-                self._keep_pending(timing)
-        del recent[:cut]
-
-    def _keep_pending(self, timing: CollectiveTiming) -> None:
-        older = self._older
-        if len(older) >= self._max_pending:  # prune now and then: amortised O(1) per add
-            older[:] = [t for t in older if not t.finished() and not t.abandoned]
-            while len(older) >= self._max_pending:
-                older.pop(0)
-                self.forgotten += 1
-        older.append(timing)
+        self._recent: deque[CollectiveTiming] = deque(maxlen=size)
+        self.add: Callable[[CollectiveTiming], None] = self._recent.append
+        """Log a collective just issued (the deque's own ``append``: no Python frame)."""
+        self.pending: Callable[[], list[CollectiveTiming]] = pending or list
 
     def snapshot(self) -> list[CollectiveTiming]:
         """The collectives a hang record lists: per group (in first-use order), oldest
         first, the last ``keep`` and every one not completed; abandoned ones left out."""
+        recent = list(self._recent)
+        ids = {id(t) for t in recent}
+        # waited for and no longer among the recent ones: issued before all of them
+        older = {id(t): t for t in self.pending() if id(t) not in ids}
         groups: dict[Any, list[CollectiveTiming]] = {}
-        seen: set[int] = set()
-        for t in [*list(self._older), *list(self._recent)]:
-            if not t.abandoned and id(t) not in seen:
-                seen.add(id(t))
+        for t in [*sorted(older.values(), key=_issued), *recent]:
+            if not t.abandoned:
                 groups.setdefault(t.attrs.get(_GROUP, ""), []).append(t)
         out: list[CollectiveTiming] = []
         keep = self._keep
@@ -236,7 +221,6 @@ class CollectiveLog:
     def clear(self) -> None:
         """Forget everything (the mode's process groups start over)."""
         self._recent.clear()
-        self._older = []
 
 
 _HELD = "_commspan_timing"
