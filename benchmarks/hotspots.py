@@ -1,10 +1,12 @@
 """Where commspan's time goes: one rank's step split, then cProfile around traced steps.
 
 First, in one process without the noise of 4 ranks on 2 cores, CPU per step
-of no mode, the pass-through floor, commspan (aggregator only), commspan +
-JSONL and commspan on sampled-out steps, interleaved round by round: how much
-of commspan's cost is the floor
-any dispatch mode pays, and how much is commspan's own.
+of no mode, the pass-through floor (bare, with do-nothing hooks, as a
+DebugMode, with ModTracker), collectives seen through kernels on their ops
+with no dispatch mode (``CollectiveKernels``, an experiment), commspan
+(aggregator only), commspan + JSONL and commspan on sampled-out steps,
+interleaved round by round: how much of commspan's cost is the floor any
+dispatch mode pays, and how much is commspan's own.
 
 One spawned process over torch's fake process group (world 4, rank 0; the
 per-rank Python work is the same as over gloo, without the waiting), the
@@ -47,7 +49,7 @@ def _package(filename: str) -> str:
 
 
 DECOMPOSE = ("none", "none_aa", "floor", "floor_hooks", "floor_dm_hooks", "floor_modtracker",
-             "cs_agg", "cs_jsonl", "cs_sampled_out")
+             "kernels_hooks", "cs_agg", "cs_jsonl", "cs_sampled_out")
 
 
 def _decompose(model: Any, batch: Any, tmp: str, rounds: int, make_variant: Any,

@@ -254,6 +254,7 @@ def _profile_section(profile: dict[str, Any]) -> str:
                              ("floor_hooks", "floor + module/grad hooks doing nothing"),
                              ("floor_dm_hooks", "floor as a DebugMode + hooks doing nothing"),
                              ("floor_modtracker", "floor + torch ModTracker"),
+                             ("kernels_hooks", "no mode: kernels on the collective ops + hooks"),
                              ("cs_agg", "commspan, aggregator only"),
                              ("cs_jsonl", "commspan + JSONL"),
                              ("cs_sampled_out", "commspan, sampled-out step"))
@@ -269,6 +270,13 @@ def _profile_section(profile: dict[str, Any]) -> str:
                 f"{bare - floor:+.1f} ms, DTensor reporting to a DebugMode "
                 f"{dm - bare:+.1f} ms more, and commspan's recording and JSONL export "
                 f"{full - dm:+.1f} ms"
+            )
+        if "kernels_hooks" in d and "floor_hooks" in d:
+            hooks += (
+                f"; seeing the collectives through kernels registered on their ops instead of "
+                f"a dispatch mode (the same hooks) costs "
+                f"{d['kernels_hooks']['delta_ms']:+.1f} ms against the hooked floor's "
+                f"{d['floor_hooks']['delta_ms']:+.1f} ms"
             )
         if "none_aa" in d:
             hooks += (

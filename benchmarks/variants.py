@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import tempfile
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -64,7 +65,7 @@ ALL_VARIANTS: tuple[str, ...] = tuple(LABELS)
 
 # variants of the one-process split only (profile section, which labels its rows):
 # what module tracking costs through torch's hooks before anything is recorded
-SPLIT_VARIANTS: tuple[str, ...] = ("floor_hooks", "floor_modtracker")
+SPLIT_VARIANTS: tuple[str, ...] = ("floor_hooks", "floor_modtracker", "kernels_hooks")
 _KNOWN: tuple[str, ...] = ALL_VARIANTS + SPLIT_VARIANTS
 
 # sample=N traces steps 0, N, 2N, ...; the benchmark numbers steps from 1, so none is traced
@@ -156,7 +157,7 @@ class _FloorHooks(Variant):
     ``mode=PassThroughDebugMode``: the least a tracer of module spans with DTensor
     placements can cost."""
 
-    def __init__(self, mode: Callable[[], TorchDispatchMode]) -> None:
+    def __init__(self, mode: Callable[[], Any]) -> None:
         self._mode = mode
 
     def run_block(self, step: StepFn, indices: Sequence[int]) -> None:
@@ -171,6 +172,49 @@ class _FloorHooks(Variant):
         finally:
             for h in handles:
                 h.remove()
+
+
+class CollectiveKernels:
+    """Collectives seen without any dispatch mode: a pass-through Python kernel
+    registered (``torch.library``) at the ``AutogradCPU`` key of every collective op
+    commspan knows, so only collectives call into Python; every other op of the step
+    runs as with no mode. What such a design could save below the floor: ``seen``
+    counts the collectives its kernels ran (the DTensor placements a DebugMode
+    learns, and ``record_function`` labels, are not available this way)."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+        self._libs: list[Any] = []
+
+    def __enter__(self) -> CollectiveKernels:
+        from commspan.capture.collectives import build_overload_table
+
+        below = torch._C._AutoDispatchBelowAutograd
+        libs: dict[str, Any] = {}
+        for overload in {id(o): o for o in build_overload_table() if hasattr(o, "_schema")
+                         }.values():
+            ns = overload.namespace
+            if ns.endswith("_autograd"):  # differentiable variants keep their kernels
+                continue
+            lib = libs.get(ns)
+            if lib is None:
+                lib = libs[ns] = torch.library.Library(ns, "IMPL")
+
+            def kernel(*args: Any, _op: Any = overload, **kwargs: Any) -> Any:
+                self.seen += 1
+                with below():
+                    return _op(*args, **kwargs)
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "overriding a previously registered kernel"
+                lib.impl(overload, kernel, "AutogradCPU")
+        self._libs = list(libs.values())
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        for lib in self._libs:
+            lib._destroy()
+        self._libs = []
 
 
 class PassThroughDebugMode(_DebugModeBase):  # type: ignore[misc,valid-type]
@@ -289,6 +333,8 @@ def make_variant(
         v = _FloorHooks(PassThroughMode)
     elif key == "floor_modtracker":
         v = _FloorModTracker()
+    elif key == "kernels_hooks":
+        v = _FloorHooks(CollectiveKernels)
     elif key == "cdm":
         v = _CommDebug()
     elif key == "cs_agg":
