@@ -186,6 +186,36 @@ def test_outstanding_collectives_are_known_without_asking_each_span() -> None:
     assert mode.stats()["collectives_untimed"] == 1
 
 
+def test_failed_blocking_op_raises_and_is_counted_without_a_duration(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A blocking c10d op whose work fails: the caller sees the error, the event goes
+    out without a duration and is counted in stats, and no hang record lists it."""
+    c10d = torch._C._distributed_c10d  # type: ignore[attr-defined]
+
+    def fail(self: Any, *args: Any, **kwargs: Any) -> bool:
+        raise RuntimeError("the work failed")
+
+    class Fails(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            dist.all_reduce(x)
+            return x
+
+    with capture() as cap:
+        with cap.mode.step(0):
+            with monkeypatch.context() as patch:
+                for work_type in (c10d.Work, c10d.FakeWork):  # the fake group's work
+                    patch.setattr(work_type, "wait", fail)
+                with pytest.raises(RuntimeError, match="the work failed"):
+                    Fails()(torch.ones(4))
+            cap.mode.dump()
+    (event,) = collective_events(_by_fqn(cap.spans, "Fails"))
+    assert semconv.COLL_DURATION_NS not in event.attributes
+    assert cap.mode.stats()["collectives_untimed"] == 1
+    (hang,) = [s for s in cap.spans if s.name == semconv.SPAN_HANG]
+    assert len(hang.events) == 0
+
+
 def test_c10d_ops_are_timed() -> None:
     """A blocking c10d all_reduce and an async one waited by hand both get a duration."""
     with capture() as cap:

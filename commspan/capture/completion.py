@@ -85,6 +85,8 @@ class CompletionTracker:
         """Timings of ``Work`` s without a future, asked at each collective."""
         self.futures: dict[int, CollectiveTiming] = {}
         """Timings whose ``Work`` future has not called back yet, by ``id``."""
+        self.failed = 0
+        """Blocking c10d ops whose wait raised: no duration, nothing to wait for."""
         self.devices: list[CollectiveTiming] = []
         """Timings of collectives on CUDA tensors, completed by their CUDA events
         (the finished ones are dropped now and then)."""
@@ -133,7 +135,11 @@ class CompletionTracker:
             try:
                 handle.wait()  # releases the GIL, as the caller's wait does
             except Exception:
-                return  # the op failed: the caller's own wait raises it again
+                # the op failed (the caller's own wait raises it again): it has no
+                # completion to wait for, and is counted as emitted without one
+                timing.abandon()
+                self.failed += 1
+                return
             timing.duration = max(0, _perf() - timing.issued)
             return
         try:

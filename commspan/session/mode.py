@@ -715,7 +715,7 @@ class CommSpanMode:
         out: dict[str, Any] = dict(self._stats)
         out["collectives_untimed"] = self._untimed + (
             self._recorder.forced if self._recorder is not None else 0
-        )
+        ) + (self._dispatch.completions.failed if self._dispatch is not None else 0)
         out["processor_errors"] = self._processor_errors.count
         out["internal_errors"] = (self._tracker.internal_errors if self._tracker else 0) + (
             self._dispatch.errors if self._dispatch else 0
