@@ -216,6 +216,27 @@ def test_failed_blocking_op_raises_and_is_counted_without_a_duration(
     assert len(hang.events) == 0
 
 
+def test_collective_that_raises_is_given_up_on_not_reported_stuck() -> None:
+    """An op that raises when called (an unknown reduce op): the caller sees the error,
+    the event goes out without a duration, counted in stats, and a hang record does
+    not list it as issued."""
+
+    class Bad(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return funcol.wait_tensor(funcol.all_reduce(x, "no-such-op", dist.group.WORLD))
+
+    with capture() as cap:
+        with cap.mode.step(0):
+            with pytest.raises(RuntimeError, match="no-such-op"):
+                Bad()(torch.ones(4))
+            cap.mode.dump()
+    (hang,) = [s for s in cap.spans if s.name == semconv.SPAN_HANG]
+    assert len(hang.events) == 0
+    assert cap.mode.stats()["collectives_untimed"] == 1
+    events = [e for s in cap.spans if s.name != semconv.SPAN_HANG for e in collective_events(s)]
+    assert [semconv.COLL_DURATION_NS in e.attributes for e in events] == [False]
+
+
 def test_c10d_ops_are_timed() -> None:
     """A blocking c10d all_reduce and an async one waited by hand both get a duration."""
     with capture() as cap:

@@ -86,8 +86,11 @@ class CompletionTracker:
         self.futures: dict[int, CollectiveTiming] = {}
         """Timings whose ``Work`` future has not called back yet, by ``id``."""
         self.failed = 0
-        """Blocking c10d ops whose wait raised: no duration, nothing to wait for."""
+        """Collectives given up on when issued: the op raised, a blocking op's wait
+        raised, or it returned nothing to wait on. No duration; counted by the mode
+        in ``collectives_untimed``."""
         self.devices: list[CollectiveTiming] = []
+        self._devices_at = 256
         """Timings of collectives on CUDA tensors, completed by their CUDA events
         (the finished ones are dropped now and then)."""
         self.forgotten = 0
@@ -106,8 +109,9 @@ class CompletionTracker:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
             devices = self.devices
-            if len(devices) >= 256:
+            if len(devices) >= self._devices_at:  # amortised: the threshold doubles
                 devices[:] = [t for t in devices if not t.finished() and not t.abandoned]
+                self._devices_at = max(256, 2 * len(devices))
             devices.append(timing)
         timing.issued = _perf()
         return event
@@ -121,6 +125,7 @@ class CompletionTracker:
             return
         work = out[-1] if type(out) is tuple and out else out
         if _Work is None or not isinstance(work, _ScriptObject):
+            self.give_up(timing)  # nothing to wait on
             return
         handle = _Work.unbox(work)
         index = info.async_index
@@ -137,8 +142,7 @@ class CompletionTracker:
             except Exception:
                 # the op failed (the caller's own wait raises it again): it has no
                 # completion to wait for, and is counted as emitted without one
-                timing.abandon()
-                self.failed += 1
+                self.give_up(timing)
                 return
             timing.duration = max(0, _perf() - timing.issued)
             return
@@ -153,6 +157,14 @@ class CompletionTracker:
         else:
             self.futures[id(timing)] = timing
             future.add_done_callback(partial(self._future_done, timing))
+
+    def give_up(self, timing: CollectiveTiming) -> None:
+        """Nothing will complete ``timing`` (its op raised, or returned nothing to wait
+        on): its span does not wait for it, hang records do not list it, and it is
+        counted in :attr:`failed`."""
+        if not timing.finished():
+            timing.abandon()
+            self.failed += 1
 
     def _future_done(self, timing: CollectiveTiming, _future: Any) -> None:
         """A ``Work``'s future completed (on the backend's thread): complete its timing,
@@ -193,6 +205,7 @@ class CompletionTracker:
                 table[key] = timing
                 keys.append(key)
         if not keys:
+            self.give_up(timing)  # no output to be waited
             return
         timing.hold = (outputs, keys, cuda_start)
         if len(table) > self.sweep_at:

@@ -400,11 +400,16 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
                 started = completions.start(info, timing, args, kwargs)
             except Exception:
                 self._errors.record(info.overload, message="could not time collective %s")
+                completions.give_up(timing)
                 return func(*args, **kwargs)
         else:  # CPU, nothing to poll: the issue time is all start() would take
             started = None
             timing.issued = _perf()
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except BaseException:
+            completions.give_up(timing)  # the op raised: nothing will complete it
+            raise
         try:
             if started is None and info.functional and type(out) is _Tensor:
                 # CompletionTracker.issued's usual case, inline: one output on the CPU,
@@ -419,6 +424,7 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
             completions.issued(info, timing, args, kwargs, out, started)
         except Exception:
             self._errors.record(info.overload, message="could not time collective %s")
+            completions.give_up(timing)
         return out
 
     def p2p_tensor(self) -> Any:
