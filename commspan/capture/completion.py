@@ -90,9 +90,9 @@ class CompletionTracker:
         raised, or it returned nothing to wait on. No duration; counted by the mode
         in ``collectives_untimed``."""
         self.devices: list[CollectiveTiming] = []
-        self._devices_at = 256
         """Timings of collectives on CUDA tensors, completed by their CUDA events
         (the finished ones are dropped now and then)."""
+        self._devices_at = 256  # len(devices) that drops them (doubles, amortised)
         self.forgotten = 0
         self.cuda = torch.cuda.is_available()
         """CUDA is available: collectives on CUDA tensors are timed with CUDA events."""

@@ -106,10 +106,6 @@ class CollectiveTiming:
             self.duration = max(0, (_perf() if now is None else now) - self.issued)
             self.hold = None
 
-    def on_future(self, _future: Any) -> None:
-        """A done-callback for a ``torch.futures.Future`` (a ``Work``'s future)."""
-        self.complete()
-
     def finished(self) -> bool:
         """Whether the completion is known (asks :attr:`resolve` if there is one)."""
         if self.duration is not None:
