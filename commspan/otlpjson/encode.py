@@ -3,11 +3,13 @@
 Spans become the OTLP/JSON encoding of the OpenTelemetry protocol (the
 ``file`` exporter and ``otlpjson`` receiver of the Collector read it), built
 as byte fragments and joined once. Module spans repeat the same names, types,
-phases and parameters step after step, so encoded attribute entries, whole
-attribute lists, strings and trace ids are cached in bounded module-level
-dictionaries (cleared when full). They are module-level on purpose: every
-exporter of the process shares them, and they hold only bytes built from
-attribute values, never spans.
+phases and parameters step after step, and collective events the same keys
+with values of the same types, so attribute lists are encoded from ``%``
+templates (one plan per keys and value types; the strings written in, the
+numbers formatted in), and whole attribute lists, arrays, strings and trace
+ids are cached, all in bounded module-level dictionaries (cleared when full).
+They are module-level on purpose: every exporter of the process shares them,
+and they hold only bytes built from attribute values, never spans.
 
 Example:
     >>> from opentelemetry.sdk.trace import ReadableSpan
@@ -20,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import gc
 from collections.abc import Iterator, Sequence
+from operator import itemgetter
 from typing import Any
 
 import orjson
@@ -105,9 +108,9 @@ def _entry(k: str, v: Any) -> bytes:
     return entry
 
 
-def _entries(attrs: Any) -> bytes:
-    # _entry inlined for the common hashable values: this runs ~20 times per
-    # collective event
+def _entries_one_by_one(attrs: Any) -> bytes:
+    # attribute lists :func:`_entries` has no plan for (a value of another type:
+    # a str or int subclass, None, a dict)
     get = _ENTRY_CACHE.get
     out = []
     for k, v in attrs.items():
@@ -122,6 +125,145 @@ def _entries(attrs: Any) -> bytes:
     return b"[" + b",".join(out) + b"]"
 
 
+# Encoding plans. Spans and events of commspan carry the same keys with values
+# of the same types call after call (a collective event: op, group, placements,
+# module as strings; seq, bytes, duration as ints), so an attribute list is
+# encoded as a ``%`` template: for each (keys, value types) a plan says which
+# values are written into the template (strings, bools: they repeat) and which
+# are formatted into it on each call (ints as ``%d``, floats and arrays as
+# ``%s``). One template per distinct tuple of written values; all bounded,
+# cleared when full.
+_PLANS: dict[tuple[tuple[str, ...], tuple[type, ...]], Any] = {}
+_PLANS_MAX = 1 << 10
+_TEMPLATES_MAX = 1 << 13  # templates of all plans together
+_templates = 0
+_NO_PLAN: Any = ()  # a value type the plans do not handle: entry by entry
+_ARRAYS: dict[tuple[tuple[Any, ...], tuple[type, ...]], bytes] = {}
+
+
+def _pick(positions: list[int]) -> Any:
+    """A function returning the values at ``positions`` of a tuple, as a tuple."""
+    if not positions:
+        return lambda values: ()
+    if len(positions) == 1:
+        i = positions[0]
+        return lambda values: (values[i],)
+    return itemgetter(*positions)
+
+
+def _array_value(v: Any) -> bytes:
+    """The ``{"arrayValue":...}`` of a list or tuple, cached by its elements and
+    their types (``(True,) == (1,) == (1.0,)``)."""
+    try:
+        key = (tuple(v), tuple(map(type, v)))
+        out = _ARRAYS.get(key)
+    except TypeError:  # an unhashable element
+        return _dumps(_value(v))
+    if out is None:
+        out = bytes(memoryview(_dumps(_value(v))))  # exact-size copy, see _entry
+        if len(_ARRAYS) >= _CACHE_MAX:
+            _ARRAYS.clear()
+        _ARRAYS[key] = out
+    return out
+
+
+def _plan(signature: tuple[tuple[str, ...], tuple[type, ...]]) -> Any:
+    """``(written values, formatted values, converters, templates, signature, ints,
+    may repeat)`` for attribute lists of these keys and value types, or ``_NO_PLAN``.
+    "May repeat": no float or list, so a whole list may be kept by :func:`_attrs`
+    when its ints are small too."""
+    written: list[int] = []
+    formatted: list[int] = []
+    ints: list[int] = []
+    convert: list[tuple[int, Any]] = []
+    for i, t in enumerate(signature[1]):
+        if t is str or t is bool:
+            written.append(i)
+        elif t is int:
+            ints.append(i)
+            formatted.append(i)
+        elif t is float:
+            convert.append((len(formatted), _dumps))
+            formatted.append(i)
+        elif t is list or t is tuple:
+            convert.append((len(formatted), _array_value))
+            formatted.append(i)
+        else:
+            return _NO_PLAN
+    repeats = float not in signature[1] and list not in signature[1]
+    return (_pick(written), _pick(formatted), tuple(convert), {}, signature, _pick(ints), repeats)
+
+
+def _template(plan: Any, written: tuple[Any, ...]) -> bytes:
+    global _templates
+    keys, types = plan[4]
+    values = iter(written)
+    parts = []
+    for k, t in zip(keys, types):
+        head = b'{"key":%s,"value":' % _text(k).replace(b"%", b"%%")
+        if t is str:
+            body = b'{"stringValue":%s}}' % _text(next(values)).replace(b"%", b"%%")
+        elif t is bool:
+            body = b'{"boolValue":true}}' if next(values) else b'{"boolValue":false}}'
+        elif t is int:
+            body = b'{"intValue":"%d"}}'
+        elif t is float:
+            body = b'{"doubleValue":%s}}'
+        else:
+            body = b"%s}"
+        parts.append(head + body)
+    template = b"[" + b",".join(parts) + b"]"
+    if _templates >= _TEMPLATES_MAX:
+        _PLANS.clear()  # the templates go with their plans
+        _templates = 0
+    _templates += 1
+    plan[3][written] = template
+    return template
+
+
+def _entries(attrs: Any) -> bytes:
+    """The OTLP/JSON list of ``{"key":...,"value":...}`` of a mapping."""
+    values = tuple(attrs.values())
+    return _encode(attrs, values, tuple(map(type, values)), None)
+
+
+def _encode(attrs: Any, values: tuple[Any, ...], types: tuple[type, ...], items: Any) -> bytes:
+    """:func:`_entries`, given the values and their types; when ``items`` is given, the
+    list is also kept in ``_BLOBS`` under it if its values repeat (see ``_attrs``)."""
+    signature = (tuple(attrs), types)
+    plan = _PLANS.get(signature)
+    if plan is None:
+        if len(_PLANS) >= _PLANS_MAX:
+            _clear_plans()
+        plan = _PLANS[signature] = _plan(signature)
+    if plan is _NO_PLAN:
+        return _entries_one_by_one(attrs)
+    written = plan[0](values)
+    template = plan[3].get(written)
+    if template is None:
+        template = _template(plan, written)
+    if plan[2]:
+        formatted = list(plan[1](values))
+        for j, convert in plan[2]:
+            formatted[j] = convert(formatted[j])
+        blob: bytes = template % tuple(formatted)
+    else:
+        blob = template % plan[1](values)
+    if items is not None and plan[6]:
+        ints = plan[5](values)
+        if not ints or (-_SMALL_INT < min(ints) and max(ints) < _SMALL_INT):
+            if len(_BLOBS) >= _BLOBS_MAX:
+                _BLOBS.clear()
+            _BLOBS[items] = (types, blob, _element_types(attrs) if _mixed_arrays(attrs) else None)
+    return blob
+
+
+def _clear_plans() -> None:
+    global _templates
+    _PLANS.clear()
+    _templates = 0
+
+
 # Whole encoded attribute lists, keyed by the attributes' items: a module's
 # span carries the same attributes (name, type, phase, depth, parameters,
 # collective counts) step after step. The value keeps the types of the values
@@ -132,31 +274,20 @@ def _entries(attrs: Any) -> bytes:
 # array holds anything but strings, else None)
 _BLOBS: dict[tuple[Any, ...], tuple[tuple[type, ...], bytes, tuple[Any, ...] | None]] = {}
 _BLOBS_MAX = 1 << 12
-_REPEATING = (str, bool, tuple)
 
 
 def _attrs(attrs: Any) -> bytes:
     if not attrs:
         return b"[]"
-    items = tuple(attrs.items())
+    items: Any = tuple(attrs.items())
+    types = tuple(map(type, attrs.values()))
     try:
         hit = _BLOBS.get(items)
     except TypeError:  # a list value
-        return _entries(attrs)
-    types = tuple(map(type, attrs.values()))
+        hit = items = None
     if hit is not None and hit[0] == types and (hit[2] is None or hit[2] == _element_types(attrs)):
         return hit[1]
-    blob = _entries(attrs)  # join() results are exact-size: safe to keep
-    for t, v in zip(types, attrs.values()):
-        if t is int:
-            if not -_SMALL_INT < v < _SMALL_INT:
-                return blob
-        elif t not in _REPEATING:
-            return blob
-    if len(_BLOBS) >= _BLOBS_MAX:
-        _BLOBS.clear()
-    _BLOBS[items] = (types, blob, _element_types(attrs) if _mixed_arrays(attrs) else None)
-    return blob
+    return _encode(attrs, tuple(attrs.values()), types, items)
 
 
 def _mixed_arrays(attrs: Any) -> bool:
@@ -230,18 +361,13 @@ def resource_and_scope(span: ReadableSpan) -> tuple[Any, Any]:
 
 
 def _span(span: ReadableSpan) -> bytes:
-    ctx, parent, name, kind, start, end, attrs, events, links, status = span_fields(span)
-    tail = b""
-    if events:
-        tail = b',"events":[%s]' % b",".join(
-            [
-                b'{"timeUnixNano":"%d","name":%s,"attributes":%s}'
-                # events rarely repeat whole (a collective's sequence number
-                # differs each time): encode entry by entry, skip the blob cache
-                % (e.timestamp, _text(e.name), _entries(e.attributes) if e.attributes else b"[]")
-                for e in events
-            ]
-        )
+    try:  # span_fields, inlined: this runs for every span
+        ctx, parent, name, kind, start, end, attrs, events, links, status = (
+            span._context, span._parent, span._name, span._kind, span._start_time,
+            span._end_time, span._attributes, span._events, span._links, span._status)
+    except AttributeError:
+        ctx, parent, name, kind, start, end, attrs, events, links, status = span_fields(span)
+    tail = b',"events":[%s]' % _events(events) if events else b""
     if links:
         tail += b',"links":[%s]' % b",".join(
             [
@@ -271,7 +397,10 @@ def _span(span: ReadableSpan) -> bytes:
     else:
         parent_json = b'"parentSpanId":"%016x",' % parent.span_id
         flags = _REMOTE if parent.is_remote else _LOCAL
-    code = status.status_code
+    try:
+        code = status._status_code
+    except AttributeError:
+        code = status.status_code
     if code is _UNSET:
         status_json = b"{}"
     elif status.description:
@@ -294,6 +423,22 @@ def _span(span: ReadableSpan) -> bytes:
     )
 
 
+def _events(events: Any) -> bytes:
+    # events rarely repeat whole (a collective's sequence number differs each
+    # time): no blob cache, the attribute plans only
+    out = []
+    for e in events:
+        try:
+            ts, name, attrs = e._timestamp, e._name, e._attributes
+        except AttributeError:
+            ts, name, attrs = e.timestamp, e.name, e.attributes
+        out.append(
+            b'{"timeUnixNano":"%d","name":%s,"attributes":%s}'
+            % (ts, _text(name), _entries(attrs) if attrs else b"[]")
+        )
+    return b",".join(out)
+
+
 _SPAN = (
     b'{"traceId":"%s","spanId":"%016x",%s"name":%s,"kind":%d,'
     b'"startTimeUnixNano":"%d","endTimeUnixNano":"%d","attributes":%s%s,'
@@ -313,15 +458,21 @@ def encode_lines(spans: Sequence[ReadableSpan], end: bytes) -> bytes:
     # spans grouped by resource, then by instrumentation scope (by identity:
     # commspan's spans share one resource and one scope object)
     groups: dict[int, tuple[Any, dict[int, tuple[Any, list[bytes]]]]] = {}
+    last: Any = None  # the (resource, scope) of the previous span, and its list
     for span in spans:
-        res, scope = resource_and_scope(span)
-        slot = groups.get(id(res))
-        if slot is None:
-            slot = groups[id(res)] = (res, {})
-        scoped = slot[1].get(id(scope))
-        if scoped is None:
-            scoped = slot[1][id(scope)] = (scope, [])
-        scoped[1].append(_span(span))
+        try:
+            res, scope = span._resource, span._instrumentation_scope
+        except AttributeError:
+            res, scope = span.resource, span.instrumentation_scope
+        if last is None or last[0] is not res or last[1] is not scope:
+            slot = groups.get(id(res))
+            if slot is None:
+                slot = groups[id(res)] = (res, {})
+            scoped = slot[1].get(id(scope))
+            if scoped is None:
+                scoped = slot[1][id(scope)] = (scope, [])
+            last = (res, scope, scoped[1].append)
+        last[2](_span(span))
     # one list of fragments and a single join: a batch of thousands of spans
     # is megabytes, and every intermediate join or concatenation copies it
     parts = [b'{"resourceSpans":[']
