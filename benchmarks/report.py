@@ -38,6 +38,10 @@ TARGETS: list[tuple[str, str, str, str, float]] = [
      "stalls.variants.commspan + JSONL.p99_over_median", "<=", 1.3),
     ("stalls_otlp", "p99 / median step wall time, commspan + OTLP/HTTP",
      "stalls.variants.commspan + OTLP/HTTP (local receiver).p99_over_median", "<=", 1.3),
+    ("stalls_jsonl_frozen", "p99 / median step wall time, commspan + JSONL, gc.freeze()",
+     "stalls.variants.commspan + JSONL, gc.freeze() first.p99_over_median", "<=", 1.3),
+    ("stalls_otlp_frozen", "p99 / median step wall time, commspan + OTLP/HTTP, gc.freeze()",
+     "stalls.variants.commspan + OTLP/HTTP, gc.freeze() first.p99_over_median", "<=", 1.3),
     ("timing_functional", "collective timing, µs added per functional collective (CPU)",
      "timing.kinds.functional.added_us", "<=", 1.0),
     ("timing_c10d", "collective timing, µs added per blocking c10d collective (CPU)",
@@ -332,15 +336,19 @@ def _stalls_section(data: dict[str, Any]) -> str:
     rows = [
         [name, _f(v["median_ms"]), _f(v["p99_ms"]), _f(v["max_ms"]),
          _f(v["p99_over_median"], "×{:.2f}"),
-         _f(v["p99_ms"] / base if base else float("nan"), "×{:.2f}")]
+         _f(v["p99_ms"] / base if base else float("nan"), "×{:.2f}"),
+         # older result files have no garbage-collection columns
+         f"{v['full_gc']} (longest {v['full_gc_max_ms']:.0f} ms)" if "full_gc" in v else "–",
+         f"{v['full_gc_in_worst_ms']:.0f} ms" if "full_gc" in v else "–"]
         for name, v in data["variants"].items()
     ]
     return (
         f"Stalls: wall ms per step, {data['steps']} steps per variant in one entered mode "
         "(one process, fake process group; export runs beside the steps, never flushed "
-        "in between)\n\n"
-        + _table(["variant", "median", "p99", "worst", "p99 / median", "p99 / no mode's"],
-                 rows)
+        "in between); full garbage collections during the steps, and how much of the "
+        "worst step was one\n\n"
+        + _table(["variant", "median", "p99", "worst", "p99 / median", "p99 / no mode's",
+                  "full GCs", "full GC in worst"], rows)
     )
 
 
