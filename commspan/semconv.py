@@ -38,9 +38,13 @@ __all__ = [
     "DDP_BUCKET_INDEX",
     "DDP_BUCKET_MODULES",
     "EVENT_EXCEPTION",
+    "EVENT_GC",
     "EXCEPTION_MESSAGE",
     "EXCEPTION_TYPE",
     "FSDP_UNIT_MODULES",
+    "GC_COLLECTED",
+    "GC_DURATION_NS",
+    "GC_GENERATION",
     "GLOBAL_FQN",
     "HANG_REASON",
     "HANG_REASON_DUMP",
@@ -335,6 +339,14 @@ HANG_REASON_DUMP = "dump"
 HANG_REASON_SIGNAL = "signal"
 """``commspan.hang.reason``: the opt-in signal (e.g. SIGUSR1) arrived."""
 
+# ------------------------------------------------------ garbage collections
+EVENT_GC = "commspan.gc"
+"""Event name of a pause of the process for Python's garbage collector, recorded on
+the rank span of the trace in progress (``CommSpanMode(record_gc=True)``)."""
+GC_GENERATION = "commspan.gc.generation"
+GC_DURATION_NS = "commspan.gc.duration_ns"
+GC_COLLECTED = "commspan.gc.collected"
+
 # -------------------------------------------------- OpenTelemetry conventions
 EXCEPTION_TYPE = "exception.type"
 EXCEPTION_MESSAGE = "exception.message"
@@ -454,6 +466,11 @@ ATTRIBUTES: dict[str, str] = {
     "module fqns; the rank span's ``Global`` is not listed).",
     HANG_STACK_PHASES: "The phase of each of those spans (array parallel to "
     "``commspan.hang.stack.fqns``).",
+    GC_GENERATION: "On a ``commspan.gc`` event: the generation the garbage collector "
+    "collected, 0 to 2 (2: a full collection, which walks every object of the process).",
+    GC_DURATION_NS: "On a ``commspan.gc`` event: how long the collection held the process "
+    "(ns); the event is timestamped when it started.",
+    GC_COLLECTED: "On a ``commspan.gc`` event: the unreachable objects it found.",
     EXCEPTION_TYPE: "Exception class (on the ``exception`` event).",
     EXCEPTION_MESSAGE: "Exception message (on the ``exception`` event).",
 }

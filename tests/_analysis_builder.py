@@ -142,6 +142,26 @@ class RankStepBuilder:
         self.root.end = max(self.root.end, span.end + 1)
         return seq
 
+    def gc(
+        self, duration_ns: int, *, generation: int = 2, fqn: str | None = None,
+        phase: str | None = None,
+    ) -> tuple[int, int]:
+        """A garbage-collector pause on this rank now: a ``commspan.gc`` event on the rank
+        span; the clock moves past it. Returns its (start, end)."""
+        start = self._tick()
+        attrs: dict[str, Any] = {
+            semconv.GC_GENERATION: generation,
+            semconv.GC_DURATION_NS: duration_ns,
+            semconv.GC_COLLECTED: 0,
+        }
+        if fqn is not None:
+            attrs[semconv.MODULE_FQN] = fqn
+            attrs[semconv.PHASE] = phase or "forward"
+        self.root.events.append((semconv.EVENT_GC, attrs))
+        self.root.times.append(start)
+        self._tick(duration_ns)
+        return start, start + duration_ns
+
     def skip(self, group: str = WORLD_GROUP, n: int = 1) -> None:
         """Advance the rank's sequence number as if ``n`` collectives ran untraced."""
         self.b.seq[(self.rank, group)] += n

@@ -8,6 +8,11 @@
 - ``straggler``: :class:`Straggler` for :data:`STEPS` steps: rank
   :data:`SLOW_RANK` sleeps :data:`SLOW_S` in ``Straggler.slow`` before its
   all_reduce.
+- ``gc_straggler``: :class:`GcStraggler` for :data:`STEPS` steps: rank
+  :data:`GC_RANK`, which holds :data:`BALLAST` extra objects, runs a full garbage
+  collection in ``GcStraggler.collect`` before its all_reduce; each rank writes
+  its own record of its full collections (``gc_straggler/reference-rank<r>.json``:
+  ``[step, duration_ns]`` pairs, from a ``gc.callbacks`` of its own).
 
 ``python tests/_mp_timing_scenarios.py OUT_DIR hang`` runs ``hang``: steps 0 and
 1 of :class:`Hang` complete; in step 2 rank :data:`STALLED_RANK` stalls in
@@ -23,6 +28,7 @@ goes to ``OUT_DIR/groups.json``. ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import signal
 import sys
@@ -43,6 +49,8 @@ SLOW_S = 0.2
 STALLED_RANK = 1
 HANG_STEP = 2
 HANG_TIMEOUT_S = 1.0
+GC_RANK = 1
+BALLAST = 400_000
 
 
 # ---------------------------------------------------------------- timed
@@ -135,6 +143,49 @@ class Straggler(torch.nn.Module):
         return self.slow(self.fast(x))
 
 
+# ---------------------------------------------------------------- gc straggler
+class Collect(torch.nn.Module):
+    """all_reduce; rank GC_RANK first runs a full garbage collection."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if dist.get_rank() == GC_RANK:
+            gc.collect()
+        t = x.clone()
+        dist.all_reduce(t)
+        return t
+
+
+class GcStraggler(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fast = Fast()
+        self.collect = Collect()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.collect(self.fast(x))
+
+
+def _gc_straggler(out: Path) -> None:
+    ballast = [[] for _ in range(BALLAST)] if dist.get_rank() == GC_RANK else []
+    full: list[list[int]] = []
+    started = [0]
+
+    def reference(phase: str, info: dict[str, object]) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter_ns()
+        elif info["generation"] == 2:
+            full.append([Step.index, time.perf_counter_ns() - started[0]])
+
+    gc.callbacks.append(reference)
+    try:
+        _run(out, "gc_straggler", GcStraggler())
+    finally:
+        gc.callbacks.remove(reference)
+    del ballast
+    path = out / "gc_straggler" / f"reference-rank{dist.get_rank()}.json"
+    path.write_text(json.dumps(full))
+
+
 # ---------------------------------------------------------------- hang
 class Step:
     index = 0
@@ -192,6 +243,8 @@ def main(argv: list[str]) -> int:
             _run(out, "timed", Timed())
             dist.barrier()
             _run(out, "straggler", Straggler())
+            dist.barrier()
+            _gc_straggler(out)
             dist.barrier()
         else:
             _run(out, "hang", Hang(), hang_timeout_s=HANG_TIMEOUT_S, dump_signal=signal.SIGUSR1)

@@ -124,6 +124,47 @@ def test_stragglers_reads_files_and_serialises(tmp_path: Path) -> None:
     assert "Net.a" in text and "rank 3 last 2 times" in text
 
 
+def test_garbage_collection_before_a_late_arrival_is_charged_to_it() -> None:
+    """Rank 2 runs a full collection of 7 ms between its first and second all_reduce of
+    step 1 and arrives last at the second: that row's gc_ns is the 7 ms (the pause lies
+    wholly between the two issues), the first row's is 0; a pause before the step's first
+    collective counts for that one; step times and rank totals carry every pause."""
+    b = SpanBuilder(WORLD)
+    pauses: dict[tuple[int, int], list[int]] = {}
+    for step in range(2):
+        for r in range(WORLD):
+            s = b.rank(r, step)
+            if (step, r) == (0, 1):
+                start, end = s.gc(3 * MS, generation=1, fqn="Net.a")
+                pauses.setdefault((step, r), []).append(end - start)
+            last_a = r == 1 and step == 0
+            s.coll("all_reduce", fqn="Net.a", duration_ns=(1 if last_a else 9) * MS)
+            if (step, r) == (1, 2):
+                start, end = s.gc(7 * MS, fqn="Net.b")
+                pauses.setdefault((step, r), []).append(end - start)
+            last_b = r == 2 and step == 1
+            s.coll("all_reduce", fqn="Net.b", duration_ns=(1 if last_b else 9) * MS)
+    run = build_run(b.spans())
+    assert [(g.rank, g.step, g.generation, g.fqn, g.duration_ns) for g in run.gc_pauses] == [
+        (1, 0, 1, "Net.a", 3 * MS), (2, 1, 2, "Net.b", 7 * MS)]
+    result = analyze(run)
+    late_b = next(r for r in result.stragglers if (r.step, r.fqn) == (1, "Net.b"))
+    assert late_b.rank == 2 and late_b.gc_ns == sum(pauses[(1, 2)])
+    late_a = next(r for r in result.stragglers if (r.step, r.fqn) == (0, "Net.a"))
+    assert late_a.rank == 1 and late_a.gc_ns == sum(pauses[(0, 1)])  # since the step began
+    others = [r for r in result.stragglers if (r.step, r.fqn) not in ((1, "Net.b"), (0, "Net.a"))]
+    assert all(r.gc_ns == 0 for r in others)
+    for t in result.step_times:
+        assert t.gc_ns == sum(pauses.get((t.step, t.rank), [])), t
+    by_rank = {w.rank: w.gc_ns for w in result.ranks}
+    assert by_rank[2] == 7 * MS and by_rank[1] == 3 * MS
+    text = format_stragglers(result)
+    assert "gc before" in text and "7.00 ms in garbage collection" in text
+    doc = json.loads(json.dumps(result.to_dict()))
+    assert doc["stragglers"][0]["gc_ns"] in (0, 3 * MS, 7 * MS)
+    assert {"gc_ns"} <= set(doc["step_times"][0]) and {"gc_ns"} <= set(doc["ranks"][0])
+
+
 def test_without_durations_the_text_says_timing_is_needed() -> None:
     """No durations: no rows, and the text names the attribute that is missing."""
     b = SpanBuilder(2)

@@ -55,8 +55,8 @@ def test_every_attribute_constant_is_documented() -> None:
         if name.isupper()
         and isinstance(value, str)
         and _NAME.match(value)
-        and not name.startswith(("SPAN_", "SCHEMA_URL", "COUNT_PREFIX", "BYTES_PREFIX",
-                                 "COMM_TIME_PREFIX", "INSTRUMENTATION"))
+        and not name.startswith(("SPAN_", "EVENT_", "SCHEMA_URL", "COUNT_PREFIX",
+                                 "BYTES_PREFIX", "COMM_TIME_PREFIX", "INSTRUMENTATION"))
     }
     undocumented = {n: v for n, v in keys.items() if v not in semconv.ATTRIBUTES}
     assert not undocumented, f"add these to semconv.ATTRIBUTES: {undocumented}"

@@ -1,8 +1,8 @@
 """Collective timing and hang records on real gloo ranks (4 processes on 127.0.0.1).
 
-The ranks run tests/_mp_timing_scenarios.py: once for the timed and straggler
-scenarios (spawned once for the module), once for the hang, which the test stops
-itself after the hang records are on disk.
+The ranks run tests/_mp_timing_scenarios.py: once for the timed, straggler and
+garbage-collection straggler scenarios (spawned once for the module), once for
+the hang, which the test stops itself after the hang records are on disk.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def _wait(predicate: Callable[[], bool], timeout_s: float) -> bool:
 
 @pytest.fixture(scope="module")
 def main_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The timed and straggler scenarios, all 4 ranks exited 0."""
+    """The timed, straggler and gc_straggler scenarios, all 4 ranks exited 0."""
     root = tmp_path_factory.mktemp("timing")
     job = _spawn(root, "main")
     try:
@@ -162,6 +162,41 @@ def test_slow_rank_makes_the_others_wait_and_stragglers_names_it(main_run: Path)
 
 
 # ------------------------------------------------------------------ hang
+def test_a_rank_late_from_a_full_collection_is_named_with_its_collection(
+    main_run: Path,
+) -> None:
+    """Rank 1 runs a full garbage collection in GcStraggler.collect before its all_reduce:
+    its commspan.gc events agree with the rank's own record of its collections, and
+    stragglers names rank 1 and that module in each step, with the collection's time
+    charged to the late arrival and the others' wait of about that time."""
+    from _mp_timing_scenarios import GC_RANK, STEPS
+
+    out = main_run / "gc_straggler"
+    reference = json.loads((out / f"reference-rank{GC_RANK}.json").read_text())
+    own: dict[int, int] = defaultdict(int)
+    for step, ns in reference:
+        own[step] += ns
+    assert sorted(own) == list(range(STEPS)) and min(own.values()) > 20_000_000, own
+    run = load_run(out)
+    recorded: dict[int, int] = defaultdict(int)
+    for g in run.gc_pauses:
+        if g.rank == GC_RANK and g.generation == 2:
+            recorded[g.step] += g.duration_ns
+            assert (g.fqn, g.phase) in (("GcStraggler.collect", "forward"), (None, None))
+    for step in range(STEPS):
+        assert abs(recorded[step] - own[step]) <= max(5_000_000, own[step] // 10), (
+            step, recorded, own)
+    result = stragglers(out)
+    late = {r.step: r for r in result.stragglers
+            if r.fqn == "GcStraggler.collect" and r.rank == GC_RANK}
+    assert sorted(late) == list(range(STEPS)), result.stragglers
+    for step, row in late.items():
+        assert row.gc_ns >= 0.9 * own[step], (row, own)
+        assert row.wait_ns > 0.5 * own[step] * (WORLD - 1), (row, own)
+    times = {t.step: t.gc_ns for t in result.step_times if t.rank == GC_RANK}
+    assert all(times[s] >= 0.9 * own[s] for s in range(STEPS)), (times, own)
+
+
 def _hang_records(path: Path) -> list[SpanRecord]:
     if not path.exists():
         return []

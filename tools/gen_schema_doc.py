@@ -159,6 +159,14 @@ def generate() -> str:
             f"`{semconv.EXCEPTION_TYPE}`, `{semconv.EXCEPTION_MESSAGE}` (left out, as is "
             "the message in status descriptions, with `record_exception_messages=False`) |"
         ),
+        (
+            f"| `{semconv.EVENT_GC}` | the rank span of the trace in progress "
+            "(`record_gc=True`, the default): each full garbage collection, and each younger "
+            "one that held the process for 1 ms or more; timestamped when it started | "
+            f"`{semconv.GC_GENERATION}`, `{semconv.GC_DURATION_NS}`, `{semconv.GC_COLLECTED}`, "
+            f"and `{semconv.MODULE_FQN}` and `{semconv.PHASE}` of the innermost span open "
+            "on the traced thread then (absent outside every module) |"
+        ),
         "",
         (
             f"Canonical op names (`{semconv.COLL_KIND}` is `{semconv.KIND_P2P}` for "

@@ -19,7 +19,14 @@ Example:
 
 from commspan.analysis.bandwidth import Bandwidth, bandwidth, bus_factor
 from commspan.analysis.check import CheckResult, Finding, check, check_run
-from commspan.analysis.records import CollectiveRecord, HangRecord, Run, build_run, load_run
+from commspan.analysis.records import (
+    CollectiveRecord,
+    GcRecord,
+    HangRecord,
+    Run,
+    build_run,
+    load_run,
+)
 from commspan.analysis.stragglers import StepTime, StragglerResult, StragglerRow, stragglers
 
 __all__ = [
@@ -27,6 +34,7 @@ __all__ = [
     "CheckResult",
     "CollectiveRecord",
     "Finding",
+    "GcRecord",
     "HangRecord",
     "Run",
     "StepTime",

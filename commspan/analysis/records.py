@@ -3,8 +3,9 @@
 The analyzers (:mod:`commspan.analysis.check`, :mod:`commspan.analysis.stragglers`)
 never look at spans: they take a :class:`Run`, which holds one
 :class:`CollectiveRecord` per collective event, one :class:`RankStep` per rank
-span, one :class:`ModuleSpan` per module span and one :class:`HangRecord` per
-``commspan.hang`` span. Loading (here), matching (the analyzers) and reporting
+span, one :class:`ModuleSpan` per module span, one :class:`HangRecord` per
+``commspan.hang`` span and one :class:`GcRecord` per ``commspan.gc`` event.
+Loading (here), matching (the analyzers) and reporting
 (:mod:`commspan.render.findings`) are kept apart.
 
 Example:
@@ -31,6 +32,7 @@ from commspan.otlpjson.records import SpanRecord, record_rank
 
 __all__ = [
     "CollectiveRecord",
+    "GcRecord",
     "HangRecord",
     "ModuleSpan",
     "RankStep",
@@ -119,6 +121,31 @@ class ModuleSpan(NamedTuple):
     end_ns: int
 
 
+class GcRecord(NamedTuple):
+    """A pause of one rank's process for Python's garbage collector (a
+    ``commspan.gc`` event).
+
+    Attributes:
+        rank: the rank.
+        step: step of its trace (``None`` outside steps).
+        trace_id: the trace in progress then.
+        start_ns: when it started (host clock of that rank).
+        duration_ns: how long it held the process.
+        generation: the generation collected (2: a full collection).
+        fqn: module the traced thread was in (``None`` outside every module).
+        phase: that module span's phase (``None`` outside every module).
+    """
+
+    rank: int
+    step: int | None
+    trace_id: str
+    start_ns: int
+    duration_ns: int
+    generation: int
+    fqn: str | None
+    phase: str | None
+
+
 class HangRecord(NamedTuple):
     """What a rank was doing when it wrote a ``commspan.hang`` span.
 
@@ -154,6 +181,7 @@ class Run:
         rank_steps: ``(rank, trace_id) -> RankStep``.
         module_spans: module spans of every rank.
         hangs: hang records of every rank, in file order.
+        gc_pauses: garbage-collector pauses of every rank, in file order.
         trace_steps: ``trace_id -> step`` (``None`` for traces outside steps).
         presence: ``trace_id -> ranks`` that wrote any span of that trace.
         trace_start: ``trace_id -> `` earliest start of any span of it (orders traces).
@@ -168,6 +196,7 @@ class Run:
     rank_steps: dict[tuple[int, str], RankStep] = field(default_factory=dict)
     module_spans: list[ModuleSpan] = field(default_factory=list)
     hangs: list[HangRecord] = field(default_factory=list)
+    gc_pauses: list[GcRecord] = field(default_factory=list)
     trace_steps: dict[str, int | None] = field(default_factory=dict)
     presence: dict[str, set[int]] = field(default_factory=dict)
     trace_start: dict[str, int] = field(default_factory=dict)
@@ -298,6 +327,7 @@ def build_run(
     run = Run()
     pending: list[tuple[int, str, int, dict[str, Any], str | None]] = []
     hang_spans: list[tuple[int, SpanRecord]] = []
+    gc_pending: list[tuple[int, str, int, dict[str, Any]]] = []
     for span in spans:
         rank = record_rank(span)
         world = span.resource.get(semconv.WORLD_SIZE, span.attributes.get(semconv.WORLD_SIZE))
@@ -347,6 +377,8 @@ def build_run(
         for (name, attrs), t in zip(span.events, _times(span)):
             if semconv.COLL_OP in attrs:
                 pending.append((rank, span.trace_id, t, attrs, name))
+            elif name == semconv.EVENT_GC:
+                gc_pending.append((rank, span.trace_id, t, attrs))
     for rank, trace_id, t, attrs, _name in pending:
         rec = _collective(rank, run.trace_steps.get(trace_id), trace_id, t, attrs)
         if rec is not None:
@@ -355,6 +387,17 @@ def build_run(
             run.skipped["collective events without an op name"] += 1
     for rank, span in hang_spans:
         run.hangs.append(_hang(rank, span, run.trace_steps.get(span.trace_id)))
+    for rank, trace_id, t, attrs in gc_pending:
+        duration = _int(attrs.get(semconv.GC_DURATION_NS))
+        if duration is None:
+            run.skipped["garbage-collection events without a duration"] += 1
+            continue
+        generation = _int(attrs.get(semconv.GC_GENERATION))
+        run.gc_pauses.append(
+            GcRecord(rank, run.trace_steps.get(trace_id), trace_id, t, duration,
+                     2 if generation is None else generation,
+                     _str(attrs.get(semconv.MODULE_FQN)), _str(attrs.get(semconv.PHASE)))
+        )
     run.rank_steps = {
         key: rs._replace(step=run.trace_steps.get(rs.trace_id))
         for key, rs in run.rank_steps.items()
@@ -378,6 +421,7 @@ def _keep_steps(run: Run, wanted: frozenset[int]) -> None:
     run.rank_steps = {k: v for k, v in run.rank_steps.items() if v.trace_id in keep}
     run.module_spans = [m for m in run.module_spans if m.trace_id in keep]
     run.hangs = [h for h in run.hangs if h.trace_id in keep]
+    run.gc_pauses = [g for g in run.gc_pauses if g.trace_id in keep]
     run.presence = {t: r for t, r in run.presence.items() if t in keep}
     run.trace_start = {t: s for t, s in run.trace_start.items() if t in keep}
 

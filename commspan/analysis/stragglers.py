@@ -14,6 +14,13 @@ Two questions, one analyzer each, over a :class:`~commspan.analysis.records.Run`
   span open then), outside any module, and in collectives (the sum of their
   durations, which overlaps the others).
 
+Python's garbage collector stops a rank's process for as long as a collection
+takes (``commspan.gc`` events, ``CommSpanMode(record_gc=True)``). A row's
+``gc_ns`` is the collector's time on the late rank between its previous
+collective of the step and each late arrival: the part of the lateness the
+collector explains. Step times and per-rank totals carry the rank's
+collector time too.
+
 Collectives are matched across ranks as ``commspan check`` matches them: by
 position within the step, per group; a (group, step) whose ranks issued
 different sequences is left out (``checked["inconsistent"]``), as are
@@ -28,6 +35,7 @@ Example:
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -65,6 +73,9 @@ class StragglerRow(NamedTuple):
         max_wait_ns: the largest wait it caused at one collective.
         groups: process groups of those collectives.
         seqs: their sequence numbers (the rank's own).
+        gc_ns: the garbage collector's time on that rank between its previous
+            collective (or the start of its step) and each of these, summed: how
+            much of its lateness the collector explains (0 when none ran).
     """
 
     step: int | None
@@ -77,6 +88,7 @@ class StragglerRow(NamedTuple):
     max_wait_ns: int
     groups: tuple[str, ...]
     seqs: tuple[int, ...]
+    gc_ns: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form (lists for the tuples)."""
@@ -87,11 +99,13 @@ class StragglerRow(NamedTuple):
 
 
 class RankWaits(NamedTuple):
-    """One rank over the whole run: how often it arrived last and the wait it caused."""
+    """One rank over the whole run: how often it arrived last, the wait it caused, and
+    its garbage collector's time over the run (``gc_ns``)."""
 
     rank: int
     times_last: int
     wait_ns: int
+    gc_ns: int = 0
 
 
 class StepTime(NamedTuple):
@@ -99,7 +113,9 @@ class StepTime(NamedTuple):
 
     ``forward_ns + backward_ns + recompute_ns + outside_ns`` is ``total_ns``
     when the module spans nest without overlapping; ``collectives_ns`` is the
-    part of it spent in collectives (``None`` when no duration is recorded).
+    part of it spent in collectives (``None`` when no duration is recorded),
+    ``gc_ns`` the part the garbage collector held the process (``commspan.gc``
+    events; 0 when none was recorded).
     """
 
     rank: int
@@ -110,6 +126,7 @@ class StepTime(NamedTuple):
     recompute_ns: int
     outside_ns: int
     collectives_ns: int | None
+    gc_ns: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form."""
@@ -216,6 +233,7 @@ def straggler_report(
     per_key: dict[tuple[int | None, str, str], int] = Counter()
     acc: dict[tuple[int | None, str, str, int], dict[str, Any]] = {}
     per_rank: dict[int, list[int]] = defaultdict(lambda: [0, 0])
+    gc_before = _GcBefore(run)
     for match in matched_collectives(run, checked):
         if len(match) < 2:
             continue
@@ -238,10 +256,12 @@ def straggler_report(
             continue
         checked["with_wait"] += 1
         slot = acc.setdefault(
-            (*key, last), {"times": 0, "wait": 0, "max": 0, "groups": set(), "seqs": []}
+            (*key, last),
+            {"times": 0, "wait": 0, "max": 0, "groups": set(), "seqs": [], "gc": 0},
         )
         slot["times"] += 1
         slot["wait"] += wait
+        slot["gc"] += gc_before(rec)
         slot["max"] = max(slot["max"], max(waits))
         slot["groups"].add(rec.group)
         if rec.seq is not None:
@@ -260,12 +280,16 @@ def straggler_report(
             s["max"],
             tuple(sorted(s["groups"])),
             tuple(sorted(s["seqs"])),
+            s["gc"],
         )
         for (step, fqn, phase, rank), s in acc.items()
     ]
     rows.sort(key=lambda r: (-r.wait_ns, _step_key(r.step), r.fqn, r.phase, r.rank))
+    gc_total: Counter[int] = Counter()
+    for g in run.gc_pauses:
+        gc_total[g.rank] += g.duration_ns
     ranks = sorted(
-        (RankWaits(r, n, w) for r, (n, w) in per_rank.items()),
+        (RankWaits(r, n, w, gc_total[r]) for r, (n, w) in per_rank.items()),
         key=lambda x: (-x.wait_ns, x.rank),
     )
     counts = {
@@ -279,6 +303,36 @@ def straggler_report(
 
 def _step_key(step: int | None) -> tuple[bool, int]:
     return (step is None, step if step is not None else 0)
+
+
+class _GcBefore:
+    """The garbage collector's time on a collective's rank between that rank's previous
+    collective of the trace (or the start of its rank span) and its issue."""
+
+    def __init__(self, run: Run) -> None:
+        self._pauses: dict[tuple[int, str], list[tuple[int, int]]] = defaultdict(list)
+        for g in run.gc_pauses:
+            self._pauses[(g.rank, g.trace_id)].append((g.start_ns, g.start_ns + g.duration_ns))
+        self._issued: dict[tuple[int, str], list[int]] = {}
+        if self._pauses:
+            issued: dict[tuple[int, str], list[int]] = defaultdict(list)
+            for c in run.collectives:
+                if (c.rank, c.trace_id) in self._pauses:
+                    issued[(c.rank, c.trace_id)].append(c.issued_ns)
+            self._issued = {k: sorted(v) for k, v in issued.items()}
+        self._starts = {k: rs.start_ns for k, rs in run.rank_steps.items()}
+
+    def __call__(self, rec: CollectiveRecord) -> int:
+        key = (rec.rank, rec.trace_id)
+        pauses = self._pauses.get(key)
+        if not pauses:
+            return 0
+        times = self._issued.get(key, [])
+        i = bisect_left(times, rec.issued_ns)
+        since = times[i - 1] if i > 0 else self._starts.get(key, -(1 << 62))
+        return sum(
+            max(0, min(end, rec.issued_ns) - max(start, since)) for start, end in pauses
+        )
 
 
 # ------------------------------------------------------------------ step breakdown
@@ -298,6 +352,9 @@ def step_breakdown(run: Run) -> list[StepTime]:
         own = max(0, m.end_ns - m.start_ns - children.get((m.rank, m.span_id), 0))
         phase_time[(m.rank, m.trace_id)][m.phase] += own
     comm: dict[tuple[int, str], int] = Counter()
+    collector: dict[tuple[int, str], int] = Counter()
+    for g in run.gc_pauses:
+        collector[(g.rank, g.trace_id)] += g.duration_ns
     timed: set[tuple[int, str]] = set()
     for c in run.collectives:
         if c.duration_ns is not None:
@@ -317,6 +374,7 @@ def step_breakdown(run: Run) -> list[StepTime]:
                 recompute_ns=phases[semconv.Phase.RECOMPUTE.value],
                 outside_ns=max(0, total - children.get((rank, rs.span_id), 0)),
                 collectives_ns=comm[(rank, trace)] if (rank, trace) in timed else None,
+                gc_ns=collector[(rank, trace)],
             )
         )
     out.sort(key=lambda s: (s.rank, _step_key(s.step), s.total_ns))
@@ -330,10 +388,11 @@ def totals_by_rank(times: Iterable[StepTime]) -> Mapping[int, dict[str, int]]:
         slot = out.setdefault(
             t.rank,
             {"steps": 0, "total_ns": 0, "forward_ns": 0, "backward_ns": 0,
-             "recompute_ns": 0, "outside_ns": 0, "collectives_ns": 0},
+             "recompute_ns": 0, "outside_ns": 0, "collectives_ns": 0, "gc_ns": 0},
         )
         slot["steps"] += 1
-        for name in ("total_ns", "forward_ns", "backward_ns", "recompute_ns", "outside_ns"):
+        for name in ("total_ns", "forward_ns", "backward_ns", "recompute_ns", "outside_ns",
+                     "gc_ns"):
             slot[name] += getattr(t, name)
         slot["collectives_ns"] += t.collectives_ns or 0
     return out

@@ -144,7 +144,8 @@ def format_stragglers(result: StragglerResult, *, top: int = 20) -> str:
         lines.append(
             "Last to arrive (the rank that waited least; wait = time the others waited for it)"
         )
-        header = ("step", "module", "phase", "rank", "last/of", "wait", "max wait")
+        header = ("step", "module", "phase", "rank", "last/of", "wait", "max wait",
+                  "gc before")
         rows: list[tuple[str, ...]] = [
             (
                 "-" if r.step is None else str(r.step),
@@ -154,6 +155,7 @@ def format_stragglers(result: StragglerResult, *, top: int = 20) -> str:
                 f"{r.times_last}/{r.collectives}",
                 format_duration(r.wait_ns),
                 format_duration(r.max_wait_ns),
+                format_duration(r.gc_ns) if r.gc_ns else "-",
             )
             for r in result.stragglers[:top]
         ]
@@ -166,6 +168,7 @@ def format_stragglers(result: StragglerResult, *, top: int = 20) -> str:
                 + "; ".join(
                     f"rank {w.rank} last {_plural(w.times_last, 'time')}, "
                     f"caused {format_duration(w.wait_ns)} of waiting"
+                    + (f", {format_duration(w.gc_ns)} in garbage collection" if w.gc_ns else "")
                     for w in result.ranks
                 )
             )
@@ -174,7 +177,7 @@ def format_stragglers(result: StragglerResult, *, top: int = 20) -> str:
         lines.append("")
         lines.append("Step time per rank (mean per step)")
         time_header = ("rank", "steps", "total", "forward", "backward", "recompute",
-                       "outside", "collectives")
+                       "outside", "collectives", "gc")
         time_rows: list[tuple[str, ...]] = []
         for rank, t in sorted(totals.items()):
             n = max(1, t["steps"])
@@ -186,6 +189,7 @@ def format_stragglers(result: StragglerResult, *, top: int = 20) -> str:
                     *(format_duration(t[k] // n) for k in
                       ("total_ns", "forward_ns", "backward_ns", "recompute_ns", "outside_ns")),
                     format_duration(t["collectives_ns"] // n) if timed else "-",
+                    format_duration(t["gc_ns"] // n) if t["gc_ns"] else "-",
                 )
             )
         lines.extend(_table(time_header, time_rows))

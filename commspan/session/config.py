@@ -49,6 +49,7 @@ class ModeConfig:
     hang_timeout_s: float | None = None
     dump_signal: int | None = None
     ranks: RankSample = RankSample.all()
+    record_gc: bool = True
 
 
 def mode_config(
@@ -68,6 +69,7 @@ def mode_config(
     hang_timeout_s: float | None = None,
     dump_signal: int | None = None,
     ranks: RankSample | Iterable[int] | float | None = None,
+    record_gc: bool = True,
 ) -> ModeConfig:
     """Check the arguments of ``CommSpanMode(...)``.
 
@@ -97,6 +99,11 @@ def mode_config(
             f"time_collectives={time_collectives!r} is not valid; pass True (time every "
             "collective) or False"
         )
+    if not isinstance(record_gc, bool):
+        raise TypeError(
+            f"record_gc={record_gc!r} is not valid; pass True (record the garbage "
+            "collector's long pauses) or False"
+        )
     hang = _hang_timeout(hang_timeout_s, time_collectives)
     return ModeConfig(
         tracer_provider=tracer_provider,
@@ -114,6 +121,7 @@ def mode_config(
         hang_timeout_s=hang,
         dump_signal=_dump_signal(dump_signal),
         ranks=rank_sample(ranks),
+        record_gc=record_gc,
     )
 
 

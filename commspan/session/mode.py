@@ -39,6 +39,7 @@ from commspan.capture.dispatch import (
     OpCallback,
     OpRecordingDispatchMode,
 )
+from commspan.capture.gcwatch import GcWatch
 from commspan.capture.groups import ProcessGroups
 from commspan.capture.modules import ModuleTracker
 from commspan.capture.parallel import ParallelModules
@@ -143,6 +144,12 @@ class CommSpanMode:
             step as a sampled-out step and record nothing (no hang records
             either); traced ranks name
             the rule in their resource (``commspan.sampling.ranks``).
+        record_gc: record the pauses of Python's garbage collector during traces
+            (default): each full collection, and each younger one of 1 ms or more,
+            becomes a ``commspan.gc`` event on the rank span, with its generation,
+            duration and the module the traced thread was in. ``commspan
+            stragglers`` charges them to the late arrivals they explain. Costs a
+            callback per collection (a few per step).
 
     Threads: a mode traces the thread that entered it (and the autograd work
     done for that thread's graphs); module calls on other threads are not
@@ -185,6 +192,7 @@ class CommSpanMode:
         hang_timeout_s: float | None = None,
         dump_signal: int | None = None,
         ranks: RankSample | Iterable[int] | float | None = None,
+        record_gc: bool = True,
         _observer: ModuleObserver | None = None,
         _op_observer: OpCallback | None = None,
     ) -> None:
@@ -205,6 +213,7 @@ class CommSpanMode:
             hang_timeout_s=hang_timeout_s,
             dump_signal=dump_signal,
             ranks=ranks,
+            record_gc=record_gc,
         )
         self.aggregator: Aggregator | None = config.aggregator
         self.run_id = run_id or ""
@@ -238,7 +247,8 @@ class CommSpanMode:
             "in mode.stats())",
         )
         self._stats = {"spans": 0, "collectives": 0, "steps_traced": 0, "steps_skipped": 0,
-                       "hang_records": 0}
+                       "hang_records": 0, "gc_pauses": 0, "gc_pauses_unrecorded": 0}
+        self._gc: GcWatch | None = None
         self._log = CollectiveLog()
         self._watch: HangWatch | None = None
         self._untimed = 0  # collectives emitted without a completion, earlier recorders
@@ -308,6 +318,9 @@ class CommSpanMode:
         self._paused = False
         self._start_capture()
         self._parallel.pipeline.install()
+        if self._rank_traced and config.record_gc:
+            self._gc = GcWatch(self._gc_where)
+            self._gc.install()
         if not self._rank_traced:
             self._pause()  # nothing is recorded on this rank, in steps or between them
         elif config.hang_timeout_s is not None or config.dump_signal is not None:
@@ -332,6 +345,10 @@ class CommSpanMode:
                 self._tracker.uninstall()
         finally:
             self._active = False
+            if self._gc is not None:
+                self._gc.remove()
+                self._stats["gc_pauses_unrecorded"] += len(self._gc.take()) + self._gc.errors
+                self._gc = None
             if self._recorder is not None:
                 self._untimed += self._recorder.forced
                 self._recorder.forced = 0
@@ -462,6 +479,8 @@ class CommSpanMode:
             return
         if self._tracker is not None:
             self._tracker.unwind(error)
+        if self._gc is not None:
+            self._record_gc(rec)
         rec.end(error)
         for queue in self._queues:
             # export the trace now: its spans are dead sooner (the garbage
@@ -472,6 +491,39 @@ class CommSpanMode:
             # outputs never waited were given up with their trace: forget them, so
             # that the next spans know at once that nothing is outstanding
             self._dispatch.completions.sweep()
+
+    # ------------------------------------------------------------ garbage collector
+    def _gc_where(self) -> tuple[int, str | None, str | None] | None:
+        """Where the traced thread is, for a collection (any thread may ask)."""
+        rec = self._recorder
+        if rec is None or self._paused or rec.root is None:
+            return None
+        stack = rec.stack
+        top = stack[-1] if len(stack) > 1 else None
+        if top is None:
+            return rec.trace_id, None, None
+        return rec.trace_id, top.fqn, top.phase.value if top.phase is not None else None
+
+    def _record_gc(self, rec: SpanRecorder) -> None:
+        """The trace's collections become events of its rank span (before it is built);
+        those of an earlier trace (noted while its spans were being built) are
+        counted as unrecorded."""
+        assert self._gc is not None and rec.root is not None
+        for p in self._gc.take():
+            if p.trace_id != rec.trace_id:
+                self._stats["gc_pauses_unrecorded"] += 1
+                continue
+            attrs: dict[str, Any] = {
+                semconv.GC_GENERATION: p.generation,
+                semconv.GC_DURATION_NS: p.duration_ns,
+                semconv.GC_COLLECTED: p.collected,
+            }
+            if p.fqn is not None:
+                attrs[semconv.MODULE_FQN] = p.fqn
+            if p.phase is not None:
+                attrs[semconv.PHASE] = p.phase
+            rec.add_plain_event(rec.root, semconv.EVENT_GC, attrs, at=p.start_ns)
+            self._stats["gc_pauses"] += 1
 
     # ------------------------------------------------------------ capture
     def _on_collective(

@@ -404,9 +404,12 @@ class SpanRecorder:
                 credits[slot] = credits.get(slot, 0) + 1
         return top_counts
 
-    def add_plain_event(self, frame: Frame, name: str, attrs: dict[str, Any]) -> None:
-        """Attach a non-collective event to ``frame``."""
-        frame.events.append((name, _now(), attrs))
+    def add_plain_event(
+        self, frame: Frame, name: str, attrs: dict[str, Any], at: int | None = None
+    ) -> None:
+        """Attach a non-collective event to ``frame``, timestamped ``at`` (ns since the
+        epoch; default now)."""
+        frame.events.append((name, _now() if at is None else at, attrs))
 
     def add_exception(self, frame: Frame, error: BaseException) -> None:
         """Attach an ``exception`` event for ``error`` to ``frame`` (its message

@@ -1,0 +1,161 @@
+"""Pauses of Python's garbage collector recorded as ``commspan.gc`` events.
+
+The reference is a ``gc.callbacks`` recorder of the test's own, installed beside
+the mode's: the mode must record the same full collections, with durations that
+agree, on the rank span of the step they ran in, with the module the forward was
+in. No collection is recorded where nothing is traced (sampled-out steps), with
+``record_gc=False``, or after the mode is left; ``gc.callbacks`` is left as found.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from typing import Any
+
+import pytest
+import torch
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from commspan import CommSpanMode, semconv
+from commspan.capture.gcwatch import MIN_NS, GcWatch
+
+
+class Collect(torch.nn.Module):
+    """Runs a full collection in its forward when ``on``."""
+
+    on = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.on:
+            gc.collect()
+        return x * 2
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.collect = Collect()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.collect(self.lin(x))
+
+
+class Reference:
+    """The test's own record of full collections: (start wall ns, duration ns)."""
+
+    def __init__(self) -> None:
+        self.full: list[tuple[int, int]] = []
+        self._t = (0, 0)
+
+    def __call__(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._t = (time.time_ns(), time.perf_counter_ns())
+        elif info["generation"] == 2:
+            self.full.append((self._t[0], time.perf_counter_ns() - self._t[1]))
+
+
+def _gc_events(exporter: InMemorySpanExporter) -> list[tuple[Any, Any]]:
+    return [
+        (span, event)
+        for span in exporter.get_finished_spans()
+        for event in span.events
+        if event.name == semconv.EVENT_GC
+    ]
+
+
+def _run(mode: CommSpanMode, net: Net, steps: int) -> Reference:
+    ref = Reference()
+    with mode:
+        gc.callbacks.append(ref)
+        try:
+            for i in range(steps):
+                with mode.step(i):
+                    net(torch.ones(2, 4)).sum().backward()
+        finally:
+            gc.callbacks.remove(ref)
+    mode.shutdown()
+    return ref
+
+
+def test_full_collections_are_events_of_the_step_they_ran_in() -> None:
+    callbacks = list(gc.callbacks)
+    exporter = InMemorySpanExporter()
+    mode = CommSpanMode(exporters=[exporter])
+    ref = _run(mode, Net(), steps=2)
+    assert gc.callbacks == callbacks
+    events = _gc_events(exporter)
+    full = [(s, e) for s, e in events if e.attributes[semconv.GC_GENERATION] == 2]
+    assert len(ref.full) >= 2 and len(full) == len(ref.full)
+    steps_seen = set()
+    for (span, event), (start, took) in zip(full, ref.full):
+        assert span.name == semconv.SPAN_RANK
+        steps_seen.add(span.attributes[semconv.STEP])
+        assert span.start_time <= event.timestamp <= span.end_time
+        assert abs(event.timestamp - start) < 5_000_000  # the same start, two clocks read
+        duration = event.attributes[semconv.GC_DURATION_NS]
+        assert abs(duration - took) <= max(2_000_000, took // 10), (duration, took)
+        assert event.attributes[semconv.MODULE_FQN] == "Net.collect"
+        assert event.attributes[semconv.PHASE] == "forward"
+        assert event.attributes[semconv.GC_COLLECTED] >= 0
+    assert steps_seen == {0, 1}
+    for _span, event in events:  # younger generations only when they took long
+        attrs = event.attributes
+        assert attrs[semconv.GC_GENERATION] == 2 or attrs[semconv.GC_DURATION_NS] >= MIN_NS
+    stats = mode.stats()
+    assert stats["gc_pauses"] == len(events) and stats["gc_pauses_unrecorded"] == 0
+
+
+def test_nothing_is_recorded_untraced_or_when_switched_off() -> None:
+    callbacks = list(gc.callbacks)
+    off = InMemorySpanExporter()
+    ref = _run(CommSpanMode(exporters=[off], record_gc=False), Net(), steps=1)
+    assert ref.full and _gc_events(off) == []
+    sampled = InMemorySpanExporter()
+    mode = CommSpanMode(exporters=[sampled], sample={0})  # step 1 is sampled out
+    ref = _run(mode, Net(), steps=2)
+    events = _gc_events(sampled)
+    assert len(ref.full) >= 2
+    assert events and {s.attributes[semconv.STEP] for s, _ in events} == {0}
+    assert mode.stats()["gc_pauses_unrecorded"] == 0
+    after = InMemorySpanExporter()
+    mode = CommSpanMode(exporters=[after])
+    with mode:
+        pass
+    gc.collect()  # the mode is left: not recorded, not counted
+    mode.shutdown()
+    assert _gc_events(after) == [] and mode.stats()["gc_pauses"] == 0
+    assert gc.callbacks == callbacks
+
+
+def test_outside_any_module_the_event_names_no_module() -> None:
+    exporter = InMemorySpanExporter()
+    mode = CommSpanMode(exporters=[exporter])
+    with mode:
+        with mode.step(0):
+            gc.collect()
+    mode.shutdown()
+    (span, event), *_ = _gc_events(exporter)
+    assert span.name == semconv.SPAN_RANK
+    assert semconv.MODULE_FQN not in event.attributes and semconv.PHASE not in event.attributes
+
+
+def test_a_failing_where_is_counted_never_raised() -> None:
+    def where() -> Any:
+        raise RuntimeError("boom")
+
+    watch = GcWatch(where)
+    watch.install()
+    try:
+        gc.collect()
+    finally:
+        watch.remove()
+    assert watch.errors >= 1 and watch.take() == []
+    watch.remove()  # idempotent
+    assert watch._on_gc not in gc.callbacks
+
+
+def test_record_gc_must_be_a_bool() -> None:
+    with pytest.raises(TypeError, match=r"record_gc='yes' is not valid; pass True"):
+        CommSpanMode(record_gc="yes")  # type: ignore[arg-type]
