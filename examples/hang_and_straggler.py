@@ -1,6 +1,6 @@
 """A deliberate straggler and a deliberate hang on 4 gloo ranks, and what commspan says.
 
-    python examples/hang_and_straggler.py                  # both, into ./commspan-debug
+    python examples/hang_and_straggler.py                  # all three, into ./commspan-debug
     python examples/hang_and_straggler.py --only hang --out /tmp/debug
 
 **Straggler.** Every rank trains :class:`Net` (three blocks, each an
@@ -8,6 +8,12 @@ all_reduce) for 3 steps; rank 2 sleeps 0.1 s inside ``Net.blocks.1`` before
 its all_reduce, so the other ranks wait for it there. commspan times every
 collective; ``commspan stragglers DIR/straggler`` names rank 2 and
 ``Net.blocks.1``.
+
+**Garbage collection.** The same program; rank 3 holds a few hundred thousand
+extra Python objects and runs a full garbage collection inside
+``Net.blocks.0`` before its all_reduce, as the collector does on its own when
+a rank's heap grows. ``commspan stragglers DIR/gc`` names rank 3 and
+``Net.blocks.0``, with the collection's time (``gc before``) beside the wait.
 
 **Hang.** The same program, with ``CommSpanMode(hang_timeout_s=2,
 dump_signal=signal.SIGUSR1)``. In step 2, rank 1 stalls in ``Net.blocks.1``
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import multiprocessing
 import os
 import signal
@@ -46,6 +53,7 @@ from commspan.render.findings import format_check, format_stragglers
 WORLD_SIZE = 4
 STEPS = 3
 SLOW_RANK, SLOW_S = 2, 0.1
+GC_RANK, BALLAST = 3, 500_000
 STALLED_RANK, HANG_STEP, HANG_TIMEOUT_S = 1, 2, 2.0
 
 
@@ -60,6 +68,8 @@ class Block(torch.nn.Module):
         rank = dist.get_rank()
         if self.scenario == "straggler" and self.index == 1 and rank == SLOW_RANK:
             time.sleep(SLOW_S)  # rank 2 arrives late at this all_reduce
+        if self.scenario == "gc" and self.index == 0 and rank == GC_RANK:
+            gc.collect()  # rank 3 walks its whole heap before this all_reduce
         y = x.clone()
         dist.all_reduce(y)
         if (self.scenario == "hang" and self.index == 1 and rank == STALLED_RANK
@@ -88,6 +98,7 @@ def rank_main(rank: int, port: int, out: Path, scenario: str) -> None:
         timeout=datetime.timedelta(seconds=300),  # longer than hang_timeout_s
     )
     model = Net(scenario)
+    ballast = [[] for _ in range(BALLAST)] if scenario == "gc" and rank == GC_RANK else []
     options = {}
     if scenario == "hang":
         options = {"hang_timeout_s": HANG_TIMEOUT_S, "dump_signal": signal.SIGUSR1}
@@ -99,6 +110,7 @@ def rank_main(rank: int, port: int, out: Path, scenario: str) -> None:
             with mode.step(step):
                 model(torch.ones(1024))
     mode.shutdown()
+    del ballast
     dist.barrier()
     dist.destroy_process_group()
 
@@ -138,9 +150,9 @@ def _wait_for(predicate: object, timeout_s: float) -> bool:
     return False
 
 
-def straggler(out: Path) -> str:
-    """Run the straggler scenario; return what ``commspan stragglers`` says."""
-    procs = _start(out, "straggler")
+def straggler(out: Path, scenario: str = "straggler") -> str:
+    """Run the straggler (or ``gc``) scenario; return what ``commspan stragglers`` says."""
+    procs = _start(out, scenario)
     for p in procs:
         p.join(120)
     if any(p.exitcode != 0 for p in procs):
@@ -179,12 +191,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("commspan-debug"),
                         help="directory for the JSONL files (one folder per scenario)")
-    parser.add_argument("--only", choices=["straggler", "hang"], default=None,
+    parser.add_argument("--only", choices=["straggler", "gc", "hang"], default=None,
                         help="run one scenario only")
     args = parser.parse_args(argv)
     if args.only in (None, "straggler"):
         print(f"$ commspan stragglers {args.out / 'straggler'}")
         print(straggler(args.out / "straggler"))
+    if args.only in (None, "gc"):
+        print(f"$ commspan stragglers {args.out / 'gc'}")
+        print(straggler(args.out / "gc", "gc"))
     if args.only in (None, "hang"):
         text = hang(args.out / "hang")
         print(f"$ commspan check {args.out / 'hang'}")

@@ -147,7 +147,8 @@ def test_one_process_per_rank(trace: dict[str, Any], records: list[SpanRecord]) 
     for e in _x(trace):
         assert e["args"]["rank"] == e["pid"]
     lanes = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
-    assert lanes == {"steps", "forward", "backward", "recompute", "collectives"}
+    # "gc" when a rank recorded a pause of the garbage collector
+    assert lanes - {"gc"} == {"steps", "forward", "backward", "recompute", "collectives"}
     pids = {r.rank for r in records}
     assert pids == set(names)
 
@@ -254,6 +255,40 @@ def test_recorded_durations_widen_collectives(records: list[SpanRecord]) -> None
     colls = _x(trace, "collective")
     assert colls and all(_ns(e["dur"], "round") == e["args"]["duration_ns"] >= 5000 for e in colls)
     assert trace["otherData"]["collectives_with_duration"] == len(colls)
+
+
+@pytest.mark.multiprocess
+def test_garbage_collections_are_slices_on_a_gc_lane(records: list[SpanRecord]) -> None:
+    """A commspan.gc event on rank 1's rank span is a slice on that rank's gc lane, as
+    long as the pause, named after its generation, with the module it names."""
+    def without_gc(r: SpanRecord) -> SpanRecord:  # the run's own pauses, if any
+        kept = [(e, t) for e, t in zip(r.events, r.event_times) if e[0] != semconv.EVENT_GC]
+        return dataclasses.replace(r, events=[e for e, _ in kept],
+                                   event_times=[t for _, t in kept])
+
+    plain = [without_gc(r) for r in records]
+    rank_span = next(r for r in plain if r.name == semconv.SPAN_RANK and r.rank == 1)
+    start = rank_span.start_time + 2_000_000
+    pause = {semconv.GC_GENERATION: 2, semconv.GC_DURATION_NS: 3_000_000,
+             semconv.GC_COLLECTED: 5, semconv.MODULE_FQN: "Transformer.layers.0",
+             semconv.PHASE: "forward"}
+    with_gc = [
+        dataclasses.replace(r, events=[*r.events, (semconv.EVENT_GC, pause)],
+                            event_times=[*r.event_times, start])
+        if r is rank_span else r
+        for r in plain
+    ]
+    trace = chrome_trace(with_gc)
+    assert problems(trace) == []
+    lanes = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace["traceEvents"]
+             if e["name"] == "thread_name"}
+    (gc_slice,) = [e for e in _x(trace, "gc") if lanes[(e["pid"], e["tid"])] == "gc"]
+    assert (gc_slice["pid"], gc_slice["name"]) == (1, "gc gen 2")
+    assert _ns(gc_slice["dur"], "round") == 3_000_000
+    origin = trace["otherData"]["time_origin_unix_ns"]
+    assert abs(_ns(gc_slice["ts"], "round") - (start - origin)) <= 1
+    assert gc_slice["args"]["module"] == "Transformer.layers.0"
+    assert _x(chrome_trace(plain), "gc") == []
 
 
 @pytest.mark.multiprocess

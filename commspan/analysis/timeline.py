@@ -37,6 +37,7 @@ from commspan.otlpjson.records import SpanRecord, record_rank
 
 __all__ = [
     "Collective",
+    "GcSlice",
     "ModuleSlice",
     "RecordSource",
     "StepWindow",
@@ -93,6 +94,20 @@ class ModuleSlice(NamedTuple):
     start_ns: int
     end_ns: int
     error: str
+
+
+class GcSlice(NamedTuple):
+    """A pause of one rank's process for Python's garbage collector (a ``commspan.gc``
+    event): when it started, how long, which generation, and the module the
+    traced thread was in (``""`` outside every module)."""
+
+    window: int
+    rank: int
+    start_ns: int
+    duration_ns: int
+    generation: int
+    fqn: str
+    phase: str
 
 
 class Collective(NamedTuple):
@@ -159,6 +174,7 @@ class Timeline:
             time from here.
         processes: ``{rank: (host name, process id)}`` from the records'
             resources ("" and ``None`` when not recorded).
+        gc_pauses: garbage-collector pauses, by rank, then start time.
     """
 
     ranks: tuple[int, ...]
@@ -168,6 +184,7 @@ class Timeline:
     run_ids: tuple[str, ...]
     origin_ns: int
     processes: dict[int, tuple[str, int | None]] = field(default_factory=dict)
+    gc_pauses: tuple[GcSlice, ...] = ()
 
 
 # ------------------------------------------------------------------ loading
@@ -304,6 +321,7 @@ def build_timeline(records: Iterable[SpanRecord]) -> Timeline:
 
     slices: list[ModuleSlice] = []
     collectives: list[Collective] = []
+    pauses: list[GcSlice] = []
     for rank, fqn, rec in module_records:
         index = index_of[rec.trace_id]
         if rec.name != semconv.SPAN_RANK:
@@ -321,9 +339,17 @@ def build_timeline(records: Iterable[SpanRecord]) -> Timeline:
                 )
             )
         run_id = run_of_trace[rec.trace_id]
-        for (_name, ev), when in zip(rec.events, rec.event_times):
+        for (name, ev), when in zip(rec.events, rec.event_times):
             if semconv.COLL_OP in ev:
                 collectives.append(_collective(index, rank, run_id, when, fqn, ev))
+            elif name == semconv.EVENT_GC:
+                took = _int_or_none(ev.get(semconv.GC_DURATION_NS))
+                if took is not None:
+                    gen = _int_or_none(ev.get(semconv.GC_GENERATION))
+                    pauses.append(GcSlice(
+                        index, rank, when, took, 2 if gen is None else gen,
+                        str(ev.get(semconv.MODULE_FQN, "")), str(ev.get(semconv.PHASE, "")),
+                    ))
 
     slices.sort(key=lambda s: (s.rank, s.start_ns, -s.end_ns))
     collectives.sort(key=lambda c: (c.rank, c.time_ns))
@@ -331,9 +357,10 @@ def build_timeline(records: Iterable[SpanRecord]) -> Timeline:
     origin = min((w.start_ns for w in steps), default=0)
     if collectives:
         origin = min(origin, min(c.time_ns for c in collectives))
+    pauses.sort(key=lambda g: (g.rank, g.start_ns))
     return Timeline(
         ranks, tuple(steps), tuple(slices), tuple(collectives), tuple(run_ids), origin,
-        {r: processes[r] for r in ranks if r in processes},
+        {r: processes[r] for r in ranks if r in processes}, tuple(pauses),
     )
 
 

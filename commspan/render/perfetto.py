@@ -16,6 +16,10 @@ Layout of the trace (``docs/views.md`` shows it):
   carries it and zero-width otherwise (viewers draw those as instants), with
   ``op``, ``group``, ``seq``, ``bytes``, placements and the issuing module in
   ``args``;
+- pauses of the process for Python's garbage collector (``commspan.gc``
+  events) are ``"X"`` events on a ``gc`` lane, named ``gc`` and the
+  generation (``gc gen 2`` for a full collection), with the module the traced
+  thread was in;
 - flow arrows (``bind_id`` with ``flow_out`` / ``flow_in``, the form Chrome
   itself writes) join the same collective (run, process group, sequence
   number) on every rank that issued it, in the order the ranks issued it: the
@@ -59,6 +63,7 @@ _log = logging.getLogger(__name__)
 
 STEPS_LANE = "steps"
 COLLECTIVES_LANE = "collectives"
+GC_LANE = "gc"
 _PHASES = [p.value for p in semconv.Phase]
 _TIDS_PER_RANK = 1000
 
@@ -129,6 +134,13 @@ def chrome_trace(source: RecordSource | Timeline) -> dict[str, Any]:
                     event["flow_out"] = True
             events.append(event)
 
+    for g in timeline.gc_pauses:
+        events.append(_complete(
+            f"gc gen {g.generation}", "gc", g.rank, tid(g.rank, GC_LANE), g.start_ns - origin,
+            g.duration_ns,
+            {"generation": g.generation, "duration_ns": g.duration_ns,
+             "module": g.fqn, "phase": g.phase, "rank": g.rank},
+        ))
     hosts = _hosts(timeline)
     for rank in sorted(lanes_of_rank):
         metadata.append(_meta("process_name", rank, 0, {"name": f"rank {rank}"}))
@@ -251,6 +263,8 @@ def _lane_order(lanes: list[str]) -> list[str]:
             return (1 + _PHASES.index(base), lane)
         if base == COLLECTIVES_LANE:
             return (len(_PHASES) + 2, lane)
+        if base == GC_LANE:
+            return (len(_PHASES) + 3, lane)
         return (len(_PHASES) + 1, lane)
 
     return sorted(lanes, key=key)
