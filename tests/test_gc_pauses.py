@@ -47,12 +47,15 @@ class Reference:
 
     def __init__(self) -> None:
         self.full: list[tuple[int, int]] = []
+        self.all = 0  # collections of any generation
         self._t = (0, 0)
 
     def __call__(self, phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
             self._t = (time.time_ns(), time.perf_counter_ns())
-        elif info["generation"] == 2:
+            return
+        self.all += 1
+        if info["generation"] == 2:
             self.full.append((self._t[0], time.perf_counter_ns() - self._t[1]))
 
 
@@ -159,3 +162,27 @@ def test_a_failing_where_is_counted_never_raised() -> None:
 def test_record_gc_must_be_a_bool() -> None:
     with pytest.raises(TypeError, match=r"record_gc='yes' is not valid; pass True"):
         CommSpanMode(record_gc="yes")  # type: ignore[arg-type]
+
+
+def test_a_long_trace_holds_a_bounded_number_of_pauses(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past MAX_PENDING pauses in one trace, the others are counted, not held."""
+    from commspan.capture import gcwatch
+
+    monkeypatch.setattr(gcwatch, "MAX_PENDING", 3)
+    exporter = InMemorySpanExporter()
+    mode = CommSpanMode(exporters=[exporter])
+    ref = Reference()
+    with mode:
+        gc.callbacks.append(ref)
+        try:
+            with mode.step(0):
+                for _ in range(5):
+                    gc.collect()
+        finally:
+            gc.callbacks.remove(ref)
+    mode.shutdown()
+    assert len(ref.full) >= 5
+    stats = mode.stats()
+    assert len(_gc_events(exporter)) == stats["gc_pauses"] == 3
+    # every full collection past the third, and any younger one of 1 ms or more
+    assert len(ref.full) - 3 <= stats["gc_pauses_unrecorded"] <= ref.all - 3

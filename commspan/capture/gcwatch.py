@@ -28,10 +28,13 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-__all__ = ["GcPause", "GcWatch", "MIN_NS"]
+__all__ = ["MAX_PENDING", "MIN_NS", "GcPause", "GcWatch"]
 
 MIN_NS = 1_000_000
 """Collections of the younger generations shorter than this (1 ms) are not noted."""
+MAX_PENDING = 1000
+"""Pauses held between two :meth:`GcWatch.take` calls (a trace); more are counted in
+:attr:`GcWatch.dropped` (a session trace of hours should not grow without bound)."""
 
 Where = Callable[[], "tuple[int, str | None, str | None] | None"]
 
@@ -72,6 +75,8 @@ class GcWatch:
         self._start_wall = 0
         self.errors = 0
         """Collections that could not be noted (``where`` raised)."""
+        self.dropped = 0
+        """Collections not held because :data:`MAX_PENDING` were already waiting."""
 
     def install(self) -> None:
         """Start noting collections (idempotent)."""
@@ -100,6 +105,9 @@ class GcWatch:
         try:
             where = self._where()
             if where is None:
+                return
+            if len(self._pending) >= MAX_PENDING:
+                self.dropped += 1
                 return
             self._pending.append(
                 GcPause(where[0], self._start_wall, took, generation,

@@ -347,7 +347,9 @@ class CommSpanMode:
             self._active = False
             if self._gc is not None:
                 self._gc.remove()
-                self._stats["gc_pauses_unrecorded"] += len(self._gc.take()) + self._gc.errors
+                self._stats["gc_pauses_unrecorded"] += (
+                    len(self._gc.take()) + self._gc.errors + self._gc.dropped
+                )
                 self._gc = None
             if self._recorder is not None:
                 self._untimed += self._recorder.forced
@@ -509,6 +511,8 @@ class CommSpanMode:
         those of an earlier trace (noted while its spans were being built) are
         counted as unrecorded."""
         assert self._gc is not None and rec.root is not None
+        self._stats["gc_pauses_unrecorded"] += self._gc.dropped
+        self._gc.dropped = 0
         for p in self._gc.take():
             if p.trace_id != rec.trace_id:
                 self._stats["gc_pauses_unrecorded"] += 1
