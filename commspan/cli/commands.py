@@ -98,10 +98,23 @@ class Reader:
         from commspan.analysis.digest import load_parts, select_parts
 
         files = jsonl_files(paths, param="FILES")
-        parts = load_parts(files, self.report, self.args.max_line_mib * _MIB)
+        read = ReadReport()
+        parts = load_parts(files, read, self.args.max_line_mib * _MIB)
         if parts is None or not any(p["commspan_spans"] for p in parts):
             return None  # (no commspan span: load() says so)
         steps, option = _steps_of(self.args, 0)
+        if steps is not None and len({p.get("table") is None for p in parts}) > 1:
+            # lines a digest stands for mixed with lines parsed here (a damaged or
+            # cut digest): a module's first start is known only from the step that
+            # defined it in the digest, so modules of some steps would come out of
+            # order; read the spans instead
+            return None
+        report = self.report
+        report.lines += read.lines
+        report.spans += read.spans
+        report.commspan_spans += read.commspan_spans
+        report.ranks |= read.ranks
+        report.skipped.extend(read.skipped)
         return self._selected(
             lambda: select_parts(parts, run=_first(self.args.run), steps=steps), option, "")
 
