@@ -196,3 +196,26 @@ def test_bandwidth_uses_the_whole_operation_size() -> None:
     assert bandwidth("all_reduce", nbytes=gb, duration_ns=0, group_size=2) is None
     with pytest.raises(ValueError, match="group_size"):
         bus_factor("all_reduce", 0)
+
+
+def test_a_pause_is_charged_once_to_collectives_issued_at_the_same_instant() -> None:
+    """Rank 1 issues two collectives (two groups) at the same recorded instant after a
+    4 ms pause, late at both: the pause is charged once, not twice."""
+    import dataclasses
+
+    b = SpanBuilder(2)
+    for r in range(2):
+        s = b.rank(r, 0)
+        if r == 1:
+            s.gc(4 * MS)
+        s.coll("all_reduce", fqn="Net.a", group="g1", ranks=(0, 1),
+               duration_ns=(1 if r == 1 else 9) * MS)
+        s.coll("all_reduce", fqn="Net.a", group="g2", ranks=(0, 1),
+               duration_ns=(1 if r == 1 else 9) * MS)
+    spans = []
+    for rec in b.spans():
+        if rec.events and rec.attributes.get(semconv.MODULE_FQN) == "Net.a":
+            rec = dataclasses.replace(rec, event_times=[rec.event_times[0]] * len(rec.events))
+        spans.append(rec)
+    (row,) = [r for r in analyze(build_run(spans)).stragglers if r.rank == 1]
+    assert row.times_last == 2 and row.gc_ns == 4 * MS

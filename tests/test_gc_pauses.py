@@ -186,3 +186,37 @@ def test_a_long_trace_holds_a_bounded_number_of_pauses(monkeypatch: pytest.Monke
     assert len(_gc_events(exporter)) == stats["gc_pauses"] == 3
     # every full collection past the third, and any younger one of 1 ms or more
     assert len(ref.full) - 3 <= stats["gc_pauses_unrecorded"] <= ref.all - 3
+
+
+def test_a_collection_while_the_step_ends_is_an_event_of_that_step() -> None:
+    """A full collection that runs while the step's spans are being closed (where
+    commspan allocates most) is written on that step's rank span, whose end moves
+    past it; nothing is counted as unrecorded."""
+    exporter = InMemorySpanExporter()
+    mode = CommSpanMode(exporters=[exporter])
+    net = Net()
+    Collect.on = False
+    try:
+        with mode:
+            rec = mode._recorder
+            assert rec is not None
+            end = rec.end
+
+            def end_with_collection(error: BaseException | None = None) -> None:
+                gc.collect()  # stands in for one the span building triggers
+                end(error)
+
+            rec.end = end_with_collection  # type: ignore[method-assign]
+            for i in range(2):
+                with mode.step(i):
+                    net(torch.ones(2, 4)).sum().backward()
+    finally:
+        Collect.on = True
+    mode.shutdown()
+    full = [(s, e) for s, e in _gc_events(exporter)
+            if e.attributes[semconv.GC_GENERATION] == 2]
+    assert {s.attributes.get(semconv.STEP) for s, _ in full} >= {0, 1}
+    for span, event in full:
+        assert span.start_time <= event.timestamp
+        assert event.timestamp + event.attributes[semconv.GC_DURATION_NS] <= span.end_time
+    assert mode.stats()["gc_pauses_unrecorded"] == 0

@@ -562,3 +562,24 @@ def test_every_reader_refuses_a_directory_without_jsonl_files(tmp_path: Path) ->
         with pytest.raises(FileNotFoundError, match="holds no \\*.jsonl or") as info:
             read(empty)
         assert isinstance(info.value, ValueError), read
+
+
+def test_exporting_leaves_the_garbage_collector_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The exporters run beside a training loop that may manage the collector itself
+    (``gc.disable()``, ``gc.freeze()``): neither JSONL nor OTLP/protobuf encoding turns
+    it off or on."""
+    import gc
+
+    from commspan.otlpjson.protobuf import encode_spans_protobuf
+
+    calls: list[str] = []
+    monkeypatch.setattr(gc, "disable", lambda: calls.append("disable"))
+    monkeypatch.setattr(gc, "enable", lambda: calls.append("enable"))
+    spans = _sdk_spans()
+    exporter = JsonlSpanExporter(tmp_path / "t.jsonl")
+    assert exporter.export(spans).name == "SUCCESS"
+    exporter.shutdown()
+    assert encode_spans_protobuf(spans)
+    assert calls == []

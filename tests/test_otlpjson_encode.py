@@ -1,8 +1,8 @@
 """The OTLP/JSON attribute encoder's caches (plans, templates, whole lists) against a
 reference built value by value with orjson, which uses none of them: the same bytes
 for every value type, for values that compare equal across types (``True == 1 ==
-1.0``), for text that holds the template's own ``%``, and after every cache was
-cleared for being full."""
+1.0``, ``0.0 == -0.0``), for text that holds the template's own ``%``, and once the
+caches are full."""
 
 from __future__ import annotations
 
@@ -60,8 +60,16 @@ _LISTS: list[dict[str, Any]] = [
     {"shape": [True, False], "ranks": (1, 0), "names": ()},
     {"shape": [1.0, 0.0], "ranks": (True, False), "names": ("w",)},
     {"shape": [], "ranks": (1.5, -0.0), "names": ("1",)},
-    # non-finite floats and negative zero
+    # non-finite floats and negative zero, alone and in arrays (0.0 == -0.0 as keys)
     {"x": math.inf, "y": -math.inf, "z": math.nan, "w": -0.0},
+    {"x": 0.0, "arr": (0.0, 1), "lst": [0.0]},
+    {"x": -0.0, "arr": (-0.0, 1), "lst": [-0.0]},
+    {"other": [-0.0], "t": (-0.0,)},
+    # nested arrays (the SDK refuses them; hand-made spans may carry them)
+    {"nested": ((1,), (2,))},
+    {"nested": ((True,), (False,))},
+    {"n": ((1,),), "s": "x"},
+    {"n": ((True,),), "s": "x"},
     # types the plans leave to the value-by-value path
     {"enum": _Color.RED, "sub": _Name("fqn"), "plain": "fqn"},
     {"none": None, "n": 1},  # type: ignore[dict-item]
@@ -88,13 +96,14 @@ def test_entries_match_value_by_value_encoding() -> None:
             assert encode._attrs(attrs) == want, attrs
 
 
-def test_full_caches_are_cleared_and_refilled(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_full_caches_stay_bounded_and_encode_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(encode, "_PLANS_MAX", 3)
     monkeypatch.setattr(encode, "_TEMPLATES_MAX", 4)
     monkeypatch.setattr(encode, "_BLOBS_MAX", 2)
     monkeypatch.setattr(encode, "_CACHE_MAX", 5)
     for name in ("_PLANS", "_BLOBS", "_ARRAYS", "_ENTRY_CACHE", "_TEXT_CACHE"):
         monkeypatch.setattr(encode, name, {})  # start empty; the module's own come back
+    monkeypatch.setattr(encode, "_templates", 0)
     for _ in range(3):
         for attrs in _all_lists():
             assert encode._attrs(attrs) == _reference(attrs), attrs

@@ -321,12 +321,17 @@ class _GcBefore:
                     issued[(c.rank, c.trace_id)].append(c.issued_ns)
             self._issued = {k: sorted(v) for k, v in issued.items()}
         self._starts = {k: rs.start_ns for k, rs in run.rank_steps.items()}
+        self._charged: set[tuple[int, str, int]] = set()
 
     def __call__(self, rec: CollectiveRecord) -> int:
         key = (rec.rank, rec.trace_id)
         pauses = self._pauses.get(key)
         if not pauses:
             return 0
+        issue = (rec.rank, rec.trace_id, rec.issued_ns)
+        if issue in self._charged:  # another collective issued at the same instant
+            return 0
+        self._charged.add(issue)
         times = self._issued.get(key, [])
         i = bisect_left(times, rec.issued_ns)
         since = times[i - 1] if i > 0 else self._starts.get(key, -(1 << 62))

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import gc
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -70,11 +71,15 @@ class GcWatch:
     def __init__(self, where: Where, min_ns: int = MIN_NS) -> None:
         self._where = where
         self.min_ns = min_ns
-        self._pending: list[GcPause] = []
+        # appended by the collector's callback on any thread, drained by take():
+        # deque appends and pops are atomic, so a pause is taken now or next time
+        self._pending: deque[GcPause] = deque()
         self._start = 0
         self._start_wall = 0
+        # only the callback writes these (collections never run two at a time);
+        # readers take differences, never reset them
         self.errors = 0
-        """Collections that could not be noted (``where`` raised)."""
+        """Collections that could not be noted (``where`` raised), since installed."""
         self.dropped = 0
         """Collections not held because :data:`MAX_PENDING` were already waiting."""
 
@@ -90,15 +95,23 @@ class GcWatch:
 
     def take(self) -> list[GcPause]:
         """The pauses noted since the last call, oldest first."""
-        taken, self._pending = self._pending, []
-        return taken
+        taken = []
+        pending = self._pending
+        while True:
+            try:
+                taken.append(pending.popleft())
+            except IndexError:
+                return taken
 
     def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
             self._start = time.perf_counter_ns()
             self._start_wall = time.time_ns()
             return
+        if not self._start:  # installed during a collection: its start was not seen
+            return
         took = time.perf_counter_ns() - self._start
+        self._start = 0
         generation = info.get("generation", 2)
         if generation < 2 and took < self.min_ns:
             return

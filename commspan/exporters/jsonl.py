@@ -33,7 +33,7 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from commspan import semconv
 from commspan._errors import Once
 from commspan.capture.ranks import process_ranks
-from commspan.otlpjson.encode import encode_lines, paused_gc
+from commspan.otlpjson.encode import encode_lines
 
 __all__ = ["DEFAULT_FILENAME", "JsonlSpanExporter"]
 
@@ -220,8 +220,9 @@ class JsonlSpanExporter(SpanExporter):
                 fd = self._open(spans[0])
                 if fd is None:
                     return SpanExportResult.FAILURE
-            with paused_gc():
-                data = encode_lines(spans, b"\n")
+            # the collector stays as the training loop set it (no gc.disable() here:
+            # it is process-wide, and pausing it bought nothing measurable)
+            data = encode_lines(spans, b"\n")
             if self.compress_level:  # one member per line, self-contained (mtime 0)
                 data = gzip.compress(data, self.compress_level, mtime=0)
             if self._fresh_line:

@@ -36,9 +36,10 @@ __all__ = ["encode_lines", "encode_spans", "paused_gc", "resource_and_scope", "s
 
 @contextlib.contextmanager
 def paused_gc() -> Iterator[None]:
-    """Pause the cyclic GC while building or parsing many small dicts: none of
+    """Pause the cyclic GC while parsing many small dicts (the readers): none of
     them form cycles, and collections triggered by the allocations cost more
-    than the work itself."""
+    than the work itself. Process-wide: never used on an export thread, which
+    runs beside a training loop that may manage the collector itself."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -78,6 +79,9 @@ _ENTRY_CACHE: dict[tuple[str, Any, type], bytes] = {}
 _TEXT_CACHE: dict[str, bytes] = {}
 _CACHE_MAX = 1 << 14
 _SMALL_INT = 1 << 10
+# element types of arrays whose encoding equal arrays share (not float: 0.0 == -0.0;
+# not arrays, whose own elements' types a key would not show)
+_CACHED_ELEMENTS = frozenset((str, int, bool))
 _dumps = orjson.dumps
 
 
@@ -85,7 +89,10 @@ def _entry(k: str, v: Any) -> bytes:
     t = type(v)
     if t is list or t is tuple:
         # with the elements' types: (True, False) == (1, 0) == (1.0, 0.0) as keys
-        hv: Any = (tuple(v), tuple(map(type, v)))
+        types = tuple(map(type, v))
+        if not _CACHED_ELEMENTS.issuperset(types):  # see _array_value
+            return _dumps({"key": k, "value": _value(v)})
+        hv: Any = (tuple(v), types)
     elif t is int and not -_SMALL_INT < v < _SMALL_INT:
         # large ints (sequence numbers, byte counts, steps) rarely repeat
         return b'{"key":%s,"value":{"intValue":"%d"}}' % (_text(k), v)
@@ -131,8 +138,11 @@ def _entries_one_by_one(attrs: Any) -> bytes:
 # encoded as a ``%`` template: for each (keys, value types) a plan says which
 # values are written into the template (strings, bools: they repeat) and which
 # are formatted into it on each call (ints as ``%d``, floats and arrays as
-# ``%s``). One template per distinct tuple of written values; all bounded,
-# cleared when full.
+# ``%s``). One template per distinct tuple of written values. Bounded: once
+# full, what has no plan or template is encoded entry by entry (the same bytes,
+# at the speed of the caches of single entries) rather than clearing them all,
+# which would rebuild templates over and over for a model with more distinct
+# (module, op, placement) combinations than fit.
 _PLANS: dict[tuple[tuple[str, ...], tuple[type, ...]], Any] = {}
 _PLANS_MAX = 1 << 10
 _TEMPLATES_MAX = 1 << 13  # templates of all plans together
@@ -155,7 +165,12 @@ def _array_value(v: Any) -> bytes:
     """The ``{"arrayValue":...}`` of a list or tuple, cached by its elements and
     their types (``(True,) == (1,) == (1.0,)``)."""
     try:
-        key = (tuple(v), tuple(map(type, v)))
+        types = tuple(map(type, v))
+        # 0.0 == -0.0, and nested arrays hide their elements' types from the key:
+        # only arrays of str, int and bool are cached (the usual ones)
+        if not _CACHED_ELEMENTS.issuperset(types):
+            return _dumps(_value(v))
+        key = (tuple(v), types)
         out = _ARRAYS.get(key)
     except TypeError:  # an unhashable element
         return _dumps(_value(v))
@@ -213,9 +228,6 @@ def _template(plan: Any, written: tuple[Any, ...]) -> bytes:
             body = b"%s}"
         parts.append(head + body)
     template = b"[" + b",".join(parts) + b"]"
-    if _templates >= _TEMPLATES_MAX:
-        _PLANS.clear()  # the templates go with their plans
-        _templates = 0
     _templates += 1
     plan[3][written] = template
     return template
@@ -234,13 +246,15 @@ def _encode(attrs: Any, values: tuple[Any, ...], types: tuple[type, ...], items:
     plan = _PLANS.get(signature)
     if plan is None:
         if len(_PLANS) >= _PLANS_MAX:
-            _clear_plans()
+            return _entries_one_by_one(attrs)
         plan = _PLANS[signature] = _plan(signature)
     if plan is _NO_PLAN:
         return _entries_one_by_one(attrs)
     written = plan[0](values)
     template = plan[3].get(written)
     if template is None:
+        if _templates >= _TEMPLATES_MAX:
+            return _entries_one_by_one(attrs)
         template = _template(plan, written)
     if plan[2]:
         formatted = list(plan[1](values))
@@ -252,9 +266,13 @@ def _encode(attrs: Any, values: tuple[Any, ...], types: tuple[type, ...], items:
     if items is not None and plan[6]:
         ints = plan[5](values)
         if not ints or (-_SMALL_INT < min(ints) and max(ints) < _SMALL_INT):
-            if len(_BLOBS) >= _BLOBS_MAX:
-                _BLOBS.clear()
-            _BLOBS[items] = (types, blob, _element_types(attrs) if _mixed_arrays(attrs) else None)
+            elements = _element_types(attrs) if _mixed_arrays(attrs) else None
+            # arrays of floats (0.0 == -0.0) or of arrays (their elements' types are
+            # not in the key): equal items may encode differently
+            if elements is None or all(map(_CACHED_ELEMENTS.issuperset, elements)):
+                if len(_BLOBS) >= _BLOBS_MAX:
+                    _BLOBS.clear()
+                _BLOBS[items] = (types, blob, elements)
     return blob
 
 
@@ -448,13 +466,13 @@ _SPAN = (
 
 def encode_spans(spans: Sequence[ReadableSpan]) -> bytes:
     """Encode spans as one OTLP/JSON ``ExportTraceServiceRequest`` (no newline)."""
-    with paused_gc():
-        return encode_lines(spans, b"")
+    return encode_lines(spans, b"")
 
 
 def encode_lines(spans: Sequence[ReadableSpan], end: bytes) -> bytes:
     """:func:`encode_spans` followed by ``end`` (``b"\\n"`` for a JSONL line), in
-    one buffer; the caller pauses the GC."""
+    one buffer. Exporters call it on their thread beside the training loop, so it
+    leaves the garbage collector alone (unlike the readers, :func:`paused_gc`)."""
     # spans grouped by resource, then by instrumentation scope (by identity:
     # commspan's spans share one resource and one scope object)
     groups: dict[int, tuple[Any, dict[int, tuple[Any, list[bytes]]]]] = {}

@@ -40,7 +40,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.util import BoundedList
 from opentelemetry.trace import SpanContext, SpanKind
 
-from commspan.otlpjson.encode import paused_gc, resource_and_scope, span_fields
+from commspan.otlpjson.encode import resource_and_scope, span_fields
 
 __all__ = ["encode_spans_protobuf"]
 
@@ -461,8 +461,8 @@ def encode_spans_protobuf(spans: Sequence[ReadableSpan]) -> bytes:
         ...     [ReadableSpan("s", SpanContext(1, 2, False))])) > 0
         (b'', True)
     """
-    with paused_gc():
-        return _encode(spans)
+    # runs on the export thread: the collector stays as the training loop set it
+    return _encode(spans)
 
 
 def _encode(spans: Sequence[ReadableSpan]) -> bytes:

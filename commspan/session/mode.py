@@ -55,7 +55,7 @@ from commspan.session.config import Sampler, mode_config
 from commspan.session.hang import HangWatch
 from commspan.session.resource import build_resource
 from commspan.session.sampling import RankSample
-from commspan.spans.frames import OpenSpan
+from commspan.spans.frames import Frame, OpenSpan
 from commspan.spans.recorder import SpanRecorder
 from commspan.spans.timing import CollectiveLog, CollectiveTiming, add_timing
 from commspan.spans.traces import TraceOpener
@@ -321,6 +321,7 @@ class CommSpanMode:
         if self._rank_traced and config.record_gc:
             self._gc = GcWatch(self._gc_where)
             self._gc.install()
+            self._recorder.before_root = self._record_gc
         if not self._rank_traced:
             self._pause()  # nothing is recorded on this rank, in steps or between them
         elif config.hang_timeout_s is not None or config.dump_signal is not None:
@@ -350,7 +351,7 @@ class CommSpanMode:
                 self._stats["gc_pauses_unrecorded"] += (
                     len(self._gc.take()) + self._gc.errors + self._gc.dropped
                 )
-                self._gc = None
+                self._gc = None  # its counters are in the stats now
             if self._recorder is not None:
                 self._untimed += self._recorder.forced
                 self._recorder.forced = 0
@@ -481,8 +482,6 @@ class CommSpanMode:
             return
         if self._tracker is not None:
             self._tracker.unwind(error)
-        if self._gc is not None:
-            self._record_gc(rec)
         rec.end(error)
         for queue in self._queues:
             # export the trace now: its spans are dead sooner (the garbage
@@ -506,14 +505,22 @@ class CommSpanMode:
             return rec.trace_id, None, None
         return rec.trace_id, top.fqn, top.phase.value if top.phase is not None else None
 
-    def _record_gc(self, rec: SpanRecorder) -> None:
-        """The trace's collections become events of its rank span (before it is built);
-        those of an earlier trace (noted while its spans were being built) are
-        counted as unrecorded."""
-        assert self._gc is not None and rec.root is not None
-        self._stats["gc_pauses_unrecorded"] += self._gc.dropped
-        self._gc.dropped = 0
-        for p in self._gc.take():
+    def _record_gc(self, root: Frame) -> None:
+        """The recorder is about to build ``root``, the rank frame of the trace ending:
+        the trace's collections become its events (those that ran while its other
+        spans were closing included: the rank span's end moves past them). Those
+        noted later (while the rank span itself was built) carry an earlier trace
+        and are counted as unrecorded."""
+        watch, rec = self._gc, self._recorder
+        if watch is None or rec is None:
+            return
+        try:
+            self._attach_gc(watch, rec, root)
+        except Exception:  # never into the recorder
+            self._stats["gc_pauses_unrecorded"] += 1
+
+    def _attach_gc(self, watch: GcWatch, rec: SpanRecorder, root: Frame) -> None:
+        for p in watch.take():
             if p.trace_id != rec.trace_id:
                 self._stats["gc_pauses_unrecorded"] += 1
                 continue
@@ -526,7 +533,8 @@ class CommSpanMode:
                 attrs[semconv.MODULE_FQN] = p.fqn
             if p.phase is not None:
                 attrs[semconv.PHASE] = p.phase
-            rec.add_plain_event(rec.root, semconv.EVENT_GC, attrs, at=p.start_ns)
+            rec.add_plain_event(root, semconv.EVENT_GC, attrs, at=p.start_ns)
+            root.end = max(root.end, p.start_ns + p.duration_ns)
             self._stats["gc_pauses"] += 1
 
     # ------------------------------------------------------------ capture
@@ -759,6 +767,10 @@ class CommSpanMode:
     def stats(self) -> dict[str, Any]:
         """Counters: spans, collectives, steps traced/skipped, errors, and what export did.
 
+        ``gc_pauses`` counts the garbage-collector pauses written as ``commspan.gc``
+        events; ``gc_pauses_unrecorded`` those noted but not written (more than
+        1,000 in one trace, or noted after their trace's rank span was built).
+
         ``exporters`` holds one dict per exporter (see
         :class:`commspan.exporters.queue.ExportStats`): ``handed`` (spans given to it),
         ``exported``, ``dropped``, ``failed``, ``pending``, ``in_flight``,
@@ -774,6 +786,8 @@ class CommSpanMode:
             0
         """
         out: dict[str, Any] = dict(self._stats)
+        if self._gc is not None:  # pauses the watch could not hold or place, so far
+            out["gc_pauses_unrecorded"] += self._gc.errors + self._gc.dropped
         out["collectives_untimed"] = self._untimed + (
             self._recorder.forced if self._recorder is not None else 0
         ) + (self._dispatch.completions.failed if self._dispatch is not None else 0)

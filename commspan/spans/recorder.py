@@ -103,6 +103,9 @@ class SpanRecorder:
         self._emit_lock = threading.Lock()
         self.forced = 0
         """Collectives emitted without a completion (their trace ended first)."""
+        self.before_root: Callable[[Frame], None] | None = None
+        """Called with the rank frame of a trace just before it is built (it may add
+        events and move its end later); must not raise."""
         self.settled: Callable[[], bool] = _unknown
         """Asked before a span waits for its collectives one by one: ``True`` when
         every collective recorded so far has completed (the dispatch mode's
@@ -437,6 +440,8 @@ class SpanRecorder:
     def _close_top(self, now: int) -> None:
         frame = self.stack[-1]
         frame.end = max(now, frame.start)
+        if frame is self.root and self.before_root is not None:
+            self.before_root(frame)
         if not self._closed and (
             (frame.timings is None and frame.own is None) or self.settled() or frame.ready()
         ):
