@@ -248,7 +248,9 @@ def _check_tree(spans: list[dict[str, Any]], run_id: str) -> None:
 
 
 def _check_events(spans: list[dict[str, Any]]) -> int:
-    """A span's events are its own collectives, tagged with its module and phase; none is an error.
+    """A span's events are its own collectives, tagged with its module and phase; none is an
+    error. A rank span may also hold garbage-collector pauses (``commspan.gc``), whenever
+    the collector ran long during the step: they keep their attributes.
 
     Returns how many collective events there are.
     """
@@ -258,6 +260,12 @@ def _check_events(spans: list[dict[str, Any]]) -> int:
     for span in spans:
         attrs, events = span["attributes"], span["events"] or []
         assert span["status_code"] != "ERROR", (span["name"], span["status_message"])
+        pauses = [ev for ev in events if ev["name"] == semconv.EVENT_GC]
+        for ev in pauses:
+            assert span["name"] == semconv.SPAN_RANK, span["name"]
+            assert ev["attributes"][semconv.GC_DURATION_NS] > 0
+            assert ev["attributes"][semconv.GC_GENERATION] in (0, 1, 2)
+        events = [ev for ev in events if ev["name"] != semconv.EVENT_GC]
         assert len(events) == attrs.get(semconv.SELF_COUNT, 0), span["name"]
         for ev in events:
             assert ev["name"] == ev["attributes"][semconv.COLL_OP]
