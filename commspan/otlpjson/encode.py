@@ -7,7 +7,8 @@ phases and parameters step after step, and collective events the same keys
 with values of the same types, so attribute lists are encoded from ``%``
 templates (one plan per keys and value types; the strings written in, the
 numbers formatted in), and whole attribute lists, arrays, strings and trace
-ids are cached, all in bounded module-level dictionaries (cleared when full).
+ids are cached, all in bounded module-level dictionaries (plans and templates
+stop growing when full; the others are cleared).
 They are module-level on purpose: every exporter of the process shares them,
 and they hold only bytes built from attribute values, never spans.
 
@@ -87,20 +88,14 @@ _dumps = orjson.dumps
 
 def _entry(k: str, v: Any) -> bytes:
     t = type(v)
-    if t is list or t is tuple:
-        # with the elements' types: (True, False) == (1, 0) == (1.0, 0.0) as keys
-        types = tuple(map(type, v))
-        if not _CACHED_ELEMENTS.issuperset(types):  # see _array_value
-            return _dumps({"key": k, "value": _value(v)})
-        hv: Any = (tuple(v), types)
-    elif t is int and not -_SMALL_INT < v < _SMALL_INT:
+    if t is list or t is tuple:  # cached by elements and their types there
+        return b'{"key":%s,"value":%s}' % (_text(k), _array_value(v))
+    if t is int and not -_SMALL_INT < v < _SMALL_INT:
         # large ints (sequence numbers, byte counts, steps) rarely repeat
         return b'{"key":%s,"value":{"intValue":"%d"}}' % (_text(k), v)
-    elif t is float:
+    if t is float:
         return _dumps({"key": k, "value": _value(v)})
-    else:
-        hv = v
-    key = (k, hv, t)
+    key = (k, v, t)
     try:
         return _ENTRY_CACHE[key]
     except KeyError:
@@ -274,12 +269,6 @@ def _encode(attrs: Any, values: tuple[Any, ...], types: tuple[type, ...], items:
                     _BLOBS.clear()
                 _BLOBS[items] = (types, blob, elements)
     return blob
-
-
-def _clear_plans() -> None:
-    global _templates
-    _PLANS.clear()
-    _templates = 0
 
 
 # Whole encoded attribute lists, keyed by the attributes' items: a module's
