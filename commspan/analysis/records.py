@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple, Union
@@ -39,6 +39,7 @@ __all__ = [
     "Run",
     "RunPaths",
     "build_run",
+    "gc_event_fields",
     "load_run",
 ]
 
@@ -388,16 +389,11 @@ def build_run(
     for rank, span in hang_spans:
         run.hangs.append(_hang(rank, span, run.trace_steps.get(span.trace_id)))
     for rank, trace_id, t, attrs in gc_pending:
-        duration = _int(attrs.get(semconv.GC_DURATION_NS))
-        if duration is None:
+        pause = gc_event_fields(attrs)
+        if pause is None:
             run.skipped["garbage-collection events without a duration"] += 1
             continue
-        generation = _int(attrs.get(semconv.GC_GENERATION))
-        run.gc_pauses.append(
-            GcRecord(rank, run.trace_steps.get(trace_id), trace_id, t, duration,
-                     2 if generation is None else generation,
-                     _str(attrs.get(semconv.MODULE_FQN)), _str(attrs.get(semconv.PHASE)))
-        )
+        run.gc_pauses.append(GcRecord(rank, run.trace_steps.get(trace_id), trace_id, t, *pause))
     run.rank_steps = {
         key: rs._replace(step=run.trace_steps.get(rs.trace_id))
         for key, rs in run.rank_steps.items()
@@ -424,6 +420,25 @@ def _keep_steps(run: Run, wanted: frozenset[int]) -> None:
     run.gc_pauses = [g for g in run.gc_pauses if g.trace_id in keep]
     run.presence = {t: r for t, r in run.presence.items() if t in keep}
     run.trace_start = {t: s for t, s in run.trace_start.items() if t in keep}
+
+
+def gc_event_fields(
+    attrs: Mapping[str, Any],
+) -> tuple[int, int, str | None, str | None] | None:
+    """``(duration_ns, generation, fqn, phase)`` of a ``commspan.gc`` event's attributes
+    (generation 2 when absent; fqn and phase ``None`` outside every module), or
+    ``None`` when it has no duration.
+
+    Example:
+        >>> gc_event_fields({"commspan.gc.duration_ns": 5, "commspan.gc.generation": 1})
+        (5, 1, None, None)
+    """
+    duration = _int(attrs.get(semconv.GC_DURATION_NS))
+    if duration is None:
+        return None
+    generation = _int(attrs.get(semconv.GC_GENERATION))
+    return (duration, 2 if generation is None else generation,
+            _str(attrs.get(semconv.MODULE_FQN)), _str(attrs.get(semconv.PHASE)))
 
 
 def _int(value: Any) -> int | None:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Union
 
 from commspan import semconv
+from commspan.analysis.records import gc_event_fields
 from commspan.otlpjson.decode import read_spans
 from commspan.otlpjson.files import jsonl_files
 from commspan.otlpjson.records import SpanRecord, record_rank
@@ -343,13 +344,10 @@ def build_timeline(records: Iterable[SpanRecord]) -> Timeline:
             if semconv.COLL_OP in ev:
                 collectives.append(_collective(index, rank, run_id, when, fqn, ev))
             elif name == semconv.EVENT_GC:
-                took = _int_or_none(ev.get(semconv.GC_DURATION_NS))
-                if took is not None:
-                    gen = _int_or_none(ev.get(semconv.GC_GENERATION))
-                    pauses.append(GcSlice(
-                        index, rank, when, took, 2 if gen is None else gen,
-                        str(ev.get(semconv.MODULE_FQN, "")), str(ev.get(semconv.PHASE, "")),
-                    ))
+                pause = gc_event_fields(ev)
+                if pause is not None:
+                    took, gen, in_fqn, phase = pause
+                    pauses.append(GcSlice(index, rank, when, took, gen, in_fqn or "", phase or ""))
 
     slices.sort(key=lambda s: (s.rank, s.start_ns, -s.end_ns))
     collectives.sort(key=lambda c: (c.rank, c.time_ns))
