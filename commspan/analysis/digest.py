@@ -794,11 +794,7 @@ def load_parts(
             return None
         parts.extend(extra)
     if report is not None:
-        report.lines += scratch.lines
-        report.spans += scratch.spans
-        report.commspan_spans += scratch.commspan_spans
-        report.ranks |= scratch.ranks
-        report.skipped.extend(scratch.skipped)
+        report.add(scratch)
     return parts
 
 

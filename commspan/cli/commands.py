@@ -109,12 +109,7 @@ class Reader:
             # defined it in the digest, so modules of some steps would come out of
             # order; read the spans instead
             return None
-        report = self.report
-        report.lines += read.lines
-        report.spans += read.spans
-        report.commspan_spans += read.commspan_spans
-        report.ranks |= read.ranks
-        report.skipped.extend(read.skipped)
+        self.report.add(read)
         return self._selected(
             lambda: select_parts(parts, run=_first(self.args.run), steps=steps), option, "")
 

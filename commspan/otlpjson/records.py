@@ -105,6 +105,21 @@ class ReadReport:
     ranks: set[Any] = field(default_factory=set)
     skipped: list[SkippedLine] = field(default_factory=list)
 
+    def add(self, other: ReadReport) -> None:
+        """Add what ``other`` found (a read into a scratch report, kept once it is used).
+
+        Example:
+            >>> a, b = ReadReport(lines=2), ReadReport(lines=3, ranks={1})
+            >>> a.add(b)
+            >>> a.lines, a.ranks
+            (5, {1})
+        """
+        self.lines += other.lines
+        self.spans += other.spans
+        self.commspan_spans += other.commspan_spans
+        self.ranks |= other.ranks
+        self.skipped.extend(other.skipped)
+
     @property
     def damaged(self) -> list[SkippedLine]:
         """Skipped lines other than torn last lines: data that was in the file and is lost."""
