@@ -534,27 +534,27 @@ def test_a_hung_exporter_does_not_cost_another_its_spans_at_shutdown(
     assert hung["failed"] + hung["dropped"] == st["spans"]
 
 
-def test_wake_exports_what_is_queued_without_the_schedule() -> None:
-    """``wake()`` has the worker export what is queued at once, without waiting for
+def test_flush_without_waiting_exports_what_is_queued_without_the_schedule() -> None:
+    """``flush(0.0)`` has the worker export what is queued at once, without waiting for
     the schedule (here a minute) or in the caller; spans queued after it wait."""
     from opentelemetry.trace import SpanContext
 
     exporter = RecordingExporter()
     queue = ExportQueue(exporter, schedule_delay_s=60.0)
     try:
-        queue.wake()  # before the worker exists: nothing to do, nothing breaks
+        queue.flush(0.0)  # before the worker exists: nothing to do, nothing breaks
         for i in range(3):
             queue.on_end(ReadableSpan(f"a{i}", SpanContext(1, 1 + i, False)))
         time.sleep(0.3)
         assert exporter.spans == []  # the schedule would take a minute
         t0 = time.monotonic()
-        queue.wake()
+        queue.flush(0.0)
         assert time.monotonic() - t0 < 0.5  # the caller does not wait for the export
         assert _wait_for(lambda: len(exporter.spans) == 3, timeout_s=5.0)
         queue.on_end(ReadableSpan("b", SpanContext(1, 9, False)))
         time.sleep(0.3)
         assert len(exporter.spans) == 3
-        queue.wake()
+        queue.flush(0.0)
         assert _wait_for(lambda: len(exporter.spans) == 4, timeout_s=5.0)
         assert [s.name for s in exporter.spans] == ["a0", "a1", "a2", "b"]
     finally:
@@ -563,7 +563,7 @@ def test_wake_exports_what_is_queued_without_the_schedule() -> None:
 
 
 def test_a_step_is_exported_when_it_ends(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``CommSpanMode`` wakes its export queues when a trace ends: a step's spans reach
+    """``CommSpanMode`` starts its export queues when a trace ends: a step's spans reach
     the exporter without a flush, though the queue's schedule is a minute."""
     import functools
 

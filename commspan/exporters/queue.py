@@ -87,9 +87,9 @@ class ExportQueue(SpanProcessor):
     knows whether its exporter is :attr:`healthy`, so that leaving a
     ``CommSpanMode`` does not wait again and again for a dead backend.
 
-    The worker exports when a batch is full, every ``schedule_delay_s``, when
-    flushed, and when woken (:meth:`wake`; ``CommSpanMode`` wakes its queues
-    at the end of every trace).
+    The worker exports when a batch is full, every ``schedule_delay_s``, and when
+    flushed (``flush(0.0)`` only asks it to start: ``CommSpanMode`` does so at the
+    end of every trace).
 
     All durations of this class's own API are in seconds (``flush``,
     ``shutdown``, the constructor). ``force_flush(timeout_millis)`` keeps the
@@ -147,7 +147,6 @@ class ExportQueue(SpanProcessor):
         # a snapshot of the counters always adds up.
         self._cond = threading.Condition(threading.Lock())
         self._flush_requests = 0
-        self._wake = False  # a trace ended: export without waiting for the schedule
         self._flushed = 0
         self._stopped = False
         self._closing = False
@@ -189,15 +188,6 @@ class ExportQueue(SpanProcessor):
                 "commspan: export queue of %s is full or stopped; dropping spans "
                 "(counted in mode.stats(), not logged again)", self._name
             )
-
-    def wake(self) -> None:
-        """Have the worker export what is queued now, without waiting for the
-        schedule and without waiting here (``CommSpanMode`` calls it when a
-        trace ends, so a step's spans go out when the step ends)."""
-        with self._cond:
-            if self._queue:  # spans queued later wait for the schedule (or a wake)
-                self._wake = True
-                self._cond.notify()
 
     @property
     def healthy(self) -> bool:
@@ -359,9 +349,8 @@ class ExportQueue(SpanProcessor):
                 with self._cond:
                     if not self._stopped and len(self._queue) < self._max_batch and (
                         self._flushed >= self._flush_requests
-                    ) and not self._wake:
+                    ):
                         self._cond.wait(self._delay)
-                    self._wake = False
                     if self._stopped:
                         return
                     ticket = self._flush_requests

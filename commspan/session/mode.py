@@ -484,10 +484,10 @@ class CommSpanMode:
             self._tracker.unwind(error)
         rec.end(error)
         for queue in self._queues:
-            # export the trace now: its spans are dead sooner (the garbage
-            # collector's oldest generation never sees them; docs/performance.md,
-            # "Stalls") and reach the backend a step later at most
-            queue.wake()
+            # start exporting the trace now, without waiting for it: its spans are
+            # dead sooner (the garbage collector's oldest generation never sees
+            # them; docs/performance.md, "Stalls") and reach the backend sooner
+            queue.flush(0.0)
         if self._dispatch is not None and self._dispatch.completions.outputs:
             # outputs never waited were given up with their trace: forget them, so
             # that the next spans know at once that nothing is outstanding
