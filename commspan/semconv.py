@@ -147,7 +147,8 @@ class Phase(str, enum.Enum):
     FORWARD = "forward"
     """A module's forward call."""
     BACKWARD = "backward"
-    """The module's part of autograd's backward pass."""
+    """The module's part of autograd's backward pass; also a module called while
+    autograd runs that is not a recompute (from a gradient hook, say)."""
     RECOMPUTE = "recompute"
     """The forward re-run during backward by activation checkpointing."""
     SETUP = "setup"

@@ -17,8 +17,10 @@ comments cite them as (step N):
    (:meth:`BackwardNesting._input_grad_ready`); what is still open when
    autograd finishes the graph task is closed by an engine callback
    (:meth:`BackwardNesting._backward_done`);
-5. a forward that runs while autograd executes is a recompute
-   (:func:`commspan.ownership.phase_now`, called by the module hooks).
+5. a forward that runs while autograd executes is a recompute when
+   activation checkpointing runs it (:func:`recomputing`), else backward work
+   (a module called from a gradient hook); :func:`commspan.ownership.phase_now`,
+   called by the module hooks, decides.
 
 Hooks hold no tensor and no module, and hooks left on leaf tensors are
 removed, so nothing grows step after step.
@@ -31,6 +33,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.utils._pytree as _pytree
 
 from commspan import semconv
 from commspan._errors import ErrorCounter
@@ -42,11 +45,48 @@ from commspan.spans.recorder import SpanRecorder
 if TYPE_CHECKING:
     from commspan.capture.modules import ModuleInfo
 
-__all__ = ["BackwardNesting", "graph_task_id"]
+__all__ = ["BackwardNesting", "graph_task_id", "recomputing"]
 
 _Tensor = torch.Tensor
+# types torch's pytree flattens (registered dataclasses, ...): type -> its NodeDef
+_PYTREE_NODES: dict[type, Any] = _pytree.SUPPORTED_NODES
 
 graph_task_id: Callable[[], int] = torch._C._current_graph_task_id
+
+try:
+    _current_node: Callable[[], Any] | None = torch._C._current_autograd_node
+    _top_saved_hooks: Callable[[bool], Any] | None = (
+        torch._C._autograd._top_saved_tensors_default_hooks)
+except AttributeError:  # pragma: no cover - depends on the torch build
+    _current_node = _top_saved_hooks = None
+
+
+def recomputing() -> bool:
+    """Whether a module called now, while autograd executes, is activation
+    checkpointing re-running a forward (step 5).
+
+    Yes inside the backward of a reentrant checkpoint (an autograd ``Function``
+    whose name says ``Checkpoint``: torch's ``CheckpointFunction``, Megatron's
+    and DeepSpeed's), and while a non-reentrant checkpoint (selective ones
+    included) recomputes a saved tensor (torch's recomputation hooks are the
+    innermost saved-tensor hooks). No otherwise: a module called from a
+    gradient hook does backward work. A torch build without the two probes
+    answers yes, as commspan did before it could tell.
+
+    Example:
+        >>> recomputing()  # no autograd running here: nothing is recomputed
+        False
+    """
+    if _current_node is None or _top_saved_hooks is None:
+        return True
+    try:
+        node = _current_node()
+        if node is not None and "Checkpoint" in type(node).__name__:
+            return True
+        hooks = _top_saved_hooks(True)
+        return hooks is not None and "recomputation" in getattr(hooks[0], "__qualname__", "")
+    except Exception:  # pragma: no cover - a probe that changed shape
+        return True
 """The id of the autograd graph task running on this thread, ``-1`` outside autograd."""
 
 
@@ -84,7 +124,8 @@ class _Call:
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
-    """Tensors that require grad inside ``obj`` (args tuples, dicts, lists)."""
+    """Tensors that require grad inside ``obj``: args tuples, dicts, lists, and
+    what torch's pytree flattens (dataclasses and other registered types)."""
     if isinstance(obj, _Tensor):
         return [obj] if obj.requires_grad else []
     out: list[torch.Tensor] = []
@@ -93,11 +134,16 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
             if isinstance(item, _Tensor):
                 if item.requires_grad:
                     out.append(item)
-            elif isinstance(item, (tuple, list, dict)):
+            elif isinstance(item, (tuple, list, dict)) or type(item) in _PYTREE_NODES:
                 out.extend(_tensors(item))
     elif isinstance(obj, dict):
         for item in obj.values():
             out.extend(_tensors(item))
+    else:
+        node = _PYTREE_NODES.get(type(obj))
+        if node is not None:
+            for item in node.flatten_fn(obj)[0]:
+                out.extend(_tensors(item))
     return out
 
 
@@ -142,11 +188,16 @@ class BackwardNesting:
 
     # ------------------------------------------------------------ step 1
     def _watch_inputs(self, call: _Call, args: Any) -> None:
+        """Watch the gradients of a call's input tensors: positional ones when it
+        starts, keyword ones (which only the forward hook sees) when it ends."""
         tensors = _tensors(args)
         if not tensors:
             return
-        call.input_ids = {id(t): t._version for t in tensors}
-        call.inputs_left = len(tensors)
+        if call.input_ids:
+            call.input_ids.update({id(t): t._version for t in tensors})
+        else:
+            call.input_ids = {id(t): t._version for t in tensors}
+        call.inputs_left += len(tensors)
         hook = functools.partial(self._input_grad_ready, call)
         for t in tensors:
             self._register(t, hook)

@@ -4,8 +4,9 @@ Forward: a global forward pre-hook opens a frame, a global forward hook
 (``always_call=True``) closes it. A module that has forward hooks of its own
 (tensor-parallel output hooks, for instance) is closed by a hook of ours
 registered after them, so the collectives those hooks issue belong to it.
-A forward that runs while autograd executes backward is a recompute
-(activation checkpointing; the phase comes from :func:`commspan.ownership.phase_now`).
+A forward that runs while autograd executes backward is a recompute when
+activation checkpointing runs it, else backward work (a module called from a
+gradient hook); the phase comes from :func:`commspan.ownership.phase_now`.
 
 Backward: :mod:`commspan.capture.backward` (the other half of
 :class:`ModuleTracker`) infers backward frames from hooks each forward call
@@ -36,7 +37,7 @@ from torch.nn.modules.module import (
 from commspan import semconv
 from commspan._errors import ErrorCounter, describe_error
 from commspan.capture import ModuleObserver
-from commspan.capture.backward import BackwardNesting, _Call, graph_task_id
+from commspan.capture.backward import BackwardNesting, _Call, graph_task_id, recomputing
 from commspan.capture.dtensor import param_summary
 from commspan.capture.groups import ProcessGroups
 from commspan.capture.parallel import ParallelModules
@@ -47,6 +48,9 @@ from commspan.spans.recorder import SpanRecorder
 __all__ = ["ModuleHooks", "ModuleInfo", "ModuleTracker"]
 
 _log = logging.getLogger(__name__)
+_NO_KWARGS: Any = object()  # the forward hook was called without kwargs (after an exception)
+_GLOBAL_WITH_KWARGS: dict[int, bool] = getattr(
+    torch.nn.modules.module, "_global_forward_hooks_with_kwargs", {})
 _graph_task_id = graph_task_id
 _get_ident = threading.get_ident
 _FORWARD = Phase.FORWARD
@@ -198,6 +202,28 @@ class ModuleInfo:
         self.ref: Any = None  # weakref.ref to the module, made once
 
 
+def _remove_hooks(handles: list[Any]) -> None:
+    """Remove hooks; for a global forward hook registered ``with_kwargs``, also
+    its entry in torch's table of such hooks, which the handle leaves behind
+    (torch 2.13): one entry more per traced step otherwise."""
+    for h in handles:
+        h.remove()
+        _GLOBAL_WITH_KWARGS.pop(h.id, None)
+
+
+def _raised_into(caller: Any) -> BaseException | None:
+    """The exception a module call raised, seen from its always-called forward
+    hook, or ``None``: torch runs those hooks from the ``except`` block of the
+    call that caught it (``caller``), where the exception's traceback starts. An
+    exception merely being handled around the call (a module called inside an
+    ``except`` block that returned ``None``) started in another frame."""
+    error = sys.exc_info()[1]
+    if error is None:
+        return None
+    tb = error.__traceback__
+    return error if tb is not None and tb.tb_frame is caller else None
+
+
 class ModuleTracker(BackwardNesting):
     """Turns module hooks into frames on a :class:`SpanRecorder`.
 
@@ -276,7 +302,9 @@ class ModuleTracker(BackwardNesting):
         self.owner = _get_ident()
         self._handles = [
             register_module_forward_pre_hook(self._pre_fw),
-            register_module_forward_hook(self._post_fw, always_call=True),
+            # with kwargs: tensors passed by keyword are inputs too (their
+            # gradient ends the module's backward, step 4)
+            register_module_forward_hook(self._post_fw, with_kwargs=True, always_call=True),
         ]
         if not self._headroom:
             _HEADROOM.acquire()
@@ -291,8 +319,7 @@ class ModuleTracker(BackwardNesting):
         PyTorch's slower hook-handling path; an untraced step should not.
         """
         self.active = False
-        for h in self._handles:
-            h.remove()
+        _remove_hooks(self._handles)
         self._handles = []
         self._release_headroom()
 
@@ -301,8 +328,7 @@ class ModuleTracker(BackwardNesting):
         self.active = False
         self._release_headroom()
         self._error_mark = None
-        for h in self._handles + self._local:
-            h.remove()
+        _remove_hooks(self._handles + self._local)
         self._handles, self._local = [], []
         for info in list(self._known.values()):
             info.local_hooked = False
@@ -396,7 +422,8 @@ class ModuleTracker(BackwardNesting):
             self._error_mark = None
             info = self._info(module)
             task = _graph_task_id()
-            phase = phase_now(None, task != -1, module_call=True)
+            phase = phase_now(None, task != -1, module_call=True,
+                              recomputing=task != -1 and recomputing())
             if task == -1 and self._tasks:
                 self._abandon_backward()
             parent = self._calls[-1] if self._calls else None
@@ -460,26 +487,36 @@ class ModuleTracker(BackwardNesting):
         """The module has forward hooks of its own (e.g. tensor-parallel output
         hooks): close its frame from a hook registered after them, so their
         collectives belong to it."""
-        self._local.append(module.register_forward_hook(self._local_post_fw, always_call=True))
+        self._local.append(module.register_forward_hook(
+            self._local_post_fw, with_kwargs=True, always_call=True))
         info.local_hooked = True
 
-    def _post_fw(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+    def _post_fw(
+        self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any = _NO_KWARGS
+    ) -> None:
+        # (module, args, kwargs, output) after a forward; (module, args, output)
+        # when torch runs the always-called global hooks after an exception
         if self._ignores_this_call(module):
             return
         info = self._known.get(module)
         if info is None or info.local_hooked:
             return
-        self._finish_forward(info, module, args, output)
+        if output is _NO_KWARGS:
+            self._finish_forward(info, module, args, kwargs, None)
+        else:
+            self._finish_forward(info, module, args, output, kwargs)
 
-    def _local_post_fw(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+    def _local_post_fw(
+        self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any
+    ) -> None:
         if self._ignores_this_call(module):
             return
         info = self._known.get(module)
         if info is not None:
-            self._finish_forward(info, module, args, output)
+            self._finish_forward(info, module, args, output, kwargs)
 
     def _finish_forward(
-        self, info: ModuleInfo, module: torch.nn.Module, args: Any, output: Any
+        self, info: ModuleInfo, module: torch.nn.Module, args: Any, output: Any, kwargs: Any
     ) -> None:
         try:
             calls = self._calls
@@ -490,7 +527,8 @@ class ModuleTracker(BackwardNesting):
                 return
             call = calls[idx]
             del calls[idx:]
-            error = sys.exc_info()[1] if output is None else None
+            # the hook's caller is torch's Module._call_impl (2 frames up)
+            error = _raised_into(sys._getframe(2)) if output is None else None
             if error is not None:
                 if isinstance(error, _StopRecomputation):
                     error = None  # checkpointing ends a recompute early this way: normal
@@ -510,6 +548,8 @@ class ModuleTracker(BackwardNesting):
                 # the bucket layout, read here and never in backward (docs/parallelisms.md)
                 self.parallel.ddp_forward_done(module, self.fqn)
             if output is not None and torch.is_grad_enabled():
+                if kwargs:  # keyword inputs: seen only now
+                    self._watch_inputs(call, kwargs)
                 self._watch_outputs(call, output)
         except Exception:
             self._errors.record()

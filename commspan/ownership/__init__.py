@@ -56,14 +56,19 @@ _FORWARD, _BACKWARD, _RECOMPUTE = Phase.FORWARD, Phase.BACKWARD, Phase.RECOMPUTE
 
 
 def phase_now(
-    innermost: Phase | None, in_autograd: bool, *, module_call: bool = False
+    innermost: Phase | None,
+    in_autograd: bool,
+    *,
+    module_call: bool = False,
+    recomputing: bool = True,
 ) -> Phase:
     """The phase of the work starting now.
 
-    - A module call (``module_call=True``) is a forward, or a *recompute* when
-      autograd is executing (activation checkpointing re-runs the forward
-      during backward: docs/design.md, "How backward nesting is inferred",
-      step 5).
+    - A module call (``module_call=True``) is a forward; while autograd is
+      executing it is a *recompute* when activation checkpointing re-runs the
+      forward (``recomputing``), and *backward* work otherwise (a module called
+      from a gradient hook): docs/design.md, "How backward nesting is
+      inferred", step 5.
     - A collective belongs to the phase of the innermost open module span;
       outside every module span (the rank span, ``innermost=None``) it is
       *backward* while autograd executes (a gradient hook's all_reduce) and
@@ -73,12 +78,17 @@ def phase_now(
         innermost: phase of the innermost open module span, ``None`` if none is open.
         in_autograd: autograd is executing a graph on this thread.
         module_call: the work is a module call starting (not a collective).
+        recomputing: for a module call while autograd executes, whether
+            activation checkpointing is re-running the forward (the capture
+            layer tells: :func:`commspan.capture.backward.recomputing`).
 
     Returns:
         The :class:`~commspan.semconv.Phase`.
     """
     if module_call:
-        return _RECOMPUTE if in_autograd else _FORWARD
+        if not in_autograd:
+            return _FORWARD
+        return _RECOMPUTE if recomputing else _BACKWARD
     if innermost is not None:
         return innermost
     return _BACKWARD if in_autograd else _FORWARD

@@ -1,0 +1,350 @@
+"""Module calls in the shapes real models use: tensors passed by keyword, outputs
+that are registered dataclasses, modules called from gradient hooks, and modules
+returning ``None`` inside an ``except`` block.
+
+References that do not use commspan's attribution: the same model written the
+plain way (positional argument, tuple output) must be traced identically; a
+dispatch mode of the test's own records, for each collective, whether autograd
+was executing and what the gradient hooks had seen by then; and which call raised
+is known from the test's construction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.utils._pytree as pytree
+from _tracing import traced_mode
+from opentelemetry.trace import StatusCode
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
+
+from commspan import semconv
+from commspan.capture.backward import recomputing
+from commspan.testing import assert_well_formed
+from commspan.testing import span_fqn as fqn
+from commspan.testing import span_phase as phase
+
+
+class _Log(TorchDispatchMode):
+    """The test's own record of collectives: op name, whether autograd was
+    executing, and the marks the test's gradient hooks had left by then."""
+
+    def __init__(self, marks: list[str]) -> None:
+        super().__init__()
+        self.marks = marks
+        self.seen: list[tuple[str, bool, tuple[str, ...]]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = func._opname
+        if func.namespace == "_c10d_functional" and name != "wait_tensor" \
+                and not name.startswith("_"):
+            in_autograd = torch._C._current_graph_task_id() != -1
+            self.seen.append((name, in_autograd, tuple(self.marks)))
+        return func(*args, **(kwargs or {}))
+
+
+def _gather_in_backward(h: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """No communication forward (Replicate -> Shard(0) keeps a chunk); an
+    all_gather in backward (Shard(0) -> Replicate)."""
+    return DTensor.from_local(h, mesh, [Replicate()]).redistribute(mesh, [Shard(0)]).to_local()
+
+
+class _Child(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+class _Parent(nn.Module):
+    """Its own code issues a backward all_gather on the tensor it hands its child."""
+
+    def __init__(self, mesh: DeviceMesh, by_keyword: bool, marks: list[str]) -> None:
+        super().__init__()
+        self.mesh, self.by_keyword, self.marks = mesh, by_keyword, marks
+        self.pre = nn.Linear(8, 8)
+        self.child = _Child()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = _gather_in_backward(self.pre(x), self.mesh)
+        h.register_hook(lambda g: self.marks.append("child input grad"))
+        return self.child(x=h) if self.by_keyword else self.child(h)
+
+
+def _counts(mode: Any, module: str, in_phase: str) -> dict[str, int]:
+    return dict(mode.aggregator.module_counts().get(module, {}).get(in_phase, {}))
+
+
+def _owners(spans: list[Any], op: str) -> list[tuple[str, str, str]]:
+    """(owner, phase, span fqn) of each ``op`` event."""
+    return [
+        (e.attributes[semconv.OWNER_FQN], e.attributes[semconv.PHASE], fqn(s))
+        for s in spans for e in s.events if e.name == op
+    ]
+
+
+@pytest.mark.parametrize("by_keyword", [False, True], ids=["positional", "keyword"])
+def test_tensor_passed_by_keyword_ends_the_childs_backward(
+    mesh: DeviceMesh, by_keyword: bool
+) -> None:
+    """A child called as ``child(x=h)`` finishes its backward when ``h``'s gradient
+    is computed, as ``child(h)`` does: the parent's own all_gather that follows is
+    the parent's, not the child's."""
+    marks: list[str] = []
+    model = _Parent(mesh, by_keyword, marks)
+    log = _Log(marks)
+    mode, exporter = traced_mode()
+    with mode, log:
+        model(torch.randn(8, 8)).sum().backward()
+    spans = list(exporter.get_finished_spans())
+    assert_well_formed(spans)
+    # reference: the all_gather ran in backward, after the child's input gradient
+    assert log.seen == [("all_gather_into_tensor", True, ("child input grad",))]
+    assert _owners(spans, "all_gather_into_tensor") == [("_Parent", "backward", "_Parent")]
+    assert mode.stats()["internal_errors"] == 0
+
+
+def test_keyword_inputs_do_not_leave_hooks_behind(mesh: DeviceMesh) -> None:
+    """The forward hook that sees keyword inputs is registered ``with_kwargs``: torch
+    keeps such hooks in a table of its own, which removing the hook must clear."""
+    table = torch.nn.modules.module._global_forward_hooks_with_kwargs
+    before = dict(table)
+    mode, _ = traced_mode()
+    with mode:
+        for step in range(3):
+            with mode.step(step):
+                _Parent(mesh, True, [])(torch.randn(8, 8)).sum().backward()
+    assert dict(table) == before
+
+
+@dataclasses.dataclass
+class _Out:
+    y: torch.Tensor
+
+
+pytree.register_dataclass(_Out)
+
+
+class _Gathering(nn.Module):
+    """Issues its own backward all_gather; returns a dataclass or a tuple."""
+
+    def __init__(self, mesh: DeviceMesh, as_dataclass: bool) -> None:
+        super().__init__()
+        self.mesh, self.as_dataclass = mesh, as_dataclass
+        self.w = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x: torch.Tensor) -> Any:
+        y = _gather_in_backward(x @ self.w, self.mesh)
+        return _Out(y) if self.as_dataclass else (y,)
+
+
+class _Holder(nn.Module):
+    def __init__(self, mesh: DeviceMesh, as_dataclass: bool) -> None:
+        super().__init__()
+        self.pre = nn.Linear(8, 8)
+        self.inner = _Gathering(mesh, as_dataclass)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.inner(self.pre(x))
+        return out.y if isinstance(out, _Out) else out[0]
+
+
+def _trace_holder(mesh: DeviceMesh, as_dataclass: bool) -> list[Any]:
+    mode, exporter = traced_mode()
+    with mode:
+        _Holder(mesh, as_dataclass)(torch.randn(8, 8)).sum().backward()
+    spans = list(exporter.get_finished_spans())
+    assert_well_formed(spans)
+    return spans
+
+
+def test_dataclass_output_gets_its_backward_span(mesh: DeviceMesh) -> None:
+    """A module returning a pytree-registered dataclass is traced as one returning a
+    tuple of the same tensors: a backward span, owning its own all_gather."""
+    reference = _trace_holder(mesh, as_dataclass=False)
+    spans = _trace_holder(mesh, as_dataclass=True)
+
+    def shape(spans: list[Any]) -> list[tuple[str, str]]:
+        return sorted((fqn(s), phase(s)) for s in spans if semconv.MODULE_FQN in s.attributes)
+
+    assert shape(spans) == shape(reference)
+    assert ("_Holder.inner", "backward") in shape(spans)
+    assert _owners(spans, "all_gather_into_tensor") == _owners(
+        reference, "all_gather_into_tensor") == [
+        ("_Holder.inner", "backward", "_Holder.inner")]
+
+
+class _GradSync(nn.Module):
+    def forward(self, g: torch.Tensor) -> torch.Tensor:
+        return funcol.all_reduce(g, "sum", dist.group.WORLD)
+
+
+class _Hooked(nn.Module):
+    """A gradient-sync module called from a parameter's gradient hook."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.sync = _GradSync()
+        self.lin.weight.register_hook(lambda g: self.sync(g))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+def test_module_called_from_a_gradient_hook_is_backward_work(fake_pg: None) -> None:
+    """Not activation checkpointing: the module's span and its all_reduce are
+    backward, counted in the step's backward totals."""
+    log = _Log([])
+    mode, exporter = traced_mode()
+    with mode, log:
+        _Hooked()(torch.randn(2, 4)).sum().backward()
+    spans = list(exporter.get_finished_spans())
+    assert_well_formed(spans)
+    assert log.seen == [("all_reduce", True, ())]  # reference: issued in backward
+    assert ("_Hooked.sync", "backward") in {(fqn(s), phase(s)) for s in spans}
+    assert not [s for s in spans if phase(s) == "recompute"]
+    assert _counts(mode, "Global", "backward") == {"all_reduce": 1}
+    assert _owners(spans, "all_reduce") == [("_Hooked.sync", "backward", "_Hooked.sync")]
+
+
+class _Reducing(nn.Module):
+    """Marks its forward running (the test's own record); relu saves the
+    all_reduce's result, so a recompute re-runs the all_reduce."""
+
+    def __init__(self, marks: list[str]) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.marks = marks
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.marks.append("block forward")
+        try:
+            return funcol.all_reduce(self.lin(x), "sum", dist.group.WORLD).relu()
+        finally:
+            self.marks.remove("block forward")
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self, use_reentrant: bool, marks: list[str]) -> None:
+        super().__init__()
+        self.block = _Reducing(marks)
+        self.use_reentrant = use_reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.block, x, use_reentrant=self.use_reentrant)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_checkpoint_recompute_stays_recompute(fake_pg: None, use_reentrant: bool) -> None:
+    """What checkpointing re-runs is still a recompute: as many recompute
+    all_reduces as the test's own mode saw issued while autograd executed."""
+    marks: list[str] = []
+    log = _Log(marks)
+    mode, exporter = traced_mode()
+    with mode, log:
+        _Checkpointed(use_reentrant, marks)(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    spans = list(exporter.get_finished_spans())
+    assert_well_formed(spans)
+    # reference: all_reduces issued by the block's forward while autograd executed
+    rerun = sum(1 for _, running, seen in log.seen if running and "block forward" in seen)
+    assert rerun == 1
+    assert _counts(mode, "Global", "recompute") == {"all_reduce": rerun}
+    assert ("_Checkpointed.block", "recompute") in {(fqn(s), phase(s)) for s in spans}
+
+
+def test_recomputing_probe() -> None:
+    """recomputing() itself: no outside autograd and in a gradient hook; yes inside
+    both kinds of checkpoint's recompute."""
+    seen: list[tuple[str, bool]] = []
+
+    class Probe(nn.Module):
+        def __init__(self, label: str) -> None:
+            super().__init__()
+            self.label = label
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append((self.label, recomputing()))
+            return self.lin(x).relu()
+
+    x = torch.randn(2, 4, requires_grad=True)
+    for reentrant in (False, True):
+        checkpoint(Probe(f"reentrant={reentrant}"), x, use_reentrant=reentrant).sum().backward()
+    hooked = nn.Linear(4, 4)
+    in_hook = Probe("hook")
+    hooked.weight.register_hook(lambda g: in_hook(g) * 0 + g)
+    hooked(x).sum().backward()
+    assert seen == [
+        ("reentrant=False", False), ("reentrant=False", True),
+        ("reentrant=True", False), ("reentrant=True", True),
+        ("hook", False),
+    ]
+
+
+class _ReturnsNone(nn.Module):
+    def __init__(self, fail: bool = False) -> None:
+        super().__init__()
+        self.fail = fail
+        self.register_buffer("avg", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> None:
+        self.avg.mul_(0.9).add_(x.mean(0), alpha=0.1)
+        if self.fail:
+            raise ValueError("bad batch")
+
+
+def _status(spans: list[Any], name: str) -> list[tuple[StatusCode, int]]:
+    return [(s.status.status_code, sum(e.name == "exception" for e in s.events))
+            for s in spans if s.name == name]
+
+
+def test_none_returning_call_inside_except_block_is_not_an_error() -> None:
+    """A module that returns None, called successfully while the caller handles an
+    exception, ends OK; one that raises there ends with ERROR and its exception."""
+    mode, exporter = traced_mode()
+    raised = []
+    with mode:
+        _ReturnsNone()(torch.randn(2, 4))
+        try:
+            raise KeyError("retry with a smaller batch")
+        except KeyError:
+            _ReturnsNone()(torch.randn(2, 4))  # returns normally
+            try:
+                _ReturnsNone(fail=True)(torch.randn(2, 4))  # raises while handling
+            except ValueError as exc:
+                raised.append(exc)
+    spans = list(exporter.get_finished_spans())
+    assert len(raised) == 1
+    assert _status(spans, "_ReturnsNone forward") == [
+        (StatusCode.UNSET, 0), (StatusCode.UNSET, 0), (StatusCode.ERROR, 1)]
+    event = next(e for s in spans for e in s.events if e.name == "exception")
+    assert event.attributes["exception.type"] == "ValueError"
+
+
+def test_reraising_the_handled_exception_is_an_error() -> None:
+    """A forward that re-raises the exception being handled (a bare ``raise``) did raise."""
+
+    class Reraise(nn.Module):
+        def forward(self, x: torch.Tensor) -> None:
+            raise
+
+    mode, exporter = traced_mode()
+    with mode, pytest.raises(KeyError):
+        try:
+            raise KeyError("original")
+        except KeyError:
+            Reraise()(torch.randn(2, 4))
+    spans = list(exporter.get_finished_spans())
+    assert _status(spans, "Reraise forward") == [(StatusCode.ERROR, 1)]
