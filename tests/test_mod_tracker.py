@@ -181,3 +181,43 @@ def test_ac() -> None:
         ("post_bw", "_Stack.linears.0", True, True),
         ("post_bw", "_Stack", True, True),
     ]
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(3))),
+    lambda: torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4)),
+], ids=["back-to-back", "op-between"])
+def test_module_is_in_parents_when_its_hooks_run(make) -> None:
+    """torch's ModTracker promises a module's name is in ``parents`` whenever its
+    hooks run; checked on torch's class (the reference) and on the compat one,
+    which must also call each hook for the same modules. In a plain Sequential
+    one layer's input gradient is the next layer's output gradient: the same
+    autograd node ends one backward and starts the next."""
+    from torch.distributed._tools.mod_tracker import ModTracker as TorchModTracker
+
+    def run(cls: type) -> tuple[list, list]:
+        tracker = cls()
+        bad: list = []
+        seen: list = []
+
+        def hook(event: str):
+            def check(module: torch.nn.Module, *_: object) -> None:
+                name = tracker.get_known_fqn(module)
+                seen.append((event, name))
+                if name not in tracker.parents:
+                    bad.append((event, name, sorted(tracker.parents)))
+            return check
+
+        tracker.register_user_hooks(hook("pre_fw"), hook("post_fw"), hook("pre_bw"),
+                                    hook("post_bw"))
+        torch.manual_seed(0)
+        model = make()
+        with tracker:
+            model(torch.randn(2, 4, requires_grad=True)).sum().backward()
+        return bad, sorted(seen)
+
+    reference_bad, reference_seen = run(TorchModTracker)
+    bad, seen = run(ModTracker)
+    assert reference_bad == []
+    assert bad == []
+    assert seen == reference_seen

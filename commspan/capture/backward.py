@@ -256,11 +256,34 @@ class BackwardNesting:
             # (step 3) under the backward frame of the nearest forward ancestor;
             # the recorder closes the frames of non-ancestors opened above it
             under = ancestor.bw_frame if ancestor is not None else self._task_base(task)
+            if self.observer is not None and under is not None:
+                self._observe_closing(under)
             for c in reversed(chain):
                 self._open_backward(c, task, under, grad)
                 under = None
         except Exception:
             self._errors.record()
+
+    def _observe_closing(self, under: Frame) -> None:
+        """(step 3) The frames above ``under`` are about to be closed: tell the
+        observer that those calls' backward is over while their frames are still
+        open (torch's ModTracker runs a module's hooks with it in ``parents``);
+        their input gradients, which come later, then tell nothing more."""
+        stack = self.recorder.stack
+        for idx in range(len(stack) - 1, -1, -1):
+            if stack[idx] is under:
+                break
+        else:
+            return
+        closing = {id(f) for f in stack[idx + 1:]}
+        if not closing:
+            return
+        observer: Any = self.observer
+        for call in reversed(self._bw_open):
+            if not call.bw_finished and call.bw_frame is not None \
+                    and id(call.bw_frame) in closing:
+                call.bw_finished = True
+                observer.post_bw(call.module(), None)
 
     def _open_backward(self, call: _Call, task: int, under: Frame | None, grad: Any) -> None:
         call.bw_started = True
