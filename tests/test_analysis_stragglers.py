@@ -43,7 +43,7 @@ def test_last_rank_is_the_one_that_waited_least_and_its_wait_is_summed() -> None
         d[(r, "Net.blocks.1")] = [(1 if r == 2 else 30 + r) * MS, (1 if r == 2 else 40) * MS]
     rows, ranks, checked = straggler_report(build_run(timed_run(d).spans()))
     assert checked == {"collectives": 4, "with_wait": 4, "without_duration": 0,
-                       "inconsistent": 0}
+                       "inconsistent": 0, "point_to_point": 0}
     top = rows[0]
     assert (top.step, top.fqn, top.phase, top.rank) == (1, "Net.blocks.1", "forward", 2)
     assert top.wait_ns == 3 * (40 - 1) * MS and top.max_wait_ns == 39 * MS
@@ -173,6 +173,21 @@ def test_without_durations_the_text_says_timing_is_needed() -> None:
     result = analyze(build_run(b.spans()))
     assert result.stragglers == [] and result.checked["without_duration"] == 2
     assert semconv.COLL_DURATION_NS in format_stragglers(result)
+
+
+def test_point_to_point_only_the_text_says_so_not_timing() -> None:
+    """A pipeline's timed sends and receives are not matched: the text says that,
+    and does not blame missing timing."""
+    b = SpanBuilder(2)
+    b.rank(0, 0).coll("send", kind=semconv.KIND_P2P, peer=1, reduce_op=None,
+                      duration_ns=MS)
+    b.rank(1, 0).coll("recv", kind=semconv.KIND_P2P, peer=0, reduce_op=None,
+                      duration_ns=2 * MS)
+    result = analyze(build_run(b.spans()))
+    assert result.stragglers == []
+    assert result.checked["point_to_point"] == 2 and result.checked["without_duration"] == 0
+    text = format_stragglers(result)
+    assert "point-to-point" in text and "timing" not in text
 
 
 # ------------------------------------------------------------------ bandwidth

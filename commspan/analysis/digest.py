@@ -46,7 +46,13 @@ from commspan.analysis.runs import RunInfo, StepRange, choose, runs_of
 from commspan.analysis.summary import summary_of
 from commspan.otlpjson.decode import DECODE_ERRORS, GZIP_MAGIC, read_spans_in, request_spans
 from commspan.otlpjson.encode import resource_and_scope, span_fields
-from commspan.otlpjson.records import DEFAULT_MAX_LINE_BYTES, ReadReport, SpanRecord, rank_value
+from commspan.otlpjson.records import (
+    DEFAULT_MAX_LINE_BYTES,
+    ReadReport,
+    SkippedLine,
+    SpanRecord,
+    rank_value,
+)
 
 __all__ = [
     "DIGEST_SUFFIX",
@@ -485,7 +491,7 @@ def digest_line(
     return b"%s %08x\n" % (body, zlib.crc32(body))
 
 
-def write_digest(path: str | os.PathLike[str]) -> int:
+def write_digest(path: str | os.PathLike[str], report: ReadReport | None = None) -> int:
     """Write the digest of a JSONL file written without one (``commspan digest``).
 
     Every complete line that is an OTLP/JSON request gets its digest line; the
@@ -494,6 +500,8 @@ def write_digest(path: str | os.PathLike[str]) -> int:
 
     Args:
         path: a JSONL file (plain or compressed).
+        report: if given, counts the lines, spans and commspan spans digested,
+            and records each damaged line (``SkippedLine``, kind ``damaged``).
 
     Returns:
         The number of lines the digest stands for.
@@ -516,16 +524,25 @@ def write_digest(path: str | os.PathLike[str]) -> int:
     with path.open("rb") as fh, tmp.open("wb") as out:
         data = fh.read()
         level = 1 if data[:3] == GZIP_MAGIC else 0
-        for offset, stored, text in _stored_lines(data, level):
+        for number, (offset, stored, text) in enumerate(_stored_lines(data, level), 1):
             records: list[SpanRecord] = []
             try:
                 for line in text.splitlines():
                     if line.strip():
                         records.extend(request_spans(orjson.loads(line)))
-            except (orjson.JSONDecodeError, *DECODE_ERRORS):
+            except (orjson.JSONDecodeError, *DECODE_ERRORS) as exc:
+                if report is not None:
+                    report.skipped.append(SkippedLine(
+                        os.fspath(path), number, "damaged",
+                        f"not an OTLP/JSON trace request ({type(exc).__name__}: {exc})"))
                 continue
             out.write(digest_line(records, stored, offset, len(records), texts))
             written += 1
+            if report is not None:
+                report.lines += 1
+                report.spans += len(records)
+                report.commspan_spans += sum(
+                    1 for r in records if semconv.MODULE_FQN in r.attributes)
     os.replace(tmp, side)
     return written
 

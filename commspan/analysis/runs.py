@@ -263,7 +263,10 @@ def choose(
     if run is not None:
         chosen = _find(runs, run)
     else:
-        chosen = runs[-1]
+        # the latest run commspan wrote: spans without a run id (other programs'
+        # spans in the same directory, or files older than run ids) only when
+        # there is nothing else
+        chosen = ([r for r in runs if r.run_id] or list(runs))[-1]
         if len(runs) > 1:
             note = (
                 f"the files hold {len(runs)} runs: "

@@ -25,6 +25,8 @@ Collectives are matched across ranks as ``commspan check`` matches them: by
 position within the step, per group; a (group, step) whose ranks issued
 different sequences is left out (``checked["inconsistent"]``), as are
 collectives some rank has no duration for (``checked["without_duration"]``).
+Point-to-point ops (``checked["point_to_point"]``) are not matched: a send and
+its receive do not wait for each other the way a group's ranks do.
 
 Example:
     >>> from commspan.analysis.stragglers import analyze
@@ -203,7 +205,10 @@ def matched_collectives(
         lambda: defaultdict(list)
     )
     for rec in run.collectives:
-        if rec.kind == semconv.KIND_P2P or not rec.group:
+        if rec.kind == semconv.KIND_P2P:
+            counts["point_to_point"] += 1
+            continue
+        if not rec.group:
             continue
         table[(rec.group, rec.trace_id)][rec.rank].append(rec)
     out = []
@@ -297,6 +302,7 @@ def straggler_report(
         "with_wait": checked["with_wait"],
         "without_duration": checked["without_duration"],
         "inconsistent": checked["inconsistent"],
+        "point_to_point": checked["point_to_point"],
     }
     return rows, ranks, counts
 

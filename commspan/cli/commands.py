@@ -54,7 +54,7 @@ class Reader:
 
     def read(self, paths: Sequence[str], label: str = "FILES") -> list[SpanRecord]:
         """Every span of ``paths``; an error if none of them is a commspan span."""
-        files = jsonl_files(paths, param=label)
+        files = self.files(paths, label)
         spans, ours, lines = self.report.spans, self.report.commspan_spans, self.report.lines
         skipped = len(self.report.damaged)
         records = list(read_spans(*files, strict=False, report=self.report,
@@ -69,6 +69,14 @@ class Reader:
                 "written by commspan's JsonlSpanExporter"
             )
         return records
+
+    def files(self, paths: Sequence[str], label: str = "FILES") -> list[Path]:
+        """:func:`jsonl_files` of ``paths``; its notes (a decompressed copy skipped)
+        kept once each: a command may list the same files twice (digests, then lines)."""
+        notes: list[str] = []
+        files = jsonl_files(paths, param=label, notes=notes)
+        self.notes.extend(n for n in notes if n not in self.notes)
+        return files
 
     def select(
         self, records: list[SpanRecord], run: str | None, steps: StepRange | None,
@@ -97,7 +105,7 @@ class Reader:
         the same way; ``None`` when a file has none (then :meth:`load`)."""
         from commspan.analysis.digest import load_parts, select_parts
 
-        files = jsonl_files(paths, param="FILES")
+        files = self.files(paths)
         read = ReadReport()
         parts = load_parts(files, read, self.args.max_line_mib * _MIB)
         if parts is None or not any(p["commspan_spans"] for p in parts):
@@ -444,16 +452,31 @@ def plan(args: argparse.Namespace, reader: Reader) -> Outcome:
 
 def digest(args: argparse.Namespace, reader: Reader) -> Outcome:
     """``commspan digest FILES``: write each file's digest (docs/jsonl.md, "Digests")."""
-    from commspan.analysis.digest import write_digest
+    from commspan.analysis.digest import DIGEST_SUFFIX, write_digest
 
-    files = jsonl_files(args.files, param="FILES")
-    lines = 0
+    files = reader.files(args.files)
     for path in files:
+        if path.name.endswith(DIGEST_SUFFIX):
+            raise ValueError(
+                f"FILES: {path} is a digest, not a JSONL file; pass the JSONL files "
+                "(or their directory: it stands for its *.jsonl and *.jsonl.gz only)")
+    lines = 0
+    report = reader.report
+    for path in files:
+        before, lines_before = report.commspan_spans, report.lines
         try:
-            lines += write_digest(path)
+            lines += write_digest(path, report)
         except OSError as exc:
             raise OSError(f"{path}: cannot write its digest ({exc.strerror or exc})") from None
+        if report.commspan_spans == before and report.lines > lines_before:
+            reader.notes.append(f"commspan: {path} holds no commspan span")
     what = f"{len(files)} files" if len(files) > 1 else str(files[0])
+    if not report.commspan_spans and (report.lines or report.damaged):
+        if report.damaged:
+            raise Damaged
+        raise ValueError(
+            f"FILES: no commspan span in {what} ({report.lines} lines, {report.spans} spans, "
+            "none with commspan.module.fqn): not files written by commspan's JsonlSpanExporter")
     return Outcome(f"digests written for {what}: {lines} lines")
 
 

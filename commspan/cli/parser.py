@@ -36,18 +36,22 @@ def _rank(value: str) -> int | str:
     return rank
 
 
-def _at_least_one(option: str, value: str, what: str) -> int:
+def _at_least_one(option: str, value: str, what: str, most: int | None = None) -> int:
     try:
         n = int(value)
     except ValueError:
         n = 0
-    if n < 1:
+    if n < 1 or (most is not None and n > most):
         raise argparse.ArgumentTypeError(f"{option} {value!r} is not valid; pass {what}")
     return n
 
 
+_MOST = 1 << 20  # --max-line-mib (1 TiB) and --world: beyond is a typo, not a setting
+
+
 def _mib(value: str) -> int:
-    return _at_least_one("--max-line-mib", value, "a whole number of MiB >= 1")
+    return _at_least_one("--max-line-mib", value, f"a whole number of MiB from 1 to {_MOST}",
+                         _MOST)
 
 
 def _at_least_zero(option: str, value: str, what: str) -> int:
@@ -212,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _world(value: str) -> int:
-    return _at_least_one("--world", value, "a number of ranks >= 1")
+    return _at_least_one("--world", value, f"a number of ranks from 1 to {_MOST}", _MOST)
 
 
 def _played_rank(value: str) -> int:

@@ -5,7 +5,8 @@ Every reader (``Aggregator.from_jsonl``, the analyses, the views and the
 :func:`jsonl_files`: a file is read as given; a directory stands for the
 ``*.jsonl`` and ``*.jsonl.gz`` files directly inside it (compressed ones are
 read as such, whatever their name), sorted by name; a directory without any
-is an error, as is a path that does not exist.
+is an error, as is a path that does not exist. No file is read twice: not one
+named twice, nor a decompressed copy beside its ``.jsonl.gz``.
 
 Example:
     >>> import tempfile
@@ -17,11 +18,16 @@ Example:
 
 from __future__ import annotations
 
+import gzip
+import logging
 import os
+import zlib
 from collections.abc import Iterable
 from pathlib import Path
 
 __all__ = ["NoJsonlFilesError", "jsonl_files"]
+
+_log = logging.getLogger(__name__)
 
 
 class NoJsonlFilesError(FileNotFoundError, ValueError):
@@ -34,14 +40,22 @@ class NoJsonlFilesError(FileNotFoundError, ValueError):
 
 
 def jsonl_files(
-    paths: str | os.PathLike[str] | Iterable[str | os.PathLike[str]], *, param: str = "paths"
+    paths: str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
+    *,
+    param: str = "paths",
+    notes: list[str] | None = None,
 ) -> list[Path]:
     """The JSONL files ``paths`` name: files as given, directories' ``*.jsonl`` and
-    ``*.jsonl.gz`` sorted.
+    ``*.jsonl.gz`` sorted; none twice.
+
+    A file named twice is read once, and an ``X.jsonl`` that is a decompressed
+    copy of the ``X.jsonl.gz`` beside it (same first bytes: ``gunzip -k``) is
+    not read; a note says so.
 
     Args:
         paths: a path, or paths, of files or directories.
         param: the argument's name in error messages (``FILES`` for the command).
+        notes: where the note about a skipped copy goes (logged if ``None``).
 
     Returns:
         The files, in the order given (a directory's sorted by name); empty
@@ -50,6 +64,7 @@ def jsonl_files(
     Raises:
         FileNotFoundError: a path does not exist.
         NoJsonlFilesError: a directory holds no ``*.jsonl`` or ``*.jsonl.gz`` file.
+        PermissionError: a directory cannot be listed.
     """
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
@@ -57,7 +72,16 @@ def jsonl_files(
     for p in paths:
         path = Path(p)
         if path.is_dir():
-            found = sorted([*path.glob("*.jsonl"), *path.glob("*.jsonl.gz")])
+            try:
+                names = os.listdir(path)
+            except PermissionError as exc:
+                raise PermissionError(
+                    f"{param}: directory {os.fspath(p)!r} cannot be listed ({exc.strerror}); "
+                    "give this user read and execute permission on it, or pass its files"
+                ) from None
+            found = sorted(path / n for n in names
+                           if (n.endswith(".jsonl") or n.endswith(".jsonl.gz"))
+                           and not (path / n).is_dir())
             if not found:
                 raise NoJsonlFilesError(
                     f"{param}: directory {os.fspath(p)!r} holds no *.jsonl or *.jsonl.gz "
@@ -68,4 +92,56 @@ def jsonl_files(
             out.append(path)
         else:
             raise FileNotFoundError(f"{param}: {os.fspath(p)!r} does not exist")
+    return _without_copies(out, notes)
+
+
+def _without_copies(files: list[Path], notes: list[str] | None) -> list[Path]:
+    """``files`` less those that would be read twice: a file named twice, and a
+    ``X.jsonl`` beside an ``X.jsonl.gz`` that starts with the same bytes (a
+    decompressed copy, as ``gunzip -k`` leaves: the compressed file, which the
+    exporter may still be appending to, is read)."""
+    seen: set[Path] = set()
+    unique: list[Path] = []
+    for f in files:
+        key = f.resolve()
+        if key not in seen:
+            seen.add(key)
+            unique.append(f)
+    compressed = {f.resolve(): f for f in unique if f.name.endswith(".jsonl.gz")}
+    out: list[Path] = []
+    copies: list[str] = []
+    for f in unique:
+        if f.name.endswith(".jsonl"):
+            twin = compressed.get(f.resolve().with_name(f.name + ".gz"))
+            if twin is not None and _same_start(f, twin):
+                copies.append(os.fspath(f))
+                continue
+        out.append(f)
+    if copies:
+        shown = ", ".join(copies[:3]) + (f" and {len(copies) - 3} more" if len(copies) > 3
+                                         else "")
+        note = (f"commspan: not reading {shown}: "
+                + ("each is a decompressed copy" if len(copies) > 1 else "a decompressed copy")
+                + " of the .jsonl.gz beside it (the same first bytes); the compressed "
+                "files are read")
+        if notes is not None:
+            notes.append(note)
+        else:
+            _log.warning("%s", note)
     return out
+
+
+_SAME_START_BYTES = 1 << 16
+
+
+def _same_start(plain: Path, compressed: Path) -> bool:
+    """Whether the two files' first 64 kB of (decompressed) lines are the same:
+    OTLP/JSON lines carry random trace and span ids, so only a copy matches."""
+    try:
+        with open(plain, "rb") as f:
+            a = f.read(_SAME_START_BYTES)
+        with gzip.open(compressed, "rb") as g:
+            b = g.read(len(a))
+    except (OSError, EOFError, zlib.error):
+        return False
+    return bool(a) and a == b

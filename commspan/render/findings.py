@@ -125,6 +125,21 @@ def format_check(result: CheckResult, *, max_ranks: int = 16) -> str:
     return "\n".join(lines)
 
 
+def _why_nothing_matched(checked: Mapping[str, int]) -> str:
+    """Why ``stragglers`` matched no collective, from what it looked at."""
+    if checked.get("without_duration"):
+        return ("no collective matched across ranks with a duration on every rank "
+                f"({semconv.COLL_DURATION_NS}): stragglers need collective timing")
+    if checked.get("inconsistent"):
+        return ("no collective matched across ranks: the ranks of each group issued "
+                "different sequences (commspan check says where)")
+    if checked.get("point_to_point"):
+        return (f"no collective to match: the {checked['point_to_point']} communication "
+                "ops of these files are point-to-point (send, recv), which stragglers "
+                "does not match (a send and its receive do not wait for each other)")
+    return "no collective issued by two or more ranks of a group in these files"
+
+
 def format_stragglers(result: StragglerResult, *, top: int = 20) -> str:
     """The result of ``commspan stragglers`` as text: the rows with the most wait, the
     per-rank totals and the per-rank step time.
@@ -136,10 +151,7 @@ def format_stragglers(result: StragglerResult, *, top: int = 20) -> str:
     lines: list[str] = []
     checked = result.checked
     if not checked.get("collectives"):
-        lines.append(
-            "no collective matched across ranks with a duration on every rank "
-            f"({semconv.COLL_DURATION_NS}): stragglers need collective timing"
-        )
+        lines.append(_why_nothing_matched(checked))
     else:
         lines.append(
             "Last to arrive (the rank that waited least; wait = time the others waited for it)"

@@ -1,0 +1,212 @@
+"""What the readers and the command make of the folders users really have: a
+decompressed copy beside its ``.jsonl.gz`` (``gunzip -k``), a file named twice,
+another program's newer spans, digests given as input, unreadable directories,
+out-of-range options, and runs whose only communication is point-to-point.
+
+The reference counts are the test's own: collective events counted in the raw
+OTLP/JSON lines (events carrying ``commspan.collective.op``), not commspan's
+aggregation.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from commspan import Aggregator, CommSpanMode, semconv
+from commspan.cli import main
+from commspan.exporters import JsonlSpanExporter
+from commspan.otlpjson.files import jsonl_files
+from commspan.testing.models import MLP, parallelize_mlp
+
+RANKS = (0, 1)
+
+
+@pytest.fixture(scope="module")
+def packed_dir(tmp_path_factory: pytest.TempPathFactory, fake_pg: None) -> Path:
+    """Compressed files of ranks 0 and 1, two steps of a TP MLP, one run."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    out = tmp_path_factory.mktemp("packed")
+    mesh = init_device_mesh("cpu", (4,))
+    torch.manual_seed(0)
+    model = parallelize_mlp(MLP(), mesh)
+    for rank in RANKS:
+        mode = CommSpanMode(
+            exporters=[JsonlSpanExporter(out / f"commspan-rank{rank}.jsonl.gz", compress=True)],
+            run_id="inputs-test", resource_attributes={"commspan.rank": rank},
+        )
+        with mode:
+            for i in range(2):
+                with mode.step(i):
+                    model(torch.randn(4, 8)).sum().backward()
+        mode.shutdown()
+    return out
+
+
+def _raw_collectives(*files: Path) -> int:
+    """Collective events in the files' lines, counted by hand."""
+    n = 0
+    for f in files:
+        data = f.read_bytes()
+        if data[:2] == b"\x1f\x8b":
+            data = gzip.decompress(data)
+        for line in data.splitlines():
+            for rs in json.loads(line)["resourceSpans"]:
+                for ss in rs["scopeSpans"]:
+                    for span in ss["spans"]:
+                        for e in span.get("events", []):
+                            keys = {a["key"] for a in e.get("attributes", [])}
+                            n += semconv.COLL_OP in keys
+    return n
+
+
+def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _with_copies(packed_dir: Path, tmp_path: Path, ranks: tuple[int, ...] = RANKS) -> Path:
+    """The run's folder after ``gunzip -k`` of the given ranks' files."""
+    folder = tmp_path / "copied"
+    shutil.copytree(packed_dir, folder)
+    for rank in ranks:
+        packed = folder / f"commspan-rank{rank}.jsonl.gz"
+        (folder / f"commspan-rank{rank}.jsonl").write_bytes(gzip.decompress(packed.read_bytes()))
+    return folder
+
+
+def test_decompressed_copies_are_read_once(
+    packed_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """After ``gunzip -k`` (what docs/jsonl.md suggests before replaying), the
+    folder counts what the compressed files hold, and stderr says which files
+    were left out."""
+    expected = _raw_collectives(*sorted(packed_dir.glob("*.jsonl.gz")))
+    assert expected > 0
+    folder = _with_copies(packed_dir, tmp_path)
+    code, out, err = _cli(capsys, "summary", str(folder), "--rank", "all", "--json")
+    assert code == 0
+    assert json.loads(out)["total"] == expected
+    assert "decompressed copy" in err and "commspan-rank0.jsonl," in err
+    # one rank's copy only: check finds what it finds without the copy (it used to
+    # see rank 0 issue every collective twice)
+    one = _with_copies(packed_dir, tmp_path / "one", ranks=(0,))
+    reference = _cli(capsys, "check", str(packed_dir), "--json")
+    code, out, _ = _cli(capsys, "check", str(one), "--json")
+    assert (code, json.loads(out)["findings"]) == (
+        reference[0], json.loads(reference[1])["findings"])
+    assert json.loads(out)["checked"]["collectives"] == json.loads(
+        reference[1])["checked"]["collectives"]
+    code, out, _ = _cli(capsys, "diff", str(folder), str(packed_dir))
+    assert code == 0 and "no difference" in out
+    assert Aggregator.from_jsonl(folder, rank="all").total_count() == expected
+
+
+def test_a_plain_file_with_other_lines_is_read(packed_dir: Path, tmp_path: Path) -> None:
+    """A ``.jsonl`` beside a ``.jsonl.gz`` that holds other lines (another run,
+    written without compression) is not a copy: both are read."""
+    folder = tmp_path / "both"
+    shutil.copytree(packed_dir, folder)
+    packed = folder / "commspan-rank0.jsonl.gz"
+    lines = gzip.decompress(packed.read_bytes()).splitlines(keepends=True)
+    (folder / "commspan-rank0.jsonl").write_bytes(b"".join(lines[1:]))  # starts elsewhere
+    assert {f.name for f in jsonl_files(folder)} >= {
+        "commspan-rank0.jsonl", "commspan-rank0.jsonl.gz"}
+
+
+def test_a_file_named_twice_is_read_once(
+    packed_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    expected = _raw_collectives(*sorted(packed_dir.glob("*.jsonl.gz")))
+    again = packed_dir / "commspan-rank0.jsonl.gz"
+    code, out, _ = _cli(capsys, "summary", str(packed_dir), str(again), "--rank", "all",
+                        "--json")
+    assert code == 0 and json.loads(out)["total"] == expected
+
+
+def _foreign_line(start_ns: int) -> bytes:
+    span = {"traceId": "0123456789abcdef0123456789abcdef", "spanId": "0123456789abcdef",
+            "name": "GET /", "kind": 2, "startTimeUnixNano": str(start_ns),
+            "endTimeUnixNano": str(start_ns + 1000)}
+    doc = {"resourceSpans": [{"resource": {"attributes": [
+        {"key": "service.name", "value": {"stringValue": "web"}}]},
+        "scopeSpans": [{"scope": {"name": "web"}, "spans": [span]}]}]}
+    return json.dumps(doc).encode() + b"\n"
+
+
+def test_another_programs_newer_spans_do_not_hide_the_run(
+    packed_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A newer file of spans without a run id (another program's) in the folder:
+    the latest run commspan wrote is still the one read."""
+    folder = tmp_path / "mixed"
+    shutil.copytree(packed_dir, folder)
+    (folder / "zz-web.jsonl").write_bytes(_foreign_line(2**62))  # later than any run
+    expected = _raw_collectives(*sorted(packed_dir.glob("*.jsonl.gz")))
+    code, out, err = _cli(capsys, "summary", str(folder), "--rank", "all", "--json")
+    assert code == 0 and json.loads(out)["total"] == expected
+    assert "showing the latest, inputs-test" in err
+
+
+def test_digest_refuses_digests_and_reports_what_it_skipped(
+    packed_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = tmp_path / "dg"
+    shutil.copytree(packed_dir, folder)
+    code, out, err = _cli(capsys, "digest", str(folder))
+    assert code == 0 and "digests written" in out
+    digest = next(folder.glob("*.digest"))
+    code, _, err = _cli(capsys, "digest", str(digest))
+    assert code == 1 and "is a digest, not a JSONL file" in err
+    assert not list(folder.glob("*.digest.digest"))
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "notes.jsonl").write_bytes(b"not json\n")
+    code, _, err = _cli(capsys, "digest", str(bad))
+    assert code == 1 and "notes.jsonl:1" in err
+    web = tmp_path / "web"
+    web.mkdir()
+    (web / "web.jsonl").write_bytes(_foreign_line(1))
+    code, _, err = _cli(capsys, "digest", str(web))
+    assert code == 1 and "no commspan span" in err
+    assert "Traceback" not in err
+
+
+def test_an_unreadable_directory_says_so(
+    packed_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Not "holds no *.jsonl file" (root reads any directory: listing is refused here)."""
+    real = os.listdir
+
+    def refuse(path: object) -> list[str]:
+        if Path(str(path)) == packed_dir:
+            raise PermissionError(13, "Permission denied")
+        return real(path)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "listdir", refuse)
+    code, _, err = _cli(capsys, "summary", str(packed_dir), "--rank", "all")
+    assert code == 1
+    assert "cannot be listed (Permission denied)" in err and "holds no" not in err
+
+
+@pytest.mark.parametrize("argv", [
+    ["summary", "DIR", "--rank", "all", "--max-line-mib", "9000000000000"],
+    ["plan", "x.py:f", "--world", "99999999999999999999"],
+])
+def test_huge_option_values_are_usage_errors(
+    packed_dir: Path, argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [str(packed_dir) if a == "DIR" else a for a in argv]
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    assert "is not valid; pass" in err and "1048576" in err
