@@ -210,3 +210,57 @@ def test_huge_option_values_are_usage_errors(
     err = capsys.readouterr().err
     assert exc.value.code == 2
     assert "is not valid; pass" in err and "1048576" in err
+
+
+def _cut_last_step(packed_dir: Path, folder: Path) -> tuple[int, int]:
+    """Plain copies of the run's files whose last line lost its rank span, step span
+    and top-level module spans, as a rank stopped mid-step leaves it; returns the
+    hand count of collectives in the other lines, and the cut step."""
+    folder.mkdir()
+    whole = 0
+    cut_step = -1
+    for packed in sorted(packed_dir.glob("*.jsonl.gz")):
+        lines = gzip.decompress(packed.read_bytes()).splitlines(keepends=True)
+        doc = json.loads(lines[-1])
+        for rs in doc["resourceSpans"]:
+            for ss in rs["scopeSpans"]:
+                for span in ss["spans"]:
+                    for a in span.get("attributes", []):
+                        if a["key"] == semconv.STEP:
+                            cut_step = int(a["value"]["intValue"])
+                ss["spans"] = [
+                    span for span in ss["spans"]
+                    if span["name"] not in (semconv.SPAN_RANK, semconv.SPAN_STEP)
+                    and "parentSpanId" in span
+                    and not span["name"].startswith("MLP ")]
+        plain = folder / packed.name.removesuffix(".gz")
+        plain.write_bytes(b"".join(lines[:-1]) + json.dumps(doc).encode() + b"\n")
+        head = folder / "head.jsonl"
+        head.write_bytes(b"".join(lines[:-1]))
+        whole += _raw_collectives(head)
+        head.unlink()
+    return whole, cut_step
+
+
+@pytest.mark.parametrize("digested", [False, True], ids=["lines", "digests"])
+def test_a_step_cut_short_is_named(
+    packed_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], digested: bool
+) -> None:
+    """Module spans of a step without its rank span: the summary's total is the
+    complete steps' (hand count), and stderr and --json name the cut step."""
+    folder = tmp_path / "cut"
+    whole, cut_step = _cut_last_step(packed_dir, folder)
+    assert cut_step >= 0
+    if digested:
+        assert _cli(capsys, "digest", str(folder))[0] == 0
+    code, out, err = _cli(capsys, "summary", str(folder), "--rank", "all", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["total"] == whole
+    # no span left of that trace says its step (a hang record would)
+    assert data["partial"] == [{"rank": r, "step": None} for r in RANKS]
+    assert "a step of ranks 0-1 was cut short" in err
+    assert cut_step not in data["steps"]
+    code, _, err = _cli(capsys, "table", str(folder), "--rank", "all")
+    assert code == 0 and "was cut short" in err
+    code, _, err = _cli(capsys, "summary", str(packed_dir), "--rank", "all")
+    assert "cut short" not in err

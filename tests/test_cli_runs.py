@@ -234,7 +234,8 @@ def test_json_everywhere(tp: Path, tmp_path: Path, capsys: pytest.CaptureFixture
     """Every command's --json is one JSON document with its documented keys."""
     keys = {
         "table": {"fqn", "type", "counts", "parameters", "children"},
-        "summary": {"spans", "traces", "ranks", "steps", "collectives", "total", "run", "runs"},
+        "summary": {"spans", "traces", "ranks", "steps", "collectives", "total", "partial",
+                    "run", "runs"},
         "html": {"output", "bytes", "run", "ranks", "steps"},
         "perfetto": {"output", "bytes", "run", "ranks", "steps"},
         "check": {"findings", "checked", "run"},

@@ -867,15 +867,25 @@ def summarize_parts(
     ranks: set[int] = set()
     steps: set[int] = set()
     traces: set[str] = set()
+    rooted: set[tuple[int, str]] = set()
+    present: dict[tuple[int, str], int | None] = {}
     for part in parts:
         if rank is not None and part["rank"] != rank:
             continue
         count += part["spans"]
         traces.add(part["trace"])
         ranks.add(part["rank"])
-        if part["rank_step"] is not None and part["rank_step"][3] is not None:
-            steps.add(part["rank_step"][3])
-    return summary_of(agg, count, traces, ranks, steps)
+        key = (part["rank"], part["trace"])
+        if part["rank_step"] is not None:
+            rooted.add(key)
+            if part["rank_step"][3] is not None:
+                steps.add(part["rank_step"][3])
+        if part["present"]:
+            present[key] = part["step"] if present.get(key) is None else present[key]
+    # a trace's spans may span lines: cut short when no line of it holds its rank span
+    partial = [(r, step) for (r, t), step in present.items() if (r, t) not in rooted]
+    steps.update(step for _, step in partial if step is not None)
+    return summary_of(agg, count, traces, ranks, steps, partial)
 
 
 def aggregate_parts(parts: Iterable[DigestPart], rank: int | None) -> Aggregator:

@@ -18,7 +18,9 @@ from commspan import semconv
 from commspan.analysis.counts import Aggregator
 from commspan.otlpjson.records import SpanRecord
 
-__all__ = ["summarize", "summary_of"]
+__all__ = ["partial_note", "summarize", "summary_of"]
+
+_STEP_NAMES = frozenset({semconv.SPAN_RANK, semconv.SPAN_STEP, semconv.SPAN_HANG})
 
 
 def summarize(
@@ -33,12 +35,20 @@ def summarize(
 
     Returns:
         ``{"spans", "traces", "ranks", "steps", "collectives": {phase: {op: n}},
-        "total"}``; ranks and steps sorted, phases in phase order, ops sorted.
+        "total", "partial"}``; ranks and steps sorted, phases in phase order, ops
+        sorted. ``partial`` lists the ``{"rank", "step"}`` of traces cut short: a
+        rank wrote module spans of the trace but never its ``commspan.rank`` span
+        (a hang, or a process stopped mid-step; ``step`` is ``None`` when no span
+        of the trace says it). ``total`` and ``collectives`` come from the rank
+        spans, so they leave those out.
     """
     count = 0
     ranks: set[int] = set()
     steps: set[int] = set()
     traces: set[str] = set()
+    trace_step: dict[str, int] = {}
+    rooted: set[tuple[int | None, str]] = set()
+    modules: set[tuple[int | None, str]] = set()
     for span in spans:
         if rank is not None and span.rank != rank:
             continue
@@ -46,14 +56,23 @@ def summarize(
         traces.add(span.trace_id)
         if span.rank is not None:
             ranks.add(span.rank)
-        step = span.attributes.get(semconv.STEP)
-        if isinstance(step, int) and span.name == semconv.SPAN_RANK:
-            steps.add(step)
-    return summary_of(aggregator, count, traces, ranks, steps)
+        name = span.name
+        if name in _STEP_NAMES:
+            step = span.attributes.get(semconv.STEP)
+            if isinstance(step, int) and not isinstance(step, bool):
+                steps.add(step)
+                trace_step.setdefault(span.trace_id, step)
+            if name == semconv.SPAN_RANK:
+                rooted.add((span.rank, span.trace_id))
+        elif semconv.MODULE_FQN in span.attributes:
+            modules.add((span.rank, span.trace_id))
+    partial = [(r, trace_step.get(t)) for r, t in modules - rooted]
+    return summary_of(aggregator, count, traces, ranks, steps, partial)
 
 
 def summary_of(
-    aggregator: Aggregator, spans: int, traces: set[str], ranks: set[int], steps: set[int]
+    aggregator: Aggregator, spans: int, traces: set[str], ranks: set[int], steps: set[int],
+    partial: Iterable[tuple[int | None, int | None]] = (),
 ) -> dict[str, Any]:
     """The summary's dict (see :func:`summarize`) from what was counted of the spans."""
     per_phase = {phase.value: aggregator.comm_counts(phase.value) for phase in semconv.Phase}
@@ -64,4 +83,35 @@ def summary_of(
         "steps": sorted(steps),
         "collectives": {ph: dict(sorted(ops.items())) for ph, ops in per_phase.items() if ops},
         "total": aggregator.total_count(),
+        "partial": [{"rank": r, "step": s} for r, s in sorted(
+            set(partial), key=lambda p: (p[1] is None, p[1] or 0, p[0] is None, p[0] or 0))],
     }
+
+
+def partial_note(partial: list[dict[str, Any]]) -> str | None:
+    """The stderr note for :func:`summarize`'s ``partial``, or ``None`` when empty.
+
+    Example:
+        >>> partial_note([{"rank": 0, "step": 2}, {"rank": 1, "step": 2}])[:38]
+        'commspan: step 2 of ranks 0-1 was cut '
+    """
+    if not partial:
+        return None
+    by_step: dict[Any, list[int]] = {}
+    for p in partial:
+        by_step.setdefault(p["step"], []).append(p["rank"])
+    what = "; ".join(
+        ("a step" if step is None else f"step {step}")
+        + f" of rank{'s' if len(rs) > 1 else ''} {_numbers(rs)}"
+        for step, rs in by_step.items()
+    )
+    return (f"commspan: {what} was cut short (no commspan.rank span written: a hang or a "
+            "process stopped mid-step): Global and the modules still open then do not "
+            "count its collectives, the modules that finished do (commspan check shows "
+            "where each rank was, when a hang record was written)")
+
+
+def _numbers(values: list[int]) -> str:
+    from commspan.analysis.runs import format_numbers
+
+    return format_numbers(v for v in values if v is not None) or "-"

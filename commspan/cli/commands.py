@@ -170,8 +170,9 @@ def _json(data: Any) -> str:
 def table(args: argparse.Namespace, reader: Reader) -> Outcome:
     """The module tree with counts per phase (``--show``: and what each module issued)."""
     from commspan.analysis.counts import Aggregator
-    from commspan.analysis.digest import aggregate_parts
+    from commspan.analysis.digest import aggregate_parts, summarize_parts
     from commspan.analysis.issued import issued
+    from commspan.analysis.summary import partial_note, summarize
     from commspan.render.details import issued_notes
     from commspan.render.table import module_table
 
@@ -179,10 +180,15 @@ def table(args: argparse.Namespace, reader: Reader) -> Outcome:
     if fast is not None:
         rank = _rank_filter(args.rank, fast)
         agg = aggregate_parts(fast.parts, rank)
+        partial = summarize_parts(agg, fast.parts, rank)["partial"]
     else:
         sel = reader.load(args.files)
         rank = _rank_filter(args.rank, sel)
         agg = Aggregator.from_records(sel.records, rank="all" if rank is None else rank)
+        partial = summarize(agg, sel.records, rank)["partial"]
+    note = partial_note(partial)
+    if note is not None:
+        reader.notes.append(note)
     if args.by_mesh_dim:
         return _mesh_dim_view(agg, args.json)
     tree = agg.to_dict()
@@ -222,7 +228,7 @@ def summary(args: argparse.Namespace, reader: Reader) -> Outcome:
     from commspan.analysis.counts import Aggregator
     from commspan.analysis.digest import aggregate_parts, summarize_parts
     from commspan.analysis.issued import issued
-    from commspan.analysis.summary import summarize
+    from commspan.analysis.summary import partial_note, summarize
     from commspan.render.details import runs_lines, summary_rows
     from commspan.render.table import summary_table
 
@@ -240,6 +246,9 @@ def summary(args: argparse.Namespace, reader: Reader) -> Outcome:
         agg = Aggregator.from_records(slow.records, rank="all" if rank is None else rank)
         data = summarize(agg, slow.records, rank)
         rows = issued(slow.records, rank=rank) if args.show else []
+    note = partial_note(data["partial"])
+    if note is not None:
+        reader.notes.append(note)
     data["run"] = sel.run.run_id if sel.run else None
     data["runs"] = [r.to_dict() for r in sel.runs]
     if args.show:
