@@ -264,3 +264,42 @@ def test_a_step_cut_short_is_named(
     assert code == 0 and "was cut short" in err
     code, _, err = _cli(capsys, "summary", str(packed_dir), "--rank", "all")
     assert "cut short" not in err
+
+
+@pytest.mark.parametrize("command", ["html", "perfetto"])
+def test_output_paths_that_cannot_be_written_name_the_option(
+    packed_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    code, _, err = _cli(capsys, command, str(packed_dir), "-o", str(tmp_path))
+    assert code == 1 and f"-o '{tmp_path}' is a directory; pass a file name in it" in err
+    (tmp_path / "a-file").write_text("")
+    under_a_file = tmp_path / "a-file" / "out.html"  # (missing directories are made)
+    code, _, err = _cli(capsys, command, str(packed_dir), "-o", str(under_a_file))
+    assert code == 1 and f"-o '{under_a_file}' cannot be written" in err
+    assert "Traceback" not in err
+
+
+def test_html_findings_from_a_file_and_check_are_listed_once(
+    packed_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--findings`` holding check's own findings, plus ``--check``: each once."""
+    code, out, _ = _cli(capsys, "check", str(packed_dir), "--json")
+    found = json.loads(out)["findings"]
+    assert found  # ranks 2 and 3 of the world of 4 wrote nothing: a finding
+    saved = tmp_path / "findings.json"
+    saved.write_text(out)
+    code, out, _ = _cli(capsys, "html", str(packed_dir), "-o", str(tmp_path / "r.html"),
+                        "--findings", str(saved), "--check")
+    assert code == 0 and f"{len(found)} findings" in out
+
+
+def test_plan_import_errors_name_the_target(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plan = tmp_path / "needs.py"
+    plan.write_text("import nosuchthing_zz\n\ndef setup():\n    pass\n")
+    code, _, err = _cli(capsys, "plan", f"{plan}:setup", "--world", "2")
+    assert code == 1 and f"TARGET '{plan}:setup': importing" in err
+    assert "No module named 'nosuchthing_zz'" in err
+    code, _, err = _cli(capsys, "plan", "nosuch_mod_zz:setup", "--world", "2")
+    assert code == 1 and "no module 'nosuch_mod_zz'" in err

@@ -315,8 +315,12 @@ def html(args: argparse.Namespace, reader: Reader) -> Outcome:
 
         found = check(build_run(sel.records, module_spans=False)).to_dict()["findings"]
         findings = (findings or []) + found
+    if findings:  # --findings FILE and --check may name the same finding
+        findings = list({json.dumps(f, sort_keys=True, default=str): f
+                         for f in findings}.values())
     try:
-        path = write_html_report(sel.records, args.output, findings=findings, title=args.title)
+        path = _writing(args.output, lambda: write_html_report(
+            sel.records, args.output, findings=findings, title=args.title), "commspan.html")
     except TypeError as exc:  # a finding of the wrong shape
         raise TypeError(f"--findings {args.findings!r}: {exc}") from None
     return _written(path, sel, {} if findings is None else {"findings": len(findings)}, args,
@@ -346,8 +350,23 @@ def perfetto(args: argparse.Namespace, reader: Reader) -> Outcome:
     from commspan.render.perfetto import write_chrome_trace
 
     sel = reader.load(args.files)
-    path = write_chrome_trace(sel.records, args.output)
+    path = _writing(args.output, lambda: write_chrome_trace(sel.records, args.output),
+                    "trace.json")
     return _written(path, sel, {}, args, "trace")
+
+
+def _writing(output: str, write: Callable[[], Path], example: str) -> Path:
+    """``write()``, its OS errors naming ``-o`` and the fix (``example``: a file name)."""
+    try:
+        return write()
+    except IsADirectoryError:
+        raise IsADirectoryError(
+            f"-o {output!r} is a directory; pass a file name in it, e.g. "
+            f"{os.path.join(output, example)!r}") from None
+    except OSError as exc:
+        raise OSError(
+            f"-o {output!r} cannot be written ({exc.strerror or exc}); pass a file in an "
+            "existing directory you can write to") from None
 
 
 def check(args: argparse.Namespace, reader: Reader) -> Outcome:
@@ -528,8 +547,16 @@ def _load_function(target: str) -> Callable[[], Any]:
             spec.loader.exec_module(module)
         else:
             module = importlib.import_module(where)
-    except (FileNotFoundError, ModuleNotFoundError):
+    except FileNotFoundError:
         raise
+    except ModuleNotFoundError as exc:
+        if exc.name and where.replace("/", ".").removesuffix(".py").endswith(exc.name):
+            raise ModuleNotFoundError(
+                f"TARGET {target!r}: no module {where!r}; pass FILE.py:FUNCTION or an "
+                "importable MODULE:FUNCTION") from None
+        raise ModuleNotFoundError(
+            f"TARGET {target!r}: importing {where} failed: {exc} (install it, or run "
+            "from the directory it imports from)") from None
     except Exception as exc:
         raise PlanError(f"importing {where} raised {type(exc).__name__}{_where(exc)}: "
                         f"{exc}") from None
