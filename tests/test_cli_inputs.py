@@ -303,3 +303,18 @@ def test_plan_import_errors_name_the_target(
     assert "No module named 'nosuchthing_zz'" in err
     code, _, err = _cli(capsys, "plan", "nosuch_mod_zz:setup", "--world", "2")
     assert code == 1 and "no module 'nosuch_mod_zz'" in err
+
+
+def test_usage_errors_show_the_commands_usage(
+    packed_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Rules checked after parsing (diff of one folder, --run twice) answer with the
+    command's usage line, as argparse's own errors do."""
+    for argv, command in ((["diff", str(packed_dir)], "diff"),
+                          (["summary", str(packed_dir), "--run", "a", "--run", "b"], "summary")):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exc.value.code == 2
+        assert err.startswith(f"usage: commspan {command} ")
+        assert f"commspan {command}: error:" in err

@@ -230,9 +230,20 @@ def _warmup(value: str) -> int:
     return _at_least_zero("--warmup", value, "a number >= 0")
 
 
+def _command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    """The sub-parser of ``command`` (``parser`` itself if it has none)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
+            found: argparse.ArgumentParser = action.choices[command]
+            return found
+    return parser
+
+
 def check_usage(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Rules argparse cannot say: options given twice only for ``diff``, and a diff
-    of one path needs two steps or two runs. Exits with status 2 (usage) otherwise."""
+    of one path needs two steps or two runs. Exits with status 2 (usage) otherwise,
+    showing the command's own usage."""
+    parser = _command_parser(parser, args.command)
     if args.command == "table" and args.by_mesh_dim and (args.show or args.noise):
         parser.error("--by-mesh-dim is a table of its own; it takes neither --show nor --noise")
     if args.command == "digest":
