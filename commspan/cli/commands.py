@@ -320,7 +320,7 @@ def html(args: argparse.Namespace, reader: Reader) -> Outcome:
                          for f in findings}.values())
     try:
         path = _writing(args.output, lambda: write_html_report(
-            sel.records, args.output, findings=findings, title=args.title), "commspan.html")
+            sel.records, args.output, findings=findings, title=args.title), "report.html")
     except TypeError as exc:  # a finding of the wrong shape
         raise TypeError(f"--findings {args.findings!r}: {exc}") from None
     return _written(path, sel, {} if findings is None else {"findings": len(findings)}, args,
