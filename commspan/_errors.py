@@ -9,8 +9,8 @@ Three concerns, each with one owner here:
   errors of one kind and logs the first with its traceback; :class:`Once`
   remembers which kinds of event were already logged, for counters that live
   elsewhere (an export queue's ``dropped``, taken under its lock);
-- a user's bad number: :func:`positive_int` raises the error that names the
-  parameter, the value and the fix.
+- a user's bad number: :func:`positive_int` and :func:`seconds` raise the error
+  that names the parameter, the value and the fix.
 
 Example:
     >>> import logging
@@ -69,6 +69,30 @@ def positive_int(name: str, value: Any, fix: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name}={value!r} is not valid; {fix}")
     return value
+
+
+# what an infinite wait becomes: threading and time.monotonic() overflow on inf
+FOREVER_S = 1e9
+
+
+def seconds(name: str, value: Any, *, zero: bool = False) -> float:
+    """``value`` as a number of seconds: an int or float (not a bool), above 0
+    (or 0 too, with ``zero``), not NaN; ``inf`` means no limit and comes back as
+    :data:`FOREVER_S`.
+
+    Raises:
+        ValueError: naming the parameter and the value, then the fix.
+
+    Example:
+        >>> seconds("timeout_s", 2), seconds("timeout_s", float("inf")) == FOREVER_S
+        (2.0, True)
+    """
+    least = "0 or more" if zero else "more than 0"
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value \
+            or value < 0 or (value == 0 and not zero):
+        raise ValueError(f"{name}={value!r} is not valid; pass a number of seconds, {least} "
+                         "(float('inf') for no limit)")
+    return min(float(value), FOREVER_S)
 
 
 class ErrorCounter:

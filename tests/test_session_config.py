@@ -22,6 +22,20 @@ from commspan import CommSpanMode
         ({"export_queue_size": 0}, ValueError, "export_queue_size"),
         ({"run_id": ""}, TypeError, "run_id"),
         ({"aggregator": "yes"}, TypeError, "aggregator"),
+        ({"flush_timeout_s": float("nan")}, ValueError, "flush_timeout_s"),
+        ({"flush_timeout_s": True}, ValueError, "flush_timeout_s"),
+        ({"flush_timeout_s": "5"}, ValueError, "flush_timeout_s"),
+        ({"flush_timeout_s": None}, ValueError, "flush_timeout_s"),
+        ({"sample": "12"}, TypeError, "sample"),
+        ({"sample": [1.5]}, ValueError, "sample"),
+        ({"sample": ["x"]}, ValueError, "sample"),
+        ({"sample": [-1]}, ValueError, "sample"),
+        ({"record_params": "no"}, TypeError, "record_params"),
+        ({"record_params": None}, TypeError, "record_params"),
+        ({"module_observer": 5}, TypeError, "module_observer"),
+        ({"resource_attributes": {"commspan.rank": "x"}}, ValueError, "resource_attributes"),
+        ({"resource_attributes": {"commspan.world_size": -2}}, ValueError,
+         "resource_attributes"),
     ],
     ids=[
         "exporters-object",
@@ -33,13 +47,26 @@ from commspan import CommSpanMode
         "export_queue_size",
         "run_id-empty",
         "aggregator-str",
+        "flush_timeout_s-nan",
+        "flush_timeout_s-bool",
+        "flush_timeout_s-str",
+        "flush_timeout_s-None",
+        "sample-str",
+        "sample-float-step",
+        "sample-str-step",
+        "sample-negative-step",
+        "record_params-str",
+        "record_params-None",
+        "module_observer-int",
+        "resource-rank-str",
+        "resource-world-negative",
     ],
 )
 def test_bad_constructor_arguments(
     kwargs: dict[str, Any], error: type[Exception], parameter: str
 ) -> None:
     """A bad constructor argument raises a clear error naming the parameter."""
-    with pytest.raises(error, match=rf"\b{parameter}="):
+    with pytest.raises(error, match=rf"\b{parameter}(\[[^]]*\])?="):
         CommSpanMode(**kwargs)
 
 
@@ -47,3 +74,55 @@ def test_export_queue_size_checked_with_exporters() -> None:
     """export_queue_size=0 with an exporter raises ValueError naming export_queue_size."""
     with pytest.raises(ValueError, match=r"\bexport_queue_size="):
         CommSpanMode(exporters=[InMemorySpanExporter()], export_queue_size=0)
+
+
+class _Slow(InMemorySpanExporter):
+    """An exporter that takes a while per batch."""
+
+    def export(self, spans: Any) -> Any:
+        import time
+
+        time.sleep(0.05)
+        return super().export(spans)
+
+
+def test_infinite_timeouts_mean_no_limit() -> None:
+    """flush_timeout_s=inf, and inf given to flush/dump/shutdown, wait until done
+    (they used to raise OverflowError out of leaving the mode)."""
+    import torch
+
+    exporter = _Slow()
+    mode = CommSpanMode(exporters=[exporter], flush_timeout_s=float("inf"))
+    with mode:
+        torch.nn.Linear(2, 2)(torch.ones(1, 2))
+    assert len(exporter.get_finished_spans()) == mode.stats()["spans_exported"] > 0
+    assert mode.flush(float("inf")) is True
+    mode.shutdown(float("inf"))
+    assert mode.stats()["spans_dropped"] == mode.stats()["spans_failed"] == 0
+
+
+@pytest.mark.parametrize("value", [float("nan"), -1, "1", True])
+def test_bad_timeouts_of_the_calls_name_timeout_s(value: Any) -> None:
+    mode = CommSpanMode(exporters=[InMemorySpanExporter()])
+    with mode:
+        for call in (mode.flush, mode.dump):
+            with pytest.raises(ValueError, match=r"\btimeout_s="):
+                call(value)
+    with pytest.raises(ValueError, match=r"\btimeout_s="):
+        mode.shutdown(value)
+
+
+@pytest.mark.parametrize("value", [-1, 0, "5", float("nan")])
+def test_otlp_timeout_is_checked_when_the_exporter_is_made(value: Any) -> None:
+    from commspan.exporters import otlp_exporter
+
+    with pytest.raises(ValueError, match=r"\btimeout_s="):
+        otlp_exporter(endpoint="http://127.0.0.1:4318/v1/traces", timeout_s=value)
+
+
+def test_ranks_naming_no_rank_of_the_world_warn(caplog: pytest.LogCaptureFixture) -> None:
+    """ranks=[4, 7] in a world of one process: nothing traces, and the log says why."""
+    mode = CommSpanMode(ranks=[4, 7])
+    with caplog.at_level("WARNING", logger="commspan"), mode:
+        pass
+    assert "names no rank of this world of 1" in caplog.text

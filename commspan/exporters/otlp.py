@@ -34,6 +34,8 @@ from urllib.parse import SplitResult, urlsplit
 
 from opentelemetry.sdk.trace.export import SpanExporter
 
+from commspan._errors import seconds
+
 __all__ = ["PROTOCOLS", "otlp_exporter"]
 
 PROTOCOLS = ("grpc", "http/protobuf")
@@ -79,7 +81,8 @@ def otlp_exporter(
         what that needs).
 
     Raises:
-        ValueError: ``protocol`` is not one of :data:`PROTOCOLS`, or the
+        ValueError: ``timeout_s`` is not a number of seconds above 0, or
+            ``protocol`` is not one of :data:`PROTOCOLS`, or the
             endpoint (argument or variable, named in the message) is not a
             valid address: no or an unsupported scheme, no host, a port
             outside 1-65535, or credentials in a gRPC address. The message
@@ -101,7 +104,7 @@ def otlp_exporter(
     if headers is not None:
         kwargs["headers"] = dict(headers)
     if timeout_s is not None:
-        kwargs["timeout"] = timeout_s
+        kwargs["timeout"] = seconds("timeout_s", timeout_s)
     if proto == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
             OTLPSpanExporter as GrpcExporter,

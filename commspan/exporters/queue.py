@@ -32,7 +32,7 @@ from opentelemetry.context import attach, detach, set_value
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
-from commspan._errors import Once
+from commspan._errors import Once, seconds
 from commspan.spans.timing import add_timing
 
 __all__ = ["ExportQueue", "ExportStats"]
@@ -131,11 +131,8 @@ class ExportQueue(SpanProcessor):
                             ("max_batch_size", max_batch_size)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} is not valid; pass a positive int")
-        if schedule_delay_s <= 0 or export_timeout_s <= 0:
-            raise ValueError(
-                f"schedule_delay_s={schedule_delay_s!r}, export_timeout_s="
-                f"{export_timeout_s!r}: both must be positive numbers of seconds"
-            )
+        schedule_delay_s = seconds("schedule_delay_s", schedule_delay_s)
+        export_timeout_s = seconds("export_timeout_s", export_timeout_s)
         self.exporter = exporter
         self._name = type(exporter).__name__
         self._max_queue = max_queue_size
@@ -215,7 +212,8 @@ class ExportQueue(SpanProcessor):
             ``export`` (whatever its result); ``False`` on timeout, after a
             flush that did not wait, or if the worker is gone.
         """
-        timeout = self._timeout if timeout_s is None else max(0.0, timeout_s)
+        timeout = self._timeout if timeout_s is None else seconds("timeout_s", timeout_s,
+                                                                    zero=True)
         deadline = time.monotonic() + timeout
         with self._cond:
             worker = self._worker
@@ -269,7 +267,8 @@ class ExportQueue(SpanProcessor):
                 return
             self._closing = True
             self._logged.mark("slow")  # a slow flush here is reported as shutdown's loss
-        timeout = self._timeout if timeout_s is None else max(0.0, timeout_s)
+        timeout = self._timeout if timeout_s is None else seconds("timeout_s", timeout_s,
+                                                                    zero=True)
         deadline = time.monotonic() + timeout
         self.flush(timeout)
         with self._cond:

@@ -16,7 +16,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SpanExporter
 
 from commspan import semconv
-from commspan._errors import positive_int
+from commspan._errors import positive_int, seconds
 from commspan.analysis.counts import Aggregator
 from commspan.capture import ModuleObserver
 from commspan.session.sampling import RankSample, rank_sample
@@ -87,8 +87,7 @@ def mode_config(
     positive_int("export_queue_size", export_queue_size, "pass a positive int")
     if run_id is not None and (not isinstance(run_id, str) or not run_id):
         raise TypeError(f"run_id={run_id!r} is not valid; pass a non-empty str")
-    if flush_timeout_s <= 0:
-        raise ValueError(f"flush_timeout_s={flush_timeout_s!r} must be > 0 seconds")
+    flush_timeout_s = seconds("flush_timeout_s", flush_timeout_s)
     if not isinstance(record_exception_messages, bool):
         raise TypeError(
             f"record_exception_messages={record_exception_messages!r} is not valid; "
@@ -103,6 +102,18 @@ def mode_config(
         raise TypeError(
             f"record_gc={record_gc!r} is not valid; pass True (record the garbage "
             "collector's long pauses) or False"
+        )
+    if not isinstance(record_params, bool):
+        raise TypeError(
+            f"record_params={record_params!r} is not valid; pass True (parameter names, "
+            "shapes and placements on forward spans) or False"
+        )
+    if module_observer is not None and not all(
+            callable(getattr(module_observer, name, None))
+            for name in ("pre_fw", "post_fw", "pre_bw", "post_bw")):
+        raise TypeError(
+            f"module_observer={module_observer!r} is not valid; pass an object with "
+            "pre_fw, post_fw, pre_bw and post_bw methods (commspan.capture.ModuleObserver)"
         )
     hang = _hang_timeout(hang_timeout_s, time_collectives)
     return ModeConfig(
@@ -204,6 +215,12 @@ def _resource_attributes(attributes: Mapping[str, Any] | None) -> dict[str, Any]
                 f"resource_attributes[{key!r}]=None is not accepted; readers need "
                 f"{key} to tell ranks apart (leave it out of resource_attributes)"
             )
+        if key in out and key != semconv.RUN_ID and (
+                not isinstance(out[key], int) or isinstance(out[key], bool) or out[key] < 0):
+            raise ValueError(
+                f"resource_attributes[{key!r}]={out[key]!r} is not valid; pass an int >= 0 "
+                "(or leave it out: commspan reads it from torch.distributed)"
+            )
     return out
 
 
@@ -219,10 +236,16 @@ def _sampler(sample: int | Iterable[int] | Sampler | None) -> Sampler:
         return lambda i: i % n == 0
     if callable(sample):
         return sample
+    fix = "pass N, a collection of step ints or a callable"
+    if isinstance(sample, (str, bytes)):  # would be its characters, as steps
+        raise TypeError(f"sample={sample!r} is not valid; {fix}")
     try:
-        steps = frozenset(int(s) for s in sample)
+        items = list(sample)
     except TypeError:
-        raise TypeError(
-            f"sample={sample!r} is not valid; pass N, a collection of step ints or a callable"
-        ) from None
+        raise TypeError(f"sample={sample!r} is not valid; {fix}") from None
+    wrong = [s for s in items if not isinstance(s, int) or isinstance(s, bool) or s < 0]
+    if wrong:
+        raise ValueError(f"sample={sample!r} is not valid: {wrong[0]!r} is not a step "
+                         f"number (an int >= 0); {fix}")
+    steps = frozenset(items)
     return lambda i: i in steps

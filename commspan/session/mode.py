@@ -29,7 +29,7 @@ from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SpanExporter
 
 from commspan import semconv
-from commspan._errors import ErrorCounter, Once
+from commspan._errors import ErrorCounter, Once, seconds
 from commspan.analysis.counts import Aggregator
 from commspan.capture import ModuleObserver
 from commspan.capture.backward import graph_task_id
@@ -109,8 +109,8 @@ class CommSpanMode:
             cannot. ``commspan.run_id`` is set with ``run_id=``.
         export_queue_size: spans each exporter queue holds before dropping.
         flush_timeout_s: the most leaving the context waits for exporters, in
-            seconds; it does not wait for an exporter whose last export failed
-            or timed out, until one succeeds again.
+            seconds (``float("inf")``: until done); it does not wait for an
+            exporter whose last export failed or timed out, until one succeeds again.
         record_exception_messages: when a user's exception crosses a span,
             put ``str(exception)`` in the span's status description and its
             ``exception`` event (default). ``False`` keeps the exception type
@@ -264,6 +264,11 @@ class CommSpanMode:
         self._ranks = ranks = process_ranks()
         # a rank the rank sample leaves out runs every step as a sampled-out one
         self._rank_traced = config.ranks.traces(ranks.rank, ranks.world_size)
+        if not self._rank_traced and ranks.rank == 0 and not config.ranks.chosen(
+                ranks.world_size):
+            _log.warning("commspan: ranks=%s names no rank of this world of %d: no rank "
+                         "traces (ranks are numbered 0 to %d)", config.ranks.description,
+                         ranks.world_size, ranks.world_size - 1)
         if not self.run_id:
             from commspan.session.run_id import resolve_run_id
 
@@ -637,7 +642,8 @@ class CommSpanMode:
         rec = self._recorder
         if rec is None:
             return False
-        timeout = self._config.flush_timeout_s if timeout_s is None else timeout_s
+        timeout = self._config.flush_timeout_s if timeout_s is None else seconds(
+            "timeout_s", timeout_s, zero=True)
         collectives = self._log.snapshot()
         rec.emit_hang(rec.hang_span(reason, collectives, self._config.hang_timeout_s))
         self._stats["hang_records"] += 1
@@ -814,7 +820,8 @@ class CommSpanMode:
         Returns:
             ``True`` if every exporter's queue was flushed in time.
         """
-        timeout = self._config.flush_timeout_s if timeout_s is None else timeout_s
+        timeout = self._config.flush_timeout_s if timeout_s is None else seconds(
+            "timeout_s", timeout_s, zero=True)
         return self._flush_queues(timeout, wait_if_unhealthy=True)
 
     def _flush_on_exit(self) -> None:
@@ -844,7 +851,8 @@ class CommSpanMode:
         Args:
             timeout_s: bound on the whole shutdown, in seconds; default ``flush_timeout_s``.
         """
-        timeout = self._config.flush_timeout_s if timeout_s is None else timeout_s
+        timeout = self._config.flush_timeout_s if timeout_s is None else seconds(
+            "timeout_s", timeout_s, zero=True)
         deadline = time.monotonic() + timeout
         for q in self._queues:  # start every exporter now: a hung one delays no other
             q.flush(0.0)
