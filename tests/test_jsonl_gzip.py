@@ -164,3 +164,34 @@ def test_a_compressed_line_longer_than_the_limit_is_refused(
 def test_compress_must_be_a_bool_or_a_level(bad: object, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"compress=.* is not valid; pass True"):
         JsonlSpanExporter(tmp_path, compress=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("first_compressed", [False, True], ids=["plain-first", "gzip-first"])
+def test_appending_the_other_format_is_refused_and_counted(
+    tmp_path: Path, first_compressed: bool
+) -> None:
+    """A second run writing the other format to the same file would leave lines no
+    reader can read: nothing is appended, its spans are counted as failed, and the
+    file reads as the first run wrote it."""
+    path = tmp_path / "trace.jsonl"
+    model = torch.nn.Linear(2, 2)
+
+    def run(compress: bool, run_id: str) -> dict:
+        mode = CommSpanMode(exporters=[JsonlSpanExporter(path, compress=compress)],
+                            run_id=run_id)
+        with mode:
+            for i in range(2):
+                with mode.step(i):
+                    model(torch.ones(1, 2)).sum().backward()
+        mode.shutdown()
+        return mode.stats()["exporters"][0]
+
+    first = run(first_compressed, "first")
+    assert first["failed"] == 0 and first["exported"] > 0
+    before = path.read_bytes()
+    second = run(not first_compressed, "second")
+    assert second["exported"] == 0 and second["failed"] == second["handed"] > 0
+    assert path.read_bytes() == before
+    report = ReadReport()
+    spans = list(read_spans(path, strict=False, report=report))
+    assert report.skipped == [] and len(spans) == first["exported"]

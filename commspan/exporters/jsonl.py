@@ -161,6 +161,20 @@ class JsonlSpanExporter(SpanExporter):
             )
             return None
         st = os.fstat(fd)
+        if st.st_size > 0:
+            packed = _starts_compressed(path)
+            if packed is not None and packed != bool(self.compress_level):
+                # a mix of plain and gzip'd lines is unreadable: write nothing there
+                os.close(fd)
+                self._warn_once(
+                    "format", "commspan: %s holds %s lines and this JsonlSpanExporter "
+                    "writes %s ones (compress=%s); a mix cannot be read, so nothing is "
+                    "appended and its spans are counted as failed: pass another path, or "
+                    "compress=%s (not logged again)", path,
+                    "compressed" if packed else "plain", "plain" if packed else "compressed",
+                    bool(self.compress_level), packed,
+                )
+                return None
         if self.digest:
             self._open_digest(path, fresh=st.st_size == 0)
         self._fd = fd
@@ -353,6 +367,15 @@ def _check_template(template: str) -> None:
         f"path={template!r} is not a valid file-name template: {problem}; the fields are "
         "{rank} and {run_id} (write {{ or }} for a literal brace)"
     )
+
+
+def _starts_compressed(path: Path) -> bool | None:
+    """Whether a non-empty file starts with the gzip magic; ``None`` if unreadable."""
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(2) == b"\x1f\x8b"
+    except OSError:
+        return None
 
 
 def _ends_in_newline(path: Path, size: int) -> bool:
