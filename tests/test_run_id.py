@@ -12,7 +12,7 @@ import pytest
 import commspan.session.run_id as run_id_mod
 from commspan.session.run_id import resolve_run_id
 
-_ENV = ("COMMSPAN_RUN_ID", "TORCHELASTIC_RUN_ID")
+_ENV = ("COMMSPAN_RUN_ID", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
 
 
 @pytest.fixture()
@@ -53,6 +53,33 @@ def test_torchelastic_env_beats_broadcast(
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "from-torchrun")
     assert resolve_run_id() == "from-torchrun"
     assert calls == []
+
+
+@pytest.mark.parametrize(("count", "expected"), [
+    ("0", "from-torchrun"), ("2", "from-torchrun-restart2"), ("x", "from-torchrun")])
+def test_each_elastic_restart_is_a_run_of_its_own(
+    calls: list[str], monkeypatch: pytest.MonkeyPatch, count: str, expected: str
+) -> None:
+    """torchrun keeps TORCHELASTIC_RUN_ID across restarts and counts them: a restarted
+    attempt's steps start again, and must not share the first attempt's traces."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "from-torchrun")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", count)
+    assert resolve_run_id() == expected
+
+
+def test_a_repeated_step_number_is_warned_about_once(caplog: pytest.LogCaptureFixture) -> None:
+    """mode.step(0) again (an epoch-local counter) shares step 0's trace: the log says so."""
+    from commspan import CommSpanMode
+
+    mode = CommSpanMode()
+    with caplog.at_level("WARNING", logger="commspan"), mode:
+        for _epoch in range(2):
+            for i in range(3):
+                with mode.step(i):
+                    pass
+    warnings = [r for r in caplog.records if "mode.step(0) after mode.step(2)" in r.message]
+    assert len(warnings) == 1
+    assert "epoch * steps_per_epoch + i" in warnings[0].message
 
 
 @pytest.mark.parametrize("value", ["", "   ", "none"])

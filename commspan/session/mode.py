@@ -236,6 +236,7 @@ class CommSpanMode:
         self._owner = 0  # thread that entered the mode
         self._warned = Once()
         self._in_step = False
+        self._last_step = -1  # highest step number so far (a repeat shares its trace)
         self._paused = False
         self._popped = False
         self._ranks = Ranks(0, 0, 1)
@@ -415,6 +416,13 @@ class CommSpanMode:
                 f"mode.step({index}) was entered inside another step; steps do not nest"
             )
         self._end_trace(None)
+        if index <= self._last_step and self._warned.first("step repeated"):
+            _log.warning(
+                "commspan: mode.step(%d) after mode.step(%d): a step number that repeats "
+                "one of this run shares its trace, and readers add the two up; pass a "
+                "number that grows over the whole run (e.g. epoch * steps_per_epoch + i) "
+                "(not logged again)", index, self._last_step)
+        self._last_step = max(self._last_step, index)
         traced = self._rank_traced and self._config.sampler(index)
         self._in_step = True
         if not traced:

@@ -1,9 +1,13 @@
 """The run id: one value shared by every rank of a run.
 
 Resolution order: the ``run_id=`` argument, ``COMMSPAN_RUN_ID``,
-``TORCHELASTIC_RUN_ID`` (set by torchrun), then a random id agreed across
-ranks through the default process group (one 16-byte broadcast from rank 0,
-once, when the mode is entered), else a random id for a single process.
+``TORCHELASTIC_RUN_ID`` (set by torchrun; torchrun keeps it across the
+restarts of an elastic job, so from the first restart on the id gets
+``-restart<N>`` from ``TORCHELASTIC_RESTART_COUNT``: each attempt is a run of
+its own, whose step numbers start again without adding to the last
+attempt's), then a random id agreed across ranks through the default process
+group (one 16-byte broadcast from rank 0, once, when the mode is entered),
+else a random id for a single process.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ __all__ = ["resolve_run_id"]
 _log = logging.getLogger(__name__)
 ENV_RUN_ID = "COMMSPAN_RUN_ID"
 ENV_TORCHELASTIC = "TORCHELASTIC_RUN_ID"
+ENV_RESTARTS = "TORCHELASTIC_RESTART_COUNT"
 
 
 def resolve_run_id(explicit: str | None = None) -> str:
@@ -28,6 +33,10 @@ def resolve_run_id(explicit: str | None = None) -> str:
     for var in (ENV_RUN_ID, ENV_TORCHELASTIC):
         value = os.environ.get(var, "").strip()
         if value and value != "none":
+            if var == ENV_TORCHELASTIC:
+                restart = os.environ.get(ENV_RESTARTS, "").strip()
+                if restart.isdigit() and int(restart) > 0:
+                    return f"{value}-restart{int(restart)}"
             return value
     local = uuid.uuid4().hex
     agreed = _agree(local)
