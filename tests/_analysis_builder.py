@@ -176,6 +176,7 @@ class SpanBuilder:
         self.seq: Counter[tuple[int, str]] = Counter()
         self._ids = itertools.count(1)
         self._spans: list[tuple[int, _Span]] = []
+        self.resource_extra: dict[str, Any] = {}  # more resource attributes of every rank
 
     def new_id(self) -> str:
         return f"{next(self._ids):016x}"
@@ -279,7 +280,8 @@ class SpanBuilder:
                     events=list(s.events),
                     event_times=list(s.times),
                     rank=rank,
-                    resource={semconv.RANK: rank, semconv.WORLD_SIZE: self.world},
+                    resource={semconv.RANK: rank, semconv.WORLD_SIZE: self.world,
+                              **self.resource_extra},
                 )
             )
         return out

@@ -389,6 +389,20 @@ def test_hang_names_group_seq_the_missing_rank_and_each_ranks_module() -> None:
     assert result.checked["collectives"] == COLLECTIVES_PER_STEP
 
 
+def test_hang_with_a_rank_the_sample_left_out_does_not_blame_it() -> None:
+    """ranks=0,1,2: rank 3 traced nothing. Rank 1 never issued the collective (its
+    hang record says so); of rank 3 nothing is known, which the finding says."""
+    b = hang_scenario(rank1_record=True)
+    b._spans = [(r, s) for r, s in b._spans if r != 3]
+    b.resource_extra = {semconv.SAMPLING_RANKS: "ranks 0,1,2"}
+    (f,) = run_check(b).findings
+    assert f.kind == KIND_HANG
+    assert f.details["never_issued"] == [1] and f.details["not_traced"] == [3]
+    assert f.ranks[3]["state"] == "not traced"
+    assert "rank 3 is not traced (ranks 0,1,2): unknown" in f.message
+    assert "rank 1 never issued it" in f.message
+
+
 def test_hang_without_a_record_from_the_missing_rank_uses_its_last_collective() -> None:
     """Rank 1 wrote no hang record (it died): it is described by its last exported
     collective."""

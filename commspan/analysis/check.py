@@ -629,8 +629,15 @@ def _hang_finding(
     never: dict[str, list[int]] = {}
     steps: Counter[int | None] = Counter()
     issued_at: list[int] = []
+    untraced: list[int] = []
     for r in members:
         hang = latest.get(r)
+        if run.rank_sample and hang is None and r not in run.ranks:
+            # left out by the rank sample: nothing is known of what it did
+            untraced.append(r)
+            ranks[r] = {"op": None, "fqn": None, "phase": None, "seq": None,
+                        "state": "not traced", "hang_record": None}
+            continue
         known = {rec.seq: rec for rec in exported.get((group, r), []) if rec.seq is not None}
         known.update({rec.seq: rec for rec in per_rank.get(r, []) if rec.seq is not None})
         at = known.get(seq)
@@ -682,11 +689,15 @@ def _hang_finding(
         parts.append(f"{_who(done)} completed it")
     for text, who in never.items():
         parts.append(f"{_who(who)} {text}")
+    if untraced:
+        parts.append(f"{_who(untraced)} {'is' if len(untraced) == 1 else 'are'} not traced "
+                     f"({run.rank_sample}): unknown")
     step = steps.most_common(1)[0][0] if steps else None
     message = f"{_group_label(group, members)}, seq {seq}: " + "; ".join(parts)
     details: dict[str, Any] = {
         "group_ranks": list(members),
         "never_issued": sorted(r for who in never.values() for r in who),
+        "not_traced": sorted(untraced),
         "issued_ns": min(issued_at) if issued_at else 0,
     }
     return Finding(KIND_HANG, group, seq, step, ranks, message, details)
