@@ -581,3 +581,40 @@ def test_a_step_is_exported_when_it_ends(monkeypatch: pytest.MonkeyPatch) -> Non
         n = len(exporter.spans)
         assert n == mode.stats()["spans"] > 1
     mode.shutdown()
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
+def test_a_forked_child_drops_and_counts_what_it_records() -> None:
+    """The export thread does not survive fork: a child's spans used to wait forever
+    (pending), and the parent's queued spans would have been exported twice. The
+    child forgets the parent's, drops its own with a count, and its flush returns."""
+    import json
+    import os
+
+    exporter = RecordingExporter()
+    queue = ExportQueue(exporter, schedule_delay_s=30.0)
+    queue.on_end(ReadableSpan("before fork"))
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: no torch, only the queue
+        code = 1
+        try:
+            queue.on_end(ReadableSpan("in the child"))
+            flushed = queue.flush(1.0)
+            stats = dict(queue.stats())
+            os.write(write_end, json.dumps({"flushed": flushed, **stats}).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as fh:
+        child = json.loads(fh.read())
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert child["flushed"] is True
+    assert (child["handed"], child["dropped"], child["pending"], child["in_flight"]) == (
+        1, 1, 0, 0)
+    assert child["handed"] == (child["exported"] + child["dropped"] + child["failed"]
+                               + child["pending"] + child["in_flight"])
+    queue.shutdown(5.0)
+    assert [s.name for s in exporter.spans] == ["before fork"]

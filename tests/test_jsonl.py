@@ -583,3 +583,18 @@ def test_exporting_leaves_the_garbage_collector_alone(
     exporter.shutdown()
     assert encode_spans_protobuf(spans)
     assert calls == []
+
+
+def test_read_spans_takes_a_directory(tmp_path: Path) -> None:
+    """As every reader: a directory stands for its *.jsonl files."""
+    from commspan.exporters import read_spans
+
+    (tmp_path / "run").mkdir()
+    line = (b'{"resourceSpans":[{"resource":{"attributes":[]},"scopeSpans":[{"scope":'
+            b'{"name":"x"},"spans":[{"traceId":"0123456789abcdef0123456789abcdef",'
+            b'"spanId":"0123456789abcdef","name":"s","kind":1,"startTimeUnixNano":"1",'
+            b'"endTimeUnixNano":"2"}]}]}]}\n')
+    (tmp_path / "run" / "a.jsonl").write_bytes(line)
+    assert [s.name for s in read_spans(tmp_path / "run")] == ["s"]
+    with pytest.raises(FileNotFoundError, match="holds no"):
+        list(read_spans(tmp_path))

@@ -140,3 +140,16 @@ def test_nested_step() -> None:
         with mode.step(1):
             pass
     assert sorted(traces_by_step(list(exporter.get_finished_spans()))) == [0, 1]
+
+
+def test_leaving_twice_is_a_clear_error() -> None:
+    """A second __exit__ used to fail inside torch's mode stack (IndexError)."""
+    from commspan import CommSpanMode
+
+    mode = CommSpanMode()
+    mode.__enter__()
+    mode.__exit__(None, None, None)
+    with pytest.raises(RuntimeError, match="not active"):
+        mode.__exit__(None, None, None)
+    with mode:  # and it can be entered again
+        pass

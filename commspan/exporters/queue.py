@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import threading
 import time
+import weakref
 from typing import Any
 
 from opentelemetry.context import attach, detach, set_value
@@ -70,6 +72,19 @@ class ExportStats(dict):  # type: ignore[type-arg]
             - self["pending"]
             - self["in_flight"]
         )
+
+
+# every queue of the process, for the fork handler below
+_LIVE: weakref.WeakSet[ExportQueue] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for queue in list(_LIVE):
+        queue._after_fork_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class ExportQueue(SpanProcessor):
@@ -146,6 +161,7 @@ class ExportQueue(SpanProcessor):
         self._flush_requests = 0
         self._flushed = 0
         self._stopped = False
+        self._forked = False  # this object was copied into a forked child process
         self._closing = False
         self._worker: threading.Thread | None = None
         self._batch = 0  # number of the batch inside export (0: none)
@@ -159,6 +175,7 @@ class ExportQueue(SpanProcessor):
         self.failed = 0
         self.abandoned = 0
         self._logged = Once()  # each kind of loss is logged once: "drop", "fail", "slow"
+        _LIVE.add(self)
 
     # ------------------------------------------------------------ processor API
     def on_start(self, span: Any, parent_context: Any = None) -> None:
@@ -172,6 +189,13 @@ class ExportQueue(SpanProcessor):
             if self._stopped or len(queue) >= self._max_queue:
                 self.dropped += 1
                 warn = self._logged.first("drop")
+                if warn and self._forked:
+                    _log.warning(
+                        "commspan: a span ended in a process forked from the one that "
+                        "entered the mode; %s does not export from forked processes "
+                        "(enter a CommSpanMode in the child to trace it); dropping and "
+                        "counting them in mode.stats(), not logged again", self._name)
+                    warn = False
             else:
                 warn = False
                 queue.append(span)
@@ -332,6 +356,24 @@ class ExportQueue(SpanProcessor):
                 in_flight=self.in_flight,
                 healthy=self._healthy,
             )
+
+    def _after_fork_in_child(self) -> None:
+        """In a child forked from the process that made this queue: its worker thread
+        and lock holder did not come along. The spans still queued are the parent's
+        (which exports them): forgotten here, and no longer counted. The child
+        exports nothing; what it records is dropped and counted."""
+        self._cond = threading.Condition(threading.Lock())
+        self._logged = Once()  # (its lock may have been held by a thread left behind)
+        gone = len(self._queue) + self.in_flight
+        self._queue.clear()
+        self.handed -= gone
+        self.queued -= gone
+        self.in_flight = 0
+        self._batch = 0
+        self._worker = None
+        self._stopped = True
+        self._forked = True
+        self._flushed = self._flush_requests
 
     # ------------------------------------------------------------ worker
     def _start(self) -> None:

@@ -30,6 +30,7 @@ import orjson
 from commspan import semconv
 from commspan._errors import positive_int
 from commspan.otlpjson.encode import paused_gc
+from commspan.otlpjson.files import jsonl_files
 from commspan.otlpjson.records import (
     DEFAULT_MAX_LINE_BYTES,
     ReadReport,
@@ -518,7 +519,8 @@ def read_spans(
     when one is given, else logged as warnings.
 
     Args:
-        paths: JSONL files.
+        paths: JSONL files, or directories standing for their ``*.jsonl`` and
+            ``*.jsonl.gz`` files (:func:`commspan.otlpjson.files.jsonl_files`).
         strict: raise on a damaged line (default) or skip it.
         report: a :class:`ReadReport` that collects what was read and skipped.
         max_line_bytes: longest line read (default 64 MiB); bounds memory.
@@ -527,15 +529,17 @@ def read_spans(
         ValueError: a damaged or over-long line and ``strict``, naming file and
             line; ``max_line_bytes`` not a positive int.
         TypeError: ``strict`` not a bool, ``report`` not a ``ReadReport``.
+        FileNotFoundError: a path does not exist, or a directory holds no JSONL file.
         OSError: a file cannot be read.
 
     Example:
         >>> from commspan.exporters import read_spans
-        >>> spans = list(read_spans())  # pass the files of a run
+        >>> spans = list(read_spans())  # pass the files (or the directory) of a run
         >>> spans
         []
     """
-    yield from read_spans_in(paths, strict=strict, report=report, max_line_bytes=max_line_bytes)
+    files = jsonl_files(paths) if paths else []
+    yield from read_spans_in(files, strict=strict, report=report, max_line_bytes=max_line_bytes)
 
 
 def read_spans_in(

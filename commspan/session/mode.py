@@ -339,6 +339,10 @@ class CommSpanMode:
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        if not self._active:
+            raise RuntimeError(
+                "this CommSpanMode is not active (left already, or never entered); leave "
+                "it once per `with mode:`")
         try:
             if self._watch is not None:
                 self._watch.stop()
