@@ -162,6 +162,34 @@ def test_signal_writes_a_record_and_handlers_are_restored(tmp_path: Path) -> Non
     assert signal.set_wakeup_fd(-1) == -1  # none left behind
 
 
+@pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="needs SIGUSR1")
+@pytest.mark.parametrize("first_out", ["a", "b"])
+def test_modes_left_in_any_order_restore_the_programs_handler(first_out: str) -> None:
+    """Two modes on the same dump signal: while either is in, the signal reaches a
+    mode (no user handler call); once both left, the program's own handler is back
+    (a mode left first used to leave a dead mode's handler installed)."""
+    calls: list[int] = []
+
+    def mine(signum: int, frame: Any) -> None:
+        calls.append(signum)
+
+    previous = signal.signal(signal.SIGUSR1, mine)
+    try:
+        a = CommSpanMode(dump_signal=signal.SIGUSR1)
+        b = CommSpanMode(dump_signal=signal.SIGUSR1)
+        a.__enter__()
+        b.__enter__()
+        first, second = (a, b) if first_out == "a" else (b, a)
+        first.__exit__(None, None, None)
+        assert signal.getsignal(signal.SIGUSR1) is not mine  # the other mode holds it
+        second.__exit__(None, None, None)
+        assert signal.getsignal(signal.SIGUSR1) is mine
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert calls == [signal.SIGUSR1]
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [

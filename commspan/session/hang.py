@@ -38,6 +38,10 @@ __all__ = ["HangWatch"]
 _log = logging.getLogger(__name__)
 
 
+# per signal, the watches whose handler is installed, in the order they installed it
+_INSTALLED: dict[int, list[HangWatch]] = {}
+
+
 class HangWatch:
     """Watches for stuck collectives and the dump signal on a thread of its own.
 
@@ -106,6 +110,7 @@ class HangWatch:
             return
         self._old_handler = signal.signal(self._signum, self._on_signal)
         self._handler_installed = True
+        _INSTALLED.setdefault(self._signum, []).append(self)
         reader, writer = socket.socketpair()
         reader.setblocking(False)
         writer.setblocking(False)
@@ -133,12 +138,23 @@ class HangWatch:
             reader.close()
             writer.close()
             self._socks = None
-        if self._handler_installed:
+        if self._handler_installed and self._signum is not None:
+            self._handler_installed = False
+            chain = _INSTALLED.get(self._signum, [])
+            at = next((i for i, w in enumerate(chain) if w is self), -1)
+            if at >= 0:
+                del chain[at]
+            if 0 <= at < len(chain):
+                # a mode entered after this one still holds the signal (modes left out
+                # of order): it restores, when it leaves, what this one found
+                chain[at]._old_handler = self._old_handler
+                return
+            if signal.getsignal(self._signum) != self._on_signal:
+                return  # the program installed a handler of its own since: keep it
             try:
                 signal.signal(self._signum, self._old_handler)  # type: ignore[arg-type]
             except (ValueError, OSError, TypeError):
                 pass
-            self._handler_installed = False
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         # runs on the main thread: only wake the watchdog (the main thread may be
