@@ -410,7 +410,8 @@ def test_hang_without_a_record_from_the_missing_rank_uses_its_last_collective() 
     assert f.kind == KIND_HANG and f.details["never_issued"] == [1]
     assert f.ranks[1]["hang_record"] is None
     assert f.ranks[1]["fqn"] == "Net.blocks.1"
-    assert ("rank 1 never issued it and wrote no hang record; its last collective was "
+    assert ("rank 1 wrote no record of it and no hang record (stopped?); its last "
+            "exported collective was "
             "all_gather_into_tensor in `Net.blocks.1` forward") in f.message
 
 

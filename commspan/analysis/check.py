@@ -666,9 +666,10 @@ def _hang_finding(
                 text = "never issued it and was outside any module"
             elif r in last_any:
                 fqn, phase = last_any[r].fqn, last_any[r].phase
+                # nothing after its last exported spans: not known to have issued it
                 text = (
-                    "never issued it and wrote no hang record; its last collective was "
-                    f"{last_any[r].op} in `{fqn}` {phase}"
+                    "wrote no record of it and no hang record (stopped?); its last "
+                    f"exported collective was {last_any[r].op} in `{fqn}` {phase}"
                 )
             else:
                 text = "never issued it and wrote nothing"
