@@ -191,3 +191,33 @@ def test_pytest_option_writes_then_compares(pytester: pytest.Pytester, fake_pg: 
     failed.assert_outcomes(failed=1)
     failed.stdout.fnmatch_lines(["*-Reduce forward all_reduce count=1",
                                  "*+Reduce forward all_reduce count=2"])
+
+
+def test_collectives_outside_every_module_are_in_the_text_while_capturing(
+    fake_pg: None,
+) -> None:
+    """Inside the capture the rank span is still open: what it holds (a collective
+    outside every module) is in the golden text and in assert_placements there, as
+    in the counts, not only once the capture has ended."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from commspan.testing import assert_placements, fake_mesh
+
+    with capture() as cap:
+        distribute_tensor(torch.ones(8, 4), fake_mesh(4), [Shard(0)]).sum().full_tensor()
+        inside = golden_text(cap)
+        assert "Global forward all_reduce count=1" in inside.splitlines()
+        assert_placements(cap, "Global", "all_reduce", "P(sum)", "R", phase="forward")
+    assert golden_text(cap) == inside
+
+
+@pytest.mark.parametrize("value", ["false", "0", "no", "off", ""])
+def test_update_variable_off_values_do_not_rewrite(
+    tp_cap: CommCapture, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    path = tmp_path / "g.txt"
+    path.write_text("# tampered\n")
+    monkeypatch.setenv("COMMSPAN_UPDATE_GOLDEN", value)
+    with pytest.raises(AssertionError):
+        assert_matches_golden(tp_cap, path)
+    assert path.read_text() == "# tampered\n"

@@ -293,9 +293,26 @@ class Aggregator(SpanProcessor):
     def collectives(
         self, fqn: str | None = None, phase: str | None = None, op: str | None = None
     ) -> list[CollectiveSummary]:
-        """Collectives grouped by owning module, phase, op and placements."""
+        """Collectives grouped by owning module, phase, op and placements: of the
+        spans that ended, and, live, of the spans still open (the rank span of a
+        step in progress holds the collectives issued outside every module)."""
         with self._lock:
-            items = list(self._summaries.items())
+            summaries = {k: list(v) for k, v in self._summaries.items()}
+        if self._live is not None:
+            for span in self._live():
+                for _name, ev in span.events:
+                    event_op = ev.get(semconv.COLL_OP)
+                    if event_op is None:
+                        continue
+                    key = (
+                        str(ev.get(semconv.OWNER_FQN) or ev.get(semconv.MODULE_FQN, span.fqn)),
+                        str(ev.get(semconv.PHASE, "")), str(event_op),
+                        str(ev.get(semconv.REDIST_SRC, "")), str(ev.get(semconv.REDIST_DST, "")),
+                    )
+                    slot = summaries.setdefault(key, [0, 0])
+                    slot[0] += 1
+                    slot[1] += int(ev.get(semconv.TENSOR_BYTES, 0) or 0)
+        items = list(summaries.items())
         out = [
             CollectiveSummary(k[0], k[1], k[2], k[3], k[4], v[0], v[1])
             for k, v in items

@@ -159,6 +159,8 @@ class OpenSpan(NamedTuple):
         credits: ``{(module fqn, phase, op): n}``: collectives of the frame's
             events that count for other modules, which had no open span (see
             :meth:`~commspan.spans.SpanRecorder.add_event`).
+        events: ``(name, attributes)`` of the frame's own events so far (its
+            collectives and their op, owner, bytes and placements).
     """
 
     fqn: str
@@ -166,3 +168,4 @@ class OpenSpan(NamedTuple):
     counts: Mapping[tuple[str, str], int]
     finished: bool
     credits: Mapping[tuple[str, str, str], int] = _NO_CREDITS
+    events: tuple[tuple[str, Mapping[str, Any]], ...] = ()

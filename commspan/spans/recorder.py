@@ -192,7 +192,8 @@ class SpanRecorder:
         copies do not change afterwards.
         """
         return tuple(
-            OpenSpan(f.fqn, dict(f.attrs), dict(f.counts), f.finished, dict(f.credits or {}))
+            OpenSpan(f.fqn, dict(f.attrs), dict(f.counts), f.finished, dict(f.credits or {}),
+                     _event_copies(f))
             for f in list(self.stack)
         )
 
@@ -201,7 +202,8 @@ class SpanRecorder:
         collectives to complete before they are emitted (``finished`` is ``True``
         for those): every span of the trace not handed to the sink yet."""
         waiting = tuple(
-            OpenSpan(f.fqn, dict(f.attrs), dict(f.counts), True, dict(f.credits or {}))
+            OpenSpan(f.fqn, dict(f.attrs), dict(f.counts), True, dict(f.credits or {}),
+                     _event_copies(f))
             for f in list(self._closed)
         )
         return waiting + self.open_spans()
@@ -657,3 +659,11 @@ def _index(stack: list[Frame], frame: Frame) -> int:
         if stack[i] is frame:
             return i
     return -1
+
+
+def _event_copies(frame: Frame) -> tuple[tuple[str, dict[str, Any]], ...]:
+    """``(name, attributes)`` copies of a frame's events, for :class:`OpenSpan`."""
+    return tuple(
+        (e.name, dict(e.attrs)) if isinstance(e, CollectiveTiming) else (e[0], dict(e[2]))
+        for e in list(frame.events)
+    )

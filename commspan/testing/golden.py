@@ -86,8 +86,11 @@ def update_golden() -> Iterator[list[Path]]:
         _written = previous
 
 
+_OFF = frozenset({"", "0", "false", "no", "off"})
+
+
 def _updating() -> bool:
-    return _written is not None or os.environ.get(UPDATE_ENV, "").strip() not in ("", "0")
+    return _written is not None or os.environ.get(UPDATE_ENV, "").strip().lower() not in _OFF
 
 
 def golden_text(
