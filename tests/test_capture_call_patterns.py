@@ -348,3 +348,37 @@ def test_reraising_the_handled_exception_is_an_error() -> None:
             Reraise()(torch.randn(2, 4))
     spans = list(exporter.get_finished_spans())
     assert _status(spans, "Reraise forward") == [(StatusCode.ERROR, 1)]
+
+
+class _ScaleInPlace(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.full((4,), 2.0))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h.mul_(self.w)  # its input, changed in place: its own backward
+
+
+class _Outer(nn.Module):
+    def __init__(self, by_keyword: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.scale = _ScaleInPlace()
+        self.by_keyword = by_keyword
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x) * 1.0
+        return self.scale(h=h) if self.by_keyword else self.scale(h)
+
+
+def test_keyword_input_changed_in_place_keeps_its_backward_span() -> None:
+    """A keyword input the module changes in place and returns is the module's work,
+    as with a positional one (its version is read only when the call ends)."""
+    def backward_spans(by_keyword: bool) -> set[str]:
+        mode, exporter = traced_mode()
+        with mode:
+            _Outer(by_keyword)(torch.randn(2, 4)).sum().backward()
+        return {fqn(s) for s in exporter.get_finished_spans() if phase(s) == "backward"}
+
+    assert "_Outer.scale" in backward_spans(False)
+    assert backward_spans(True) == backward_spans(False)

@@ -618,3 +618,17 @@ def test_a_forked_child_drops_and_counts_what_it_records() -> None:
                                + child["pending"] + child["in_flight"])
     queue.shutdown(5.0)
     assert [s.name for s in exporter.spans] == ["before fork"]
+
+
+def test_a_bad_shutdown_timeout_leaves_the_queue_usable() -> None:
+    """shutdown(-1) raises before it starts closing: a later shutdown still exports."""
+    exporter = RecordingExporter()
+    queue = ExportQueue(exporter, schedule_delay_s=30.0)
+    queue.on_end(ReadableSpan("s"))
+    with pytest.raises(ValueError, match=r"\btimeout_s=-1"):
+        queue.shutdown(-1)
+    with pytest.raises(ValueError, match=r"\btimeout_millis=-5"):
+        queue.force_flush(-5)
+    queue.shutdown(5.0)
+    assert [s.name for s in exporter.spans] == ["s"]
+    assert queue.stats()["pending"] == 0

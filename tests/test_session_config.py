@@ -130,3 +130,12 @@ def test_ranks_naming_no_rank_of_the_world_warn(caplog: pytest.LogCaptureFixture
     with caplog.at_level("WARNING", logger="commspan"), mode:
         pass
     assert f"names no rank of this world of {world}" in caplog.text
+
+
+def test_numpy_step_numbers_and_world_size_zero() -> None:
+    import numpy as np
+
+    CommSpanMode(sample=np.arange(0, 100, 10))  # numpy ints are step numbers
+    CommSpanMode(resource_attributes={"commspan.rank": np.int64(3)})
+    with pytest.raises(ValueError, match=r"resource_attributes\['commspan.world_size'\]=0"):
+        CommSpanMode(resource_attributes={"commspan.world_size": 0})

@@ -187,16 +187,20 @@ class BackwardNesting:
         return graph_task_id() in self._tasks
 
     # ------------------------------------------------------------ step 1
-    def _watch_inputs(self, call: _Call, args: Any) -> None:
+    def _watch_inputs(self, call: _Call, args: Any, versions: bool = True) -> None:
         """Watch the gradients of a call's input tensors: positional ones when it
-        starts, keyword ones (which only the forward hook sees) when it ends."""
+        starts, keyword ones (which only the forward hook sees) when it ends, then
+        with ``versions=False``: their versions now may already include the
+        module's own in-place change, so they do not mark outputs as inputs
+        handed back unchanged."""
         tensors = _tensors(args)
         if not tensors:
             return
-        if call.input_ids:
-            call.input_ids.update({id(t): t._version for t in tensors})
-        else:
-            call.input_ids = {id(t): t._version for t in tensors}
+        if versions:
+            if call.input_ids:
+                call.input_ids.update({id(t): t._version for t in tensors})
+            else:
+                call.input_ids = {id(t): t._version for t in tensors}
         call.inputs_left += len(tensors)
         hook = functools.partial(self._input_grad_ready, call)
         for t in tensors:

@@ -549,7 +549,7 @@ class ModuleTracker(BackwardNesting):
                 self.parallel.ddp_forward_done(module, self.fqn)
             if output is not None and torch.is_grad_enabled():
                 if kwargs:  # keyword inputs: seen only now
-                    self._watch_inputs(call, kwargs)
+                    self._watch_inputs(call, kwargs, versions=False)
                 self._watch_outputs(call, output)
         except Exception:
             self._errors.record()

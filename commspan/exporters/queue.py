@@ -272,6 +272,11 @@ class ExportQueue(SpanProcessor):
 
     def force_flush(self, timeout_millis: int | None = None) -> bool:
         """``SpanProcessor.force_flush``: :meth:`flush` with a timeout in milliseconds."""
+        if timeout_millis is not None and (
+                isinstance(timeout_millis, bool) or not isinstance(timeout_millis, (int, float))
+                or not timeout_millis >= 0):
+            raise ValueError(f"timeout_millis={timeout_millis!r} is not valid; pass a number "
+                             "of milliseconds, 0 or more")
         return self.flush(None if timeout_millis is None else timeout_millis / 1000)
 
     def shutdown(self, timeout_s: float | None = None) -> None:
@@ -286,13 +291,13 @@ class ExportQueue(SpanProcessor):
             timeout_s: bound on the whole shutdown, in seconds; default
                 ``export_timeout_s``.
         """
+        timeout = self._timeout if timeout_s is None else seconds("timeout_s", timeout_s,
+                                                                    zero=True)
         with self._cond:
             if self._closing:
                 return
             self._closing = True
             self._logged.mark("slow")  # a slow flush here is reported as shutdown's loss
-        timeout = self._timeout if timeout_s is None else seconds("timeout_s", timeout_s,
-                                                                    zero=True)
         deadline = time.monotonic() + timeout
         self.flush(timeout)
         with self._cond:

@@ -7,6 +7,7 @@ the mode keeps that and nothing else of its arguments.
 
 from __future__ import annotations
 
+import operator
 import signal
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -215,13 +216,27 @@ def _resource_attributes(attributes: Mapping[str, Any] | None) -> dict[str, Any]
                 f"resource_attributes[{key!r}]=None is not accepted; readers need "
                 f"{key} to tell ranks apart (leave it out of resource_attributes)"
             )
-        if key in out and key != semconv.RUN_ID and (
-                not isinstance(out[key], int) or isinstance(out[key], bool) or out[key] < 0):
-            raise ValueError(
-                f"resource_attributes[{key!r}]={out[key]!r} is not valid; pass an int >= 0 "
-                "(or leave it out: commspan reads it from torch.distributed)"
-            )
+        if key in out and key != semconv.RUN_ID:
+            least = 1 if key == semconv.WORLD_SIZE else 0
+            n = _whole(out[key])
+            if n is None or n < least:
+                raise ValueError(
+                    f"resource_attributes[{key!r}]={out[key]!r} is not valid; pass an int "
+                    f">= {least} (or leave it out: commspan reads it from torch.distributed)"
+                )
+            out[key] = n
     return out
+
+
+def _whole(value: Any) -> int | None:
+    """``value`` as an int if it is a whole number type (``int``, numpy's ints; not a
+    bool), else ``None``."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def _sampler(sample: int | Iterable[int] | Sampler | None) -> Sampler:
@@ -243,9 +258,9 @@ def _sampler(sample: int | Iterable[int] | Sampler | None) -> Sampler:
         items = list(sample)
     except TypeError:
         raise TypeError(f"sample={sample!r} is not valid; {fix}") from None
-    wrong = [s for s in items if not isinstance(s, int) or isinstance(s, bool) or s < 0]
+    wrong = [s for s in items if _whole(s) is None or _whole(s) < 0]  # type: ignore[operator]
     if wrong:
         raise ValueError(f"sample={sample!r} is not valid: {wrong[0]!r} is not a step "
                          f"number (an int >= 0); {fix}")
-    steps = frozenset(items)
+    steps = frozenset(int(s) for s in items)
     return lambda i: i in steps
