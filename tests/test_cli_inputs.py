@@ -95,7 +95,7 @@ def test_decompressed_copies_are_read_once(
     code, out, err = _cli(capsys, "summary", str(folder), "--rank", "all", "--json")
     assert code == 0
     assert json.loads(out)["total"] == expected
-    assert "decompressed copy" in err and "commspan-rank0.jsonl," in err
+    assert "a copy made with gunzip -k" in err and "commspan-rank0.jsonl," in err
     # one rank's copy only: check finds what it finds without the copy (it used to
     # see rank 0 issue every collective twice)
     one = _with_copies(packed_dir, tmp_path / "one", ranks=(0,))
@@ -318,3 +318,23 @@ def test_usage_errors_show_the_commands_usage(
         assert exc.value.code == 2
         assert err.startswith(f"usage: commspan {command} ")
         assert f"commspan {command}: error:" in err
+
+
+def test_of_a_copy_and_a_grown_file_the_grown_one_is_read(
+    packed_dir: Path, tmp_path: Path
+) -> None:
+    """``gunzip -k`` and then the plain file grew (another run appended), or ``gzip -k``
+    of a plain file that kept growing: the file holding more lines is read, the
+    copy that is a prefix of it is not, and their shared lines are read once."""
+    folder = tmp_path / "grown"
+    shutil.copytree(packed_dir, folder)
+    packed = folder / "commspan-rank0.jsonl.gz"
+    lines = gzip.decompress(packed.read_bytes()).splitlines(keepends=True)
+    plain = folder / "commspan-rank0.jsonl"
+    plain.write_bytes(b"".join(lines) + lines[0])  # the copy, grown by a line
+    assert {f.name for f in jsonl_files(folder)} == {
+        "commspan-rank0.jsonl", "commspan-rank1.jsonl.gz"}
+    packed.write_bytes(gzip.compress(b"".join(lines[:1])))  # an old, shorter archive
+    plain.write_bytes(b"".join(lines))
+    assert {f.name for f in jsonl_files(folder)} == {
+        "commspan-rank0.jsonl", "commspan-rank1.jsonl.gz"}

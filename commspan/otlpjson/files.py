@@ -48,9 +48,10 @@ def jsonl_files(
     """The JSONL files ``paths`` name: files as given, directories' ``*.jsonl`` and
     ``*.jsonl.gz`` sorted; none twice.
 
-    A file named twice is read once, and an ``X.jsonl`` that is a decompressed
-    copy of the ``X.jsonl.gz`` beside it (same first bytes: ``gunzip -k``) is
-    not read; a note says so.
+    A file named twice is read once; of an ``X.jsonl`` and an ``X.jsonl.gz``
+    whose lines are one the start of the other's (a ``gunzip -k`` or
+    ``gzip -k`` copy, perhaps grown since), only the one holding more is read;
+    a note says so.
 
     Args:
         paths: a path, or paths, of files or directories.
@@ -96,10 +97,10 @@ def jsonl_files(
 
 
 def _without_copies(files: list[Path], notes: list[str] | None) -> list[Path]:
-    """``files`` less those that would be read twice: a file named twice, and a
-    ``X.jsonl`` beside an ``X.jsonl.gz`` that starts with the same bytes (a
-    decompressed copy, as ``gunzip -k`` leaves: the compressed file, which the
-    exporter may still be appending to, is read)."""
+    """``files`` less those that would be read twice: a file named twice, and of an
+    ``X.jsonl`` beside an ``X.jsonl.gz`` holding the same lines (a copy made by
+    ``gunzip -k`` or ``gzip -k``), the one whose lines the other holds (the older
+    copy: the other may have grown since). Files that differ are both read."""
     seen: set[Path] = set()
     unique: list[Path] = []
     for f in files:
@@ -107,23 +108,24 @@ def _without_copies(files: list[Path], notes: list[str] | None) -> list[Path]:
         if key not in seen:
             seen.add(key)
             unique.append(f)
-    compressed = {f.resolve(): f for f in unique if f.name.endswith(".jsonl.gz")}
-    out: list[Path] = []
-    copies: list[str] = []
+    by_path = {f.resolve(): f for f in unique}
+    skipped: set[Path] = set()
     for f in unique:
         if f.name.endswith(".jsonl"):
-            twin = compressed.get(f.resolve().with_name(f.name + ".gz"))
-            if twin is not None and _same_start(f, twin):
-                copies.append(os.fspath(f))
-                continue
-        out.append(f)
+            twin = by_path.get(f.resolve().with_name(f.name + ".gz"))
+            if twin is not None:
+                shorter = _prefix_of(f, twin)
+                if shorter is not None:
+                    skipped.add(shorter.resolve())
+    out = [f for f in unique if f.resolve() not in skipped]
+    copies = [os.fspath(f) for f in unique if f.resolve() in skipped]
     if copies:
         shown = ", ".join(copies[:3]) + (f" and {len(copies) - 3} more" if len(copies) > 3
                                          else "")
         note = (f"commspan: not reading {shown}: "
-                + ("each is a decompressed copy" if len(copies) > 1 else "a decompressed copy")
-                + " of the .jsonl.gz beside it (the same first bytes); the compressed "
-                "files are read")
+                + ("each holds" if len(copies) > 1 else "it holds")
+                + " only lines its .jsonl/.jsonl.gz twin beside it holds too (a copy "
+                "made with gunzip -k or gzip -k); the twin is read")
         if notes is not None:
             notes.append(note)
         else:
@@ -131,17 +133,25 @@ def _without_copies(files: list[Path], notes: list[str] | None) -> list[Path]:
     return out
 
 
-_SAME_START_BYTES = 1 << 16
+_CHUNK = 1 << 20
 
 
-def _same_start(plain: Path, compressed: Path) -> bool:
-    """Whether the two files' first 64 kB of (decompressed) lines are the same:
-    OTLP/JSON lines carry random trace and span ids, so only a copy matches."""
+def _prefix_of(plain: Path, compressed: Path) -> Path | None:
+    """Of a plain file and a compressed one, the one whose (decompressed) bytes
+    start the other's, the compressed one when they are equal; ``None`` when
+    neither starts the other (or one cannot be read): both are read."""
     try:
-        with open(plain, "rb") as f:
-            a = f.read(_SAME_START_BYTES)
-        with gzip.open(compressed, "rb") as g:
-            b = g.read(len(a))
+        with open(plain, "rb") as f, gzip.open(compressed, "rb") as g:
+            while True:
+                a = f.read(_CHUNK)
+                b = g.read(len(a) if a else _CHUNK)
+                if a != b:
+                    if not a and b:
+                        return plain  # the plain file ended first: a shorter copy
+                    if a.startswith(b):  # the compressed one ended first (read() is short
+                        return compressed  # only at its end)
+                    return None
+                if not a:
+                    return plain  # equal: read the compressed one (it may have a digest)
     except (OSError, EOFError, zlib.error):
-        return False
-    return bool(a) and a == b
+        return None
