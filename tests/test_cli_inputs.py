@@ -212,45 +212,41 @@ def test_huge_option_values_are_usage_errors(
     assert "is not valid; pass" in err and "1048576" in err
 
 
-def _cut_last_step(packed_dir: Path, folder: Path) -> tuple[int, int]:
-    """Plain copies of the run's files whose last line lost its rank span, step span
-    and top-level module spans, as a rank stopped mid-step leaves it; returns the
-    hand count of collectives in the other lines, and the cut step."""
+def _cut_step(packed_dir: Path, folder: Path, index: int) -> int:
+    """Plain copies of the run's files whose line ``index`` (one step) lost its rank
+    span, step span and top-level module spans, as a rank stopped mid-step leaves
+    it; returns the hand count of collectives in the other lines."""
     folder.mkdir()
     whole = 0
-    cut_step = -1
     for packed in sorted(packed_dir.glob("*.jsonl.gz")):
         lines = gzip.decompress(packed.read_bytes()).splitlines(keepends=True)
-        doc = json.loads(lines[-1])
+        doc = json.loads(lines[index])
         for rs in doc["resourceSpans"]:
             for ss in rs["scopeSpans"]:
-                for span in ss["spans"]:
-                    for a in span.get("attributes", []):
-                        if a["key"] == semconv.STEP:
-                            cut_step = int(a["value"]["intValue"])
                 ss["spans"] = [
                     span for span in ss["spans"]
                     if span["name"] not in (semconv.SPAN_RANK, semconv.SPAN_STEP)
                     and "parentSpanId" in span
                     and not span["name"].startswith("MLP ")]
-        plain = folder / packed.name.removesuffix(".gz")
-        plain.write_bytes(b"".join(lines[:-1]) + json.dumps(doc).encode() + b"\n")
-        head = folder / "head.jsonl"
-        head.write_bytes(b"".join(lines[:-1]))
-        whole += _raw_collectives(head)
-        head.unlink()
-    return whole, cut_step
+        lines[index] = json.dumps(doc).encode() + b"\n"
+        (folder / packed.name.removesuffix(".gz")).write_bytes(b"".join(lines))
+        rest = folder / "rest.jsonl"
+        rest.write_bytes(b"".join(line for i, line in enumerate(lines) if i != index))
+        whole += _raw_collectives(rest)
+        rest.unlink()
+    return whole
 
 
 @pytest.mark.parametrize("digested", [False, True], ids=["lines", "digests"])
 def test_a_step_cut_short_is_named(
     packed_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], digested: bool
 ) -> None:
-    """Module spans of a step without its rank span: the summary's total is the
-    complete steps' (hand count), and stderr and --json name the cut step."""
+    """Module spans of a step without its rank span, followed by later steps: the
+    summary's total is the complete steps' (hand count), and stderr and --json name
+    the cut step. The last step so cut, with no hang record, may still be running:
+    not named."""
     folder = tmp_path / "cut"
-    whole, cut_step = _cut_last_step(packed_dir, folder)
-    assert cut_step >= 0
+    whole = _cut_step(packed_dir, folder, 0)
     if digested:
         assert _cli(capsys, "digest", str(folder))[0] == 0
     code, out, err = _cli(capsys, "summary", str(folder), "--rank", "all", "--json")
@@ -259,11 +255,18 @@ def test_a_step_cut_short_is_named(
     # no span left of that trace says its step (a hang record would)
     assert data["partial"] == [{"rank": r, "step": None} for r in RANKS]
     assert "a step of ranks 0-1 was cut short" in err
-    assert cut_step not in data["steps"]
+    assert 0 not in data["steps"]
     code, _, err = _cli(capsys, "table", str(folder), "--rank", "all")
     assert code == 0 and "was cut short" in err
     code, _, err = _cli(capsys, "summary", str(packed_dir), "--rank", "all")
     assert "cut short" not in err
+    # the last step without its rank span and no hang record: a job still running
+    running = tmp_path / "running"
+    _cut_step(packed_dir, running, -1)
+    if digested:
+        assert _cli(capsys, "digest", str(running))[0] == 0
+    code, out, err = _cli(capsys, "summary", str(running), "--rank", "all", "--json")
+    assert code == 0 and json.loads(out)["partial"] == [] and "cut short" not in err
 
 
 @pytest.mark.parametrize("command", ["html", "perfetto"])

@@ -869,6 +869,7 @@ def summarize_parts(
     traces: set[str] = set()
     rooted: set[tuple[int, str]] = set()
     present: dict[tuple[int, str], int | None] = {}
+    latest: dict[int, tuple[int, str]] = {}
     for part in parts:
         if rank is not None and part["rank"] != rank:
             continue
@@ -876,14 +877,20 @@ def summarize_parts(
         traces.add(part["trace"])
         ranks.add(part["rank"])
         key = (part["rank"], part["trace"])
+        last = latest.get(part["rank"])
+        if last is None or part["start"] > last[0]:
+            latest[part["rank"]] = (part["start"], part["trace"])
         if part["rank_step"] is not None:
             rooted.add(key)
             if part["rank_step"][3] is not None:
                 steps.add(part["rank_step"][3])
-        if part["present"]:
+        if part["present"] and part["commspan_spans"]:
             present[key] = part["step"] if present.get(key) is None else present[key]
     # a trace's spans may span lines: cut short when no line of it holds its rank span
-    partial = [(r, step) for (r, t), step in present.items() if (r, t) not in rooted]
+    # and the rank wrote later traces (digests hold no hang record: lines that have
+    # one are read as spans)
+    partial = [(r, step) for (r, t), step in present.items()
+               if (r, t) not in rooted and latest[r][1] != t]
     steps.update(step for _, step in partial if step is not None)
     return summary_of(agg, count, traces, ranks, steps, partial)
 

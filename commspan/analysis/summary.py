@@ -37,10 +37,11 @@ def summarize(
         ``{"spans", "traces", "ranks", "steps", "collectives": {phase: {op: n}},
         "total", "partial"}``; ranks and steps sorted, phases in phase order, ops
         sorted. ``partial`` lists the ``{"rank", "step"}`` of traces cut short: a
-        rank wrote module spans of the trace but never its ``commspan.rank`` span
-        (a hang, or a process stopped mid-step; ``step`` is ``None`` when no span
-        of the trace says it). ``total`` and ``collectives`` come from the rank
-        spans, so they leave those out.
+        rank wrote module spans of the trace but never its ``commspan.rank`` span,
+        and a hang record names the trace or the rank wrote later ones (its last
+        trace may still be running); ``step`` is ``None`` when no span of the
+        trace says it. ``total`` and ``collectives`` come from the rank spans, so
+        they leave those out.
     """
     count = 0
     ranks: set[int] = set()
@@ -49,6 +50,8 @@ def summarize(
     trace_step: dict[str, int] = {}
     rooted: set[tuple[int | None, str]] = set()
     modules: set[tuple[int | None, str]] = set()
+    hung: set[tuple[int | None, str]] = set()
+    latest: dict[int | None, tuple[int, str]] = {}  # rank -> (start, trace) of its last
     for span in spans:
         if rank is not None and span.rank != rank:
             continue
@@ -57,6 +60,11 @@ def summarize(
         if span.rank is not None:
             ranks.add(span.rank)
         name = span.name
+        last = latest.get(span.rank)
+        if last is None or span.start_time > last[0]:
+            latest[span.rank] = (span.start_time, span.trace_id)
+        if name == semconv.SPAN_HANG:
+            hung.add((span.rank, span.trace_id))
         if name in _STEP_NAMES:
             step = span.attributes.get(semconv.STEP)
             if isinstance(step, int) and not isinstance(step, bool):
@@ -66,8 +74,19 @@ def summarize(
                 rooted.add((span.rank, span.trace_id))
         elif semconv.MODULE_FQN in span.attributes:
             modules.add((span.rank, span.trace_id))
-    partial = [(r, trace_step.get(t)) for r, t in modules - rooted]
+    partial = [(r, trace_step.get(t)) for r, t in modules - rooted
+               if _cut_short(r, t, hung, latest)]
     return summary_of(aggregator, count, traces, ranks, steps, partial)
+
+
+def _cut_short(rank: Any, trace: str, hung: set[Any], latest: dict[Any, Any]) -> bool:
+    """A trace without its rank span was cut short when a hang record names it, or
+    when the rank wrote a later trace; its last trace may still be running (files
+    of a job in progress), so that one is not."""
+    if (rank, trace) in hung:
+        return True
+    last = latest.get(rank)
+    return last is not None and last[1] != trace
 
 
 def summary_of(
