@@ -46,13 +46,16 @@ def test_commspan_env_beats_torchelastic(calls: list[str], monkeypatch: pytest.M
     assert calls == []
 
 
-def test_torchelastic_env_beats_broadcast(
+def test_torchelastic_env_with_an_attempt_agreed_by_broadcast(
     calls: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Under torchrun (TORCHELASTIC_RUN_ID set) its id is used without a broadcast."""
+    """Under torchrun (TORCHELASTIC_RUN_ID set) its id names the run, with 8 hex digits
+    of this attempt agreed by the broadcast: every rank of one attempt alike, each
+    restarted attempt a run of its own (torchrun's restart counts differ by node)."""
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "from-torchrun")
-    assert resolve_run_id() == "from-torchrun"
-    assert calls == []
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")
+    assert resolve_run_id() == "from-torchrun-agreed-b"
+    assert len(calls) == 1
 
 
 @pytest.mark.parametrize(("count", "expected"), [
@@ -60,8 +63,9 @@ def test_torchelastic_env_beats_broadcast(
 def test_each_elastic_restart_is_a_run_of_its_own(
     calls: list[str], monkeypatch: pytest.MonkeyPatch, count: str, expected: str
 ) -> None:
-    """torchrun keeps TORCHELASTIC_RUN_ID across restarts and counts them: a restarted
-    attempt's steps start again, and must not share the first attempt's traces."""
+    """One process (no broadcast to agree through): the restart count tells the
+    attempts apart."""
+    monkeypatch.setattr(run_id_mod, "_agree", lambda local: None)
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "from-torchrun")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", count)
     assert resolve_run_id() == expected

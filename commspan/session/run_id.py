@@ -1,13 +1,19 @@
 """The run id: one value shared by every rank of a run.
 
 Resolution order: the ``run_id=`` argument, ``COMMSPAN_RUN_ID``,
-``TORCHELASTIC_RUN_ID`` (set by torchrun; torchrun keeps it across the
-restarts of an elastic job, so from the first restart on the id gets
-``-restart<N>`` from ``TORCHELASTIC_RESTART_COUNT``: each attempt is a run of
-its own, whose step numbers start again without adding to the last
-attempt's), then a random id agreed across ranks through the default process
-group (one 16-byte broadcast from rank 0, once, when the mode is entered),
-else a random id for a single process.
+``TORCHELASTIC_RUN_ID`` (set by torchrun), then a random id agreed across
+ranks through the default process group (one 16-byte broadcast from rank 0,
+once, when the mode is entered), else a random id for a single process.
+
+torchrun keeps ``TORCHELASTIC_RUN_ID`` across the restarts of an elastic job,
+and each node counts its own restarts (a node whose workers did not fail
+restarts with count 0), so neither tells one attempt from the next on every
+rank alike. Under torchrun the run id is therefore ``<TORCHELASTIC_RUN_ID>-<8
+hex digits>``, the digits agreed across ranks by the same broadcast: each
+attempt is a run of its own, whose step numbers start again without adding
+to the last attempt's. Without a process group to agree through (one
+process), the suffix is ``restart<N>`` from ``TORCHELASTIC_RESTART_COUNT``
+after the first restart, and nothing before it.
 """
 
 from __future__ import annotations
@@ -34,6 +40,9 @@ def resolve_run_id(explicit: str | None = None) -> str:
         value = os.environ.get(var, "").strip()
         if value and value != "none":
             if var == ENV_TORCHELASTIC:
+                attempt = _agree(uuid.uuid4().hex)
+                if attempt is not None:
+                    return f"{value}-{attempt[:8]}"
                 restart = os.environ.get(ENV_RESTARTS, "").strip()
                 if restart.isdigit() and int(restart) > 0:
                     return f"{value}-restart{int(restart)}"
