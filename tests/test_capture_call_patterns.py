@@ -382,3 +382,43 @@ def test_keyword_input_changed_in_place_keeps_its_backward_span() -> None:
 
     assert "_Outer.scale" in backward_spans(False)
     assert backward_spans(True) == backward_spans(False)
+
+
+class _ReRunFromHook(nn.Module):
+    """A checkpoint of its own, as Megatron's CheckpointWithoutOutput does it: the
+    block's forward is re-run from a gradient hook during backward (no checkpoint
+    node runs, no saved-tensor hooks are set)."""
+
+    def __init__(self, marks: list[str]) -> None:
+        super().__init__()
+        self.block = _Reducing(marks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.block(x)
+
+        def re_run(grad: torch.Tensor) -> None:
+            with torch.enable_grad():
+                self.block(x.detach())
+
+        out.register_hook(re_run)
+        return out
+
+
+def test_a_module_re_run_in_backward_by_other_checkpointing_is_a_recompute(
+    fake_pg: None,
+) -> None:
+    """A module that already ran forward in the step and runs again while autograd
+    executes is a recompute, whatever re-ran it; one called there for the first
+    time (a gradient hook's module, above) is backward work."""
+    marks: list[str] = []
+    log = _Log(marks)
+    mode, exporter = traced_mode()
+    with mode, log:
+        _ReRunFromHook(marks)(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    # (not assert_well_formed: a tensor hook runs before the module's backward opens,
+    # so this recompute sits under the rank span, not under a backward span)
+    spans = list(exporter.get_finished_spans())
+    rerun = sum(1 for _, running, seen in log.seen if running and "block forward" in seen)
+    assert rerun == 1  # reference: the test's own record
+    assert _counts(mode, "Global", "recompute") == {"all_reduce": rerun}
+    assert ("_ReRunFromHook.block", "recompute") in {(fqn(s), phase(s)) for s in spans}

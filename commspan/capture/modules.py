@@ -180,6 +180,7 @@ class ModuleInfo:
         "depth",
         "ref",
         "ddp",
+        "fw_trace",
     )
 
     def __init__(self, fqn: str, mtype: str) -> None:
@@ -200,6 +201,7 @@ class ModuleInfo:
         self.names = {phase: semconv.module_span_name(fqn, phase) for phase in Phase}
         self.depth = 0  # nesting depth at the module's first forward
         self.ref: Any = None  # weakref.ref to the module, made once
+        self.fw_trace: Any = None  # trace id of its last forward (a recompute re-runs it)
 
 
 def _remove_hooks(handles: list[Any]) -> None:
@@ -422,14 +424,18 @@ class ModuleTracker(BackwardNesting):
             self._error_mark = None
             info = self._info(module)
             task = _graph_task_id()
-            phase = phase_now(None, task != -1, module_call=True,
-                              recomputing=task != -1 and recomputing())
+            # in backward: a recompute if checkpointing says so, or if the module
+            # already ran forward in this trace (other checkpoint implementations)
+            phase = phase_now(None, task != -1, module_call=True, recomputing=task != -1 and (
+                recomputing() or info.fw_trace == self.recorder.trace_id))
             if task == -1 and self._tasks:
                 self._abandon_backward()
             parent = self._calls[-1] if self._calls else None
             depth = self._call_depth(info, phase, parent)
             attrs = self._call_attributes(module, info, phase, depth)
             frame = self.recorder.push(info.fqn, phase, attrs, task, name=info.names[phase])
+            if phase is _FORWARD:
+                info.fw_trace = self.recorder.trace_id
             ref = info.ref
             if ref is None:
                 ref = info.ref = weakref.ref(module)
