@@ -94,7 +94,9 @@ def plan_step(
         world_size: ranks in the job (>= 1), e.g. 512 for TP 8 x FSDP 64.
         rank: the rank this process plays.
         warmup_steps: steps run untraced first (lazy initialisation that issues
-            collectives, e.g. DDP's bucket rebuild at the second step).
+            collectives, e.g. FSDP2's first lazy init). DDP cannot run on torch
+            2.13's fake process group (torch's own assertion), so DDP plans need
+            real ranks.
         exporters: where the traced step's spans go too (e.g. a
             ``JsonlSpanExporter``, to see how many bytes a rank writes per step).
 
