@@ -401,6 +401,10 @@ def test_hang_with_a_rank_the_sample_left_out_does_not_blame_it() -> None:
     assert f.ranks[3]["state"] == "not traced"
     assert "rank 3 is not traced (ranks 0,1,2): unknown" in f.message
     assert "rank 1 never issued it" in f.message
+    # rank 3 in the sample: it traced, so writing nothing means it stopped
+    b.resource_extra = {semconv.SAMPLING_RANKS: "ranks 0,1,2,3"}
+    (f,) = run_check(b).findings
+    assert f.details["not_traced"] == [] and 3 in f.details["never_issued"]
 
 
 def test_hang_without_a_record_from_the_missing_rank_uses_its_last_collective() -> None:
