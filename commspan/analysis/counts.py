@@ -162,13 +162,7 @@ class Aggregator(SpanProcessor):
             credited = ev.get(semconv.OWNER_CREDIT)
             if credited:
                 self._credit(credited, str(ev.get(semconv.PHASE, "")), str(op), start)
-            key = (
-                str(ev.get(semconv.OWNER_FQN) or ev.get(semconv.MODULE_FQN, fqn)),
-                str(ev.get(semconv.PHASE, "")),
-                str(op),
-                str(ev.get(semconv.REDIST_SRC, "")),
-                str(ev.get(semconv.REDIST_DST, "")),
-            )
+            key = _summary_key(ev, fqn, op)
             nbytes = int(ev.get(semconv.TENSOR_BYTES, 0) or 0)
             slot = self._summaries.get(key)
             if slot is None:
@@ -304,12 +298,7 @@ class Aggregator(SpanProcessor):
                     event_op = ev.get(semconv.COLL_OP)
                     if event_op is None:
                         continue
-                    key = (
-                        str(ev.get(semconv.OWNER_FQN) or ev.get(semconv.MODULE_FQN, span.fqn)),
-                        str(ev.get(semconv.PHASE, "")), str(event_op),
-                        str(ev.get(semconv.REDIST_SRC, "")), str(ev.get(semconv.REDIST_DST, "")),
-                    )
-                    slot = summaries.setdefault(key, [0, 0])
+                    slot = summaries.setdefault(_summary_key(ev, span.fqn, event_op), [0, 0])
                     slot[0] += 1
                     slot[1] += int(ev.get(semconv.TENSOR_BYTES, 0) or 0)
         items = list(summaries.items())
@@ -521,6 +510,18 @@ class Aggregator(SpanProcessor):
 
 
 # ------------------------------------------------------------------ helpers
+def _summary_key(ev: Mapping[str, Any], fqn: str, op: Any) -> tuple[str, str, str, str, str]:
+    """(owner, phase, op, placement before, after) of a collective event of a span of
+    module ``fqn``: what :meth:`Aggregator.collectives` groups by."""
+    return (
+        str(ev.get(semconv.OWNER_FQN) or ev.get(semconv.MODULE_FQN, fqn)),
+        str(ev.get(semconv.PHASE, "")),
+        str(op),
+        str(ev.get(semconv.REDIST_SRC, "")),
+        str(ev.get(semconv.REDIST_DST, "")),
+    )
+
+
 def _use_digests(
     agg: Aggregator, files: Sequence[Path], only: int | None, ranks: set[Any],
     report: ReadReport | None,
