@@ -16,6 +16,7 @@ from typing import Any
 
 from commspan import semconv
 from commspan.analysis.counts import Aggregator
+from commspan.analysis.runs import format_numbers
 from commspan.otlpjson.records import SpanRecord
 
 __all__ = ["partial_note", "summarize", "summary_of"]
@@ -121,16 +122,11 @@ def partial_note(partial: list[dict[str, Any]]) -> str | None:
         by_step.setdefault(p["step"], []).append(p["rank"])
     what = "; ".join(
         ("a step" if step is None else f"step {step}")
-        + f" of rank{'s' if len(rs) > 1 else ''} {_numbers(rs)}"
+        + f" of rank{'s' if len(rs) > 1 else ''} "
+        + format_numbers(r for r in rs if r is not None)
         for step, rs in by_step.items()
     )
     return (f"commspan: {what} was cut short (no commspan.rank span written: a hang or a "
             "process stopped mid-step): Global and the modules still open then do not "
             "count its collectives, the modules that finished do (commspan check shows "
             "where each rank was, when a hang record was written)")
-
-
-def _numbers(values: list[int]) -> str:
-    from commspan.analysis.runs import format_numbers
-
-    return format_numbers(v for v in values if v is not None) or "-"

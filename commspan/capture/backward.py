@@ -52,6 +52,7 @@ _Tensor = torch.Tensor
 _PYTREE_NODES: dict[type, Any] = _pytree.SUPPORTED_NODES
 
 graph_task_id: Callable[[], int] = torch._C._current_graph_task_id
+"""The id of the autograd graph task running on this thread, ``-1`` outside autograd."""
 
 try:
     _current_node: Callable[[], Any] | None = torch._C._current_autograd_node
@@ -87,7 +88,6 @@ def recomputing() -> bool:
         return hooks is not None and "recomputation" in getattr(hooks[0], "__qualname__", "")
     except Exception:  # pragma: no cover - a probe that changed shape
         return True
-"""The id of the autograd graph task running on this thread, ``-1`` outside autograd."""
 
 
 class _Call:

@@ -33,6 +33,7 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from commspan import semconv
 from commspan._errors import Once
 from commspan.capture.ranks import process_ranks
+from commspan.otlpjson.decode import GZIP_MAGIC
 from commspan.otlpjson.encode import encode_lines
 
 __all__ = ["DEFAULT_FILENAME", "JsonlSpanExporter"]
@@ -370,10 +371,11 @@ def _check_template(template: str) -> None:
 
 
 def _starts_compressed(path: Path) -> bool | None:
-    """Whether a non-empty file starts with the gzip magic; ``None`` if unreadable."""
+    """Whether a non-empty file starts with the gzip magic, as the readers tell a
+    compressed file; ``None`` if unreadable."""
     try:
         with open(path, "rb") as fh:
-            return fh.read(2) == b"\x1f\x8b"
+            return fh.read(len(GZIP_MAGIC)) == GZIP_MAGIC
     except OSError:
         return None
 

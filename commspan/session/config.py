@@ -258,9 +258,10 @@ def _sampler(sample: int | Iterable[int] | Sampler | None) -> Sampler:
         items = list(sample)
     except TypeError:
         raise TypeError(f"sample={sample!r} is not valid; {fix}") from None
-    wrong = [s for s in items if _whole(s) is None or _whole(s) < 0]  # type: ignore[operator]
-    if wrong:
-        raise ValueError(f"sample={sample!r} is not valid: {wrong[0]!r} is not a step "
-                         f"number (an int >= 0); {fix}")
-    steps = frozenset(int(s) for s in items)
+    numbers = [_whole(s) for s in items]
+    for item, step in zip(items, numbers):
+        if step is None or step < 0:
+            raise ValueError(f"sample={sample!r} is not valid: {item!r} is not a step "
+                             f"number (an int >= 0); {fix}")
+    steps = frozenset(numbers)
     return lambda i: i in steps
