@@ -72,6 +72,22 @@ class DdpNet(torch.nn.Module):
         return self.l3(torch.relu(self.l2(torch.relu(self.l1(self.l0(x))))))
 
 
+class CascadeNet(torch.nn.Module):
+    """Parameters registered in the reverse of the order they are used: their
+    gradients make DDP's buckets ready out of order, and the last hook launches
+    several buckets at once (every step with ``find_unused_parameters``, where
+    DDP never rebuilds its buckets)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = torch.nn.Linear(32, 32)
+        self.mid = torch.nn.Linear(32, 32)
+        self.last = torch.nn.Linear(6, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.first(torch.relu(self.mid(torch.relu(self.last(x)))))
+
+
 def _view(agg: Aggregator) -> dict[str, Any]:
     return {
         "module_counts": agg.module_counts(),
@@ -132,12 +148,13 @@ def scenario_fsdp(out: Path, rank: int) -> None:
 
 
 def _ddp_run(
-    out: Path, rank: int, name: str, *, hook: bool = False, find_unused: bool = False
+    out: Path, rank: int, name: str, *, hook: bool = False, find_unused: bool = False,
+    cascade: bool = False,
 ) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.manual_seed(0)
-    model = DdpNet(spare=find_unused)
+    model: torch.nn.Module = CascadeNet() if cascade else DdpNet(spare=find_unused)
     names = {id(p): n for n, p in model.named_parameters()}
     exporter = JsonlSpanExporter(out / name / "trace-rank{rank}.jsonl")
     mode = CommSpanMode(exporters=[exporter])
@@ -158,7 +175,9 @@ def _ddp_run(
                 ddp(torch.randn(4, 6)).sum().backward()
     mode.shutdown()
     assert mode.aggregator is not None
-    _write(out, name, rank, {"hook": seen, "stats": mode.stats(), **_view(mode.aggregator)})
+    _write(out, name, rank, {"hook": seen, "stats": mode.stats(),
+                             "numel": {n: p.numel() for n, p in model.named_parameters()},
+                             **_view(mode.aggregator)})
 
 
 MICROBATCHES = 4
@@ -272,6 +291,8 @@ SCENARIOS: dict[str, Callable[[Path, int], None]] = {
     "ddp": lambda out, rank: _ddp_run(out, rank, "ddp"),
     "ddp_hook": lambda out, rank: _ddp_run(out, rank, "ddp_hook", hook=True),
     "ddp_unused": lambda out, rank: _ddp_run(out, rank, "ddp_unused", find_unused=True),
+    "ddp_cascade": lambda out, rank: _ddp_run(
+        out, rank, "ddp_cascade", hook=True, find_unused=True, cascade=True),
     "pp_gpipe": lambda out, rank: _pipeline_run(out, rank, "pp_gpipe"),
     "pp_1f1b": lambda out, rank: _pipeline_run(out, rank, "pp_1f1b"),
     "pp_interleaved": _interleaved_run,

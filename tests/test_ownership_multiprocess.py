@@ -35,7 +35,8 @@ pytestmark = pytest.mark.multiprocess
 
 WORLD = 2
 SCRIPT = Path(__file__).with_name("_mp_ownership_scenarios.py")
-SCENARIOS = ["fsdp", "ddp", "ddp_hook", "ddp_unused", "pp_gpipe", "pp_1f1b", "pp_interleaved"]
+SCENARIOS = ["fsdp", "ddp", "ddp_hook", "ddp_unused", "ddp_cascade",
+             "pp_gpipe", "pp_1f1b", "pp_interleaved"]
 PIPELINES = ["pp_gpipe", "pp_1f1b"]
 MICROBATCHES = 4
 STEPS = 2
@@ -212,6 +213,22 @@ def test_ddp_bucket_all_reduces_match_the_comm_hook(ok_run: MpRun, rank: int) ->
         assert attrs[semconv.OWNER_SOURCE] == "ddp"
 
 
+@pytest.mark.parametrize("rank", range(WORLD))
+def test_ddp_buckets_launched_together_are_each_their_own(ok_run: MpRun, rank: int) -> None:
+    """Buckets made ready out of order are all-reduced together from one
+    parameter's hook; each all-reduce still names the bucket the comm hook was
+    given for it, and its owner holds that bucket's parameters."""
+    hook = ok_run.result("ddp_cascade", rank)["hook"]
+    events = _bucket_events(ok_run, "ddp_cascade", rank)
+    assert len(events) == len(hook) == 9  # three buckets, three steps, no rebuild
+    assert {len(params) for _, params in hook} == {2}  # one layer per bucket
+    for attrs, (index, params) in zip(events, hook):
+        assert attrs[semconv.DDP_BUCKET_INDEX] == index
+        assert attrs[semconv.OWNER_FQN] == _module_name(_lowest_common_module(params))
+        assert attrs[semconv.OWNER_BYTES] == 4 * sum(
+            ok_run.result("ddp_cascade", rank)["numel"][p] for p in params)
+
+
 @pytest.mark.parametrize("scenario", ["ddp", "ddp_unused"])
 def test_ddp_buckets_are_launched_in_index_order(ok_run: MpRun, scenario: str) -> None:
     """Without a hook, the k-th bucket all-reduce of a backward is bucket k (the
@@ -252,7 +269,7 @@ def test_ddp_construction_broadcasts_are_setup_of_the_ddp_module(
         assert "forward" not in counts[DDP] or "all_gather" not in counts[DDP]["forward"]
 
 
-@pytest.mark.parametrize("scenario", ["ddp", "ddp_hook", "ddp_unused"])
+@pytest.mark.parametrize("scenario", ["ddp", "ddp_hook", "ddp_unused", "ddp_cascade"])
 def test_ddp_counts_follow_the_bucket_owner(ok_run: MpRun, scenario: str) -> None:
     """Per-module counts: a bucket all-reduce counts for its owner, the modules
     enclosing it and Global, not for the layer whose backward was open; live and

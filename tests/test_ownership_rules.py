@@ -33,6 +33,9 @@ class Facts:
     units: dict[str, list[FsdpUnit]] = field(default_factory=dict)
     on_stack: FsdpUnit | None = None
     bucket: DdpBucket | None = None
+    # numel -> the bucket the reducer launches next when it has that size
+    launching: dict[int, DdpBucket] = field(default_factory=dict)
+    asked_numel: list[int | None] = field(default_factory=list)
     ddps: set[str] = field(default_factory=set)
     constructing: str | None = None
     asked_stack: int = 0
@@ -54,7 +57,10 @@ class Facts:
         self.asked_stack += 1
         return self.on_stack
 
-    def ddp_bucket_now(self) -> DdpBucket | None:
+    def ddp_bucket_now(self, numel: int | None = None) -> DdpBucket | None:
+        self.asked_numel.append(numel)
+        if numel is not None and self.bucket is not None:
+            return self.launching.get(numel, self.bucket)
         return self.bucket
 
     def ddp_fqns(self) -> Container[str]:
@@ -199,10 +205,26 @@ def test_ddp_unused_map_is_the_ddp_modules() -> None:
     """With find_unused_parameters, an integer all-reduce of another size from the same
     hook is the used-parameter map, owned by the DDP module."""
     attrs = {semconv.TENSOR_SHAPE: [12], semconv.TENSOR_COUNT: 1, semconv.TENSOR_DTYPE: "int32"}
-    owner = DdpModules().owner(
-        _issued("all_reduce", in_autograd=True, attrs=attrs), Facts(bucket=BUCKET, ddps={"DDP"})
-    )
+    facts = Facts(bucket=BUCKET, ddps={"DDP"}, launching={12: BUCKET_2})
+    owner = DdpModules().owner(_issued("all_reduce", in_autograd=True, attrs=attrs), facts)
     assert owner is not None and (owner.fqn, owner.kind) == ("DDP", "unused_map")
+    assert facts.asked_numel == [None]  # the map does not count as a launched bucket
+
+
+BUCKET_2 = DdpBucket(2, 12, 1, ("DDP.module.l3",), "DDP.module.l3", "DDP", True)
+
+
+def test_ddp_bucket_launched_from_another_parameters_hook() -> None:
+    """A bucket all-reduce is charged to the bucket the capture layer says is being
+    launched for the collective's size (buckets launched in cascade from one hook),
+    not to the bucket of the parameter whose hook runs."""
+    attrs = {semconv.TENSOR_SHAPE: [12], semconv.TENSOR_COUNT: 1,
+             semconv.TENSOR_DTYPE: "float32", semconv.TENSOR_BYTES: 48}
+    facts = Facts(bucket=BUCKET, ddps={"DDP"}, launching={12: BUCKET_2})
+    owner = DdpModules().owner(_issued("all_reduce", in_autograd=True, attrs=attrs), facts)
+    assert owner is not None and owner.attributes is not None
+    assert (owner.fqn, owner.attributes[semconv.DDP_BUCKET_INDEX]) == ("DDP.module.l3", 2)
+    assert facts.asked_numel == [12]
 
 
 def test_ddp_forward_sync_and_construction() -> None:

@@ -94,14 +94,17 @@ def _fsdp_group_codes() -> frozenset[Any]:
 
 
 class _DdpState:
-    """One DistributedDataParallel module: its name and current bucket layout."""
+    """One DistributedDataParallel module: its name, current bucket layout and
+    how many of its buckets the running backward has launched."""
 
-    __slots__ = ("fqn", "key", "params")
+    __slots__ = ("buckets", "fqn", "key", "launched", "params")
 
     def __init__(self, fqn: str) -> None:
         self.fqn = fqn
         self.key: Any = None  # (reducer id, rebuilt) the layout was read for
         self.params: list[int] = []  # ids of its parameters in the bucket map
+        self.buckets: list[DdpBucket] = []  # by index
+        self.launched = 0  # buckets all-reduced since its last forward
 
 
 class ParallelModules:
@@ -116,8 +119,9 @@ class ParallelModules:
         self._fsdp_modules: dict[int, tuple[Callable[[], Any], FsdpUnit]] = {}
         self._ddp: weakref.WeakKeyDictionary[Any, _DdpState] = weakref.WeakKeyDictionary()
         self._ddp_names: set[str] = set()
-        # id(parameter) -> (parameter ref, bucket): the ref guards against a reused id
-        self._buckets: dict[int, tuple[Callable[[], Any], DdpBucket]] = {}
+        # id(parameter) -> (parameter ref, bucket, its DDP module's state): the ref
+        # guards against a reused id
+        self._buckets: dict[int, tuple[Callable[[], Any], DdpBucket, _DdpState]] = {}
         self._group_codes: frozenset[Any] | None = None
         self._init_code = _ddp_init_code()
         self.pipeline = PipelineWatch()
@@ -161,7 +165,7 @@ class ParallelModules:
                 return unit
         return None
 
-    def ddp_bucket_now(self) -> DdpBucket | None:
+    def ddp_bucket_now(self, numel: int | None = None) -> DdpBucket | None:
         if not self._buckets:
             return None
         node = _current_node()
@@ -173,6 +177,18 @@ class ParallelModules:
         hit = self._buckets.get(id(param))
         if hit is None or hit[0]() is not param:
             return None
+        if numel is None:
+            return hit[1]
+        # The reducer launches a backward's buckets in index order: when buckets
+        # become ready out of order (parameters used in another order than they
+        # were registered, unused ones marked ready at the first hook), the hook
+        # that readies the next one launches every ready one after it too.
+        state = hit[2]
+        if state.launched < len(state.buckets):
+            bucket = state.buckets[state.launched]
+            if bucket.numel == numel:
+                state.launched += 1
+                return bucket
         return hit[1]
 
     def ddp_constructing(self) -> str | None:
@@ -261,6 +277,7 @@ class ParallelModules:
         state = self._ddp.get(module)
         if state is None:
             return
+        state.launched = 0  # a forward prepares the reducer for a new backward
         reducer = getattr(module, "reducer", None)
         if reducer is None:
             return
@@ -271,6 +288,7 @@ class ParallelModules:
         for pid in state.params:
             self._buckets.pop(pid, None)
         state.params = []
+        state.buckets = []
         owners: dict[int, str] = {}
         for sub in module.module.modules():
             name = name_of(sub)
@@ -295,9 +313,11 @@ class ParallelModules:
                 ddp_fqn=state.fqn,
                 find_unused=find_unused,
             )
+            state.buckets.append(bucket)
             for p in params:
-                self._buckets[id(p)] = (weakref.ref(p), bucket)
+                self._buckets[id(p)] = (weakref.ref(p), bucket, state)
                 state.params.append(id(p))
+        state.buckets.sort(key=lambda b: b.index)
 
 
 def _own_params(module: torch.nn.Module, units: set[int]) -> list[Any]:

@@ -231,8 +231,16 @@ class ParallelFacts(Protocol):
         relative name)."""
         ...
 
-    def ddp_bucket_now(self) -> DdpBucket | None:
-        """The bucket of the parameter whose gradient hook is running now, if any."""
+    def ddp_bucket_now(self, numel: int | None = None) -> DdpBucket | None:
+        """The bucket of the parameter whose gradient hook is running now, if any.
+
+        Given ``numel``, the elements of a collective that hook issues: the
+        bucket that collective reduces. The reducer launches a backward's
+        buckets in index order, several from one hook when they became ready
+        out of order; so it is the DDP module's next bucket not yet launched
+        in this backward when that one has ``numel`` elements (it then counts
+        as launched), else the hook's parameter's bucket.
+        """
         ...
 
     def ddp_fqns(self) -> Container[str]:

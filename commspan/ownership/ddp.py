@@ -1,8 +1,10 @@
 """DistributedDataParallel: bucket all-reduces, and DDP's own syncs.
 
-- A bucket all-reduce runs from the gradient hook of the parameter whose
-  gradient completed the bucket (autograd's current node is that parameter's
-  ``AccumulateGrad``): the capture layer maps the parameter to its bucket
+- A bucket all-reduce runs from the gradient hook of a parameter (autograd's
+  current node is that parameter's ``AccumulateGrad``): the hook of the
+  parameter whose gradient completed the bucket, or of one that completed an
+  earlier bucket when buckets became ready out of order (the reducer launches
+  them in index order). The capture layer tells which bucket
   (:meth:`~commspan.ownership.ParallelFacts.ddp_bucket_now`). Owner: the lowest
   module holding all the bucket's parameters; phase backward. A comm hook's
   collectives for the bucket (PowerSGD, compression) are the bucket's too.
@@ -55,10 +57,7 @@ class DdpModules:
         if issued.in_autograd:
             if not facts.has_ddp:
                 return None
-            bucket = facts.ddp_bucket_now()
-            if bucket is None:
-                return None
-            return self._from_bucket(issued, bucket)
+            return self._in_backward(issued, facts)
         if facts.has_ddp and DDP_FORWARD_LABEL in issued.labels:
             ddps = facts.ddp_fqns()
             for fqn in reversed(issued.open_fqns()):
@@ -74,13 +73,20 @@ class DdpModules:
         return None
 
     @staticmethod
-    def _from_bucket(issued: Issued, bucket: Any) -> Ownership:
+    def _in_backward(issued: Issued, facts: ParallelFacts) -> Ownership | None:
         attrs = issued.attributes
-        dtype = str(attrs.get(semconv.TENSOR_DTYPE, ""))
-        if bucket.find_unused and dtype.startswith(_INTEGER) and numel(attrs) != bucket.numel:
-            # the map of used parameters, all-reduced from the same hook
-            return Ownership(bucket.ddp_fqn, Phase.BACKWARD, semconv.SOURCE_DDP,
-                             semconv.OWNER_KIND_UNUSED_MAP)
+        size = numel(attrs)
+        if str(attrs.get(semconv.TENSOR_DTYPE, "")).startswith(_INTEGER):
+            hook = facts.ddp_bucket_now()
+            if hook is None:
+                return None
+            if hook.find_unused and size != hook.numel:
+                # the map of used parameters, all-reduced from the same hook
+                return Ownership(hook.ddp_fqn, Phase.BACKWARD, semconv.SOURCE_DDP,
+                                 semconv.OWNER_KIND_UNUSED_MAP)
+        bucket = facts.ddp_bucket_now(size)
+        if bucket is None:
+            return None
         extra = {
             semconv.DDP_BUCKET_INDEX: bucket.index,
             semconv.OWNER_PARAMS: bucket.params,
