@@ -32,6 +32,8 @@ import logging
 import threading
 from typing import Any
 
+from commspan._fork import renew_after_fork
+
 __all__ = ["ErrorCounter", "Once", "describe_error", "error_message", "positive_int"]
 
 _FURTHER = " (further errors are counted, not logged)"
@@ -149,11 +151,12 @@ class Once:
     Thread-safe: :meth:`first` is true for exactly one caller per kind.
     """
 
-    __slots__ = ("_seen", "_lock")
+    __slots__ = ("_seen", "_lock", "__weakref__")
 
     def __init__(self) -> None:
         self._seen: set[str] = set()
         self._lock = threading.Lock()
+        renew_after_fork(self, "_lock")  # any thread may log
 
     def first(self, kind: str) -> bool:
         """``True`` the first time ``kind`` is seen, ``False`` afterwards."""

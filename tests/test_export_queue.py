@@ -620,6 +620,89 @@ def test_a_forked_child_drops_and_counts_what_it_records() -> None:
     assert [s.name for s in exporter.spans] == ["before fork"]
 
 
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
+def test_a_child_forked_while_other_threads_hold_commspan_locks_does_not_block(
+    tmp_path: Any,
+) -> None:
+    """fork() copies the forking thread only: a lock another thread held then (the
+    export thread writing, a watchdog's hang record, a reader of the counts) stayed
+    held in the child, and the child's next traced step blocked forever (a
+    DataLoader worker forked inside the mode). The child gets unheld locks."""
+    import json
+    import os
+
+    from commspan.exporters import JsonlSpanExporter
+    from commspan.spans import timing
+
+    exporter = JsonlSpanExporter(tmp_path / "t.jsonl")
+    mode = CommSpanMode(exporters=[exporter])
+    model = _model()
+    x = torch.randn(2, 4)
+    held, release = threading.Event(), threading.Event()
+    with mode:
+        with mode.step(0):
+            model(x)
+        assert mode.aggregator is not None
+        modules = mode.aggregator.modules()
+        locks = {
+            "recorder": mode._recorder._emit_lock,
+            "jsonl": exporter._lock,
+            "aggregator": mode.aggregator._lock,
+            "timing": timing._held_lock,
+        }
+
+        def hold() -> None:
+            for lock in locks.values():
+                lock.acquire()
+            held.set()
+            release.wait(30)
+            for lock in locks.values():
+                lock.release()
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        assert held.wait(10)
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                with mode.step(1):
+                    model(x)
+                ran = mode.aggregator.modules()
+                free = {
+                    "recorder": mode._recorder._emit_lock.acquire(timeout=5),
+                    "jsonl": exporter._lock.acquire(timeout=5),
+                    "aggregator": mode.aggregator._lock.acquire(timeout=5),
+                    "timing": timing._held_lock.acquire(timeout=5),
+                }
+                os.write(write_end, json.dumps({"free": free, "ran": ran}).encode())
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(write_end)
+        try:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    break
+                time.sleep(0.05)
+            else:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                pytest.fail("the forked child blocked on a lock held by a thread of the parent")
+            with os.fdopen(read_end, "rb") as fh:
+                child = json.loads(fh.read())
+        finally:
+            release.set()
+            holder.join(10)
+    mode.shutdown()
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert child["free"] == dict.fromkeys(locks, True)
+    assert child["ran"] == modules and modules  # the child's step was traced
+
+
 def test_a_bad_shutdown_timeout_leaves_the_queue_usable() -> None:
     """shutdown(-1) raises before it starts closing: a later shutdown still exports."""
     exporter = RecordingExporter()

@@ -31,6 +31,7 @@ from opentelemetry.context import Context
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
 
 from commspan import semconv
+from commspan._fork import renew_after_fork
 from commspan.analysis.tree import PHASE_ORDER, Counts, ModuleRecord, module_tree
 from commspan.otlpjson.decode import LineReader, walk
 from commspan.otlpjson.encode import paused_gc
@@ -89,6 +90,7 @@ class Aggregator(SpanProcessor):
     def __init__(self, rank: int | None = None) -> None:
         self._rank = rank
         self._lock = threading.Lock()
+        renew_after_fork(self, "_lock")  # readers on other threads take it
         self._live: LiveView | None = None
         self.reset()
 

@@ -36,6 +36,7 @@ from torch.nn.modules.module import (
 
 from commspan import semconv
 from commspan._errors import ErrorCounter, describe_error
+from commspan._fork import renew_after_fork
 from commspan.capture import ModuleObserver
 from commspan.capture.backward import BackwardNesting, _Call, graph_task_id, recomputing
 from commspan.capture.dtensor import param_summary
@@ -104,6 +105,7 @@ class _RecursionHeadroom:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        renew_after_fork(self, "_lock")  # another thread's mode may hold it
         self._holders = 0
         self._base = 0  # the limit before this object raised it
         self._set = 0  # the limit this object set, 0 if it set none

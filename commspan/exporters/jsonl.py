@@ -32,6 +32,7 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from commspan import semconv
 from commspan._errors import Once
+from commspan._fork import renew_after_fork
 from commspan.capture.ranks import process_ranks
 from commspan.otlpjson.decode import GZIP_MAGIC
 from commspan.otlpjson.encode import encode_lines
@@ -125,6 +126,7 @@ class JsonlSpanExporter(SpanExporter):
         """The gzip level each line is written with; 0: not compressed."""
         self._fd: int | None = None
         self._lock = threading.Lock()
+        renew_after_fork(self, "_lock")  # the export thread holds it while it writes
         self._closed = False
         self._file_id: tuple[int, int] = (0, 0)  # (st_dev, st_ino) of the file held open
         self._size = 0  # where the next line starts, as last seen

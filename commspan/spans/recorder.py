@@ -47,6 +47,7 @@ from opentelemetry.trace.status import Status, StatusCode
 
 from commspan import semconv
 from commspan._errors import describe_error, error_message
+from commspan._fork import renew_after_fork
 from commspan.ownership.innermost import counts_for
 from commspan.semconv import Phase
 from commspan.spans.frames import Frame, OpenSpan
@@ -101,6 +102,7 @@ class SpanRecorder:
         self.last_trace: Trace | None = None
         self._closed: deque[Frame] = deque()  # closed, waiting for completions
         self._emit_lock = threading.Lock()
+        renew_after_fork(self, "_emit_lock")  # a watchdog's hang record may hold it
         self.forced = 0
         """Collectives emitted without a completion (their trace ended first)."""
         self.before_root: Callable[[Frame], None] | None = None

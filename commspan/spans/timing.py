@@ -31,6 +31,7 @@ from typing import Any
 
 from commspan import semconv
 from commspan._bandwidth import bus_factor, operation_bytes
+from commspan._fork import on_fork_in_child
 
 __all__ = ["CollectiveLog", "CollectiveTiming", "add_timing", "hold_timing"]
 
@@ -221,6 +222,14 @@ class CollectiveLog:
 
 _HELD = "_commspan_timing"
 _held_lock = threading.Lock()
+
+
+def _new_held_lock() -> None:
+    global _held_lock
+    _held_lock = threading.Lock()  # the export thread may have held it at fork()
+
+
+on_fork_in_child(_new_held_lock)
 
 
 def hold_timing(span: Any, timings: list[CollectiveTiming] | None, events: Any) -> None:
