@@ -283,11 +283,17 @@ class BackwardNesting:
         if not closing:
             return
         observer: Any = self.observer
+        left = len(closing)
+        # the frames above ``under`` were opened last: scan from the newest call,
+        # and stop once each of them is found (no scan of the whole backward)
         for call in reversed(self._bw_open):
-            if not call.bw_finished and call.bw_frame is not None \
-                    and id(call.bw_frame) in closing:
-                call.bw_finished = True
-                observer.post_bw(call.module(), None)
+            if call.bw_frame is not None and id(call.bw_frame) in closing:
+                if not call.bw_finished:
+                    call.bw_finished = True
+                    observer.post_bw(call.module(), None)
+                left -= 1
+                if not left:
+                    break
 
     def _open_backward(self, call: _Call, task: int, under: Frame | None, grad: Any) -> None:
         call.bw_started = True
