@@ -186,3 +186,21 @@ def test_cli_table_and_json_of_a_1000_deep_model(
     with recursion_limit(8 * depth):  # json.loads and == recurse per level themselves
         assert json.loads(text) == expected
         assert text.rstrip("\n") == json.dumps(expected, indent=2)
+
+
+def test_html_report_of_a_1000_deep_model(tmp_path: Path) -> None:
+    """The HTML report writes the module tree of a model 1000 modules deep at the
+    default recursion limit (it used to recurse once per level)."""
+    from commspan.render.html import html_report
+
+    depth = 1000
+    with recursion_limit(8 * depth):  # the model itself needs it, traced or not
+        mode = CommSpanMode(exporters=[JsonlSpanExporter(tmp_path)])
+        with mode:
+            with mode.step(0):
+                train_step(nested(depth))
+        mode.shutdown()
+    page = html_report(tmp_path)
+    deepest = "Sequential" + ".0" * (depth - 1)
+    assert f'data-fqn="{deepest}"' in page
+    assert page.count("<details") == page.count("</details>") >= depth - 1

@@ -6,6 +6,7 @@ import dataclasses
 import re
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 from _example_run import RANKS, example_run
@@ -209,3 +210,117 @@ def test_two_runs_in_one_folder_are_flagged(records: list[SpanRecord]) -> None:
     page = html_report(records + other)
     assert "These files hold 2 runs" in page
     assert "run second step 0" in page
+
+
+def _one_rank_run(tmp_path: Path, name: str, rank: int, body: Any) -> Path:
+    """Run ``body(mode)`` as ``rank`` of 2 (fake process group), JSONL to tmp_path."""
+    from commspan import CommSpanMode
+    from commspan.exporters import JsonlSpanExporter
+    from commspan.testing import fake_process_group
+
+    out = tmp_path / name
+    with fake_process_group(world_size=2, rank=rank):
+        mode = CommSpanMode(exporters=[JsonlSpanExporter(out / f"rank{rank}.jsonl")])
+        with mode:
+            body(mode)
+        mode.shutdown()
+    return out
+
+
+def test_names_that_open_an_html_comment_keep_the_embedded_data_valid(tmp_path: Path) -> None:
+    """A module named ``<!--x`` (or holding ``<script``) used to be written into the
+    embedded JSON as ``<\\!--``, which JSON cannot parse: the timeline drew nothing."""
+    import torch
+
+    model = torch.nn.Sequential()
+    model.add_module("<!--x", torch.nn.Linear(2, 2))
+    model.add_module("<script>", torch.nn.ReLU())
+
+    def body(mode: Any) -> None:
+        with mode.step(0):
+            model(torch.ones(1, 2))
+
+    page = html_report(_one_rank_run(tmp_path, "run", 0, body))
+    script = page.split('<script type="application/json" id="cs-data">', 1)[1]
+    script = script.split("</script>", 1)[0]
+    assert "<" not in script and ">" not in script  # nothing the HTML parser reads
+    data = embedded_data(page)  # parses as JSON
+    assert {"Sequential.<!--x", "Sequential.<script>"} <= set(data["strings"])
+
+
+def test_span_time_is_the_mean_over_the_ranks_that_ran_the_module(tmp_path: Path) -> None:
+    """A module only rank 1 runs: its span time is rank 1's, not halved by rank 0,
+    which is shown as ``-``."""
+    import torch
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.common = torch.nn.Linear(2, 2)
+            self.extra = torch.nn.Linear(2, 2)
+
+        def forward(self, x: torch.Tensor, extra: bool) -> torch.Tensor:
+            x = self.common(x)
+            return self.extra(x) if extra else x
+
+    net = Net()
+    for rank in (0, 1):
+        def body(mode: Any, rank: int = rank) -> None:
+            for i in range(2):
+                with mode.step(i):
+                    net(torch.ones(1, 2), extra=rank == 1)
+
+        run = _one_rank_run(tmp_path, "run", rank, body)
+    records = load_records(run)
+    mine = [s for s in build_timeline(records).slices if s.fqn == "Net.extra"]
+    assert {s.rank for s in mine} == {1}
+    expected = sum(s.end_ns - s.start_ns for s in mine) / 2  # per step, rank 1 only
+    page = html_report(records)
+    row = page.split('data-fqn="Net.extra"', 1)[1].split('<div class="times">', 1)[1]
+    row = row.split("</div>", 1)[0]
+    assert "rank 0: -, rank 1: " in row
+    shown = re.search(r'">([0-9.]+) (ns|\u00b5s|ms)</span>', row)
+    assert shown is not None
+    scale = {"ns": 1, "\u00b5s": 1e3, "ms": 1e6}[shown.group(2)]
+    assert float(shown.group(1)) * scale == pytest.approx(expected, rel=0.05, abs=60)
+
+
+def test_traces_outside_steps_are_not_counted_as_steps(tmp_path: Path) -> None:
+    """Module calls before, between and after steps make traces of their own: the
+    header names them apart, and per-step figures are over the steps only."""
+    import torch
+    import torch.distributed as dist
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            dist.all_reduce(x)
+            return self.lin(x)
+
+    net = Net()
+
+    def body(mode: Any) -> None:
+        net(torch.ones(2))  # before any step
+        for i in range(2):
+            with mode.step(i):
+                net(torch.ones(2))
+                net(torch.ones(2))
+            net(torch.ones(2))  # between steps
+
+    records = load_records(_one_rank_run(tmp_path, "run", 0, body))
+    in_steps = [c for c in build_timeline(records).collectives
+                if build_timeline(records).steps[c.window].step is not None]
+    assert len(in_steps) == 4
+    page = html_report(records)
+    header = page.split("<header>", 1)[1].split("</header>", 1)[0]
+    assert "2 steps (0-1) and 3 traces outside steps" in header
+    cards = page.split('<section id="summary"', 1)[1].split("</section>", 1)[0]
+    assert '<div class="value">2</div><div class="label">steps</div>' in cards
+    per_step = re.search(r'<span class="n">([0-9.,]+)</span></div><div class="label">'
+                         r"collectives per step and rank", cards)
+    assert per_step is not None and float(per_step.group(1)) == len(in_steps) / 2
+    assert "summed over 2 steps (0-1) and 3 traces outside steps" in page
+

@@ -46,6 +46,7 @@ from commspan.analysis.counts import Aggregator
 from commspan.analysis.timeline import (
     Collective,
     RecordSource,
+    StepWindow,
     Timeline,
     assign_lanes,
     build_timeline,
@@ -227,12 +228,11 @@ def _page(
     title: str,
 ) -> str:
     ranks = list(timeline.ranks)
-    n_steps = len(timeline.steps)
     tree = _merged_tree(records, ranks)
     issued = _issued(timeline.collectives, ranks)
     times = _span_times(timeline, ranks)
     durations = any(c.duration_ns is not None for c in timeline.collectives)
-    ctx = _Context(ranks, n_steps, issued, times, durations)
+    ctx = _Context(ranks, _windows_text(timeline), issued, times, durations)
     parts = [
         "<!doctype html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n",
         "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\n",
@@ -261,9 +261,9 @@ class _Context(NamedTuple):
     """What the module tree's rows are drawn from."""
 
     ranks: list[int]
-    n_steps: int
+    windows: str  # what the tree's counts are summed over, in words
     issued: dict[str, list[_Issued]]
-    times: dict[str, dict[str, list[float]]]
+    times: dict[str, dict[str, list[float | None]]]
     durations: bool
 
 
@@ -276,17 +276,34 @@ def _e(value: Any) -> str:
 
 
 def _script_safe(text: str) -> str:
-    """JSON inside a ``<script>`` element: no ``</`` or ``<!--`` may appear in it."""
-    return text.replace("</", "<\\/").replace("<!--", "<\\!--")
+    """JSON inside a ``<script>`` element: no ``</``, ``<!--`` or ``<script`` may
+    appear in it. JSON has ``<``, ``>`` and ``&`` only inside strings, where
+    their ``\\u`` escapes mean the same."""
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+
+
+def _per_step(timeline: Timeline) -> list[StepWindow]:
+    """The windows per-step figures are over: the steps (``mode.step(i)``) when there
+    are any, every trace otherwise (a run without steps)."""
+    steps = [w for w in timeline.steps if w.step is not None]
+    return steps or list(timeline.steps)
+
+
+def _windows_text(timeline: Timeline) -> str:
+    """``"2 steps (0-1) and 3 traces outside steps"``, ``"4 traces"``."""
+    numbers = sorted({w.step for w in timeline.steps if w.step is not None})
+    n_steps = sum(1 for w in timeline.steps if w.step is not None)
+    others = len(timeline.steps) - n_steps
+    if not n_steps:
+        return f"{others} trace{'s' if others != 1 else ''}"
+    text = f"{n_steps} step{'s' if n_steps != 1 else ''} ({_ranges(numbers)})"
+    if others:
+        text += f" and {others} trace{'s' if others != 1 else ''} outside steps"
+    return text
 
 
 def _header(timeline: Timeline, title: str, findings: bool) -> str:
-    steps = [w.step for w in timeline.steps if w.step is not None]
-    step_text = (
-        f"{len(timeline.steps)} steps ({_ranges(sorted(set(steps)))})"
-        if steps
-        else f"{len(timeline.steps)} traces"
-    )
+    step_text = _windows_text(timeline)
     runs = ", ".join(f"<code>{_e(r)}</code>" for r in timeline.run_ids) or "unknown"
     warn = ""
     if len(timeline.run_ids) > 1:
@@ -307,18 +324,23 @@ def _header(timeline: Timeline, title: str, findings: bool) -> str:
 
 
 def _summary(timeline: Timeline, ranks: list[int]) -> str:
-    n_steps = max(len(timeline.steps), 1)
+    windows = _per_step(timeline)
+    n_steps = max(len(windows), 1)
+    counted = {w.position for w in windows}
     count = {r: 0 for r in ranks}
     nbytes = {r: 0 for r in ranks}
     dur = {r: 0 for r in ranks}
     for c in timeline.collectives:
+        if c.window not in counted:
+            continue  # a trace outside the steps (set-up, evaluation): not per step
         count[c.rank] += 1
         nbytes[c.rank] += c.bytes
         dur[c.rank] += c.duration_ns or 0
     modules = len({s.fqn for s in timeline.slices})
     cards = [
         ("ranks", str(len(ranks))),
-        ("steps", str(len(timeline.steps))),
+        ("steps" if any(w.step is not None for w in windows) else "traces",
+         str(len(windows))),
         ("modules", str(modules)),
         ("collectives per step and rank", _per_rank([count[r] / n_steps for r in ranks], _num)),
         ("bytes per step and rank", _per_rank([nbytes[r] / n_steps for r in ranks], _bytes)),
@@ -472,28 +494,38 @@ def _issued(collectives: Sequence[Collective], ranks: list[int]) -> dict[str, li
     return out
 
 
-def _span_times(timeline: Timeline, ranks: list[int]) -> dict[str, dict[str, list[float]]]:
-    """``{fqn: {phase: [mean ns per step, per rank]}}`` of the module's spans."""
+def _span_times(
+    timeline: Timeline, ranks: list[int]
+) -> dict[str, dict[str, list[float | None]]]:
+    """``{fqn: {phase: [mean ns per step, per rank]}}`` of the module's spans, over
+    the windows of :func:`_per_step`; ``None`` for a rank with no span of it."""
     pos = {r: i for i, r in enumerate(ranks)}
-    total: dict[str, dict[str, list[float]]] = {}
+    windows = _per_step(timeline)
+    counted = {w.position for w in windows}
+    total: dict[str, dict[str, list[float | None]]] = {}
     steps_of: dict[int, set[int]] = {}
     for s in timeline.slices:
-        slot = total.setdefault(s.fqn, {}).setdefault(s.phase, [0.0] * len(ranks))
-        slot[pos[s.rank]] += s.end_ns - s.start_ns
-    for w in timeline.steps:
+        if s.window not in counted:
+            continue
+        slot = total.setdefault(s.fqn, {}).setdefault(s.phase, [None] * len(ranks))
+        i = pos[s.rank]
+        slot[i] = (slot[i] or 0.0) + (s.end_ns - s.start_ns)
+    for w in windows:
         for rank, _start, _end in w.ranks:
             steps_of.setdefault(rank, set()).add(w.position)
     for phases in total.values():
         for values in phases.values():
             for r, i in pos.items():
-                values[i] /= max(len(steps_of.get(r, ())), 1)
+                v = values[i]
+                if v is not None:
+                    values[i] = v / max(len(steps_of.get(r, ())), 1)
     return total
 
 
 def _modules_section(root: _Node, ctx: _Context) -> str:
     out: list[str] = []
-    _node_html(root, 0, ctx, out)
-    over = f"summed over {ctx.n_steps} step{'s' if ctx.n_steps != 1 else ''}"
+    _tree_html(root, ctx, out)
+    over = f"summed over {ctx.windows}"
     return (
         "<section id=\"modules\">\n<h2>Modules</h2>\n"
         f"<p class=\"note\">Collective counts per phase and op, {over}: a module counts "
@@ -507,7 +539,23 @@ def _modules_section(root: _Node, ctx: _Context) -> str:
     )
 
 
-def _node_html(node: _Node, depth: int, ctx: _Context, out: list[str]) -> None:
+def _tree_html(root: _Node, ctx: _Context, out: list[str]) -> None:
+    """The module tree as nested ``<details>``, without recursion (a model thousands of
+    modules deep stays under Python's recursion limit)."""
+    todo: list[tuple[_Node, int] | None] = [(root, 0)]
+    while todo:
+        item = todo.pop()
+        if item is None:
+            out.append("</details>\n")
+            continue
+        node, depth = item
+        if _node_html(node, depth, ctx, out):
+            todo.append(None)  # closes its <details> after its children
+            todo.extend((child, depth + 1) for child in reversed(node.children))
+
+
+def _node_html(node: _Node, depth: int, ctx: _Context, out: list[str]) -> bool:
+    """One module's row; ``True`` if it opened a ``<details>`` its children go in."""
     chips = []
     for phase in sorted(node.counts, key=_phase_order):
         ops = " ".join(
@@ -524,12 +572,10 @@ def _node_html(node: _Node, depth: int, ctx: _Context, out: list[str]) -> None:
     body = _node_body(node, ctx)
     if not node.children and not body:
         out.append(f"<div class=\"leaf\" data-fqn=\"{_e(node.fqn)}\">{line}</div>\n")
-        return
+        return False
     is_open = " open" if depth < _OPEN_DEPTH else ""
     out.append(f"<details{is_open} data-fqn=\"{_e(node.fqn)}\"><summary>{line}</summary>\n{body}")
-    for child in node.children:
-        _node_html(child, depth + 1, ctx, out)
-    out.append("</details>\n")
+    return True
 
 
 def _node_body(node: _Node, ctx: _Context) -> str:
@@ -538,11 +584,12 @@ def _node_body(node: _Node, ctx: _Context) -> str:
     if times:
         cells = " ".join(
             f"<span class=\"ph-{_e(p)}\">{_e(p)} "
-            f"<span title=\"{_e(_rank_list(v, _duration, ctx.ranks))}\">"
-            f"{_duration(sum(v) / len(v))}</span></span>"
+            f"<span title=\"{_e(_rank_list(v, _maybe_duration, ctx.ranks))}\">"
+            f"{_duration(_mean(v))}</span></span>"
             for p, v in sorted(times.items(), key=lambda kv: _phase_order(kv[0]))
         )
-        parts.append(f"<div class=\"times\">span time per step (mean over ranks): {cells}</div>")
+        parts.append("<div class=\"times\">span time per step (mean over the ranks that ran "
+                     f"it): {cells}</div>")
     if node.params:
         rows = "".join(
             f"<tr><td>{_e(name)}</td><td>{_e(p['shape'])}</td>"
@@ -786,7 +833,16 @@ def _per_rank(values: Sequence[float], fmt: Any) -> str:
     return f"<span class=\"n differs\" title=\"one value per rank\">{shown}</span>"
 
 
-def _rank_list(values: Sequence[float], fmt: Any, ranks: list[int]) -> str:
+def _mean(values: Sequence[float | None]) -> float:
+    known = [v for v in values if v is not None]
+    return sum(known) / len(known) if known else 0.0
+
+
+def _maybe_duration(value: float | None) -> str:
+    return "-" if value is None else _duration(value)
+
+
+def _rank_list(values: Sequence[Any], fmt: Any, ranks: list[int]) -> str:
     return ", ".join(f"rank {r}: {fmt(v)}" for r, v in zip(ranks, values))
 
 
