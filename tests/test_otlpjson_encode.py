@@ -20,19 +20,37 @@ from commspan.otlpjson import encode
 
 
 def _reference_value(v: Any) -> dict[str, Any]:
+    """The OTLP/JSON mapping of a value (as the SDK's encoder, then protobuf's JSON
+    mapping, write it); raises for what has none (the attribute is left out)."""
+    if v is None:
+        return {}
     if isinstance(v, bool):
         return {"boolValue": v}
+    if isinstance(v, str):
+        return {"stringValue": "".join(v)}  # a str subclass: its characters
     if isinstance(v, int):
+        if not -(1 << 63) <= v < (1 << 63):
+            raise ValueError(v)
         return {"intValue": str(int(v))}
     if isinstance(v, float):
+        if math.isnan(v):
+            return {"doubleValue": "NaN"}
+        if math.isinf(v):
+            return {"doubleValue": "Infinity" if v > 0 else "-Infinity"}
         return {"doubleValue": v}
     if isinstance(v, (list, tuple)):
         return {"arrayValue": {"values": [_reference_value(x) for x in v]}}
-    return {"stringValue": str(v)}
+    raise TypeError(v)
 
 
 def _reference(attrs: dict[str, Any]) -> bytes:
-    return orjson.dumps([{"key": k, "value": _reference_value(v)} for k, v in attrs.items()])
+    entries = []
+    for k, v in attrs.items():
+        try:
+            entries.append({"key": k, "value": _reference_value(v)})
+        except (TypeError, ValueError):
+            continue
+    return orjson.dumps(entries)
 
 
 class _Color(enum.IntEnum):
@@ -92,8 +110,8 @@ def test_entries_match_value_by_value_encoding() -> None:
     for _ in range(3):  # cold caches, warm ones, and warm again
         for attrs in _all_lists():
             want = _reference(attrs)
-            assert encode._entries(attrs) == want, attrs
-            assert encode._attrs(attrs) == want, attrs
+            assert encode._entries(attrs, check=True) == want, attrs
+            assert encode._attrs(attrs, check=True) == want, attrs
 
 
 def test_full_caches_stay_bounded_and_encode_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -106,7 +124,7 @@ def test_full_caches_stay_bounded_and_encode_the_same(monkeypatch: pytest.Monkey
     monkeypatch.setattr(encode, "_templates", 0)
     for _ in range(3):
         for attrs in _all_lists():
-            assert encode._attrs(attrs) == _reference(attrs), attrs
+            assert encode._attrs(attrs, check=True) == _reference(attrs), attrs
             assert len(encode._PLANS) <= 3
             assert sum(len(p[3]) for p in encode._PLANS.values() if p) <= 4
             assert len(encode._BLOBS) <= 2
@@ -134,3 +152,104 @@ def test_spans_and_events_encode_their_attributes_as_the_reference() -> None:
             assert out["events"][0]["attributes"] == orjson.loads(
                 _reference(dict(span.events[0].attributes or {}))
             )
+
+
+class _Phase(str, enum.Enum):
+    FORWARD = "forward"
+
+
+def _ids_to_base64(obj: Any) -> Any:
+    """OTLP/JSON writes ids in hex; protobuf's own JSON mapping wants base64."""
+    import base64
+
+    if isinstance(obj, dict):
+        return {
+            k: base64.b64encode(bytes.fromhex(v)).decode()
+            if k in ("traceId", "spanId", "parentSpanId") and isinstance(v, str)
+            else _ids_to_base64(v)
+            for k, v in obj.items()
+        }
+    if isinstance(obj, list):
+        return [_ids_to_base64(x) for x in obj]
+    return obj
+
+
+def _sdk_cases() -> dict[str, ReadableSpan]:
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+    from opentelemetry.trace import Link, SpanKind, TraceFlags
+    from opentelemetry.trace.status import Status, StatusCode
+
+    resource = Resource({"service.name": "x", "commspan.rank": 1}, "https://r")
+    scope = InstrumentationScope("other.library", "0.1", "https://s")  # checked values
+
+    def span(attrs: Any = None, events: Any = (), **kw: Any) -> ReadableSpan:
+        ctx = SpanContext(0x0123456789ABCDEF0123456789ABCDEF, 0x0123456789ABCDEF, False,
+                          trace_flags=TraceFlags(1))
+        return ReadableSpan(
+            kw.pop("name", "s"), ctx, parent=kw.pop("parent", None), resource=resource,
+            attributes=attrs, events=list(events), start_time=1, end_time=2**63 - 1,
+            kind=kw.pop("kind", SpanKind.INTERNAL),
+            status=kw.pop("status", Status(StatusCode.UNSET)),
+            instrumentation_scope=kw.pop("scope", scope), links=kw.pop("links", ()),
+        )
+
+    return {
+        "plain": span({"a": "x", "b": 7, "c": True, "d": 1.5, "e": ("a", "b"), "f": (1, 2)}),
+        "non-finite": span({"n": math.nan, "i": math.inf, "m": -math.inf}),
+        "non-finite in arrays": span({"d": (1.0, math.nan, -math.inf)}),
+        "beyond int64": span({"big": 2**63, "u": 2**64 - 1, "keep": 1}),
+        "int64 bounds": span({"m": 2**63 - 1, "n": -(2**63)}),
+        "bytes": span({"b": b"\x00\xff"}),
+        "None in an array": span({"n": ("a", None)}),
+        "str enum": span({"p": _Phase.FORWARD}),
+        "mapping": span({"kv": {"x": 1, "y": "z"}}),
+        "lone surrogate": span({"bad": "a\ud800b", "good": "ok"}),
+        "event values": span({}, [Event("coll", {"seq": 10**12, "f": math.nan, "x": 2**64},
+                                        timestamp=5)]),
+        "link": span({}, links=[Link(SpanContext(3, 4, True), {"l": 1})]),
+        "status": span({}, status=Status(StatusCode.ERROR, "boom \u2603")),
+        "scope attributes": span(
+            {}, scope=InstrumentationScope("lib", "1", None, {"sa": 1})),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_sdk_cases()))
+def test_encoding_is_the_official_mapping_of_the_sdk_message(case: str) -> None:
+    """commspan's OTLP/JSON, parsed by protobuf's strict JSON parser, is the message
+    the SDK's own protobuf encoder builds: non-finite doubles as "NaN" / "Infinity",
+    ints beyond int64 and text UTF-8 cannot encode left out (the batch survives),
+    bytes, mappings and str enums as their values, resource schema URL and scope
+    attributes kept."""
+    import json
+    import logging
+
+    from google.protobuf import json_format
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans as sdk
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+        ExportTraceServiceRequest,
+    )
+
+    span = _sdk_cases()[case]
+    logging.disable(logging.CRITICAL)  # both encoders log what they leave out
+    try:
+        expected = sdk([span])
+        ours = encode.encode_spans([span])
+    finally:
+        logging.disable(logging.NOTSET)
+    parsed = json_format.ParseDict(_ids_to_base64(json.loads(ours)), ExportTraceServiceRequest())
+    assert json_format.MessageToDict(parsed) == json_format.MessageToDict(expected)
+    assert parsed == expected
+
+
+def test_non_finite_doubles_read_back(tmp_path: Any) -> None:
+    """A NaN or infinity written by commspan reads back as itself; a ``null`` double
+    (files written before they were strings) reads as NaN instead of failing the line."""
+    from commspan.otlpjson.decode import decode_value
+
+    for v in (math.nan, math.inf, -math.inf):
+        raw = orjson.loads(encode.encode_spans([ReadableSpan("s", attributes={"v": v})]))
+        value = raw["resourceSpans"][0]["scopeSpans"][0]["spans"][0]["attributes"][0]["value"]
+        back = decode_value(value)
+        assert (math.isnan(back) and math.isnan(v)) or back == v
+    assert math.isnan(decode_value({"doubleValue": None}))

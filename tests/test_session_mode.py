@@ -124,6 +124,19 @@ def test_step_with_non_int_index() -> None:
         pass
 
 
+def test_step_beyond_a_64_bit_int() -> None:
+    """A step number OTLP cannot carry (its attribute is a 64-bit int) is refused,
+    naming the index and the range; the ends of the range are accepted."""
+    mode = CommSpanMode()
+    with mode, pytest.raises(ValueError, match=r"index=9223372036854775808 .*2\*\*63 - 1"), \
+            mode.step(2**63):
+        pass
+    with mode:
+        for step in (-(2**63), 2**63 - 1):
+            with mode.step(step):
+                pass
+
+
 def test_step_outside_mode() -> None:
     """mode.step() outside ``with mode:`` raises RuntimeError saying so."""
     mode = CommSpanMode()

@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import math
 import mmap
 import os
 import zlib
@@ -64,7 +65,8 @@ def _decode_value(v: dict[str, Any]) -> Any:
         if key == "intValue":
             return int(val)
         if key == "doubleValue":
-            return float(val)
+            # "NaN", "Infinity", "-Infinity" as strings; null in files written before
+            return float(val) if val is not None else math.nan
         if key == "boolValue":
             return bool(val)
         if key == "arrayValue":

@@ -20,19 +20,38 @@ Example:
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import gc
-from collections.abc import Iterator, Sequence
+import logging
+from collections.abc import Iterator, Mapping, Sequence
 from operator import itemgetter
 from typing import Any
 
 import orjson
-from opentelemetry.sdk.trace import ReadableSpan
-from opentelemetry.trace import SpanContext, SpanKind
+from opentelemetry.attributes import BoundedAttributes
+from opentelemetry.sdk.trace import Event, ReadableSpan
+from opentelemetry.sdk.util import BoundedList
+from opentelemetry.trace import Link, SpanContext, SpanKind
 from opentelemetry.trace.span import DEFAULT_TRACE_STATE as _NO_STATE
-from opentelemetry.trace.status import StatusCode
+from opentelemetry.trace.status import Status, StatusCode
 
-__all__ = ["encode_lines", "encode_spans", "paused_gc", "resource_and_scope", "span_fields"]
+from commspan import semconv
+
+__all__ = [
+    "dropped_attributes",
+    "dropped_items",
+    "encode_lines",
+    "encode_spans",
+    "paused_gc",
+    "resource_and_scope",
+    "span_fields",
+]
+
+_logger = logging.getLogger(__name__)
+_SCOPE = semconv.INSTRUMENTATION_SCOPE  # the instrumentation scope of commspan's spans
+_INT64_MIN = -(1 << 63)
+_INT64_MAX = (1 << 63) - 1
 
 
 @contextlib.contextmanager
@@ -51,26 +70,67 @@ def paused_gc() -> Iterator[None]:
 
 
 def _value(v: Any) -> dict[str, Any]:
+    """An ``AnyValue`` as the OTLP/JSON mapping writes it (the SDK's protobuf encoder,
+    then protobuf's JSON mapping): subclasses as their base type, non-finite
+    doubles as ``"NaN"`` / ``"Infinity"`` / ``"-Infinity"``, bytes in base64.
+
+    Raises:
+        ValueError: an int outside int64. TypeError: a value of another type.
+        (The attribute is then left out, as the SDK leaves it out.)
+    """
     t = type(v)
     if t is str:
         return {"stringValue": v}
-    if t is int:
+    if t is int and _INT64_MIN <= v <= _INT64_MAX:
         return {"intValue": str(v)}
     if t is bool:
         return {"boolValue": v}
     if t is float:
-        return {"doubleValue": v}
+        return {"doubleValue": v if v - v == 0 else _nonfinite(v)}
     if t is list or t is tuple:
         return {"arrayValue": {"values": [_value(x) for x in v]}}
+    if v is None:
+        return {}
     if isinstance(v, bool):
         return {"boolValue": bool(v)}
+    if isinstance(v, str):
+        return {"stringValue": str.__str__(v)}  # a str enum: its value, not its name
     if isinstance(v, int):
+        if not _INT64_MIN <= v <= _INT64_MAX:
+            raise ValueError(f"Value out of range: {v}")
         return {"intValue": str(int(v))}
     if isinstance(v, float):
-        return {"doubleValue": float(v)}
-    if isinstance(v, (list, tuple)):
+        return _value(float(v))
+    if isinstance(v, bytes):
+        return {"bytesValue": base64.b64encode(v).decode("ascii")}
+    if isinstance(v, Sequence):
         return {"arrayValue": {"values": [_value(x) for x in v]}}
-    return {"stringValue": str(v)}
+    if isinstance(v, Mapping):
+        return {"kvlistValue": {"values": [{"key": str(k), "value": _value(x)}
+                                           for k, x in v.items()]}}
+    raise TypeError(f"Invalid type {type(v)} of value {v}")
+
+
+def _nonfinite(v: float) -> str:
+    return "NaN" if v != v else ("Infinity" if v > 0 else "-Infinity")
+
+
+def _double(v: float) -> bytes:
+    """A double's JSON: a number, or the mapping's string for NaN and the infinities
+    (orjson would write ``null``)."""
+    if v - v == 0:
+        return _dumps(v)
+    return b'"%s"' % _nonfinite(v).encode()
+
+
+def _checked_entry(k: str, v: Any) -> bytes | None:
+    """``{"key":k,"value":...}``, or ``None`` (logged) for a value the mapping has no
+    encoding for (an int beyond int64, another type, text with a lone surrogate)."""
+    try:
+        return _dumps({"key": k, "value": _value(v)})
+    except Exception as error:  # as the SDK: the attribute is left out, the rest sent
+        _logger.warning("Failed to encode attribute %r: %s", k, error)
+        return None
 
 
 # Encoded attribute entries (``{"key":k,"value":{...}}`` as JSON bytes), reused:
@@ -86,24 +146,30 @@ _CACHED_ELEMENTS = frozenset((str, int, bool))
 _dumps = orjson.dumps
 
 
-def _entry(k: str, v: Any) -> bytes:
+def _entry(k: str, v: Any) -> bytes | None:
     t = type(v)
     if t is list or t is tuple:  # cached by elements and their types there
-        return b'{"key":%s,"value":%s}' % (_text(k), _array_value(v))
-    if t is int and not -_SMALL_INT < v < _SMALL_INT:
+        try:
+            return b'{"key":%s,"value":%s}' % (_text(k), _array_value(v))
+        except Exception:  # an element the mapping cannot encode
+            return _checked_entry(k, v)
+    if t is int and not -_SMALL_INT < v < _SMALL_INT and _INT64_MIN <= v <= _INT64_MAX:
         # large ints (sequence numbers, byte counts, steps) rarely repeat
         return b'{"key":%s,"value":{"intValue":"%d"}}' % (_text(k), v)
     if t is float:
-        return _dumps({"key": k, "value": _value(v)})
+        return b'{"key":%s,"value":{"doubleValue":%s}}' % (_text(k), _double(v))
     key = (k, v, t)
     try:
         return _ENTRY_CACHE[key]
     except KeyError:
         pass
     except TypeError:  # unhashable value
-        return _dumps({"key": k, "value": _value(v)})
+        return _checked_entry(k, v)
+    found = _checked_entry(k, v)
+    if found is None:
+        return None
     # orjson's result keeps its ~4 kB build buffer: cache an exact-size copy
-    entry = bytes(memoryview(_dumps({"key": k, "value": _value(v)})))
+    entry = bytes(memoryview(found))
     if len(_ENTRY_CACHE) >= _CACHE_MAX:
         _ENTRY_CACHE.clear()
     _ENTRY_CACHE[key] = entry
@@ -117,13 +183,17 @@ def _entries_one_by_one(attrs: Any) -> bytes:
     out = []
     for k, v in attrs.items():
         t = type(v)
+        e: bytes | None
         if t is str or t is bool or (t is int and -_SMALL_INT < v < _SMALL_INT):
             e = get((k, v, t))
-            out.append(e if e is not None else _entry(k, v))
-        elif t is int:
-            out.append(b'{"key":%s,"value":{"intValue":"%d"}}' % (_text(k), v))
+            if e is None:
+                e = _entry(k, v)
+        elif t is int and _INT64_MIN <= v <= _INT64_MAX:
+            e = b'{"key":%s,"value":{"intValue":"%d"}}' % (_text(k), v)
         else:
-            out.append(_entry(k, v))
+            e = _entry(k, v)
+        if e is not None:
+            out.append(e)
     return b"[" + b",".join(out) + b"]"
 
 
@@ -193,7 +263,7 @@ def _plan(signature: tuple[tuple[str, ...], tuple[type, ...]]) -> Any:
             ints.append(i)
             formatted.append(i)
         elif t is float:
-            convert.append((len(formatted), _dumps))
+            convert.append((len(formatted), _double))
             formatted.append(i)
         elif t is list or t is tuple:
             convert.append((len(formatted), _array_value))
@@ -228,15 +298,24 @@ def _template(plan: Any, written: tuple[Any, ...]) -> bytes:
     return template
 
 
-def _entries(attrs: Any) -> bytes:
-    """The OTLP/JSON list of ``{"key":...,"value":...}`` of a mapping."""
+def _entries(attrs: Any, check: bool = False) -> bytes:
+    """The OTLP/JSON list of ``{"key":...,"value":...}`` of a mapping (``check``: see
+    :func:`_encode`)."""
     values = tuple(attrs.values())
-    return _encode(attrs, values, tuple(map(type, values)), None)
+    return _encode(attrs, values, tuple(map(type, values)), None, check)
 
 
-def _encode(attrs: Any, values: tuple[Any, ...], types: tuple[type, ...], items: Any) -> bytes:
+def _encode(
+    attrs: Any, values: tuple[Any, ...], types: tuple[type, ...], items: Any, check: bool = False
+) -> bytes:
     """:func:`_entries`, given the values and their types; when ``items`` is given, the
-    list is also kept in ``_BLOBS`` under it if its values repeat (see ``_attrs``)."""
+    list is also kept in ``_BLOBS`` under it if its values repeat (see ``_attrs``).
+
+    ``check``: the values may hold ints beyond int64, which the mapping has no
+    encoding for (they are left out). commspan's own span and event attributes
+    cannot (sizes, counts, nanoseconds, step numbers it checks), so their
+    encoding skips the check; resources and spans of other instrumentation
+    scopes take it."""
     signature = (tuple(attrs), types)
     plan = _PLANS.get(signature)
     if plan is None:
@@ -245,6 +324,9 @@ def _encode(attrs: Any, values: tuple[Any, ...], types: tuple[type, ...], items:
         plan = _PLANS[signature] = _plan(signature)
     if plan is _NO_PLAN:
         return _entries_one_by_one(attrs)
+    ints = plan[5](values)
+    if check and ints and (min(ints) < _INT64_MIN or max(ints) > _INT64_MAX):
+        return _entries_one_by_one(attrs)  # which leaves that attribute out
     written = plan[0](values)
     template = plan[3].get(written)
     if template is None:
@@ -259,7 +341,6 @@ def _encode(attrs: Any, values: tuple[Any, ...], types: tuple[type, ...], items:
     else:
         blob = template % plan[1](values)
     if items is not None and plan[6]:
-        ints = plan[5](values)
         if not ints or (-_SMALL_INT < min(ints) and max(ints) < _SMALL_INT):
             elements = _element_types(attrs) if _mixed_arrays(attrs) else None
             # arrays of floats (0.0 == -0.0) or of arrays (their elements' types are
@@ -283,7 +364,7 @@ _BLOBS: dict[tuple[Any, ...], tuple[tuple[type, ...], bytes, tuple[Any, ...] | N
 _BLOBS_MAX = 1 << 12
 
 
-def _attrs(attrs: Any) -> bytes:
+def _attrs(attrs: Any, check: bool = False) -> bytes:
     if not attrs:
         return b"[]"
     items: Any = tuple(attrs.items())
@@ -294,7 +375,7 @@ def _attrs(attrs: Any) -> bytes:
         hit = items = None
     if hit is not None and hit[0] == types and (hit[2] is None or hit[2] == _element_types(attrs)):
         return hit[1]
-    return _encode(attrs, tuple(attrs.values()), types, items)
+    return _encode(attrs, tuple(attrs.values()), types, items, check)
 
 
 def _mixed_arrays(attrs: Any) -> bool:
@@ -359,6 +440,26 @@ def span_fields(span: ReadableSpan) -> tuple[Any, ...]:
                 span.end_time, span.attributes, span.events, span.links, span.status)
 
 
+def dropped_attributes(attrs: Any) -> int:
+    """What the SDK's ``dropped_attributes`` says of an attribute mapping (an ABC's
+    isinstance is slow: the common types are told apart first)."""
+    t = type(attrs)
+    if t is BoundedAttributes:
+        return attrs.dropped  # type: ignore[no-any-return]
+    if attrs is None or t is dict:
+        return 0
+    return attrs.dropped if isinstance(attrs, BoundedAttributes) else 0
+
+
+def dropped_items(items: Any) -> int:
+    """What the SDK's ``dropped_events`` and ``dropped_links`` say of a span's events
+    or links."""
+    t = type(items)
+    if t is tuple or t is list or items is None:
+        return 0
+    return items.dropped if isinstance(items, BoundedList) else 0
+
+
 def resource_and_scope(span: ReadableSpan) -> tuple[Any, Any]:
     """A span's resource and instrumentation scope (stored fields, as :func:`span_fields`)."""
     try:
@@ -367,27 +468,37 @@ def resource_and_scope(span: ReadableSpan) -> tuple[Any, Any]:
         return span.resource, span.instrumentation_scope
 
 
-def _span(span: ReadableSpan) -> bytes:
+def _span(span: ReadableSpan, check: bool = False) -> bytes:
     try:  # span_fields, inlined: this runs for every span
         ctx, parent, name, kind, start, end, attrs, events, links, status = (
             span._context, span._parent, span._name, span._kind, span._start_time,
             span._end_time, span._attributes, span._events, span._links, span._status)
     except AttributeError:
         ctx, parent, name, kind, start, end, attrs, events, links, status = span_fields(span)
-    tail = b',"events":[%s]' % _events(events) if events else b""
+    tail = b',"events":[%s]' % _events(events, check) if events else b""
     if links:
         tail += b',"links":[%s]' % b",".join(
             [
-                b'{"traceId":"%032x","spanId":"%016x","attributes":%s,"flags":%d}'
+                b'{"traceId":"%032x","spanId":"%016x","attributes":%s%s,"flags":%d}'
                 % (
                     link.context.trace_id,
                     link.context.span_id,
-                    _attrs(link.attributes),
+                    _attrs(link.attributes, True),
+                    _dropped_json(dropped_attributes(link.attributes)),
                     _REMOTE if link.context.is_remote else _LOCAL,
                 )
                 for link in links
             ]
         )
+    if type(attrs) is not dict:  # what the SDK's limits left out, if any
+        tail += _dropped_json(dropped_attributes(attrs))
+    if type(events) is not list or type(links) is not list:
+        n = dropped_items(events)
+        if n:
+            tail += b',"droppedEventsCount":%d' % n
+        n = dropped_items(links)
+        if n:
+            tail += b',"droppedLinksCount":%d' % n
     if type(ctx) is SpanContext:  # a tuple: index it rather than call properties
         trace_id, span_id, trace_state = ctx[0], ctx[1], ctx[4]
     elif ctx is not None:
@@ -422,7 +533,7 @@ def _span(span: ReadableSpan) -> bytes:
         1 if kind is _INTERNAL else _KIND.get(kind, 1),
         start or 0,
         end or 0,
-        _attrs(attrs),
+        _attrs(attrs, check),
         tail,
         # SpanFlags: whether the parent is remote is known (and whether it is)
         flags,
@@ -430,7 +541,7 @@ def _span(span: ReadableSpan) -> bytes:
     )
 
 
-def _events(events: Any) -> bytes:
+def _events(events: Any, check: bool = False) -> bytes:
     # events rarely repeat whole (a collective's sequence number differs each
     # time): no blob cache, the attribute plans only
     out = []
@@ -440,10 +551,60 @@ def _events(events: Any) -> bytes:
         except AttributeError:
             ts, name, attrs = e.timestamp, e.name, e.attributes
         out.append(
-            b'{"timeUnixNano":"%d","name":%s,"attributes":%s}'
-            % (ts, _text(name), _entries(attrs) if attrs else b"[]")
+            b'{"timeUnixNano":"%d","name":%s,"attributes":%s%s}'
+            % (ts, _text(name), _entries(attrs, check) if attrs else b"[]",
+               b"" if type(attrs) is dict else _dropped_json(dropped_attributes(attrs)))
         )
     return b",".join(out)
+
+
+def _dropped_json(n: int) -> bytes:
+    return b',"droppedAttributesCount":%d' % n if n else b""
+
+
+def _clean_text(text: Any) -> str:
+    """``text`` as a str UTF-8 can encode (a lone surrogate becomes U+FFFD)."""
+    text = str(text)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+    return text
+
+
+def _clean_attrs(attrs: Any) -> dict[str, Any]:
+    """The attributes the OTLP/JSON mapping can encode; the others are left out (and
+    logged), as the SDK's encoder leaves them out."""
+    if not attrs:
+        return {}
+    return {k: v for k, v in attrs.items() if _checked_entry(k, v) is not None}
+
+
+def _span_checked(span: ReadableSpan) -> bytes:
+    """:func:`_span` of a span one of whose values the fast path could not encode
+    (an int beyond int64, text with a lone surrogate, a value of another type):
+    those attributes left out, names and messages with U+FFFD for what UTF-8
+    cannot encode, the rest as :func:`_span` writes it."""
+    ctx, parent, name, kind, start, end, attrs, events, links, status = span_fields(span)
+    res, scope = resource_and_scope(span)
+    if status is not None and status.description:
+        status = Status(status.status_code, _clean_text(status.description))
+    copy = ReadableSpan(
+        name=_clean_text(name),
+        context=ctx,
+        parent=parent,
+        resource=res,
+        attributes=_clean_attrs(attrs),
+        events=[Event(_clean_text(e.name), _clean_attrs(e.attributes), e.timestamp)
+                for e in events or ()],
+        links=[Link(link.context, _clean_attrs(link.attributes)) for link in links or ()],
+        kind=kind,
+        instrumentation_scope=scope,
+        status=status,
+        start_time=start,
+        end_time=end,
+    )
+    return _span(copy, True)
 
 
 _SPAN = (
@@ -478,27 +639,40 @@ def encode_lines(spans: Sequence[ReadableSpan], end: bytes) -> bytes:
             scoped = slot[1].get(id(scope))
             if scoped is None:
                 scoped = slot[1][id(scope)] = (scope, [])
-            last = (res, scope, scoped[1].append)
-        last[2](_span(span))
+            # commspan's spans carry no int beyond int64 (see _encode): unchecked
+            last = (res, scope, scoped[1].append,
+                    scope is None or getattr(scope, "name", None) != _SCOPE)
+        try:
+            body = _span(span, last[3])
+        except Exception:  # a value the fast path cannot encode: that value left out
+            body = _span_checked(span)
+        last[2](body)
     # one list of fragments and a single join: a batch of thousands of spans
     # is megabytes, and every intermediate join or concatenation copies it
     parts = [b'{"resourceSpans":[']
     for r, (res, scopes) in enumerate(groups.values()):
-        merged: dict[tuple[str, str, str], list[bytes]] = {}
+        merged: dict[tuple[str, str, str], tuple[Any, list[bytes]]] = {}
         for scope, encoded in scopes.values():
             key = (
                 scope.name if scope else "",
                 (scope.version or "") if scope else "",
                 (scope.schema_url or "") if scope else "",
             )
-            merged.setdefault(key, []).extend(encoded)
-        parts.append(b',{"resource":{"attributes":%s},"scopeSpans":[' if r else
-                     b'{"resource":{"attributes":%s},"scopeSpans":[')
-        parts[-1] %= _attrs(res.attributes if res else {})
-        for i, ((n, v, u), encoded) in enumerate(merged.items()):
+            merged.setdefault(key, (scope, []))[1].extend(encoded)
+        parts.append(b',{"resource":{"attributes":%s%s},%s"scopeSpans":[' if r else
+                     b'{"resource":{"attributes":%s%s},%s"scopeSpans":[')
+        res_attrs = res.attributes if res else {}
+        schema = getattr(res, "schema_url", "") if res else ""
+        parts[-1] %= (_attrs(res_attrs, True), _dropped_json(dropped_attributes(res_attrs)),
+                      b'"schemaUrl":%s,' % _dumps(schema) if schema else b"")
+        for i, ((n, v, u), (scope, encoded)) in enumerate(merged.items()):
+            scope_attrs = getattr(scope, "attributes", None) if scope else None
+            scope_json = _dumps({"name": n, "version": v})
+            if scope_attrs:
+                scope_json = scope_json[:-1] + b',"attributes":%s}' % _attrs(scope_attrs, True)
             parts.append(
                 b'%s{"scope":%s,"schemaUrl":%s,"spans":['
-                % (b"," if i else b"", _dumps({"name": n, "version": v}), _dumps(u))
+                % (b"," if i else b"", scope_json, _dumps(u))
             )
             separated = [b","] * (2 * len(encoded) - 1)
             separated[0::2] = encoded

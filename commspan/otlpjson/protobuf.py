@@ -35,11 +35,11 @@ from collections.abc import Mapping, Sequence
 from struct import Struct
 from typing import Any
 
-from opentelemetry.attributes import BoundedAttributes
 from opentelemetry.sdk.trace import ReadableSpan
-from opentelemetry.sdk.util import BoundedList
 from opentelemetry.trace import SpanContext, SpanKind
 
+from commspan.otlpjson.encode import dropped_attributes as _dropped
+from commspan.otlpjson.encode import dropped_items as _dropped_items
 from commspan.otlpjson.encode import resource_and_scope, span_fields
 
 __all__ = ["encode_spans_protobuf"]
@@ -320,25 +320,6 @@ def _trace_state(state: Any) -> bytes:
     if not state:
         return b""
     return _text(b"\x1a", ",".join([f"{k}={v}" for k, v in state.items()]))
-
-
-def _dropped(attrs: Any) -> int:
-    """What the SDK's ``dropped_attributes`` says (an ABC's isinstance is slow: the
-    common types are told apart first)."""
-    t = type(attrs)
-    if t is BoundedAttributes:
-        return attrs.dropped  # type: ignore[no-any-return]
-    if attrs is None or t is dict:
-        return 0
-    return attrs.dropped if isinstance(attrs, BoundedAttributes) else 0
-
-
-def _dropped_items(items: Any) -> int:
-    """What the SDK's ``dropped_events`` and ``dropped_links`` say."""
-    t = type(items)
-    if t is tuple or t is list:
-        return 0
-    return items.dropped if isinstance(items, BoundedList) else 0
 
 
 def _event(e: Any) -> bytes:

@@ -396,6 +396,7 @@ class CommSpanMode:
             RuntimeError: used outside ``with mode:``, or inside another step
                 on the same thread.
             TypeError: ``index`` is not an int.
+            ValueError: ``index`` does not fit a 64-bit int.
 
         Example:
             >>> from commspan import CommSpanMode
@@ -407,6 +408,9 @@ class CommSpanMode:
         """
         if not isinstance(index, int) or isinstance(index, bool):
             raise TypeError(f"index={index!r} is not valid; pass the step number as an int")
+        if not -(1 << 63) <= index < (1 << 63):
+            raise ValueError(f"index={index!r} is not valid; OTLP carries a step number as a "
+                             "64-bit int: pass one between -2**63 and 2**63 - 1")
         if not self._active:
             raise RuntimeError(
                 "mode.step() was called outside the mode; use it inside `with mode:`"
