@@ -336,3 +336,41 @@ def test_compiled_code_running_under_the_mode_never_compiles_the_mode(
         run()
     assert compiled_for(code) != []
     torch._dynamo.reset()
+
+
+def test_a_submodule_called_twice_keeps_its_owner(fake_pg: None) -> None:
+    """Dynamo names a module's second call in one forward ``<id>@1``: its collectives
+    are still owned by that module (they fell back to the compiled root), as eagerly."""
+
+    class Gather(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            g = funcol.all_gather_tensor_autograd(self.fc(x), 0, dist.group.WORLD)
+            return g.view(4, -1, 8).sum(0)
+
+    class Shared(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.g = Gather()
+            self.other = torch.nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.g(self.other(self.g(x)))  # the same module, twice
+
+    def owners(compiled: bool) -> Counter[tuple[str, str, str]]:
+        torch.manual_seed(0)
+        model = Shared()
+        target = torch.compile(model, backend="aot_eager") if compiled else model
+        with capture() as cap:
+            with cap.mode.step(0):
+                target(torch.randn(2, 8)).sum().backward()
+        return Counter((a[semconv.COLL_OP], a[semconv.OWNER_FQN], a[semconv.PHASE])
+                       for a in _events(cap))
+
+    eager = owners(False)
+    assert eager == {("all_gather_into_tensor", "Shared.g", "forward"): 2,
+                     ("reduce_scatter_tensor", "Shared.g", "backward"): 2}
+    assert owners(True) == eager

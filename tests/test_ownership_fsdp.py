@@ -427,3 +427,41 @@ def test_a_second_model_with_the_same_names_is_one_owner(fake_pg: None) -> None:
     assert [u.fqn for u in parallel.fsdp_units("")] == ["FSDPNet"]
     assert [u.fqn for u in parallel.fsdp_units("blocks.1")] == ["FSDPNet.blocks.1"]
     assert parallel.fsdp_units("blocks.1")[0].params == 4
+
+
+def test_a_tied_parameter_counts_once_in_its_unit(fake_pg: None) -> None:
+    """An embedding and a head sharing one weight: FSDP's unit holds it once, and so
+    does ``commspan.owner.params`` (it counted it once per module holding it)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Linear(8, 8, bias=False)
+            self.block = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 8))
+            self.head = torch.nn.Linear(8, 8, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.block(self.emb(x)))
+
+    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",))
+    model = Tied()
+    fully_shard(model.block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    with capture() as cap:
+        with cap.mode.step(0):
+            model(torch.randn(2, 8)).sum().backward()
+    reference = {  # FSDP's own parameter groups
+        "FSDPTied": len(model._get_fsdp_state()._fsdp_param_group.fsdp_params),
+        "FSDPTied.block": len(model.block._get_fsdp_state()._fsdp_param_group.fsdp_params),
+    }
+    assert reference == {"FSDPTied": 1, "FSDPTied.block": 4}
+    seen = {}
+    for span in cap.spans:
+        for event in span.events:
+            attrs = event.attributes or {}
+            if attrs.get(semconv.OWNER_SOURCE) == "fsdp":
+                seen.setdefault(attrs[semconv.OWNER_FQN], set()).add(attrs[semconv.OWNER_PARAMS])
+    assert seen == {fqn: {n} for fqn, n in reference.items()}

@@ -126,8 +126,15 @@ def test_parse_labels_reads_unit_kind_prefetch_and_hook() -> None:
          False),
         # FSDPModule.unshard() called by the user
         (("FSDP::all_gather (blocks.0)",), False, "forward", False),
+        # set_modules_to_forward_prefetch: the unit before gathers blocks.0
+        (("FSDP::pre_forward (stem)", "FSDP::forward_prefetch for blocks.0",
+          "FSDP::all_gather (blocks.0)"), False, "forward", True),
+        # ... and again when a checkpoint re-runs that unit in backward
+        (("FSDP::pre_forward (stem)", "FSDP::forward_prefetch for blocks.0",
+          "FSDP::all_gather (blocks.0)"), True, "recompute", True),
     ],
-    ids=["pre-forward", "backward-prefetch", "pre-backward", "recompute", "explicit"],
+    ids=["pre-forward", "backward-prefetch", "pre-backward", "recompute", "explicit",
+         "forward-prefetch", "forward-prefetch-in-recompute"],
 )
 def test_fsdp_unshard_phase(
     labels: tuple[str, ...], in_autograd: bool, phase: str, prefetch: bool

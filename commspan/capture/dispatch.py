@@ -204,8 +204,11 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
         found = getattr(self._tls, "compiled", None)
         if found is None:
             return None
+        key = found[0]
         try:
-            return int(found[0]), found[1]
+            if type(key) is str and "@" in key:  # "<id>@1": the module's second call
+                key = key.split("@", 1)[0]
+            return int(key), found[1]
         except (TypeError, ValueError):  # a key that is not a module id: unknown
             return None
 

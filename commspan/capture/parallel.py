@@ -321,11 +321,16 @@ class ParallelModules:
 
 
 def _own_params(module: torch.nn.Module, units: set[int]) -> list[Any]:
-    """Parameters of ``module`` and its submodules, those of nested units excluded."""
+    """Parameters of ``module`` and its submodules, those of nested units excluded;
+    a parameter shared by several of them (tied weights) once, as FSDP holds it."""
     params: list[Any] = []
+    seen: set[int] = set()
     todo = [module]
     while todo:
         current = todo.pop()
-        params.extend(p for p in current._parameters.values() if p is not None)
+        for p in current._parameters.values():
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
         todo.extend(c for c in current._modules.values() if c is not None and id(c) not in units)
     return params

@@ -95,9 +95,10 @@ class FsdpUnits:
     """The :class:`~commspan.ownership.CollectiveRule` for FSDP2 and HSDP.
 
     Owner: the unit named by the label. Phase: gradient reduction serves
-    backward; an unshard serves the pass it was prefetched for, backward when
-    FSDP's pre-backward hook issued it, recompute when a forward hook issued it
-    while autograd runs (activation checkpointing), forward otherwise.
+    backward; an unshard serves the pass it was prefetched for (a forward
+    prefetch while autograd runs serves the recompute), backward when FSDP's
+    pre-backward hook issued it, recompute when a forward hook issued it while
+    autograd runs (activation checkpointing), forward otherwise.
     """
 
     def owner(self, issued: Issued, facts: ParallelFacts) -> Ownership | None:
@@ -129,7 +130,11 @@ class FsdpUnits:
         else:
             kind = label.kind
             moved *= int(attrs.get(semconv.PG_SIZE, 1) or 1)  # output: every rank's shard
-            if label.prefetch is not None:
+            if label.prefetch == "forward" and issued.in_autograd:
+                # a forward prefetch while autograd runs: a recompute's
+                # (activation checkpointing re-runs the forward hooks)
+                phase = Phase.RECOMPUTE
+            elif label.prefetch is not None:
                 phase = Phase(label.prefetch)
             elif label.hook == "pre_backward":
                 phase = Phase.BACKWARD
