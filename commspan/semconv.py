@@ -384,7 +384,8 @@ ATTRIBUTES: dict[str, str] = {
     "collectives summed per collective, not a share of the span's duration.",
     SAMPLING_RANKS: "Resource: how the ranks that trace were chosen, when not all do "
     "(``CommSpanMode(ranks=...)``), e.g. ``fraction 0.125``, ``one per tp group``, "
-    "``ranks 0,8``; ``commspan check`` then expects only the ranks that wrote spans.",
+    "``ranks 0,8``; ``commspan check`` then expects the ranks that wrote spans and, for "
+    "given ranks, those it names.",
     COLL_OP: "Canonical op name (also the event name), e.g. ``all_reduce``.",
     COLL_OVERLOAD: "Full op overload, e.g. ``_c10d_functional.all_reduce.default``.",
     COLL_KIND: "``collective`` or ``p2p`` (send/recv).",

@@ -308,6 +308,37 @@ def test_rank_without_a_file_is_missing_from_every_step() -> None:
     assert f.message == "steps 0-2: rank 3 wrote no span (ranks 0-2 did)"
 
 
+def test_a_rank_a_sample_of_given_ranks_names_is_expected() -> None:
+    """CommSpanMode(ranks=[0, 2]) and rank 2's file lost: rank 2 is missing from every
+    step (it traced, and wrote nothing); ranks 1 and 3, left out, are not."""
+    b = build(steps=2)
+    b.resource_extra = {semconv.SAMPLING_RANKS: "ranks 0,2"}
+    (f,) = run_check(b, ranks=[0]).findings
+    assert f.kind == KIND_MISSING and f.details["steps"] == [0, 1]
+    assert list(f.ranks) == [2]
+    assert run_check(b, ranks=[0, 2]).ok
+    b.resource_extra = {semconv.SAMPLING_RANKS: "fraction 0.5"}  # which ranks: unknown
+    assert run_check(b, ranks=[0]).ok
+
+
+def test_a_world_size_beyond_any_job_is_ignored() -> None:
+    """A damaged ``commspan.world_size`` (10**20 ran out of memory) is not a job: the
+    check expects the ranks that wrote spans (it built range(world_size) and ran out of
+    memory), and an intValue beyond 64 bits is a damaged line."""
+    from commspan.analysis.records import MAX_WORLD_SIZE
+    from commspan.otlpjson.decode import decode_value
+
+    records = build(steps=1).spans()
+    for rec in records:
+        if rec.rank == 1:
+            rec.resource[semconv.WORLD_SIZE] = MAX_WORLD_SIZE + 1
+    result = check(build_run(records))
+    assert result.ok and result.checked["ranks"] == WORLD
+    with pytest.raises(ValueError, match="outside the 64-bit range"):
+        decode_value({"intValue": str(2**64)})
+    assert decode_value({"intValue": str(2**63 - 1)}) == 2**63 - 1
+
+
 def test_rank_that_issued_nothing_on_a_group_in_a_step_is_missing_from_the_group() -> None:
     """Rank 2 traced step 1 but issued nothing on the subgroup there; rank 3 did."""
 
@@ -403,8 +434,9 @@ def test_hang_with_a_rank_the_sample_left_out_does_not_blame_it() -> None:
     assert "rank 1 never issued it" in f.message
     # rank 3 in the sample: it traced, so writing nothing means it stopped
     b.resource_extra = {semconv.SAMPLING_RANKS: "ranks 0,1,2,3"}
-    (f,) = run_check(b).findings
-    assert f.details["not_traced"] == [] and 3 in f.details["never_issued"]
+    hang, missing = sorted(run_check(b).findings, key=lambda f: f.kind)
+    assert hang.details["not_traced"] == [] and 3 in hang.details["never_issued"]
+    assert missing.kind == KIND_MISSING and list(missing.ranks) == [3]
 
 
 def test_hang_without_a_record_from_the_missing_rank_uses_its_last_collective() -> None:

@@ -633,7 +633,7 @@ def _hang_finding(
     for r in members:
         hang = latest.get(r)
         if run.rank_sample and hang is None and r not in run.ranks \
-                and r not in _listed(run.rank_sample):
+                and r not in run.listed_ranks():
             # left out by the rank sample: nothing is known of what it did
             untraced.append(r)
             ranks[r] = {"op": None, "fqn": None, "phase": None, "seq": None,
@@ -703,17 +703,6 @@ def _hang_finding(
         "issued_ns": min(issued_at) if issued_at else 0,
     }
     return Finding(KIND_HANG, group, seq, step, ranks, message, details)
-
-
-def _listed(sample: str) -> frozenset[int]:
-    """The ranks a rank sample of given ranks names (``"ranks 0,1,2"``): those trace,
-    so one that wrote nothing stopped; empty for the other kinds of sample."""
-    if not sample.startswith("ranks "):
-        return frozenset()
-    try:
-        return frozenset(int(r) for r in sample[len("ranks "):].split(","))
-    except ValueError:
-        return frozenset()
 
 
 # ------------------------------------------------------------------ wording

@@ -41,7 +41,14 @@ import orjson
 
 from commspan import semconv
 from commspan.analysis.counts import Aggregator
-from commspan.analysis.records import CollectiveRecord, RankStep, Run, _collective, _times
+from commspan.analysis.records import (
+    MAX_WORLD_SIZE,
+    CollectiveRecord,
+    RankStep,
+    Run,
+    _collective,
+    _times,
+)
 from commspan.analysis.runs import RunInfo, StepRange, choose, runs_of
 from commspan.analysis.summary import summary_of
 from commspan.otlpjson.decode import DECODE_ERRORS, GZIP_MAGIC, read_spans_in, request_spans
@@ -221,7 +228,8 @@ def digest_parts(records: Iterable[SpanRecord]) -> list[DigestPart] | None:
             sample = res.get(semconv.SAMPLING_RANKS)
             known = resources[id(res)] = (
                 str(run) if run else "",
-                world if isinstance(world, int) and not isinstance(world, bool) and world > 0
+                world if isinstance(world, int) and not isinstance(world, bool)
+                and 0 < world <= MAX_WORLD_SIZE
                 else None,
                 str(sample) if sample else None,
             )
@@ -241,7 +249,7 @@ def digest_parts(records: Iterable[SpanRecord]) -> list[DigestPart] | None:
             part.end = rec.end_time
         if semconv.WORLD_SIZE in attrs and known[1] is None:
             world = attrs[semconv.WORLD_SIZE]
-            if isinstance(world, int) and world > 0:
+            if isinstance(world, int) and 0 < world <= MAX_WORLD_SIZE:
                 part.world_size = max(part.world_size or 0, world)
         if name == span_step or name == span_rank:
             step = attrs.get(step_key)

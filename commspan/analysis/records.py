@@ -34,6 +34,7 @@ __all__ = [
     "CollectiveRecord",
     "GcRecord",
     "HangRecord",
+    "MAX_WORLD_SIZE",
     "ModuleSpan",
     "RankStep",
     "Run",
@@ -44,6 +45,11 @@ __all__ = [
 ]
 
 _log = logging.getLogger(__name__)
+
+MAX_WORLD_SIZE = 1 << 20
+"""A ``commspan.world_size`` above this is a damaged value, not a job: it is
+ignored (the ranks expected are then those that wrote spans), as the CLI's
+``--world`` refuses it."""
 
 RunPaths = Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]
 """JSONL files of a run (one per rank), or directories of them."""
@@ -208,12 +214,28 @@ class Run:
 
     def expected_ranks(self) -> list[int]:
         """Ranks that should have written spans: ``range(world_size)`` and every rank
-        seen; only the ranks seen when the run traced some ranks only
-        (:attr:`rank_sample`)."""
+        seen; when the run traced some ranks only (:attr:`rank_sample`), the ranks
+        seen and those the sample names (a sample of given ranks)."""
         expected = set(self.ranks)
-        if self.world_size and self.rank_sample is None:
-            expected.update(range(self.world_size))
+        if self.rank_sample is None:
+            if self.world_size:
+                expected.update(range(self.world_size))
+        else:
+            expected.update(r for r in self.listed_ranks()
+                            if not self.world_size or r < self.world_size)
         return sorted(expected)
+
+    def listed_ranks(self) -> frozenset[int]:
+        """The ranks a sample of given ranks names (``commspan.sampling.ranks`` is
+        ``"ranks 0,1,2"``): they trace, so one that wrote nothing stopped. Empty for
+        the other kinds of sample (a fraction, one per group) and without one."""
+        sample = self.rank_sample
+        if not sample or not sample.startswith("ranks "):
+            return frozenset()
+        try:
+            return frozenset(int(r) for r in sample[len("ranks "):].split(","))
+        except ValueError:
+            return frozenset()
 
     def traces(self) -> list[str]:
         """Trace ids in the order the run went through them (earliest span first)."""
@@ -332,7 +354,7 @@ def build_run(
     for span in spans:
         rank = record_rank(span)
         world = span.resource.get(semconv.WORLD_SIZE, span.attributes.get(semconv.WORLD_SIZE))
-        if isinstance(world, int) and world > 0:
+        if isinstance(world, int) and 0 < world <= MAX_WORLD_SIZE:
             run.world_size = max(run.world_size or 0, world)
         sample = span.resource.get(semconv.SAMPLING_RANKS)
         if sample:

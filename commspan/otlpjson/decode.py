@@ -53,6 +53,9 @@ __all__ = [
 _log = logging.getLogger(__name__)
 
 
+_INT64_MIN = -(1 << 63)
+_INT64_MAX = (1 << 63) - 1
+
 def decode_value(v: dict[str, Any]) -> Any:
     """Decode one OTLP/JSON ``AnyValue`` (``{"intValue": "3"}`` -> ``3``)."""
     return _decode_value(v)
@@ -63,7 +66,10 @@ def _decode_value(v: dict[str, Any]) -> Any:
         if key == "stringValue":
             return val
         if key == "intValue":
-            return int(val)
+            number = int(val)
+            if not _INT64_MIN <= number <= _INT64_MAX:  # not an OTLP int: a damaged line
+                raise ValueError(f"intValue {val!r} is outside the 64-bit range")
+            return number
         if key == "doubleValue":
             # "NaN", "Infinity", "-Infinity" as strings; null in files written before
             return float(val) if val is not None else math.nan
