@@ -284,6 +284,29 @@ def test_batched_p2p_is_counted_unchecked() -> None:
     assert result.ok and result.checked["p2p_unchecked"] == 2
 
 
+@pytest.mark.parametrize("how", ["any source", "batched"])
+def test_a_receive_of_unknown_peer_leaves_the_sends_into_it_unchecked(how: str) -> None:
+    """Rank 2 receives rank 1's send with ``dist.recv(buf)`` (any source) or inside a
+    ``batch_isend_irecv``: that send is not "without its receive" (it was reported
+    in every step); the pair is counted unchecked in that step only."""
+
+    def other(rank: int, step: int, ops: list[Op]) -> list[Op]:
+        if rank == 2 and step == 1:
+            for o in ops:
+                if o["op"] == "recv":
+                    if how == "any source":
+                        o["peer"] = None
+                    else:
+                        o["op"], o["peer"] = "batch_p2p", [1]
+        return ops
+
+    result = run_check(build(steps=2, edit=other))
+    assert result.ok, [f.message for f in result.findings]
+    assert result.checked["p2p_unchecked"] == 2  # rank 2's receive and rank 1's send
+    both = run_check(build(steps=2))
+    assert both.checked["p2p"] - result.checked["p2p"] == 2
+
+
 # ------------------------------------------------------------------ missing
 def test_rank_that_skipped_a_step_is_missing_from_it_without_a_cascade() -> None:
     """Rank 3 did not trace step 1 (its seqs in step 2 are then lower than the others'):

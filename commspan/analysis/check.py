@@ -475,7 +475,13 @@ def p2p_findings(
     run: Run, *, skip: Iterable[str] = (), checked: Counter[str] | None = None
 ) -> list[Finding]:
     """Sends without their receive (or the reverse), or with another dtype or shape;
-    the first per group and ordered pair of ranks."""
+    the first per group and ordered pair of ranks.
+
+    A rank that received from any source, or sent or received in a batch
+    (``batch_isend_irecv``), in a group and trace has p2p ops whose peer or
+    direction is unknown: the pairs it is part of there are not compared (they
+    count as ``p2p_unchecked``), since any of their sends may be one of those
+    receives."""
     skipped = set(skip)
     counts = checked if checked is not None else Counter()
     sends: dict[tuple[str, int, int], dict[str, list[CollectiveRecord]]] = defaultdict(
@@ -484,6 +490,10 @@ def p2p_findings(
     recvs: dict[tuple[str, int, int], dict[str, list[CollectiveRecord]]] = defaultdict(
         lambda: defaultdict(list)
     )
+    # (group, rank, trace) -> the peers an op of unknown direction or source there may
+    # have received from (None: any) or sent to
+    maybe_recv: dict[tuple[str, int, str], set[int] | None] = {}
+    maybe_send: dict[tuple[str, int, str], set[int]] = {}
     for rec in run.collectives:
         if rec.kind != semconv.KIND_P2P:
             continue
@@ -494,6 +504,14 @@ def p2p_findings(
             recvs[(rec.group, peer, rec.rank)][rec.trace_id].append(rec)
         else:
             counts["p2p_unchecked"] += 1
+            where = (rec.group, rec.rank, rec.trace_id)
+            peers = _peers(peer)
+            if rec.op == "recv" or peers is None:  # a receive from any source
+                maybe_recv[where] = None
+            else:  # batched: each peer's op a send or a receive
+                if where not in maybe_recv or maybe_recv[where] is not None:
+                    maybe_recv[where] = (maybe_recv.get(where) or set()) | peers
+                maybe_send[where] = maybe_send.get(where, set()) | peers
     order = {t: i for i, t in enumerate(run.traces())}
     findings = []
     for key in sorted(set(sends) | set(recvs)):
@@ -507,6 +525,11 @@ def p2p_findings(
                     continue
                 s = sorted(sends[key].get(trace, []), key=_order_key)
                 r = sorted(recvs[key].get(trace, []), key=_order_key)
+                into = (group, dst, trace)
+                could = maybe_recv.get(into, set())
+                if could is None or src in could or dst in maybe_send.get((group, src, trace), ()):
+                    counts["p2p_unchecked"] += len(s) + len(r)
+                    continue
                 counts["p2p"] += len(s) + len(r)
                 yield trace, _compare_p2p(run, group, src, dst, trace, s, r)
 
@@ -514,6 +537,16 @@ def p2p_findings(
         if finding is not None:
             findings.append(finding)
     return findings
+
+
+def _peers(peer: Any) -> set[int] | None:
+    """The ranks a p2p op's ``peer`` attribute names; ``None`` when unknown."""
+    if isinstance(peer, int) and not isinstance(peer, bool) and peer >= 0:
+        return {peer}
+    if isinstance(peer, (list, tuple)):
+        found = {p for p in peer if isinstance(p, int) and not isinstance(p, bool) and p >= 0}
+        return found if len(found) == len(peer) else None
+    return None
 
 
 def _compare_p2p(
