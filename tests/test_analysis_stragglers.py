@@ -43,7 +43,7 @@ def test_last_rank_is_the_one_that_waited_least_and_its_wait_is_summed() -> None
         d[(r, "Net.blocks.1")] = [(1 if r == 2 else 30 + r) * MS, (1 if r == 2 else 40) * MS]
     rows, ranks, checked = straggler_report(build_run(timed_run(d).spans()))
     assert checked == {"collectives": 4, "with_wait": 4, "without_duration": 0,
-                       "inconsistent": 0, "point_to_point": 0}
+                       "inconsistent": 0, "incomplete": 0, "point_to_point": 0}
     top = rows[0]
     assert (top.step, top.fqn, top.phase, top.rank) == (1, "Net.blocks.1", "forward", 2)
     assert top.wait_ns == 3 * (40 - 1) * MS and top.max_wait_ns == 39 * MS
@@ -81,6 +81,23 @@ def test_steps_whose_ranks_disagree_are_left_out() -> None:
         b.rank(r, 2).coll("all_reduce", fqn="Net.a", duration_ns=MS)
     _, _, checked = straggler_report(build_run(b.spans()))
     assert checked["collectives"] == 2 and checked["inconsistent"] == WORLD + 1
+
+
+def test_a_group_member_without_a_record_names_no_straggler() -> None:
+    """Rank 1 arrived last at Net.b (the others waited 300 ms), and its file is lost or
+    the rank sample left it out: of ranks 0, 2, 3 the one with the shortest duration is
+    not the straggler, so the collective is left out and counted, and the text says
+    why nothing is named."""
+    d = {(r, "Net.b"): [(1 if r == 1 else 300 + r) * MS] * 2 for r in range(WORLD)}
+    run = build_run(timed_run(d).spans(ranks=[0, 2, 3]))
+    rows, ranks, checked = straggler_report(run)
+    assert rows == [] and ranks == []
+    assert checked["collectives"] == 0 and checked["incomplete"] == 2
+    text = format_stragglers(analyze(run))
+    assert "may be a rank with no record" in text
+    # with rank 1's record, it is named
+    rows, _, _ = straggler_report(build_run(timed_run(d).spans()))
+    assert {r.rank for r in rows} == {1}
 
 
 def test_step_breakdown_counts_each_instant_once_for_the_innermost_span() -> None:

@@ -24,7 +24,11 @@ collector time too.
 Collectives are matched across ranks as ``commspan check`` matches them: by
 position within the step, per group; a (group, step) whose ranks issued
 different sequences is left out (``checked["inconsistent"]``), as are
-collectives some rank has no duration for (``checked["without_duration"]``).
+collectives some rank has no duration for (``checked["without_duration"]``)
+and those some member of their group has no record of
+(``checked["incomplete"]``: a rank whose file is missing, or that a rank
+sample left out): the rank that arrived last may be that one, and every
+recorded rank's duration then holds the wait it caused.
 Point-to-point ops (``checked["point_to_point"]``) are not matched: a send and
 its receive do not wait for each other the way a group's ranks do.
 
@@ -242,6 +246,10 @@ def straggler_report(
     for match in matched_collectives(run, checked):
         if len(match) < 2:
             continue
+        members = next(iter(match.values())).group_ranks
+        if members and len(match) < len(members):
+            checked["incomplete"] += 1
+            continue
         durations: dict[int, int] = {}
         for r, c in match.items():
             if c.duration_ns is not None:
@@ -302,6 +310,7 @@ def straggler_report(
         "with_wait": checked["with_wait"],
         "without_duration": checked["without_duration"],
         "inconsistent": checked["inconsistent"],
+        "incomplete": checked["incomplete"],
         "point_to_point": checked["point_to_point"],
     }
     return rows, ranks, counts

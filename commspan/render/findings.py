@@ -133,6 +133,10 @@ def _why_nothing_matched(checked: Mapping[str, int]) -> str:
     if checked.get("inconsistent"):
         return ("no collective matched across ranks: the ranks of each group issued "
                 "different sequences (commspan check says where)")
+    if checked.get("incomplete"):
+        return ("no collective recorded by every rank of its group: the last to arrive "
+                "may be a rank with no record (a missing file, or one the rank sample "
+                "left out), so none is named")
     if checked.get("point_to_point"):
         return (f"no collective to match: the {checked['point_to_point']} communication "
                 "ops of these files are point-to-point (send, recv), which stragglers "
@@ -210,6 +214,8 @@ def format_stragglers(result: StragglerResult, *, top: int = 20) -> str:
         f"{checked.get('with_wait', 0)} with a wait, "
         f"{checked.get('without_duration', 0)} without duration, "
         f"{checked.get('inconsistent', 0)} in steps whose ranks disagree (see commspan check)"
+        + (f", {checked['incomplete']} with group members not recorded"
+           if checked.get("incomplete") else "")
     )
     return "\n".join(lines)
 
