@@ -31,7 +31,7 @@ import orjson
 from commspan import semconv
 from commspan._errors import positive_int
 from commspan.otlpjson.encode import paused_gc
-from commspan.otlpjson.files import jsonl_files
+from commspan.otlpjson.files import GZIP_MAGIC, jsonl_files
 from commspan.otlpjson.records import (
     DEFAULT_MAX_LINE_BYTES,
     ReadReport,
@@ -266,9 +266,6 @@ class LineReader:
 
 
 _TORN = "no trailing newline: a write cut short by a crash, or a file still being written"
-GZIP_MAGIC = b"\x1f\x8b\x08"
-"""How a compressed file (``JsonlSpanExporter(compress=...)``) begins, and each of its
-members."""
 _GZ_TORN = ("the file ends inside this compressed line: a write cut short by a crash, "
             "or a file still being written")
 

@@ -21,11 +21,13 @@ from __future__ import annotations
 import gzip
 import logging
 import os
+import stat
 import zlib
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
-__all__ = ["NoJsonlFilesError", "jsonl_files"]
+__all__ = ["GZIP_MAGIC", "NoJsonlFilesError", "jsonl_files"]
 
 _log = logging.getLogger(__name__)
 
@@ -97,35 +99,50 @@ def jsonl_files(
 
 
 def _without_copies(files: list[Path], notes: list[str] | None) -> list[Path]:
-    """``files`` less those that would be read twice: a file named twice, and of an
-    ``X.jsonl`` beside an ``X.jsonl.gz`` holding the same lines (a copy made by
-    ``gunzip -k`` or ``gzip -k``), the one whose lines the other holds (the older
-    copy: the other may have grown since). Files that differ are both read."""
-    seen: set[Path] = set()
+    """``files`` less those that would be read twice: a file named twice (by the same
+    path, a link or a hard link), and of two files whose lines are one the start of
+    the other's (a ``cp`` of a rank's file into the run folder, a ``gunzip -k`` or
+    ``gzip -k`` twin), the one the other holds (the older copy: the other may have
+    grown since). Files that differ are both read."""
+    seen: set[tuple[int, int] | Path] = set()
     unique: list[Path] = []
+    regular: set[Path] = set()  # (a FIFO's bytes cannot be looked at twice)
     for f in files:
-        key = f.resolve()
+        try:
+            st = f.stat()
+            key: tuple[int, int] | Path = (st.st_dev, st.st_ino)
+            if stat.S_ISREG(st.st_mode):
+                regular.add(f)
+        except OSError:  # unreadable: the reader says so
+            key = f.resolve()
         if key not in seen:
             seen.add(key)
             unique.append(f)
-    by_path = {f.resolve(): f for f in unique}
-    skipped: set[Path] = set()
+    # copies start with the same bytes (a rank's first line names its rank and run,
+    # and holds random span ids): only files with the same start are compared
+    by_head: dict[bytes, list[Path]] = {}
     for f in unique:
-        if f.name.endswith(".jsonl"):
-            twin = by_path.get(f.resolve().with_name(f.name + ".gz"))
-            if twin is not None:
-                shorter = _prefix_of(f, twin)
+        head = _head(f) if f in regular else b""
+        if head:
+            by_head.setdefault(head, []).append(f)
+    skipped: dict[Path, Path] = {}  # the copy -> the file read instead
+    for same in by_head.values():
+        for i, a in enumerate(same):
+            for b in same[i + 1:]:
+                if a in skipped or b in skipped:
+                    continue
+                shorter = _prefix_of(a, b)
                 if shorter is not None:
-                    skipped.add(shorter.resolve())
-    out = [f for f in unique if f.resolve() not in skipped]
-    copies = [os.fspath(f) for f in unique if f.resolve() in skipped]
-    if copies:
-        shown = ", ".join(copies[:3]) + (f" and {len(copies) - 3} more" if len(copies) > 3
-                                         else "")
-        note = (f"commspan: not reading {shown}: "
-                + ("each holds" if len(copies) > 1 else "it holds")
-                + " only lines its .jsonl/.jsonl.gz twin beside it holds too (a copy "
-                "made with gunzip -k or gzip -k); the twin is read")
+                    skipped[shorter] = b if shorter is a else a
+    out = [f for f in unique if f not in skipped]
+    if skipped:
+        shown = "; ".join(f"{os.fspath(c)} (read {os.fspath(kept)})"
+                          for c, kept in list(skipped.items())[:3])
+        more = f" and {len(skipped) - 3} more" if len(skipped) > 3 else ""
+        note = (f"commspan: not reading {shown}{more}: "
+                + ("each holds" if len(skipped) > 1 else "it holds")
+                + " only lines another file holds too (a copy, or a gunzip -k / gzip -k "
+                "twin), which is read instead")
         if notes is not None:
             notes.append(note)
         else:
@@ -133,25 +150,54 @@ def _without_copies(files: list[Path], notes: list[str] | None) -> list[Path]:
     return out
 
 
+_HEAD = 4096
+GZIP_MAGIC = b"\x1f\x8b\x08"
+"""How a compressed file (``JsonlSpanExporter(compress=...)``) begins, and each of its
+members."""
+
+
+def _open(path: Path) -> Any:
+    """``path`` for reading its (decompressed) bytes."""
+    f = open(path, "rb")
+    if f.read(len(GZIP_MAGIC)) == GZIP_MAGIC:
+        f.close()
+        return gzip.open(path, "rb")
+    f.seek(0)
+    return f
+
+
+def _head(path: Path) -> bytes:
+    """The first bytes of ``path``'s lines (``b""`` if it cannot be read)."""
+    try:
+        with _open(path) as f:
+            data: bytes = f.read(_HEAD)
+            return data
+    except (OSError, EOFError, zlib.error):
+        return b""
+
+
 _CHUNK = 1 << 20
 
 
-def _prefix_of(plain: Path, compressed: Path) -> Path | None:
-    """Of a plain file and a compressed one, the one whose (decompressed) bytes
-    start the other's, the compressed one when they are equal; ``None`` when
-    neither starts the other (or one cannot be read): both are read."""
+def _prefix_of(a: Path, b: Path) -> Path | None:
+    """Of two files, the one whose (decompressed) bytes start the other's; when they
+    are equal, the plain one if one is compressed (the compressed one may have a
+    digest), else ``b`` (the later name: the first is read); ``None`` when neither
+    starts the other (or one cannot be read): both are read."""
     try:
-        with open(plain, "rb") as f, gzip.open(compressed, "rb") as g:
+        with _open(a) as f, _open(b) as g:
             while True:
-                a = f.read(_CHUNK)
-                b = g.read(len(a) if a else _CHUNK)
-                if a != b:
-                    if not a and b:
-                        return plain  # the plain file ended first: a shorter copy
-                    if a.startswith(b):  # the compressed one ended first (read() is short
-                        return compressed  # only at its end)
+                x = f.read(_CHUNK)
+                y = g.read(len(x) if x else _CHUNK)
+                if x != y:
+                    if not x and y:
+                        return a  # a ended first: a shorter copy
+                    if x.startswith(y):  # b ended first (read() is short only at its end)
+                        return b
                     return None
-                if not a:
-                    return plain  # equal: read the compressed one (it may have a digest)
+                if not x:
+                    if b.name.endswith(".gz") != a.name.endswith(".gz"):
+                        return b if a.name.endswith(".gz") else a
+                    return b
     except (OSError, EOFError, zlib.error):
         return None
