@@ -149,7 +149,7 @@ def scenario_fsdp(out: Path, rank: int) -> None:
 
 def _ddp_run(
     out: Path, rank: int, name: str, *, hook: bool = False, find_unused: bool = False,
-    cascade: bool = False,
+    cascade: bool = False, compiled: bool = False,
 ) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -170,9 +170,13 @@ def _ddp_run(
                 return allreduce_hook(state, bucket)
 
             ddp.register_comm_hook(None, recording_hook)
+        run: Any = ddp
+        if compiled:  # (DDPOptimizer splits graphs at buckets; tiny buckets trip its checks)
+            torch._dynamo.config.optimize_ddp = False
+            run = torch.compile(ddp, backend="aot_eager")
         for i in range(3):
             with mode.step(i):
-                ddp(torch.randn(4, 6)).sum().backward()
+                run(torch.randn(4, 6)).sum().backward()
     mode.shutdown()
     assert mode.aggregator is not None
     _write(out, name, rank, {"hook": seen, "stats": mode.stats(),
@@ -291,6 +295,8 @@ SCENARIOS: dict[str, Callable[[Path, int], None]] = {
     "ddp": lambda out, rank: _ddp_run(out, rank, "ddp"),
     "ddp_hook": lambda out, rank: _ddp_run(out, rank, "ddp_hook", hook=True),
     "ddp_unused": lambda out, rank: _ddp_run(out, rank, "ddp_unused", find_unused=True),
+    "ddp_compiled": lambda out, rank: _ddp_run(out, rank, "ddp_compiled", hook=True,
+                                               compiled=True),
     "ddp_cascade": lambda out, rank: _ddp_run(
         out, rank, "ddp_cascade", hook=True, find_unused=True, cascade=True),
     "pp_gpipe": lambda out, rank: _pipeline_run(out, rank, "pp_gpipe"),

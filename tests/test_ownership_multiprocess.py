@@ -35,7 +35,7 @@ pytestmark = pytest.mark.multiprocess
 
 WORLD = 2
 SCRIPT = Path(__file__).with_name("_mp_ownership_scenarios.py")
-SCENARIOS = ["fsdp", "ddp", "ddp_hook", "ddp_unused", "ddp_cascade",
+SCENARIOS = ["fsdp", "ddp", "ddp_hook", "ddp_unused", "ddp_cascade", "ddp_compiled",
              "pp_gpipe", "pp_1f1b", "pp_interleaved"]
 PIPELINES = ["pp_gpipe", "pp_1f1b"]
 MICROBATCHES = 4
@@ -196,12 +196,16 @@ def _bucket_events(run: MpRun, scenario: str, rank: int) -> list[dict[str, Any]]
             if a.get(semconv.OWNER_KIND) == "bucket"]
 
 
+@pytest.mark.parametrize("scenario", ["ddp_hook", "ddp_compiled"])
 @pytest.mark.parametrize("rank", range(WORLD))
-def test_ddp_bucket_all_reduces_match_the_comm_hook(ok_run: MpRun, rank: int) -> None:
+def test_ddp_bucket_all_reduces_match_the_comm_hook(
+    ok_run: MpRun, rank: int, scenario: str
+) -> None:
     """Each bucket all-reduce names the bucket a comm hook saw (index), is owned by the
-    lowest module holding all its parameters and lists their number and modules."""
-    hook = ok_run.result("ddp_hook", rank)["hook"]
-    events = _bucket_events(ok_run, "ddp_hook", rank)
+    lowest module holding all its parameters and lists their number and modules; also
+    under ``torch.compile(ddp)`` (whose wrapper's forward is the one commspan sees)."""
+    hook = ok_run.result(scenario, rank)["hook"]
+    events = _bucket_events(ok_run, scenario, rank)
     assert len(events) == len(hook) == 7  # step 0: one bucket; after the rebuild: three
     for attrs, (index, params) in zip(events, hook):
         assert attrs[semconv.DDP_BUCKET_INDEX] == index

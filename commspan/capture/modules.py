@@ -554,7 +554,8 @@ class ModuleTracker(BackwardNesting):
             error = None
             if info.ddp and output is not None and self.parallel is not None:
                 # the bucket layout, read here and never in backward (docs/parallelisms.md)
-                self.parallel.ddp_forward_done(module, self.fqn)
+                self.parallel.ddp_forward_done(
+                    module._orig_mod if isinstance(module, _Compiled) else module, self.fqn)
             if output is not None and torch.is_grad_enabled():
                 if kwargs:  # keyword inputs: seen only now
                     self._watch_inputs(call, kwargs, versions=False)
