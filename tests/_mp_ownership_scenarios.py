@@ -88,6 +88,50 @@ class CascadeNet(torch.nn.Module):
         return self.first(torch.relu(self.mid(torch.relu(self.last(x)))))
 
 
+class Outer(torch.nn.Module):
+    """A model whose middle part is a DDP module, built inside the mode."""
+
+    def __init__(self) -> None:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        super().__init__()
+        self.pre = torch.nn.Linear(6, 6)
+        self.body = DDP(DdpNet(), bucket_cap_mb=0.004)
+        self.post = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.post(self.body(self.pre(x)))
+
+
+def _ddp_nested_run(out: Path, rank: int) -> None:
+    """DDP constructed while the mode is entered, as a part of a larger model."""
+    torch.manual_seed(0)
+    exporter = JsonlSpanExporter(out / "ddp_nested" / "trace-rank{rank}.jsonl")
+    mode = CommSpanMode(exporters=[exporter])
+    with mode:
+        model = Outer()  # DDP's start-up collectives run here, before any forward
+        names = {id(p): n for n, p in model.body.module.named_parameters()}
+        seen: list[list[Any]] = []
+
+        def recording_hook(state, bucket):  # type: ignore[no-untyped-def]
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
+                allreduce_hook,
+            )
+
+            seen.append([bucket.index(), [names[id(p)] for p in bucket.parameters()]])
+            return allreduce_hook(state, bucket)
+
+        model.body.register_comm_hook(None, recording_hook)
+        for i in range(3):
+            with mode.step(i):
+                model(torch.randn(4, 6)).sum().backward()
+    mode.shutdown()
+    assert mode.aggregator is not None
+    _write(out, "ddp_nested", rank, {"hook": seen, "stats": mode.stats(),
+                                     "modules": mode.aggregator.modules(),
+                                     **_view(mode.aggregator)})
+
+
 def _view(agg: Aggregator) -> dict[str, Any]:
     return {
         "module_counts": agg.module_counts(),
@@ -297,6 +341,7 @@ SCENARIOS: dict[str, Callable[[Path, int], None]] = {
     "ddp_unused": lambda out, rank: _ddp_run(out, rank, "ddp_unused", find_unused=True),
     "ddp_compiled": lambda out, rank: _ddp_run(out, rank, "ddp_compiled", hook=True,
                                                compiled=True),
+    "ddp_nested": _ddp_nested_run,
     "ddp_cascade": lambda out, rank: _ddp_run(
         out, rank, "ddp_cascade", hook=True, find_unused=True, cascade=True),
     "pp_gpipe": lambda out, rank: _pipeline_run(out, rank, "pp_gpipe"),

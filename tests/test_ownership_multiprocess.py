@@ -36,6 +36,7 @@ pytestmark = pytest.mark.multiprocess
 WORLD = 2
 SCRIPT = Path(__file__).with_name("_mp_ownership_scenarios.py")
 SCENARIOS = ["fsdp", "ddp", "ddp_hook", "ddp_unused", "ddp_cascade", "ddp_compiled",
+             "ddp_nested",
              "pp_gpipe", "pp_1f1b", "pp_interleaved"]
 PIPELINES = ["pp_gpipe", "pp_1f1b"]
 MICROBATCHES = 4
@@ -231,6 +232,29 @@ def test_ddp_buckets_launched_together_are_each_their_own(ok_run: MpRun, rank: i
         assert attrs[semconv.OWNER_FQN] == _module_name(_lowest_common_module(params))
         assert attrs[semconv.OWNER_BYTES] == 4 * sum(
             ok_run.result("ddp_cascade", rank)["numel"][p] for p in params)
+
+
+@pytest.mark.parametrize("rank", range(WORLD))
+def test_ddp_built_inside_the_mode_for_a_larger_model_is_named_in_it(
+    ok_run: MpRun, rank: int
+) -> None:
+    """DDP constructed while the mode is entered, as ``Outer.body``: its start-up
+    collectives go by its class (it has no place yet), and it is not named for good
+    then: its spans and buckets are ``Outer.body...``, and Outer counts every bucket
+    all-reduce the comm hook saw."""
+    res = ok_run.result("ddp_nested", rank)
+    assert {"Outer", "Outer.body", "Outer.body.module"} <= set(res["modules"])
+    events = _bucket_events(ok_run, "ddp_nested", rank)
+    assert len(events) == len(res["hook"]) > 0
+    for attrs, (index, params) in zip(events, res["hook"]):
+        assert attrs[semconv.DDP_BUCKET_INDEX] == index
+        common = _lowest_common_module(params)
+        assert attrs[semconv.OWNER_FQN] == "Outer.body.module" + ("." + common if common else "")
+    assert res["module_counts"]["Outer"]["backward"]["all_reduce"] == len(res["hook"])
+    setup = [a for _, _, a in ok_run.collectives("ddp_nested", rank)
+             if a.get(semconv.OWNER_KIND) == "init_sync"]
+    assert setup and {a[semconv.OWNER_FQN] for a in setup} == {DDP}
+    assert res["stats"]["internal_errors"] == 0
 
 
 @pytest.mark.parametrize("scenario", ["ddp", "ddp_unused"])

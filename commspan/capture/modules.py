@@ -254,6 +254,7 @@ class ModuleTracker(BackwardNesting):
         self.parallel = parallel
         if parallel is not None:
             parallel.namer = self.name
+            parallel.known_name = self.fqn
             parallel.pipeline.namer = self.name
             parallel.pipeline.on_microbatch = self._tag_spans
         self.ran: set[str] = set()

@@ -196,11 +196,19 @@ class ParallelModules:
         if code is None:
             return None
         ddp = _self_of_caller(code.__eq__)
-        if ddp is None or self.namer is None:
+        if ddp is None:
             return None
-        return self.namer(ddp)
+        # not named here: a module named before it is first called is named as a
+        # root for good, and a DDP module built inside the mode for a larger model
+        # would lose its place in it; until its first call it goes by its class
+        known = self.known_name(ddp) if self.known_name is not None else None
+        return known or type(ddp).__name__
 
     # ------------------------------------------------------------ learning
+    known_name: Callable[[Any], str | None] | None = None
+    """The tracker's name for a module it has named, else ``None``; set by the
+    tracker this registry is given to."""
+
     namer: Callable[[Any], str] | None = None
     """The tracker's name for a module, naming (and :meth:`learn`-ing) its tree if
     it has not seen it yet; set by the tracker this registry is given to."""
