@@ -212,19 +212,23 @@ def test_two_runs_in_one_folder_are_flagged(records: list[SpanRecord]) -> None:
     assert "run second step 0" in page
 
 
-def _one_rank_run(tmp_path: Path, name: str, rank: int, body: Any) -> Path:
-    """Run ``body(mode)`` as ``rank`` of 2 (fake process group), JSONL to tmp_path."""
+def _one_rank_run(tmp_path: Path, name: str, body: Any) -> Path:
+    """Run ``body(mode)`` in this process (rank 0), JSONL into ``tmp_path / name``."""
     from commspan import CommSpanMode
     from commspan.exporters import JsonlSpanExporter
-    from commspan.testing import fake_process_group
 
     out = tmp_path / name
-    with fake_process_group(world_size=2, rank=rank):
-        mode = CommSpanMode(exporters=[JsonlSpanExporter(out / f"rank{rank}.jsonl")])
-        with mode:
-            body(mode)
-        mode.shutdown()
+    mode = CommSpanMode(exporters=[JsonlSpanExporter(out / "rank0.jsonl")], run_id="run")
+    with mode:
+        body(mode)
+    mode.shutdown()
     return out
+
+
+def _as_rank(records: list[SpanRecord], rank: int) -> list[SpanRecord]:
+    """``records`` as another rank wrote them (one process plays both)."""
+    return [dataclasses.replace(r, rank=rank, resource={**r.resource, semconv.RANK: rank})
+            for r in records]
 
 
 def test_names_that_open_an_html_comment_keep_the_embedded_data_valid(tmp_path: Path) -> None:
@@ -240,7 +244,7 @@ def test_names_that_open_an_html_comment_keep_the_embedded_data_valid(tmp_path: 
         with mode.step(0):
             model(torch.ones(1, 2))
 
-    page = html_report(_one_rank_run(tmp_path, "run", 0, body))
+    page = html_report(_one_rank_run(tmp_path, "run", body))
     script = page.split('<script type="application/json" id="cs-data">', 1)[1]
     script = script.split("</script>", 1)[0]
     assert "<" not in script and ">" not in script  # nothing the HTML parser reads
@@ -264,15 +268,17 @@ def test_span_time_is_the_mean_over_the_ranks_that_ran_the_module(tmp_path: Path
             return self.extra(x) if extra else x
 
     net = Net()
+    records: list[SpanRecord] = []
     for rank in (0, 1):
         def body(mode: Any, rank: int = rank) -> None:
             for i in range(2):
                 with mode.step(i):
                     net(torch.ones(1, 2), extra=rank == 1)
 
-        run = _one_rank_run(tmp_path, "run", rank, body)
-    records = load_records(run)
-    mine = [s for s in build_timeline(records).slices if s.fqn == "Net.extra"]
+        records += _as_rank(load_records(_one_rank_run(tmp_path, f"r{rank}", body)), rank)
+    timeline = build_timeline(records)
+    assert timeline.run_ids == ("run",) and len(timeline.steps) == 2  # the ranks' steps
+    mine = [s for s in timeline.slices if s.fqn == "Net.extra"]
     assert {s.rank for s in mine} == {1}
     expected = sum(s.end_ns - s.start_ns for s in mine) / 2  # per step, rank 1 only
     page = html_report(records)
@@ -285,7 +291,7 @@ def test_span_time_is_the_mean_over_the_ranks_that_ran_the_module(tmp_path: Path
     assert float(shown.group(1)) * scale == pytest.approx(expected, rel=0.05, abs=60)
 
 
-def test_traces_outside_steps_are_not_counted_as_steps(tmp_path: Path) -> None:
+def test_traces_outside_steps_are_not_counted_as_steps(tmp_path: Path, fake_pg: None) -> None:
     """Module calls before, between and after steps make traces of their own: the
     header names them apart, and per-step figures are over the steps only."""
     import torch
@@ -310,7 +316,7 @@ def test_traces_outside_steps_are_not_counted_as_steps(tmp_path: Path) -> None:
                 net(torch.ones(2))
             net(torch.ones(2))  # between steps
 
-    records = load_records(_one_rank_run(tmp_path, "run", 0, body))
+    records = load_records(_one_rank_run(tmp_path, "run", body))
     in_steps = [c for c in build_timeline(records).collectives
                 if build_timeline(records).steps[c.window].step is not None]
     assert len(in_steps) == 4
