@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import weakref
 from collections import Counter
+from typing import Any
 
 import pytest
 import torch
@@ -223,3 +224,53 @@ def test_nothing_accumulates_over_steps(mesh: DeviceMesh) -> None:
     first, last = samples
     assert last["Frame"] <= first["Frame"] and last["_Call"] <= first["_Call"]
     assert last["Tensor"] <= first["Tensor"]
+
+
+def test_a_second_backward_through_a_retained_graph_has_its_spans(mesh: DeviceMesh) -> None:
+    """``backward(retain_graph=True)`` then ``backward()`` again: each pass opens the
+    modules' backward spans, nested as in the first, and charges its collectives to
+    them (the second pass's went to the rank span); counts equal torch's
+    CommDebugMode per module."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.debug import CommDebugMode as TorchCommDebugMode
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    from commspan.compat import CommDebugMode
+    from commspan.testing.models import MLPModule
+
+    def plan() -> dict[str, Any]:  # sharded input and output: backward all-gathers
+        return {"net1": ColwiseParallel(input_layouts=Shard(0)),
+                "net2": RowwiseParallel(output_layouts=Shard(0))}
+
+    def run(cdm: Any) -> dict[str, Any]:
+        torch.manual_seed(0)
+        model = parallelize_module(MLPModule(), mesh, plan())
+        with cdm:
+            y = model(torch.rand(8, 10))
+            y.sum().backward(retain_graph=True)
+            y.sum().backward()
+        return {f: {ph: {str(op): n for op, n in ops.items() if n} for ph, ops in p.items()}
+                for f, p in cdm.comm_module_counts.items()}
+
+    expected = run(TorchCommDebugMode())
+    assert expected["MLPModule.net2"]["backward"] == {
+        "c10d_functional.all_gather_into_tensor": 2}
+    assert run(CommDebugMode()) == expected
+
+    model = parallelize_module(MLPModule(), mesh, plan())
+    mode, exporter = traced_mode()
+    with mode, mode.step(0):
+        y = model(torch.rand(8, 10))
+        y.sum().backward(retain_graph=True)
+        y.sum().backward()
+    spans = list(exporter.get_finished_spans())
+    assert_well_formed(spans)
+    for name in ("MLPModule", "MLPModule.net1", "MLPModule.net2"):
+        assert len(named(spans, name, "backward")) == 2, name
+    by_id = {s.context.span_id: s for s in spans}
+    for s in named(spans, "MLPModule.net2", "backward"):
+        assert s.parent is not None and fqn(by_id[s.parent.span_id]) == "MLPModule"

@@ -90,6 +90,14 @@ def recomputing() -> bool:
         return True
 
 
+def _restart(call: _Call) -> None:
+    """Forget a call's backward of an earlier pass through a retained graph."""
+    call.bw_started = False
+    call.bw_finished = False
+    call.bw_frame = None
+    call.inputs_left = call.inputs
+
+
 class _Call:
     """One forward (or recompute) call of a module, as its backward sees it."""
 
@@ -101,6 +109,8 @@ class _Call:
         "bw_frame",
         "bw_started",
         "bw_finished",
+        "bw_task",
+        "inputs",
         "inputs_left",
         "depth",
         "task",
@@ -117,6 +127,8 @@ class _Call:
         self.bw_frame: Frame | None = None
         self.bw_started = False
         self.bw_finished = False
+        self.bw_task = -1  # the graph task of the backward bw_* describe
+        self.inputs = 0  # input tensors watched
         self.inputs_left = 0
         self.depth = depth
         self.task = -1  # graph task a recompute ran in
@@ -201,6 +213,7 @@ class BackwardNesting:
                 call.input_ids.update({id(t): t._version for t in tensors})
             else:
                 call.input_ids = {id(t): t._version for t in tensors}
+        call.inputs += len(tensors)
         call.inputs_left += len(tensors)
         hook = functools.partial(self._input_grad_ready, call)
         for t in tensors:
@@ -231,10 +244,16 @@ class BackwardNesting:
 
     # ------------------------------------------------------------ steps 2 and 3
     def _output_grad_ready(self, call: _Call, grad: Any) -> None:
-        if call.bw_started or not self.active:
+        if not self.active:
             return
         try:
             task = graph_task_id()
+            if call.bw_started:
+                if call.bw_task == task:
+                    return
+                # a later backward through the same graph (retain_graph=True): the
+                # call's backward runs again
+                _restart(call)
             if call.task == task:
                 # a recompute's hooks on tensors of the graph being executed:
                 # the original forward call's hooks already cover them
@@ -250,7 +269,10 @@ class BackwardNesting:
             # ancestors that have not started yet (they enclose it)
             chain = [call]
             ancestor = call.parent
-            while ancestor is not None and ancestor.bw_frame is None:
+            while ancestor is not None and (ancestor.bw_frame is None or (
+                    ancestor.bw_task != task and ancestor.bw_frame.closed)):
+                if ancestor.bw_frame is not None:  # its backward in an earlier pass
+                    _restart(ancestor)
                 chain.append(ancestor)
                 ancestor = ancestor.parent
             while ancestor is not None and ancestor.bw_frame is not None and (
@@ -297,6 +319,7 @@ class BackwardNesting:
 
     def _open_backward(self, call: _Call, task: int, under: Frame | None, grad: Any) -> None:
         call.bw_started = True
+        call.bw_task = task
         info = call.info
         attrs = info.attrs[Phase.BACKWARD].copy()
         attrs[semconv.MODULE_DEPTH] = call.depth
@@ -323,7 +346,10 @@ class BackwardNesting:
         if call.bw_finished or not self.active:
             return
         try:
-            if call.task == graph_task_id():
+            task = graph_task_id()
+            if call.task == task or call.bw_task != task:
+                # a recompute's hook, or a call whose backward did not start in
+                # this pass
                 return
             call.inputs_left -= 1
             if call.inputs_left > 0:
