@@ -109,6 +109,57 @@ def test_timeout_writes_a_record_to_disk_while_the_step_is_stuck(tmp_path: Path)
     assert finding.ranks[0]["fqn"] == "Net.issue" and finding.ranks[0]["state"] == "issued"
 
 
+def test_a_collective_still_stuck_does_not_hide_a_later_one() -> None:
+    """The watchdog wrote a record for collective A, which still waits (a gloo send
+    whose Work says done only once waited); later B, issued after A, gets stuck too:
+    it gets a record of its own (it used to look only at the oldest, A). Neither is
+    reported twice."""
+    from commspan.session.hang import HangWatch
+    from commspan.spans.timing import CollectiveTiming
+
+    now = time.perf_counter_ns()
+    a = CollectiveTiming({semconv.COLL_OP: "send"}, "forward")
+    a.issued = now - 5_000_000_000
+    stuck = [a]
+    written: list[str] = []
+    watch = HangWatch(written.append, lambda: list(stuck), timeout_s=1.0, signum=None)
+    watch._check_timeout()
+    watch._check_timeout()
+    assert written == ["timeout"]
+    b = CollectiveTiming({semconv.COLL_OP: "all_reduce"}, "forward")
+    b.issued = time.perf_counter_ns()
+    stuck.append(b)
+    watch._check_timeout()  # B has not waited long enough yet
+    assert written == ["timeout"]
+    b.issued -= 2_000_000_000
+    watch._check_timeout()
+    watch._check_timeout()
+    assert written == ["timeout", "timeout"]
+
+
+def test_a_collective_logged_before_it_is_issued_is_not_a_hang(tmp_path: Path) -> None:
+    """A thread switch between logging a collective and the op's issue let the
+    watchdog see an issue time of 0, a wait as long as the machine's uptime, and write
+    a false record. The time is set when the collective is logged."""
+    path = tmp_path / "rank0.jsonl"
+    mode = CommSpanMode(exporters=[JsonlSpanExporter(path)], hang_timeout_s=1.0)
+    with mode:
+        log = mode._log
+        add = log.add
+
+        def add_then_switch(timing: Any) -> None:
+            add(timing)
+            time.sleep(0.4)  # the watchdog (every 0.25 s) runs here
+
+        log.add = add_then_switch
+        with mode.step(0):
+            dist.all_reduce(torch.ones(1))
+        log.add = add
+        assert mode.stats()["hang_records"] == 0
+    mode.shutdown()
+    assert _hangs(path) == []
+
+
 def test_dump_writes_what_the_rank_is_doing(tmp_path: Path) -> None:
     """mode.dump() inside a module: reason dump, the stack, every collective completed."""
     path = tmp_path / "rank0.jsonl"

@@ -47,7 +47,7 @@ class HangWatch:
 
     Args:
         write: writes a hang record for the reason given (``timeout`` or ``signal``).
-        oldest_pending: the collective issued longest ago that has not completed.
+        not_completed: the collectives issued and not completed, oldest first.
         timeout_s: ``hang_timeout_s``, or ``None`` for no timeout.
         signum: the signal that asks for a record, or ``None``.
     """
@@ -55,19 +55,21 @@ class HangWatch:
     def __init__(
         self,
         write: Callable[[str], Any],
-        oldest_pending: Callable[[], CollectiveTiming | None],
+        not_completed: Callable[[], list[CollectiveTiming]],
         timeout_s: float | None,
         signum: int | None,
     ) -> None:
         self._write = write
-        self._oldest = oldest_pending
+        self._not_completed = not_completed
         self._timeout = timeout_s
         self._signum = signum
         self._interval = min(timeout_s / 4, 1.0) if timeout_s else 1.0
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._signalled = False
-        self._reported: CollectiveTiming | None = None
+        # id -> the collectives a timeout record was written for (kept alive while
+        # listed here, so an id is not reused)
+        self._reported: dict[int, CollectiveTiming] = {}
         self._thread: threading.Thread | None = None
         self._old_handler: Any = None
         self._handler_installed = False
@@ -198,10 +200,18 @@ class HangWatch:
     def _check_timeout(self) -> None:
         if self._timeout is None:
             return
-        oldest = self._oldest()
-        if oldest is None or oldest is self._reported:
-            return
-        waited = (time.perf_counter_ns() - oldest.issued) / 1e9
-        if waited >= self._timeout:
-            self._reported = oldest
+        stuck = self._not_completed()
+        live = {id(t) for t in stuck}
+        reported = self._reported
+        for key in [k for k in reported if k not in live]:
+            del reported[key]  # completed (or given up on) since
+        now = time.perf_counter_ns()
+        late = [t for t in stuck if id(t) not in reported
+                and (now - t.issued) / 1e9 >= self._timeout]
+        if late:
+            # each collective stuck past the timeout gets a record, once: one reported
+            # earlier that still waits (a send whose Work says done only once waited)
+            # does not hide a later one
+            for t in late:
+                reported[id(t)] = t
             self._write(semconv.HANG_REASON_TIMEOUT)

@@ -62,6 +62,7 @@ from commspan.spans.traces import TraceOpener
 
 __all__ = ["CommSpanMode", "Sampler"]
 
+_perf_ns = time.perf_counter_ns
 _log = logging.getLogger(__name__)
 _graph_task_id = graph_task_id
 
@@ -332,7 +333,7 @@ class CommSpanMode:
             self._pause()  # nothing is recorded on this rank, in steps or between them
         elif config.hang_timeout_s is not None or config.dump_signal is not None:
             self._watch = HangWatch(
-                self._write_hang, self._log.oldest_pending, config.hang_timeout_s,
+                self._write_hang, self._log.not_completed, config.hang_timeout_s,
                 config.dump_signal,
             )
             self._watch.start()
@@ -601,6 +602,9 @@ class CommSpanMode:
             rec.add_event(info.name, info.name, phase, attrs, counted)
             return None
         timing = CollectiveTiming(attrs, phase, info.name)
+        # (the dispatch mode sets it again right before the op runs; until then a
+        # watchdog reading the log sees a sensible wait, not one since boot)
+        timing.issued = _perf_ns()
         rec.add_event(info.name, info.name, phase, attrs, counted, timing)
         self._log.add(timing)
         return timing
@@ -664,7 +668,9 @@ class CommSpanMode:
         rec.emit_hang(rec.hang_span(reason, collectives, self._config.hang_timeout_s))
         self._stats["hang_records"] += 1
         if reason != semconv.HANG_REASON_DUMP:
-            stuck = self._log.oldest_pending()
+            # the latest one not completed: where this rank waits now
+            waiting = self._log.not_completed()
+            stuck = waiting[-1] if waiting else None
             _log.warning(
                 "commspan: rank %d wrote a hang record (%s)%s", self._ranks.rank, reason,
                 _describe_stuck(stuck) if stuck is not None else "",

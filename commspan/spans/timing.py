@@ -209,11 +209,16 @@ class CollectiveLog:
 
     def oldest_pending(self) -> CollectiveTiming | None:
         """The collective issued longest ago that has not completed, if any."""
-        best: CollectiveTiming | None = None
-        for t in self.snapshot():
-            if not t.finished() and (best is None or t.issued < best.issued):
-                best = t
-        return best
+        stuck = self.not_completed()
+        return stuck[0] if stuck else None
+
+    def not_completed(self) -> list[CollectiveTiming]:
+        """The collectives issued and not completed (nor given up on), oldest first
+        (a copy; safe from any thread). One whose issue time is not set yet (the
+        dispatch mode sets it right before the op runs) is not among them."""
+        out = [t for t in self.snapshot() if t.issued and not t.finished()]
+        out.sort(key=_issued)
+        return out
 
     def clear(self) -> None:
         """Forget everything (the mode's process groups start over)."""
