@@ -62,7 +62,6 @@ from commspan.spans.traces import TraceOpener
 
 __all__ = ["CommSpanMode", "Sampler"]
 
-_perf_ns = time.perf_counter_ns
 _log = logging.getLogger(__name__)
 _graph_task_id = graph_task_id
 
@@ -602,9 +601,8 @@ class CommSpanMode:
             rec.add_event(info.name, info.name, phase, attrs, counted)
             return None
         timing = CollectiveTiming(attrs, phase, info.name)
-        # (the dispatch mode sets it again right before the op runs; until then a
-        # watchdog reading the log sees a sensible wait, not one since boot)
-        timing.issued = _perf_ns()
+        # (its issue time is set by the dispatch mode right before the op runs: until
+        # then the watchdog leaves it alone, CollectiveLog.not_completed)
         rec.add_event(info.name, info.name, phase, attrs, counted, timing)
         self._log.add(timing)
         return timing
