@@ -247,6 +247,27 @@ def test_c10d_ops_are_timed() -> None:
         assert e.attributes[semconv.COLL_DURATION_NS] >= 0
 
 
+def test_lazy_outputs_waited_inside_a_list_argument_are_timed() -> None:
+    """``torch.cat([all_reduce(a), all_reduce(b)])`` waits on both lazy outputs inside
+    the op: each gets its duration (they were left untimed: only an op's direct
+    arguments were looked at), at least the time slept before the op."""
+
+    class CatTwo(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            a = funcol.all_reduce(x, "sum", dist.group.WORLD)
+            b = funcol.all_reduce(x * 2, "sum", dist.group.WORLD)
+            time.sleep(SLEEP_S)
+            return torch.cat([a, b])
+
+    with capture() as cap:
+        CatTwo()(torch.ones(4))
+    events = collective_events(_by_fqn(cap.spans, "CatTwo"))
+    assert [e.name for e in events] == ["all_reduce", "all_reduce"]
+    for e in events:
+        assert e.attributes[semconv.COLL_DURATION_NS] >= SLEEP_S * 1e9
+    assert cap.mode.stats()["collectives_untimed"] == 0
+
+
 def test_bandwidths_follow_bytes_group_size_and_duration() -> None:
     """algbw and busbw are the NCCL-tests figures of the event's own bytes, group size
     and duration."""

@@ -102,6 +102,20 @@ def _op_name(op: Any) -> str:
     return "" if op is None else str(op)
 
 
+
+def _waiting_lazy(lazy_type: Any, args: Any, kwargs: Any) -> list[Any]:
+    """The lazy collective outputs not waited yet among an op's arguments: direct, or
+    in a list or tuple argument (``torch.cat([a, b])``), positional or keyword."""
+    found: list[Any] = []
+    for values in (args, kwargs.values() if kwargs else ()):
+        for a in values:
+            if isinstance(a, lazy_type):
+                if not a.completed:
+                    found.append(a)
+            elif type(a) is list or type(a) is tuple:
+                found.extend(x for x in a if isinstance(x, lazy_type) and not x.completed)
+    return found
+
 class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
     """Calls ``on_collective(info, attributes)`` before each collective op runs.
 
@@ -284,8 +298,7 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
         ``info`` its entry in the op table: the subclass waits on it inside the op, out
         of this mode's sight; afterwards the outputs it waited on say so
         (``completed``), which is their completion."""
-        lazy_type: Any = self._lazy
-        lazy: list[Any] = [a for a in args if isinstance(a, lazy_type) and not a.completed]
+        lazy = _waiting_lazy(self._lazy, args, kwargs)
         if isinstance(info, CollectiveInfo):
             out = self._collective(info, func, args, kwargs)
         else:
