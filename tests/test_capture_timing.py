@@ -419,3 +419,35 @@ def test_timing_attributes_reach_every_reader_written_once() -> None:
                          duration_ns=int(event.attributes[semconv.COLL_DURATION_NS]))
     assert expected is not None
     assert event.attributes[semconv.COLL_BUSBW] == pytest.approx(expected.busbw)
+
+
+def test_outstanding_works_without_a_future_are_asked_a_bounded_number_of_times() -> None:
+    """Thousands of isends waited at the end of a step: each collective asked every
+    outstanding ``Work`` whether it had completed (a step of 4,000 took 8.6 s instead
+    of 0.1 s). Now the oldest few are asked, and those at the front that completed are
+    forgotten; the others are asked when their span closes."""
+    from commspan.capture.completion import _POLL_AHEAD, CompletionTracker
+    from commspan.spans.timing import CollectiveTiming
+
+    asked = [0]
+    done: set[int] = set()
+
+    def resolver(i: int) -> Any:
+        def resolve() -> int | None:
+            asked[0] += 1
+            return 5 if i in done else None
+        return resolve
+
+    tracker = CompletionTracker()
+    timings = []
+    for i in range(1000):
+        t = CollectiveTiming({}, "forward")
+        t.resolve = resolver(i)
+        timings.append(t)
+        tracker.polled.append(t)
+        tracker.poll_some()
+    assert asked[0] <= 1000 * _POLL_AHEAD  # not 1000 * 1001 / 2
+    done.update(range(1000))  # all complete (the step waited on them)
+    assert all(t.finished() for t in timings)  # as their spans ask when they close
+    tracker.poll_some()
+    assert not tracker.polled and tracker.settled() == (not tracker.cuda)

@@ -23,7 +23,8 @@ collectives complete"):
   busy in Python at that moment. A ``Work`` without a future (gloo's
   ``send``/``recv``) says it completed only once its caller has waited on it:
   commspan asks it when it next looks (the next collective issued or waited
-  on, a span closing, the watchdog), so such a duration is an upper bound.
+  on asks the oldest few outstanding, a span closing asks its own, the
+  watchdog), so such a duration is an upper bound.
 - **CUDA tensors**: host times say when work was enqueued, not when it ran.
   A CUDA event is recorded on the current stream when the op is issued and
   another where the completion is observed (after ``wait_tensor``, after a
@@ -37,6 +38,7 @@ error as an internal one.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Sequence
 from functools import partial
 from typing import Any
@@ -49,6 +51,7 @@ from commspan.spans.timing import CollectiveTiming
 __all__ = ["CompletionTracker"]
 
 _perf = time.perf_counter_ns
+_POLL_AHEAD = 4  # Works without a future asked per collective (poll_some)
 _Tensor = torch.Tensor
 _ScriptObject = torch.ScriptObject
 
@@ -81,8 +84,10 @@ class CompletionTracker:
         self._max = max_outstanding
         self.sweep_at = 256
         """Past this many :attr:`outputs`, :meth:`sweep` them."""
-        self.polled: list[CollectiveTiming] = []
-        """Timings of ``Work`` s without a future, asked at each collective."""
+        self.polled: deque[CollectiveTiming] = deque()
+        """Timings of ``Work`` s without a future, oldest first: the oldest few are
+        asked at each collective (:meth:`poll_some`), all of them when a span that
+        holds one closes."""
         self.futures: dict[int, CollectiveTiming] = {}
         """Timings whose ``Work`` future has not called back yet, by ``id``."""
         self.failed = 0
@@ -103,7 +108,7 @@ class CompletionTracker:
         """Right before the op runs: the issue time (and, for CUDA tensors, a CUDA
         event on the current stream). Returns what :meth:`issued` needs back."""
         if self.polled:
-            self.poll()
+            self.poll_some()
         event = None
         if self.cuda and _on_cuda(info, args, kwargs):
             event = torch.cuda.Event(enable_timing=True)
@@ -193,7 +198,19 @@ class CompletionTracker:
 
     def poll(self) -> None:
         """Ask the ``Work`` s without a future whether they have completed."""
-        self.polled = [t for t in self.polled if not t.finished() and not t.abandoned]
+        self.polled = deque(t for t in self.polled if not t.finished() and not t.abandoned)
+
+    def poll_some(self) -> None:
+        """Ask the oldest few ``Work`` s without a future whether they have completed,
+        and forget those at the front that have: constant work per collective however
+        many are outstanding (asking all of them at each collective made a step of
+        thousands of isends quadratic). Works mostly complete in the order they were
+        issued; the others are asked when a span holding one closes."""
+        polled = self.polled
+        while polled and (polled[0].finished() or polled[0].abandoned):
+            polled.popleft()
+        for i in range(1, min(_POLL_AHEAD, len(polled))):
+            polled[i].finished()
 
     def _remember(self, timing: CollectiveTiming, out: Any, cuda_start: Any) -> None:
         outputs: Sequence[Any] = out if isinstance(out, (list, tuple)) else (out,)
@@ -227,7 +244,7 @@ class CompletionTracker:
         """``wait_tensor`` on ``tensor`` returned at ``now``: complete the collective
         that produced it, if one is waiting."""
         if self.polled:
-            self.poll()
+            self.poll_some()
         timing = self.outputs.pop(tensor.data_ptr() or id(tensor), None)
         if timing is not None:
             self.finish(timing, now)
@@ -249,7 +266,7 @@ class CompletionTracker:
     def clear(self) -> None:
         """Forget every output and ``Work`` still waiting (the mode is left)."""
         self.outputs.clear()
-        self.polled = []
+        self.polled = deque()
         self.futures.clear()
         self.devices = []
 

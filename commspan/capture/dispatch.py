@@ -377,7 +377,7 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
             # CompletionTracker.waited, inline: this runs once per functional collective
             completions = self.completions
             if completions.polled:
-                completions.poll()
+                completions.poll_some()
             timing = completions.outputs.pop(tensor.data_ptr() or id(tensor), None)
             if timing is not None:
                 if timing.hold is None and timing.duration is None:
