@@ -315,6 +315,35 @@ def test_noise_levels(mesh: DeviceMesh) -> None:
         comm_mode.generate_comm_debug_tracing_table("2")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="noise_level=1.5"):
         comm_mode.generate_json_dump("x.json", 1.5)  # type: ignore[arg-type]
+    import numpy as np  # whole numbers of other types are taken, as torch takes them
+
+    for level in (np.int64(2), 2.0, True):
+        assert comm_mode.generate_comm_debug_tracing_table(level) == (  # type: ignore[arg-type]
+            comm_mode.generate_comm_debug_tracing_table(int(level)))
+
+
+def test_entering_the_active_context_again_keeps_its_data(mesh: DeviceMesh) -> None:
+    """``with comm_mode:`` inside ``with comm_mode:`` raised (torch's works) after
+    clearing the counts of the outer context. It is one context now: the counts of
+    both are kept, each collective counted once; the same for ModTracker."""
+    model = _tp_mlp(mesh)
+    comm_mode = CommDebugMode()
+    with comm_mode:
+        model(torch.rand(8, 10))
+        first = comm_mode.get_total_counts()
+        assert first > 0
+        with comm_mode:
+            assert comm_mode.get_total_counts() == first
+            model(torch.rand(8, 10))
+        assert comm_mode.mode.active  # the inner exit left the outer context on
+        model(torch.rand(8, 10))
+    assert comm_mode.get_total_counts() == 3 * first
+    tracker = ModTracker()
+    with tracker:
+        with tracker:
+            model(torch.rand(8, 10))
+        assert tracker.mode.active
+    assert not tracker.mode.active
 
 
 def test_json_dump_structure(mesh: DeviceMesh, tmp_path: Path) -> None:

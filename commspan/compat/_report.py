@@ -18,6 +18,7 @@ its ancestors); collectives count for the module and every ancestor.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -41,17 +42,22 @@ Record = Mapping[str, Any]
 
 
 def noise_level(value: Any) -> int:
-    """``value`` as a level 0-3: below 0 acts as 0, above 3 as 3, as in torch.
+    """``value`` as a level 0-3: below 0 acts as 0, above 3 as 3, as in torch. Any
+    integer (a NumPy one too) or whole float is taken, as torch takes it.
 
     Raises:
-        TypeError: ``value`` is not an int.
+        TypeError: ``value`` is not a whole number.
     """
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(
-            f"noise_level={value!r} is not valid; pass an int: 0 (collectives), "
-            "1 (+ module types, parameters, DTensor ops), 2 (+ other ops), 3 (+ trivial ops)"
-        )
-    return min(max(value, 0), 3)
+    try:
+        level = operator.index(value)
+    except TypeError:
+        if not (isinstance(value, float) and value.is_integer()):
+            raise TypeError(
+                f"noise_level={value!r} is not valid; pass an int: 0 (collectives), 1 (+ "
+                "module types, parameters, DTensor ops), 2 (+ other ops), 3 (+ trivial ops)"
+            ) from None
+        level = int(value)
+    return min(max(level, 0), 3)
 
 
 def _shown(op: Record, level: int) -> bool:

@@ -349,6 +349,7 @@ class CommDebugMode:
         self._record_ops = record_operations
         self._muted = 0
         self._errors = 0
+        self._depth = 0  # `with` entries inside the active one
         self._keys = counted_ops()
         self.comm_registry: set[Any] = registry()
         self.comm_counts: dict[Any, int] = OpCounts()
@@ -371,6 +372,9 @@ class CommDebugMode:
         self.comm_module_counts[_GLOBAL] = ModuleCounts()
 
     def __enter__(self) -> CommDebugMode:
+        if self.mode.active:  # `with comm_mode:` inside itself: one context, counted once
+            self._depth += 1
+            return self
         self.comm_counts.clear()
         self.comm_module_counts.clear()
         self.comm_module_counts[_GLOBAL] = ModuleCounts()
@@ -381,6 +385,9 @@ class CommDebugMode:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        if self._depth:
+            self._depth -= 1
+            return
         self.mode.__exit__(*exc)
 
     def __repr__(self) -> str:

@@ -83,6 +83,7 @@ class ModTracker:
 
     def __init__(self) -> None:
         self._clear_hooks()
+        self._depth = 0  # `with` entries inside the active one
         self.mode = CommSpanMode(
             aggregator=False, record_params=False, module_observer=_UserHooks(self)
         )
@@ -94,10 +95,16 @@ class ModTracker:
         self._user_post_bw_hook: Callable[..., Any] | None = None
 
     def __enter__(self) -> ModTracker:
+        if self.mode.active:  # `with tracker:` inside itself: one context
+            self._depth += 1
+            return self
         self.mode.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        if self._depth:
+            self._depth -= 1
+            return
         self.mode.__exit__(*exc)
 
     @property
