@@ -109,6 +109,40 @@ def test_timeout_writes_a_record_to_disk_while_the_step_is_stuck(tmp_path: Path)
     assert finding.ranks[0]["fqn"] == "Net.issue" and finding.ranks[0]["state"] == "issued"
 
 
+def test_a_dump_on_a_healthy_step_keeps_the_durations(tmp_path: Path) -> None:
+    """``mode.dump()`` from another thread while a collective waits: the span that
+    issued it (closed, waiting for the completion) is not written early, so its event
+    keeps its duration, and nothing counts as untimed (it counted 1 and wrote the
+    span without a duration)."""
+    import threading
+
+    path = tmp_path / "rank0.jsonl"
+    net = Net()
+    mode = CommSpanMode(exporters=[JsonlSpanExporter(path)])
+    dumped = threading.Event()
+    with mode:
+        net.stall.until = dumped.is_set
+
+        def dump_later() -> None:
+            time.sleep(0.05)
+            mode.dump()
+            dumped.set()
+
+        thread = threading.Thread(target=dump_later)
+        thread.start()
+        with mode.step(0):
+            net(torch.ones(4))
+        thread.join()
+        assert net.stall.saw
+    mode.shutdown()
+    assert mode.stats()["collectives_untimed"] == 0
+    (hang,) = _hangs(path)
+    assert hang.attributes[semconv.HANG_REASON] == semconv.HANG_REASON_DUMP
+    issued = [s for s in read_spans(path) if s.attributes.get(semconv.MODULE_FQN) == "Net.issue"]
+    (event,) = [ev for s in issued for _, ev in s.events]
+    assert event[semconv.COLL_DURATION_NS] >= 50_000_000
+
+
 def test_a_collective_still_stuck_does_not_hide_a_later_one() -> None:
     """The watchdog wrote a record for collective A, which still waits (a gloo send
     whose Work says done only once waited); later B, issued after A, gets stuck too:

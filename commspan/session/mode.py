@@ -627,9 +627,12 @@ class CommSpanMode:
         The record (a ``commspan.hang`` span, see docs/debugging.md) holds the
         open module spans, outermost first, and the rank's recent collectives
         per process group with their state (``issued`` or ``completed``). It
-        goes through the exporters at once, after every span that closed
-        before it, and the exporters are flushed. Safe to call from any
-        thread, e.g. a watchdog of your own.
+        goes through the exporters at once, after the spans that closed before
+        it and are ready, and the exporters are flushed; spans still waiting
+        for a collective's completion wait on (a timeout or signal record
+        writes them at once, in case the job is stopped), so a dump on a
+        healthy run keeps every duration. Safe to call from any thread, e.g. a
+        watchdog of your own.
 
         Args:
             timeout_s: the most to wait for the exporters, in seconds; default
@@ -663,7 +666,8 @@ class CommSpanMode:
         timeout = self._config.flush_timeout_s if timeout_s is None else seconds(
             "timeout_s", timeout_s, zero=True)
         collectives = self._log.snapshot()
-        rec.emit_hang(rec.hang_span(reason, collectives, self._config.hang_timeout_s))
+        rec.emit_hang(rec.hang_span(reason, collectives, self._config.hang_timeout_s),
+                      emit_waiting=reason != semconv.HANG_REASON_DUMP)
         self._stats["hang_records"] += 1
         if reason != semconv.HANG_REASON_DUMP:
             # the latest one not completed: where this rank waits now

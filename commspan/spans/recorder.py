@@ -617,13 +617,26 @@ class SpanRecorder:
             instrumentation_scope=self._scope,
         )
 
-    def emit_hang(self, span: ReadableSpan, timeout_s: float = 2.0) -> None:
+    def emit_hang(
+        self, span: ReadableSpan, timeout_s: float = 2.0, *, emit_waiting: bool = True
+    ) -> None:
         """Hand a hang record to the sink, after every closed frame still waiting
-        (so what closed before the hang is written too).
+        (so what closed before the hang is written too, should the job be killed),
+        unless ``emit_waiting`` is false (a dump asked for on a run that may be
+        healthy: those frames wait for their completions, and keep the durations).
 
         If the emission lock is not free within ``timeout_s`` (the training
         thread is stuck inside a span processor), the record is handed over anyway.
         """
+        if not emit_waiting:
+            if self._emit_lock.acquire(timeout=timeout_s):
+                try:
+                    self._sink(span)
+                finally:
+                    self._emit_lock.release()
+            else:
+                self._sink(span)
+            return
         emitted = self.emit_closed(force=True, timeout_s=timeout_s, abandon=False)
         if emitted and self._emit_lock.acquire(timeout=timeout_s):
             try:
