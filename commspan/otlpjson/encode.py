@@ -249,7 +249,8 @@ def _array_value(v: Any) -> bytes:
 
 def _plan(signature: tuple[tuple[str, ...], tuple[type, ...]]) -> Any:
     """``(written values, formatted values, converters, templates, signature, ints,
-    may repeat)`` for attribute lists of these keys and value types, or ``_NO_PLAN``.
+    may repeat, has floats)`` for attribute lists of these keys and value
+    types, or ``_NO_PLAN``.
     "May repeat": no float or list, so a whole list may be kept by :func:`_attrs`
     when its ints are small too."""
     written: list[int] = []
@@ -263,7 +264,7 @@ def _plan(signature: tuple[tuple[str, ...], tuple[type, ...]]) -> Any:
             ints.append(i)
             formatted.append(i)
         elif t is float:
-            convert.append((len(formatted), _double))
+            convert.append((len(formatted), _dumps))
             formatted.append(i)
         elif t is list or t is tuple:
             convert.append((len(formatted), _array_value))
@@ -271,7 +272,11 @@ def _plan(signature: tuple[tuple[str, ...], tuple[type, ...]]) -> Any:
         else:
             return _NO_PLAN
     repeats = float not in signature[1] and list not in signature[1]
-    return (_pick(written), _pick(formatted), tuple(convert), {}, signature, _pick(ints), repeats)
+    # floats: orjson's null for a non-finite one is looked for afterwards (arrays are
+    # encoded by _value, which writes the mapping's strings)
+    floats = float in signature[1]
+    return (_pick(written), _pick(formatted), tuple(convert), {}, signature, _pick(ints), repeats,
+            floats)
 
 
 def _template(plan: Any, written: tuple[Any, ...]) -> bytes:
@@ -312,10 +317,11 @@ def _encode(
     list is also kept in ``_BLOBS`` under it if its values repeat (see ``_attrs``).
 
     ``check``: the values may hold ints beyond int64, which the mapping has no
-    encoding for (they are left out). commspan's own span and event attributes
-    cannot (sizes, counts, nanoseconds, step numbers it checks), so their
-    encoding skips the check; resources and spans of other instrumentation
-    scopes take it."""
+    encoding for (they are left out), or NaN and infinities (which orjson would
+    write as ``null``). commspan's own span and event attributes hold neither
+    (sizes, counts, nanoseconds, step numbers it checks, bandwidths of positive
+    durations), so their encoding skips the checks; resources and spans of
+    other instrumentation scopes take them."""
     signature = (tuple(attrs), types)
     plan = _PLANS.get(signature)
     if plan is None:
@@ -324,9 +330,10 @@ def _encode(
         plan = _PLANS[signature] = _plan(signature)
     if plan is _NO_PLAN:
         return _entries_one_by_one(attrs)
-    ints = plan[5](values)
-    if check and ints and (min(ints) < _INT64_MIN or max(ints) > _INT64_MAX):
-        return _entries_one_by_one(attrs)  # which leaves that attribute out
+    if check:
+        ints = plan[5](values)
+        if ints and (min(ints) < _INT64_MIN or max(ints) > _INT64_MAX):
+            return _entries_one_by_one(attrs)  # which leaves that attribute out
     written = plan[0](values)
     template = plan[3].get(written)
     if template is None:
@@ -338,9 +345,14 @@ def _encode(
         for j, convert in plan[2]:
             formatted[j] = convert(formatted[j])
         blob: bytes = template % tuple(formatted)
+        if check and plan[7] and b"null" in blob:
+            # orjson writes NaN and the infinities as null: those values (and text
+            # holding "null", rarely) take the path that writes the mapping's strings
+            return _entries_one_by_one(attrs)
     else:
         blob = template % plan[1](values)
     if items is not None and plan[6]:
+        ints = plan[5](values)
         if not ints or (-_SMALL_INT < min(ints) and max(ints) < _SMALL_INT):
             elements = _element_types(attrs) if _mixed_arrays(attrs) else None
             # arrays of floats (0.0 == -0.0) or of arrays (their elements' types are
@@ -490,9 +502,8 @@ def _span(span: ReadableSpan, check: bool = False) -> bytes:
                 for link in links
             ]
         )
-    if type(attrs) is not dict:  # what the SDK's limits left out, if any
+    if check:  # what the SDK's limits left out, if any (commspan's spans have no limits)
         tail += _dropped_json(dropped_attributes(attrs))
-    if type(events) is not list or type(links) is not list:
         n = dropped_items(events)
         if n:
             tail += b',"droppedEventsCount":%d' % n
@@ -553,7 +564,7 @@ def _events(events: Any, check: bool = False) -> bytes:
         out.append(
             b'{"timeUnixNano":"%d","name":%s,"attributes":%s%s}'
             % (ts, _text(name), _entries(attrs, check) if attrs else b"[]",
-               b"" if type(attrs) is dict else _dropped_json(dropped_attributes(attrs)))
+               _dropped_json(dropped_attributes(attrs)) if check else b"")
         )
     return b",".join(out)
 
