@@ -628,16 +628,8 @@ class SpanRecorder:
         If the emission lock is not free within ``timeout_s`` (the training
         thread is stuck inside a span processor), the record is handed over anyway.
         """
-        if not emit_waiting:
-            if self._emit_lock.acquire(timeout=timeout_s):
-                try:
-                    self._sink(span)
-                finally:
-                    self._emit_lock.release()
-            else:
-                self._sink(span)
-            return
-        emitted = self.emit_closed(force=True, timeout_s=timeout_s, abandon=False)
+        emitted = (not emit_waiting
+                   or self.emit_closed(force=True, timeout_s=timeout_s, abandon=False))
         if emitted and self._emit_lock.acquire(timeout=timeout_s):
             try:
                 self._sink(span)
