@@ -135,6 +135,19 @@ def test_copies_under_other_names_and_hard_links_are_read_once(
     assert kept == {f.name for f in packed_dir.glob("*.jsonl.gz")}
 
 
+def test_a_copy_shorter_than_the_first_kilobytes_is_found(tmp_path: Path) -> None:
+    """A ``gunzip -k`` copy made early (1.5 kB) of a file that has grown since (12 kB):
+    files are grouped by their first line, so the short copy is still compared."""
+    line = b'{"resourceSpans":[{"x":"%d"}]}\n'
+    early = b"".join(line % i for i in range(50))
+    (tmp_path / "rank0.jsonl").write_bytes(early)
+    with gzip.open(tmp_path / "rank0.jsonl.gz", "wb") as g:
+        g.write(early + b"".join(line % i for i in range(50, 400)))
+    notes: list[str] = []
+    assert [f.name for f in jsonl_files(tmp_path, notes=notes)] == ["rank0.jsonl.gz"]
+    assert "rank0.jsonl (read" in notes[0]
+
+
 def test_a_plain_file_with_other_lines_is_read(packed_dir: Path, tmp_path: Path) -> None:
     """A ``.jsonl`` beside a ``.jsonl.gz`` that holds other lines (another run,
     written without compression) is not a copy: both are read."""

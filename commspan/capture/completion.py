@@ -23,8 +23,8 @@ collectives complete"):
   busy in Python at that moment. A ``Work`` without a future (gloo's
   ``send``/``recv``) says it completed only once its caller has waited on it:
   commspan asks it when it next looks (the next collective issued or waited
-  on asks the oldest few outstanding, a span closing asks its own, the
-  watchdog), so such a duration is an upper bound.
+  on asks the oldest outstanding and a few more in turn, a span closing asks
+  its own, the watchdog), so such a duration is an upper bound.
 - **CUDA tensors**: host times say when work was enqueued, not when it ran.
   A CUDA event is recorded on the current stream when the op is issued and
   another where the completion is observed (after ``wait_tensor``, after a
@@ -85,9 +85,10 @@ class CompletionTracker:
         self.sweep_at = 256
         """Past this many :attr:`outputs`, :meth:`sweep` them."""
         self.polled: deque[CollectiveTiming] = deque()
-        """Timings of ``Work`` s without a future, oldest first: the oldest few are
-        asked at each collective (:meth:`poll_some`), all of them when a span that
-        holds one closes."""
+        self._cursor = 0  # the last of polled asked by poll_some
+        self._compact_at = 256  # len(polled) at which poll_some compacts it
+        """Timings of ``Work`` s without a future, oldest first: a few are asked at
+        each collective (:meth:`poll_some`), each when a span that holds it closes."""
         self.futures: dict[int, CollectiveTiming] = {}
         """Timings whose ``Work`` future has not called back yet, by ``id``."""
         self.failed = 0
@@ -199,18 +200,29 @@ class CompletionTracker:
     def poll(self) -> None:
         """Ask the ``Work`` s without a future whether they have completed."""
         self.polled = deque(t for t in self.polled if not t.finished() and not t.abandoned)
+        self._cursor = 0
 
     def poll_some(self) -> None:
-        """Ask the oldest few ``Work`` s without a future whether they have completed,
-        and forget those at the front that have: constant work per collective however
-        many are outstanding (asking all of them at each collective made a step of
-        thousands of isends quadratic). Works mostly complete in the order they were
-        issued; the others are asked when a span holding one closes."""
+        """Ask a few ``Work`` s without a future whether they have completed: the
+        oldest, then the next few in turn (a cursor goes round all of them, so each
+        is asked once every ``len / 4`` collectives), and forget the completed ones
+        at the front; the whole queue is compacted once it has doubled. Constant
+        work per collective, amortised, however many are outstanding (asking all
+        of them at each collective made a step of thousands of isends quadratic);
+        a span closing asks its own."""
         polled = self.polled
         while polled and (polled[0].finished() or polled[0].abandoned):
             polled.popleft()
-        for i in range(1, min(_POLL_AHEAD, len(polled))):
-            polled[i].finished()
+        n = len(polled)
+        if n > 1:
+            at = self._cursor
+            for _ in range(min(_POLL_AHEAD, n - 1)):
+                at = at + 1 if at + 1 < n else 1
+                polled[at].finished()
+            self._cursor = at
+        if n >= self._compact_at:  # amortised: the threshold doubles
+            self.poll()
+            self._compact_at = max(256, 2 * len(self.polled))
 
     def _remember(self, timing: CollectiveTiming, out: Any, cuda_start: Any) -> None:
         outputs: Sequence[Any] = out if isinstance(out, (list, tuple)) else (out,)
@@ -267,6 +279,7 @@ class CompletionTracker:
         """Forget every output and ``Work`` still waiting (the mode is left)."""
         self.outputs.clear()
         self.polled = deque()
+        self._cursor = 0
         self.futures.clear()
         self.devices = []
 

@@ -118,8 +118,8 @@ def _without_copies(files: list[Path], notes: list[str] | None) -> list[Path]:
         if key not in seen:
             seen.add(key)
             unique.append(f)
-    # copies start with the same bytes (a rank's first line names its rank and run,
-    # and holds random span ids): only files with the same start are compared
+    # copies start with the same line (a rank's first line names its rank and run,
+    # and holds random span ids): only files with the same first line are compared
     by_head: dict[bytes, list[Path]] = {}
     for f in unique:
         head = _head(f) if f in regular else b""
@@ -167,13 +167,15 @@ def _open(path: Path) -> Any:
 
 
 def _head(path: Path) -> bytes:
-    """The first bytes of ``path``'s lines (``b""`` if it cannot be read)."""
+    """``path``'s first line, at most its first 4 KiB (``b""`` if it cannot be read):
+    a copy holds whole lines, so a shorter copy starts with the same one."""
     try:
         with _open(path) as f:
             data: bytes = f.read(_HEAD)
-            return data
     except (OSError, EOFError, zlib.error):
         return b""
+    end = data.find(b"\n")
+    return data if end < 0 else data[:end + 1]
 
 
 _CHUNK = 1 << 20
