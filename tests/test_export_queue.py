@@ -637,6 +637,7 @@ def test_a_child_forked_while_other_threads_hold_commspan_locks_does_not_block(
     exporter = JsonlSpanExporter(tmp_path / "t.jsonl")
     mode = CommSpanMode(exporters=[exporter])
     model = _model()
+    child_only = torch.nn.Identity()
     x = torch.randn(2, 4)
     held, release = threading.Event(), threading.Event()
     with mode:
@@ -669,6 +670,7 @@ def test_a_child_forked_while_other_threads_hold_commspan_locks_does_not_block(
             try:
                 with mode.step(1):
                     model(x)
+                    child_only(x)  # a module the parent never ran: the child traced
                 ran = mode.aggregator.modules()
                 free = {
                     "recorder": mode._recorder._emit_lock.acquire(timeout=5),
@@ -700,7 +702,7 @@ def test_a_child_forked_while_other_threads_hold_commspan_locks_does_not_block(
     mode.shutdown()
     assert os.waitstatus_to_exitcode(status) == 0
     assert child["free"] == dict.fromkeys(locks, True)
-    assert child["ran"] == modules and modules  # the child's step was traced
+    assert child["ran"] == [*modules, "Identity"]  # the child's step was traced
 
 
 def test_a_bad_shutdown_timeout_leaves_the_queue_usable() -> None:

@@ -221,3 +221,24 @@ def test_module_is_in_parents_when_its_hooks_run(make) -> None:
     assert reference_bad == []
     assert bad == []
     assert seen == reference_seen
+
+
+def test_every_module_whose_backward_ran_gets_post_bw_as_in_torch() -> None:
+    """``Sequential(Linear, Identity, Linear)``: the Identity hands its input back (its
+    backward starts from no output of its own) and still gets ``post_bw`` when its input
+    gradient arrives, as under torch's ModTracker."""
+    from torch.distributed._tools.mod_tracker import ModTracker as TorchModTracker
+
+    def post_bw(cls: type) -> list[str]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(4, 4), torch.nn.Identity(), torch.nn.Linear(4, 4))
+        seen: list[str] = []
+        tracker = cls()
+        tracker.register_user_hooks(post_bw_hook=lambda m, g: seen.append(type(m).__name__))
+        with tracker:
+            model(torch.randn(2, 4, requires_grad=True)).sum().backward()
+        return sorted(seen)
+
+    assert post_bw(ModTracker) == post_bw(TorchModTracker) == [
+        "Identity", "Linear", "Linear", "Sequential"]

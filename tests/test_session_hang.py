@@ -169,6 +169,18 @@ def test_a_collective_still_stuck_does_not_hide_a_later_one() -> None:
     watch._check_timeout()
     watch._check_timeout()
     assert written == ["timeout", "timeout"]
+    # C, pending when that record was written (it lists C), crosses the timeout later:
+    # no record of its own
+    c = CollectiveTiming({semconv.COLL_OP: "all_reduce"}, "forward")
+    c.issued = time.perf_counter_ns()
+    stuck.append(c)
+    d = CollectiveTiming({semconv.COLL_OP: "all_reduce"}, "forward")
+    d.issued = time.perf_counter_ns() - 3_000_000_000
+    stuck.append(d)
+    watch._check_timeout()  # D is late: a record, which lists C too
+    c.issued -= 2_000_000_000
+    watch._check_timeout()
+    assert written == ["timeout"] * 3
 
 
 def test_a_collective_logged_before_it_is_issued_is_not_a_hang(tmp_path: Path) -> None:

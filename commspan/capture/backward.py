@@ -249,7 +249,10 @@ class BackwardNesting:
         try:
             task = graph_task_id()
             if call.bw_started:
-                if call.bw_task == task:
+                if call.bw_task == task or (
+                        call.bw_frame is not None and not call.bw_frame.closed):
+                    # this pass's, or an outer pass's still open (a nested graph
+                    # task: autograd.grad inside a backward hook)
                     return
                 # a later backward through the same graph (retain_graph=True): the
                 # call's backward runs again
@@ -347,9 +350,9 @@ class BackwardNesting:
             return
         try:
             task = graph_task_id()
-            if call.task == task or call.bw_task != task:
-                # a recompute's hook, or a call whose backward did not start in
-                # this pass
+            if call.task == task or (call.bw_started and call.bw_task != task):
+                # a recompute's hook, or a call whose backward started in another
+                # pass (a retained graph's) and not in this one
                 return
             call.inputs_left -= 1
             if call.inputs_left > 0:

@@ -189,7 +189,12 @@ class ParallelModules:
             if bucket.numel == numel:
                 state.launched += 1
                 return bucket
-        return hit[1]
+        own = hit[1]
+        if own.numel == numel and own.index >= state.launched:
+            # the count fell behind (a collective of another size went by): the hook's
+            # parameter's bucket, and those before it, are launched
+            state.launched = own.index + 1
+        return own
 
     def ddp_constructing(self) -> str | None:
         code = self._init_code

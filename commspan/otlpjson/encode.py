@@ -37,6 +37,7 @@ from opentelemetry.trace.span import DEFAULT_TRACE_STATE as _NO_STATE
 from opentelemetry.trace.status import Status, StatusCode
 
 from commspan import semconv
+from commspan._errors import Once
 
 __all__ = [
     "dropped_attributes",
@@ -49,6 +50,7 @@ __all__ = [
 ]
 
 _logger = logging.getLogger(__name__)
+_WARNED = Once()  # attributes left out: logged once per key and value type
 _SCOPE = semconv.INSTRUMENTATION_SCOPE  # the instrumentation scope of commspan's spans
 _INT64_MIN = -(1 << 63)
 _INT64_MAX = (1 << 63) - 1
@@ -129,7 +131,9 @@ def _checked_entry(k: str, v: Any) -> bytes | None:
     try:
         return _dumps({"key": k, "value": _value(v)})
     except Exception as error:  # as the SDK: the attribute is left out, the rest sent
-        _logger.warning("Failed to encode attribute %r: %s", k, error)
+        _WARNED.warn(_logger, f"{k}\0{type(v).__name__}",
+                     "commspan: attribute %r is left out of the OTLP/JSON encoding: %s "
+                     "(not logged again for this key and type)", k, error)
         return None
 
 

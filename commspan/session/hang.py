@@ -209,9 +209,11 @@ class HangWatch:
         late = [t for t in stuck if id(t) not in reported
                 and (now - t.issued) / 1e9 >= self._timeout]
         if late:
-            # each collective stuck past the timeout gets a record, once: one reported
-            # earlier that still waits (a send whose Work says done only once waited)
-            # does not hide a later one
-            for t in late:
+            # a collective stuck past the timeout gets a record unless one listed it
+            # already: one reported earlier that still waits (a send whose Work says
+            # done only once waited) does not hide a later one, and the collectives a
+            # record listed (several buckets issued just before a hang) do not each
+            # write another as they cross the timeout
+            for t in stuck:
                 reported[id(t)] = t
             self._write(semconv.HANG_REASON_TIMEOUT)

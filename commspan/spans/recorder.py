@@ -621,15 +621,15 @@ class SpanRecorder:
         self, span: ReadableSpan, timeout_s: float = 2.0, *, emit_waiting: bool = True
     ) -> None:
         """Hand a hang record to the sink, after every closed frame still waiting
-        (so what closed before the hang is written too, should the job be killed),
-        unless ``emit_waiting`` is false (a dump asked for on a run that may be
-        healthy: those frames wait for their completions, and keep the durations).
+        (so what closed before the hang is written too, should the job be killed);
+        with ``emit_waiting`` false (a dump asked for on a run that may be healthy),
+        after those that are ready only: the others wait for their completions,
+        and keep the durations.
 
         If the emission lock is not free within ``timeout_s`` (the training
         thread is stuck inside a span processor), the record is handed over anyway.
         """
-        emitted = (not emit_waiting
-                   or self.emit_closed(force=True, timeout_s=timeout_s, abandon=False))
+        emitted = self.emit_closed(force=emit_waiting, timeout_s=timeout_s, abandon=False)
         if emitted and self._emit_lock.acquire(timeout=timeout_s):
             try:
                 self._sink(span)
