@@ -86,7 +86,8 @@ DIGEST_SUFFIX = ".digest"
 """Appended to a JSONL file's name to name its digest."""
 DIGEST_VERSION = 1
 """The version written in every digest line (``"digest"``); other versions are ignored."""
-_SAMPLE = 64  # bytes at the start, middle and end of a line whose CRC-32 the digest keeps
+_SAMPLE = 64  # bytes at the middle and end of a line whose CRC-32 the digest keeps
+_HEAD = 2048  # and at its start: the resource, whose run id tells two runs' lines apart
 
 DigestPart = dict[str, Any]
 """The digest of one (rank, trace) of one line: see :func:`digest_parts`."""
@@ -99,10 +100,11 @@ def digest_path(path: str | os.PathLike[str]) -> Path:
 
 def _sample_ranges(length: int) -> list[tuple[int, int]]:
     """``(start, size)`` of the bytes of a line of ``length`` bytes whose CRC-32 stands
-    for the line: its start, middle and end (lines start alike: span ids and times in
-    the middle tell them apart)."""
+    for the line: its first 2 KiB (the resource, with the run id: a file replaced by
+    another run's of the same program has lines of the same lengths and shapes), its
+    middle and its end (span ids and times)."""
     mid = max(0, length // 2 - _SAMPLE // 2)
-    return [(0, min(_SAMPLE, length)), (mid, min(_SAMPLE, length - mid)),
+    return [(0, min(_HEAD, length)), (mid, min(_SAMPLE, length - mid)),
             (max(0, length - _SAMPLE), min(_SAMPLE, length))]
 
 
