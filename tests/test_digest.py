@@ -246,6 +246,27 @@ def test_answers_stay_right_whatever_happened(
     _same_answers(capsys, run, _without_digests(run, tmp_path / "plain"))
 
 
+def test_a_line_changed_near_its_start_is_read_not_its_digest(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], fake_pg: None
+) -> None:
+    """A line whose bytes changed after its 64th byte but inside its first 2 KiB (a
+    replaced file of the same program, whose spans differ there) kept its length and
+    the bytes at its start, middle and end that the digest used to sample: the stale
+    digest answered. The digest stands for the first 2 KiB too."""
+    run = _traced(tmp_path / "run", steps=1)
+    path = run / "commspan-rank0.jsonl"
+    data = bytearray(path.read_bytes())
+    first_line = data.index(b"\n")
+    mid = first_line // 2
+    key = b'"key":"commspan.module.fqn","value":{"stringValue":"'
+    at = data.index(key, 64) + len(key)  # the first span's module
+    end = data.index(b'"', at)
+    assert end < 2048 and end < mid - 64 and end < first_line - 64
+    data[end - 1:end] = b"Z" if data[end - 1:end] != b"Z" else b"Y"  # same length
+    path.write_bytes(bytes(data))
+    _same_answers(capsys, run, _without_digests(run, tmp_path / "plain"))
+
+
 def test_a_file_without_digest_is_read_from_its_lines(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], fake_pg: None
 ) -> None:
