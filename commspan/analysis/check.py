@@ -509,9 +509,10 @@ def p2p_findings(
             if rec.op == "recv" or peers is None:  # a receive from any source
                 maybe_recv[where] = None
             else:  # batched: each peer's op a send or a receive
-                if where not in maybe_recv or maybe_recv[where] is not None:
-                    maybe_recv[where] = (maybe_recv.get(where) or set()) | peers
-                maybe_send[where] = maybe_send.get(where, set()) | peers
+                could = maybe_recv.setdefault(where, set())
+                if could is not None:  # (None: any source already)
+                    could.update(peers)
+                maybe_send.setdefault(where, set()).update(peers)
     order = {t: i for i, t in enumerate(run.traces())}
     findings = []
     for key in sorted(set(sends) | set(recvs)):

@@ -85,10 +85,10 @@ class CompletionTracker:
         self.sweep_at = 256
         """Past this many :attr:`outputs`, :meth:`sweep` them."""
         self.polled: deque[CollectiveTiming] = deque()
-        self._cursor = 0  # the last of polled asked by poll_some
-        self._compact_at = 256  # len(polled) at which poll_some compacts it
         """Timings of ``Work`` s without a future, oldest first: a few are asked at
         each collective (:meth:`poll_some`), each when a span that holds it closes."""
+        self._cursor = 0  # the last of polled asked by poll_some
+        self._compact_at = 256  # len(polled) at which poll_some compacts it
         self.futures: dict[int, CollectiveTiming] = {}
         """Timings whose ``Work`` future has not called back yet, by ``id``."""
         self.failed = 0

@@ -102,7 +102,6 @@ def _op_name(op: Any) -> str:
     return "" if op is None else str(op)
 
 
-
 def _waiting_lazy(lazy_type: Any, args: Any, kwargs: Any) -> list[Any]:
     """The lazy collective outputs not waited yet among an op's arguments: direct, or
     in a list or tuple argument (``torch.cat([a, b])``), positional or keyword."""
@@ -115,6 +114,7 @@ def _waiting_lazy(lazy_type: Any, args: Any, kwargs: Any) -> list[Any]:
             elif type(a) is list or type(a) is tuple:
                 found.extend(x for x in a if isinstance(x, lazy_type) and not x.completed)
     return found
+
 
 class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
     """Calls ``on_collective(info, attributes)`` before each collective op runs.
