@@ -51,7 +51,7 @@ def _measure(rounds: int, pairs: int, steps: int) -> dict[str, Any]:
     def without_labels(mode: CollectiveDispatchMode) -> CollectiveDispatchMode:
         enter, leave = label_overloads()
         for op in enter + leave:
-            mode._table.pop(op, None)
+            mode.forget(op)
         return mode
 
     def per_pair(mode: Any) -> float:

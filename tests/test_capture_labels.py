@@ -99,8 +99,8 @@ def test_non_collective_ops_cost_one_lookup_in_the_overload_table() -> None:
     """The profiler ops are entries of the same overload table the collectives are in:
     deciding what an op is stays one dict lookup."""
     mode = _mode()
-    assert _ENTER in mode._table and _EXIT in mode._table
-    assert torch.ops.aten.mm.default not in mode._table
+    assert mode.knows(_ENTER) and mode.knows(_EXIT)
+    assert not mode.knows(torch.ops.aten.mm.default)
 
 
 def test_clear_labels_empties_this_threads_stack() -> None:

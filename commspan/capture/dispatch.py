@@ -45,6 +45,7 @@ __all__ = ["MAX_LABELS", "CollectiveDispatchMode", "OpRecordingDispatchMode", "d
 
 _log = logging.getLogger(__name__)
 _Tensor = torch.Tensor
+_OpOverload: Any = torch._ops.OpOverload  # subclasses (TorchBindOpOverload) excluded
 
 CollectiveCallback = Callable[[CollectiveInfo, dict[str, Any]], "CollectiveTiming | None"]
 """Told about each collective before it runs; returns the timing to complete, or ``None``."""
@@ -171,13 +172,15 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
         # DebugMode.__init__ sets up op recording (and imports the compiler
         # stack); the plain TorchDispatchMode initialisation is all we need.
         TorchDispatchMode.__init__(self)
-        self._table: dict[Any, Any] = dict(build_overload_table())
+        entries: dict[Any, Any] = dict(build_overload_table())
         enter, leave = label_overloads()
-        self._table.update(dict.fromkeys(enter, _LABEL_ENTER))
-        self._table.update(dict.fromkeys(leave, _LABEL_EXIT))
+        entries.update(dict.fromkeys(enter, _LABEL_ENTER))
+        entries.update(dict.fromkeys(leave, _LABEL_EXIT))
         self._lazy: type | None = _ACT if timing else None
         if timing:
-            self._table.update(dict.fromkeys(wait_overloads(), _WAIT))
+            entries.update(dict.fromkeys(wait_overloads(), _WAIT))
+        self._ops = tuple(entries)  # keeps the keys' objects (and so their ids) alive
+        self._table: dict[int, Any] = {id(op): info for op, info in entries.items()}
         self.completions = CompletionTracker()
         self._on_collective = on_collective
         self.groups = groups if groups is not None else ProcessGroups()
@@ -266,7 +269,7 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
     ) -> Any:
         if _dynamo_callback() is not None:  # compiled code runs this op: Dynamo off
             return self._dispatch_without_dynamo(func, types, args, kwargs)
-        info = self._table.get(func)
+        info = self._table.get(id(func))  # OpOverload.__hash__ is a Python call
         if types:
             if _defers(types):
                 # DTensor runs first: its local ops (collectives included) come back here
@@ -286,9 +289,20 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
                 self._close_label(args, kwargs)
             else:
                 return self._collective(info, func, args, kwargs or {})
+        if type(func) is _OpOverload:  # its __call__ is a Python frame around _op
+            func = func._op
         if kwargs:
             return func(*args, **kwargs)
         return func(*args)
+
+    def knows(self, op: Any) -> bool:
+        """Whether ``op`` (an overload or packet) is in this mode's op table: a
+        collective, a ``record_function`` label op, or (with timing) ``wait_tensor``."""
+        return id(op) in self._table
+
+    def forget(self, op: Any) -> None:
+        """Drop ``op`` from the op table: the mode then runs it as any other op."""
+        self._table.pop(id(op), None)
 
     # the same, run with Dynamo's frame callback unset (so the check above passes)
     _dispatch_without_dynamo = torch._disable_dynamo(__torch_dispatch__, recursive=True)
