@@ -13,7 +13,9 @@ from typing import Any
 
 import orjson
 import pytest
+from opentelemetry.attributes import BoundedAttributes
 from opentelemetry.sdk.trace import Event, ReadableSpan
+from opentelemetry.sdk.util import BoundedList
 from opentelemetry.trace import SpanContext
 
 from commspan.otlpjson import encode
@@ -188,13 +190,24 @@ def _sdk_cases() -> dict[str, ReadableSpan]:
                           trace_flags=TraceFlags(1))
         return ReadableSpan(
             kw.pop("name", "s"), ctx, parent=kw.pop("parent", None), resource=resource,
-            attributes=attrs, events=list(events), start_time=1, end_time=2**63 - 1,
+            attributes=attrs, events=events if isinstance(events, BoundedList) else list(events),
+            start_time=1, end_time=2**63 - 1,
             kind=kw.pop("kind", SpanKind.INTERNAL),
             status=kw.pop("status", Status(StatusCode.UNSET)),
             instrumentation_scope=kw.pop("scope", scope), links=kw.pop("links", ()),
         )
 
+    def limited(values: dict[str, Any], maxlen: int) -> BoundedAttributes:
+        return BoundedAttributes(maxlen=maxlen, attributes=values, immutable=False)
+
+    events = BoundedList(1)
+    for i in range(3):
+        events.append(Event(f"e{i}", limited({"x": i, "bad": "\ud800", "y": 1}, 2), i))
+
     return {
+        # the SDK's limits dropped some, and a value the fast path cannot encode
+        "limits and a bad value": span(
+            limited({"a": 1, "bad": "a\ud800", "c": 2**64, "d": 4}, 3), events),
         "plain": span({"a": "x", "b": 7, "c": True, "d": 1.5, "e": ("a", "b"), "f": (1, 2)}),
         "non-finite": span({"n": math.nan, "i": math.inf, "m": -math.inf}),
         "non-finite in arrays": span({"d": (1.0, math.nan, -math.inf)}),

@@ -587,12 +587,25 @@ def _clean_text(text: Any) -> str:
     return text
 
 
-def _clean_attrs(attrs: Any) -> dict[str, Any]:
+def _clean_attrs(attrs: Any) -> BoundedAttributes:
     """The attributes the OTLP/JSON mapping can encode; the others are left out (and
-    logged), as the SDK's encoder leaves them out."""
-    if not attrs:
-        return {}
-    return {k: v for k, v in attrs.items() if _checked_entry(k, v) is not None}
+    logged), as the SDK's encoder leaves them out. What the SDK's limits dropped
+    before stays counted."""
+    kept = {k: v for k, v in attrs.items() if _checked_entry(k, v) is not None} \
+        if attrs else {}
+    out = BoundedAttributes(maxlen=None, attributes=kept, immutable=False)
+    out.dropped = dropped_attributes(attrs)
+    return out
+
+
+def _clean_events(events: Any) -> Any:
+    """A span's events with :func:`_clean_attrs` and clean names; what the SDK's
+    limits dropped stays counted."""
+    out: BoundedList[Event] = BoundedList(None)
+    out.extend([Event(_clean_text(e.name), _clean_attrs(e.attributes), e.timestamp)
+                for e in events or ()])
+    out.dropped = dropped_items(events)
+    return out
 
 
 def _span_checked(span: ReadableSpan) -> bytes:
@@ -610,9 +623,8 @@ def _span_checked(span: ReadableSpan) -> bytes:
         parent=parent,
         resource=res,
         attributes=_clean_attrs(attrs),
-        events=[Event(_clean_text(e.name), _clean_attrs(e.attributes), e.timestamp)
-                for e in events or ()],
-        links=[Link(link.context, _clean_attrs(link.attributes)) for link in links or ()],
+        events=_clean_events(events),
+        links=_clean_links(links),
         kind=kind,
         instrumentation_scope=scope,
         status=status,
@@ -620,6 +632,14 @@ def _span_checked(span: ReadableSpan) -> bytes:
         end_time=end,
     )
     return _span(copy, True)
+
+
+def _clean_links(links: Any) -> Any:
+    """:func:`_clean_events` for links."""
+    out: BoundedList[Link] = BoundedList(None)
+    out.extend([Link(link.context, _clean_attrs(link.attributes)) for link in links or ()])
+    out.dropped = dropped_items(links)
+    return out
 
 
 _SPAN = (
