@@ -88,6 +88,57 @@ class CascadeNet(torch.nn.Module):
         return self.first(torch.relu(self.mid(torch.relu(self.last(x)))))
 
 
+class ResizedNet(torch.nn.Module):
+    """Three bias-free layers, each above ``bucket_cap_mb=0.004`` (4,194 bytes), so
+    one bucket each: buckets 0 (``c``) and 2 (``a``) have 1,152 elements, bucket 1
+    (``b``) 1,536."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(24, 48, bias=False)
+        self.b = torch.nn.Linear(48, 32, bias=False)
+        self.c = torch.nn.Linear(32, 36, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.relu(self.b(torch.relu(self.a(x)))))
+
+
+def _ddp_resized_run(out: Path, rank: int) -> None:
+    """A comm hook that all-reduces only half of bucket 0 (as a compressing hook
+    reduces tensors of other sizes than its bucket): the next bucket's collective
+    has bucket 1's size, the one after has bucket 0's size again, and must still
+    be bucket 2's."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = ResizedNet()
+    names = {id(p): n for n, p in model.named_parameters()}
+    mode = CommSpanMode(exporters=[
+        JsonlSpanExporter(out / "ddp_resized" / "trace-rank{rank}.jsonl")])
+    seen: list[list[Any]] = []
+    with mode:
+        # find_unused_parameters: DDP never rebuilds the buckets, so they stay one
+        # layer each, in reverse registration order
+        ddp = DDP(model, bucket_cap_mb=0.004, find_unused_parameters=True)
+
+        def half_hook(state, bucket):  # type: ignore[no-untyped-def]
+            buffer = bucket.buffer()
+            part = buffer[: buffer.numel() // 2] if bucket.index() == 0 else buffer
+            seen.append([bucket.index(), [names[id(p)] for p in bucket.parameters()],
+                         part.numel()])
+            fut = dist.all_reduce(part, async_op=True).get_future()
+            return fut.then(lambda _: buffer)
+
+        ddp.register_comm_hook(None, half_hook)
+        for i in range(2):
+            with mode.step(i):
+                ddp(torch.randn(4, 24)).sum().backward()
+    mode.shutdown()
+    assert mode.aggregator is not None
+    _write(out, "ddp_resized", rank, {"hook": seen, "stats": mode.stats(),
+                                       **_view(mode.aggregator)})
+
+
 class Outer(torch.nn.Module):
     """A model whose middle part is a DDP module, built inside the mode."""
 
@@ -344,6 +395,7 @@ SCENARIOS: dict[str, Callable[[Path, int], None]] = {
     "ddp_nested": _ddp_nested_run,
     "ddp_cascade": lambda out, rank: _ddp_run(
         out, rank, "ddp_cascade", hook=True, find_unused=True, cascade=True),
+    "ddp_resized": _ddp_resized_run,
     "pp_gpipe": lambda out, rank: _pipeline_run(out, rank, "pp_gpipe"),
     "pp_1f1b": lambda out, rank: _pipeline_run(out, rank, "pp_1f1b"),
     "pp_interleaved": _interleaved_run,

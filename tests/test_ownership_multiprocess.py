@@ -36,7 +36,7 @@ pytestmark = pytest.mark.multiprocess
 WORLD = 2
 SCRIPT = Path(__file__).with_name("_mp_ownership_scenarios.py")
 SCENARIOS = ["fsdp", "ddp", "ddp_hook", "ddp_unused", "ddp_cascade", "ddp_compiled",
-             "ddp_nested",
+             "ddp_nested", "ddp_resized",
              "pp_gpipe", "pp_1f1b", "pp_interleaved"]
 PIPELINES = ["pp_gpipe", "pp_1f1b"]
 MICROBATCHES = 4
@@ -232,6 +232,22 @@ def test_ddp_buckets_launched_together_are_each_their_own(ok_run: MpRun, rank: i
         assert attrs[semconv.OWNER_FQN] == _module_name(_lowest_common_module(params))
         assert attrs[semconv.OWNER_BYTES] == 4 * sum(
             ok_run.result("ddp_cascade", rank)["numel"][p] for p in params)
+
+
+@pytest.mark.parametrize("rank", range(WORLD))
+def test_ddp_bucket_after_a_resized_collective_is_its_own(ok_run: MpRun, rank: int) -> None:
+    """A comm hook reduces half of bucket 0 (another size than the bucket's, as a
+    compressing hook does): commspan loses its count of launched buckets there and
+    resyncs on bucket 1, so bucket 2 (bucket 0's size) is not taken for bucket 0."""
+    hook = ok_run.result("ddp_resized", rank)["hook"]
+    events = _bucket_events(ok_run, "ddp_resized", rank)
+    assert [index for index, _, _ in hook] == [0, 1, 2] * 2
+    assert [numel for _, _, numel in hook] == [576, 1536, 1152] * 2
+    assert len(events) == len(hook)
+    for attrs, (index, params, numel) in zip(events, hook):
+        assert attrs[semconv.DDP_BUCKET_INDEX] == index
+        assert attrs[semconv.OWNER_FQN] == _module_name(_lowest_common_module(params))
+        assert attrs[semconv.TENSOR_BYTES] == 4 * numel
 
 
 @pytest.mark.parametrize("rank", range(WORLD))
