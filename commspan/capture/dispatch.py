@@ -271,7 +271,7 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
             return self._dispatch_without_dynamo(func, types, args, kwargs)
         info = self._table.get(id(func))  # OpOverload.__hash__ is a Python call
         if types:
-            if _defers(types):
+            if types[0] is _DTensor or _defers(types):  # (DTensor,): the usual case
                 # DTensor runs first: its local ops (collectives included) come back here
                 if REDISTRIBUTE_HOOK:
                     self._tls.op = func
