@@ -106,6 +106,31 @@ def test_damaged_lines_exit_2_after_the_result(
     assert err.splitlines()[-1].startswith("commspan: 1 damaged line(s) skipped")
 
 
+def test_check_run_and_stragglers_read_past_a_damaged_line_with_strict_false(
+    timed: Path, tmp_path: Path
+) -> None:
+    """From Python: a damaged line raises ValueError naming file and line and how to
+    read on (``strict=False``); with it, check_run and stragglers give the answers of
+    the intact run and the report names the skipped line."""
+    from commspan.analysis import check_run, stragglers
+    from commspan.exporters import ReadReport
+
+    for f in timed.glob("*.jsonl"):
+        shutil.copy(f, tmp_path / f.name)
+    rank0 = tmp_path / "commspan-rank0.jsonl"
+    rank0.write_bytes(b"{oops\n" + rank0.read_bytes())
+    for read in (check_run, stragglers):
+        with pytest.raises(ValueError, match=r"commspan-rank0\.jsonl:1: .*strict=False"):
+            read(tmp_path)
+    report = ReadReport()
+    damaged = check_run(tmp_path, strict=False, report=report)
+    intact = check_run(timed)
+    assert damaged.to_dict() == intact.to_dict() and damaged.ok
+    assert [(s.path, s.line) for s in report.skipped] == [(str(rank0), 1)]
+    late = stragglers(tmp_path, strict=False).to_dict()
+    assert late == stragglers(timed).to_dict() and late["stragglers"][0]["rank"] == 2
+
+
 def test_stragglers_without_timing(consistent: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """No durations recorded: stragglers says timing is needed and still shows where each
     rank's step goes; exit 0; --json keys."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -116,12 +117,27 @@ def test_entering_an_active_mode_raises() -> None:
     assert [fqn(s) for s in exporter.get_finished_spans() if phase(s) == "forward"] == ["Linear"]
 
 
-def test_step_with_non_int_index() -> None:
-    """mode.step('x') raises TypeError naming the index."""
+@pytest.mark.parametrize("bad", ["x", 1.0, True, None, torch.tensor(1.5)])
+def test_step_with_non_int_index(bad: Any) -> None:
+    """mode.step('x') (or a float, a bool, None) raises TypeError naming the index."""
     mode = CommSpanMode()
-    bad: Any = "x"
-    with mode, pytest.raises(TypeError, match=r"index='x'"), mode.step(bad):
+    with mode, pytest.raises(TypeError, match=rf"index={re.escape(repr(bad))} is not valid"), \
+            mode.step(bad):
         pass
+
+
+def test_step_with_a_numpy_or_torch_integer() -> None:
+    """Step numbers from numpy.arange or a tensor's .item() kin (numpy.int64, a 0-d
+    integer tensor) are ints: the trace's step attribute is the plain int."""
+    import numpy as np
+
+    mode, exporter = traced_mode()
+    with mode:
+        for index in (np.int64(3), np.uint8(4), torch.tensor(5)):
+            with mode.step(index) as traced:
+                assert traced
+    steps = {s.attributes[semconv.STEP] for s in exporter.get_finished_spans()}
+    assert steps == {3, 4, 5} and all(type(v) is int for v in steps)
 
 
 def test_step_beyond_a_64_bit_int() -> None:

@@ -43,6 +43,7 @@ from typing import Any
 
 from commspan import semconv
 from commspan.analysis.records import CollectiveRecord, HangRecord, Run, RunPaths, load_run
+from commspan.otlpjson.decode import DEFAULT_MAX_LINE_BYTES, ReadReport
 
 __all__ = [
     "CheckResult",
@@ -145,12 +146,19 @@ def check_run(
     paths: RunPaths,
     *,
     steps: Iterable[int] | None = None,
+    strict: bool = True,
+    report: ReadReport | None = None,
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
 ) -> CheckResult:
     """Check the JSONL files of a run for cross-rank consistency.
 
     Args:
         paths: the run's JSONL files (see :data:`~commspan.analysis.records.RunPaths`).
         steps: check only these step numbers; ``None`` checks every step.
+        strict, report, max_line_bytes: how damaged and over-long lines are
+            handled, as for :func:`~commspan.exporters.read_spans` (``strict=False``
+            skips a damaged line, as ``commspan check`` does, and ``report``
+            collects what was skipped).
 
     Returns:
         The findings and what was checked.
@@ -158,7 +166,8 @@ def check_run(
     Raises:
         FileNotFoundError: a path does not exist.
         ValueError: no path, a directory without ``*.jsonl`` files, a line that
-            is not JSON (the message names file and line), or bad ``steps``.
+            is not JSON and ``strict`` (the message names file and line), or bad
+            ``steps``.
 
     Example:
         >>> from commspan.analysis import check_run
@@ -166,7 +175,8 @@ def check_run(
         >>> for finding in result.findings:  # doctest: +SKIP
         ...     print(finding.message)
     """
-    return check(load_run(paths, steps=steps, module_spans=False))
+    return check(load_run(paths, steps=steps, module_spans=False, strict=strict,
+                          report=report, max_line_bytes=max_line_bytes))
 
 
 def check(run: Run) -> CheckResult:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, NamedTuple, Union
 
 from commspan import semconv
-from commspan.otlpjson.decode import read_spans
+from commspan.otlpjson.decode import DEFAULT_MAX_LINE_BYTES, ReadReport, read_spans
 from commspan.otlpjson.files import jsonl_files
 from commspan.otlpjson.records import SpanRecord, record_rank
 
@@ -262,6 +262,9 @@ def load_run(
     *,
     steps: Iterable[int] | None = None,
     module_spans: bool = True,
+    strict: bool = True,
+    report: ReadReport | None = None,
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
 ) -> Run:
     """Read the JSONL files of a run into a :class:`Run`.
 
@@ -270,6 +273,9 @@ def load_run(
         steps: keep only these step numbers (traces outside steps are dropped too);
             ``None`` keeps everything.
         module_spans: keep the module spans (only the step-time view needs them).
+        strict, report, max_line_bytes: how damaged and over-long lines are
+            handled, as for :func:`~commspan.exporters.read_spans` (``strict=False``
+            skips a damaged line and reads the rest).
 
     Returns:
         The run's records.
@@ -291,15 +297,18 @@ def load_run(
     if not files:
         raise ValueError("paths is empty; pass at least one JSONL file or directory")
     wanted = _check_steps(steps)
-    return build_run(_read(files), steps=wanted, module_spans=module_spans)
+    return build_run(_read(files, strict, report, max_line_bytes), steps=wanted,
+                     module_spans=module_spans)
 
 
-def _read(files: Sequence[Path]) -> Iterator[SpanRecord]:
+def _read(files: Sequence[Path], strict: bool = True, report: ReadReport | None = None,
+          max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> Iterator[SpanRecord]:
     """The spans of ``files``; a file of JSON that is not OTLP spans is a ValueError
     naming it (read_spans names file and line for lines that are not JSON)."""
     for f in files:
         try:
-            yield from read_spans(f)
+            yield from read_spans(f, strict=strict, report=report,
+                                  max_line_bytes=max_line_bytes)
         except ValueError as exc:
             if str(exc).startswith(str(f)):
                 raise

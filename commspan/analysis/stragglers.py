@@ -49,6 +49,7 @@ from typing import Any, NamedTuple
 
 from commspan import semconv
 from commspan.analysis.records import CollectiveRecord, Run, RunPaths, load_run
+from commspan.otlpjson.decode import DEFAULT_MAX_LINE_BYTES, ReadReport
 
 __all__ = [
     "RankWaits",
@@ -168,12 +169,22 @@ class StragglerResult:
 
 
 # ------------------------------------------------------------------ entry points
-def stragglers(paths: RunPaths, *, steps: Iterable[int] | None = None) -> StragglerResult:
+def stragglers(
+    paths: RunPaths,
+    *,
+    steps: Iterable[int] | None = None,
+    strict: bool = True,
+    report: ReadReport | None = None,
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+) -> StragglerResult:
     """Read the JSONL files of a run and say who arrives last, and where steps go.
 
     Args:
         paths: the run's JSONL files (see :data:`~commspan.analysis.records.RunPaths`).
         steps: only these step numbers; ``None`` for all.
+        strict, report, max_line_bytes: how damaged and over-long lines are
+            handled, as for :func:`~commspan.exporters.read_spans` (``strict=False``
+            skips a damaged line, as ``commspan stragglers`` does).
 
     Returns:
         Straggler rows, per-rank totals, step-time breakdown and counts.
@@ -181,7 +192,7 @@ def stragglers(paths: RunPaths, *, steps: Iterable[int] | None = None) -> Stragg
     Raises:
         FileNotFoundError: a path does not exist.
         ValueError: no path, a directory without ``*.jsonl`` files, a line that
-            is not JSON (names file and line), or bad ``steps``.
+            is not JSON and ``strict`` (names file and line), or bad ``steps``.
 
     Example:
         >>> from commspan.analysis import stragglers
@@ -189,7 +200,8 @@ def stragglers(paths: RunPaths, *, steps: Iterable[int] | None = None) -> Stragg
         >>> result.stragglers[0]  # doctest: +SKIP
         StragglerRow(step=3, fqn='Net.blocks.1', phase='forward', rank=2, times_last=1, ...)
     """
-    return analyze(load_run(paths, steps=steps))
+    return analyze(load_run(paths, steps=steps, strict=strict, report=report,
+                            max_line_bytes=max_line_bytes))
 
 
 def analyze(run: Run) -> StragglerResult:

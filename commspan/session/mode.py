@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -395,7 +396,8 @@ class CommSpanMode:
         Raises:
             RuntimeError: used outside ``with mode:``, or inside another step
                 on the same thread.
-            TypeError: ``index`` is not an int.
+            TypeError: ``index`` is not a whole number (an ``int``, or an
+                integer type with ``__index__`` such as ``numpy.int64``).
             ValueError: ``index`` does not fit a 64-bit int.
 
         Example:
@@ -406,8 +408,14 @@ class CommSpanMode:
             ...         with mode.step(i):
             ...             pass  # forward, backward, optimizer step
         """
-        if not isinstance(index, int) or isinstance(index, bool):
-            raise TypeError(f"index={index!r} is not valid; pass the step number as an int")
+        if type(index) is not int:  # a numpy or torch integer is one too
+            try:
+                if isinstance(index, bool):
+                    raise TypeError
+                index = operator.index(index)
+            except TypeError:
+                raise TypeError(
+                    f"index={index!r} is not valid; pass the step number as an int") from None
         if not -(1 << 63) <= index < (1 << 63):
             raise ValueError(f"index={index!r} is not valid; OTLP carries a step number as a "
                              "64-bit int: pass one between -2**63 and 2**63 - 1")
