@@ -367,7 +367,8 @@ ATTRIBUTES: dict[str, str] = {
     "``Global`` on the rank span. Also copied onto every collective event.",
     MODULE_TYPE: "Class name of the module, e.g. ``Linear``.",
     MODULE_DEPTH: "Nesting depth of the module call (root module = 1).",
-    PHASE: "``forward``, ``backward`` or ``recompute``. Also copied onto every event.",
+    PHASE: "``forward``, ``backward``, ``recompute`` or ``setup`` (see Phases). Also copied "
+           "onto every event.",
     PARAM_NAMES: "Names of the module's direct parameters (forward spans).",
     PARAM_PLACEMENTS: "DTensor placements of those parameters, e.g. ``S(0)``; "
     "empty string for a plain tensor (forward spans).",
