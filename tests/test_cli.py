@@ -395,3 +395,21 @@ def test_table_by_mesh_dim_takes_no_tree_options(
         main(["table", str(tmp_path), "--by-mesh-dim", *extra])
     assert exc.value.code == 2
     assert "--by-mesh-dim is a table of its own" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("module", ["commspan", "commspan.cli"])
+def test_python_dash_m_runs_the_command(module: str, tmp_path: Path) -> None:
+    """`python -m commspan` is the command, as `python -m commspan.cli` is: same help,
+    same one-line error and status for a missing file."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+
+    def run(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", module, *argv], env=env, text=True,
+                              capture_output=True, timeout=120, check=False)
+
+    helped = run("--help")
+    assert helped.returncode == 0 and helped.stdout.startswith("usage: commspan ")
+    nope = tmp_path / "nope.jsonl"
+    missing = run("summary", str(nope))
+    assert missing.returncode == 1 and missing.stdout == ""
+    assert missing.stderr == f"FileNotFoundError: FILES: '{nope}' does not exist\n"

@@ -30,6 +30,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("commspan.cli",),  # the command: arguments and exit codes
     # wiring and extras on top: the facade, the mode, the testing helpers, compat
     ("commspan", "commspan.session", "commspan.testing", "commspan.compat"),
+    ("commspan.__main__",),  # `python -m commspan`: the command
 ]
 
 # Imports from a higher layer that are allowed, each with its reason.
