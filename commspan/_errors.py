@@ -29,6 +29,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import numbers
 import threading
 from typing import Any
 
@@ -78,7 +79,7 @@ FOREVER_S = 1e9
 
 
 def seconds(name: str, value: Any, *, zero: bool = False) -> float:
-    """``value`` as a number of seconds: an int or float (not a bool), above 0
+    """``value`` as a number of seconds: a real number (not a bool; numpy's too), above 0
     (or 0 too, with ``zero``), not NaN; ``inf`` means no limit and comes back as
     :data:`FOREVER_S`.
 
@@ -90,7 +91,7 @@ def seconds(name: str, value: Any, *, zero: bool = False) -> float:
         (2.0, True)
     """
     least = "0 or more" if zero else "more than 0"
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value \
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or value != value \
             or value < 0 or (value == 0 and not zero):
         raise ValueError(f"{name}={value!r} is not valid; pass a number of seconds, {least} "
                          "(float('inf') for no limit)")

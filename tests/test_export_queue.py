@@ -717,3 +717,132 @@ def test_a_bad_shutdown_timeout_leaves_the_queue_usable() -> None:
     queue.shutdown(5.0)
     assert [s.name for s in exporter.spans] == ["s"]
     assert queue.stats()["pending"] == 0
+
+
+def test_an_export_thread_that_cannot_start_is_retried(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The first attempt to start the export thread fails (a thread limit): the span
+    stays queued and counted once (pending, no processor error), the failure is logged
+    once, the next span starts the thread, and everything is exported; shutdown works."""
+    from opentelemetry.trace import SpanContext
+
+    real_start = threading.Thread.start
+    refused: list[str] = []
+
+    def start(self: threading.Thread) -> None:
+        if self.name.startswith("commspan-export") and not refused:
+            refused.append(self.name)
+            raise RuntimeError("can't start new thread")
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    exporter = RecordingExporter()
+    queue = ExportQueue(exporter)
+    with caplog.at_level(logging.WARNING, logger="commspan"):
+        queue.on_end(ReadableSpan("a", SpanContext(1, 1, False)))
+        stats = queue.stats()
+        assert refused and (stats["handed"], stats["pending"], stats.unaccounted) == (1, 1, 0)
+        queue.on_end(ReadableSpan("b", SpanContext(1, 2, False)))
+        assert queue.flush(5.0)
+    queue.shutdown(5.0)
+    assert [s.name for s in exporter.spans] == ["a", "b"]
+    stats = queue.stats()
+    assert (stats["exported"], stats["pending"], stats.unaccounted) == (2, 0, 0)
+    assert len(_warnings(caplog, "could not start the export thread")) == 1
+
+
+def test_a_second_shutdown_waits_for_the_first() -> None:
+    """shutdown() from another thread while the first is still exporting returns only
+    when the first has settled everything: nothing pending or in flight afterwards."""
+    from opentelemetry.trace import SpanContext
+
+    exporter = SlowExporter(0.3)
+    queue = ExportQueue(exporter, max_batch_size=1)
+    for i in range(3):
+        queue.on_end(ReadableSpan(f"s{i}", SpanContext(1, 1 + i, False)))
+    first = threading.Thread(target=queue.shutdown, args=(10.0,))
+    first.start()
+    time.sleep(0.1)
+    queue.shutdown(10.0)
+    stats = queue.stats()
+    assert (stats["pending"], stats["in_flight"], stats["exported"], stats.unaccounted) == (
+        0, 0, 3, 0)
+    first.join(10)
+
+
+_AT_EXIT = """
+import sys, time
+import torch
+from commspan import CommSpanMode
+from commspan.exporters import JsonlSpanExporter
+
+class Slow(JsonlSpanExporter):
+    def export(self, spans):
+        time.sleep(0.05)
+        return super().export(spans)
+
+mode = CommSpanMode(exporters=[Slow(sys.argv[1])], flush_timeout_s=0.01)
+model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+with mode:
+    for i in range(20):
+        with mode.step(i):
+            model(torch.randn(1, 2)).sum().backward()
+stats = mode.stats()
+print(stats["spans"], stats["spans_exported"])
+# no mode.shutdown(): the interpreter exits with spans still queued
+"""
+
+
+def test_spans_queued_at_interpreter_exit_are_exported(tmp_path: Any) -> None:
+    """A script that never calls mode.shutdown() (as the README's loop) exits while a
+    slow exporter still has spans queued: they reach the file before the process ends
+    (the export thread is a daemon, killed at exit, and they used to vanish)."""
+    import subprocess
+    import sys
+
+    from commspan.exporters import read_spans
+
+    out = tmp_path / "trace.jsonl"
+    script = tmp_path / "at_exit.py"
+    script.write_text(_AT_EXIT)
+    done = subprocess.run([sys.executable, str(script), str(out)], capture_output=True,
+                          text=True, timeout=120, check=True)
+    spans, exported_before_exit = map(int, done.stdout.split())
+    assert exported_before_exit < spans  # the exit did have spans to save
+    assert len(list(read_spans(out))) == spans
+
+
+_AT_EXIT_DEAD = """
+import threading
+import torch
+from opentelemetry.sdk.trace.export import SpanExporter
+from commspan import CommSpanMode
+
+class Dead(SpanExporter):  # a backend that accepts and never answers
+    def export(self, spans):
+        threading.Event().wait()
+
+mode = CommSpanMode(exporters=[Dead()], flush_timeout_s=0.01)
+with mode:
+    for i in range(5):
+        with mode.step(i):
+            torch.nn.Linear(2, 2)(torch.randn(1, 2))
+"""
+
+
+def test_a_dead_exporter_at_interpreter_exit_costs_about_a_second_and_is_logged(
+    tmp_path: Any,
+) -> None:
+    """At exit a hung exporter finishes no batch: it is given up on after about a
+    second (not its export_timeout_s of 10 s), and the loss is logged with its counts."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "dead.py"
+    script.write_text(_AT_EXIT_DEAD)
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120, check=True)
+    assert time.monotonic() - t0 < 8.0
+    assert "shutting Dead down within 0.00 s lost" in done.stderr, done.stderr

@@ -36,6 +36,8 @@ from commspan import CommSpanMode
         ({"resource_attributes": {"commspan.rank": "x"}}, ValueError, "resource_attributes"),
         ({"resource_attributes": {"commspan.world_size": -2}}, ValueError,
          "resource_attributes"),
+        ({"resource_attributes": {"commspan.rank": 5, "commspan.world_size": 2}}, ValueError,
+         "resource_attributes"),
     ],
     ids=[
         "exporters-object",
@@ -60,6 +62,7 @@ from commspan import CommSpanMode
         "module_observer-int",
         "resource-rank-str",
         "resource-world-negative",
+        "resource-rank-outside-world",
     ],
 )
 def test_bad_constructor_arguments(
@@ -139,3 +142,39 @@ def test_numpy_step_numbers_and_world_size_zero() -> None:
     CommSpanMode(resource_attributes={"commspan.rank": np.int64(3)})
     with pytest.raises(ValueError, match=r"resource_attributes\['commspan.world_size'\]=0"):
         CommSpanMode(resource_attributes={"commspan.world_size": 0})
+
+
+def test_numpy_numbers_are_numbers_everywhere() -> None:
+    """numpy's ints and floats are taken where ints and seconds are (ranks from
+    np.arange, every Nth step as np.int64, a timeout as np.float32): the mode traces
+    the ranks and steps they name, and waits as long as they say."""
+    import numpy as np
+    import torch
+
+    exporter = InMemorySpanExporter()
+    mode = CommSpanMode(exporters=[exporter], ranks=np.arange(0, 8, 2), sample=np.int64(2),
+                        flush_timeout_s=np.float32(1.0))
+    with mode:
+        for i in range(4):
+            with mode.step(i):
+                torch.nn.Linear(2, 2)(torch.ones(1, 2))
+    mode.shutdown()
+    assert mode.stats()["steps_traced"] == 2  # steps 0 and 2; this process is rank 0
+    assert len(exporter.get_finished_spans()) == mode.stats()["spans"] > 0
+
+
+@pytest.mark.parametrize(
+    ("make", "parameter"),
+    [
+        (lambda: __import__("commspan.exporters", fromlist=["JsonlSpanExporter"])
+         .JsonlSpanExporter("x.jsonl", fsync="no"), "fsync"),
+        (lambda: __import__("commspan.exporters.queue", fromlist=["ExportQueue"])
+         .ExportQueue(InMemorySpanExporter(), max_queue_size=True), "max_queue_size"),
+        (lambda: CommSpanMode(ranks=[0, 1.5]), "ranks"),
+        (lambda: CommSpanMode(ranks=[True]), "ranks"),
+    ],
+    ids=["fsync-str", "max_queue_size-bool", "ranks-float", "ranks-bool"],
+)
+def test_flags_and_sizes_of_the_wrong_type_are_refused(make: Any, parameter: str) -> None:
+    with pytest.raises(ValueError, match=rf"\b{parameter}"):
+        make()

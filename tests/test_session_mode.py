@@ -182,3 +182,99 @@ def test_leaving_twice_is_a_clear_error() -> None:
         mode.__exit__(None, None, None)
     with mode:  # and it can be entered again
         pass
+
+
+def test_two_threads_entering_at_once_one_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Thread A is inside ``__enter__`` (held there) when thread B enters the same mode:
+    B gets "already active" and leaves nothing behind; A enters and leaves normally,
+    and the mode can be entered again."""
+    import threading
+
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    import commspan.session.mode as mode_module
+
+    inside, release = threading.Event(), threading.Event()
+    real = mode_module.process_ranks
+
+    def slow_ranks() -> Any:
+        if threading.current_thread().name == "A":
+            inside.set()
+            release.wait(10)
+        return real()
+
+    monkeypatch.setattr(mode_module, "process_ranks", slow_ranks)
+    mode = CommSpanMode()
+    outcome: dict[str, Any] = {}
+
+    def enter_and_leave() -> None:
+        try:
+            with mode:
+                outcome["A"] = len(_get_current_dispatch_mode_stack())
+        except BaseException as exc:  # pragma: no cover - reported below
+            outcome["A"] = exc
+
+    a = threading.Thread(target=enter_and_leave, name="A")
+    a.start()
+    assert inside.wait(10)
+    with pytest.raises(RuntimeError, match="already active"):
+        mode.__enter__()
+    assert _get_current_dispatch_mode_stack() == []
+    release.set()
+    a.join(10)
+    assert outcome["A"] == 1 and not mode.active
+    with mode:
+        assert len(_get_current_dispatch_mode_stack()) == 1
+    assert _get_current_dispatch_mode_stack() == []
+
+
+def test_entering_fails_halfway_leaves_nothing_installed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An interrupt inside ``__enter__`` after the hooks and the dispatch mode were
+    installed (here: while the garbage-collector watch installs) reaches the caller;
+    the hooks and the dispatch mode come off, and the mode can be entered again."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    import commspan.session.mode as mode_module
+
+    model = nn.Linear(2, 2)
+    before = hook_sizes(model)
+
+    def interrupted(self: Any) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(mode_module.GcWatch, "install", interrupted)
+    mode = CommSpanMode(record_gc=True)
+    with pytest.raises(KeyboardInterrupt):
+        mode.__enter__()
+    assert not mode.active and _get_current_dispatch_mode_stack() == []
+    assert hook_sizes(model) == before
+    monkeypatch.undo()
+    with mode:
+        model(torch.randn(1, 2))
+    assert mode.aggregator is not None and mode.stats()["spans"] >= 1
+
+
+def test_a_hang_watch_that_cannot_start_is_counted_not_raised(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The watchdog's thread or signal descriptor cannot be had (too many open files):
+    the mode enters and traces anyway, logs it once and counts it in internal_errors;
+    the signal handler is not left installed."""
+    import signal as signal_module
+
+    import commspan.session.hang as hang_module
+
+    def no_descriptors() -> Any:
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(hang_module.socket, "socketpair", no_descriptors)
+    before = signal_module.getsignal(signal_module.SIGUSR1)
+    mode = CommSpanMode(hang_timeout_s=30, dump_signal=signal_module.SIGUSR1)
+    with caplog.at_level("WARNING", logger="commspan"), mode, mode.step(0):
+        nn.Linear(2, 2)(torch.randn(1, 2))
+    assert signal_module.getsignal(signal_module.SIGUSR1) == before
+    stats = mode.stats()
+    assert stats["internal_errors"] == 1 and stats["spans"] >= 2
+    assert sum("hang watchdog" in r.getMessage() for r in caplog.records) == 1

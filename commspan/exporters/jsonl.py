@@ -113,8 +113,9 @@ class JsonlSpanExporter(SpanExporter):
                 f"compress={compress!r} is not valid; pass True (gzip level 1), False, or "
                 "a gzip level from 1 (fastest) to 9 (smallest)"
             )
-        if not isinstance(digest, bool):
-            raise ValueError(f"digest={digest!r} is not valid; pass True or False")
+        for name, flag in (("fsync", fsync), ("digest", digest)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name}={flag!r} is not valid; pass True or False")
         self._template = os.fspath(path)
         _check_template(self._template)
         self.digest = digest

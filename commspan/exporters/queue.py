@@ -22,6 +22,7 @@ Each kind of loss is logged once per queue.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import logging
 import os
@@ -87,6 +88,29 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+_EXIT_SLICE_S = 1.0
+"""At exit, a queue whose exporter finishes no batch in this long is given up on."""
+
+
+def _at_exit() -> None:
+    """At interpreter exit, shut down the queues nobody shut down: the export threads
+    are daemons and die with the interpreter, so their spans would vanish uncounted.
+    Each queue gets its ``export_timeout_s`` to finish, as long as its exporter keeps
+    finishing batches (a slow one does, a dead backend does not: it is given up on
+    after :data:`_EXIT_SLICE_S`). What is left is counted and logged."""
+    for queue in list(_LIVE):
+        if queue._forked:  # the parent's queue, copied into a child: the parent's to close
+            continue
+        try:
+            queue._settle_at_exit()
+        except Exception:  # pragma: no cover - nothing may stop the interpreter's exit
+            _log.debug("commspan: shutting an export queue down at exit raised",
+                       exc_info=True)
+
+
+atexit.register(_at_exit)  # runs before the daemon threads are stopped
+
+
 class ExportQueue(SpanProcessor):
     """Batches spans to ``exporter`` from a background thread; every wait is bounded.
 
@@ -144,7 +168,7 @@ class ExportQueue(SpanProcessor):
     ) -> None:
         for name, value in (("max_queue_size", max_queue_size),
                             ("max_batch_size", max_batch_size)):
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r} is not valid; pass a positive int")
         schedule_delay_s = seconds("schedule_delay_s", schedule_delay_s)
         export_timeout_s = seconds("export_timeout_s", export_timeout_s)
@@ -163,6 +187,7 @@ class ExportQueue(SpanProcessor):
         self._stopped = False
         self._forked = False  # this object was copied into a forked child process
         self._closing = False
+        self._closed = threading.Event()  # set when the first shutdown() has finished
         self._worker: threading.Thread | None = None
         self._batch = 0  # number of the batch inside export (0: none)
         self._abandoned_batch = 0  # batch given up on by shutdown
@@ -240,10 +265,14 @@ class ExportQueue(SpanProcessor):
                                                                     zero=True)
         deadline = time.monotonic() + timeout
         with self._cond:
-            worker = self._worker
-            if worker is None or (not self._queue and not self.in_flight):
+            if not self._queue and not self.in_flight:
                 return True
             if self._stopped:
+                return False
+            if self._worker is None:  # its thread could not be started so far: try again
+                self._start()
+            worker = self._worker
+            if worker is None:
                 return False
             self._flush_requests += 1
             ticket = self._flush_requests
@@ -285,7 +314,12 @@ class ExportQueue(SpanProcessor):
         Afterwards nothing is pending or in flight: spans still queued are
         counted as dropped, and a batch inside an export call that has not
         returned is abandoned (its daemon thread is left to finish) and counted
-        as failed. Either loss is logged once. Calling it again does nothing.
+        as failed. Either loss is logged once. Calling it again, or from
+        another thread while the first call runs, waits for the first call to
+        finish (at most its own ``timeout_s``) and does nothing more. At
+        interpreter exit the queues nobody shut down are flushed, within
+        ``export_timeout_s`` and while their exporter keeps finishing batches
+        (a dead backend is given up on after a second), and shut down.
 
         Args:
             timeout_s: bound on the whole shutdown, in seconds; default
@@ -294,10 +328,18 @@ class ExportQueue(SpanProcessor):
         timeout = self._timeout if timeout_s is None else seconds("timeout_s", timeout_s,
                                                                     zero=True)
         with self._cond:
-            if self._closing:
-                return
+            closing = self._closing
             self._closing = True
             self._logged.mark("slow")  # a slow flush here is reported as shutdown's loss
+        if closing:  # another call is shutting down: it settles everything, wait for it
+            self._closed.wait(timeout)
+            return
+        try:
+            self._shutdown(timeout)
+        finally:
+            self._closed.set()
+
+    def _shutdown(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         self.flush(timeout)
         with self._cond:
@@ -334,6 +376,23 @@ class ExportQueue(SpanProcessor):
                 "call that did not return (counted as failed) and %d spans not yet sent "
                 "(counted as dropped); see mode.stats()", self._name, timeout, abandoned, unsent,
             )
+
+    def _settle_at_exit(self) -> None:
+        """:func:`_at_exit` for this queue: flush while batches keep finishing, within
+        ``export_timeout_s``, then shut down at once."""
+        deadline = time.monotonic() + self._timeout
+        while not self._closing:
+            with self._cond:
+                done = self.exported + self.failed
+                if not self._queue and not self.in_flight:
+                    break
+            left = deadline - time.monotonic()
+            if left <= 0 or self.flush(min(left, _EXIT_SLICE_S)):
+                break
+            with self._cond:
+                if self.exported + self.failed == done:  # nothing finished: a dead end
+                    break
+        self.shutdown(0.0)
 
     def _shutdown_exporter(self) -> None:
         try:
@@ -382,11 +441,22 @@ class ExportQueue(SpanProcessor):
 
     # ------------------------------------------------------------ worker
     def _start(self) -> None:
-        """Start the worker (called with the lock held)."""
-        self._worker = threading.Thread(
+        """Start the worker (called with the lock held). When no thread can be
+        started (a thread limit, an interpreter shutting down), the spans stay
+        queued, counted as pending, and the next span or flush tries again."""
+        worker = threading.Thread(
             target=self._run, name=f"commspan-export-{self._name}", daemon=True
         )
-        self._worker.start()
+        try:
+            worker.start()
+        except RuntimeError:
+            if self._logged.first("thread"):
+                _log.warning(
+                    "commspan: could not start the export thread of %s; its spans stay "
+                    "queued (pending in mode.stats()) and starting it is tried again "
+                    "with the next span", self._name, exc_info=True)
+            return
+        self._worker = worker
 
     def _run(self) -> None:
         token = attach(set_value(_SUPPRESS, True))

@@ -225,6 +225,13 @@ def _resource_attributes(attributes: Mapping[str, Any] | None) -> dict[str, Any]
                     f">= {least} (or leave it out: commspan reads it from torch.distributed)"
                 )
             out[key] = n
+    rank, world = out.get(semconv.RANK), out.get(semconv.WORLD_SIZE)
+    if rank is not None and world is not None and rank >= world:
+        raise ValueError(
+            f"resource_attributes[{semconv.RANK!r}]={rank} is not a rank of a world of "
+            f"{world} (ranks are 0 to {world - 1}); fix one of them, or leave them out "
+            "(commspan reads both from torch.distributed)"
+        )
     return out
 
 
@@ -244,10 +251,11 @@ def _sampler(sample: int | Iterable[int] | Sampler | None) -> Sampler:
         return lambda i: True
     if isinstance(sample, bool):
         raise TypeError(f"sample={sample!r} is not valid; pass N, a set of steps or a callable")
-    if isinstance(sample, int):
-        if sample < 1:
+    whole = _whole(sample)  # an int, or numpy's
+    if whole is not None:
+        if whole < 1:
             raise ValueError(f"sample={sample!r} is not valid; every Nth step needs N >= 1")
-        n = sample
+        n = whole
         return lambda i: i % n == 0
     if callable(sample):
         return sample
@@ -255,7 +263,7 @@ def _sampler(sample: int | Iterable[int] | Sampler | None) -> Sampler:
     if isinstance(sample, (str, bytes)):  # would be its characters, as steps
         raise TypeError(f"sample={sample!r} is not valid; {fix}")
     try:
-        items = list(sample)
+        items = list(sample)  # type: ignore[arg-type]
     except TypeError:
         raise TypeError(f"sample={sample!r} is not valid; {fix}") from None
     numbers = [_whole(s) for s in items]

@@ -96,7 +96,8 @@ class HangWatch:
             except OSError:
                 pass
         if self._thread is not None:
-            self._thread.join(timeout_s)
+            if self._thread.ident is not None:  # (a thread that failed to start: none)
+                self._thread.join(timeout_s)
             self._thread = None
         self._uninstall_signal()
 

@@ -31,6 +31,7 @@ from opentelemetry.sdk.trace.export import SpanExporter
 
 from commspan import semconv
 from commspan._errors import ErrorCounter, Once, seconds
+from commspan._fork import renew_after_fork
 from commspan.analysis.counts import Aggregator
 from commspan.capture import ModuleObserver
 from commspan.capture.backward import graph_task_id
@@ -234,7 +235,13 @@ class CommSpanMode:
         self._tracker: ModuleTracker | None = None
         self._dispatch: CollectiveDispatchMode | None = None
         self._active = False
+        self._entering = False  # a thread is inside __enter__ (under _enter_lock)
+        self._enter_lock = threading.Lock()
+        renew_after_fork(self, "_enter_lock")
         self._owner = 0  # thread that entered the mode
+        self._watch_errors = ErrorCounter(
+            _log, "could not start the hang watchdog; this rank writes no hang records "
+            "(training goes on)")
         self._warned = Once()
         self._in_step = False
         self._last_step = -1  # highest step number so far (a repeat shares its trace)
@@ -257,11 +264,35 @@ class CommSpanMode:
 
     # ------------------------------------------------------------ context
     def __enter__(self) -> CommSpanMode:
-        if self._active:
-            raise RuntimeError(
-                "this CommSpanMode is already active; leave it before entering it "
-                "again, or create a second CommSpanMode"
-            )
+        with self._enter_lock:  # two threads entering at once: one of them refused
+            if self._active or self._entering:
+                raise RuntimeError(
+                    "this CommSpanMode is already active; leave it before entering it "
+                    "again, or create a second CommSpanMode"
+                )
+            self._entering = True
+        try:
+            self._enter()
+        except BaseException:
+            # whatever was installed comes off again: no half-entered mode (its
+            # hooks and dispatch mode left behind, every later entry refused)
+            self._undo_enter()
+            raise
+        finally:
+            self._entering = False
+        return self
+
+    def _undo_enter(self) -> None:
+        try:
+            if self._active:
+                self.__exit__(None, None, None)
+            elif self.aggregator is not None:
+                self.aggregator.attach_live(None)
+        except Exception:  # the original error is the one to see
+            _log.debug("commspan: cleaning up a failed entry raised", exc_info=True)
+        self._active = False
+
+    def _enter(self) -> None:
         config = self._config
         self._ranks = ranks = process_ranks()
         # a rank the rank sample leaves out runs every step as a sampled-out one
@@ -332,12 +363,18 @@ class CommSpanMode:
         if not self._rank_traced:
             self._pause()  # nothing is recorded on this rank, in steps or between them
         elif config.hang_timeout_s is not None or config.dump_signal is not None:
-            self._watch = HangWatch(
+            watch = HangWatch(
                 self._write_hang, self._log.not_completed, config.hang_timeout_s,
                 config.dump_signal,
             )
-            self._watch.start()
-        return self
+            try:
+                watch.start()
+            except Exception:  # no thread, no descriptor for the signal: trace without it
+                self._watch_errors.record()
+                with contextlib.suppress(Exception):
+                    watch.stop()
+            else:
+                self._watch = watch
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         if not self._active:
@@ -832,7 +869,7 @@ class CommSpanMode:
         out["processor_errors"] = self._processor_errors.count
         out["internal_errors"] = (self._tracker.internal_errors if self._tracker else 0) + (
             self._dispatch.errors if self._dispatch else 0
-        )
+        ) + self._watch_errors.count
         exporters = [q.stats() for q in self._queues]
         out["exporters"] = exporters
         for total, key in (("spans_exported", "exported"), ("spans_dropped", "dropped"),

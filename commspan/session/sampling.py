@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -64,9 +65,13 @@ class RankSample:
         """
         chosen = set()
         for r in ranks:
-            if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+            try:  # numpy's ints too (ranks=np.arange(0, 8, 2))
+                rank = -1 if isinstance(r, bool) else operator.index(r)
+            except TypeError:
+                rank = -1
+            if rank < 0:
                 raise ValueError(f"ranks: {r!r} is not a rank; pass ints >= 0")
-            chosen.add(r)
+            chosen.add(rank)
         if not chosen:
             raise ValueError("ranks is empty; pass at least one rank (or None for all)")
         frozen = frozenset(chosen)
