@@ -110,6 +110,44 @@ def test_short_write_is_removed_and_fails(
     assert _names(path) == ["a-0", "a-1", "d-0", "d-1"]  # strict: every line whole
     warned = [r.getMessage() for r in caplog.records if "writing" in r.getMessage()]
     assert len(warned) == 1 and "No space left on device" in warned[0]
+    assert "removed from the file" in warned[0]
+
+
+def test_short_write_that_cannot_be_cut_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """When the cut-off part of a line cannot be truncated away, the warning says the
+    line was left cut short (not "removed"), and the next line starts afresh: a
+    lenient read skips the one damaged line and keeps the others."""
+    from commspan.exporters import ReadReport, read_spans
+
+    caplog.set_level(logging.WARNING)
+    path = tmp_path / "trace.jsonl"
+    exporter = JsonlSpanExporter(path)
+    assert exporter.export(_spans(2, "a")) is SpanExportResult.SUCCESS
+    real_write = os.write
+    calls = []
+
+    def disk_fills(fd: int, data: bytes) -> int:
+        calls.append(len(data))
+        if len(calls) == 1:
+            return real_write(fd, bytes(data[: len(data) // 3]))
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def no_truncate(fd: int, length: int) -> None:
+        raise OSError(errno.EPERM, os.strerror(errno.EPERM))
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "write", disk_fills)
+        m.setattr(os, "ftruncate", no_truncate)
+        assert exporter.export(_spans(4, "b")) is SpanExportResult.FAILURE
+    assert exporter.export(_spans(2, "d")) is SpanExportResult.SUCCESS
+    exporter.shutdown()
+    warned = [r.getMessage() for r in caplog.records if "writing" in r.getMessage()]
+    assert len(warned) == 1 and "left cut short in the file" in warned[0]
+    report = ReadReport()
+    names = [s.name for s in read_spans(path, strict=False, report=report)]
+    assert names == ["a-0", "a-1", "d-0", "d-1"] and len(report.skipped) == 1
 
 
 FILE_SIZE_CHILD = textwrap.dedent(

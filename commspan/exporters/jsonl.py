@@ -257,15 +257,18 @@ class JsonlSpanExporter(SpanExporter):
                 if self._fsync:
                     os.fsync(fd)
             except OSError as exc:
-                if written < len(data):
-                    self._undo(fd, start, written)
-                else:  # whole line written, fsync failed
+                if written == len(data):  # whole line written, fsync failed
                     self._fresh_line = False
+                    what = "not fsynced"
+                elif self._undo(fd, start, written):
+                    what = "removed from the file"
+                else:
+                    what = ("left cut short in the file (readers skip it as a damaged "
+                            "line)")
                 self._warn_once(
                     "write", "commspan: writing %s failed (%s); the line was %s and its "
                     "spans are counted as failed (further failures are counted, not logged)",
-                    self.path, exc,
-                    "not fsynced" if written == len(data) else "removed from the file",
+                    self.path, exc, what,
                 )
                 return SpanExportResult.FAILURE
             self._fresh_line = False
@@ -317,19 +320,21 @@ class JsonlSpanExporter(SpanExporter):
                 os.close(self._digest_fd)
             self._digest_fd = None
 
-    def _undo(self, fd: int, start: int, written: int) -> None:
+    def _undo(self, fd: int, start: int, written: int) -> bool:
         """After a short write, cut the file back to where the line began; if that is
-        not certain to remove only this line's bytes, start the next line afresh."""
+        not certain to remove only this line's bytes, start the next line afresh.
+        Returns whether the file holds none of the line's bytes."""
         if written == 0:
-            return
+            return True
         try:
             st = os.fstat(fd)
             if stat.S_ISREG(st.st_mode) and st.st_size == start + written:
                 os.ftruncate(fd, start)
-                return
+                return True
         except OSError:
             pass
         self._fresh_line = True
+        return False
 
     def _warn_once(self, kind: str, message: str, *args: Any) -> None:
         self._warned.warn(_log, kind, message, *args)
