@@ -123,6 +123,23 @@ def test_every_collective_of_a_gloo_run_has_a_positive_duration(main_run: Path) 
     }
 
 
+def test_ops_whose_work_has_no_future_are_remembered(main_run: Path) -> None:
+    """gloo's send and recv return a Work without a future; asking for one raises a
+    C++ error (15-40 µs with its backtrace), so commspan remembers the op and group and
+    polls later ones at once: exactly the run's send and recv overloads on the world
+    group are remembered, not its all_reduces (whose Works have futures), and every
+    send and recv of the three steps still has its duration (the test above)."""
+    world = json.loads((main_run / "groups.json").read_text())["world"]
+    for rank in range(WORLD):
+        p2p = {str(ev[semconv.COLL_OVERLOAD]) for _, ev in
+               _collectives(main_run / "timed" / f"trace-rank{rank}.jsonl")
+               if ev[semconv.COLL_OP] in ("send", "recv")}
+        remembered = json.loads(
+            (main_run / "timed" / f"no-future-rank{rank}.json").read_text())
+        assert len(p2p) == 2
+        assert sorted(map(tuple, remembered)) == sorted((op, world, False) for op in p2p)
+
+
 def test_rank_spans_roll_up_the_time_of_their_collectives(main_run: Path) -> None:
     """Each rank span's commspan.comm_time_ns.forward is the sum of its step's durations."""
     for rank in range(WORLD):
