@@ -278,3 +278,31 @@ def test_a_hang_watch_that_cannot_start_is_counted_not_raised(
     stats = mode.stats()
     assert stats["internal_errors"] == 1 and stats["spans"] >= 2
     assert sum("hang watchdog" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_failed_entry_before_the_dispatch_mode_leaves_the_programs_mode_alone(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Entering fails while the module hooks install (before commspan pushes its
+    dispatch mode): cleaning up leaves the dispatch mode the program itself had
+    entered, and runs to its end (it used to try to pop a mode it never pushed,
+    and stop there)."""
+    from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+
+    import commspan.session.mode as mode_module
+
+    class Users(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            return func(*args, **(kwargs or {}))
+
+    def interrupted(self: Any) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(mode_module.ModuleTracker, "install", interrupted)
+    mode = CommSpanMode()
+    with caplog.at_level("DEBUG", logger="commspan"), Users() as users:
+        with pytest.raises(KeyboardInterrupt):
+            mode.__enter__()
+        assert _get_current_dispatch_mode_stack() == [users]
+    assert not mode.active
+    assert "cleaning up a failed entry raised" not in caplog.text

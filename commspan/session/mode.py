@@ -236,6 +236,7 @@ class CommSpanMode:
         self._dispatch: CollectiveDispatchMode | None = None
         self._active = False
         self._entering = False  # a thread is inside __enter__ (under _enter_lock)
+        self._capturing = False  # the dispatch mode was pushed by _start_capture
         self._enter_lock = threading.Lock()
         renew_after_fork(self, "_enter_lock")
         self._owner = 0  # thread that entered the mode
@@ -413,10 +414,15 @@ class CommSpanMode:
         assert self._tracker is not None and self._dispatch is not None
         self._tracker.install()
         self._dispatch.__enter__()
+        self._capturing = True
 
     def _stop_capture(self) -> None:
-        if self._dispatch is not None and not (self._paused and self._popped):
+        # (only a dispatch mode this mode pushed: popping one it never pushed, after a
+        # failed entry, would take the program's own mode off the stack)
+        if self._capturing and self._dispatch is not None and not (
+                self._paused and self._popped):
             self._dispatch.__exit__(None, None, None)
+        self._capturing = False
         self._popped = False
         if self._tracker is not None:
             self._tracker.active = False
