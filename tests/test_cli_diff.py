@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from _cli_runs import run_cli, session_dir, tp_transformer, transformer_step, write_run
@@ -84,10 +85,14 @@ def test_diff_json_lists_added_removed_changed(
     entries = {(e["fqn"], e["phase"], e["op"]): e for e in data["entries"]}
     removed = entries[(WO, "forward", "all_reduce")]
     assert removed["status"] == "removed" and removed["b"] is None
-    assert removed["a"] == {"count": 1, "bytes": 1024, "placements": ["P(sum)->R"]}
+    assert removed["a"] == {"count": 1, "bytes": 1024, "placements": ["P(sum)->R"],
+                            "groups": ["dim 0 x1"], "total_count": 1, "total_bytes": 1024,
+                            "steps": 1}
     added = entries[(WO, "forward", "reduce_scatter_tensor")]
     assert added["status"] == "added" and added["a"] is None
-    assert added["b"] == {"count": 1, "bytes": 1024, "placements": ["P(sum)->S(1)"]}
+    assert added["b"] == {"count": 1, "bytes": 1024, "placements": ["P(sum)->S(1)"],
+                          "groups": ["dim 0 x1"], "total_count": 1, "total_bytes": 1024,
+                          "steps": 1}
     assert data["counts"] == {"added": 21, "removed": 15, "changed": 1, "same": 0}
     assert len(data["entries"]) == 37
 
@@ -205,3 +210,70 @@ def test_example_with_sequence_parallel(
         assert (["+", "recompute", "reduce_scatter_tensor"] in changes) is recomputed
     code, out, _ = run_cli(capsys, "diff", str(sp), str(sp), "--json")
     assert code == 0 and json.loads(out)["equal"] is True
+
+
+def _mlp_on(dim: str) -> Any:
+    """Rank 0 of a 2x2 mesh named ("data", "model"): an MLP made tensor parallel over
+    mesh dimension ``dim``, one training step. (Names of its own: torch caches DTensor
+    state per mesh, and an equal mesh of another test would get its groups.)"""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from commspan.testing.models import MLPModule, parallelize_mlp
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data", "model"))
+    torch.manual_seed(0)
+    model = parallelize_mlp(MLPModule("cpu"), mesh[dim])
+
+    def step(rank: int, index: int) -> None:
+        model(torch.randn(4, 10)).sum().backward()
+
+    return step
+
+
+def test_the_same_collectives_on_another_mesh_dimension_are_a_change(
+    tmp_path: Path, fake_pg: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Tensor parallelism over the mesh's data dimension instead of model: the same ops,
+    counts, bytes and placements, on another dimension; diff says where they ran
+    (the dimension this test chose), and exits 1."""
+    on_tp = write_run(tmp_path / "tp", "tp", _mlp_on("model"), steps=(0,), ranks=(0,))
+    on_dp = write_run(tmp_path / "dp", "dp", _mlp_on("data"), steps=(0,), ranks=(0,))
+    code, out, err = run_cli(capsys, "diff", str(on_tp), str(on_dp), "--json")
+    assert (code, err) == (1, "")
+    entries = json.loads(out)["entries"]
+    assert entries and all(e["status"] == "changed" and e["fields"] == ["groups"]
+                           for e in entries)
+    assert {(e["a"]["groups"][0].split(" x")[0], e["b"]["groups"][0].split(" x")[0])
+            for e in entries} == {("model", "data")}
+    code, out, _ = run_cli(capsys, "diff", str(on_tp), str(on_dp))
+    net2 = out.splitlines().index("MLPModule.net2")
+    assert "groups model x1 => data x1" in out.splitlines()[net2 + 1]
+    code, out, _ = run_cli(capsys, "diff", str(on_tp), str(on_tp), "--step", "0",
+                           "--step", "0")
+    assert code == 0
+
+
+def test_a_change_smaller_than_the_rounding_is_still_a_change() -> None:
+    """10,001 all_reduces over 10,000 steps against one per step: both show as 1 per
+    step after rounding, yet the counts differ; diff compares exact totals, and the
+    text gives them."""
+    from _analysis_builder import SpanBuilder
+
+    from commspan.analysis.diff import diff, profile
+    from commspan.render.diff import format_diff
+
+    def side(n: int) -> list[Any]:
+        b = SpanBuilder(1)
+        step = b.rank(0, 0)
+        for _ in range(n):
+            step.coll("all_reduce", fqn="Net", nbytes=64)
+        return b.spans()
+
+    a, b = profile(side(10_001), steps=10_000), profile(side(1), steps=1)
+    result = diff(a, b)
+    ((entry),) = result.entries
+    assert entry.fields == ("count", "bytes") and (entry.a.count, entry.b.count) == (1, 1)
+    text = format_diff(result, "A", "B")
+    assert "count 1 => 1 (10,001 in 10,000 steps => 1 in 1 steps)" in text
+    assert diff(profile(side(3), steps=3), profile(side(1), steps=1)).equal

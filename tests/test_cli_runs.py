@@ -259,7 +259,7 @@ def test_json_everywhere(tp: Path, tmp_path: Path, capsys: pytest.CaptureFixture
     assert wo["issued"] == [{
         "fqn": wo["fqn"], "phase": "forward", "op": "all_reduce", "group": "0",
         "group_ranks": [0, 1, 2, 3], "mesh_dim": 0, "src": "P(sum)", "dst": "R", "count": 3,
-        "bytes": 3072, "duration_ns": None, "timed": 0, "ranks": [0]}]
+        "bytes": 3072, "duration_ns": None, "timed": 0, "ranks": [0], "mesh_dim_name": ""}]
     _, out, _ = run_cli(capsys, "summary", str(tp), "--rank", "0", "--json", "--show", "all")
     issued = json.loads(out)["issued"]
     assert sum(i["count"] for i in issued) == json.loads(out)["total"]

@@ -61,6 +61,49 @@ def test_golden_text_bytes_and_placements(tp_cap: CommCapture) -> None:
     ]
 
 
+def test_groups_name_the_mesh_dimension_so_another_one_differs(
+    fake_pg: None, tmp_path: Path
+) -> None:
+    """groups=True adds, per module, phase and op, the mesh dimension the collectives
+    ran on: the same MLP made tensor parallel over a 2x2 mesh's ``rows`` dimension
+    instead of ``cols`` has the same counts, bytes and placements, and fails against
+    the ``cols`` file. (Dimension names of its own: torch caches DTensor state per
+    mesh, and another test's ("dp", "tp") mesh on the same fake process group would
+    get this one's process groups.)"""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from commspan.testing.models import MLPModule, parallelize_mlp
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("rows", "cols"))
+    caps = {}
+    for dim in ("cols", "rows"):
+        model = parallelize_mlp(MLPModule(), mesh[dim])
+        with capture() as caps[dim]:
+            model(torch.ones(4, 10, requires_grad=True)).sum().backward()
+    plain = {dim: golden_text(cap, bytes=True, placements=True) for dim, cap in caps.items()}
+    assert plain["cols"] == plain["rows"]  # what the file held before groups=
+    text = golden_text(caps["cols"], groups=True)
+    assert text.splitlines()[1] == "# options: bytes=False placements=False groups=True"
+    assert text.splitlines()[3:] == [
+        LINES[0], "MLPModule.net1 backward all_reduce group=cols count=1",
+        LINES[1], "MLPModule.net2 forward all_reduce group=cols count=1",
+    ]
+    path = tmp_path / "mlp.txt"
+    path.write_text(text)
+    with pytest.raises(AssertionError,
+                       match=r"\+MLPModule.net2 forward all_reduce group=rows"):
+        assert_matches_golden(caps["rows"], path, groups=True)
+
+
+def test_a_file_without_its_last_newline_still_matches(
+    tp_cap: CommCapture, tmp_path: Path
+) -> None:
+    """An editor that drops the final newline does not make the file differ."""
+    path = tmp_path / "mlp.txt"
+    path.write_text(golden_text(tp_cap).rstrip("\n"))
+    assert_matches_golden(tp_cap, path)
+
+
 def test_lines_sort_numbers_as_numbers() -> None:
     """`layers.2` comes before `layers.10`; a model without collectives says so."""
     from commspan.analysis.issued import natural_key

@@ -4,10 +4,12 @@ Each side is reduced to a *profile*: per module, phase and op, the collectives
 the module issued itself (not its children's, so a change shows once, at the
 module that made it), as count and bytes **per step** (summed over the side's
 steps and ranks, divided by its number of steps, so a 3-step run and a 5-step
-run of the same model compare equal), with the set of DTensor placements
-(``src->dst``) they redistributed. :func:`diff` then says, per module, phase
-and op, what was added (only in B), removed (only in A) or changed (count,
-bytes or placements differ).
+run of the same model compare equal; compared exactly, not as rounded), with
+the set of DTensor placements (``src->dst``) they redistributed and the mesh
+dimensions (or process groups) they ran on. :func:`diff` then says, per
+module, phase and op, what was added (only in B), removed (only in A) or
+changed (count, bytes, placements or groups differ: the same collective on
+the ``dp`` dimension instead of ``tp`` is a change).
 
 A change of parallelism plan reads as such: turning sequence parallelism on
 replaces a row-parallel Linear's forward ``all_reduce`` by a
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any, NamedTuple
 
 from commspan import semconv
@@ -45,19 +48,46 @@ class Usage:
     """One module's collectives of one phase and op, per step.
 
     Attributes:
-        count: collectives per step (an int when whole).
-        bytes: input bytes per step.
+        count: collectives per step (an int when whole; rounded to 3 decimals).
+        bytes: input bytes per step (likewise).
         placements: the ``src->dst`` DTensor redistributions they served, sorted
             (empty for collectives issued without a redistribution).
+        groups: where they ran, with their count per step: the mesh dimension's
+            name (``tp x1``), else ``dim <i>``, else ``group <name>`` for a
+            process group outside any mesh; sorted.
+        total_count: collectives in all, over ``steps`` steps.
+        total_bytes: their input bytes in all.
+        steps: the steps of the side.
+        group_totals: ``(group, collectives in all)`` pairs behind ``groups``.
     """
 
     count: float
     bytes: float
     placements: tuple[str, ...]
+    groups: tuple[str, ...] = ()
+    total_count: int = 0
+    total_bytes: int = 0
+    steps: int = 1
+    group_totals: tuple[tuple[str, int], ...] = ()
+
+    def exact(self, name: str) -> Any:
+        """``count`` or ``bytes`` per step as an exact fraction (the fields round to
+        3 decimals); ``groups`` as the group names, with their exact counts per step
+        when there are several (a count change on one group is a ``count`` change)."""
+        if name == "groups":  # which groups; with several, how the count splits
+            if len(self.group_totals) <= 1:
+                return tuple(g for g, _ in self.group_totals)
+            return tuple((g, Fraction(n, self.steps)) for g, n in self.group_totals)
+        if name in ("count", "bytes"):
+            return Fraction(getattr(self, f"total_{name}"), self.steps)
+        return getattr(self, name)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON form: ``count``, ``bytes``, ``placements``."""
-        return {"count": self.count, "bytes": self.bytes, "placements": list(self.placements)}
+        """JSON form: ``count``, ``bytes``, ``placements``, ``groups``, and the
+        ``total_count`` and ``total_bytes`` over ``steps`` steps they come from."""
+        return {"count": self.count, "bytes": self.bytes, "placements": list(self.placements),
+                "groups": list(self.groups), "total_count": self.total_count,
+                "total_bytes": self.total_bytes, "steps": self.steps}
 
 
 @dataclass(frozen=True)
@@ -82,7 +112,8 @@ class DiffEntry(NamedTuple):
         status: ``added`` (only in B), ``removed`` (only in A) or ``changed``.
         a: A's usage (``None`` when added).
         b: B's usage (``None`` when removed).
-        fields: for ``changed``: which of ``count``, ``bytes``, ``placements`` differ.
+        fields: for ``changed``: which of ``count``, ``bytes``, ``placements``,
+            ``groups`` differ (counts and bytes compared exactly, per step).
     """
 
     fqn: str
@@ -144,8 +175,8 @@ class DiffResult:
 
 
 def _per_step(total: int, steps: int) -> float:
-    value = total / steps
-    return int(value) if value == int(value) else round(value, 3)
+    value = round(total / steps, 3)
+    return int(value) if value == int(value) else value
 
 
 def profile(
@@ -178,17 +209,33 @@ def profile(
     totals: dict[tuple[str, str, str], list[Any]] = {}
     ranks: set[int] = set()
     for row in issued(records, rank=rank):
-        slot = totals.setdefault((row.fqn, row.phase, row.op), [0, 0, set()])
+        slot = totals.setdefault((row.fqn, row.phase, row.op), [0, 0, set(), {}])
         slot[0] += row.count
         slot[1] += row.bytes
         if row.src or row.dst:
             slot[2].add(f"{row.src or '?'}->{row.dst or '?'}")
+        where = _group_label(row)
+        slot[3][where] = slot[3].get(where, 0) + row.count
         ranks.update(row.ranks)
     usage = {
-        key: Usage(_per_step(c, steps), _per_step(b, steps), tuple(sorted(p)))
-        for key, (c, b, p) in totals.items()
+        key: Usage(
+            _per_step(c, steps), _per_step(b, steps), tuple(sorted(p)),
+            tuple(f"{g} x{_per_step(n, steps)}" for g, n in sorted(per_group.items())),
+            c, b, steps, tuple(sorted(per_group.items())),
+        )
+        for key, (c, b, p, per_group) in totals.items()
     }
     return Profile(usage, steps, tuple(sorted(ranks)))
+
+
+def _group_label(row: Any) -> str:
+    """Where a row's collectives ran, the same on every rank and in every run of a
+    program: the mesh dimension's name, else its index, else the process group."""
+    if row.mesh_dim_name:
+        return str(row.mesh_dim_name)
+    if row.mesh_dim is not None:
+        return f"dim {row.mesh_dim}"
+    return f"group {row.group}" if row.group else "unknown"
 
 
 def diff(a: Profile, b: Profile) -> DiffResult:
@@ -207,8 +254,8 @@ def diff(a: Profile, b: Profile) -> DiffResult:
         elif ub is None:
             entries.append(DiffEntry(*key, REMOVED, ua, None))
         else:
-            fields = tuple(f for f in ("count", "bytes", "placements")
-                           if getattr(ua, f) != getattr(ub, f))
+            fields = tuple(f for f in ("count", "bytes", "placements", "groups")
+                           if ua.exact(f) != ub.exact(f))
             if fields:
                 entries.append(DiffEntry(*key, CHANGED, ua, ub, fields))
             else:

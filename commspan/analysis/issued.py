@@ -45,6 +45,8 @@ class Issued:
         duration_ns: issue-to-completion time, summed over the ``timed`` ones.
         timed: how many of them carry a duration.
         ranks: the ranks whose collectives are summed here.
+        mesh_dim_name: the DeviceMesh's name for that dimension (``"tp"``), when
+            known, else ``""``.
     """
 
     fqn: str
@@ -60,6 +62,7 @@ class Issued:
     duration_ns: int
     timed: int
     ranks: tuple[int, ...]
+    mesh_dim_name: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form; ``duration_ns`` is ``null`` when no collective here was timed."""
@@ -110,6 +113,7 @@ def issued(records: Iterable[SpanRecord], *, rank: int | None = None) -> list[Is
                 _int(ev.get(semconv.MESH_DIM)),
                 str(ev.get(semconv.REDIST_SRC, "")),
                 str(ev.get(semconv.REDIST_DST, "")),
+                str(ev.get(semconv.MESH_DIM_NAME) or ""),
             )
             slot = acc.get(key)
             if slot is None:
@@ -125,7 +129,7 @@ def issued(records: Iterable[SpanRecord], *, rank: int | None = None) -> list[Is
     out = [
         Issued(fqn=k[0], phase=k[1], op=k[2], group=k[3], group_ranks=k[4], mesh_dim=k[5],
                src=k[6], dst=k[7], count=s[0], bytes=s[1], duration_ns=s[2], timed=s[3],
-               ranks=tuple(sorted(s[4])))
+               ranks=tuple(sorted(s[4])), mesh_dim_name=k[8])
         for k, s in acc.items()
     ]
     out.sort(key=lambda i: (natural_key(i.fqn), _PHASES.get(i.phase, 9), i.op, i.group, i.src,

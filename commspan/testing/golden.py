@@ -94,7 +94,8 @@ def _updating() -> bool:
 
 
 def golden_text(
-    capture: Any, *, bytes: bool = False, placements: bool = False, fqn: str | None = None
+    capture: Any, *, bytes: bool = False, placements: bool = False, fqn: str | None = None,
+    groups: bool = False,
 ) -> str:
     """The golden-file text of what ``capture`` recorded (see the module docstring).
 
@@ -105,6 +106,9 @@ def golden_text(
         placements: one line per DTensor redistribution (``placements=P(sum)->R``)
             and a line per DTensor parameter (``param weight 16x16 S(0)``).
         fqn: only this module and the modules inside it.
+        groups: a line per mesh dimension (or process group outside a mesh) each
+            module's collectives ran on (``group=tp count=2``): the same collectives
+            on another dimension of the mesh are then a difference.
 
     Raises:
         ValueError: no module named ``fqn`` ran (the message lists the closest
@@ -138,6 +142,17 @@ def golden_text(
         if where:
             text += f" placements={where}"
         lines[(natural_key(name), 1, _PHASES.get(phase, 9), phase, op, where)] = text
+    if groups:
+        for phase in _PHASES:
+            for name, dims in agg.mesh_dim_counts(phase, subtree=False).items():
+                if not inside(name):
+                    continue
+                for dim, ops in dims.items():
+                    for op, usage in ops.items():
+                        text = f"{name} {phase} {op} group={dim} count={usage['count']}"
+                        if bytes:
+                            text += f" bytes={usage['bytes']}"
+                        lines[(natural_key(name), 2, _PHASES[phase], phase, op, dim)] = text
     if placements:
         for name, params in agg.parameter_info().items():
             if not inside(name):
@@ -150,6 +165,7 @@ def golden_text(
     header = [
         _VERSION_LINE,
         f"# options: bytes={bool(bytes)} placements={bool(placements)}"
+        + (" groups=True" if groups else "")
         + (f" fqn={fqn}" if fqn is not None else ""),
         _UPDATE_LINE,
     ]
@@ -164,6 +180,7 @@ def assert_matches_golden(
     bytes: bool = False,
     placements: bool = False,
     fqn: str | None = None,
+    groups: bool = False,
 ) -> None:
     """Assert that what ``capture`` recorded matches the golden file at ``path``.
 
@@ -180,6 +197,8 @@ def assert_matches_golden(
         bytes: compare the bytes of the collectives too.
         placements: compare DTensor placements (of redistributions and parameters) too.
         fqn: only this module and the modules inside it.
+        groups: compare the mesh dimension (or process group) of the collectives
+            too (:func:`golden_text`).
 
     Raises:
         AssertionError: the recorded text differs from the file (the message is
@@ -194,11 +213,13 @@ def assert_matches_golden(
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path={path!r} is not valid; pass the golden file's path (str or Path)")
     target = Path(path)
-    text = golden_text(capture, bytes=bytes, placements=placements, fqn=fqn)
+    text = golden_text(capture, bytes=bytes, placements=placements, fqn=fqn, groups=groups)
     try:
         kept: str | None = target.read_text(encoding="utf-8").replace("\r\n", "\n")
     except FileNotFoundError:
         kept = None
+    if kept and not kept.endswith("\n"):  # an editor that drops the last newline
+        kept += "\n"
     if _updating():
         if kept != text:
             target.parent.mkdir(parents=True, exist_ok=True)
