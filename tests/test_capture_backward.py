@@ -274,3 +274,52 @@ def test_a_second_backward_through_a_retained_graph_has_its_spans(mesh: DeviceMe
     by_id = {s.context.span_id: s for s in spans}
     for s in named(spans, "MLPModule.net2", "backward"):
         assert s.parent is not None and fqn(by_id[s.parent.span_id]) == "MLPModule"
+
+
+class _PhysicsInformed(nn.Module):
+    """A forward that runs a backward itself: the output uses du/dx of a sub-network
+    (physics-informed nets, forces as the gradient of an energy)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 1))
+        self.head = nn.Linear(2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.requires_grad_()
+        u = self.net(x)
+        (du,) = torch.autograd.grad(u.sum(), x, create_graph=True)
+        return self.head(du) + u
+
+
+def test_a_backward_inside_a_forward_nests_in_it() -> None:
+    """autograd.grad inside a forward: the sub-network's backward spans nest under the
+    running forward, and the running module does not get a backward span of its own
+    there (it used to get one, under its own forward: two per step); its real backward
+    comes with the step's. Results are bitwise those of the untraced model."""
+    torch.manual_seed(0)
+    model = _PhysicsInformed()
+    inputs = [torch.randn(4, 2) for _ in range(2)]
+    reference = []
+    for x in inputs:
+        model.zero_grad()
+        model(x.clone()).sum().backward()
+        reference.append([p.grad.clone() for p in model.parameters()])
+    mode, exporter = traced_mode()
+    with mode:
+        for step, x in enumerate(inputs):
+            with mode.step(step):
+                model.zero_grad()
+                model(x.clone()).sum().backward()
+                assert all(torch.equal(p.grad, r) for p, r in
+                           zip(model.parameters(), reference[step]))
+    spans = list(exporter.get_finished_spans())
+    assert_well_formed(spans)
+    assert mode.stats()["internal_errors"] == 0
+    names = Counter(s.name for s in spans)
+    assert names["_PhysicsInformed backward"] == 2  # one per step
+    assert names["_PhysicsInformed.net backward"] == 4  # in the forward, and in the step's
+    by_id = {s.context.span_id: s for s in spans}
+    parents = Counter(by_id[s.parent.span_id].name for s in spans
+                      if s.name == "_PhysicsInformed.net backward" and s.parent)
+    assert parents == {"_PhysicsInformed forward": 2, "_PhysicsInformed backward": 2}

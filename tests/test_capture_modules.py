@@ -174,3 +174,74 @@ def test_compiled_tp_module_collectives_still_counted(mesh: DeviceMesh) -> None:
     assert mode.aggregator is not None and eager_mode.aggregator is not None
     assert mode.aggregator.comm_counts() == eager_mode.aggregator.comm_counts()
     assert mode.stats()["internal_errors"] == 0
+
+
+def double(module: nn.Module, args: tuple[torch.Tensor], output: torch.Tensor) -> torch.Tensor:
+    """A forward hook of the user's (module-level: pickled with the model)."""
+    return output * 2.0
+
+
+def test_a_model_with_hooks_of_its_own_can_be_copied_saved_and_scripted_in_the_mode(
+    tmp_path: Any,
+) -> None:
+    """commspan closes the span of a module with forward hooks of its own from a hook of
+    its own, run after them. That hook used to stay on the module between calls, so
+    copy.deepcopy (EMA and SWA models), torch.save(model) and torch.jit.script failed
+    inside the mode (the hook holds the tracker). It now comes off after each call;
+    the user's hook still runs, and its span still holds what its hooks did."""
+    import copy
+    import pickle
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    model[0].register_forward_hook(double)
+    x = torch.randn(2, 4)
+    expected = model(x)
+    mode, exporter = traced_mode()
+    with mode, mode.step(0):
+        out = model(x)
+        out.sum().backward()
+        assert torch.equal(out, expected)
+        assert list(model[0]._forward_hooks.values()) == [double]
+        copied = copy.deepcopy(model)
+        pickle.loads(pickle.dumps(model))
+        torch.save(model, tmp_path / "model.pt")
+        scripted = torch.jit.script(model)
+        assert torch.equal(copied(x), expected) and torch.equal(scripted(x), expected)
+    spans = list(exporter.get_finished_spans())
+    assert_well_formed(spans)
+    assert mode.stats()["internal_errors"] == 0
+    # the model's call and its copy's (the scripted one runs no Python hooks)
+    assert [fqn(s) for s in spans if phase(s) == "forward"].count("Sequential.0") == 2
+
+
+def test_a_module_called_inside_itself_closes_each_call_after_its_own_hooks() -> None:
+    """A module with a forward hook of its own that calls itself (a recursive net):
+    each call's span closes at the end of that call, after its own hooks: three nested
+    spans, the hook run three times."""
+    seen: list[int] = []
+
+    class Recursive(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, x: torch.Tensor, depth: int) -> torch.Tensor:
+            if depth:
+                x = self(x, depth - 1)
+            return self.lin(x)
+
+    model = Recursive()
+    model.register_forward_hook(lambda m, a, o: seen.append(a[1]))
+    mode, exporter = traced_mode()
+    with mode, mode.step(0):
+        model(torch.randn(1, 3), 2).sum().backward()
+    spans = list(exporter.get_finished_spans())
+    assert_well_formed(spans)
+    assert seen == [0, 1, 2] and mode.stats()["internal_errors"] == 0
+    forward = sorted((s for s in spans if fqn(s) == "Recursive" and phase(s) == "forward"),
+                     key=lambda s: s.start_time or 0)
+    assert len(forward) == 3
+    for outer, inner in zip(forward, forward[1:]):
+        assert inner.parent is not None and inner.parent.span_id == outer.context.span_id
+        assert (outer.start_time or 0) < (inner.start_time or 0)
+        assert (inner.end_time or 0) < (outer.end_time or 0)

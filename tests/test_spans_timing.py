@@ -63,3 +63,32 @@ def test_log_lists_recent_per_group_and_every_pending_one() -> None:
     assert log.oldest_pending() is stuck
     stuck.complete(5000)
     assert log.oldest_pending() is None
+
+
+@pytest.mark.parametrize("how", ["resolved", "completed", "abandoned"])
+def test_a_finished_timing_lets_go_of_what_its_resolver_holds(how: str) -> None:
+    """A collective completed by polling its Work (gloo's send and recv) kept the Work,
+    and so the op's tensors, alive for as long as the timing record lived (the log of
+    recent collectives keeps 64): pipeline activations outlived their step. Once the
+    completion is known, or given up on, the resolver goes."""
+    import functools
+    import gc
+    import weakref
+
+    class Work:  # stands for the Work, which holds the sent or received tensor
+        pass
+
+    work = Work()
+    alive = weakref.ref(work)
+    t = CollectiveTiming({semconv.COLL_OP: "send"}, "forward")
+    t.issued = 1000
+    t.resolve = functools.partial(lambda w: 2000 if how == "resolved" else None, work)
+    del work
+    if how == "resolved":
+        assert t.finished() and t.duration == 2000
+    elif how == "completed":
+        t.complete(3000)
+    else:
+        t.abandon()
+    gc.collect()
+    assert alive() is None and t.resolve is None

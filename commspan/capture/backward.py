@@ -115,6 +115,7 @@ class _Call:
         "depth",
         "task",
         "input_ids",
+        "local",
     )
 
     def __init__(
@@ -133,6 +134,7 @@ class _Call:
         self.depth = depth
         self.task = -1  # graph task a recompute ran in
         self.input_ids: dict[int, int] = {}  # id(tensor) -> its version at call time
+        self.local: Any = None  # handle of the forward hook that closes this call, if any
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
@@ -269,22 +271,31 @@ class BackwardNesting:
                     functools.partial(self._backward_done, task)
                 )
             # (step 2) the module's backward starts; so do those of its forward
-            # ancestors that have not started yet (they enclose it)
+            # ancestors that have not started yet (they enclose it), up to one
+            # still running its forward (a backward inside a forward: autograd.grad
+            # in a physics-informed model's forward; its backward comes later)
             chain = [call]
             ancestor = call.parent
-            while ancestor is not None and (ancestor.bw_frame is None or (
+            while ancestor is not None and ancestor.frame.closed and (
+                    ancestor.bw_frame is None or (
                     ancestor.bw_task != task and ancestor.bw_frame.closed)):
                 if ancestor.bw_frame is not None:  # its backward in an earlier pass
                     _restart(ancestor)
                 chain.append(ancestor)
                 ancestor = ancestor.parent
-            while ancestor is not None and ancestor.bw_frame is not None and (
-                ancestor.bw_frame.closed
+            while ancestor is not None and ancestor.frame.closed and (
+                ancestor.bw_frame is not None and ancestor.bw_frame.closed
             ):
                 ancestor = ancestor.parent
-            # (step 3) under the backward frame of the nearest forward ancestor;
-            # the recorder closes the frames of non-ancestors opened above it
-            under = ancestor.bw_frame if ancestor is not None else self._task_base(task)
+            # (step 3) under the backward frame of the nearest forward ancestor, or
+            # the forward frame of one still running; the recorder closes the
+            # frames of non-ancestors opened above it
+            if ancestor is None:
+                under = self._task_base(task)
+            elif not ancestor.frame.closed:
+                under = ancestor.frame
+            else:
+                under = ancestor.bw_frame
             if self.observer is not None and under is not None:
                 self._observe_closing(under)
             for c in reversed(chain):

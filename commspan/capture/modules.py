@@ -26,6 +26,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -176,7 +177,7 @@ class ModuleInfo:
         "type",
         "params",
         "param_ids",
-        "local_hooked",
+        "local_open",
         "attrs",
         "names",
         "depth",
@@ -191,7 +192,7 @@ class ModuleInfo:
         self.type = mtype
         self.params: dict[str, Any] | None = None
         self.param_ids: tuple[int, ...] = ()  # the parameters params describes
-        self.local_hooked = False
+        self.local_open = 0  # open calls with a closing hook of their own (below)
         self.attrs: dict[Phase, dict[str, Any]] = {
             phase: {
                 semconv.MODULE_FQN: fqn,
@@ -275,7 +276,8 @@ class ModuleTracker(BackwardNesting):
         self._by_id_known = -1  # self._named when _by_id was built
         self._calls: list[_Call] = []
         self._handles: list[Any] = []
-        self._local: list[Any] = []
+        self._local: list[Any] = []  # per-call closing hooks still registered
+        self._stale: list[Any] = []  # closing hooks that ran, removed at the next call
         self._init_backward()
         self.active = False
         self._errors = ErrorCounter(
@@ -333,17 +335,22 @@ class ModuleTracker(BackwardNesting):
         self.active = False
         self._release_headroom()
         self._error_mark = None
-        _remove_hooks(self._handles + self._local)
-        self._handles, self._local = [], []
+        _remove_hooks(self._handles + self._local + self._stale)
+        self._handles, self._local, self._stale = [], [], []
         for info in list(self._known.values()):
-            info.local_hooked = False
+            info.local_open = 0
         self._calls.clear()
         self._forget_backward()
 
     def reset_step(self) -> None:
-        """Drop per-step state (leaf hooks of a backward that never ran, open calls)."""
+        """Drop per-step state (leaf hooks of a backward that never ran, open calls
+        and their closing hooks)."""
         self._forget_backward()
         self._calls.clear()
+        _remove_hooks(self._local + self._stale)
+        self._local, self._stale = [], []
+        for info in list(self._known.values()):
+            info.local_open = 0
         self._error_mark = None
 
     def _release_headroom(self) -> None:
@@ -445,8 +452,11 @@ class ModuleTracker(BackwardNesting):
             call = _Call(info, ref, parent, frame, depth)
             call.task = task
             self._calls.append(call)
-            if module._forward_hooks and not info.local_hooked:
-                self._close_after_own_hooks(module, info)
+            if self._stale:
+                _remove_hooks(self._stale)
+                self._stale = []
+            if module._forward_hooks:
+                self._close_after_own_hooks(module, info, call)
             if torch.is_grad_enabled():
                 self._watch_inputs(call, args)
             if self.observer is not None:
@@ -492,13 +502,18 @@ class ModuleTracker(BackwardNesting):
                 attrs.update(info.params)
         return attrs
 
-    def _close_after_own_hooks(self, module: torch.nn.Module, info: ModuleInfo) -> None:
+    def _close_after_own_hooks(
+        self, module: torch.nn.Module, info: ModuleInfo, call: _Call
+    ) -> None:
         """The module has forward hooks of its own (e.g. tensor-parallel output
-        hooks): close its frame from a hook registered after them, so their
-        collectives belong to it."""
-        self._local.append(module.register_forward_hook(
-            self._local_post_fw, with_kwargs=True, always_call=True))
-        info.local_hooked = True
+        hooks): close its frame from a hook registered after them, for this call
+        only, so their collectives belong to it. The hook comes off when it has
+        run: one left on the module between calls would hold the tracker, and
+        copying, pickling or scripting the model would fail."""
+        call.local = module.register_forward_hook(
+            partial(self._local_post_fw, call), with_kwargs=True, always_call=True)
+        self._local.append(call.local)
+        info.local_open += 1
 
     def _post_fw(
         self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any = _NO_KWARGS
@@ -508,7 +523,7 @@ class ModuleTracker(BackwardNesting):
         if self._ignores_this_call(module):
             return
         info = self._known.get(module)
-        if info is None or info.local_hooked:
+        if info is None or info.local_open:
             return
         if output is _NO_KWARGS:
             self._finish_forward(info, module, args, kwargs, None)
@@ -516,13 +531,31 @@ class ModuleTracker(BackwardNesting):
             self._finish_forward(info, module, args, output, kwargs)
 
     def _local_post_fw(
-        self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any
+        self, call: _Call, module: torch.nn.Module, args: Any, kwargs: Any, output: Any
     ) -> None:
+        handle = call.local
+        if handle is None:  # ran already (or the tracker was reset)
+            return
+        info = call.info
+        calls = self._calls
+        idx = len(calls) - 1
+        while idx >= 0 and calls[idx].info is not info:
+            idx -= 1
+        if idx >= 0 and calls[idx] is not call:
+            return  # the module called inside itself: this hook is the outer call's
+        call.local = None
+        info.local_open = max(0, info.local_open - 1)
+        try:
+            self._local.remove(handle)
+        except ValueError:
+            pass
+        if sys.exc_info()[0] is None:
+            handle.remove()  # torch runs hooks from a copy of the dict: safe
+        else:  # torch's error path walks the dict itself: remove it at the next call
+            self._stale.append(handle)
         if self._ignores_this_call(module):
             return
-        info = self._known.get(module)
-        if info is not None:
-            self._finish_forward(info, module, args, output, kwargs)
+        self._finish_forward(info, module, args, output, kwargs)
 
     def _finish_forward(
         self, info: ModuleInfo, module: torch.nn.Module, args: Any, output: Any, kwargs: Any

@@ -97,6 +97,7 @@ class CollectiveTiming:
         if not self.finished():
             self.abandoned = True
             self.hold = None
+            self.resolve = None  # (a Work it polls holds the op's tensors)
 
     def complete(self, now: int | None = None) -> None:
         """Record the completion, at ``now`` (``perf_counter_ns``) or at once.
@@ -106,6 +107,7 @@ class CollectiveTiming:
         if self.duration is None:
             self.duration = max(0, (_perf() if now is None else now) - self.issued)
             self.hold = None
+            self.resolve = None
 
     def finished(self) -> bool:
         """Whether the completion is known (asks :attr:`resolve` if there is one)."""
@@ -123,6 +125,7 @@ class CollectiveTiming:
             return False
         self.duration = max(0, int(duration))
         self.hold = None
+        self.resolve = None  # the Work it asked holds the op's tensors: let them go
         return True
 
     def event_attributes(self) -> dict[str, Any]:

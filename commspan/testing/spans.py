@@ -135,8 +135,10 @@ def assert_well_formed(spans: Iterable[ReadableSpan]) -> None:
       events happen while it is open;
     - a module span is named ``"<fqn> <phase>"``; a forward span nests under a
       forward span or the rank span, a backward span under a backward span or
-      the rank span, a recompute span under a backward or recompute span with
-      a backward span above it;
+      the rank span (or under the forward span of a module enclosing it, when
+      that forward ran the backward itself: ``torch.autograd.grad`` in a
+      forward), a recompute span under a backward or recompute span with a
+      backward span above it;
     - a collective event carries the module and phase of the span it is on.
 
     Args:
@@ -176,6 +178,9 @@ def _check_module_span(tree: SpanTree, span: ReadableSpan) -> None:
     if parent_phase is None:  # directly under the rank span
         assert parent.name == semconv.SPAN_RANK, (span.name, parent.name)
         assert phase in ("forward", "backward"), span.name
+    elif phase == "backward" and parent_phase == "forward":
+        # a backward run inside a forward: of modules inside the running one
+        assert str(fqn).startswith(f"{span_fqn(parent)}."), (span.name, parent.name)
     elif phase in ("forward", "backward"):
         assert parent_phase == phase, (span.name, parent.name)
     else:  # recompute: inside a backward, possibly under an enclosing recompute
