@@ -20,7 +20,7 @@ from _cli_runs import net_step, run_cli, session_dir, tp_run, write_run
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
-from commspan import Aggregator, CommSpanMode
+from commspan import Aggregator, CommSpanMode, semconv
 from commspan.analysis.digest import digest_path, read_digest, write_digest
 from commspan.exporters import JsonlSpanExporter, ReadReport
 from commspan.testing import fake_mesh
@@ -66,9 +66,9 @@ def _answers(capsys: pytest.CaptureFixture[str], run: Path) -> list[tuple[int, s
     return answers
 
 
-def _agg(run: Path, **kwargs: Any) -> tuple[Any, ...]:
+def _agg(folder: Path, **kwargs: Any) -> tuple[Any, ...]:
     report = ReadReport()
-    agg = Aggregator.from_jsonl(run, report=report, strict=False, **kwargs)
+    agg = Aggregator.from_jsonl(folder, report=report, strict=False, **kwargs)
     return (agg.to_dict(), agg.mesh_dim_counts(), agg.mesh_dim_counts(subtree=False),
             sorted(agg.collectives(), key=repr), agg.modules(), agg.parameter_info(),
             (report.lines, report.spans, report.commspan_spans, sorted(report.ranks),
@@ -78,8 +78,16 @@ def _agg(run: Path, **kwargs: Any) -> tuple[Any, ...]:
 def _same_answers(capsys: pytest.CaptureFixture[str], digested: Path, plain: Path) -> None:
     assert any(f.name.endswith(".digest") for f in digested.iterdir())
     assert _answers(capsys, digested) == _answers(capsys, plain)
-    assert _agg(digested, rank="all") == _agg(plain, rank="all")
-    assert _agg(digested, rank=1) == _agg(plain, rank=1)
+    for run in ("all", *_run_ids(plain)):
+        assert _agg(digested, rank="all", run=run) == _agg(plain, rank="all", run=run)
+        assert _agg(digested, rank=1, run=run) == _agg(plain, rank=1, run=run)
+
+
+def _run_ids(run: Path) -> list[str]:
+    from commspan.analysis.runs import list_runs
+    from commspan.exporters import read_spans
+
+    return [r.run_id for r in list_runs(list(read_spans(run)))]
 
 
 # ====================================================================== runs
@@ -351,3 +359,30 @@ def test_digest_lines_are_json(tmp_path: Path, fake_pg: None) -> None:
     assert os.path.getsize(path) == sum(
         json.loads(raw.rsplit(b" ", 1)[0])["length"]
         for raw in digest_path(path).read_bytes().splitlines())
+
+
+def test_from_jsonl_of_a_folder_of_two_runs_counts_one_or_says_so(
+    divergent_two_runs: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A folder holding two runs (a program run twice into it): from_jsonl used to sum
+    them silently. Without run= it now raises naming both; run=<id> counts that run
+    (rank 1's extra all_reduce of the second run, in its step 1, is counted there
+    only), run="all" sums them; the same from digests."""
+    from commspan.exporters import read_spans
+
+    expected: dict[str, int] = {}  # rank 1's collective events per run, from the lines
+    for span in read_spans(divergent_two_runs / "commspan-rank1.jsonl"):
+        run = str(span.resource.get(semconv.RUN_ID))
+        expected[run] = expected.get(run, 0) + sum(
+            1 for _, ev in span.events if semconv.COLL_OP in ev)
+    digested = _without_digests(divergent_two_runs, tmp_path / "d")
+    run_cli(capsys, "digest", str(digested))
+    for folder in (divergent_two_runs, digested):
+        with pytest.raises(ValueError, match=r"2 runs \('first', 'second'\).*run='all'"):
+            Aggregator.from_jsonl(folder, rank=1)
+        with pytest.raises(ValueError, match=r"run='third' is not a run of these files"):
+            Aggregator.from_jsonl(folder, rank=1, run="third")
+        per_run = {run: Aggregator.from_jsonl(folder, rank=1, run=run).total_count()
+                   for run in ("first", "second", "all")}
+        assert per_run == {**expected, "all": expected["first"] + expected["second"]}
+        assert per_run["second"] > per_run["first"]

@@ -400,6 +400,7 @@ class Aggregator(SpanProcessor):
         strict: bool = True,
         report: ReadReport | None = None,
         max_line_bytes: int | None = None,
+        run: str | None = None,
     ) -> Aggregator:
         """Build an aggregator from files written by ``JsonlSpanExporter``.
 
@@ -417,10 +418,15 @@ class Aggregator(SpanProcessor):
                 lines read, spans, ranks and skipped lines (these are then not
                 logged).
             max_line_bytes: longest line read (``None``: 64 MiB).
+            run: which run to count (its ``commspan.run_id``; ``commspan summary``
+                lists a folder's runs). ``None`` requires the files to hold one run
+                only (a ``JsonlSpanExporter`` appends, so a program run twice into
+                one folder writes two); ``"all"`` sums every run.
 
         Raises:
-            ValueError: no path given; several ranks found and ``rank=None``;
-                a damaged or over-long line and ``strict`` (naming file and line).
+            ValueError: no path given; several ranks found and ``rank=None``, or
+                several runs and ``run=None``; a damaged or over-long line and
+                ``strict`` (naming file and line).
             FileNotFoundError: a path does not exist, or a directory holds no
                 ``*.jsonl`` file (:class:`~commspan.otlpjson.files.NoJsonlFilesError`,
                 also a ``ValueError``).
@@ -445,10 +451,14 @@ class Aggregator(SpanProcessor):
             strict, report,
             DEFAULT_MAX_LINE_BYTES if max_line_bytes is None else max_line_bytes, False,
         )
+        if run is not None and not isinstance(run, str):
+            raise ValueError(f"run={run!r} is not valid; pass a run id (str), 'all' or None")
         agg = cls()
         ranks: set[Any] = set()
+        runs: set[str] = set()
         only = rank if isinstance(rank, int) else None
-        regions = _use_digests(agg, files, only, ranks, report)
+        one_run = None if run in (None, "all") else run
+        regions = _use_digests(agg, files, only, ranks, report, one_run, runs)
         with paused_gc():  # millions of small acyclic dicts: GC passes cost more than parsing
             for path, number, doc in reader.documents(files, regions):
                 try:
@@ -457,7 +467,10 @@ class Aggregator(SpanProcessor):
                     reader.bad_request(path, number, doc, exc)
                     continue
                 del doc
-                for r, fqn, attrs, start, events in adds:
+                for r, span_run, fqn, attrs, start, events in adds:
+                    runs.add(span_run)
+                    if one_run is not None and span_run != one_run:
+                        continue
                     ranks.add(r)
                     if only is None or r == only:
                         agg._add(fqn, attrs, start, events)
@@ -467,6 +480,18 @@ class Aggregator(SpanProcessor):
                     report.commspan_spans += len(adds)
         if report is not None:
             report.ranks |= ranks
+        if run is None and len(runs) > 1:
+            raise ValueError(
+                f"run=None but the files hold {len(runs)} runs "
+                f"({', '.join(sorted(repr(r) for r in runs))}): counting them together "
+                "would sum them; pass run=<id> for one (`commspan summary` lists them) "
+                "or run='all' to sum them"
+            )
+        if one_run is not None and one_run not in runs:
+            raise ValueError(
+                f"run={run!r} is not a run of these files; they hold "
+                f"{', '.join(sorted(repr(r) for r in runs)) or 'none'}"
+            )
         if rank is None and len(ranks) > 1:
             raise ValueError(
                 f"rank=None but the files hold spans of ranks {sorted(ranks, key=str)}; "
@@ -526,14 +551,14 @@ def _summary_key(ev: Mapping[str, Any], fqn: str, op: Any) -> tuple[str, str, st
 
 def _use_digests(
     agg: Aggregator, files: Sequence[Path], only: int | None, ranks: set[Any],
-    report: ReadReport | None,
+    report: ReadReport | None, run: str | None = None, runs: set[str] | None = None,
 ) -> dict[str, list[tuple[int, int, int]]]:
     """Fold what the files' digests stand for (docs/jsonl.md, "Digests") into ``agg``;
     returns the byte ranges of each file still to be parsed."""
     from commspan.analysis.digest import PartMerger, read_digest
 
     regions: dict[str, list[tuple[int, int, int]]] = {}
-    merger = PartMerger(agg, only)
+    merger = PartMerger(agg, only, run)
     for path in files:
         digest = read_digest(path)
         if digest is None:
@@ -543,11 +568,14 @@ def _use_digests(
         regions[os.fspath(path)] = digest.gaps()
     merger.finish()
     ranks |= merger.ranks
+    if runs is not None:
+        runs |= merger.runs
     return regions
 
 
 _SPAN_KEYS = frozenset(
     {
+        semconv.RUN_ID,
         semconv.MODULE_FQN,
         semconv.MODULE_TYPE,
         semconv.MODULE_DEPTH,
@@ -591,7 +619,7 @@ def mesh_dim_of(event: Mapping[str, Any]) -> str:
     return f"group {group}" if group not in (None, "") else "unknown"
 
 
-_Add = tuple[Any, str, dict[str, Any], int, list[tuple[str, dict[str, Any]]]]
+_Add = tuple[Any, str, str, dict[str, Any], int, list[tuple[str, dict[str, Any]]]]
 
 
 def _decode_document(doc: dict[str, Any]) -> tuple[int, list[_Add]]:
@@ -619,7 +647,9 @@ def _decode_document(doc: dict[str, Any]) -> tuple[int, list[_Add]]:
                     f"{semconv.OWNER_CREDIT} is {credited!r}, expected an array of module names"
                 )
         r = rank_value(resource.get(semconv.RANK))
-        adds.append((r, str(fqn), attrs, int(s.get("startTimeUnixNano", 0)), events))
+        run = resource.get(semconv.RUN_ID, attrs.get(semconv.RUN_ID))
+        adds.append((r, "" if run is None else str(run), str(fqn), attrs,
+                     int(s.get("startTimeUnixNano", 0)), events))
     return len(decoded), adds
 
 

@@ -344,13 +344,17 @@ class PartMerger:
     Args:
         agg: the aggregator to fold into (on :meth:`finish`).
         rank: fold the parts of this rank only (``None``: every rank).
+        run: fold the parts of this run only (``None``: every run).
     """
 
-    def __init__(self, agg: Aggregator, rank: int | None) -> None:
+    def __init__(self, agg: Aggregator, rank: int | None, run: str | None = None) -> None:
         self.agg = agg
         self.rank = rank
+        self.run = run
         self.ranks: set[int] = set()
         """Ranks of the parts that hold commspan spans, whether folded or not."""
+        self.runs: set[str] = set()
+        """Run ids of the parts that hold commspan spans, whether folded or not."""
         self._pending: dict[str, list[Any]] = {}  # text -> [times, earliest start]
         # id(table) -> (a digest's texts by number, how many times each was used)
         self._tables: dict[int, tuple[dict[int, Any], Counter[int]]] = {}
@@ -361,6 +365,10 @@ class PartMerger:
             if not part["commspan_spans"]:
                 continue
             r = part["rank"]
+            run = str(part.get("run") or "")
+            self.runs.add(run)
+            if self.run is not None and run != self.run:
+                continue
             self.ranks.add(r)
             if self.rank is not None and r != self.rank:
                 continue
