@@ -323,3 +323,49 @@ def test_a_backward_inside_a_forward_nests_in_it() -> None:
     parents = Counter(by_id[s.parent.span_id].name for s in spans
                       if s.name == "_PhysicsInformed.net backward" and s.parent)
     assert parents == {"_PhysicsInformed forward": 2, "_PhysicsInformed backward": 2}
+
+
+class _GradInBlock(nn.Module):
+    """The backward runs in a nested forward: ``block`` differentiates ``net``'s
+    output, then runs a Linear of its own."""
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2, 1)
+
+        def forward(self, u: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+            (du,) = torch.autograd.grad(u.sum(), x, create_graph=True)
+            return self.lin(du)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(2, 4), nn.Tanh(), nn.Linear(4, 1))
+        self.block = _GradInBlock.Block()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.requires_grad_()
+        u = self.net(x)
+        return self.block(u, x) + u
+
+
+def test_a_backward_inside_a_nested_forward_cuts_no_forward_short() -> None:
+    """The backward of ``net`` runs inside ``block``'s forward, itself inside the model's:
+    it nests under ``block``'s forward (the one running it), which stays open, so
+    ``block.lin`` still nests under ``block``."""
+    torch.manual_seed(0)
+    mode, exporter = traced_mode()
+    with mode, mode.step(0):
+        _GradInBlock()(torch.randn(3, 2)).sum().backward()
+    spans = list(exporter.get_finished_spans())
+    assert_well_formed(spans)
+    by_id = {s.context.span_id: s for s in spans}
+
+    def parent_of(name: str) -> list[str]:
+        return sorted(by_id[s.parent.span_id].name for s in spans
+                      if s.name == name and s.parent)
+
+    assert parent_of("_GradInBlock.block.lin forward") == ["_GradInBlock.block forward"]
+    # in block's forward, and again in the step's backward (create_graph)
+    assert parent_of("_GradInBlock.net backward") == ["_GradInBlock backward",
+                                                      "_GradInBlock.block forward"]

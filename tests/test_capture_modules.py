@@ -245,3 +245,65 @@ def test_a_module_called_inside_itself_closes_each_call_after_its_own_hooks() ->
         assert inner.parent is not None and inner.parent.span_id == outer.context.span_id
         assert (outer.start_time or 0) < (inner.start_time or 0)
         assert (inner.end_time or 0) < (outer.end_time or 0)
+
+
+def test_another_threads_call_does_not_close_this_calls_span_early() -> None:
+    """The owner thread is inside a module with a hook of its own (the hook runs a
+    submodule) when another thread, not traced, calls the same module: the other
+    call's hooks must not use up this call's closing hook, so the submodule the hook
+    runs still nests under the module's span."""
+    import threading
+
+    inside, done = threading.Event(), threading.Event()
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+            self.lin2 = nn.Linear(2, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if threading.current_thread() is threading.main_thread():
+                inside.set()
+                assert done.wait(10)
+            return self.lin(x)
+
+    model = M()
+    model.register_forward_hook(lambda m, a, o: m.lin2(o))
+
+    def other() -> None:
+        assert inside.wait(10)
+        model(torch.randn(1, 2))
+        done.set()
+
+    thread = threading.Thread(target=other)
+    mode, exporter = traced_mode()
+    with mode, mode.step(0):
+        thread.start()
+        model(torch.randn(1, 2))
+    thread.join(10)
+    spans = list(exporter.get_finished_spans())
+    assert_well_formed(spans)
+    by_id = {s.context.span_id: s for s in spans}
+    (lin2,) = [s for s in spans if fqn(s) == "M.lin2"]
+    assert lin2.parent is not None and by_id[lin2.parent.span_id].name == "M forward"
+
+
+def test_a_model_called_inside_an_except_block_can_be_copied() -> None:
+    """A retry after a caught error calls the model inside the ``except`` block (an
+    out-of-memory retry): its closing hook still comes off, and the model can be
+    deep-copied and pickled right after."""
+    import copy
+    import pickle
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    model[0].register_forward_hook(double)
+    mode, _ = traced_mode()
+    with mode, mode.step(0):
+        try:
+            model(torch.randn(2, 5))  # the wrong width: raises inside the Linear
+        except RuntimeError:
+            model(torch.randn(2, 4))
+            copy.deepcopy(model)
+            pickle.dumps(model)
+    assert list(model[0]._forward_hooks.values()) == [double]

@@ -178,3 +178,18 @@ def test_numpy_numbers_are_numbers_everywhere() -> None:
 def test_flags_and_sizes_of_the_wrong_type_are_refused(make: Any, parameter: str) -> None:
     with pytest.raises(ValueError, match=rf"\b{parameter}"):
         make()
+
+
+def test_a_one_element_tensor_of_steps_is_a_set_of_steps() -> None:
+    """sample=torch.tensor([5]) names step 5, as np.array([5]) and [5] do; only a whole
+    number (an int, numpy's) means every Nth step."""
+    import numpy as np
+    import torch
+
+    for sample in (torch.tensor([5]), np.array([5]), [5]):
+        mode = CommSpanMode(sample=sample)
+        with mode:
+            for i in range(11):
+                with mode.step(i):
+                    pass
+        assert mode.stats()["steps_traced"] == 1, sample

@@ -483,9 +483,10 @@ class Aggregator(SpanProcessor):
         if run is None and len(runs) > 1:
             raise ValueError(
                 f"run=None but the files hold {len(runs)} runs "
-                f"({', '.join(sorted(repr(r) for r in runs))}): counting them together "
-                "would sum them; pass run=<id> for one (`commspan summary` lists them) "
-                "or run='all' to sum them"
+                f"({', '.join(sorted(repr(r) for r in runs))}"
+                f"{_NO_RUN_ID if '' in runs else ''}"
+                "): counting them together would sum them; pass run=<id> for one "
+                "(`commspan summary` lists them) or run='all' to sum them"
             )
         if one_run is not None and one_run not in runs:
             raise ValueError(
@@ -572,6 +573,8 @@ def _use_digests(
         runs |= merger.runs
     return regions
 
+
+_NO_RUN_ID = "; '' is the run of spans without a run id"
 
 _SPAN_KEYS = frozenset(
     {

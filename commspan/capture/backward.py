@@ -42,6 +42,9 @@ from commspan.semconv import Phase
 from commspan.spans.frames import Frame
 from commspan.spans.recorder import SpanRecorder
 
+_RUNNING = (Phase.FORWARD, Phase.RECOMPUTE)
+"""Phases of a module call that may run a backward inside it."""
+
 if TYPE_CHECKING:
     from commspan.capture.modules import ModuleInfo
 
@@ -293,7 +296,7 @@ class BackwardNesting:
             if ancestor is None:
                 under = self._task_base(task)
             elif not ancestor.frame.closed:
-                under = ancestor.frame
+                under = self._running_forward(ancestor.frame)
             else:
                 under = ancestor.bw_frame
             if self.observer is not None and under is not None:
@@ -303,6 +306,20 @@ class BackwardNesting:
                 under = None
         except Exception:
             self._errors.record()
+
+    def _running_forward(self, outer: Frame) -> Frame:
+        """The innermost forward (or recompute) frame still open at or above
+        ``outer`` on the stack: a backward run inside a forward nests under the
+        forward running it, and closes no forward that is still running (frames
+        above it are backward frames of this backward that are over)."""
+        stack = self.recorder.stack
+        for idx in range(len(stack) - 1, -1, -1):
+            frame = stack[idx]
+            if frame is outer:
+                break
+            if frame.phase in _RUNNING and not frame.closed:
+                return frame
+        return outer
 
     def _observe_closing(self, under: Frame) -> None:
         """(step 3) The frames above ``under`` are about to be closed: tell the

@@ -26,7 +26,6 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 import torch
@@ -166,6 +165,46 @@ def _named_modules(root: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
 
 ModuleHooks = ModuleObserver
 """Former name of :class:`commspan.capture.ModuleObserver`."""
+
+
+class _Closer:
+    """The forward hook that closes one call's frame after the module's own hooks
+    (:meth:`ModuleTracker._close_after_own_hooks`). Copying or pickling a module
+    while one is on it (a call that raised, an interrupt) gives the copy a hook that
+    does nothing, not a copy of the tracker."""
+
+    __slots__ = ("tracker", "call")
+
+    def __init__(self, tracker: ModuleTracker, call: _Call) -> None:
+        self.tracker = tracker
+        self.call = call
+
+    def __call__(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        tracker = self.tracker
+        if tracker is None:
+            return
+        # torch runs a successful call's hooks from a copy of the dict, in the inner
+        # function of Module._call_impl; its error path walks the dict itself
+        from_copy = sys._getframe(1).f_code.co_name == "inner"
+        if tracker._local_post_fw(self.call, module, args, kwargs, output, from_copy):
+            info = self.call.info
+            # (_finish_forward reads the caller of this hook, 2 frames up)
+            tracker._finish_forward(info, module, args, output, kwargs)
+
+    def __deepcopy__(self, memo: Any) -> _Closer:
+        return _INERT_CLOSER
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_inert_closer, ())
+
+
+def _inert_closer() -> _Closer:
+    return _INERT_CLOSER
+
+
+_INERT_CLOSER: _Closer = _Closer.__new__(_Closer)
+_INERT_CLOSER.tracker = None  # type: ignore[assignment]
+_INERT_CLOSER.call = None  # type: ignore[assignment]
 
 
 class ModuleInfo:
@@ -511,7 +550,7 @@ class ModuleTracker(BackwardNesting):
         run: one left on the module between calls would hold the tracker, and
         copying, pickling or scripting the model would fail."""
         call.local = module.register_forward_hook(
-            partial(self._local_post_fw, call), with_kwargs=True, always_call=True)
+            _Closer(self, call), with_kwargs=True, always_call=True)
         self._local.append(call.local)
         info.local_open += 1
 
@@ -531,31 +570,34 @@ class ModuleTracker(BackwardNesting):
             self._finish_forward(info, module, args, output, kwargs)
 
     def _local_post_fw(
-        self, call: _Call, module: torch.nn.Module, args: Any, kwargs: Any, output: Any
-    ) -> None:
+        self, call: _Call, module: torch.nn.Module, args: Any, kwargs: Any, output: Any,
+        from_copy: bool,
+    ) -> bool:
+        """The closing hook of ``call`` ran (``from_copy``: from torch's copy of the
+        module's hooks, where removing it is safe); returns whether to finish it."""
+        if self._ignores_this_call(module):
+            return False  # another thread's call of the module: not this call's end
         handle = call.local
         if handle is None:  # ran already (or the tracker was reset)
-            return
+            return False
         info = call.info
         calls = self._calls
         idx = len(calls) - 1
         while idx >= 0 and calls[idx].info is not info:
             idx -= 1
         if idx >= 0 and calls[idx] is not call:
-            return  # the module called inside itself: this hook is the outer call's
+            return False  # the module called inside itself: this hook is the outer call's
         call.local = None
         info.local_open = max(0, info.local_open - 1)
         try:
             self._local.remove(handle)
         except ValueError:
             pass
-        if sys.exc_info()[0] is None:
-            handle.remove()  # torch runs hooks from a copy of the dict: safe
+        if from_copy:
+            handle.remove()
         else:  # torch's error path walks the dict itself: remove it at the next call
             self._stale.append(handle)
-        if self._ignores_this_call(module):
-            return
-        self._finish_forward(info, module, args, output, kwargs)
+        return True
 
     def _finish_forward(
         self, info: ModuleInfo, module: torch.nn.Module, args: Any, output: Any, kwargs: Any

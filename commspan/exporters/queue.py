@@ -354,8 +354,12 @@ class ExportQueue(SpanProcessor):
         closer = threading.Thread(
             target=self._shutdown_exporter, name=f"commspan-shutdown-{self._name}", daemon=True
         )
-        closer.start()
-        closer.join(timeout=max(0.05, deadline - time.monotonic()))
+        try:
+            closer.start()
+        except RuntimeError:  # no new threads at interpreter exit (Python 3.12.0-3.12.2)
+            self._shutdown_exporter()
+        else:
+            closer.join(timeout=max(0.05, deadline - time.monotonic()))
         if closer.is_alive():
             _log.warning(
                 "commspan: %s.shutdown() did not return within the %.2f s shutdown "

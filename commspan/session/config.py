@@ -11,6 +11,7 @@ import operator
 import signal
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from numbers import Integral
 from typing import Any
 
 from opentelemetry.sdk.trace import TracerProvider
@@ -251,7 +252,8 @@ def _sampler(sample: int | Iterable[int] | Sampler | None) -> Sampler:
         return lambda i: True
     if isinstance(sample, bool):
         raise TypeError(f"sample={sample!r} is not valid; pass N, a set of steps or a callable")
-    whole = _whole(sample)  # an int, or numpy's
+    # an int, or numpy's (not a one-element tensor or array: a set of steps)
+    whole = _whole(sample) if isinstance(sample, Integral) else None
     if whole is not None:
         if whole < 1:
             raise ValueError(f"sample={sample!r} is not valid; every Nth step needs N >= 1")

@@ -135,10 +135,10 @@ def assert_well_formed(spans: Iterable[ReadableSpan]) -> None:
       events happen while it is open;
     - a module span is named ``"<fqn> <phase>"``; a forward span nests under a
       forward span or the rank span, a backward span under a backward span or
-      the rank span (or under the forward span of a module enclosing it, when
-      that forward ran the backward itself: ``torch.autograd.grad`` in a
-      forward), a recompute span under a backward or recompute span with a
-      backward span above it;
+      the rank span (or under a forward span that ran the backward itself,
+      ``torch.autograd.grad`` in a forward, when the running module is neither
+      the backward's module nor one enclosing it), a recompute span under a
+      backward or recompute span with a backward span above it;
     - a collective event carries the module and phase of the span it is on.
 
     Args:
@@ -179,8 +179,10 @@ def _check_module_span(tree: SpanTree, span: ReadableSpan) -> None:
         assert parent.name == semconv.SPAN_RANK, (span.name, parent.name)
         assert phase in ("forward", "backward"), span.name
     elif phase == "backward" and parent_phase == "forward":
-        # a backward run inside a forward: of modules inside the running one
-        assert str(fqn).startswith(f"{span_fqn(parent)}."), (span.name, parent.name)
+        # a backward run inside a forward: of modules that ran before it, never the
+        # running module or one enclosing it (their backward comes later)
+        running = str(span_fqn(parent))
+        assert running != fqn and not running.startswith(f"{fqn}."), (span.name, parent.name)
     elif phase in ("forward", "backward"):
         assert parent_phase == phase, (span.name, parent.name)
     else:  # recompute: inside a backward, possibly under an enclosing recompute
