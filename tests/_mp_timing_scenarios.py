@@ -244,7 +244,8 @@ def main(argv: list[str]) -> int:
             assert mode._dispatch is not None
             # the ops whose Work had no future (asked once each, then polled at once)
             (out / "timed" / f"no-future-rank{dist.get_rank()}.json").write_text(
-                json.dumps(sorted(mode._dispatch.completions.no_future)))
+                json.dumps(sorted([op, *key] for op, keys in
+                                  mode._dispatch.completions.no_future.items() for key in keys)))
             dist.barrier()
             _run(out, "straggler", Straggler())
             dist.barrier()

@@ -94,10 +94,11 @@ class CompletionTracker:
         self._compact_at = 256  # len(polled) at which poll_some compacts it
         self.futures: dict[int, CollectiveTiming] = {}
         """Timings whose ``Work`` future has not called back yet, by ``id``."""
-        self.no_future: set[tuple[str, Any, bool]] = set()
-        """``(overload, process group, on CUDA)`` whose ``Work`` had no future (gloo's
-        send and recv): asking raises a C++ error with its backtrace, 15-40 µs a
-        time, so the next ones are polled without asking."""
+        self.no_future: dict[str, set[tuple[Any, bool]]] = {}
+        """Overload -> ``(process group, on CUDA)`` whose ``Work`` had no future
+        (gloo's send and recv): asking raises a C++ error with its backtrace,
+        15-40 µs a time, so the next ones are polled without asking. (By overload
+        first: an op that always has a future costs one lookup.)"""
         self.failed = 0
         """Collectives given up on when issued: the op raised, a blocking op's wait
         raised, or it returned nothing to wait on. No duration; counted by the mode
@@ -161,13 +162,17 @@ class CompletionTracker:
             return
         # a backend's Work for one op has a future always or never; the group and the
         # device pick the backend
-        key = (info.overload, timing.attrs.get(_GROUP), cuda_start is not None)
-        future = None
-        if key not in self.no_future:
+        no_future = self.no_future
+        if no_future and info.overload in no_future and (
+                timing.attrs.get(_GROUP), cuda_start is not None) in no_future[info.overload]:
+            future = None
+        else:
             try:
                 future = handle.get_future()
             except RuntimeError:  # no future (gloo's send/recv): ask the Work later
-                self.no_future.add(key)
+                future = None
+                no_future.setdefault(info.overload, set()).add(
+                    (timing.attrs.get(_GROUP), cuda_start is not None))
         if future is None:
             timing.resolve = partial(_poll_work, handle, timing, cuda_start)
             self.polled.append(timing)
