@@ -30,12 +30,14 @@ from __future__ import annotations
 
 import logging
 import numbers
+import operator
 import threading
 from typing import Any
 
 from commspan._fork import renew_after_fork
 
-__all__ = ["ErrorCounter", "Once", "describe_error", "error_message", "positive_int"]
+__all__ = ["ErrorCounter", "Once", "describe_error", "error_message", "positive_int",
+           "whole_number"]
 
 _FURTHER = " (further errors are counted, not logged)"
 
@@ -60,6 +62,22 @@ def error_message(error: BaseException) -> str:
         return str(error)
     except Exception:  # a user's __str__ that raises: keep the type, lose the text
         return "<str() of the exception raised>"
+
+
+def whole_number(value: Any) -> int | None:
+    """``value`` as an int if it is a whole number type (``int``, numpy's ints,
+    anything with ``__index__``; not a bool), else ``None``.
+
+    Example:
+        >>> whole_number(3), whole_number(True), whole_number(1.0)
+        (3, None, None)
+    """
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def positive_int(name: str, value: Any, fix: str) -> int:

@@ -35,7 +35,7 @@ from opentelemetry.context import attach, detach, set_value
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
-from commspan._errors import Once, seconds
+from commspan._errors import Once, positive_int, seconds
 from commspan.spans.timing import add_timing
 
 __all__ = ["ExportQueue", "ExportStats"]
@@ -166,10 +166,8 @@ class ExportQueue(SpanProcessor):
         schedule_delay_s: float = 0.5,
         export_timeout_s: float = 10.0,
     ) -> None:
-        for name, value in (("max_queue_size", max_queue_size),
-                            ("max_batch_size", max_batch_size)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}={value!r} is not valid; pass a positive int")
+        positive_int("max_queue_size", max_queue_size, "pass a positive int")
+        positive_int("max_batch_size", max_batch_size, "pass a positive int")
         schedule_delay_s = seconds("schedule_delay_s", schedule_delay_s)
         export_timeout_s = seconds("export_timeout_s", export_timeout_s)
         self.exporter = exporter

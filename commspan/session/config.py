@@ -7,7 +7,6 @@ the mode keeps that and nothing else of its arguments.
 
 from __future__ import annotations
 
-import operator
 import signal
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from opentelemetry.sdk.trace.export import SpanExporter
 
 from commspan import semconv
 from commspan._errors import positive_int, seconds
+from commspan._errors import whole_number as _whole
 from commspan.analysis.counts import Aggregator
 from commspan.capture import ModuleObserver
 from commspan.session.sampling import RankSample, rank_sample
@@ -234,17 +234,6 @@ def _resource_attributes(attributes: Mapping[str, Any] | None) -> dict[str, Any]
             "(commspan reads both from torch.distributed)"
         )
     return out
-
-
-def _whole(value: Any) -> int | None:
-    """``value`` as an int if it is a whole number type (``int``, numpy's ints; not a
-    bool), else ``None``."""
-    if isinstance(value, bool):
-        return None
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None
 
 
 def _sampler(sample: int | Iterable[int] | Sampler | None) -> Sampler:

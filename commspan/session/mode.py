@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import operator
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -30,7 +29,7 @@ from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SpanExporter
 
 from commspan import semconv
-from commspan._errors import ErrorCounter, Once, seconds
+from commspan._errors import ErrorCounter, Once, seconds, whole_number
 from commspan._fork import renew_after_fork
 from commspan.analysis.counts import Aggregator
 from commspan.capture import ModuleObserver
@@ -452,13 +451,10 @@ class CommSpanMode:
             ...             pass  # forward, backward, optimizer step
         """
         if type(index) is not int:  # a numpy or torch integer is one too
-            try:
-                if isinstance(index, bool):
-                    raise TypeError
-                index = operator.index(index)
-            except TypeError:
-                raise TypeError(
-                    f"index={index!r} is not valid; pass the step number as an int") from None
+            whole = whole_number(index)
+            if whole is None:
+                raise TypeError(f"index={index!r} is not valid; pass the step number as an int")
+            index = whole
         if not -(1 << 63) <= index < (1 << 63):
             raise ValueError(f"index={index!r} is not valid; OTLP carries a step number as a "
                              "64-bit int: pass one between -2**63 and 2**63 - 1")

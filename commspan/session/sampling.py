@@ -18,9 +18,10 @@ Example:
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Callable, Iterable
 from typing import Any
+
+from commspan._errors import whole_number
 
 __all__ = ["RankSample", "rank_sample"]
 
@@ -65,11 +66,8 @@ class RankSample:
         """
         chosen = set()
         for r in ranks:
-            try:  # numpy's ints too (ranks=np.arange(0, 8, 2))
-                rank = -1 if isinstance(r, bool) else operator.index(r)
-            except TypeError:
-                rank = -1
-            if rank < 0:
+            rank = whole_number(r)  # numpy's ints too (ranks=np.arange(0, 8, 2))
+            if rank is None or rank < 0:
                 raise ValueError(f"ranks: {r!r} is not a rank; pass ints >= 0")
             chosen.add(rank)
         if not chosen:
