@@ -374,10 +374,9 @@ class ModuleTracker(BackwardNesting):
         self.active = False
         self._release_headroom()
         self._error_mark = None
-        _remove_hooks(self._handles + self._local + self._stale)
-        self._handles, self._local, self._stale = [], [], []
-        for info in list(self._known.values()):
-            info.local_open = 0
+        _remove_hooks(self._handles)
+        self._handles = []
+        self._drop_closers()
         self._calls.clear()
         self._forget_backward()
 
@@ -386,11 +385,23 @@ class ModuleTracker(BackwardNesting):
         and their closing hooks)."""
         self._forget_backward()
         self._calls.clear()
+        self._drop_closers()
+        self._error_mark = None
+
+    def _drop_closers(self) -> None:
+        """Remove every closing hook of a call still registered (:class:`_Closer`)."""
         _remove_hooks(self._local + self._stale)
         self._local, self._stale = [], []
         for info in list(self._known.values()):
             info.local_open = 0
-        self._error_mark = None
+
+    def _innermost_call(self, info: ModuleInfo) -> int:
+        """Index in ``_calls`` of the module's innermost open call, or -1."""
+        calls = self._calls
+        idx = len(calls) - 1
+        while idx >= 0 and calls[idx].info is not info:
+            idx -= 1
+        return idx
 
     def _release_headroom(self) -> None:
         if self._headroom:
@@ -581,11 +592,8 @@ class ModuleTracker(BackwardNesting):
         if handle is None:  # ran already (or the tracker was reset)
             return False
         info = call.info
-        calls = self._calls
-        idx = len(calls) - 1
-        while idx >= 0 and calls[idx].info is not info:
-            idx -= 1
-        if idx >= 0 and calls[idx] is not call:
+        idx = self._innermost_call(info)
+        if idx >= 0 and self._calls[idx] is not call:
             return False  # the module called inside itself: this hook is the outer call's
         call.local = None
         info.local_open = max(0, info.local_open - 1)
@@ -604,9 +612,7 @@ class ModuleTracker(BackwardNesting):
     ) -> None:
         try:
             calls = self._calls
-            idx = len(calls) - 1
-            while idx >= 0 and calls[idx].info is not info:
-                idx -= 1
+            idx = self._innermost_call(info)
             if idx < 0:
                 return
             call = calls[idx]
