@@ -552,7 +552,7 @@ def _summary_key(ev: Mapping[str, Any], fqn: str, op: Any) -> tuple[str, str, st
 
 def _use_digests(
     agg: Aggregator, files: Sequence[Path], only: int | None, ranks: set[Any],
-    report: ReadReport | None, run: str | None = None, runs: set[str] | None = None,
+    report: ReadReport | None, run: str | None, runs: set[str],
 ) -> dict[str, list[tuple[int, int, int]]]:
     """Fold what the files' digests stand for (docs/jsonl.md, "Digests") into ``agg``;
     returns the byte ranges of each file still to be parsed."""
@@ -569,8 +569,7 @@ def _use_digests(
         regions[os.fspath(path)] = digest.gaps()
     merger.finish()
     ranks |= merger.ranks
-    if runs is not None:
-        runs |= merger.runs
+    runs |= merger.runs
     return regions
 
 

@@ -30,6 +30,7 @@ from fractions import Fraction
 from typing import Any, NamedTuple
 
 from commspan import semconv
+from commspan.analysis.counts import mesh_dim_of
 from commspan.analysis.issued import issued, natural_key
 from commspan.otlpjson.records import SpanRecord
 
@@ -230,12 +231,9 @@ def profile(
 
 def _group_label(row: Any) -> str:
     """Where a row's collectives ran, the same on every rank and in every run of a
-    program: the mesh dimension's name, else its index, else the process group."""
-    if row.mesh_dim_name:
-        return str(row.mesh_dim_name)
-    if row.mesh_dim is not None:
-        return f"dim {row.mesh_dim}"
-    return f"group {row.group}" if row.group else "unknown"
+    program, named as :func:`~commspan.analysis.counts.mesh_dim_of` names it."""
+    return mesh_dim_of({semconv.MESH_DIM_NAME: row.mesh_dim_name,
+                        semconv.MESH_DIM: row.mesh_dim, semconv.PG_NAME: row.group})
 
 
 def diff(a: Profile, b: Profile) -> DiffResult:

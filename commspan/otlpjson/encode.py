@@ -598,13 +598,12 @@ def _clean_attrs(attrs: Any) -> BoundedAttributes:
     return out
 
 
-def _clean_events(events: Any) -> Any:
-    """A span's events with :func:`_clean_attrs` and clean names; what the SDK's
-    limits dropped stays counted."""
-    out: BoundedList[Event] = BoundedList(None)
-    out.extend([Event(_clean_text(e.name), _clean_attrs(e.attributes), e.timestamp)
-                for e in events or ()])
-    out.dropped = dropped_items(events)
+def _counted(kept: list[Any], items: Any) -> Any:
+    """``kept`` (cleaned copies of a span's events or links) as a list that still
+    counts what the SDK's limits dropped from ``items``."""
+    out: BoundedList[Any] = BoundedList(None)
+    out.extend(kept)
+    out.dropped = dropped_items(items)
     return out
 
 
@@ -623,8 +622,10 @@ def _span_checked(span: ReadableSpan) -> bytes:
         parent=parent,
         resource=res,
         attributes=_clean_attrs(attrs),
-        events=_clean_events(events),
-        links=_clean_links(links),
+        events=_counted([Event(_clean_text(e.name), _clean_attrs(e.attributes), e.timestamp)
+                         for e in events or ()], events),
+        links=_counted([Link(link.context, _clean_attrs(link.attributes))
+                        for link in links or ()], links),
         kind=kind,
         instrumentation_scope=scope,
         status=status,
@@ -632,14 +633,6 @@ def _span_checked(span: ReadableSpan) -> bytes:
         end_time=end,
     )
     return _span(copy, True)
-
-
-def _clean_links(links: Any) -> Any:
-    """:func:`_clean_events` for links."""
-    out: BoundedList[Link] = BoundedList(None)
-    out.extend([Link(link.context, _clean_attrs(link.attributes)) for link in links or ()])
-    out.dropped = dropped_items(links)
-    return out
 
 
 _SPAN = (

@@ -36,12 +36,9 @@ def _usage(u: Usage, where: bool) -> str:
     text = f"x{u.count}  {format_bytes(u.bytes)}"
     if u.placements:
         text += "  " + ", ".join(u.placements)
-    if not where:
-        pass
-    elif len(u.group_totals) == 1:  # all on one mesh dimension or group: its name
-        text += "  on " + u.group_totals[0][0]
-    elif u.groups:
-        text += "  on " + ", ".join(u.groups)
+    if where and u.groups:  # all on one mesh dimension or group: its name alone
+        text += "  on " + (u.group_totals[0][0] if len(u.group_totals) == 1
+                           else ", ".join(u.groups))
     return text
 
 
