@@ -369,3 +369,70 @@ def test_a_backward_inside_a_nested_forward_cuts_no_forward_short() -> None:
     # in block's forward, and again in the step's backward (create_graph)
     assert parent_of("_GradInBlock.net backward") == ["_GradInBlock backward",
                                                       "_GradInBlock.block forward"]
+
+
+class _WithPosition(nn.Module):
+    """A leaf input that requires grad, and a module that returns its parameter (a
+    position table): both put commspan's hooks on leaf tensors, which keep them."""
+
+    class Position(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.table = nn.Parameter(torch.randn(2, 4))
+
+        def forward(self) -> torch.Tensor:
+            return self.table
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = self.Position()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x + self.pos())
+
+
+def _tree(spans: list[Any]) -> Counter[tuple[str, str, str]]:
+    """(module, phase, parent module) of every module span."""
+    by_id = {s.context.span_id: s for s in spans}
+    return Counter(
+        (fqn(s), phase(s), fqn(by_id[s.parent.span_id]) if s.parent and s.parent.span_id
+         in by_id else "") for s in spans if fqn(s))
+
+
+def test_forwards_without_backward_leave_no_hooks_growing_on_leaves() -> None:
+    """A mode held open without steps, running forwards with grad enabled and no
+    backward (an evaluation without ``no_grad``): the hooks commspan leaves on leaf
+    tensors (a leaf input; a parameter a module returns) stay bounded instead of one
+    more per call, and a backward afterwards has the spans, and the post-backward
+    callbacks, of one forward and backward in a fresh mode (the stale hooks used to
+    fire in it)."""
+    from commspan.compat import ModTracker
+
+    def run(forwards: int) -> tuple[Counter[tuple[str, str, str]], Counter[str], int, int]:
+        torch.manual_seed(0)
+        model = _WithPosition()
+        x = torch.randn(2, 4, requires_grad=True)
+        mode, exporter = traced_mode()
+        post_bw: Counter[str] = Counter()
+        tracker = ModTracker()
+        tracker.register_user_hooks(post_bw_hook=lambda m, g: post_bw.update(
+            [type(m).__name__]))
+        with mode, tracker:
+            for _ in range(forwards):
+                model(x)
+            on_input, on_table = len(x._backward_hooks or {}), len(
+                model.pos.table._backward_hooks or {})
+            exporter.clear()
+            model(x).sum().backward()
+        spans = list(exporter.get_finished_spans())
+        assert_well_formed(spans)
+        return _tree(spans), post_bw, on_input, on_table
+
+    expected, expected_post_bw, _, _ = run(0)
+    assert any(k[:2] == ("_WithPosition.pos", "backward") for k in expected)
+    tree, post_bw, on_input, on_table = run(3000)
+    assert tree == expected
+    assert post_bw == expected_post_bw
+    assert on_input < 600, on_input  # 2 per forward before (6,000)
+    assert on_table <= 1100, on_table  # 1 per forward before (3,000)

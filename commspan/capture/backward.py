@@ -22,13 +22,22 @@ comments cite them as (step N):
    (a module called from a gradient hook); :func:`commspan.ownership.phase_now`,
    called by the module hooks, decides.
 
-Hooks hold no tensor and no module, and hooks left on leaf tensors are
-removed, so nothing grows step after step.
+Hooks hold no tensor and no module. Hooks left on leaf tensors hold their
+call only weakly and are removed after each backward; those whose call died
+with its graph (a forward that no backward followed) are removed as more are
+added. A call that nothing but leaf hooks watch (a module returning a
+parameter) is kept alive until the next top-level forward starts (at most
+1,024 of them): a backward then belongs to the forward that ran last. So
+nothing grows step after step, nor call after call in a mode held open
+without steps or backward, and forwards no backward followed (an evaluation
+without ``no_grad``) add no backward spans to the next backward.
 """
 
 from __future__ import annotations
 
 import functools
+import weakref
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +50,12 @@ from commspan.capture import ModuleObserver
 from commspan.semconv import Phase
 from commspan.spans.frames import Frame
 from commspan.spans.recorder import SpanRecorder
+
+_LEAF_PRUNE_AT = 256
+"""Hooks on leaf tensors at which those of dead calls are first removed."""
+_LEAF_CALLS = 1024
+"""Calls that only hooks on leaf tensors watch (a module returning a parameter)
+kept alive: those of the running top-level forward, the last 1,024 at most."""
 
 _RUNNING = (Phase.FORWARD, Phase.RECOMPUTE)
 """Phases of a module call that may run a backward inside it."""
@@ -119,6 +134,9 @@ class _Call:
         "task",
         "input_ids",
         "local",
+        "on_graph",
+        "on_leaf",
+        "__weakref__",  # hooks on leaf tensors hold the call weakly
     )
 
     def __init__(
@@ -138,6 +156,8 @@ class _Call:
         self.task = -1  # graph task a recompute ran in
         self.input_ids: dict[int, int] = {}  # id(tensor) -> its version at call time
         self.local: Any = None  # handle of the forward hook that closes this call, if any
+        self.on_graph = False  # a pre-hook on an autograd node holds it
+        self.on_leaf = False  # a hook on a leaf tensor watches it (weakly)
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
@@ -178,13 +198,17 @@ class BackwardNesting:
     _errors: ErrorCounter
     _tasks: set[int]  # graph tasks running a backward this tracker follows
     _bw_open: list[_Call]  # calls whose backward frame is open
-    _leaf_handles: list[Any]  # hooks on leaf tensors, removed after backward
+    _leaf_handles: list[tuple[Any, Any]]  # (hook on a leaf tensor, weakref to its call)
+    _leaf_prune_at: int  # len(_leaf_handles) that prunes those of dead calls
+    _leaf_calls: deque[_Call]  # the last calls only leaf hooks watch, kept alive
     span_tags: dict[str, Any] | None  # extra attributes of frames opened now (pipeline)
 
     def _init_backward(self) -> None:
         self._tasks = set()
         self._bw_open = []
         self._leaf_handles = []
+        self._leaf_prune_at = _LEAF_PRUNE_AT
+        self._leaf_calls = deque(maxlen=_LEAF_CALLS)
 
     def _forget_backward(self) -> None:
         """Drop every open backward and the hooks left on leaf tensors."""
@@ -193,9 +217,25 @@ class BackwardNesting:
         self._tasks.clear()
 
     def _remove_leaf_hooks(self) -> None:
-        for h in self._leaf_handles:
+        for h, _call in self._leaf_handles:
             h.remove()
         self._leaf_handles = []
+        self._leaf_prune_at = _LEAF_PRUNE_AT
+        self._leaf_calls.clear()
+
+    def _prune_leaf_hooks(self) -> None:
+        """Remove the leaf hooks whose call is gone: the autograd graph of its outputs,
+        whose hooks held it, was freed without a backward (a forward under the mode
+        with no step and no backward, an evaluation without ``no_grad``). No backward
+        can reach that call any more. Amortised: the threshold doubles."""
+        kept = []
+        for pair in self._leaf_handles:
+            if pair[1]() is None:
+                pair[0].remove()
+            else:
+                kept.append(pair)
+        self._leaf_handles = kept
+        self._leaf_prune_at = max(_LEAF_PRUNE_AT, 2 * len(kept))
 
     def _follows(self) -> bool:
         """Whether a module call on a thread other than the owner is the
@@ -220,9 +260,7 @@ class BackwardNesting:
                 call.input_ids = {id(t): t._version for t in tensors}
         call.inputs += len(tensors)
         call.inputs_left += len(tensors)
-        hook = functools.partial(self._input_grad_ready, call)
-        for t in tensors:
-            self._register(t, hook)
+        self._hook(call, tensors, self._input_grad_ready, self._leaf_input_ready)
 
     def _watch_outputs(self, call: _Call, output: Any) -> None:
         tensors = _tensors(output)
@@ -235,17 +273,46 @@ class BackwardNesting:
             tensors = [t for t in tensors if ids.get(id(t), -1) != t._version]
         if not tensors:
             return
-        hook = functools.partial(self._output_grad_ready, call)
-        for t in tensors:
-            self._register(t, hook)
+        if tensors:
+            self._hook(call, tensors, self._output_grad_ready, self._leaf_output_ready)
+        if call.on_leaf and not call.on_graph:
+            # only leaf tensors watch it (a module returning a parameter): nothing
+            # else holds it; kept alive until the next top-level forward
+            self._leaf_calls.append(call)
 
-    def _register(self, t: torch.Tensor, hook: Callable[[Any], None]) -> None:
-        node = t.grad_fn
-        if node is not None:
-            # fires when the gradient w.r.t. ``t`` is complete; dies with the graph
-            node.register_prehook(hook)
-        else:  # a leaf keeps its hooks: remove ours after backward
-            self._leaf_handles.append(t.register_hook(hook))
+    def _hook(self, call: _Call, tensors: list[torch.Tensor], ready: Callable[..., None],
+              leaf_ready: Callable[..., None]) -> None:
+        """Call ``ready(call, grad)`` when the gradient of each of ``tensors`` is
+        complete: a pre-hook on its autograd node, which holds the call and dies with
+        the graph; on a leaf tensor (which keeps its hooks), a hook holding the call
+        weakly, removed after backward or once the call is gone."""
+        hook = leaf_hook = ref = None
+        for t in tensors:
+            node = t.grad_fn
+            if node is not None:
+                if hook is None:
+                    hook = functools.partial(ready, call)
+                    call.on_graph = True
+                node.register_prehook(hook)
+                continue
+            if leaf_hook is None:
+                ref = weakref.ref(call)
+                leaf_hook = functools.partial(leaf_ready, ref)
+                call.on_leaf = True
+            handles = self._leaf_handles
+            handles.append((t.register_hook(leaf_hook), ref))
+            if len(handles) >= self._leaf_prune_at:
+                self._prune_leaf_hooks()
+
+    def _leaf_input_ready(self, ref: Any, grad: Any) -> None:
+        call = ref()
+        if call is not None:
+            self._input_grad_ready(call, grad)
+
+    def _leaf_output_ready(self, ref: Any, grad: Any) -> None:
+        call = ref()
+        if call is not None:
+            self._output_grad_ready(call, grad)
 
     # ------------------------------------------------------------ steps 2 and 3
     def _output_grad_ready(self, call: _Call, grad: Any) -> None:
