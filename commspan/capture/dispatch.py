@@ -408,14 +408,14 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
         timing: CollectiveTiming | None = None
         try:
             redist = self.current_redistribution()
-            attrs = describe(info, args, kwargs, self.groups)
+            tensors = _tensor_list(_arg(info, args, kwargs, info.input_index))
+            attrs = describe(info, args, kwargs, self.groups, tensors)
             if redist is not None:
                 attrs[semconv.REDIST_SRC] = redist[0]
                 attrs[semconv.REDIST_DST] = redist[1]
                 if redist[2]:
                     attrs[semconv.REDIST_OP] = redist[2]
             if info.kind == semconv.KIND_P2P:  # which op it is: its tensor object
-                tensors = _tensor_list(_arg(info, args, kwargs, info.input_index))
                 tls.p2p_tensor = tensors[0] if tensors else None
             timing = self._on_collective(info, attrs)
         except Exception:  # tracing never breaks the step
@@ -667,6 +667,10 @@ def _arg(info: CollectiveInfo, args: Any, kwargs: Any, index: int) -> Any:
     return None
 
 
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+"""``torch.float32`` -> ``"float32"``, as events name dtypes (filled as they come)."""
+
+
 def _tensor_list(value: Any) -> list[torch.Tensor]:
     if isinstance(value, _Tensor):
         return [value]
@@ -716,19 +720,26 @@ class _RegionLog:
 
 
 def describe(
-    info: CollectiveInfo, args: Any, kwargs: Any, groups: ProcessGroups
+    info: CollectiveInfo, args: Any, kwargs: Any, groups: ProcessGroups,
+    tensors: list[torch.Tensor] | None = None,
 ) -> dict[str, Any]:
-    """Event attributes of one collective call (no module, phase or placements)."""
+    """Event attributes of one collective call (no module, phase or placements);
+    ``tensors``: its input tensors, when the caller has them already."""
     attrs: dict[str, Any] = {
         semconv.COLL_OP: info.name,
         semconv.COLL_OVERLOAD: info.overload,
         semconv.COLL_KIND: info.kind,
     }
-    tensors = _tensor_list(_arg(info, args, kwargs, info.input_index))
+    if tensors is None:
+        tensors = _tensor_list(_arg(info, args, kwargs, info.input_index))
     if tensors:
         first = tensors[0]
         attrs[semconv.TENSOR_SHAPE] = list(first.shape)
-        attrs[semconv.TENSOR_DTYPE] = str(first.dtype).removeprefix("torch.")
+        dtype = first.dtype
+        name = _DTYPE_NAMES.get(dtype)
+        if name is None:
+            name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+        attrs[semconv.TENSOR_DTYPE] = name
         attrs[semconv.TENSOR_BYTES] = sum(t.numel() * t.element_size() for t in tensors)
         attrs[semconv.TENSOR_COUNT] = len(tensors)
     group = _arg(info, args, kwargs, info.group_index)
