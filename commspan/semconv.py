@@ -83,6 +83,7 @@ __all__ = [
     "OWNER_SOURCE",
     "PARAM_NAMES",
     "PARAM_PLACEMENTS",
+    "P2P_SEQ",
     "PARAM_SHAPES",
     "PG_NAME",
     "PG_RANKS",
@@ -129,10 +130,12 @@ __all__ = [
     "parse_count_key",
 ]
 
-SCHEMA_VERSION = "2"
+SCHEMA_VERSION = "3"
 """Version of commspan's span schema; bumped whenever a name below changes or changes
 meaning. 2: collectives have an owner (``commspan.owner.*``) and count for it, not for
-the span open when they were issued; phase ``setup``; ``commspan.mesh.dim_name``."""
+the span open when they were issued; phase ``setup``; ``commspan.mesh.dim_name``.
+3: ``commspan.collective.seq`` counts collectives only; point-to-point ops are
+numbered per peer and direction (``commspan.p2p.seq``)."""
 
 SCHEMA_URL = f"https://commspan.dev/schemas/{SCHEMA_VERSION}"
 """Schema URL recorded on the instrumentation scope of every span."""
@@ -244,6 +247,7 @@ COLL_OP = "commspan.collective.op"
 COLL_OVERLOAD = "commspan.collective.overload"
 COLL_KIND = "commspan.collective.kind"
 COLL_SEQ = "commspan.collective.seq"
+P2P_SEQ = "commspan.p2p.seq"
 COLL_REDUCE_OP = "commspan.collective.reduce_op"
 COLL_PEER = "commspan.collective.peer"
 COLL_INPUT_SPLITS = "commspan.collective.input_split_sizes"
@@ -391,8 +395,18 @@ ATTRIBUTES: dict[str, str] = {
     COLL_OVERLOAD: "Full op overload, e.g. ``_c10d_functional.all_reduce.default``.",
     COLL_KIND: "``collective`` or ``p2p`` (send/recv).",
     COLL_SEQ: (
-        "Per-rank, per-process-group sequence number: 1 for the first collective a "
-        "`CommSpanMode` sees on the group, counting on across its `with` blocks."
+        "Per-rank, per-process-group sequence number of collectives: 1 for the first "
+        "collective a `CommSpanMode` sees on the group, counting on across its `with` "
+        "blocks, so the ranks of a group that trace the same steps give a collective the "
+        "same number. "
+        "Point-to-point ops do not count here (they have `commspan.p2p.seq`); files of "
+        "schema 2 counted them too."
+    ),
+    P2P_SEQ: (
+        "Point-to-point ops: per-rank number of the op among those in the same direction "
+        "with the same peer on the group: 1 for the first send to that peer (receive from "
+        "it), counting on across the mode's `with` blocks. A send and the receive that "
+        "matches it carry the same number."
     ),
     COLL_REDUCE_OP: "Reduce op, e.g. ``sum``, when the op has one.",
     COLL_DURATION_NS: "Issue to completion of the collective as the issuing process observes "

@@ -112,14 +112,21 @@ class RankStepBuilder:
         duration_ns: int | None = None,
         nbytes: int | None = None,
     ) -> int:
-        """Issue a collective on this rank: an event on the module span ``fqn``; returns its seq."""
+        """Issue a collective on this rank: an event on the module span ``fqn``; returns its
+        seq (a point-to-point op's number per peer, with ``SpanBuilder(schema=3)``)."""
         ranks = list(range(self.b.world)) if ranks is None else list(ranks)
-        self.b.seq[(self.rank, group)] += 1
-        seq = self.b.seq[(self.rank, group)]
+        p2p_seq = None
+        if kind == semconv.KIND_P2P and self.b.schema >= 3:
+            key: Any = (self.rank, group, op, tuple(peer) if isinstance(peer, list) else peer)
+            self.b.seq[key] += 1
+            seq = p2p_seq = self.b.seq[key]
+        else:
+            self.b.seq[(self.rank, group)] += 1
+            seq = self.b.seq[(self.rank, group)]
         attrs = self.b.event_attrs(
             op, fqn=fqn, phase=phase, group=group, ranks=ranks, shape=shape, dtype=dtype,
-            reduce_op=reduce_op, kind=kind, peer=peer, seq=seq, duration_ns=duration_ns,
-            nbytes=nbytes,
+            reduce_op=reduce_op, kind=kind, peer=peer, seq=None if p2p_seq else seq,
+            p2p_seq=p2p_seq, duration_ns=duration_ns, nbytes=nbytes,
         )
         t = self._tick()
         key = (fqn, phase)
@@ -168,12 +175,15 @@ class RankStepBuilder:
 
 
 class SpanBuilder:
-    """A synthetic run of ``world`` ranks."""
+    """A synthetic run of ``world`` ranks; ``schema``: 3 numbers point-to-point ops per
+    peer and direction (``commspan.p2p.seq``) as commspan does now, 2 with the group's
+    collectives as older files do."""
 
-    def __init__(self, world: int = 4) -> None:
+    def __init__(self, world: int = 4, schema: int = 2) -> None:
         self.world = world
+        self.schema = schema
         self.clock: Counter[int] = Counter()
-        self.seq: Counter[tuple[int, str]] = Counter()
+        self.seq: Counter[Any] = Counter()
         self._ids = itertools.count(1)
         self._spans: list[tuple[int, _Span]] = []
         self.resource_extra: dict[str, Any] = {}  # more resource attributes of every rank
@@ -199,7 +209,7 @@ class SpanBuilder:
         phase: str,
         group: str,
         ranks: Sequence[int],
-        seq: int,
+        seq: int | None,
         shape: Sequence[int] | None = (16,),
         dtype: str | None = "float32",
         reduce_op: str | None = "sum",
@@ -208,6 +218,7 @@ class SpanBuilder:
         duration_ns: int | None = None,
         nbytes: int | None = None,
         state: str | None = None,
+        p2p_seq: int | None = None,
     ) -> dict[str, Any]:
         """The attributes of a collective event, as commspan writes them."""
         attrs: dict[str, Any] = {
@@ -216,10 +227,13 @@ class SpanBuilder:
             semconv.PG_NAME: group,
             semconv.PG_SIZE: len(ranks),
             semconv.PG_RANKS: list(ranks),
-            semconv.COLL_SEQ: seq,
             semconv.MODULE_FQN: fqn,
             semconv.PHASE: phase,
         }
+        if seq is not None:
+            attrs[semconv.COLL_SEQ] = seq
+        if p2p_seq is not None:
+            attrs[semconv.P2P_SEQ] = p2p_seq
         if shape is not None:
             attrs[semconv.TENSOR_SHAPE] = list(shape)
         if dtype is not None:

@@ -14,7 +14,9 @@
   its own record of its full collections (``gc_straggler/reference-rank<r>.json``:
   ``[step, duration_ns]`` pairs, from a ``gc.callbacks`` of its own).
 
-``python tests/_mp_timing_scenarios.py OUT_DIR hang`` runs ``hang``: steps 0 and
+``python tests/_mp_timing_scenarios.py OUT_DIR hang`` runs ``hang``: each step
+rank 0 sends to rank 1 in ``Hang.pipe``, then every rank all_reduces in each of
+``Hang.blocks``; steps 0 and
 1 of :class:`Hang` complete; in step 2 rank :data:`STALLED_RANK` stalls in
 ``Hang.blocks.1`` and never issues ``Hang.blocks.2``'s all_reduce, in which the
 other ranks block. Every rank has ``hang_timeout_s=HANG_TIMEOUT_S`` and
@@ -207,12 +209,26 @@ class Block(torch.nn.Module):
         return t
 
 
+class Pipe(torch.nn.Module):
+    """Rank 0 sends to rank 1 on the world group; the other ranks do no send/recv (so
+    only ranks 0 and 1 have point-to-point ops on the group the all_reduces use)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if dist.get_rank() == 0:
+            dist.send(x, dst=1)
+        elif dist.get_rank() == 1:
+            dist.recv(x.clone(), src=0)
+        return x
+
+
 class Hang(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
+        self.pipe = Pipe()
         self.blocks = torch.nn.ModuleList([Block(i) for i in range(3)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.pipe(x)
         for block in self.blocks:
             x = block(x)
         return x

@@ -485,6 +485,170 @@ def test_dump_with_every_collective_completed_is_not_a_hang() -> None:
     assert result.checked["steps_interrupted"] == 0  # every rank span of step 0 exists
 
 
+def _p2p_then_all_reduce(stall_in_step_1: int) -> SpanBuilder:
+    """Schema 3. Each step rank 0 sends to rank 1 in Net.pipe (ranks 2 and 3 do no
+    send/recv), then every rank all_reduces in Net.sync. In step 1, rank
+    ``stall_in_step_1`` stalls in Net.compute before the all_reduce; the others block
+    in it and write hang records."""
+    b = SpanBuilder(schema=3)
+    stalled = stall_in_step_1
+    for step in (0, 1):
+        for r in range(WORLD):
+            s = b.rank(r, step, finished=step == 0)
+            if r == 0:
+                s.coll("send", fqn="Net.pipe", kind=semconv.KIND_P2P, peer=1)
+            elif r == 1:
+                s.coll("recv", fqn="Net.pipe", kind=semconv.KIND_P2P, peer=0)
+            if step == 0:
+                s.coll("all_reduce", fqn="Net.sync")
+    for r in range(WORLD):
+        recent = [b.event_attrs("all_reduce", fqn="Net.sync", phase="forward",
+                                group=WORLD_GROUP, ranks=range(WORLD), seq=1,
+                                state=semconv.STATE_COMPLETED)]
+        if r == stalled:
+            b.hang(r, 1, stack=[("Net", "forward"), ("Net.compute", "forward")],
+                   collectives=recent, reason=semconv.HANG_REASON_SIGNAL)
+            continue
+        recent.append(b.event_attrs("all_reduce", fqn="Net.sync", phase="forward",
+                                    group=WORLD_GROUP, ranks=range(WORLD), seq=2,
+                                    state=semconv.STATE_ISSUED))
+        b.hang(r, 1, stack=[("Net", "forward"), ("Net.sync", "forward")], collectives=recent)
+    return b
+
+
+def test_hang_on_a_group_that_also_carries_send_and_recv_aligns_the_collectives() -> None:
+    """Ranks 0 and 1 send/recv on the world group, 2 and 3 do not: the all_reduce every
+    rank but 3 waits in is the group's second collective on each rank (its p2p ops are
+    numbered per peer), so all three are named in it. With one counter for both, seq 3
+    was rank 0's and 1's second send/recv and 2's nothing: ranks 0 and 1 were said to
+    have completed it."""
+    result = run_check(_p2p_then_all_reduce(stall_in_step_1=3))
+    (f,) = result.findings
+    assert (f.kind, f.group, f.seq, f.step) == (KIND_HANG, WORLD_GROUP, 2, 1)
+    assert f.message == (
+        "group 0 (ranks 0-3), seq 2: ranks 0-2 are in `Net.sync` forward all_reduce; "
+        "rank 3 never issued it and was last seen in `Net.compute` forward")
+    assert f.details["never_issued"] == [3]
+
+
+def test_hang_message_agrees_in_number() -> None:
+    """Two ranks that never issued the collective 'were' last seen somewhere."""
+    b = _p2p_then_all_reduce(stall_in_step_1=3)
+    b._spans = [(r, s) for r, s in b._spans
+                if not (r == 2 and s.name == semconv.SPAN_HANG)]
+    b.hang(2, 1, stack=[("Net", "forward"), ("Net.compute", "forward")],
+           collectives=[], reason=semconv.HANG_REASON_SIGNAL)
+    (f,) = run_check(b).findings
+    assert f.message.endswith(
+        "ranks 2, 3 never issued it and were last seen in `Net.compute` forward")
+
+
+def _chain(stalled: int, record: bool) -> SpanBuilder:
+    """Schema 3. A pipeline of 4 stages: rank r receives from r - 1, then sends to r + 1,
+    in Net.stage. Step 0 completes; in step 1 rank ``stalled`` stalls before its receive
+    (writing a hang record on a signal if ``record``): rank ``stalled - 1`` blocks in its
+    send to it and rank ``stalled + 1`` in its receive from it."""
+    b = SpanBuilder(schema=3)
+    for step in (0, 1):
+        for r in range(WORLD):
+            s = b.rank(r, step, finished=step == 0)
+            if step == 1 and r >= stalled - 1:
+                if r == stalled - 1 and r > 0:  # its receive completed
+                    s.coll("recv", fqn="Net.stage", kind=semconv.KIND_P2P, peer=r - 1)
+                continue
+            if r > 0:
+                s.coll("recv", fqn="Net.stage", kind=semconv.KIND_P2P, peer=r - 1)
+            if r < WORLD - 1:
+                s.coll("send", fqn="Net.stage", kind=semconv.KIND_P2P, peer=r + 1)
+
+    def p2p(op: str, peer: int, state: str) -> dict[str, Any]:
+        return b.event_attrs(op, fqn="Net.stage", phase="forward", group=WORLD_GROUP,
+                             ranks=range(WORLD), seq=None, p2p_seq=2,
+                             kind=semconv.KIND_P2P, peer=peer, state=state)
+
+    stack = [("Net", "forward"), ("Net.stage", "forward")]
+    b.hang(stalled - 1, 1, stack=stack,
+           collectives=[p2p("send", stalled, semconv.STATE_ISSUED)])
+    if stalled + 1 < WORLD:
+        b.hang(stalled + 1, 1, stack=stack,
+               collectives=[p2p("recv", stalled, semconv.STATE_ISSUED)])
+    if record:
+        b.hang(stalled, 1, stack=[("Net", "forward"), ("Net.stage.compute", "forward")],
+               collectives=[], reason=semconv.HANG_REASON_SIGNAL)
+    return b
+
+
+@pytest.mark.parametrize("record", [True, False], ids=["signal-record", "no-record"])
+def test_a_stalled_pipeline_stage_is_named_by_the_stages_waiting_for_it(
+    record: bool,
+) -> None:
+    """Rank 2 stalls before its receive: rank 1 waits in its send to 2, rank 3 in its
+    receive from 2. Both findings name rank 2 as the one that never issued its side,
+    each send matched with its receive by their number per peer (#2 of the pair)."""
+    result = run_check(_chain(stalled=2, record=record))
+    assert [f.kind for f in result.findings] == [KIND_HANG, KIND_HANG]
+    by_pair = {(f.details["p2p"]["sender"], f.details["p2p"]["receiver"]): f
+               for f in result.findings}
+    assert set(by_pair) == {(1, 2), (2, 3)}
+    where = ("last seen in `Net.stage.compute` forward" if record else
+             "its last exported collective was send in `Net.stage` forward")
+    for (sender, receiver), f in by_pair.items():
+        waiting = sender if sender != 2 else receiver
+        op = "send" if waiting == sender else "recv"
+        other = "recv" if op == "send" else "send"
+        assert (f.group, f.seq, f.step) == (WORLD_GROUP, 2, 1)
+        assert f.details["never_issued"] == [2] and f.details["root"]
+        assert f.message.startswith(
+            f"group 0 (ranks 0-3), rank {sender} -> rank {receiver} #2: rank {waiting} is "
+            f"in `Net.stage` forward {op} {'to' if op == 'send' else 'from'} rank 2; "
+            f"rank 2 never issued the matching {other}" if record else
+            f"group 0 (ranks 0-3), rank {sender} -> rank {receiver} #2: rank {waiting} is "
+            f"in `Net.stage` forward {op} {'to' if op == 'send' else 'from'} rank 2; "
+            "rank 2 wrote no record of it")
+        assert where in f.message
+        assert f.ranks[waiting]["p2p_seq"] == 2 and f.ranks[waiting]["state"] == "issued"
+        assert f.ranks[2]["state"] == "not issued" and f.ranks[2]["last_p2p_seq"] == 1
+
+
+def test_a_stage_blocked_in_its_own_send_is_not_the_first_suspect() -> None:
+    """Rank 2 stalls as above, and rank 0 went on to step 2: it waits in its send to
+    rank 1, which never receives it because it is itself blocked in its send to rank 2.
+    That finding names rank 1, says it is waiting, and comes after the findings that
+    name rank 2, which waits on nothing."""
+    b = _chain(stalled=2, record=True)
+    b.hang(0, 2, stack=[("Net", "forward"), ("Net.stage", "forward")], collectives=[
+        b.event_attrs("send", fqn="Net.stage", phase="forward", group=WORLD_GROUP,
+                      ranks=range(WORLD), seq=None, p2p_seq=3, kind=semconv.KIND_P2P,
+                      peer=1, state=semconv.STATE_ISSUED)])
+    findings = run_check(b).findings
+    assert [f.details["p2p"]["sender"] for f in findings][-1] == 0
+    last = findings[-1]
+    assert not last.details["root"] and last.details["never_issued"] == [1]
+    assert last.message.endswith(
+        "rank 1 never issued the matching recv and was last seen in `Net.stage` forward; "
+        "it is itself waiting in `Net.stage` forward send to rank 2 (#2)")
+    assert all(f.details["root"] for f in findings[:-1])
+
+
+def test_point_to_point_numbers_survive_digests() -> None:
+    """Digests keep a point-to-point op's number per peer: the run read from them has
+    the collectives the lines give."""
+    from commspan.analysis.digest import digest_parts, run_from_parts
+
+    spans = [s for s in _chain(stalled=2, record=True).spans()
+             if s.name != semconv.SPAN_HANG]  # (a line with a hang record has no digest)
+    parts = digest_parts(spans)
+    assert parts is not None
+    from_digest = run_from_parts(parts).collectives
+    plain = build_run(spans).collectives
+    assert any(c.p2p_seq for c in plain)
+
+    def key(c: Any) -> tuple[Any, ...]:
+        return (c.rank, c.trace_id, c.issued_ns)
+
+    assert sorted(from_digest, key=key) == sorted(plain, key=key)
+
+
 # ------------------------------------------------------------------ files and output
 def test_check_run_errors_name_the_path_or_parameter(tmp_path: Path) -> None:
     """Missing path, empty directory, a corrupt line and bad steps raise clear errors."""
@@ -609,10 +773,13 @@ def _groups(run: GlooRun) -> dict[str, str]:
 
 
 def _seq(step: int, index: int) -> int:
-    """The world-group seq of the op at ``index`` of WORLD_OPS in ``step`` (1-based)."""
+    """The world-group seq of the collective at ``index`` of WORLD_OPS in ``step``
+    (1-based; the send/recv pairs there are numbered per peer, not in this count)."""
     from _mp_check_scenarios import WORLD_OPS
 
-    return len(WORLD_OPS) * step + index + 1
+    collectives = [i for i, (_, op) in enumerate(WORLD_OPS) if "/" not in op]
+    assert index in collectives, "not a collective"
+    return len(collectives) * step + collectives.index(index) + 1
 
 
 @pytest.mark.multiprocess

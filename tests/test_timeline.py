@@ -164,3 +164,32 @@ def test_load_records_errors_name_the_path(tmp_path: Path) -> None:
         load_records(tmp_path)
     with pytest.raises(TypeError, match="source item 3"):
         load_records([3])  # type: ignore[list-item]
+
+
+@pytest.mark.parametrize("schema", [2, 3])
+def test_match_collectives_joins_a_send_with_its_receive(schema: int) -> None:
+    """Rank 0 sends to rank 1 twice per step, then every rank all_reduces: each send is
+    matched with the receive of the same number per peer, and each all_reduce with
+    the others'. Files of schema 2, whose sends shared the group's counter, match no
+    point-to-point op (their numbers meant other ops on the peer)."""
+    from _analysis_builder import SpanBuilder
+
+    b = SpanBuilder(world=3, schema=schema)
+    for step in range(2):
+        for r in range(3):
+            s = b.rank(r, step)
+            for _ in range(2):
+                if r == 0:
+                    s.coll("send", fqn="Net.pipe", kind=semconv.KIND_P2P, peer=1)
+                elif r == 1:
+                    s.coll("recv", fqn="Net.pipe", kind=semconv.KIND_P2P, peer=0)
+            s.coll("all_reduce", fqn="Net.sync")
+    timeline = build_timeline(b.spans())
+    matched = match_collectives(timeline.collectives)
+    ops = sorted(tuple(sorted((c.rank, c.op) for c in m)) for m in matched.values())
+    if schema == 2:  # (the all_reduces of ranks 0 and 1 are numbered after the sends)
+        assert not any(op in ("send", "recv") for m in ops for _, op in m)
+        return
+    reduces = [((0, "all_reduce"), (1, "all_reduce"), (2, "all_reduce"))] * 2
+    pairs = [((0, "send"), (1, "recv"))] * 4
+    assert ops == sorted(reduces + pairs)

@@ -266,7 +266,10 @@ def test_hang_records_are_written_while_ranks_are_blocked(hang_run: Path) -> Non
 def test_check_names_group_seq_missing_rank_and_each_ranks_module(hang_run: Path) -> None:
     """commspan check on the killed job's files: one hang finding, group and seq of
     Hang.blocks.2's all_reduce in step 2, rank 1 never issued it and was in
-    Hang.blocks.1; steps 0 and 1 are whole and consistent."""
+    Hang.blocks.1; steps 0 and 1 are whole and consistent. Ranks 0 and 1 also send and
+    receive on the world group (Hang.pipe), which does not shift their numbering of
+    the all_reduces: with one counter for both, ranks 0 and 1 were said to have
+    completed the stuck one."""
     from _mp_timing_scenarios import HANG_STEP, STALLED_RANK
 
     world = json.loads((hang_run / "groups.json").read_text())["world"]
@@ -292,3 +295,21 @@ def test_check_names_group_seq_missing_rank_and_each_ranks_module(hang_run: Path
     run = load_run(hang_run / "hang")
     whole = {(r, s.step) for (r, _), s in run.rank_steps.items()}
     assert whole == {(r, s) for r in range(WORLD) for s in range(HANG_STEP)}
+
+
+def test_a_send_and_the_receive_that_matches_it_have_one_number(hang_run: Path) -> None:
+    """On real gloo ranks: rank 0's k-th send to rank 1 and rank 1's k-th receive from
+    rank 0 carry p2p_seq k, one pair per step; collectives carry no p2p number and
+    point-to-point ops no collective seq."""
+    from _mp_timing_scenarios import HANG_STEP
+
+    run = load_run(hang_run / "hang")
+    sends = [(c.step, c.p2p_seq) for c in run.collectives if c.op == "send"]
+    recvs = [(c.step, c.p2p_seq) for c in run.collectives if c.op == "recv"]
+    assert {(c.rank, c.peer) for c in run.collectives if c.op == "send"} == {(0, 1)}
+    assert {(c.rank, c.peer) for c in run.collectives if c.op == "recv"} == {(1, 0)}
+    expected = [(s, s + 1) for s in range(HANG_STEP + 1)]  # step 2's too: before the hang
+    assert sorted(sends) == sorted(recvs) == expected
+    for c in run.collectives:
+        assert (c.seq is None) == (c.kind == semconv.KIND_P2P), c
+        assert (c.p2p_seq is None) == (c.kind != semconv.KIND_P2P), c

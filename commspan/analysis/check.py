@@ -7,7 +7,8 @@ Three questions, one function each, all over a :class:`~commspan.analysis.record
   op). Ranks are matched by *position* within the step: the n-th collective
   of the group in step s on one rank against the n-th on another, so a rank
   that skipped tracing a step, or point-to-point ops interleaved on the group
-  (they share the sequence counter), do not shift the comparison. The first
+  (files of schema 2 numbered them with the collectives), do not shift the
+  comparison. The first
   divergence of each group is reported, with later steps that also diverge
   listed, never a cascade.
 - :func:`p2p_findings`: each ``send`` from rank a to rank b on a group, in a
@@ -17,7 +18,11 @@ Three questions, one function each, all over a :class:`~commspan.analysis.record
 - :func:`missing_findings`: a rank that wrote no span for a step others wrote
   (ranks expected: ``range(world_size)`` and every rank seen).
 - :func:`hang_findings`: the ``commspan.hang`` records turned into "group G,
-  seq N: ranks 0, 2, 3 are in X forward all_reduce; rank 1 never issued it".
+  seq N: ranks 0, 2, 3 are in X forward all_reduce; rank 1 never issued it",
+  and, for a send or receive that did not complete, "rank 1 -> rank 2 #5:
+  rank 1 is in X forward send to rank 2; rank 2 never issued the matching
+  recv": the k-th send from a rank to a peer matches the peer's k-th receive
+  from it (``commspan.p2p.seq``).
 
 A step that a hang interrupted (a hang record, and a rank without its rank
 span) is left to :func:`hang_findings`: its spans are incomplete by nature.
@@ -366,8 +371,15 @@ def _differing(records: Sequence[CollectiveRecord]) -> list[str]:
     return out
 
 
+def _num(rec: CollectiveRecord) -> int | None:
+    """A point-to-point op's number per peer (schema 3), else its ``seq``."""
+    return rec.p2p_seq if rec.p2p_seq is not None else rec.seq
+
+
 def _entry(rec: CollectiveRecord, fields: Iterable[str] = ()) -> dict[str, Any]:
     out: dict[str, Any] = {"op": rec.op, "fqn": rec.fqn, "phase": rec.phase, "seq": rec.seq}
+    if rec.p2p_seq is not None:
+        out["p2p_seq"] = rec.p2p_seq
     for name in fields:
         if name not in ("op", "count"):  # a count is the step's, not a field of the record
             out[name] = _value(rec, name)
@@ -586,31 +598,34 @@ def _compare_p2p(
                 continue
             ranks = {src: _entry(s, fields), dst: _entry(r, fields)}
             message = (
-                f"{where}, seq {s.seq}: {_differ(fields)}: rank {src} "
+                f"{where}, seq {_num(s)}: {_differ(fields)}: rank {src} "
                 f"{_describe(s, fields)} to rank {dst}; rank {dst} "
                 f"{_describe(r, fields)} from rank {src}"
             )
-            seq = s.seq
+            seq = _num(s)
         else:
             fields = ["count"]
             if s is not None:
                 ranks = {src: _entry(s), dst: _absent(recvs[-1] if recvs else None)}
                 message = (
-                    f"{where}, seq {s.seq}: rank {src} sent {len(sends)} to rank {dst}, "
+                    f"{where}, seq {_num(s)}: rank {src} sent {len(sends)} to rank {dst}, "
                     f"rank {dst} received {len(recvs)} from rank {src}: the send in "
                     f"{s.where()} has no matching recv"
                 )
-                seq = s.seq
+                seq = _num(s)
             else:
                 assert r is not None
                 ranks = {src: _absent(sends[-1] if sends else None), dst: _entry(r)}
                 message = (
-                    f"{where}, seq {r.seq}: rank {dst} received {len(recvs)} from rank {src}, "
+                    f"{where}, seq {_num(r)}: rank {dst} received {len(recvs)} from rank {src}, "
                     f"rank {src} sent {len(sends)} to rank {dst}: the recv in {r.where()} "
                     "has no matching send"
                 )
-                seq = r.seq
-        details = {"fields": fields, "src": src, "dst": dst, "trace_id": trace}
+                seq = _num(r)
+        details: dict[str, Any] = {"fields": fields, "src": src, "dst": dst, "trace_id": trace}
+        first = s if s is not None else r
+        if first is not None and first.p2p_seq is not None:  # numbered per peer (schema 3)
+            details["p2p"] = {"sender": src, "receiver": dst, "p2p_seq": first.p2p_seq}
         return Finding(KIND_MISMATCH, group, seq, step, ranks, message, details)
     return None
 
@@ -618,7 +633,10 @@ def _compare_p2p(
 # ------------------------------------------------------------------ hangs
 def hang_findings(run: Run) -> list[Finding]:
     """For each group a hang record shows stuck: the lowest sequence number some rank
-    issued and had not completed, and what every rank of the group was doing."""
+    issued and had not completed, and what every rank of the group was doing; for each
+    send or receive not completed, what its peer did about the matching op. Findings
+    that name a rank waiting on nothing come first (a rank that never issued its part
+    because it is itself blocked is rarely the cause)."""
     latest = run.latest_hangs()
     if not latest:
         return []
@@ -627,7 +645,7 @@ def hang_findings(run: Run) -> list[Finding]:
     )
     for h in latest.values():
         for rec in h.collectives:
-            if rec.group:
+            if rec.group and rec.p2p_seq is None:  # point-to-point ops: below
                 from_hangs[rec.group][h.rank].append(rec)
     exported: dict[tuple[str, int], list[CollectiveRecord]] = defaultdict(list)
     last_any: dict[int, CollectiveRecord] = {}
@@ -653,8 +671,146 @@ def hang_findings(run: Run) -> list[Finding]:
         findings.append(
             _hang_finding(run, group, seq, members, per_rank, exported, last_any, latest)
         )
-    findings.sort(key=lambda f: f.details.get("issued_ns", 0))
+    findings.extend(_p2p_hang_findings(run, latest, last_any))
+    # a rank that is itself stuck waiting is rarely the cause: findings that name a
+    # rank that never issued its part and waits on nothing come first
+    findings.sort(key=lambda f: (not f.details.get("root", True),
+                                 f.details.get("issued_ns", 0)))
     return findings
+
+
+def _p2p_hang_findings(
+    run: Run, latest: Mapping[int, HangRecord], last_any: Mapping[int, CollectiveRecord]
+) -> list[Finding]:
+    """Each send or receive a hang record shows not completed, against its peer: the
+    matching op there has the same number per peer and direction (``p2p_seq``), so a
+    stalled pipeline stage is named by the stages waiting for it."""
+    known: dict[int, dict[tuple[str, str, int, int], CollectiveRecord]] = defaultdict(dict)
+    for rec in run.collectives:
+        if rec.p2p_seq is not None and isinstance(rec.peer, int):
+            known[rec.rank][(rec.group, rec.op, rec.peer, rec.p2p_seq)] = rec
+    waiting: dict[int, list[CollectiveRecord]] = defaultdict(list)
+    for h in latest.values():
+        for rec in h.collectives:
+            if rec.state != semconv.STATE_COMPLETED:
+                waiting[h.rank].append(rec)
+            if rec.p2p_seq is not None and isinstance(rec.peer, int):
+                known[h.rank][(rec.group, rec.op, rec.peer, rec.p2p_seq)] = rec
+    findings = []
+    for r in sorted(latest):
+        hang = latest[r]
+        for rec in waiting.get(r, []):
+            if rec.p2p_seq is None or not isinstance(rec.peer, int) \
+                    or rec.op not in _P2P_MATCH:
+                continue
+            peer = rec.peer
+            sender, receiver = (r, peer) if rec.op == "send" else (peer, r)
+            match = known[peer].get((rec.group, _P2P_MATCH[rec.op], r, rec.p2p_seq))
+            if match is not None and match.state != semconv.STATE_COMPLETED \
+                    and rec.op == "recv":
+                continue  # both waiting: reported once, from the sender's side
+            findings.append(_p2p_hang_finding(
+                run, rec, r, hang, peer, match, sender, receiver, latest, waiting, known,
+                last_any))
+    return findings
+
+
+_P2P_MATCH = {"send": "recv", "recv": "send"}
+_P2P_TO = {"send": "to", "recv": "from"}
+
+
+def _p2p_hang_finding(
+    run: Run, rec: CollectiveRecord, r: int, hang: HangRecord, peer: int,
+    match: CollectiveRecord | None, sender: int, receiver: int,
+    latest: Mapping[int, HangRecord], waiting: Mapping[int, list[CollectiveRecord]],
+    known: Mapping[int, Mapping[tuple[str, str, int, int], CollectiveRecord]],
+    last_any: Mapping[int, CollectiveRecord],
+) -> Finding:
+    other = _P2P_MATCH[rec.op]
+    entry = _entry(rec)
+    entry.update(state=rec.state, peer=peer, p2p_seq=rec.p2p_seq,
+                 waited_ns=max(0, hang.time_ns - rec.issued_ns), hang_record=hang.reason,
+                 stack=[f"{f} {p}" for f, p in hang.stack])
+    parts = [f"rank {r} is in {rec.where()} {rec.op} {_P2P_TO[rec.op]} rank {peer}"]
+    peer_hang = latest.get(peer)
+    peer_entry: dict[str, Any]
+    never: list[int] = []
+    untraced: list[int] = []
+    root = True
+    if match is not None:
+        peer_entry = _entry(match)
+        peer_entry.update(state=match.state, peer=r, p2p_seq=match.p2p_seq)
+        if match.state == semconv.STATE_COMPLETED:
+            parts.append(f"rank {peer} completed the matching {other} in {match.where()}")
+        else:
+            parts.append(f"rank {peer} is in {match.where()} {other} {_P2P_TO[other]} "
+                         f"rank {r}")
+            root = False
+    elif run.rank_sample and peer_hang is None and peer not in run.ranks \
+            and peer not in run.listed_ranks():
+        untraced.append(peer)
+        peer_entry = {"op": None, "fqn": None, "phase": None, "seq": None,
+                      "state": "not traced"}
+        parts.append(f"rank {peer} is not traced ({run.rank_sample}): unknown")
+    else:
+        never.append(peer)
+        text, fqn, phase = _unseen(peer, peer_hang, last_any)
+        issued = [k[3] for k in known.get(peer, {}) if k[:3] == (rec.group, other, r)]
+        peer_entry = {"op": None, "fqn": fqn, "phase": phase, "seq": None,
+                      "state": _NOT_ISSUED}
+        if issued:
+            peer_entry["last_p2p_seq"] = max(issued)
+        blocked = waiting.get(peer, [])
+        if blocked:
+            root = False
+            b = min(blocked, key=lambda c: c.issued_ns)
+            text += f"; it is itself waiting in {b.where()} {_op_words(b)}"
+        text = text.replace("never issued it", f"never issued the matching {other}", 1)
+        parts.append(f"rank {peer} {text}")
+    if peer_hang is not None:
+        peer_entry["hang_record"] = peer_hang.reason
+        peer_entry["stack"] = [f"{f} {p}" for f, p in peer_hang.stack]
+    else:
+        peer_entry.setdefault("hang_record", None)
+    label = _group_label(rec.group, rec.group_ranks)
+    message = (f"{label}, rank {sender} -> rank {receiver} #{rec.p2p_seq}: "
+               + "; ".join(parts))
+    details: dict[str, Any] = {
+        "group_ranks": list(rec.group_ranks),
+        "p2p": {"sender": sender, "receiver": receiver, "p2p_seq": rec.p2p_seq},
+        "never_issued": never,
+        "not_traced": untraced,
+        "issued_ns": rec.issued_ns,
+        "root": root and bool(never),
+    }
+    return Finding(KIND_HANG, rec.group, rec.p2p_seq, hang.step, {r: entry, peer: peer_entry},
+                   message, details)
+
+
+def _op_words(rec: CollectiveRecord) -> str:
+    """``all_reduce (seq 4)``, ``send to rank 2 (#3)``: an op, for messages."""
+    if rec.p2p_seq is not None and isinstance(rec.peer, int) and rec.op in _P2P_TO:
+        return f"{rec.op} {_P2P_TO[rec.op]} rank {rec.peer} (#{rec.p2p_seq})"
+    return f"{rec.op} on group {rec.group} (seq {rec.seq})"
+
+
+def _unseen(
+    r: int, hang: HangRecord | None, last_any: Mapping[int, CollectiveRecord]
+) -> tuple[str, str | None, str | None]:
+    """``(text, fqn, phase)``: what is known of rank ``r``, which did not issue an op
+    its peers wait in: where its hang record saw it, else its last exported op."""
+    seen = hang.innermost() if hang is not None else None
+    if seen is not None:
+        return f"never issued it and was last seen in `{seen[0]}` {seen[1]}", *seen
+    if hang is not None:
+        return "never issued it and was outside any module", None, None
+    if r in last_any:
+        last = last_any[r]
+        # nothing after its last exported spans: not known to have issued it
+        return ("wrote no record of it and no hang record (stopped?); its last "
+                f"exported collective was {last.op} in `{last.fqn}` {last.phase}",
+                last.fqn, last.phase)
+    return "never issued it and wrote nothing", None, None
 
 
 def _hang_finding(
@@ -701,23 +857,7 @@ def _hang_finding(
         else:
             before = [rec for s, rec in known.items() if s < seq]
             last = max(before, key=_order_key) if before else None
-            seen = hang.innermost() if hang is not None else None
-            fqn: str | None = None
-            phase: str | None = None
-            if seen is not None:
-                fqn, phase = seen
-                text = f"never issued it and was last seen in `{fqn}` {phase}"
-            elif hang is not None:
-                text = "never issued it and was outside any module"
-            elif r in last_any:
-                fqn, phase = last_any[r].fqn, last_any[r].phase
-                # nothing after its last exported spans: not known to have issued it
-                text = (
-                    "wrote no record of it and no hang record (stopped?); its last "
-                    f"exported collective was {last_any[r].op} in `{fqn}` {phase}"
-                )
-            else:
-                text = "never issued it and wrote nothing"
+            text, fqn, phase = _unseen(r, hang, last_any)
             entry = {"op": None, "fqn": fqn, "phase": phase, "seq": None, "state": _NOT_ISSUED}
             if last is not None:
                 entry["last_seq"] = last.seq
@@ -734,6 +874,8 @@ def _hang_finding(
     if done:
         parts.append(f"{_who(done)} completed it")
     for text, who in never.items():
+        if len(who) > 1:
+            text = text.replace(" and was ", " and were ", 1)
         parts.append(f"{_who(who)} {text}")
     if untraced:
         parts.append(f"{_who(untraced)} {'is' if len(untraced) == 1 else 'are'} not traced "

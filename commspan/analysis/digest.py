@@ -210,7 +210,8 @@ def digest_parts(records: Iterable[SpanRecord]) -> list[DigestPart] | None:
     :class:`Aggregator`, as JSON text: :func:`_agg_state`) with ``first`` (when each
     started, after ``start``), and the collectives: ``tmpls`` (what stays the same
     step after step, as JSON text) and ``coll`` (JSON text of ``[template index,
-    seq, issued_ns, duration_ns]`` rows).
+    seq, issued_ns, duration_ns]`` rows, with ``p2p_seq`` fifth for a point-to-point
+    op numbered per peer).
     """
     parts: dict[tuple[str, int, str], _Part] = {}
     resources: dict[int, tuple[str, int | None, str | None]] = {}
@@ -308,11 +309,13 @@ class _Part:
         templates: dict[str, int] = {}
         rows = []
         for row in self.coll:
-            seq, issued, duration = row[2], row[12], row[13]
+            seq, issued, duration, p2p_seq = row[2], row[12], row[13], row.pop()
             row[2] = row[12] = row[13] = None
             text = orjson.dumps(row).decode()
             index = templates.setdefault(text, len(templates))
-            rows.append([index, seq, issued, duration])
+            # a point-to-point op's number per peer (schema 3) comes fifth
+            rows.append([index, seq, issued, duration] if p2p_seq is None
+                        else [index, seq, issued, duration, p2p_seq])
         part["tmpls"] = list(templates)
         part["coll"] = orjson.dumps(rows).decode()
         return part
@@ -765,12 +768,12 @@ def run_from_parts(parts: Sequence[DigestPart]) -> Run:
         step = run.trace_steps.get(trace)
         made = [_template(text, cache) for text in part["tmpls"]]
         append = run.collectives.append
-        for index, seq, issued, duration in orjson.loads(part["coll"]):
-            head, fqn, phase, state = made[index]
+        for row in orjson.loads(part["coll"]):
+            head, fqn, phase, state = made[row[0]]
             group, members, op, kind, dtype, shape, nbytes, reduce_op, peer = head
-            append(CollectiveRecord(rank, step, trace, group, members, seq, op, kind, dtype,
-                                    shape, nbytes, reduce_op, peer, fqn, phase, issued,
-                                    duration, state))
+            append(CollectiveRecord(rank, step, trace, group, members, row[1], op, kind,
+                                    dtype, shape, nbytes, reduce_op, peer, fqn, phase, row[2],
+                                    row[3], state, row[4] if len(row) > 4 else None))
     run.rank_steps = {
         key: rs._replace(step=run.trace_steps.get(rs.trace_id))
         for key, rs in run.rank_steps.items()

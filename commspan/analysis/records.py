@@ -78,6 +78,11 @@ class CollectiveRecord(NamedTuple):
         duration_ns: issue to completion, when recorded.
         state: ``issued`` or ``completed`` (known completed: a duration, or a
             hang record saying so).
+        p2p_seq: a point-to-point op's number among those in its direction with
+            its peer on the group (``commspan.p2p.seq``; a send and the receive
+            that matches it have the same); ``None`` for collectives and in files
+            of schema 2, whose ``seq`` numbered point-to-point ops with the
+            collectives.
     """
 
     rank: int
@@ -98,6 +103,7 @@ class CollectiveRecord(NamedTuple):
     issued_ns: int
     duration_ns: int | None
     state: str
+    p2p_seq: int | None = None
 
     def where(self) -> str:
         """``"`Net.blocks.0` forward"``: the module and phase, for messages."""
@@ -507,6 +513,7 @@ def _collective(
         if isinstance(ranks, list)
         else (),
         seq=_int(attrs.get(semconv.COLL_SEQ)),
+        p2p_seq=_int(attrs.get(semconv.P2P_SEQ)),
         op=op,
         kind=_str(attrs.get(semconv.COLL_KIND)) or semconv.KIND_COLLECTIVE,
         dtype=_str(attrs.get(semconv.TENSOR_DTYPE)),

@@ -120,11 +120,14 @@ class Collective(NamedTuple):
         duration_ns: issue to completion, when recorded; ``None`` otherwise.
         fqn: the module that issued it (``Global`` outside any module).
         group: process group name ("" if unknown).
-        seq: per-rank, per-group sequence number (``None`` if unknown).
+        seq: per-rank, per-group sequence number of a collective (``None`` if unknown,
+            and for point-to-point ops since schema 3).
         bytes: input bytes of the op.
         src: DTensor placements before the redistribution that issued it ("" if none).
         dst: placements after it.
         redistribute_op: the DTensor op that needed the redistribution ("" if none).
+        p2p_seq: a point-to-point op's number per peer and direction (``None`` if
+            unknown).
     """
 
     window: int
@@ -149,10 +152,16 @@ class Collective(NamedTuple):
     src: str
     dst: str
     redistribute_op: str
+    p2p_seq: int | None = None
 
     @property
-    def key(self) -> tuple[str, str, int | None]:
-        """``(run_id, group, seq)``: the same on every rank that took part in it."""
+    def key(self) -> tuple[str, str, Any]:
+        """``(run_id, group, seq)``: the same on every rank that took part in it; for a
+        point-to-point op, ``(run_id, group, (sender, receiver, p2p_seq))``: the same on
+        the send and the receive that matches it."""
+        if self.p2p_seq is not None and self.peer is not None:
+            pair = (self.rank, self.peer) if self.op == "send" else (self.peer, self.rank)
+            return (self.run_id, self.group, (*pair, self.p2p_seq))
         return (self.run_id, self.group, self.seq)
 
     @property
@@ -408,25 +417,31 @@ def _collective(
         src=str(ev.get(semconv.REDIST_SRC, "")),
         dst=str(ev.get(semconv.REDIST_DST, "")),
         redistribute_op=str(ev.get(semconv.REDIST_OP, "")),
+        p2p_seq=_int_or_none(ev.get(semconv.P2P_SEQ)),
     )
 
 
 # ------------------------------------------------------------------ queries
 def match_collectives(
     collectives: Iterable[Collective],
-) -> dict[tuple[str, str, int | None], list[Collective]]:
-    """Group the collectives of all ranks by :attr:`Collective.key` (run, group, seq).
+) -> dict[tuple[str, str, Any], list[Collective]]:
+    """Group the collectives of all ranks by :attr:`Collective.key` (run, group, seq;
+    a send with the receive that matches it).
 
-    Collectives without a sequence number are left out (they cannot be matched).
+    Collectives without a sequence number are left out (they cannot be matched), as
+    are point-to-point ops of files of schema 2 (numbered with their group's
+    collectives, so a send and its receive had unrelated numbers).
 
     Returns:
         ``{key: [collective of each rank]}``, each list ordered by issue time
         (then rank): the first rank to issue it comes first.
     """
-    out: dict[tuple[str, str, int | None], list[Collective]] = {}
+    out: dict[tuple[str, str, Any], list[Collective]] = {}
     for c in collectives:
-        if c.seq is None:
+        if c.seq is None and c.p2p_seq is None:
             continue
+        if c.kind == semconv.KIND_P2P and c.p2p_seq is None:
+            continue  # schema 2: numbered with the group's collectives, unlike its peer's
         out.setdefault(c.key, []).append(c)
     for members in out.values():
         members.sort(key=lambda c: (c.time_ns, c.rank))

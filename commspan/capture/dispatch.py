@@ -758,7 +758,8 @@ def describe(
             dim_name = groups.mesh_dim_names.get(name)
             if dim_name is not None:
                 attrs[semconv.MESH_DIM_NAME] = dim_name
-        attrs[semconv.COLL_SEQ] = groups.next_seq(name)
+        if info.kind != semconv.KIND_P2P:
+            attrs[semconv.COLL_SEQ] = groups.next_seq(name)
     reduce_op = _reduce_name(_arg(info, args, kwargs, info.reduce_index))
     if reduce_op is not None:
         attrs[semconv.COLL_REDUCE_OP] = reduce_op
@@ -776,6 +777,10 @@ def describe(
             attrs[semconv.COLL_PEER] = _global_rank(peer, ranks)
         elif isinstance(peer, (list, tuple)) and all(isinstance(p, int) for p in peer):
             attrs[semconv.COLL_PEER] = [_global_rank(p, ranks) for p in peer]
+    if g is not None and info.kind == semconv.KIND_P2P:
+        peer = attrs.get(semconv.COLL_PEER)
+        attrs[semconv.P2P_SEQ] = groups.next_p2p_seq(
+            g[0], info.name, tuple(peer) if type(peer) is list else peer)
     return attrs
 
 

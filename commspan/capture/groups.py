@@ -3,7 +3,8 @@
 :class:`ProcessGroups` resolves a process group (an object, a boxed
 ``ScriptObject``, a group name, or the ranks list of legacy functional
 collectives) to ``(name, size, global ranks)`` once, numbers each group's
-collectives (``commspan.collective.seq``), and remembers which mesh dimension
+collectives (``commspan.collective.seq``) and its point-to-point ops per peer
+and direction (``commspan.p2p.seq``), and remembers which mesh dimension
 each group of a known device mesh is (``commspan.mesh.dim``) and its name
 (``commspan.mesh.dim_name``). A group that is a dimension of several meshes
 (``mesh["tp"]`` and the 2-D mesh it was sliced from) is described by the mesh
@@ -51,7 +52,7 @@ class ProcessGroups:
 
     def __init__(self) -> None:
         self._by_key: dict[Any, tuple[str, int, list[int]] | None] = {}
-        self._seq: dict[str, int] = {}
+        self._seq: dict[Any, int] = {}
         self.mesh_dims: dict[str, int] = {}
         self.mesh_dim_names: dict[str, str] = {}
         self._mesh_ndim: dict[str, int] = {}  # ndim of the mesh that described each group
@@ -83,8 +84,18 @@ class ProcessGroups:
             _log.debug("commspan: cannot read the groups of mesh %r: %s", mesh, exc)
 
     def next_seq(self, name: str) -> int:
+        """The next collective's sequence number on group ``name``."""
         n = self._seq.get(name, 0) + 1
         self._seq[name] = n
+        return n
+
+    def next_p2p_seq(self, name: str, op: str, peer: Any) -> int:
+        """The next number of point-to-point op ``op`` (``send``, ``recv``) with ``peer``
+        on group ``name``: the k-th send to a peer matches the k-th receive there from
+        this rank (both backends match point-to-point ops in order per pair)."""
+        key = (name, op, peer)
+        n = self._seq.get(key, 0) + 1
+        self._seq[key] = n
         return n
 
     def get(self, group: Any) -> tuple[str, int, list[int]] | None:

@@ -676,7 +676,8 @@ def _timeline_section() -> str:
         "</select></label> <span id=\"cs-stepinfo\"></span></div>\n"
         f"<div class=\"legend\">{phases}<span class=\"key\"><span class=\"swatch coll\"></span>"
         "collective (issue time; width = duration when recorded)</span><span class=\"key\">"
-        "<span class=\"swatch link\"></span>same collective on each rank (group, seq)</span>"
+        "<span class=\"swatch link\"></span>same collective on each rank (group, seq; a send "
+        "and its receive)</span>"
         "</div>\n"
         "<div id=\"cs-scroll\"><svg id=\"cs-svg\" xmlns=\"http://www.w3.org/2000/svg\"></svg>"
         "</div>\n<div id=\"cs-tip\" hidden></div>\n"
@@ -711,7 +712,9 @@ def _timeline_data(
     [rank, start, end, rows, spans, collectives]]}`` where ``spans`` is flat,
     5 numbers a span (fqn, phase, start, duration, row), and ``collectives``
     flat, 9 numbers a collective (op, fqn, phase, group, seq, bytes, time,
-    duration or -1, details).
+    duration or -1, details); a point-to-point op's group is ``"<group>
+    <sender>→<receiver>"`` and its seq its number per peer, so that a send and its
+    receive link.
     """
     strings = _Strings()
     phase_index = {p: strings(p) for p in _PHASES}
@@ -743,12 +746,16 @@ def _timeline_data(
                 ]
             cflat: list[int] = []
             for c in colls.get((index, rank), []):
+                if c.p2p_seq is not None and c.peer is not None:
+                    group, seq = _link_group(c.group, *_pair(c)), c.p2p_seq
+                else:
+                    group, seq = c.group, c.seq if c.seq is not None else -1
                 cflat += [
                     strings(c.op),
                     strings(c.fqn),
                     strings(c.phase),
-                    strings(c.group),
-                    c.seq if c.seq is not None else -1,
+                    strings(group),
+                    seq,
                     c.bytes,
                     _tick(c.time_ns - t0),
                     _tick(c.duration_ns) if c.duration_ns is not None else -1,
@@ -764,12 +771,7 @@ def _timeline_data(
             "d": _tick(w.end_ns - w.start_ns),
             "r": per_rank,
         })
-    marks = [
-        {"i": i, "step": f.get("step"), "group": str(f.get("group", "")), "seq": f.get("seq"),
-         "kind": str(f.get("kind", ""))}
-        for i, f in enumerate(findings)
-        if f.get("step") is not None
-    ]
+    marks = [_mark(i, f) for i, f in enumerate(findings) if f.get("step") is not None]
     return {
         "v": 1,
         "tick_ns": _TICK_NS,
@@ -799,6 +801,30 @@ def _tick(ns: int) -> int:
     return int(round(ns / _TICK_NS))
 
 
+def _pair(c: Collective) -> tuple[int, int]:
+    """``(sender, receiver)`` of a point-to-point op."""
+    assert c.peer is not None
+    return (c.rank, c.peer) if c.op == "send" else (c.peer, c.rank)
+
+
+def _link_group(group: str, sender: Any, receiver: Any) -> str:
+    """What the page links a send and its receive by, with their number: ``0 1→2``
+    (a point-to-point op's number counts per peer, not with the group's collectives)."""
+    return f"{group} {sender}\u2192{receiver}"
+
+
+def _mark(i: int, f: Mapping[str, Any]) -> dict[str, Any]:
+    """A finding as the page marks it: the collective of its group and seq, or the send
+    and receive of a point-to-point finding."""
+    group, seq = str(f.get("group", "")), f.get("seq")
+    pair = f.get("p2p")
+    if isinstance(pair, Mapping):
+        group = _link_group(group, pair.get("sender"), pair.get("receiver"))
+        seq = pair.get("p2p_seq")
+    return {"i": i, "step": f.get("step"), "group": group, "seq": seq,
+            "kind": str(f.get("kind", ""))}
+
+
 def _details(c: Collective) -> str:
     parts = []
     if c.dtype:
@@ -811,7 +837,8 @@ def _details(c: Collective) -> str:
     if c.mesh_dim is not None:
         parts.append(f"mesh dim {c.mesh_dim}")
     if c.peer is not None:
-        parts.append(f"peer {c.peer}")
+        parts.append(f"peer {c.peer}" if c.p2p_seq is None
+                     else f"{'to' if c.op == 'send' else 'from'} rank {c.peer}, #{c.p2p_seq}")
     if c.src or c.dst:
         where = f" in {c.redistribute_op}" if c.redistribute_op else ""
         parts.append(f"{c.src} \u2192 {c.dst}{where}")

@@ -295,7 +295,7 @@ def _collective_args(c: Collective, timeline: Timeline) -> dict[str, Any]:
     args: dict[str, Any] = {
         "op": c.op,
         "group": c.group,
-        "seq": c.seq,
+        "seq": c.seq if c.p2p_seq is None else c.p2p_seq,
         "bytes": c.bytes,
         "fqn": c.fqn,
         "phase": c.phase,
