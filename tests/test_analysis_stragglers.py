@@ -117,6 +117,27 @@ def test_step_breakdown_counts_each_instant_once_for_the_innermost_span() -> Non
     assert t.collectives_ns is None
 
 
+def test_a_step_number_used_again_adds_up_its_uses() -> None:
+    """Two epochs number their steps 0, 1, 0, 1: a used-again number shares the trace
+    (docs/design.md), and the step-time view adds its uses up. Step 0's rank spans
+    are 0-100 (forward 10-50) and 1000-1200 (forward 1010-1110): total 300, forward
+    140, outside 160. (The second rank span used to replace the first: total 200 with
+    forward 140.)"""
+    b = SpanBuilder(1)
+    for epoch, (start, fwd, end) in enumerate([(0, (10, 50), 100), (1000, (1010, 1110), 1200)]):
+        s = b.rank(0, 0)
+        s.module("Net", "forward", start=fwd[0], end=fwd[1])
+        s.set_times(start, end)
+        other = b.rank(0, 1)
+        other.set_times(500 + 1000 * epoch, 600 + 1000 * epoch)
+    times = {t.step: t for t in step_breakdown(build_run(b.spans()))}
+    assert sorted(times) == [0, 1]
+    t = times[0]
+    assert (t.total_ns, t.forward_ns, t.outside_ns) == (300, 140, 160)
+    assert t.forward_ns + t.backward_ns + t.recompute_ns + t.outside_ns == t.total_ns
+    assert times[1].total_ns == 200
+
+
 def test_step_breakdown_sums_collective_durations() -> None:
     """collectives_ns is the sum of the rank's collective durations in the step."""
     d = {(r, fqn): [MS * (r + 1), 2 * MS] for r in range(WORLD) for fqn in ("Net.a", "Net.b")}

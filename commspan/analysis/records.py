@@ -111,7 +111,13 @@ class CollectiveRecord(NamedTuple):
 
 
 class RankStep(NamedTuple):
-    """One rank's span of one trace (``commspan.rank``)."""
+    """One rank's span of one trace (``commspan.rank``).
+
+    A step number used again (a loop of epochs numbering steps from 0 each time)
+    shares the earlier step's trace: the rank span of each use after the first is
+    in ``repeats`` as ``(span_id, start_ns, end_ns)``, and :attr:`duration_ns`
+    adds them up.
+    """
 
     rank: int
     step: int | None
@@ -119,6 +125,18 @@ class RankStep(NamedTuple):
     span_id: str
     start_ns: int
     end_ns: int
+    repeats: tuple[tuple[str, int, int], ...] = ()
+
+    @property
+    def duration_ns(self) -> int:
+        """The time of the rank's spans of this trace, added up."""
+        return max(0, self.end_ns - self.start_ns) + sum(
+            max(0, end - start) for _, start, end in self.repeats)
+
+    @property
+    def span_ids(self) -> tuple[str, ...]:
+        """The ids of the rank's spans of this trace, the first first."""
+        return (self.span_id, *(span for span, _, _ in self.repeats))
 
 
 class ModuleSpan(NamedTuple):
@@ -393,9 +411,20 @@ def build_run(
             hang_spans.append((rank, span))
             continue
         if span.name == semconv.SPAN_RANK:
-            run.rank_steps[(rank, span.trace_id)] = RankStep(
-                rank, None, span.trace_id, span.span_id, span.start_time, span.end_time
-            )
+            key = (rank, span.trace_id)
+            seen = run.rank_steps.get(key)
+            if seen is None:
+                run.rank_steps[key] = RankStep(
+                    rank, None, span.trace_id, span.span_id, span.start_time, span.end_time
+                )
+            else:  # the step number used again: the same trace (RankStep.repeats)
+                first, later = sorted(
+                    [(seen.start_ns, seen.end_ns, seen.span_id),
+                     (span.start_time, span.end_time, span.span_id)])
+                run.rank_steps[key] = seen._replace(
+                    span_id=first[2], start_ns=first[0], end_ns=first[1],
+                    repeats=tuple(sorted([*seen.repeats, (later[2], later[0], later[1])],
+                                         key=lambda r: r[1])))
         else:
             fqn = span.attributes.get(semconv.MODULE_FQN)
             phase = span.attributes.get(semconv.PHASE)

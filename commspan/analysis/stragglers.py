@@ -394,7 +394,7 @@ def step_breakdown(run: Run) -> list[StepTime]:
             timed.add((c.rank, c.trace_id))
     out = []
     for (rank, trace), rs in run.rank_steps.items():
-        total = max(0, rs.end_ns - rs.start_ns)
+        total = rs.duration_ns  # a step number used again: its uses added up
         phases = phase_time.get((rank, trace), Counter())
         out.append(
             StepTime(
@@ -404,7 +404,8 @@ def step_breakdown(run: Run) -> list[StepTime]:
                 forward_ns=phases[semconv.Phase.FORWARD.value],
                 backward_ns=phases[semconv.Phase.BACKWARD.value],
                 recompute_ns=phases[semconv.Phase.RECOMPUTE.value],
-                outside_ns=max(0, total - children.get((rank, rs.span_id), 0)),
+                outside_ns=max(0, total - sum(children.get((rank, span), 0)
+                                              for span in rs.span_ids)),
                 collectives_ns=comm[(rank, trace)] if (rank, trace) in timed else None,
                 gc_ns=collector[(rank, trace)],
             )
