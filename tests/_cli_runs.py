@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -83,9 +84,11 @@ def write_run(
     steps: Sequence[int] = (0, 1),
     ranks: Sequence[int] = RANKS,
     time_collectives: bool = False,
+    resource: dict[str, Any] | None = None,
 ) -> Path:
     """Trace ``step_fn(rank, step)`` for each rank and step into ``out`` (one file per
     rank, appended to: a second call with another run id adds a second run).
+    ``resource``: more resource attributes (``{"process.pid": 7}``: another process).
 
     The ranks are simulated one after the other in this process, so collective
     durations would mean nothing: they are not recorded unless ``time_collectives``.
@@ -95,7 +98,7 @@ def write_run(
         mode = CommSpanMode(
             exporters=[JsonlSpanExporter(out / f"commspan-rank{rank}.jsonl")],
             run_id=run_id,
-            resource_attributes={"commspan.rank": rank},
+            resource_attributes={"commspan.rank": rank, **(resource or {})},
             time_collectives=time_collectives,
         )
         with mode:

@@ -55,6 +55,31 @@ def two_runs(tmp_path_factory: pytest.TempPathFactory, fake_pg: None) -> Path:
     return session_dir(tmp_path_factory, "runs-two", build)
 
 
+@pytest.fixture(scope="module")
+def one_id_two_jobs(tmp_path_factory: pytest.TempPathFactory, fake_pg: None) -> Path:
+    """Two jobs under one run id ("exp1", as a fixed COMMSPAN_RUN_ID gives), appended to
+    the same files by two processes (their resources' process.pid)."""
+    def build(out: Path) -> None:
+        for pid in (1001, 1002):
+            write_run(out, "exp1", net_step(), steps=(0, 1), resource={"process.pid": pid})
+
+    return session_dir(tmp_path_factory, "runs-one-id", build)
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_two_jobs_under_one_run_id_are_flagged(
+    one_id_two_jobs: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    """Every command says that the run was written by two processes for one rank and
+    that its steps are added up (they used to be summed without a word)."""
+    code, _, err = run_cli(capsys, *_argv(command, one_id_two_jobs, tmp_path, "--json"))
+    assert code == 0, err
+    assert err.splitlines() == [
+        "commspan: run exp1 was written by 2 processes for one rank (two jobs under one "
+        "run id: a fixed COMMSPAN_RUN_ID or run_id=): their steps are added up; give each "
+        "job its own run id"]
+
+
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     """--version prints the package version and exits 0."""
     with pytest.raises(SystemExit) as info:

@@ -49,7 +49,7 @@ from commspan.analysis.records import (
     _collective,
     _times,
 )
-from commspan.analysis.runs import RunInfo, StepRange, choose, runs_of
+from commspan.analysis.runs import RunInfo, StepRange, choose, runs_of, writer_of
 from commspan.analysis.summary import summary_of
 from commspan.otlpjson.decode import DECODE_ERRORS, GZIP_MAGIC, read_spans_in, request_spans
 from commspan.otlpjson.encode import resource_and_scope, span_fields
@@ -201,7 +201,8 @@ def digest_parts(records: Iterable[SpanRecord]) -> list[DigestPart] | None:
     first appearance; ``None`` when the line holds what a digest does not carry (a
     hang record, a span without a rank): readers then parse the line itself.
 
-    Each part is a dict: ``run``, ``rank``, ``world_size``, ``sample``, ``trace``,
+    Each part is a dict: ``run``, ``rank``, ``world_size``, ``sample``, ``writer``
+    (``"host:pid"`` of the process that wrote it, or ``None``), ``trace``,
     ``spans`` (spans of the trace), ``present`` (spans other than the step root),
     ``commspan_spans``, ``start``/``end`` (earliest start and latest end of every
     span), ``present_start`` (earliest start of the spans counted in ``present``),
@@ -214,7 +215,7 @@ def digest_parts(records: Iterable[SpanRecord]) -> list[DigestPart] | None:
     op numbered per peer).
     """
     parts: dict[tuple[str, int, str], _Part] = {}
-    resources: dict[int, tuple[str, int | None, str | None]] = {}
+    resources: dict[int, tuple[str, int | None, str | None, str | None]] = {}
     span_step, span_rank, span_hang = semconv.SPAN_STEP, semconv.SPAN_RANK, semconv.SPAN_HANG
     fqn_key, step_key, op_key = semconv.MODULE_FQN, semconv.STEP, semconv.COLL_OP
     for rec in records:
@@ -235,6 +236,7 @@ def digest_parts(records: Iterable[SpanRecord]) -> list[DigestPart] | None:
                 and 0 < world <= MAX_WORLD_SIZE
                 else None,
                 str(sample) if sample else None,
+                writer_of(res),
             )
         run = known[0]
         if not run and attrs.get(semconv.RUN_ID):
@@ -243,7 +245,7 @@ def digest_parts(records: Iterable[SpanRecord]) -> list[DigestPart] | None:
         part = parts.get(key)
         if part is None:
             part = parts[key] = _Part(run, rank, rec.trace_id, rec.start_time, rec.end_time)
-            part.world_size, part.sample = known[1], known[2]
+            part.world_size, part.sample, part.writer = known[1], known[2], known[3]
         start = rec.start_time
         part.spans += 1
         if start < part.start:
@@ -283,14 +285,15 @@ def digest_parts(records: Iterable[SpanRecord]) -> list[DigestPart] | None:
 class _Part:
     """A part being built (:func:`digest_parts`)."""
 
-    __slots__ = ("run", "rank", "trace", "world_size", "sample", "spans", "present",
-                 "commspan_spans", "start", "end", "present_start", "step", "rank_step",
-                 "aggs", "first", "coll")
+    __slots__ = ("run", "rank", "trace", "world_size", "sample", "writer", "spans",
+                 "present", "commspan_spans", "start", "end", "present_start", "step",
+                 "rank_step", "aggs", "first", "coll")
 
     def __init__(self, run: str, rank: int, trace: str, start: int, end: int) -> None:
         self.run, self.rank, self.trace = run, rank, trace
         self.world_size: int | None = None
         self.sample: str | None = None
+        self.writer: str | None = None
         self.spans = self.present = self.commspan_spans = 0
         self.start, self.end = start, end
         self.present_start: int | None = None
@@ -840,7 +843,8 @@ def list_part_runs(parts: Sequence[DigestPart]) -> list[RunInfo]:
     """:func:`~commspan.analysis.runs.list_runs` of the spans the parts stand for."""
     trace_steps = _trace_steps(parts)
     return runs_of(
-        (p["run"], p["rank"], trace_steps.get(p["trace"]), p["spans"], p["start"], p["end"])
+        (p["run"], p["rank"], trace_steps.get(p["trace"]), p["spans"], p["start"], p["end"],
+         p.get("writer"))  # (not in digests written before it was)
         for p in parts
     )
 

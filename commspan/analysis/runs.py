@@ -40,6 +40,7 @@ __all__ = [
     "list_runs",
     "runs_of",
     "select",
+    "writer_of",
 ]
 
 
@@ -69,6 +70,10 @@ class RunInfo(NamedTuple):
         spans: how many spans it has.
         start_ns: its earliest span start (Unix ns).
         end_ns: its latest span end.
+        writers: the most processes (host and pid of the resource) that wrote one
+            rank's spans of it: more than 1 when two jobs ran under one run id (a
+            fixed ``COMMSPAN_RUN_ID`` or ``run_id=``), whose steps readers then add
+            up; 1 when not known.
     """
 
     run_id: str
@@ -77,6 +82,7 @@ class RunInfo(NamedTuple):
     spans: int
     start_ns: int
     end_ns: int
+    writers: int = 1
 
     def describe(self) -> str:
         """``"cli-test (ranks 0-1, steps 0-4)"``: the run for messages."""
@@ -161,32 +167,48 @@ def list_runs(records: Sequence[SpanRecord]) -> list[RunInfo]:
         []
     """
     trace_steps = _trace_steps(records)
-    return runs_of(
-        (_run_of(rec), _rank_of(rec), trace_steps.get(rec.trace_id), 1, rec.start_time,
-         rec.end_time)
-        for rec in records
-    )
+    writers: dict[int, str | None] = {}  # id(resource) -> its writer
+    rows = []
+    for rec in records:
+        writer = writers.get(id(rec.resource), "")
+        if writer == "":
+            writer = writers[id(rec.resource)] = writer_of(rec.resource)
+        rows.append((_run_of(rec), _rank_of(rec), trace_steps.get(rec.trace_id), 1,
+                     rec.start_time, rec.end_time, writer))
+    return runs_of(rows)
+
+
+def writer_of(resource: Any) -> str | None:
+    """``"host:pid"`` of the process that wrote spans with ``resource``, if it says."""
+    pid = resource.get(semconv.PROCESS_PID)
+    if pid is None:
+        return None
+    return f"{resource.get(semconv.HOST_NAME, '')}:{pid}"
 
 
 def runs_of(
-    rows: Iterable[tuple[str, int | None, int | None, int, int, int]],
+    rows: Iterable[tuple[Any, ...]],
 ) -> list[RunInfo]:
-    """The runs of ``(run id, rank, step, spans, start, end)`` rows, in the order they
-    started; rows of one run add their spans and ranks and widen its times."""
-    acc: dict[str, list[Any]] = {}  # run -> [ranks, steps, spans, start, end]
-    for run, rank, step, spans, start, end in rows:
+    """The runs of ``(run id, rank, step, spans, start, end[, writer])`` rows, in the
+    order they started; rows of one run add their spans and ranks and widen its
+    times (``writer``: :func:`writer_of` the row's resource, or ``None``)."""
+    acc: dict[str, list[Any]] = {}  # run -> [ranks, steps, spans, start, end, writers]
+    for run, rank, step, spans, start, end, *more in rows:
         slot = acc.get(run)
         if slot is None:
-            slot = acc[run] = [set(), set(), 0, start, end]
+            slot = acc[run] = [set(), set(), 0, start, end, {}]
         if rank is not None:
             slot[0].add(rank)
+            if more and more[0] is not None:
+                slot[5].setdefault(rank, set()).add(more[0])
         if step is not None:
             slot[1].add(step)
         slot[2] += spans
         slot[3] = min(slot[3], start)
         slot[4] = max(slot[4], end)
     runs = [
-        RunInfo(run, tuple(sorted(s[0])), tuple(sorted(s[1])), s[2], s[3], s[4])
+        RunInfo(run, tuple(sorted(s[0])), tuple(sorted(s[1])), s[2], s[3], s[4],
+                max((len(w) for w in s[5].values()), default=1))
         for run, s in acc.items()
     ]
     runs.sort(key=lambda r: (r.start_ns, r.run_id))
@@ -273,6 +295,12 @@ def choose(
                 + "; ".join(r.describe() for r in runs)
                 + f"; showing the latest, {chosen.run_id or '(no run id)'}"
             )
+    if chosen.writers > 1:
+        what = f"run {chosen.run_id}" if chosen.run_id else "the files"
+        twice = (f"{what} was written by {chosen.writers} processes for one rank (two "
+                 "jobs under one run id: a fixed COMMSPAN_RUN_ID or run_id=): their steps "
+                 "are added up; give each job its own run id")
+        note = f"{note}. {twice[0].upper()}{twice[1:]}" if note else twice
     kept_steps = chosen.steps
     if steps is not None:
         kept_steps = tuple(s for s in chosen.steps if s in steps)

@@ -93,7 +93,8 @@ class Reader:
             name = "--run" if exc.param == "run" else (option or "--steps")
             raise ValueError(f"{label}{name} {exc.value}: {exc.detail}") from None
         if sel.note:
-            self.notes.append(f"commspan: {label}{sel.note} (--run ID picks another)")
+            more = " (--run ID picks another)" if len(sel.runs) > 1 else ""
+            self.notes.append(f"commspan: {label}{sel.note}{more}")
         return sel
 
     def load(self, paths: Sequence[str]) -> Selection:
