@@ -320,6 +320,52 @@ def test_output_paths_that_cannot_be_written_name_the_option(
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize("command", ["html", "perfetto"])
+def test_an_output_that_is_an_input_file_is_refused(
+    packed_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    """-o naming one of the files read (by its name, or a link to it) is refused before
+    anything is written: it replaced a rank's spans with the report and exited 0."""
+    run = tmp_path / "run"
+    shutil.copytree(packed_dir, run)
+    target = run / "commspan-rank0.jsonl.gz"
+    link = tmp_path / "link.gz"
+    link.symlink_to(target)
+    before = target.read_bytes()
+    for output in (target, link):
+        with pytest.raises(SystemExit) as info:  # a usage error, before anything is read
+            main([command, str(run), "-o", str(output)])
+        err = capsys.readouterr().err
+        assert info.value.code == 2, err
+        assert f"-o '{output}' is an input file ({target}): writing it would replace its " \
+            "spans; pass another file name" in err
+        assert "Traceback" not in err
+    assert target.read_bytes() == before
+
+
+def test_an_int_beyond_64_bits_is_a_damaged_line_named_by_file_and_line(
+    packed_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """OTLP ints are 64-bit: a line with a bigger one is skipped as damaged, named by its
+    file and line, instead of failing later (html blamed --findings, never given;
+    perfetto and digest raised a TypeError naming nothing)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    lines = gzip.decompress((packed_dir / "commspan-rank0.jsonl.gz").read_bytes()).splitlines()
+    key = b'"commspan.tensor.bytes","value":{"intValue":"'
+    assert key in lines[0]
+    head, _, tail = lines[0].partition(key)
+    lines[0] = head + key + b"18446744073709551616" + tail[tail.index(b'"'):]
+    (run / "commspan-rank0.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    for argv in (["summary"], ["html", "-o", str(tmp_path / "r.html")],
+                 ["perfetto", "-o", str(tmp_path / "t.json")], ["digest"]):
+        code, _, err = _cli(capsys, argv[0], str(run), *argv[1:])
+        assert code == 1, (argv, err)
+        assert f"{run / 'commspan-rank0.jsonl'}:1: " in err, (argv, err)
+        assert "outside the 64-bit range" in err and "--findings" not in err, (argv, err)
+        assert "Traceback" not in err
+
+
 def test_html_findings_from_a_file_and_check_are_listed_once(
     packed_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -322,8 +322,10 @@ def html(args: argparse.Namespace, reader: Reader) -> Outcome:
     try:
         path = _writing(args.output, lambda: write_html_report(
             sel.records, args.output, findings=findings, title=args.title), "report.html")
-    except TypeError as exc:  # a finding of the wrong shape
-        raise TypeError(f"--findings {args.findings!r}: {exc}") from None
+    except TypeError as exc:
+        if args.findings is None or not str(exc).startswith("findings"):
+            raise  # not about the findings: not to be blamed on --findings
+        raise TypeError(f"--findings {args.findings!r}: {exc}") from None  # a wrong shape
     return _written(path, sel, {} if findings is None else {"findings": len(findings)}, args,
                     "report")
 

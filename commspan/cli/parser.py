@@ -7,6 +7,7 @@ message and exits with status 2.
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Sequence
 
 from commspan import __version__
@@ -248,6 +249,9 @@ def check_usage(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error("--by-mesh-dim is a table of its own; it takes neither --show nor --noise")
     if args.command == "digest":
         return
+    if args.command in ("html", "perfetto"):
+        _output_not_an_input(parser, args.output, args.files,
+                             "report.html" if args.command == "html" else "trace.json")
     if args.command == "plan":
         if args.rank >= args.world:
             parser.error(f"--rank {args.rank} is not valid with --world {args.world}; "
@@ -267,3 +271,29 @@ def check_usage(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
                 "diff compares two things: pass two runs (diff A B), or one folder with two "
                 "steps (diff DIR --step 3 --step 7) or two runs (diff DIR --run X --run Y)"
             )
+
+
+def _output_not_an_input(
+    parser: argparse.ArgumentParser, output: str, paths: Sequence[str], example: str
+) -> None:
+    """``-o`` must not name a file the command reads: writing it would replace that
+    rank's spans (checked before anything is read or written)."""
+    if not os.path.exists(output):
+        return
+    for path in paths:
+        names = [path]
+        if os.path.isdir(path):
+            try:
+                names = [os.path.join(path, n) for n in sorted(os.listdir(path))
+                         if n.endswith((".jsonl", ".jsonl.gz"))]
+            except OSError:
+                continue  # the reading says what is wrong with it
+        for name in names:
+            try:
+                same = os.path.samefile(output, name)
+            except OSError:
+                continue
+            if same:
+                parser.error(
+                    f"-o {output!r} is an input file ({name}): writing it would replace "
+                    f"its spans; pass another file name, e.g. {example!r}")

@@ -54,6 +54,9 @@ _log = logging.getLogger(__name__)
 
 
 
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
 def decode_value(v: dict[str, Any]) -> Any:
     """Decode one OTLP/JSON ``AnyValue`` (``{"intValue": "3"}`` -> ``3``)."""
     return _decode_value(v)
@@ -64,7 +67,10 @@ def _decode_value(v: dict[str, Any]) -> Any:
         if key == "stringValue":
             return val
         if key == "intValue":
-            return int(val)
+            n = int(val)
+            if not _INT64_MIN <= n <= _INT64_MAX:  # (Python's int is unbounded)
+                raise ValueError(f"intValue {val} is outside the 64-bit range of OTLP ints")
+            return n
         if key == "doubleValue":
             # "NaN", "Infinity", "-Infinity" as strings; null in files written before
             return float(val) if val is not None else math.nan
@@ -152,9 +158,7 @@ def walk(
                             text = v.get("stringValue")  # most of them: skip the decoder
                             attrs[k] = text if text is not None else decode(v)
                         elif int_prefix is not None and k.startswith(int_prefix):
-                            v = a["value"]
-                            n = v.get("intValue")
-                            attrs[k] = int(n if n is not None else decode(v))
+                            attrs[k] = int(decode(a["value"]))
                 events = [
                     (e.get("name", ""), decode_attributes(e.get("attributes"), event_keys))
                     for e in s.get("events") or ()
