@@ -296,6 +296,12 @@ def test_a_step_cut_short_is_named(
     assert 0 not in data["steps"]
     code, _, err = _cli(capsys, "table", str(folder), "--rank", "all")
     assert code == 0 and "was cut short" in err
+    # --show counts the same collectives (it counted the cut step's finished modules')
+    code, out, err = _cli(capsys, "summary", str(folder), "--rank", "all", "--show", "bytes",
+                          "--json")
+    shown = json.loads(out)
+    assert code == 0 and shown["total"] == whole
+    assert sum(r["count"] for r in shown["issued"]) == whole
     code, _, err = _cli(capsys, "summary", str(packed_dir), "--rank", "all")
     assert "cut short" not in err
     # the last step without its rank span and no hang record: a job still running

@@ -288,3 +288,20 @@ def test_json_everywhere(tp: Path, tmp_path: Path, capsys: pytest.CaptureFixture
     _, out, _ = run_cli(capsys, "summary", str(tp), "--rank", "0", "--json", "--show", "all")
     issued = json.loads(out)["issued"]
     assert sum(i["count"] for i in issued) == json.loads(out)["total"]
+
+
+def test_summary_time_of_partly_timed_collectives_says_how_many() -> None:
+    """A phase whose collectives are timed only in part shows the partial sum with "(2
+    of 3 timed)", as `table --show time` does, not as the phase's time."""
+    from commspan.analysis.issued import Issued
+    from commspan.render.details import summary_rows
+
+    def row(count: int, timed: int) -> Issued:
+        return Issued("Net", "forward", "all_reduce", "0", (0, 1), None, "", "", count, 8,
+                      1_000_000 * timed, timed, (0,))
+
+    lines = summary_rows([row(3, 2)], ["time"])
+    assert lines[1].split() == ["forward", "all_reduce", "3", "2.00", "ms", "(2", "of", "3",
+                                "timed)"]
+    assert summary_rows([row(3, 3)], ["time"])[1].split()[-2:] == ["3.00", "ms"]
+    assert summary_rows([row(3, 0)], ["time"])[1].split()[-1] == "-"

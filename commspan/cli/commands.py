@@ -246,7 +246,14 @@ def summary(args: argparse.Namespace, reader: Reader) -> Outcome:
         rank = _rank_filter(args.rank, slow)
         agg = Aggregator.from_records(slow.records, rank="all" if rank is None else rank)
         data = summarize(agg, slow.records, rank)
-        rows = issued(slow.records, rank=rank) if args.show else []
+        rows = []
+        if args.show:
+            # the collectives of the traces whose rank spans were written: those the
+            # total counts (a step cut short by a hang has none, partial_note says)
+            rooted = {(r.rank, r.trace_id) for r in slow.records
+                      if r.name == semconv.SPAN_RANK}
+            rows = issued([r for r in slow.records if (r.rank, r.trace_id) in rooted],
+                          rank=rank)
     note = partial_note(data["partial"])
     if note is not None:
         reader.notes.append(note)

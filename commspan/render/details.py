@@ -134,7 +134,7 @@ def _cells(
     if "bytes" in show:
         cells.append(format_bytes(nbytes))
     if "time" in show:
-        cells.append(format_duration(ns) if timed else "-")
+        cells.append(_time(ns, timed, count).removeprefix("time "))
     return cells
 
 
