@@ -127,6 +127,28 @@ def test_step_and_finding_from_the_url(
     assert 'class="finding active"' in dom
     dom = dump_dom(chromium, page, "#view=timeline", tmp_path / "profile")
     assert 'class="only-timeline"' in dom and status(dom)["data-step"] == "step 0"
+    # a malformed escape (a link cut short) is ignored: the page still draws (it threw)
+    dom = dump_dom(chromium, page, "#step=%E0%A4%A", tmp_path / "profile")
+    assert status(dom)["data-step"] == "step 0"
+
+
+def test_a_hang_findings_link_outlines_the_stuck_collective(
+    chromium: str, tmp_path: Path
+) -> None:
+    """A hang: ranks 0, 2, 3 wait in an all_reduce inside spans never written, which
+    only their hang records list. The finding's link outlines it on those three ranks
+    (nothing was outlined: the timeline did not read hang records)."""
+    from test_analysis_check import hang_scenario
+
+    from commspan.analysis import build_run, check
+
+    records = hang_scenario(rank1_record=True).spans()
+    findings = check(build_run(records)).to_dict()["findings"]
+    assert [f["kind"] for f in findings] == ["hang"]
+    page = write_html_report(records, tmp_path / "hang.html", findings=findings)
+    dom = dump_dom(chromium, page, f"#step={findings[0]['step']}&finding=0",
+                   tmp_path / "profile")
+    assert dom.count('class="coll marked"') == 3
 
 
 def test_screenshots(chromium: str, report: tuple[Path, Path], tmp_path: Path) -> None:

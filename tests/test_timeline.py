@@ -193,3 +193,43 @@ def test_match_collectives_joins_a_send_with_its_receive(schema: int) -> None:
     reduces = [((0, "all_reduce"), (1, "all_reduce"), (2, "all_reduce"))] * 2
     pairs = [((0, "send"), (1, "recv"))] * 4
     assert ops == sorted(reduces + pairs)
+
+
+def test_a_hang_records_stuck_collective_is_drawn_in_its_step() -> None:
+    """Ranks 0, 2, 3 wait in an all_reduce inside a span never written; their hang
+    records list it as not completed: the timeline has it in the step the hang cut
+    short, once per rank, pending, and matched across those ranks by group and seq
+    (so a hang finding's link outlines it); completed ones the records also list are
+    not drawn twice."""
+    from _analysis_builder import WORLD_GROUP, SpanBuilder
+
+    b = SpanBuilder(world=4, schema=3)
+    for step in (0, 1):
+        for r in range(4):
+            s = b.rank(r, step, finished=step == 0)
+            s.coll("all_reduce", fqn="Net.blocks.0")
+    for r in (0, 2, 3):
+        done = b.event_attrs("all_reduce", fqn="Net.blocks.0", phase="forward",
+                             group=WORLD_GROUP, ranks=range(4), seq=2,
+                             state=semconv.STATE_COMPLETED)
+        stuck = b.event_attrs("all_reduce", fqn="Net.blocks.1", phase="forward",
+                              group=WORLD_GROUP, ranks=range(4), seq=3,
+                              state=semconv.STATE_ISSUED)
+        for _ in range(2):  # a timeout record, then a signal's: the collective once
+            b.hang(r, 1, stack=[("Net", "forward"), ("Net.blocks.1", "forward")],
+                   collectives=[done, stuck])
+    timeline = build_timeline(b.spans())
+    step1 = [w.position for w in timeline.steps if w.step == 1]
+    assert step1
+    pending = [c for c in timeline.collectives if c.pending]
+    assert sorted(c.rank for c in pending) == [0, 2, 3]
+    assert all((c.window, c.fqn, c.seq, c.duration_ns) == (step1[0], "Net.blocks.1", 3, None)
+               for c in pending)
+    in_step1 = [c for c in timeline.collectives if c.window == step1[0]]
+    assert sorted((c.rank, c.seq) for c in in_step1) == [
+        (0, 2), (0, 3), (1, 2), (2, 2), (2, 3), (3, 2), (3, 3)]
+    matched = match_collectives(timeline.collectives)
+    assert sorted(c.rank for c in matched[(pending[0].run_id, WORLD_GROUP, 3)]) == [0, 2, 3]
+    for c in pending:  # drawn inside its step's extent on its rank
+        part = {r: (s, e) for r, s, e in timeline.steps[c.window].ranks}[c.rank]
+        assert part[0] <= c.time_ns <= part[1]

@@ -26,7 +26,7 @@ Example:
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Union
 
@@ -128,6 +128,8 @@ class Collective(NamedTuple):
         redistribute_op: the DTensor op that needed the redistribution ("" if none).
         p2p_seq: a point-to-point op's number per peer and direction (``None`` if
             unknown).
+        pending: not completed when the rank wrote a hang record (it waited in it,
+            inside a span never written): taken from that record.
     """
 
     window: int
@@ -153,6 +155,7 @@ class Collective(NamedTuple):
     dst: str
     redistribute_op: str
     p2p_seq: int | None = None
+    pending: bool = False
 
     @property
     def key(self) -> tuple[str, str, Any]:
@@ -259,6 +262,7 @@ def build_timeline(records: Iterable[SpanRecord]) -> Timeline:
     """
     step_of: dict[str, int] = {}
     module_records: list[tuple[int, str, SpanRecord]] = []
+    hangs: list[tuple[int, SpanRecord]] = []
     rank_extent: dict[tuple[str, int], tuple[int, int]] = {}
     run_of_trace: dict[str, str] = {}
     processes: dict[int, tuple[str, int | None]] = {}
@@ -268,6 +272,9 @@ def build_timeline(records: Iterable[SpanRecord]) -> Timeline:
         if isinstance(step, int) and rec.trace_id not in step_of:
             step_of[rec.trace_id] = step
         if rec.name in (semconv.SPAN_STEP, semconv.SPAN_SESSION):
+            continue
+        if rec.name == semconv.SPAN_HANG:
+            hangs.append((_rank(rec), rec))
             continue
         fqn = attrs.get(semconv.MODULE_FQN)
         if fqn is None:
@@ -297,6 +304,13 @@ def build_timeline(records: Iterable[SpanRecord]) -> Timeline:
         else:
             slot[0] = min(slot[0], rec.start_time)
             slot[1] = max(slot[1], end)
+    # a hang record: the step it cut short reaches its stuck collectives
+    for rank, rec in hangs:
+        key = (rec.trace_id, rank)
+        slot = extents.get(key)
+        if slot is not None and key not in rank_extent:
+            slot[0] = min(slot[0], rec.start_time)
+            slot[1] = max(slot[1], rec.end_time)
     for key, (start, end) in rank_extent.items():
         extents[key] = [start, end]
 
@@ -358,6 +372,7 @@ def build_timeline(records: Iterable[SpanRecord]) -> Timeline:
                     took, gen, in_fqn, phase = pause
                     pauses.append(GcSlice(index, rank, when, took, gen, in_fqn or "", phase or ""))
 
+    collectives.extend(_stuck(hangs, index_of, run_of_trace, collectives))
     slices.sort(key=lambda s: (s.rank, s.start_ns, -s.end_ns))
     collectives.sort(key=lambda c: (c.rank, c.time_ns))
     ranks = tuple(sorted({r for _, r in extents}))
@@ -372,6 +387,30 @@ def build_timeline(records: Iterable[SpanRecord]) -> Timeline:
 
 
 _STATUS_ERROR = 2  # OTLP StatusCode ERROR
+
+
+def _stuck(
+    hangs: Sequence[tuple[int, SpanRecord]], index_of: Mapping[str, int],
+    run_of_trace: Mapping[str, str], drawn: Sequence[Collective],
+) -> list[Collective]:
+    """The collectives hang records list as not completed (a rank waits in them, inside
+    a span never written), in the step of the record, marked ``pending``; each once."""
+    seen = {(c.rank, c.key) for c in drawn}
+    out = []
+    for rank, rec in sorted(hangs, key=lambda h: h[1].end_time):
+        index = index_of.get(rec.trace_id)
+        if index is None:
+            continue
+        run_id = run_of_trace.get(rec.trace_id, _run_id(rec))
+        for (_name, ev), when in zip(rec.events, rec.event_times):
+            if semconv.COLL_OP not in ev or ev.get(semconv.COLL_STATE) == semconv.STATE_COMPLETED:
+                continue
+            c = _collective(index, rank, run_id, when, str(ev.get(semconv.MODULE_FQN, "")), ev)
+            if (rank, c.key) in seen:
+                continue
+            seen.add((rank, c.key))
+            out.append(c._replace(duration_ns=None, pending=True))
+    return out
 
 
 def _rank(rec: SpanRecord) -> int:

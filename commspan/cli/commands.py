@@ -228,7 +228,7 @@ def summary(args: argparse.Namespace, reader: Reader) -> Outcome:
     """Spans, traces, ranks, steps and collectives per phase and op; the runs."""
     from commspan.analysis.counts import Aggregator
     from commspan.analysis.digest import aggregate_parts, summarize_parts
-    from commspan.analysis.issued import issued
+    from commspan.analysis.issued import Issued, issued
     from commspan.analysis.summary import partial_note, summarize
     from commspan.render.details import runs_lines, summary_rows
     from commspan.render.table import summary_table
@@ -240,7 +240,7 @@ def summary(args: argparse.Namespace, reader: Reader) -> Outcome:
         rank = _rank_filter(args.rank, fast)
         agg = aggregate_parts(fast.parts, rank)
         data = summarize_parts(agg, fast.parts, rank)
-        rows = []
+        rows: list[Issued] = []
     else:
         sel = slow = reader.load(args.files)
         rank = _rank_filter(args.rank, slow)

@@ -826,7 +826,7 @@ def _mark(i: int, f: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _details(c: Collective) -> str:
-    parts = []
+    parts = ["not completed: the rank waited in it (hang record)"] if c.pending else []
     if c.dtype:
         shape = "x".join(str(d) for d in c.shape)
         parts.append(f"{c.dtype}[{shape}]" if shape else c.dtype)

@@ -302,6 +302,8 @@ def _collective_args(c: Collective, timeline: Timeline) -> dict[str, Any]:
         "step": timeline.steps[c.window].step,
         "rank": c.rank,
     }
+    if c.pending:
+        args["pending"] = "not completed: the rank waited in it (hang record)"
     if c.duration_ns is not None:
         args["duration_ns"] = c.duration_ns
     if c.src or c.dst:

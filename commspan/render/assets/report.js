@@ -183,7 +183,11 @@
     var params = {};
     location.hash.replace(/^#/, "").split("&").forEach(function (kv) {
       var i = kv.indexOf("=");
-      if (i > 0) params[decodeURIComponent(kv.slice(0, i))] = decodeURIComponent(kv.slice(i + 1));
+      if (i <= 0) return;
+      try {
+        params[decodeURIComponent(kv.slice(0, i))] = decodeURIComponent(kv.slice(i + 1));
+      } catch (e) {  // a malformed escape (a link cut short): that parameter is ignored
+      }
     });
     document.body.classList.toggle("only-timeline", params.view === "timeline");
     marked = null;
