@@ -372,6 +372,26 @@ def test_an_int_beyond_64_bits_is_a_damaged_line_named_by_file_and_line(
         assert "Traceback" not in err
 
 
+def test_control_characters_in_names_reach_the_terminal_escaped(
+    packed_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A module name carrying ESC and BEL (a terminal title change, a colour) is printed
+    with visible escapes by every text command, never raw."""
+    run = tmp_path / "run"
+    run.mkdir()
+    data = gzip.decompress((packed_dir / "commspan-rank0.jsonl.gz").read_bytes())
+    evil = "MLP.net1\u001b]0;OWNED\u0007\u001b[31mRED"
+    assert b'"stringValue":"MLP.net1"' in data
+    (run / "commspan-rank0.jsonl").write_bytes(
+        data.replace(b'"stringValue":"MLP.net1"', f'"stringValue":{json.dumps(evil)}'.encode()))
+    for argv in (["table", "--rank", "0", "--show", "all"], ["summary", "--show", "all"],
+                 ["check"], ["diff", str(packed_dir / "commspan-rank0.jsonl.gz")]):
+        code, out, err = _cli(capsys, argv[0], str(run), *argv[1:])
+        assert "\x1b" not in out + err and "\x07" not in out + err, argv
+        if argv[0] == "table":
+            assert "MLP.net1\\x1b]0;OWNED\\x07\\x1b[31mRED" in out, (argv, out, err)
+
+
 def test_html_findings_from_a_file_and_check_are_listed_once(
     packed_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -70,9 +70,18 @@ def _type_name(exc: BaseException) -> str:
     return type(exc).__name__
 
 
+_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F, *range(0x80, 0xA0))
+             if chr(c) not in "\n\t"}
+"""Control characters (ESC, BEL, CR, ...) a file's module names could carry to the
+terminal, as visible escapes."""
+
+
 def _say(stream: IO[str], text: str) -> None:
     """Write a line that the stream's encoding may not cover (non-ASCII module
-    names on an ASCII terminal): what it cannot encode is escaped."""
+    names on an ASCII terminal): what it cannot encode is escaped, and so are
+    control characters (a module name in a file could otherwise retitle or
+    recolour the terminal; JSON output escapes them already)."""
+    text = text.translate(_CONTROLS)
     encoding = getattr(stream, "encoding", None) or "utf-8"
     try:
         text.encode(encoding)
