@@ -191,7 +191,14 @@ def test_another_programs_newer_spans_do_not_hide_the_run(
     expected = _raw_collectives(*sorted(packed_dir.glob("*.jsonl.gz")))
     code, out, err = _cli(capsys, "summary", str(folder), "--rank", "all", "--json")
     assert code == 0 and json.loads(out)["total"] == expected
-    assert "showing the latest, inputs-test" in err
+    # they are not a run of their own: said once, never chosen
+    assert err == "commspan: 1 span of other programs (no run id, no commspan rank) left out\n"
+    assert json.loads(out)["runs"][0]["run_id"] == "inputs-test"
+    assert len(json.loads(out)["runs"]) == 1
+    for command in ("summary", "check"):
+        code, _, err = _cli(capsys, command, str(folder), "--run", "")
+        assert code == (2 if command == "check" else 1)
+        assert "--run '': no such run in the files (runs: inputs-test" in err
 
 
 def test_digest_refuses_digests_and_reports_what_it_skipped(

@@ -49,7 +49,14 @@ from commspan.analysis.records import (
     _collective,
     _times,
 )
-from commspan.analysis.runs import RunInfo, StepRange, choose, runs_of, writer_of
+from commspan.analysis.runs import (
+    RunInfo,
+    StepRange,
+    choose,
+    commspan_runs,
+    runs_of,
+    writer_of,
+)
 from commspan.analysis.summary import summary_of
 from commspan.otlpjson.decode import DECODE_ERRORS, GZIP_MAGIC, read_spans_in, request_spans
 from commspan.otlpjson.encode import resource_and_scope, span_fields
@@ -873,7 +880,7 @@ def select_parts(
     parts: Sequence[DigestPart], *, run: str | None = None, steps: StepRange | None = None
 ) -> PartSelection:
     """:func:`~commspan.analysis.runs.select` on parts: the same choice, the same errors."""
-    runs = tuple(list_part_runs(parts))
+    runs = commspan_runs(list_part_runs(parts))
     if not runs:
         return PartSelection([], None, (), ())
     chosen, kept_steps, note = choose(runs, run, steps)

@@ -36,6 +36,7 @@ __all__ = [
     "SelectionError",
     "StepRange",
     "choose",
+    "commspan_runs",
     "format_numbers",
     "list_runs",
     "runs_of",
@@ -260,16 +261,36 @@ def select(
         ()
     """
     records = list(records)
-    runs = tuple(list_runs(records))
+    every = tuple(list_runs(records))
+    runs = commspan_runs(every)
     if not runs:
         return Selection([], None, (), ())
     chosen, kept_steps, note = choose(runs, run, steps)
-    kept = [r for r in records if _run_of(r) == chosen.run_id] if len(runs) > 1 else records
+    note = _others_note(every, runs, note)
+    kept = [r for r in records if _run_of(r) == chosen.run_id] if len(every) > 1 else records
     if steps is not None:
         trace_steps = _trace_steps(kept)
         traces = {t for t, s in trace_steps.items() if s in steps}
         kept = [r for r in kept if r.trace_id in traces]
     return Selection(kept, chosen, runs, kept_steps, note)
+
+
+def commspan_runs(runs: Sequence[RunInfo]) -> tuple[RunInfo, ...]:
+    """``runs`` without the spans of other programs (no run id and no commspan rank:
+    a web server's spans in the same folder), unless there is nothing else."""
+    own = tuple(r for r in runs if r.run_id or r.ranks)
+    return own or tuple(runs)
+
+
+def _others_note(every: Sequence[RunInfo], runs: Sequence[RunInfo], note: str | None,
+                 ) -> str | None:
+    """``note``, and how many spans of other programs :func:`commspan_runs` left out."""
+    others = sum(r.spans for r in every if r not in runs)
+    if not others:
+        return note
+    text = (f"{others} span{'s' if others != 1 else ''} of other programs (no run id, no "
+            "commspan rank) left out")
+    return f"{note}; {text}" if note else text
 
 
 def choose(

@@ -91,7 +91,8 @@ class Reader:
             sel = selecting()
         except SelectionError as exc:
             name = "--run" if exc.param == "run" else (option or "--steps")
-            raise ValueError(f"{label}{name} {exc.value}: {exc.detail}") from None
+            value = exc.value if exc.value != "" else "''"
+            raise ValueError(f"{label}{name} {value}: {exc.detail}") from None
         if sel.note:
             more = " (--run ID picks another)" if len(sel.runs) > 1 else ""
             self.notes.append(f"commspan: {label}{sel.note}{more}")
