@@ -329,8 +329,13 @@ def test_output_paths_that_cannot_be_written_name_the_option(
     (tmp_path / "a-file").write_text("")
     under_a_file = tmp_path / "a-file" / "out.html"  # (missing directories are made)
     code, _, err = _cli(capsys, command, str(packed_dir), "-o", str(under_a_file))
-    assert code == 1 and f"-o '{under_a_file}' cannot be written" in err
+    assert code == 1 and f"-o '{under_a_file}' cannot be written: " \
+        f"'{tmp_path / 'a-file'}' is a file, not a directory" in err  # (was "File exists")
     assert "Traceback" not in err
+    with pytest.raises(SystemExit) as info:  # (was "is a directory")
+        main([command, str(packed_dir), "-o", ""])
+    assert info.value.code == 2 and "-o '' is empty; pass a file name" in \
+        capsys.readouterr().err
 
 
 @pytest.mark.parametrize("command", ["html", "perfetto"])

@@ -333,6 +333,12 @@ def test_digest_command_errors_are_one_line(
     code, out, err = run_cli(capsys, "digest", str(tmp_path / "nowhere"))
     assert code == 1 and out == ""
     assert err.count("\n") == 1 and "Traceback" not in err and "nowhere" in err
+    # an empty file holds no commspan span: status 1, as summary says of it (it was 0)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    code, out, err = run_cli(capsys, "digest", str(empty))
+    assert (code, out) == (1, "") and "no commspan span in" in err
+    assert run_cli(capsys, "summary", str(empty))[0] == 1
 
 
 def test_digest_is_small(tmp_path: Path, fake_pg: None) -> None:

@@ -374,6 +374,13 @@ def _writing(output: str, write: Callable[[], Path], example: str) -> Path:
         raise IsADirectoryError(
             f"-o {output!r} is a directory; pass a file name in it, e.g. "
             f"{os.path.join(output, example)!r}") from None
+    except (FileExistsError, NotADirectoryError):  # a directory on the way is a file
+        parent = Path(output).parent
+        while parent != parent.parent and not parent.exists():
+            parent = parent.parent
+        raise NotADirectoryError(
+            f"-o {output!r} cannot be written: {str(parent)!r} is a file, not a "
+            "directory; pass a file in a directory") from None
     except OSError as exc:
         raise OSError(
             f"-o {output!r} cannot be written ({exc.strerror or exc}); pass a file in an "
@@ -506,11 +513,16 @@ def digest(args: argparse.Namespace, reader: Reader) -> Outcome:
         try:
             lines += write_digest(path, report)
         except OSError as exc:
-            raise OSError(f"{path}: cannot write its digest ({exc.strerror or exc})") from None
+            where = ""
+            if not path.is_file():  # a pipe, /dev/stdin, a process substitution
+                where = ("; the digest goes beside its file (FILE.digest): pass a regular "
+                         "file, not a pipe")
+            raise OSError(
+                f"{path}: cannot write its digest ({exc.strerror or exc}){where}") from None
         if report.commspan_spans == before and report.lines > lines_before:
             reader.notes.append(f"commspan: {path} holds no commspan span")
     what = f"{len(files)} files" if len(files) > 1 else str(files[0])
-    if not report.commspan_spans and (report.lines or report.damaged):
+    if not report.commspan_spans:  # (empty files too: as the other commands)
         if report.damaged:
             raise Damaged
         raise ValueError(

@@ -250,8 +250,10 @@ def check_usage(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     if args.command == "digest":
         return
     if args.command in ("html", "perfetto"):
-        _output_not_an_input(parser, args.output, args.files,
-                             "report.html" if args.command == "html" else "trace.json")
+        example = "report.html" if args.command == "html" else "trace.json"
+        if not args.output:
+            parser.error(f"-o '' is empty; pass a file name, e.g. {example!r}")
+        _output_not_an_input(parser, args.output, args.files, example)
     if args.command == "plan":
         if args.rank >= args.world:
             parser.error(f"--rank {args.rank} is not valid with --world {args.world}; "
