@@ -463,3 +463,13 @@ def test_of_a_copy_and_a_grown_file_the_grown_one_is_read(
     plain.write_bytes(b"".join(lines))
     assert {f.name for f in jsonl_files(folder)} == {
         "commspan-rank0.jsonl", "commspan-rank1.jsonl.gz"}
+
+
+@pytest.mark.skipif(not Path("/proc/self/mem").exists(), reason="needs Linux's /proc")
+def test_a_read_error_after_open_names_the_file(capsys: pytest.CaptureFixture[str]) -> None:
+    """A file that opens and then fails to read (EIO, as a failing disk or a network
+    filesystem gives; /proc/self/mem here) is named with what to do; it was a bare
+    "OSError: [Errno 5] Input/output error"."""
+    code, _, err = _cli(capsys, "summary", "/proc/self/mem")
+    assert code == 1 and "Traceback" not in err
+    assert "/proc/self/mem cannot be read (" in err and "leave it out of FILES" in err

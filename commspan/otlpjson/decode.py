@@ -213,7 +213,7 @@ class LineReader:
                 lines: Iterable[tuple[int, bytes]] = _raw_lines(path, limit, self)
             else:
                 lines = _ranges(path, limit, self, ranges)
-            for number, raw in lines:
+            for number, raw in _named_errors(path, lines):
                 complete = raw[-1:] == b"\n"
                 if raw.isspace():  # (no copy, unlike strip())
                     continue
@@ -279,6 +279,22 @@ def _ranges(
         for number, raw in _raw_lines(path, limit, reader, start, stop, last + 1):
             last = number
             yield number, raw
+
+
+def _named_errors(
+    path: Path, lines: Iterable[tuple[int, bytes]]
+) -> Iterator[tuple[int, bytes]]:
+    """``lines``, an error reading them (a failing disk, a network filesystem, a file
+    of ``/proc``) naming the file and what to do."""
+    try:
+        yield from lines
+    except (FileNotFoundError, PermissionError, IsADirectoryError):
+        raise  # (named by the code that lists the files)
+    except OSError as exc:
+        raise OSError(
+            exc.errno, f"{path} cannot be read ({exc.strerror or exc}): a failing disk, a "
+            "network filesystem or a special file; copy it to a local disk, or leave it "
+            "out of FILES") from None
 
 
 def _raw_lines(
