@@ -139,6 +139,83 @@ def _ddp_resized_run(out: Path, rank: int) -> None:
                                        **_view(mode.aggregator)})
 
 
+def _ddp_halves_run(out: Path, rank: int) -> None:
+    """A compressing comm hook (two all-reduces of half a bucket each, sizes no bucket
+    has) on CascadeNet, whose last hook launches several buckets at once: each
+    collective is the bucket the hook was called with, which the hook records."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = CascadeNet()
+    names = {id(p): n for n, p in model.named_parameters()}
+    mode = CommSpanMode(exporters=[
+        JsonlSpanExporter(out / "ddp_halves" / "trace-rank{rank}.jsonl")])
+    seen: list[list[Any]] = []  # [bucket index, its parameters, elements] per all_reduce
+    with mode:
+        ddp = DDP(model, bucket_cap_mb=0.004, find_unused_parameters=True)
+
+        def halves_hook(state, bucket):  # type: ignore[no-untyped-def]
+            buffer = bucket.buffer()
+            half = buffer.numel() // 2
+            for part in (buffer[:half], buffer[half:]):
+                seen.append([bucket.index(), [names[id(p)] for p in bucket.parameters()],
+                             part.numel()])
+                dist.all_reduce(part)
+            done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+            done.set_result(buffer)
+            return done
+
+        ddp.register_comm_hook(None, halves_hook)
+        for i in range(2):
+            with mode.step(i):
+                ddp(torch.randn(4, 6)).sum().backward()
+    mode.shutdown()
+    _write(out, "ddp_halves", rank, {"hook": seen, "stats": mode.stats()})
+
+
+class MapSizedNet(torch.nn.Module):
+    """3 parameters; ``l0.weight`` (float64, so a bucket of its own) has 3 elements:
+    the size of DDP's map of used parameters (one int32 per parameter)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l0 = torch.nn.Linear(3, 1, bias=False).double()
+        self.l1 = torch.nn.Linear(1, 1200, bias=False)
+        self.l2 = torch.nn.Linear(1200, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l2(torch.relu(self.l1(self.l0(x.double()).float())))
+
+
+def _ddp_map_sized_run(out: Path, rank: int) -> None:
+    """find_unused_parameters with a bucket as large as the map of used parameters: the
+    map's int32 all-reduce is still the DDP module's, not that bucket's; the comm hook
+    records the buckets it all-reduces."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = MapSizedNet()
+    names = {id(p): n for n, p in model.named_parameters()}
+    mode = CommSpanMode(exporters=[
+        JsonlSpanExporter(out / "ddp_map_sized" / "trace-rank{rank}.jsonl")])
+    seen: list[list[Any]] = []
+    with mode:
+        ddp = DDP(model, bucket_cap_mb=0.004, find_unused_parameters=True)
+
+        def recording_hook(state, bucket):  # type: ignore[no-untyped-def]
+            seen.append([bucket.index(), [names[id(p)] for p in bucket.parameters()],
+                         str(bucket.buffer().dtype)])
+            return allreduce_hook(state, bucket)
+
+        ddp.register_comm_hook(None, recording_hook)
+        for i in range(2):
+            with mode.step(i):
+                ddp(torch.randn(4, 3)).sum().backward()
+    mode.shutdown()
+    _write(out, "ddp_map_sized", rank, {"hook": seen, "stats": mode.stats()})
+
+
 class Outer(torch.nn.Module):
     """A model whose middle part is a DDP module, built inside the mode."""
 
@@ -396,6 +473,8 @@ SCENARIOS: dict[str, Callable[[Path, int], None]] = {
     "ddp_cascade": lambda out, rank: _ddp_run(
         out, rank, "ddp_cascade", hook=True, find_unused=True, cascade=True),
     "ddp_resized": _ddp_resized_run,
+    "ddp_halves": _ddp_halves_run,
+    "ddp_map_sized": _ddp_map_sized_run,
     "pp_gpipe": lambda out, rank: _pipeline_run(out, rank, "pp_gpipe"),
     "pp_1f1b": lambda out, rank: _pipeline_run(out, rank, "pp_1f1b"),
     "pp_interleaved": _interleaved_run,

@@ -251,6 +251,42 @@ def test_ddp_bucket_after_a_resized_collective_is_its_own(ok_run: MpRun, rank: i
 
 
 @pytest.mark.parametrize("rank", range(WORLD))
+def test_a_compressing_hooks_collectives_are_the_bucket_it_was_called_with(
+    ok_run: MpRun, rank: int
+) -> None:
+    """A comm hook all-reduces each bucket in two halves (sizes no bucket has) and one
+    parameter's hook launches several buckets: each half is the bucket the hook was
+    given (its record), owned by the lowest module holding that bucket's parameters.
+    The halves of bucket 1 were charged to bucket 0 (the launching hook's)."""
+    hook = ok_run.result("ddp_halves", rank)["hook"]
+    events = _bucket_events(ok_run, "ddp_halves", rank)
+    assert len(hook) == 2 * 3 * 2  # two halves, three buckets, two steps
+    assert len(events) == len(hook)
+    for attrs, (index, params, numel) in zip(events, hook):
+        assert attrs[semconv.DDP_BUCKET_INDEX] == index
+        assert attrs[semconv.OWNER_FQN] == _module_name(_lowest_common_module(params))
+        assert attrs[semconv.TENSOR_BYTES] == 4 * numel
+
+
+def test_the_unused_map_is_not_a_bucket_of_its_size(ok_run: MpRun) -> None:
+    """The map of used parameters (int32, one per parameter: 3) is the DDP module's even
+    when a bucket (l0.weight's, 3 elements) has its size; that bucket's all-reduces are
+    those the comm hook saw for it."""
+    for rank in range(WORLD):
+        hook = ok_run.result("ddp_map_sized", rank)["hook"]
+        assert [p for _, p, _ in hook].count(["l0.weight"]) == 2
+        events = ok_run.collectives("ddp_map_sized", rank)
+        maps = [a for _, _, a in events if a.get(semconv.TENSOR_DTYPE) == "int32"]
+        assert len(maps) == 2  # one per step
+        for attrs in maps:
+            assert (attrs[semconv.OWNER_KIND], attrs[semconv.OWNER_FQN]) == ("unused_map", DDP)
+            assert attrs[semconv.TENSOR_SHAPE] == [3]
+        l0 = [a for _, _, a in events if a.get(semconv.OWNER_KIND) == "bucket"
+              and a.get(semconv.OWNER_FQN) == _module_name("l0")]
+        assert len(l0) == 2
+
+
+@pytest.mark.parametrize("rank", range(WORLD))
 def test_ddp_built_inside_the_mode_for_a_larger_model_is_named_in_it(
     ok_run: MpRun, rank: int
 ) -> None:

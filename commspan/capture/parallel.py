@@ -71,6 +71,32 @@ def _self_of_caller(match: Callable[[Any], bool]) -> Any:
     return None
 
 
+try:
+    _GradBucket: Any = torch._C._distributed_c10d.GradBucket  # type: ignore[attr-defined]
+except AttributeError:  # pragma: no cover - torch built without distributed
+    _GradBucket = None
+
+
+def _grad_bucket_index() -> int | None:
+    """The index of the ``GradBucket`` a DDP comm hook running on this thread was
+    called with (an argument of the nearest frame that has one), if any."""
+    if _GradBucket is None:
+        return None
+    frame: Any = sys._getframe(2)
+    for _ in range(_STACK_DEPTH):
+        if frame is None:
+            return None
+        code = frame.f_code
+        if code.co_argcount:
+            local = frame.f_locals
+            for name in code.co_varnames[:code.co_argcount]:
+                value = local.get(name)
+                if type(value) is _GradBucket:
+                    return int(value.index())
+        frame = frame.f_back
+    return None
+
+
 def _code(function: Any) -> Any:
     return inspect.unwrap(function).__code__
 
@@ -190,10 +216,18 @@ class ParallelModules:
                 state.launched += 1
                 return bucket
         own = hit[1]
-        if own.numel == numel and own.index >= state.launched:
-            # the count fell behind (a collective of another size went by): the hook's
-            # parameter's bucket, and those before it, are launched
-            state.launched = own.index + 1
+        if own.numel == numel:
+            if own.index >= state.launched:
+                # the count fell behind (a collective of another size went by): the
+                # hook's parameter's bucket, and those before it, are launched
+                state.launched = own.index + 1
+            return own
+        # of another size than any bucket: a Python comm hook's (compression), for the
+        # bucket it was called with; one parameter's hook may launch several buckets
+        index = _grad_bucket_index()
+        if index is not None and 0 <= index < len(state.buckets) \
+                and state.buckets[index].index == index:
+            return state.buckets[index]
         return own
 
     def ddp_constructing(self) -> str | None:
@@ -312,7 +346,9 @@ class ParallelModules:
                     owners.setdefault(id(p), name)
         prefix = name_of(module.module) or state.fqn
         find_unused = bool(getattr(module, "find_unused_parameters", False))
-        for grad_bucket in reducer._get_zeros_like_grad_buckets():
+        grad_buckets = reducer._get_zeros_like_grad_buckets()
+        count = sum(len(b.parameters()) for b in grad_buckets)
+        for grad_bucket in grad_buckets:
             params = grad_bucket.parameters()
             modules = sorted({owners.get(id(p), prefix) for p in params})
             common = lowest_common_module([m[len(prefix) + 1 :] if m != prefix else ""
@@ -325,6 +361,7 @@ class ParallelModules:
                 owner=prefix + ("." + common if common else ""),
                 ddp_fqn=state.fqn,
                 find_unused=find_unused,
+                ddp_params=count,
             )
             state.buckets.append(bucket)
             for p in params:

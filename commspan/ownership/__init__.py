@@ -177,6 +177,8 @@ class DdpBucket:
         owner: the lowest module holding all of them.
         ddp_fqn: the DistributedDataParallel module.
         find_unused: the DDP module was built with ``find_unused_parameters=True``.
+        ddp_params: parameters of the whole DDP module (its buckets'): the size of
+            its map of used parameters.
     """
 
     index: int
@@ -186,6 +188,7 @@ class DdpBucket:
     owner: str
     ddp_fqn: str
     find_unused: bool
+    ddp_params: int = 0
 
 
 class PipelineTag(NamedTuple):

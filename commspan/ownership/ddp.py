@@ -9,7 +9,9 @@
   module holding all the bucket's parameters; phase backward. A comm hook's
   collectives for the bucket (PowerSGD, compression) are the bucket's too.
 - With ``find_unused_parameters=True`` the same hook all-reduces the map of
-  used parameters (one integer per parameter): owner the DDP module.
+  used parameters (one integer per parameter of the DDP module): owner the DDP
+  module. A Python comm hook's collectives whose sizes match no bucket
+  (compression) belong to the bucket the hook was called with.
 - DDP's forward broadcasts (the bucket layout after its rebuild, buffers) run
   inside the label ``DistributedDataParallel.forward``: owner the DDP module.
 - DDP's construction (parameter shape check, state broadcast from rank 0):
@@ -80,8 +82,9 @@ class DdpModules:
             hook = facts.ddp_bucket_now()
             if hook is None:
                 return None
-            if hook.find_unused and size != hook.numel:
-                # the map of used parameters, all-reduced from the same hook
+            if hook.find_unused and size == hook.ddp_params and issued.op == "all_reduce":
+                # the map of used parameters (an int32 per parameter), all-reduced from
+                # the same hook (a comm hook's own integer collectives are its bucket's)
                 return Ownership(hook.ddp_fqn, Phase.BACKWARD, semconv.SOURCE_DDP,
                                  semconv.OWNER_KIND_UNUSED_MAP)
         bucket = facts.ddp_bucket_now(size)
