@@ -189,7 +189,8 @@ def test_fsdp_rule_ignores_other_collectives_cheaply() -> None:
 
 
 # ------------------------------------------------------------------ DDP
-BUCKET = DdpBucket(1, 1056, 2, ("DDP.module.l2.0",), "DDP.module.l2.0", "DDP", True)
+BUCKET = DdpBucket(1, 1056, 2, ("DDP.module.l2.0",), "DDP.module.l2.0", "DDP", True,
+                   ddp_params=12)
 
 
 def test_ddp_bucket_all_reduce() -> None:
@@ -209,13 +210,19 @@ def test_ddp_bucket_all_reduce() -> None:
 
 
 def test_ddp_unused_map_is_the_ddp_modules() -> None:
-    """With find_unused_parameters, an integer all-reduce of another size from the same
-    hook is the used-parameter map, owned by the DDP module."""
+    """With find_unused_parameters, an int32 all-reduce of one element per parameter of
+    the DDP module (12) from the same hook is the used-parameter map, owned by the DDP
+    module, even when a bucket (BUCKET_2) has 12 elements too; a comm hook's own
+    integer all-reduce of another size is its bucket's."""
     attrs = {semconv.TENSOR_SHAPE: [12], semconv.TENSOR_COUNT: 1, semconv.TENSOR_DTYPE: "int32"}
     facts = Facts(bucket=BUCKET, ddps={"DDP"}, launching={12: BUCKET_2})
     owner = DdpModules().owner(_issued("all_reduce", in_autograd=True, attrs=attrs), facts)
     assert owner is not None and (owner.fqn, owner.kind) == ("DDP", "unused_map")
     assert facts.asked_numel == [None]  # the map does not count as a launched bucket
+    attrs = {**attrs, semconv.TENSOR_SHAPE: [1056]}  # e.g. a quantizing hook's payload
+    owner = DdpModules().owner(_issued("all_reduce", in_autograd=True, attrs=attrs),
+                               Facts(bucket=BUCKET, ddps={"DDP"}))
+    assert owner is not None and (owner.fqn, owner.kind) == ("DDP.module.l2.0", "bucket")
 
 
 BUCKET_2 = DdpBucket(2, 12, 1, ("DDP.module.l3",), "DDP.module.l3", "DDP", True)
