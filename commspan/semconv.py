@@ -368,7 +368,11 @@ ATTRIBUTES: dict[str, str] = {
     WORLD_SIZE: "Number of ranks (resource and rank span).",
     SCHEMA: "commspan span schema version (rank span).",
     MODULE_FQN: "Module name: root class name + dotted path, e.g. ``MLPModule.net2``; "
-    "``Global`` on the rank span. Also copied onto every collective event.",
+    "``Global`` on the rank span. Also copied onto every collective event. Two top-level "
+    "models of one class called apart (a student and its teacher) share their names, and "
+    "their counts add up; call them from one parent module (then ``Parent.student`` and "
+    "``Parent.teacher``) to tell them apart. A model class named ``Global`` is not told "
+    "apart from the rank span (as in torch's CommDebugMode).",
     MODULE_TYPE: "Class name of the module, e.g. ``Linear``.",
     MODULE_DEPTH: "Nesting depth of the module call (root module = 1).",
     PHASE: "``forward``, ``backward``, ``recompute`` or ``setup`` (see Phases). Also copied "
