@@ -195,6 +195,11 @@ def test_step_and_timeline_steps(records: list[SpanRecord], tmp_path: Path) -> N
     assert len(small) < len(html_report(records))
     with pytest.raises(ValueError, match="steps 0-2"):
         html_report(records, step=9)
+    # a finding links to its step only when the page holds that step's timeline
+    finding = {"kind": "mismatch", "group": "0", "seq": 1, "ranks": {}, "message": "m"}
+    page = html_report(records, timeline_steps=[1], findings=[{**finding, "step": 2},
+                                                              {**finding, "step": 1}])
+    assert '<a href="#step=1&amp;finding=1">' in page and "#step=2" not in page
     out = write_html_report(records, tmp_path / "sub" / "report.html", title="TP <run>")
     assert "<title>TP &lt;run&gt;</title>" in out.read_text(encoding="utf-8")
 

@@ -243,7 +243,7 @@ def _page(
         _summary(timeline, ranks),
     ]
     if findings is not None:
-        parts.append(_findings_section(findings, timeline))
+        parts.append(_findings_section(findings, timeline, embedded))
     parts.append(_modules_section(tree, ctx))
     parts.append(_redistributions_section(timeline.collectives, ranks))
     parts.append(_timeline_section())
@@ -359,11 +359,13 @@ def _summary(timeline: Timeline, ranks: list[int]) -> str:
 
 
 # ------------------------------------------------------------------ findings
-def _findings_section(findings: list[Mapping[str, Any]], timeline: Timeline) -> str:
+def _findings_section(
+    findings: list[Mapping[str, Any]], timeline: Timeline, embedded: list[int]
+) -> str:
     head = "<section id=\"findings\">\n<h2>Findings</h2>\n"
     if not findings:
         return head + "<p class=\"ok\">No findings: the checks found nothing.</p>\n</section>\n"
-    steps = {w.step for w in timeline.steps}
+    steps = {timeline.steps[i].step for i in embedded}  # (only those the page can draw)
     rows = []
     for i, f in enumerate(findings):
         kind = f.get("kind", "")
