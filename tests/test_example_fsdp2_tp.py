@@ -174,3 +174,30 @@ def test_table_by_mesh_dim_of_the_run(run: tuple[subprocess.CompletedProcess[str
          "--by-mesh-dim"], capture_output=True, text=True, timeout=120, cwd=REPO,
         env=dict(os.environ, PYTHONPATH=str(REPO))).stdout
     assert text.startswith("mesh dim  op") and "\ntp " in text and "\ndp " in text
+
+
+def test_digests_give_the_same_tables_as_the_lines(
+    run: tuple[subprocess.CompletedProcess[str], Path], tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`table` (and `--json`) read from digests equal `table` read from the lines, module
+    order included: modules FSDP2 credits through the rank span (layers.1's unshards
+    before it ran) were listed first from digests, at the rank span's start."""
+    import shutil
+
+    from commspan.cli import main
+
+    proc, out = run
+    assert proc.returncode == 0, proc.stderr
+    digested = tmp_path / "digested"
+    shutil.copytree(out, digested)
+    assert main(["digest", str(digested)]) == 0
+    capsys.readouterr()
+    for args in (["--rank", "0"], ["--rank", "all"], ["--rank", "1", "--step", "0"],
+                 ["--rank", "0", "--json"]):
+        answers = []
+        for folder in (out, digested):
+            code = main(["table", str(folder), *args])
+            answers.append((code, capsys.readouterr().out))
+        assert answers[0] == answers[1], args
+        assert answers[0][1].index("tok_embeddings") < answers[0][1].index("layers.1"), args

@@ -196,10 +196,11 @@ class Aggregator(SpanProcessor):
                 fqn, str(attrs.get(semconv.MODULE_TYPE, "")), depth, start
             )
         elif not rec.type and attrs.get(semconv.MODULE_TYPE):
-            # known from a credit only: its span tells what it is
+            # known from a credit only: its span tells what it is, and when it first ran
+            # (a credit's time is its rank span's, which starts before every module)
             rec.type = str(attrs[semconv.MODULE_TYPE])
             rec.depth = int(attrs.get(semconv.MODULE_DEPTH, 1) or 1)
-            rec.first_seen = min(rec.first_seen, start)
+            rec.first_seen = start
         elif start < rec.first_seen:
             rec.first_seen = start
             rec.depth = int(attrs.get(semconv.MODULE_DEPTH, 1) or 1)

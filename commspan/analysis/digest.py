@@ -437,11 +437,11 @@ def _merge_agg(agg: Aggregator, state: dict[str, Any], times: int, first: int) -
         rec = modules.get(fqn)
         if rec is None:
             rec = modules[fqn] = ModuleRecord(fqn, mtype, depth, seen)
-        elif not rec.type and mtype:
+        elif not rec.type and mtype:  # known from a credit only (as Aggregator._note_module)
             rec.type, rec.depth = mtype, depth
-            rec.first_seen = min(rec.first_seen, seen)
-        elif seen < rec.first_seen:
-            rec.first_seen, rec.depth = seen, depth
+            rec.first_seen = seen
+        elif seen < rec.first_seen and (mtype or not rec.type):  # (a credit's time: not
+            rec.first_seen, rec.depth = seen, depth                # a typed module's)
         elif rec.params:
             continue
         for name, shape, placement in params:
