@@ -18,8 +18,10 @@ PACKAGE = Path(__file__).resolve().parent.parent / "commspan"
 
 # Lowest first. A module may import from its own layer and the ones before it.
 LAYERS: list[tuple[str, ...]] = [
-    # names, error handling, the bandwidth formulas, locks renewed after fork(): import nothing
-    ("commspan.semconv", "commspan._errors", "commspan._bandwidth", "commspan._fork"),
+    # names, error handling, the bandwidth formulas, locks renewed after fork(), JSON
+    # with big ints: import nothing of commspan
+    ("commspan.semconv", "commspan._errors", "commspan._bandwidth", "commspan._fork",
+     "commspan._json"),
     ("commspan.ownership",),  # the rules: who owns a collective, which phase
     ("commspan.spans",),  # frames -> OpenTelemetry spans
     ("commspan.capture",),  # torch hooks and the dispatch mode: drive the recorder

@@ -40,6 +40,7 @@ from typing import Any, NamedTuple
 import orjson
 
 from commspan import semconv
+from commspan._json import dumps
 from commspan.analysis.counts import Aggregator
 from commspan.analysis.records import (
     MAX_WORLD_SIZE,
@@ -321,13 +322,13 @@ class _Part:
         for row in self.coll:
             seq, issued, duration, p2p_seq = row[2], row[12], row[13], row.pop()
             row[2] = row[12] = row[13] = None
-            text = orjson.dumps(row).decode()
+            text = dumps(row).decode()
             index = templates.setdefault(text, len(templates))
             # a point-to-point op's number per peer (schema 3) comes fifth
             rows.append([index, seq, issued, duration] if p2p_seq is None
                         else [index, seq, issued, duration, p2p_seq])
         part["tmpls"] = list(templates)
-        part["coll"] = orjson.dumps(rows).decode()
+        part["coll"] = dumps(rows).decode()
         return part
 
 
@@ -335,7 +336,7 @@ def _agg_state(agg: Aggregator) -> str:
     """What an aggregator holds, as JSON text without the times modules first ran (the
     text is then the same step after step for a module's span; readers fold each
     distinct text once: :class:`PartMerger`)."""
-    return orjson.dumps({
+    return dumps({
         "counts": agg._counts,
         "modules": [
             [m.fqn, m.type, m.depth, [[n, s, p] for n, (s, p) in m.params.items()]]
@@ -514,7 +515,7 @@ def digest_line(
             part["aggs"] = [number(t, defs, f) for t, f in zip(part["aggs"], part["first"])]
             del part["first"]
             part["tmpls"] = [number(t, defs) for t in part["tmpls"]]
-    body = orjson.dumps({
+    body = dumps({
         "digest": DIGEST_VERSION, "offset": offset, "length": len(line),
         "sample": _sample_crc(line), "spans": spans, "token": texts.token, "defs": defs,
         "parts": parts,

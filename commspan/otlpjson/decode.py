@@ -54,9 +54,6 @@ _log = logging.getLogger(__name__)
 
 
 
-_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
-
-
 def decode_value(v: dict[str, Any]) -> Any:
     """Decode one OTLP/JSON ``AnyValue`` (``{"intValue": "3"}`` -> ``3``)."""
     return _decode_value(v)
@@ -67,10 +64,9 @@ def _decode_value(v: dict[str, Any]) -> Any:
         if key == "stringValue":
             return val
         if key == "intValue":
-            n = int(val)
-            if not _INT64_MIN <= n <= _INT64_MAX:  # (Python's int is unbounded)
-                raise ValueError(f"intValue {val} is outside the 64-bit range of OTLP ints")
-            return n
+            # (beyond int64 too, as older files' resources may hold: kept as it is; the
+            # views' writers fall back to a JSON encoder that takes it, commspan._json)
+            return int(val)
         if key == "doubleValue":
             # "NaN", "Infinity", "-Infinity" as strings; null in files written before
             return float(val) if val is not None else math.nan
@@ -158,7 +154,9 @@ def walk(
                             text = v.get("stringValue")  # most of them: skip the decoder
                             attrs[k] = text if text is not None else decode(v)
                         elif int_prefix is not None and k.startswith(int_prefix):
-                            attrs[k] = int(decode(a["value"]))
+                            v = a["value"]
+                            n = v.get("intValue")
+                            attrs[k] = int(n if n is not None else decode(v))
                 events = [
                     (e.get("name", ""), decode_attributes(e.get("attributes"), event_keys))
                     for e in s.get("events") or ()

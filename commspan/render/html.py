@@ -39,9 +39,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import orjson
-
 from commspan import __version__, semconv
+from commspan._json import dumps
 from commspan.analysis.counts import Aggregator
 from commspan.analysis.timeline import (
     Collective,
@@ -250,7 +249,7 @@ def _page(
     data = _timeline_data(timeline, embedded, first, findings or [])
     parts.append(
         "<script type=\"application/json\" id=\"cs-data\">"
-        + _script_safe(orjson.dumps(data).decode("utf-8"))
+        + _script_safe(dumps(data).decode("utf-8"))
         + "</script>\n"
     )
     parts.append(f"<script>\n{_asset('report.js')}</script>\n</body>\n</html>\n")
@@ -420,7 +419,7 @@ def _extra(extra: Mapping[str, Any]) -> str:
 
 def _fmt(value: Any) -> str:
     if isinstance(value, (dict, list, tuple)):
-        return orjson.dumps(value, default=str).decode("utf-8")
+        return dumps(value, default=str).decode("utf-8")
     return str(value)
 
 

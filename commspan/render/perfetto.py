@@ -43,9 +43,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import orjson
-
 from commspan import __version__, semconv
+from commspan._json import dumps
 from commspan.analysis.timeline import (
     Collective,
     ModuleSlice,
@@ -195,7 +194,7 @@ def write_chrome_trace(source: RecordSource | Timeline, out_path: str | os.PathL
     if not isinstance(out_path, (str, os.PathLike)):
         raise TypeError(f"out_path={out_path!r} is not valid; pass a file path (str or Path)")
     path = Path(out_path)
-    data = orjson.dumps(chrome_trace(source))
+    data = dumps(chrome_trace(source))
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.suffix == ".gz":
         data = gzip.compress(data, compresslevel=6)
