@@ -436,3 +436,36 @@ def test_forwards_without_backward_leave_no_hooks_growing_on_leaves() -> None:
     assert post_bw == expected_post_bw
     assert on_input < 600, on_input  # 2 per forward before (6,000)
     assert on_table <= 1100, on_table  # 1 per forward before (3,000)
+
+
+def test_a_parameter_returning_module_keeps_its_backward_across_top_level_calls() -> None:
+    """``y = head(model(x))``: two top-level modules, the first holding a module that
+    returns its parameter. The second one's forward does not cost the first one's
+    submodule its backward span (it did when any top-level forward dropped the calls
+    only leaf hooks watch), as when the two run as one model."""
+
+    class Both(nn.Module):
+        def __init__(self, model: nn.Module, head: nn.Module) -> None:
+            super().__init__()
+            self.model, self.head = model, head
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.model(x))
+
+    def run(composed: bool) -> Counter[tuple[str, str]]:
+        torch.manual_seed(0)
+        model, head = _WithPosition(), nn.Linear(4, 4)
+        x = torch.randn(2, 4, requires_grad=True)
+        mode, exporter = traced_mode()
+        with mode:
+            y = Both(model, head)(x) if composed else head(model(x))
+            y.sum().backward()
+        spans = list(exporter.get_finished_spans())
+        assert_well_formed(spans)
+        return Counter((fqn(s).split(".", 1)[-1] if composed else fqn(s), phase(s))
+                       for s in spans if fqn(s) and phase(s) == "backward"
+                       and "pos" in fqn(s))
+
+    separate = run(composed=False)
+    assert separate == {("_WithPosition.pos", "backward"): 1}
+    assert sum(run(composed=True).values()) == 1

@@ -26,8 +26,8 @@ Hooks hold no tensor and no module. Hooks left on leaf tensors hold their
 call only weakly and are removed after each backward; those whose call died
 with its graph (a forward that no backward followed) are removed as more are
 added. A call that nothing but leaf hooks watch (a module returning a
-parameter) is kept alive until the next top-level forward starts (at most
-1,024 of them): a backward then belongs to the forward that ran last. So
+parameter) is kept alive until the next forward of its top-level module (at
+most 1,024 of them): a backward then belongs to that model's last forward. So
 nothing grows step after step, nor call after call in a mode held open
 without steps or backward, and forwards no backward followed (an evaluation
 without ``no_grad``) add no backward spans to the next backward.
@@ -55,7 +55,7 @@ _LEAF_PRUNE_AT = 256
 """Hooks on leaf tensors at which those of dead calls are first removed."""
 _LEAF_CALLS = 1024
 """Calls that only hooks on leaf tensors watch (a module returning a parameter)
-kept alive: those of the running top-level forward, the last 1,024 at most."""
+kept alive: those of each top-level module's last forward, the last 1,024 at most."""
 
 _RUNNING = (Phase.FORWARD, Phase.RECOMPUTE)
 """Phases of a module call that may run a backward inside it."""
@@ -200,7 +200,8 @@ class BackwardNesting:
     _bw_open: list[_Call]  # calls whose backward frame is open
     _leaf_handles: list[tuple[Any, Any]]  # (hook on a leaf tensor, weakref to its call)
     _leaf_prune_at: int  # len(_leaf_handles) that prunes those of dead calls
-    _leaf_calls: deque[_Call]  # the last calls only leaf hooks watch, kept alive
+    _leaf_calls: deque[tuple[int, _Call]]  # (id of its top-level module, call): the last
+    # calls only leaf hooks watch, kept alive
     span_tags: dict[str, Any] | None  # extra attributes of frames opened now (pipeline)
 
     def _init_backward(self) -> None:
@@ -277,8 +278,20 @@ class BackwardNesting:
             self._hook(call, tensors, self._output_grad_ready, self._leaf_output_ready)
         if call.on_leaf and not call.on_graph:
             # only leaf tensors watch it (a module returning a parameter): nothing
-            # else holds it; kept alive until the next top-level forward
-            self._leaf_calls.append(call)
+            # else holds it; kept alive until its top-level module's next forward
+            top = call
+            while top.parent is not None:
+                top = top.parent
+            self._leaf_calls.append((id(top.info), call))
+
+    def _new_top_level_forward(self, info: ModuleInfo) -> None:
+        """A top-level module starts a forward outside autograd: the calls only leaf
+        hooks watch from its last forward are not the next backward's (forwards no
+        backward followed, an evaluation without ``no_grad``)."""
+        key = id(info)
+        kept = [pair for pair in self._leaf_calls if pair[0] != key]
+        if len(kept) != len(self._leaf_calls):
+            self._leaf_calls = deque(kept, maxlen=_LEAF_CALLS)
 
     def _hook(self, call: _Call, tensors: list[torch.Tensor], ready: Callable[..., None],
               leaf_ready: Callable[..., None]) -> None:

@@ -492,9 +492,7 @@ class ModuleTracker(BackwardNesting):
                 self._abandon_backward()
             parent = self._calls[-1] if self._calls else None
             if parent is None and task == -1 and self._leaf_calls:
-                # a new top-level forward: calls only leaf hooks watch (a module that
-                # returns a parameter) from the last one are not its backward's
-                self._leaf_calls.clear()
+                self._new_top_level_forward(info)
             depth = self._call_depth(info, phase, parent)
             attrs = self._call_attributes(module, info, phase, depth)
             frame = self.recorder.push(info.fqn, phase, attrs, task, name=info.names[phase])
