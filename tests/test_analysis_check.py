@@ -630,6 +630,69 @@ def test_a_stage_blocked_in_its_own_send_is_not_the_first_suspect() -> None:
     assert all(f.details["root"] for f in findings[:-1])
 
 
+def test_a_stuck_receive_whose_sender_wrote_no_record_is_reported() -> None:
+    """Rank 2 waits in its receive from rank 1, whose send was exported not completed
+    and who wrote no hang record (its process died): one finding, from the receiver's
+    record (the receiver's side was left to a sender's record that never came)."""
+    b = _chain(stalled=2, record=True)
+    b._spans = [(r, sp) for r, sp in b._spans if sp.name != semconv.SPAN_HANG or r == 3]
+    s = b.rank(1, 1, finished=False)
+    s.coll("send", fqn="Net.stage", kind=semconv.KIND_P2P, peer=2)  # exported, issued
+    b.hang(2, 1, stack=[("Net", "forward"), ("Net.stage", "forward")], collectives=[
+        b.event_attrs("recv", fqn="Net.stage", phase="forward", group=WORLD_GROUP,
+                      ranks=range(WORLD), seq=None, p2p_seq=2, kind=semconv.KIND_P2P,
+                      peer=1, state=semconv.STATE_ISSUED)])
+    findings = [f for f in run_check(b).findings if f.details["p2p"]["receiver"] == 2]
+    assert len(findings) == 1
+    assert "rank 2 is in `Net.stage` forward recv from rank 1; rank 1 is in `Net.stage` " \
+        "forward send to rank 2" in findings[0].message
+
+
+@pytest.mark.parametrize("peer", [None, [0, 3]], ids=["any-source", "batch"])
+def test_a_stuck_receive_from_any_source_is_reported_as_it_is(peer: Any) -> None:
+    """A receive from any source (or a batch) has no single peer to match: the finding
+    says where the rank waits, and blames no one (it used to give nothing)."""
+    b = SpanBuilder(schema=3)
+    for r in range(WORLD):
+        b.rank(r, 0).coll("all_reduce", fqn="Net.sync")
+    op = "recv" if peer is None else "batch_p2p"
+    b.hang(1, 1, stack=[("Net", "forward"), ("Net.stage", "forward")], collectives=[
+        b.event_attrs(op, fqn="Net.stage", phase="forward", group=WORLD_GROUP,
+                      ranks=range(WORLD), seq=None, p2p_seq=1, kind=semconv.KIND_P2P,
+                      peer=peer, state=semconv.STATE_ISSUED)])
+    hangs = [f for f in run_check(b).findings if f.kind == KIND_HANG]
+    assert len(hangs) == 1
+    what = "recv from any source" if peer is None else "batch_p2p with ranks 0, 3"
+    assert hangs[0].message == (
+        f"group 0 (ranks 0-3), rank 1 #1: rank 1 is in `Net.stage` forward {what}, not "
+        "matched with a peer's side")
+    assert hangs[0].details["never_issued"] == [] and not hangs[0].details["root"]
+
+
+def test_a_rank_that_skipped_a_collective_while_blocked_elsewhere_says_so() -> None:
+    """Group "dp" is ranks 0 and 1. Rank 0 waits in its all_reduce; rank 1 never issued
+    it because it waits in a receive from rank 2, which stalled. The all_reduce's
+    finding says rank 1 is itself waiting, and comes after the one naming rank 2."""
+    b = SpanBuilder(schema=3)
+    stack = [("Net", "forward"), ("Net.stage", "forward")]
+    b.hang(0, 0, stack=[("Net", "forward"), ("Net.sync", "forward")], collectives=[
+        b.event_attrs("all_reduce", fqn="Net.sync", phase="forward", group="dp",
+                      ranks=(0, 1), seq=1, state=semconv.STATE_ISSUED)])
+    b.hang(1, 0, stack=stack, collectives=[
+        b.event_attrs("recv", fqn="Net.stage", phase="forward", group=WORLD_GROUP,
+                      ranks=range(WORLD), seq=None, p2p_seq=1, kind=semconv.KIND_P2P,
+                      peer=2, state=semconv.STATE_ISSUED)])
+    b.hang(2, 0, stack=[("Net", "forward"), ("Net.compute", "forward")], collectives=[],
+           reason=semconv.HANG_REASON_SIGNAL)
+    first, second = run_check(b).findings
+    assert first.details["p2p"] == {"sender": 2, "receiver": 1, "p2p_seq": 1}
+    assert first.details["root"] and first.details["never_issued"] == [2]
+    assert second.group == "dp" and not second.details["root"]
+    assert second.message.endswith(
+        "rank 1 never issued it and was last seen in `Net.stage` forward; it is itself "
+        "waiting in `Net.stage` forward recv from rank 2 (#1)")
+
+
 def test_point_to_point_numbers_survive_digests() -> None:
     """Digests keep a point-to-point op's number per peer: the run read from them has
     the collectives the lines give."""

@@ -183,16 +183,35 @@ def test_match_collectives_joins_a_send_with_its_receive(schema: int) -> None:
                     s.coll("send", fqn="Net.pipe", kind=semconv.KIND_P2P, peer=1)
                 elif r == 1:
                     s.coll("recv", fqn="Net.pipe", kind=semconv.KIND_P2P, peer=0)
+            if r in (1, 2):  # from any source: no pair, whatever their numbers
+                s.coll("recv", fqn="Net.any", kind=semconv.KIND_P2P)
             s.coll("all_reduce", fqn="Net.sync")
-    timeline = build_timeline(b.spans())
+    records = b.spans()
+    timeline = build_timeline(records)
     matched = match_collectives(timeline.collectives)
     ops = sorted(tuple(sorted((c.rank, c.op) for c in m)) for m in matched.values())
+    # the HTML report links the same way: (group, seq) keys of the embedded data
+    from _report_dom import embedded_data
+
+    from commspan.render.html import html_report
+
+    data = embedded_data(html_report(records))
+    strings = data["strings"]
+    linked: dict[tuple[str, int], set[tuple[int, str]]] = {}
+    for step in data["steps"]:
+        for rank, _, _, _, _, colls in step["r"]:
+            for k in range(0, len(colls), 9):
+                op, group, seq = strings[colls[k]], strings[colls[k + 3]], colls[k + 4]
+                if seq >= 0:
+                    linked.setdefault((f"{step['s']} {group}", seq), set()).add((rank, op))
     if schema == 2:  # (the all_reduces of ranks 0 and 1 are numbered after the sends)
         assert not any(op in ("send", "recv") for m in ops for _, op in m)
+        assert not any(op in ("send", "recv") for m in linked.values() for _, op in m)
         return
     reduces = [((0, "all_reduce"), (1, "all_reduce"), (2, "all_reduce"))] * 2
     pairs = [((0, "send"), (1, "recv"))] * 4
     assert ops == sorted(reduces + pairs)
+    assert sorted(tuple(sorted(m)) for m in linked.values()) == sorted(reduces + pairs)
 
 
 def test_a_hang_records_stuck_collective_is_drawn_in_its_step() -> None:

@@ -700,15 +700,18 @@ def _p2p_hang_findings(
     for r in sorted(latest):
         hang = latest[r]
         for rec in waiting.get(r, []):
-            if rec.p2p_seq is None or not isinstance(rec.peer, int) \
-                    or rec.op not in _P2P_MATCH:
+            if rec.p2p_seq is None:
+                continue  # a collective, or schema 2: the group's path
+            if not isinstance(rec.peer, int) or rec.op not in _P2P_MATCH:
+                findings.append(_unmatched_p2p_finding(rec, r, hang))
                 continue
             peer = rec.peer
             sender, receiver = (r, peer) if rec.op == "send" else (peer, r)
             match = known[peer].get((rec.group, _P2P_MATCH[rec.op], r, rec.p2p_seq))
-            if match is not None and match.state != semconv.STATE_COMPLETED \
-                    and rec.op == "recv":
-                continue  # both waiting: reported once, from the sender's side
+            if rec.op == "recv" and any(
+                    w.op == "send" and w.peer == r and w.group == rec.group
+                    and w.p2p_seq == rec.p2p_seq for w in waiting.get(peer, ())):
+                continue  # both waiting: reported once, from the sender's record
             findings.append(_p2p_hang_finding(
                 run, rec, r, hang, peer, match, sender, receiver, latest, waiting, known,
                 last_any))
@@ -787,6 +790,25 @@ def _p2p_hang_finding(
                    message, details)
 
 
+def _unmatched_p2p_finding(rec: CollectiveRecord, r: int, hang: HangRecord) -> Finding:
+    """A send or receive not completed that names no single peer (a receive from any
+    source, a batch): no peer's side to match it with; said as it is."""
+    entry = _entry(rec)
+    entry.update(state=rec.state, waited_ns=max(0, hang.time_ns - rec.issued_ns),
+                 hang_record=hang.reason, stack=[f"{f} {p}" for f, p in hang.stack])
+    if rec.peer is None:
+        what = f"{rec.op} from any source"
+    else:
+        peers = list(rec.peer) if isinstance(rec.peer, tuple) else [rec.peer]
+        entry["peer"] = peers
+        what = f"{rec.op} with ranks {_list(peers)}"
+    message = (f"{_group_label(rec.group, rec.group_ranks)}, rank {r} #{rec.p2p_seq}: rank "
+               f"{r} is in {rec.where()} {what}, not matched with a peer's side")
+    details: dict[str, Any] = {"group_ranks": list(rec.group_ranks), "never_issued": [],
+                               "not_traced": [], "issued_ns": rec.issued_ns, "root": False}
+    return Finding(KIND_HANG, rec.group, None, hang.step, {r: entry}, message, details)
+
+
 def _op_words(rec: CollectiveRecord) -> str:
     """``all_reduce (seq 4)``, ``send to rank 2 (#3)``: an op, for messages."""
     if rec.p2p_seq is not None and isinstance(rec.peer, int) and rec.op in _P2P_TO:
@@ -830,6 +852,7 @@ def _hang_finding(
     steps: Counter[int | None] = Counter()
     issued_at: list[int] = []
     untraced: list[int] = []
+    blocked: list[int] = []  # ranks that never issued it, waiting in another op
     for r in members:
         hang = latest.get(r)
         if run.rank_sample and hang is None and r not in run.ranks \
@@ -862,6 +885,12 @@ def _hang_finding(
             if last is not None:
                 entry["last_seq"] = last.seq
                 entry["last_op"] = last.op
+            stuck = [c for c in (hang.collectives if hang is not None else ())
+                     if c.state != semconv.STATE_COMPLETED]
+            if stuck:  # it did not get there because it waits in another op: not the cause
+                b = min(stuck, key=lambda c: c.issued_ns)
+                text += f"; it is itself waiting in {b.where()} {_op_words(b)}"
+                blocked.append(r)
             never.setdefault(text, []).append(r)
         entry["hang_record"] = hang.reason if hang is not None else None
         if hang is not None:
@@ -875,7 +904,8 @@ def _hang_finding(
         parts.append(f"{_who(done)} completed it")
     for text, who in never.items():
         if len(who) > 1:
-            text = text.replace(" and was ", " and were ", 1)
+            text = text.replace(" and was ", " and were ", 1).replace(
+                "; it is itself waiting", "; they are themselves waiting", 1)
         parts.append(f"{_who(who)} {text}")
     if untraced:
         parts.append(f"{_who(untraced)} {'is' if len(untraced) == 1 else 'are'} not traced "
@@ -887,6 +917,8 @@ def _hang_finding(
         "never_issued": sorted(r for who in never.values() for r in who),
         "not_traced": sorted(untraced),
         "issued_ns": min(issued_at) if issued_at else 0,
+        # it names a rank that never issued it and waits on nothing else: a cause
+        "root": not blocked,
     }
     return Finding(KIND_HANG, group, seq, step, ranks, message, details)
 

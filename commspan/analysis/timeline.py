@@ -477,10 +477,13 @@ def match_collectives(
     """
     out: dict[tuple[str, str, Any], list[Collective]] = {}
     for c in collectives:
-        if c.seq is None and c.p2p_seq is None:
+        if c.kind == semconv.KIND_P2P:
+            if c.p2p_seq is None or c.peer is None:
+                # schema 2 numbered them with the group's collectives (their peer's
+                # number meant another op); one from any source has no pair
+                continue
+        elif c.seq is None:
             continue
-        if c.kind == semconv.KIND_P2P and c.p2p_seq is None:
-            continue  # schema 2: numbered with the group's collectives, unlike its peer's
         out.setdefault(c.key, []).append(c)
     for members in out.values():
         members.sort(key=lambda c: (c.time_ns, c.rank))

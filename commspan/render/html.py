@@ -747,8 +747,10 @@ def _timeline_data(
                 ]
             cflat: list[int] = []
             for c in colls.get((index, rank), []):
-                if c.p2p_seq is not None and c.peer is not None:
-                    group, seq = _link_group(c.group, *_pair(c)), c.p2p_seq
+                if c.kind == semconv.KIND_P2P:  # linked with its peer's side, if any
+                    paired = c.p2p_seq is not None and c.peer is not None
+                    group = _link_group(c.group, *_pair(c)) if paired else c.group
+                    seq = c.p2p_seq if paired and c.p2p_seq is not None else -1
                 else:
                     group, seq = c.group, c.seq if c.seq is not None else -1
                 cflat += [
