@@ -339,17 +339,20 @@ def format_numbers(values: Iterable[int]) -> str:
     Example:
         >>> format_numbers([0, 1, 2, 3, 7, 9, 10])
         '0-3,7,9-10'
+        >>> format_numbers([-2, -1, 0, 1])
+        '-2..1'
     """
     numbers = sorted(set(values))
     if not numbers:
         return "-"
+    dash = ".." if numbers[0] < 0 else "-"  # ("-2-1" would read as two numbers)
     parts: list[str] = []
     start = prev = numbers[0]
     for v in numbers[1:]:
         if v == prev + 1:
             prev = v
             continue
-        parts.append(str(start) if start == prev else f"{start}-{prev}")
+        parts.append(str(start) if start == prev else f"{start}{dash}{prev}")
         start = prev = v
-    parts.append(str(start) if start == prev else f"{start}-{prev}")
+    parts.append(str(start) if start == prev else f"{start}{dash}{prev}")
     return ",".join(parts)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from collections.abc import Sequence
 
 from commspan import __version__
@@ -66,19 +67,27 @@ def _at_least_zero(option: str, value: str, what: str) -> int:
 
 
 def _step(value: str) -> StepRange:
-    step = _at_least_zero("--step", value, "a step number >= 0 (or --steps A-B for a range)")
+    try:
+        step = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--step {value!r} is not valid; pass a step number (or --steps A-B for a "
+            "range)") from None
     return StepRange(step, step)
 
 
+# "A-B" (or "A..B"), A and B whole numbers, negative ones too ("-3--1", "-2..1")
+_RANGE = re.compile(r"^\s*(-?\d+)\s*(?:(?:-|\.\.)\s*(-?\d+)\s*)?$")
+
+
 def _steps(value: str) -> StepRange:
-    first, sep, last = value.partition("-")
-    try:
-        a, b = int(first), int(last if sep else first)
-    except ValueError:
-        a = b = -1
-    if a < 0 or b < a:
+    m = _RANGE.match(value)
+    a = int(m.group(1)) if m else 0
+    b = int(m.group(2)) if m and m.group(2) is not None else a
+    if m is None or b < a:
         raise argparse.ArgumentTypeError(
-            f"--steps {value!r} is not valid; pass A-B with 0 <= A <= B, e.g. 0-9 (or one step)"
+            f"--steps {value!r} is not valid; pass A-B with A <= B, e.g. 0-9 (or one step; "
+            "steps below 0: --steps=-3--1 or --steps=-2..1)"
         )
     return StepRange(a, b)
 
