@@ -103,74 +103,73 @@ class ResizedNet(torch.nn.Module):
         return self.c(torch.relu(self.b(torch.relu(self.a(x)))))
 
 
-def _ddp_resized_run(out: Path, rank: int) -> None:
-    """A comm hook that all-reduces only half of bucket 0 (as a compressing hook
-    reduces tensors of other sizes than its bucket): the next bucket's collective
-    has bucket 1's size, the one after has bucket 0's size again, and must still
-    be bucket 2's."""
+Hook = Callable[[Any, Any], Any]
+
+
+def _hooked_ddp_run(
+    out: Path, rank: int, name: str, make_model: Callable[[], torch.nn.Module], width: int,
+    make_hook: Callable[[Callable[[Any], list[str]], list[list[Any]]], Hook],
+) -> None:
+    """Two steps of ``make_model()`` (inputs ``width`` wide) under DDP with
+    ``find_unused_parameters`` (DDP then never rebuilds its buckets: one layer each,
+    in reverse registration order) and the comm hook ``make_hook(params_of, seen)``
+    returns; the hook notes what it does in ``seen`` (``params_of(bucket)``: the names
+    of the bucket's parameters)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.manual_seed(0)
-    model = ResizedNet()
+    model = make_model()
     names = {id(p): n for n, p in model.named_parameters()}
-    mode = CommSpanMode(exporters=[
-        JsonlSpanExporter(out / "ddp_resized" / "trace-rank{rank}.jsonl")])
+    mode = CommSpanMode(exporters=[JsonlSpanExporter(out / name / "trace-rank{rank}.jsonl")])
     seen: list[list[Any]] = []
     with mode:
-        # find_unused_parameters: DDP never rebuilds the buckets, so they stay one
-        # layer each, in reverse registration order
         ddp = DDP(model, bucket_cap_mb=0.004, find_unused_parameters=True)
-
-        def half_hook(state, bucket):  # type: ignore[no-untyped-def]
-            buffer = bucket.buffer()
-            part = buffer[: buffer.numel() // 2] if bucket.index() == 0 else buffer
-            seen.append([bucket.index(), [names[id(p)] for p in bucket.parameters()],
-                         part.numel()])
-            fut = dist.all_reduce(part, async_op=True).get_future()
-            return fut.then(lambda _: buffer)
-
-        ddp.register_comm_hook(None, half_hook)
+        ddp.register_comm_hook(None, make_hook(
+            lambda bucket: [names[id(p)] for p in bucket.parameters()], seen))
         for i in range(2):
             with mode.step(i):
-                ddp(torch.randn(4, 24)).sum().backward()
+                ddp(torch.randn(4, width)).sum().backward()
     mode.shutdown()
     assert mode.aggregator is not None
-    _write(out, "ddp_resized", rank, {"hook": seen, "stats": mode.stats(),
-                                       **_view(mode.aggregator)})
+    _write(out, name, rank, {"hook": seen, "stats": mode.stats(), **_view(mode.aggregator)})
 
 
-def _ddp_halves_run(out: Path, rank: int) -> None:
-    """A compressing comm hook (two all-reduces of half a bucket each, sizes no bucket
-    has) on CascadeNet, whose last hook launches several buckets at once: each
-    collective is the bucket the hook was called with, which the hook records."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
+def _half_hook(params_of: Callable[[Any], list[str]], seen: list[list[Any]]) -> Hook:
+    """All-reduces only half of bucket 0 (as a compressing hook reduces tensors of other
+    sizes than its bucket): the next bucket's collective has bucket 1's size, the one
+    after has bucket 0's size again, and must still be bucket 2's."""
+    def hook(state, bucket):  # type: ignore[no-untyped-def]
+        buffer = bucket.buffer()
+        part = buffer[: buffer.numel() // 2] if bucket.index() == 0 else buffer
+        seen.append([bucket.index(), params_of(bucket), part.numel()])
+        return dist.all_reduce(part, async_op=True).get_future().then(lambda _: buffer)
+    return hook
 
-    torch.manual_seed(0)
-    model = CascadeNet()
-    names = {id(p): n for n, p in model.named_parameters()}
-    mode = CommSpanMode(exporters=[
-        JsonlSpanExporter(out / "ddp_halves" / "trace-rank{rank}.jsonl")])
-    seen: list[list[Any]] = []  # [bucket index, its parameters, elements] per all_reduce
-    with mode:
-        ddp = DDP(model, bucket_cap_mb=0.004, find_unused_parameters=True)
 
-        def halves_hook(state, bucket):  # type: ignore[no-untyped-def]
-            buffer = bucket.buffer()
-            half = buffer.numel() // 2
-            for part in (buffer[:half], buffer[half:]):
-                seen.append([bucket.index(), [names[id(p)] for p in bucket.parameters()],
-                             part.numel()])
-                dist.all_reduce(part)
-            done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-            done.set_result(buffer)
-            return done
+def _halves_hook(params_of: Callable[[Any], list[str]], seen: list[list[Any]]) -> Hook:
+    """A compressing hook: two all-reduces of half a bucket each, sizes no bucket has
+    (on CascadeNet, whose last hook launches several buckets at once: each collective
+    is the bucket the hook was called with)."""
+    def hook(state, bucket):  # type: ignore[no-untyped-def]
+        buffer = bucket.buffer()
+        half = buffer.numel() // 2
+        for part in (buffer[:half], buffer[half:]):
+            seen.append([bucket.index(), params_of(bucket), part.numel()])
+            dist.all_reduce(part)
+        done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        done.set_result(buffer)
+        return done
+    return hook
 
-        ddp.register_comm_hook(None, halves_hook)
-        for i in range(2):
-            with mode.step(i):
-                ddp(torch.randn(4, 6)).sum().backward()
-    mode.shutdown()
-    _write(out, "ddp_halves", rank, {"hook": seen, "stats": mode.stats()})
+
+def _recording_hook(params_of: Callable[[Any], list[str]], seen: list[list[Any]]) -> Hook:
+    """torch's all-reduce hook, noting each bucket (index, parameters, dtype)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    def hook(state, bucket):  # type: ignore[no-untyped-def]
+        seen.append([bucket.index(), params_of(bucket), str(bucket.buffer().dtype)])
+        return allreduce_hook(state, bucket)
+    return hook
 
 
 class MapSizedNet(torch.nn.Module):
@@ -185,35 +184,6 @@ class MapSizedNet(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.l2(torch.relu(self.l1(self.l0(x.double()).float())))
-
-
-def _ddp_map_sized_run(out: Path, rank: int) -> None:
-    """find_unused_parameters with a bucket as large as the map of used parameters: the
-    map's int32 all-reduce is still the DDP module's, not that bucket's; the comm hook
-    records the buckets it all-reduces."""
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    torch.manual_seed(0)
-    model = MapSizedNet()
-    names = {id(p): n for n, p in model.named_parameters()}
-    mode = CommSpanMode(exporters=[
-        JsonlSpanExporter(out / "ddp_map_sized" / "trace-rank{rank}.jsonl")])
-    seen: list[list[Any]] = []
-    with mode:
-        ddp = DDP(model, bucket_cap_mb=0.004, find_unused_parameters=True)
-
-        def recording_hook(state, bucket):  # type: ignore[no-untyped-def]
-            seen.append([bucket.index(), [names[id(p)] for p in bucket.parameters()],
-                         str(bucket.buffer().dtype)])
-            return allreduce_hook(state, bucket)
-
-        ddp.register_comm_hook(None, recording_hook)
-        for i in range(2):
-            with mode.step(i):
-                ddp(torch.randn(4, 3)).sum().backward()
-    mode.shutdown()
-    _write(out, "ddp_map_sized", rank, {"hook": seen, "stats": mode.stats()})
 
 
 class Outer(torch.nn.Module):
@@ -472,9 +442,12 @@ SCENARIOS: dict[str, Callable[[Path, int], None]] = {
     "ddp_nested": _ddp_nested_run,
     "ddp_cascade": lambda out, rank: _ddp_run(
         out, rank, "ddp_cascade", hook=True, find_unused=True, cascade=True),
-    "ddp_resized": _ddp_resized_run,
-    "ddp_halves": _ddp_halves_run,
-    "ddp_map_sized": _ddp_map_sized_run,
+    "ddp_resized": lambda out, rank: _hooked_ddp_run(
+        out, rank, "ddp_resized", ResizedNet, 24, _half_hook),
+    "ddp_halves": lambda out, rank: _hooked_ddp_run(
+        out, rank, "ddp_halves", CascadeNet, 6, _halves_hook),
+    "ddp_map_sized": lambda out, rank: _hooked_ddp_run(
+        out, rank, "ddp_map_sized", MapSizedNet, 3, _recording_hook),
     "pp_gpipe": lambda out, rank: _pipeline_run(out, rank, "pp_gpipe"),
     "pp_1f1b": lambda out, rank: _pipeline_run(out, rank, "pp_1f1b"),
     "pp_interleaved": _interleaved_run,
