@@ -299,23 +299,29 @@ class BackwardNesting:
         complete: a pre-hook on its autograd node, which holds the call and dies with
         the graph; on a leaf tensor (which keeps its hooks), a hook holding the call
         weakly, removed after backward or once the call is gone."""
-        hook = leaf_hook = ref = None
-        for t in tensors:
+        hook = functools.partial(ready, call)
+        leaves = None
+        for t in tensors:  # (most have a node: nothing else is done per tensor)
             node = t.grad_fn
             if node is not None:
-                if hook is None:
-                    hook = functools.partial(ready, call)
-                    call.on_graph = True
                 node.register_prehook(hook)
-                continue
-            if leaf_hook is None:
-                ref = weakref.ref(call)
-                leaf_hook = functools.partial(leaf_ready, ref)
-                call.on_leaf = True
-            handles = self._leaf_handles
+            elif leaves is None:
+                leaves = [t]
+            else:
+                leaves.append(t)
+        if leaves is None:
+            call.on_graph = True
+            return
+        if len(leaves) < len(tensors):
+            call.on_graph = True
+        call.on_leaf = True
+        ref = weakref.ref(call)
+        leaf_hook = functools.partial(leaf_ready, ref)
+        handles = self._leaf_handles
+        for t in leaves:
             handles.append((t.register_hook(leaf_hook), ref))
-            if len(handles) >= self._leaf_prune_at:
-                self._prune_leaf_hooks()
+        if len(handles) >= self._leaf_prune_at:
+            self._prune_leaf_hooks()
 
     def _leaf_input_ready(self, ref: Any, grad: Any) -> None:
         call = ref()
