@@ -490,3 +490,25 @@ def test_docs_compat_links_resolve() -> None:
     doc = REPO / "docs" / "compat.md"
     targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", doc.read_text(encoding="utf-8"))
     assert [t for t in targets if "://" not in t and not (doc.parent / t).exists()] == []
+
+
+def test_entering_talks_to_no_other_rank(
+    fake_pg: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch's classes send nothing when entered, so `CommDebugMode() if rank == 0 else
+    nullcontext()` is a common pattern; the compat classes do not agree a run id across
+    ranks either (that broadcast, unmatched on the other ranks, hung the job), unless a
+    run_id is passed, which they use as given."""
+    import commspan.session.run_id as run_id_mod
+    from commspan.compat import ModTracker
+
+    agreed: list[str] = []
+    monkeypatch.setattr(run_id_mod, "_agree", lambda local: agreed.append(local) or local)
+    for cls in (CommDebugMode, ModTracker):
+        with cls() as ctx:
+            torch.nn.Linear(2, 2)(torch.ones(1, 2))
+        assert agreed == [], cls
+        assert len(ctx.mode.run_id) == 32
+    with CommDebugMode(run_id="shared") as cdm:
+        pass
+    assert cdm.mode.run_id == "shared" and agreed == []

@@ -122,3 +122,53 @@ def test_agree_is_none_without_a_process_group(monkeypatch: pytest.MonkeyPatch) 
 
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     assert run_id_mod._agree("00" * 16) is None
+
+
+class _Dist:
+    """What _by_store uses of torch.distributed, for one simulated rank."""
+
+    def __init__(self, store: object, rank: int) -> None:
+        import torch.distributed as dist
+
+        self.DistStoreError = dist.DistStoreError
+        self._rank = rank
+        self.distributed_c10d = type("c10d", (), {"_get_default_store": staticmethod(
+            lambda: store)})
+
+    def get_rank(self) -> int:
+        return self._rank
+
+
+def test_the_store_carries_rank_0s_id_and_rank_0_waits_for_nobody(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Rank 0 writes its id in the process group's store and goes on at once (a mode
+    entered on rank 0 alone issues no collective that the other ranks would have to
+    join: a broadcast hung them); another rank waits for it and reads it; one that
+    waits in vain gets no id (its own is used) and says so. A store that cannot do
+    that (the fake process group's) hands over to the broadcast."""
+    import itertools
+    import threading
+
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    mine, theirs = "ab" * 16, "cd" * 16
+    got: dict[str, object] = {}
+    monkeypatch.setattr(run_id_mod, "_AGREEMENTS", itertools.count())
+    waiter = threading.Thread(target=lambda: got.update(
+        one=run_id_mod._by_store(_Dist(store, 1), theirs)))
+    waiter.start()  # rank 1 waits for key 0
+    monkeypatch.setattr(run_id_mod, "_AGREEMENTS", itertools.count())
+    assert run_id_mod._by_store(_Dist(store, 0), mine) == (True, mine)  # no wait
+    waiter.join(10)
+    assert got["one"] == (True, mine)
+    # rank 1 alone: rank 0 never writes key 5
+    monkeypatch.setattr(run_id_mod, "_AGREEMENTS", itertools.count(5))
+    monkeypatch.setattr(run_id_mod, "_WAIT_S", 0.2)
+    assert run_id_mod._by_store(_Dist(store, 1), theirs) == (True, None)
+    assert "waited 0 s for rank 0's run id" in caplog.text
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    assert run_id_mod._by_store(_Dist(FakeStore(), 0), mine) == (False, None)
+    assert run_id_mod._by_store(_Dist(FakeStore(), 1), mine) == (False, None)

@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import re
+import uuid
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -318,7 +319,11 @@ class CommDebugMode:
             as torch does (what noise levels 1-3 list). ``False`` keeps counts
             only: less memory in long contexts; reports then list no ops.
         **mode_kwargs: passed to the :class:`~commspan.CommSpanMode` that
-            records the spans (e.g. ``exporters=[...]``).
+            records the spans (e.g. ``exporters=[...]``). Without ``run_id=`` the
+            mode's run id is its own: entering it talks to no other rank (as
+            torch's class does not), so it may be entered on some ranks only; pass
+            ``run_id=`` (the same on every rank) for exported spans that all ranks
+            share per step.
 
     Raises:
         TypeError: ``record_operations`` is not a bool.
@@ -353,6 +358,7 @@ class CommDebugMode:
         self._keys = counted_ops()
         self.comm_registry: set[Any] = registry()
         self.comm_counts: dict[Any, int] = OpCounts()
+        mode_kwargs.setdefault("run_id", uuid.uuid4().hex)  # (no agreement across ranks)
         self.mode = CommSpanMode(
             module_observer=_Observer(self), _op_observer=self._on_op, **mode_kwargs
         )

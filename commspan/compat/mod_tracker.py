@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -84,8 +85,9 @@ class ModTracker:
     def __init__(self) -> None:
         self._clear_hooks()
         self._depth = 0  # `with` entries inside the active one
-        self.mode = CommSpanMode(
-            aggregator=False, record_params=False, module_observer=_UserHooks(self)
+        self.mode = CommSpanMode(  # its own run id: entering it talks to no other rank
+            aggregator=False, record_params=False, module_observer=_UserHooks(self),
+            run_id=uuid.uuid4().hex,
         )
 
     def _clear_hooks(self) -> None:

@@ -2,8 +2,13 @@
 
 Resolution order: the ``run_id=`` argument, ``COMMSPAN_RUN_ID``,
 ``TORCHELASTIC_RUN_ID`` (set by torchrun), then a random id agreed across
-ranks through the default process group (one 16-byte broadcast from rank 0,
-once, when the mode is entered), else a random id for a single process.
+ranks once, when the mode is entered, else a random id for a single process.
+The agreement goes through the default process group's store: rank 0 writes
+its id, the other ranks wait for it (up to five minutes) and read it. No
+collective is issued, so a mode entered on rank 0 alone (``CommSpanMode() if
+rank == 0 else nullcontext()``) waits for nobody; a rank that waits in vain
+uses an id of its own and says so. (A process group whose store cannot do
+that, such as torch's fake one, agrees by one 16-byte broadcast from rank 0.)
 
 torchrun keeps ``TORCHELASTIC_RUN_ID`` across the restarts of an elastic job,
 and each node counts its own restarts (a node whose workers did not fail
@@ -18,9 +23,13 @@ after the first restart, and nothing before it.
 
 from __future__ import annotations
 
+import datetime
+import itertools
 import logging
 import os
+import re
 import uuid
+from typing import Any
 
 import torch
 
@@ -52,23 +61,68 @@ def resolve_run_id(explicit: str | None = None) -> str:
     return agreed if agreed is not None else local
 
 
+_AGREEMENTS = itertools.count()
+"""Run ids agreed through the store by this process (the key of the next one): the
+ranks enter their modes in the same order, so their n-th agreements match."""
+_WAIT_S = 300.0
+"""How long a rank waits for rank 0's run id."""
+
+
 def _agree(local: str) -> str | None:
-    """Broadcast rank 0's id to every rank; ``None`` without a process group."""
+    """Rank 0's id, on every rank; ``None`` without a process group (or when rank 0's
+    never came)."""
     try:
         import torch.distributed as dist
-        from torch.utils._python_dispatch import _disable_current_modes
 
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
             return None
-        backend = str(dist.get_backend())
-        device = torch.device("cpu")
-        if "nccl" in backend and torch.cuda.is_available():
-            device = torch.device("cuda", torch.cuda.current_device())
-        payload = torch.tensor(list(bytes.fromhex(local)), dtype=torch.uint8, device=device)
-        with _disable_current_modes():  # other dispatch modes must not count this
-            dist.broadcast(payload, src=0)
-        return bytes(payload.cpu().tolist()).hex()
+        usable, agreed = _by_store(dist, local)
+        if usable:
+            return agreed
+        return _by_broadcast(dist, local)
     except Exception as exc:
         _log.warning("commspan: could not agree on a run id across ranks (%s); "
                      "set COMMSPAN_RUN_ID so all ranks share one trace per step", exc)
         return None
+
+
+def _by_store(dist: Any, local: str) -> tuple[bool, str | None]:
+    """``(store usable, agreed id)``: rank 0 writes its id in the default process
+    group's store, the others wait for it and read it."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except Exception:
+        return False, None
+    key = f"commspan/run_id/{next(_AGREEMENTS)}"
+    try:
+        if dist.get_rank() == 0:
+            store.set(key, local)
+            return True, local
+        store.wait([key], datetime.timedelta(seconds=_WAIT_S))
+        value = store.get(key).decode("ascii", "replace")
+    except dist.DistStoreError as exc:  # rank 0 did not enter its mode in time
+        _log.warning(
+            "commspan: rank %d waited %.0f s for rank 0's run id (%s): its spans get a run "
+            "id of their own; enter the mode on rank 0 too, or set COMMSPAN_RUN_ID",
+            dist.get_rank(), _WAIT_S, exc)
+        return True, None
+    except Exception:  # a store that cannot set or wait (torch's fake process group)
+        return False, None
+    return True, value if _HEX32.fullmatch(value) else None
+
+
+_HEX32 = re.compile(r"[0-9a-f]{32}")
+
+
+def _by_broadcast(dist: Any, local: str) -> str | None:
+    """One 16-byte broadcast of rank 0's id over the default process group."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    backend = str(dist.get_backend())
+    device = torch.device("cpu")
+    if "nccl" in backend and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    payload = torch.tensor(list(bytes.fromhex(local)), dtype=torch.uint8, device=device)
+    with _disable_current_modes():  # other dispatch modes must not count this
+        dist.broadcast(payload, src=0)
+    return bytes(payload.cpu().tolist()).hex()
