@@ -40,6 +40,37 @@ def test_counts(commspan_fake_pg, commspan_capture):
     result.assert_outcomes(passed=1)
 
 
+def test_fixture_order_does_not_change_the_rank(pytester: pytest.Pytester) -> None:
+    """commspan_capture listed before commspan_fake_pg still records the fake group's
+    rank and world (the mode was entered before the group existed: rank 0 of 1, and
+    ``ranks=[1]`` on rank 1 then traced nothing); so does commspan_mode. A test that
+    leaves the capture's mode itself tears down cleanly (it raised)."""
+    result = _run(pytester, """
+import pytest
+import torch
+from helpers import Reduce
+from commspan.testing import assert_counts
+
+@pytest.mark.commspan_fake_pg(world_size=4, rank=1)
+@pytest.mark.commspan(ranks=[1])
+def test_late_group(commspan_capture, commspan_fake_pg):
+    Reduce()(torch.ones(2))
+    assert_counts(commspan_capture, "Reduce", "forward", {"all_reduce": 1})
+    span = next(s for s in commspan_capture.spans if s.name == "Reduce forward")
+    assert (span.resource.attributes["commspan.rank"],
+            span.resource.attributes["commspan.world_size"]) == (1, 4)
+
+@pytest.mark.commspan_fake_pg(world_size=4, rank=2)
+def test_mode_too(commspan_mode, commspan_fake_pg):
+    with commspan_mode:
+        assert commspan_mode.resource.attributes["commspan.rank"] == 2
+
+def test_left_by_the_test(commspan_fake_pg, commspan_capture):
+    commspan_capture.mode.__exit__(None, None, None)
+""")
+    result.assert_outcomes(passed=3)
+
+
 def test_failed_test_reports_module_table(pytester: pytest.Pytester) -> None:
     """A failing test that used commspan_capture gets a "commspan modules" report section."""
     result = _run(pytester, """

@@ -86,8 +86,10 @@ class Net(torch.nn.Module):
         return y
 
 
-def _play(out: Path, world: int, ranks: Any, monkeypatch: pytest.MonkeyPatch) -> list[Any]:
-    """Each rank of ``world`` in turn, 2 steps, its own JSONL file; returns the modes."""
+def _play(out: Path, world: int, ranks: Any, monkeypatch: pytest.MonkeyPatch,
+          dump: bool = False) -> list[Any]:
+    """Each rank of ``world`` in turn, 2 steps, its own JSONL file (and, with ``dump``, a
+    ``mode.dump()`` after them); returns the modes."""
     modes = []
     for rank in range(world):
         monkeypatch.setattr(mode_module, "process_ranks", lambda r=rank: Ranks(r, r, world))
@@ -99,6 +101,8 @@ def _play(out: Path, world: int, ranks: Any, monkeypatch: pytest.MonkeyPatch) ->
                 with mode.step(step) as on:
                     traced.append(on)
                     Net()(torch.randn(2, 4))
+            if dump:
+                assert mode.dump()
         mode.shutdown()
         modes.append((mode, traced))
     return modes
@@ -107,9 +111,10 @@ def _play(out: Path, world: int, ranks: Any, monkeypatch: pytest.MonkeyPatch) ->
 def test_ranks_left_out_record_nothing_and_check_expects_only_the_traced(
     fake_pg: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """ranks=[0, 2] of 4: ranks 1 and 3 trace no step and export no span; the traced
+    """ranks=[0, 2] of 4: ranks 1 and 3 trace no step and export no span, not even the
+    record of a ``mode.dump()`` (one made check report them missing); the traced
     ranks' resources name the rule; ``commspan check`` finds nothing missing."""
-    modes = _play(tmp_path, 4, [0, 2], monkeypatch)
+    modes = _play(tmp_path, 4, [0, 2], monkeypatch, dump=True)
     for rank, (mode, traced) in enumerate(modes):
         exported = mode.stats()["spans"]
         if rank in (0, 2):

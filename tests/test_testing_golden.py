@@ -264,3 +264,29 @@ def test_update_variable_off_values_do_not_rewrite(
     with pytest.raises(AssertionError):
         assert_matches_golden(tp_cap, path)
     assert path.read_text() == "# tampered\n"
+
+
+@pytest.mark.parametrize("value", ["n", "2", "upd"])
+def test_update_variable_with_another_value_is_refused(
+    tp_cap: CommCapture, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    """A value that is neither on nor off (a typo) is an error naming the variable; it
+    rewrote the file and passed, a test that could not fail."""
+    path = tmp_path / "g.txt"
+    path.write_text("# tampered\n")
+    monkeypatch.setenv("COMMSPAN_UPDATE_GOLDEN", value)
+    with pytest.raises(ValueError, match=f"COMMSPAN_UPDATE_GOLDEN='{value}' is not valid"):
+        assert_matches_golden(tp_cap, path)
+    assert path.read_text() == "# tampered\n"
+
+
+def test_module_names_that_differ_only_in_zeros_keep_their_lines() -> None:
+    """ModuleDict keys "1" and "01" (and a name with a superscript digit) sort apart:
+    the golden text kept one line of the two and dropped the other's count, and "²"
+    raised ValueError."""
+    from commspan.analysis.issued import natural_key
+
+    names = ["Net.d.01", "Net.d.1", "Net.d.²", "Net.d.10", "Net.d.2"]
+    assert len({natural_key(n) for n in names}) == len(names)
+    assert sorted(names, key=natural_key) == [
+        "Net.d.01", "Net.d.1", "Net.d.2", "Net.d.10", "Net.d.²"]

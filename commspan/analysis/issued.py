@@ -147,4 +147,6 @@ def natural_key(fqn: str) -> tuple[tuple[int, int, str], ...]:
         >>> sorted(["m.layers.10", "m.layers.2", "m"], key=natural_key)
         ['m', 'm.layers.2', 'm.layers.10']
     """
-    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in fqn.split("."))
+    # (the text breaks ties: "01" and "1" are two names; isdecimal: int() takes it)
+    return tuple((0, int(p), p) if p.isdecimal() and p.isascii() else (1, 0, p)
+                 for p in fqn.split("."))

@@ -686,7 +686,8 @@ class CommSpanMode:
                 ``flush_timeout_s``.
 
         Returns:
-            ``True`` if every exporter had written everything in time.
+            ``True`` if every exporter had written everything in time (on a rank
+            that ``ranks=`` leaves out, which writes no record: ``True``).
 
         Raises:
             RuntimeError: the mode is not entered.
@@ -710,6 +711,8 @@ class CommSpanMode:
         rec = self._recorder
         if rec is None:
             return False
+        if not self._rank_traced:
+            return True  # a rank the rank sample leaves out records nothing, hangs neither
         timeout = self._config.flush_timeout_s if timeout_s is None else seconds(
             "timeout_s", timeout_s, zero=True)
         collectives = self._log.snapshot()

@@ -8,7 +8,8 @@ its id, the other ranks wait for it (up to five minutes) and read it. No
 collective is issued, so a mode entered on rank 0 alone (``CommSpanMode() if
 rank == 0 else nullcontext()``) waits for nobody; a rank that waits in vain
 uses an id of its own and says so. (A process group whose store cannot do
-that, such as torch's fake one, agrees by one 16-byte broadcast from rank 0.)
+that agrees by one 16-byte broadcast from rank 0; torch's fake process group, where
+one process plays one rank, keeps the rank's own id.)
 
 torchrun keeps ``TORCHELASTIC_RUN_ID`` across the restarts of an elastic job,
 and each node counts its own restarts (a node whose workers did not fail
@@ -76,6 +77,8 @@ def _agree(local: str) -> str | None:
 
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
             return None
+        if str(dist.get_backend()) == "fake":  # one process plays one rank: nobody to ask
+            return local
         usable, agreed = _by_store(dist, local)
         if usable:
             return agreed

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Union
 
@@ -210,9 +211,16 @@ def capture(**mode_kwargs: Any) -> Iterator[CommCapture]:
     aggregator = _RecordingAggregator()
     mode = CommSpanMode(aggregator=aggregator, **mode_kwargs)
     cap = CommCapture(mode, aggregator)
+    mode.__enter__()
     try:
-        with mode:
-            yield cap
+        yield cap
+    except BaseException:
+        if mode.active:  # (the block may have left the mode itself)
+            mode.__exit__(*sys.exc_info())
+        raise
+    else:
+        if mode.active:
+            mode.__exit__(None, None, None)
     finally:
         mode.shutdown()
 

@@ -87,10 +87,21 @@ def update_golden() -> Iterator[list[Path]]:
 
 
 _OFF = frozenset({"", "0", "false", "no", "off"})
+_ON = frozenset({"1", "true", "yes", "on"})
 
 
 def _updating() -> bool:
-    return _written is not None or os.environ.get(UPDATE_ENV, "").strip().lower() not in _OFF
+    if _written is not None:
+        return True
+    value = os.environ.get(UPDATE_ENV, "").strip().lower()
+    if value in _OFF:
+        return False
+    if value in _ON:
+        return True
+    # (a typo must not rewrite the golden files and pass: that test could not fail)
+    raise ValueError(
+        f"{UPDATE_ENV}={os.environ[UPDATE_ENV]!r} is not valid; set it to 1 to rewrite the "
+        "golden files, or to 0 (or leave it unset) to compare with them")
 
 
 def golden_text(

@@ -116,9 +116,13 @@ def _mode_kwargs(request: pytest.FixtureRequest) -> dict[str, Any]:
 
 @pytest.fixture
 def commspan_capture(request: pytest.FixtureRequest) -> Iterator[CommCapture]:
-    """The test runs under a fresh, entered ``CommSpanMode``; assert on what it recorded."""
+    """The test runs under a fresh, entered ``CommSpanMode``; assert on what it recorded.
+    A test that also asks for ``commspan_fake_pg`` gets its process group first,
+    whatever the order of its arguments (the mode takes its rank when entered)."""
     from commspan.testing import capture
 
+    if "commspan_fake_pg" in request.fixturenames:
+        request.getfixturevalue("commspan_fake_pg")
     with capture(**_mode_kwargs(request)) as cap:
         yield cap
 
@@ -128,6 +132,8 @@ def commspan_mode(request: pytest.FixtureRequest) -> Iterator[CommSpanMode]:
     """A fresh ``CommSpanMode``, not entered; left and shut down after the test."""
     from commspan.testing import fresh_mode
 
+    if "commspan_fake_pg" in request.fixturenames:  # (the fake group outlives the mode)
+        request.getfixturevalue("commspan_fake_pg")
     with fresh_mode(**_mode_kwargs(request)) as mode:
         yield mode
 
