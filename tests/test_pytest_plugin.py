@@ -19,9 +19,13 @@ class Reduce(torch.nn.Module):
 """
 
 
-def _run(pytester: pytest.Pytester, source: str, *args: str) -> pytest.RunResult:
+def _run(pytester: pytest.Pytester, source: str, *args: str,
+         subprocess: bool = False) -> pytest.RunResult:
+    """Run ``source`` as a test file: in this process, or in a fresh one (``subprocess``:
+    where no process group of this session's exists yet)."""
     pytester.makepyfile(helpers=_ALL_REDUCE_MODULE, test_inner=source)
-    return pytester.runpytest_inprocess("--strict-markers", "-p", "no:cacheprovider", *args)
+    run = pytester.runpytest_subprocess if subprocess else pytester.runpytest_inprocess
+    return run("--strict-markers", "-p", "no:cacheprovider", *args)
 
 
 def test_capture_fixture_counts_collectives(pytester: pytest.Pytester) -> None:
@@ -67,7 +71,7 @@ def test_mode_too(commspan_mode, commspan_fake_pg):
 
 def test_left_by_the_test(commspan_fake_pg, commspan_capture):
     commspan_capture.mode.__exit__(None, None, None)
-""")
+""", subprocess=True)
     result.assert_outcomes(passed=3)
 
 
