@@ -306,3 +306,24 @@ def test_a_failed_entry_before_the_dispatch_mode_leaves_the_programs_mode_alone(
         assert _get_current_dispatch_mode_stack() == [users]
     assert not mode.active
     assert "cleaning up a failed entry raised" not in caplog.text
+
+
+def test_a_step_number_not_above_the_highest_is_logged_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The first step, whatever its number (-1: a warm-up), logs nothing (it said "-1
+    after -1 repeats one"); a number not above the highest so far logs once, without
+    claiming it repeats one (5 then 4 repeats nothing)."""
+    mode = CommSpanMode(aggregator=False)
+    with mode:
+        for step in (-1, 0, 5):
+            with mode.step(step):
+                pass
+        assert "not above the highest" not in caplog.text
+        for step in (4, 3):
+            with mode.step(step):
+                pass
+    mode.shutdown()
+    assert caplog.text.count("mode.step(4) after mode.step(5): a step number not above "
+                             "the highest so far") == 1
+    assert "mode.step(3)" not in caplog.text

@@ -142,3 +142,17 @@ def test_without_sampling_a_rank_without_spans_is_missing(
     assert all(semconv.SAMPLING_RANKS not in s.resource for s in spans)
     (finding,) = check(build_run(spans)).findings
     assert finding.kind == "missing" and sorted(finding.ranks) == [1, 3]
+
+
+def test_an_empty_step_set_says_so_and_numpy_fractions_of_any_width_work(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """sample=[] traces no step: a warning says so (it was silent); ranks= takes a
+    numpy float32 fraction as it takes a float64 one (it raised TypeError)."""
+    import numpy as np
+
+    CommSpanMode(sample=[])
+    assert "sample=[] names no step: no step is traced" in caplog.text
+    for share in (np.float32(0.5), np.float64(0.5), 0.5):
+        chosen = [r for r in range(8) if rank_sample(share).traces(r, 8)]
+        assert chosen == [0, 2, 4, 6], share

@@ -254,6 +254,31 @@ def test_collectives_outside_every_module_are_in_the_text_while_capturing(
     assert golden_text(cap) == inside
 
 
+def test_golden_text_with_groups_and_placements_is_whole_while_capturing(
+    fake_pg: None,
+) -> None:
+    """Inside the capture (the README's pytest pattern), a collective on the open rank
+    span and a module span that waits for its collective's completion have their
+    mesh-dimension (``group=``) and parameter lines, as after the capture: they had
+    count lines only (mesh_dim_counts and parameters read finished spans)."""
+    import torch.distributed as dist
+
+    from commspan.testing import fake_mesh
+    from commspan.testing.models import MLP, parallelize_mlp
+
+    model = parallelize_mlp(MLP(), fake_mesh(4))
+    with capture() as cap:
+        dist.all_reduce(torch.ones(2))  # outside every module: on the open rank span
+        y = model(torch.randn(2, 8))  # net2's all_reduce, not waited yet: net2 waits
+        inside = golden_text(cap, groups=True, placements=True)
+        y.sum()
+    after = golden_text(cap, groups=True, placements=True)
+    assert any(line.startswith("Global forward all_reduce group=") for line in
+               after.splitlines())
+    assert any("param" in line for line in after.splitlines() if "net2" in line)
+    assert inside == after
+
+
 @pytest.mark.parametrize("value", ["false", "0", "no", "off", ""])
 def test_update_variable_off_values_do_not_rewrite(
     tp_cap: CommCapture, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, value: str

@@ -206,12 +206,7 @@ class Aggregator(SpanProcessor):
             rec.depth = int(attrs.get(semconv.MODULE_DEPTH, 1) or 1)
         elif rec.params:
             return
-        names = attrs.get(semconv.PARAM_NAMES)
-        if names:
-            placements = list(attrs.get(semconv.PARAM_PLACEMENTS) or [""] * len(names))
-            shapes = list(attrs.get(semconv.PARAM_SHAPES) or [""] * len(names))
-            for i, name in enumerate(names):
-                rec.params[str(name)] = (str(shapes[i]), str(placements[i]))
+        rec.params.update(_params(attrs))
 
     # ------------------------------------------------------------ queries
     def _snapshot(self) -> tuple[Counts, dict[str, ModuleRecord]]:
@@ -231,13 +226,15 @@ class Aggregator(SpanProcessor):
                         modules[credited] = ModuleRecord(
                             credited, "", credited.count(".") + 1, 0
                         )
-                if fqn != semconv.GLOBAL_FQN and fqn not in modules:
-                    modules[fqn] = ModuleRecord(
+                if fqn != semconv.GLOBAL_FQN and (fqn not in modules or (
+                        not modules[fqn].params and semconv.PARAM_NAMES in attrs)):
+                    rec = modules[fqn] = ModuleRecord(
                         fqn,
                         str(attrs.get(semconv.MODULE_TYPE, "")),
                         int(attrs.get(semconv.MODULE_DEPTH, 1) or 1),
-                        0,
+                        modules[fqn].first_seen if fqn in modules else span.start,
                     )
+                    rec.params.update(_params(attrs))  # (a span still open: its own)
         return counts, modules
 
     def module_counts(self) -> dict[str, dict[str, dict[str, int]]]:
@@ -326,7 +323,9 @@ class Aggregator(SpanProcessor):
         for a process group outside any mesh, ``group <name>``
         (:func:`mesh_dim_of`). Bytes are the input bytes of each collective
         (``commspan.tensor.bytes``), summed. Built from the collective events of
-        finished spans, so it is the same live and from JSONL.
+        the spans that ended and, live, of those still open (a step's rank span,
+        a module whose collective is not waited yet), so it is the same live,
+        after the step and from JSONL.
 
         Args:
             phase: only this phase (``forward``, ``backward``, ``recompute``,
@@ -345,8 +344,18 @@ class Aggregator(SpanProcessor):
             might be ``{"count": 2, "bytes": 65536}``.
         """
         with self._lock:
-            items = list(self._by_dim.items())
+            items: list[tuple[Any, Any]] = list(self._by_dim.items())
             ran = set(self._modules)
+        if self._live is not None:  # and the collectives of the spans still open
+            for span in self._live():
+                if span.fqn != semconv.GLOBAL_FQN:
+                    ran.add(span.fqn)
+                for _name, ev in span.events:
+                    event_op = ev.get(semconv.COLL_OP)
+                    if event_op is not None:
+                        key = _summary_key(ev, span.fqn, event_op)
+                        items.append(((key[0], mesh_dim_of(ev), key[1], key[2]),
+                                      (1, int(ev.get(semconv.TENSOR_BYTES, 0) or 0))))
         out: dict[str, dict[str, dict[str, dict[str, int]]]] = {}
         for (owner, dim, ph, op), (count, nbytes) in items:
             if phase is not None and ph != phase:
@@ -539,6 +548,16 @@ class Aggregator(SpanProcessor):
 
 
 # ------------------------------------------------------------------ helpers
+def _params(attrs: Mapping[str, Any]) -> dict[str, tuple[str, str]]:
+    """``{param: (shape, placements)}`` of a module span's attributes."""
+    names = attrs.get(semconv.PARAM_NAMES)
+    if not names:
+        return {}
+    placements = list(attrs.get(semconv.PARAM_PLACEMENTS) or [""] * len(names))
+    shapes = list(attrs.get(semconv.PARAM_SHAPES) or [""] * len(names))
+    return {str(name): (str(shapes[i]), str(placements[i])) for i, name in enumerate(names)}
+
+
 def _summary_key(ev: Mapping[str, Any], fqn: str, op: Any) -> tuple[str, str, str, str, str]:
     """(owner, phase, op, placement before, after) of a collective event of a span of
     module ``fqn``: what :meth:`Aggregator.collectives` groups by."""

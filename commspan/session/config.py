@@ -7,6 +7,7 @@ the mode keeps that and nothing else of its arguments.
 
 from __future__ import annotations
 
+import logging
 import signal
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -22,6 +23,8 @@ from commspan._errors import whole_number as _whole
 from commspan.analysis.counts import Aggregator
 from commspan.capture import ModuleObserver
 from commspan.session.sampling import RankSample, rank_sample
+
+_log = logging.getLogger(__name__)
 
 __all__ = ["ModeConfig", "Sampler", "mode_config"]
 
@@ -263,4 +266,7 @@ def _sampler(sample: int | Iterable[int] | Sampler | None) -> Sampler:
             raise ValueError(f"sample={sample!r} is not valid: {item!r} is not a step "
                              f"number (an int >= 0); {fix}")
     steps = frozenset(numbers)
+    if not steps:
+        _log.warning("commspan: sample=%r names no step: no step is traced (to trace every "
+                     "step, leave sample out)", sample)
     return lambda i: i in steps

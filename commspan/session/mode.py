@@ -244,7 +244,8 @@ class CommSpanMode:
             "(training goes on)")
         self._warned = Once()
         self._in_step = False
-        self._last_step = -1  # highest step number so far (a repeat shares its trace)
+        self._last_step: int | None = None  # highest step number so far (a repeat
+        # shares its trace)
         self._paused = False
         self._popped = False
         self._ranks = Ranks(0, 0, 1)
@@ -471,13 +472,14 @@ class CommSpanMode:
                 f"mode.step({index}) was entered inside another step; steps do not nest"
             )
         self._end_trace(None)
-        if index <= self._last_step and self._warned.first("step repeated"):
+        last = self._last_step
+        if last is not None and index <= last and self._warned.first("step repeated"):
             _log.warning(
-                "commspan: mode.step(%d) after mode.step(%d): a step number that repeats "
-                "one of this run shares its trace, and readers add the two up; pass a "
-                "number that grows over the whole run (e.g. epoch * steps_per_epoch + i) "
-                "(not logged again)", index, self._last_step)
-        self._last_step = max(self._last_step, index)
+                "commspan: mode.step(%d) after mode.step(%d): a step number not above the "
+                "highest so far; one used before shares that step's trace, and readers "
+                "add the two up; pass a number that grows over the whole run (e.g. "
+                "epoch * steps_per_epoch + i) (not logged again)", index, last)
+        self._last_step = index if last is None else max(last, index)
         traced = self._rank_traced and self._config.sampler(index)
         self._in_step = True
         if not traced:

@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -136,6 +137,8 @@ def rank_sample(value: RankSample | Iterable[int] | float | None) -> RankSample:
         return RankSample.all()
     if isinstance(value, RankSample):
         return value
+    if isinstance(value, numbers.Real) and not isinstance(value, (numbers.Integral, bool)):
+        value = float(value)  # numpy's float32 too
     if isinstance(value, float) or (isinstance(value, int) and not isinstance(value, bool)):
         if isinstance(value, int):
             raise TypeError(f"ranks={value!r} is not valid; pass a set of ranks ([{value}]), "

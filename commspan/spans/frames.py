@@ -161,6 +161,7 @@ class OpenSpan(NamedTuple):
             :meth:`~commspan.spans.SpanRecorder.add_event`).
         events: ``(name, attributes)`` of the frame's own events so far (its
             collectives and their op, owner, bytes and placements).
+        start: when the frame opened (ns since the epoch; 0 if not known).
     """
 
     fqn: str
@@ -169,3 +170,4 @@ class OpenSpan(NamedTuple):
     finished: bool
     credits: Mapping[tuple[str, str, str], int] = _NO_CREDITS
     events: tuple[tuple[str, Mapping[str, Any]], ...] = ()
+    start: int = 0

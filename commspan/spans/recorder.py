@@ -195,7 +195,7 @@ class SpanRecorder:
         """
         return tuple(
             OpenSpan(f.fqn, dict(f.attrs), dict(f.counts), f.finished, dict(f.credits or {}),
-                     _event_copies(f))
+                     _event_copies(f), f.start)
             for f in list(self.stack)
         )
 
@@ -205,7 +205,7 @@ class SpanRecorder:
         for those): every span of the trace not handed to the sink yet."""
         waiting = tuple(
             OpenSpan(f.fqn, dict(f.attrs), dict(f.counts), True, dict(f.credits or {}),
-                     _event_copies(f))
+                     _event_copies(f), f.start)
             for f in list(self._closed)
         )
         return waiting + self.open_spans()
