@@ -77,3 +77,44 @@ def test_sampled_out_steps_record_nothing() -> None:
     assert flags == [True, False, True, False]
     assert sorted(traces_by_step(list(exporter.get_finished_spans()))) == [0, 2]
     assert mode.stats()["steps_traced"] == 2 and mode.stats()["steps_skipped"] == 2
+
+
+def test_a_step_number_used_again_shares_its_root() -> None:
+    """Two epochs number their steps 0, 1, 0, 1: each number's trace has one root,
+    written at the end of its first use (it got a second root with the same span id,
+    which assert_well_formed rejects), and both uses' rank spans hang under it."""
+    mode, exporter = traced_mode(run_id="epochs")
+    model = nn.Linear(4, 4)
+    with mode:
+        for step in (0, 1, 0, 1):
+            with mode.step(step):
+                model(torch.randn(2, 4))
+    mode.shutdown()
+    spans = list(exporter.get_finished_spans())
+    assert_well_formed(spans)
+    roots = [s for s in spans if s.name == semconv.SPAN_STEP]
+    assert sorted(attrs(r)[semconv.STEP] for r in roots) == [0, 1]
+    for root in roots:
+        ranks = [s for s in spans if s.name == semconv.SPAN_RANK
+                 and s.parent is not None and s.parent.span_id == root.context.span_id]
+        assert len(ranks) == 2
+
+
+def test_used_step_numbers_are_kept_as_runs() -> None:
+    """The set behind it answers as a Python set does, in runs (steps 0..N: one)."""
+    import random
+
+    from commspan.spans.traces import _Numbers
+
+    rng = random.Random(7)
+    numbers, reference = _Numbers(), set()
+    for _ in range(3000):
+        n = rng.randrange(-50, 300)
+        assert numbers.add(n) == (n not in reference)
+        reference.add(n)
+    runs = sum(1 for n in reference if n - 1 not in reference)
+    assert len(numbers) == runs
+    steps = _Numbers()
+    for n in range(10_000):
+        steps.add(n)
+    assert len(steps) == 1

@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import time
 from typing import Any
@@ -104,16 +105,57 @@ class TraceOpener:
         self.rank = 0
         self.world_size = 1
         self._sessions = 0
+        self._rooted = _Numbers()  # steps whose root this rank wrote (rank 0)
 
     def identify(self, run_id: str, rank: int, world_size: int) -> None:
         """Set the run id and the rank the next traces belong to."""
         self.run_id, self.rank, self.world_size = run_id, rank, world_size
 
     def step(self, index: int) -> Trace:
-        """The trace of step ``index``."""
-        return Trace(f"step/{index}", semconv.SPAN_STEP, self, {semconv.STEP: index})
+        """The trace of step ``index``. A step number used again shares the trace of
+        its first use and its root, which is written once, at the end of the first
+        use (a second one had the same span id)."""
+        trace = Trace(f"step/{index}", semconv.SPAN_STEP, self, {semconv.STEP: index})
+        if trace.writes_root and not self._rooted.add(index):
+            trace.writes_root = False
+        return trace
 
     def session(self) -> Trace:
         """A new trace for activity outside any step."""
         self._sessions += 1
         return Trace(f"session/{self._sessions}", semconv.SPAN_SESSION, self, {})
+
+
+class _Numbers:
+    """A set of ints kept as sorted, disjoint ``[first, last]`` runs: steps numbered
+    0, 1, 2, ... take one run however many there are."""
+
+    __slots__ = ("_firsts", "_lasts")
+
+    def __init__(self) -> None:
+        self._firsts: list[int] = []
+        self._lasts: list[int] = []
+
+    def add(self, n: int) -> bool:
+        """Add ``n``; ``False`` if it was in already."""
+        firsts, lasts = self._firsts, self._lasts
+        i = bisect.bisect_right(firsts, n) - 1  # the run starting at or before n
+        if i >= 0 and n <= lasts[i]:
+            return False
+        joins_left = i >= 0 and lasts[i] == n - 1
+        joins_right = i + 1 < len(firsts) and firsts[i + 1] == n + 1
+        if joins_left and joins_right:
+            lasts[i] = lasts[i + 1]
+            del firsts[i + 1], lasts[i + 1]
+        elif joins_left:
+            lasts[i] = n
+        elif joins_right:
+            firsts[i + 1] = n
+        else:
+            firsts.insert(i + 1, n)
+            lasts.insert(i + 1, n)
+        return True
+
+    def __len__(self) -> int:
+        """How many runs."""
+        return len(self._firsts)

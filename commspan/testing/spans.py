@@ -131,8 +131,9 @@ def assert_well_formed(spans: Iterable[ReadableSpan]) -> None:
     - ids are unique; each trace has one root, a ``commspan.step`` or
       ``commspan.session`` span, and every other span's parent is a span of
       the same trace;
-    - a span starts before it ends, inside its parent's interval, and its
-      events happen while it is open;
+    - a span starts before it ends, inside its parent's interval (but the rank
+      spans of a step number used again: its root is written at the end of its
+      first use), and its events happen while it is open;
     - a module span is named ``"<fqn> <phase>"``; a forward span nests under a
       forward span or the rank span, a backward span under a backward span or
       the rank span (or under a forward span that ran the backward itself,
@@ -149,6 +150,9 @@ def assert_well_formed(spans: Iterable[ReadableSpan]) -> None:
     """
     tree = SpanTree(spans)
     assert len(tree.by_id) == len(tree.spans), "span ids are unique"
+    uses: Counter[tuple[int, Any]] = Counter(  # a step number used again: 2 per rank
+        (s.context.trace_id, (s.attributes or {}).get(semconv.RANK))
+        for s in tree.spans if s.name == semconv.SPAN_RANK)
     roots: Counter[int] = Counter()
     for span in tree.spans:
         start, end = _times(span)
@@ -162,6 +166,9 @@ def assert_well_formed(spans: Iterable[ReadableSpan]) -> None:
         parent = tree.by_id.get((span.context.trace_id, span.parent.span_id))
         assert parent is not None, f"{span.name}: parent missing"
         parent_start, parent_end = _times(parent)
+        if span.name == semconv.SPAN_RANK and uses[(span.context.trace_id, (
+                span.attributes or {}).get(semconv.RANK))] > 1:
+            continue  # a later use of the step number, after its root was written
         assert parent_start <= start and end <= parent_end, (span.name, parent.name)
     assert set(roots) == {s.context.trace_id for s in tree.spans}, "a trace without its root"
     assert all(n == 1 for n in roots.values()), "a trace with several roots"
