@@ -331,8 +331,12 @@ class Aggregator(SpanProcessor):
             phase: only this phase (``forward``, ``backward``, ``recompute``,
                 ``setup``); ``None``: all.
             subtree: count a collective for its owner, every module enclosing
-                the owner that has run, and ``Global``, as :meth:`module_counts`
-                does (default); ``False``: for its owner only.
+                the owner by name that has run, and ``Global`` (default);
+                ``False``: for its owner only. By name: a submodule registered
+                under ``Net.a`` but called from ``Net.b`` counts for ``Net.a``
+                here, where :meth:`module_counts` follows the calls and counts
+                it for ``Net.b``; the two agree whenever modules run where they
+                are registered.
 
         Example:
             >>> from commspan import Aggregator
