@@ -713,8 +713,7 @@ def _p2p_hang_findings(
                     and w.p2p_seq == rec.p2p_seq for w in waiting.get(peer, ())):
                 continue  # both waiting: reported once, from the sender's record
             findings.append(_p2p_hang_finding(
-                run, rec, r, hang, peer, match, sender, receiver, latest, waiting, known,
-                last_any))
+                run, rec, r, hang, peer, match, sender, receiver, latest, known, last_any))
     return findings
 
 
@@ -725,15 +724,12 @@ _P2P_TO = {"send": "to", "recv": "from"}
 def _p2p_hang_finding(
     run: Run, rec: CollectiveRecord, r: int, hang: HangRecord, peer: int,
     match: CollectiveRecord | None, sender: int, receiver: int,
-    latest: Mapping[int, HangRecord], waiting: Mapping[int, list[CollectiveRecord]],
+    latest: Mapping[int, HangRecord],
     known: Mapping[int, Mapping[tuple[str, str, int, int], CollectiveRecord]],
     last_any: Mapping[int, CollectiveRecord],
 ) -> Finding:
     other = _P2P_MATCH[rec.op]
-    entry = _entry(rec)
-    entry.update(state=rec.state, peer=peer, p2p_seq=rec.p2p_seq,
-                 waited_ns=max(0, hang.time_ns - rec.issued_ns), hang_record=hang.reason,
-                 stack=[f"{f} {p}" for f, p in hang.stack])
+    entry = _waiting_entry(rec, hang, peer)
     parts = [f"rank {r} is in {rec.where()} {rec.op} {_P2P_TO[rec.op]} rank {peer}"]
     peer_hang = latest.get(peer)
     peer_entry: dict[str, Any]
@@ -763,16 +759,15 @@ def _p2p_hang_finding(
                       "state": _NOT_ISSUED}
         if issued:
             peer_entry["last_p2p_seq"] = max(issued)
-        blocked = waiting.get(peer, [])
-        if blocked:
+        elsewhere = _waits_in(peer_hang)
+        if elsewhere:
             root = False
-            b = min(blocked, key=lambda c: c.issued_ns)
-            text += f"; it is itself waiting in {b.where()} {_op_words(b)}"
+            text += elsewhere
         text = text.replace("never issued it", f"never issued the matching {other}", 1)
         parts.append(f"rank {peer} {text}")
     if peer_hang is not None:
         peer_entry["hang_record"] = peer_hang.reason
-        peer_entry["stack"] = [f"{f} {p}" for f, p in peer_hang.stack]
+        peer_entry["stack"] = _stack(peer_hang)
     else:
         peer_entry.setdefault("hang_record", None)
     label = _group_label(rec.group, rec.group_ranks)
@@ -793,9 +788,7 @@ def _p2p_hang_finding(
 def _unmatched_p2p_finding(rec: CollectiveRecord, r: int, hang: HangRecord) -> Finding:
     """A send or receive not completed that names no single peer (a receive from any
     source, a batch): no peer's side to match it with; said as it is."""
-    entry = _entry(rec)
-    entry.update(state=rec.state, waited_ns=max(0, hang.time_ns - rec.issued_ns),
-                 hang_record=hang.reason, stack=[f"{f} {p}" for f, p in hang.stack])
+    entry = _waiting_entry(rec, hang)
     if rec.peer is None:
         what = f"{rec.op} from any source"
     else:
@@ -807,6 +800,36 @@ def _unmatched_p2p_finding(rec: CollectiveRecord, r: int, hang: HangRecord) -> F
     details: dict[str, Any] = {"group_ranks": list(rec.group_ranks), "never_issued": [],
                                "not_traced": [], "issued_ns": rec.issued_ns, "root": False}
     return Finding(KIND_HANG, rec.group, None, hang.step, {r: entry}, message, details)
+
+
+def _waiting_entry(rec: CollectiveRecord, hang: HangRecord,
+                   peer: int | None = None) -> dict[str, Any]:
+    """A rank's entry for the op ``rec`` its hang record shows it waiting in (with
+    ``peer``, the rank at the other end)."""
+    entry = _entry(rec)
+    entry["state"] = rec.state
+    if peer is not None:
+        entry["peer"] = peer
+    entry.update(waited_ns=max(0, hang.time_ns - rec.issued_ns), hang_record=hang.reason,
+                 stack=_stack(hang))
+    return entry
+
+
+def _stack(hang: HangRecord) -> list[str]:
+    """``["Net forward", "Net.stage forward"]``: a hang record's open spans."""
+    return [f"{f} {p}" for f, p in hang.stack]
+
+
+def _waits_in(hang: HangRecord | None) -> str:
+    """``"; it is itself waiting in ..."``: the oldest op a hang record shows not
+    completed (the rank is blocked there, so an op it never issued is no sign that it
+    is the cause); ``""`` when it waits in none."""
+    stuck = [c for c in (hang.collectives if hang is not None else ())
+             if c.state != semconv.STATE_COMPLETED]
+    if not stuck:
+        return ""
+    b = min(stuck, key=lambda c: c.issued_ns)
+    return f"; it is itself waiting in {b.where()} {_op_words(b)}"
 
 
 def _op_words(rec: CollectiveRecord) -> str:
@@ -885,16 +908,14 @@ def _hang_finding(
             if last is not None:
                 entry["last_seq"] = last.seq
                 entry["last_op"] = last.op
-            stuck = [c for c in (hang.collectives if hang is not None else ())
-                     if c.state != semconv.STATE_COMPLETED]
-            if stuck:  # it did not get there because it waits in another op: not the cause
-                b = min(stuck, key=lambda c: c.issued_ns)
-                text += f"; it is itself waiting in {b.where()} {_op_words(b)}"
+            elsewhere = _waits_in(hang)
+            if elsewhere:  # it did not get there because it waits in another op
+                text += elsewhere
                 blocked.append(r)
             never.setdefault(text, []).append(r)
         entry["hang_record"] = hang.reason if hang is not None else None
         if hang is not None:
-            entry["stack"] = [f"{f} {p}" for f, p in hang.stack]
+            entry["stack"] = _stack(hang)
         ranks[r] = entry
     parts = []
     for text, who in inside.items():
