@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -292,15 +292,10 @@ class Aggregator(SpanProcessor):
         step in progress holds the collectives issued outside every module)."""
         with self._lock:
             summaries = {k: list(v) for k, v in self._summaries.items()}
-        if self._live is not None:
-            for span in self._live():
-                for _name, ev in span.events:
-                    event_op = ev.get(semconv.COLL_OP)
-                    if event_op is None:
-                        continue
-                    slot = summaries.setdefault(_summary_key(ev, span.fqn, event_op), [0, 0])
-                    slot[0] += 1
-                    slot[1] += int(ev.get(semconv.TENSOR_BYTES, 0) or 0)
+        for key, _ev, nbytes in _collectives_of(self._live() if self._live else ()):
+            slot = summaries.setdefault(key, [0, 0])
+            slot[0] += 1
+            slot[1] += nbytes
         items = list(summaries.items())
         out = [
             CollectiveSummary(k[0], k[1], k[2], k[3], k[4], v[0], v[1])
@@ -351,15 +346,10 @@ class Aggregator(SpanProcessor):
             items: list[tuple[Any, Any]] = list(self._by_dim.items())
             ran = set(self._modules)
         if self._live is not None:  # and the collectives of the spans still open
-            for span in self._live():
-                if span.fqn != semconv.GLOBAL_FQN:
-                    ran.add(span.fqn)
-                for _name, ev in span.events:
-                    event_op = ev.get(semconv.COLL_OP)
-                    if event_op is not None:
-                        key = _summary_key(ev, span.fqn, event_op)
-                        items.append(((key[0], mesh_dim_of(ev), key[1], key[2]),
-                                      (1, int(ev.get(semconv.TENSOR_BYTES, 0) or 0))))
+            live = tuple(self._live())
+            ran.update(span.fqn for span in live if span.fqn != semconv.GLOBAL_FQN)
+            items.extend(((key[0], mesh_dim_of(ev), key[1], key[2]), (1, nbytes))
+                         for key, ev, nbytes in _collectives_of(live))
         out: dict[str, dict[str, dict[str, dict[str, int]]]] = {}
         for (owner, dim, ph, op), (count, nbytes) in items:
             if phase is not None and ph != phase:
@@ -560,6 +550,19 @@ def _params(attrs: Mapping[str, Any]) -> dict[str, tuple[str, str]]:
     placements = list(attrs.get(semconv.PARAM_PLACEMENTS) or [""] * len(names))
     shapes = list(attrs.get(semconv.PARAM_SHAPES) or [""] * len(names))
     return {str(name): (str(shapes[i]), str(placements[i])) for i, name in enumerate(names)}
+
+
+def _collectives_of(
+    spans: Iterable[OpenSpan],
+) -> Iterator[tuple[tuple[str, str, str, str, str], Mapping[str, Any], int]]:
+    """``(summary key, event, bytes)`` of each collective event on ``spans`` (spans
+    still open: what the tables of the spans that ended do not hold yet)."""
+    for span in spans:
+        for _name, ev in span.events:
+            op = ev.get(semconv.COLL_OP)
+            if op is not None:
+                yield (_summary_key(ev, span.fqn, op), ev,
+                       int(ev.get(semconv.TENSOR_BYTES, 0) or 0))
 
 
 def _summary_key(ev: Mapping[str, Any], fqn: str, op: Any) -> tuple[str, str, str, str, str]:
