@@ -47,7 +47,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from commspan import semconv
-from commspan.analysis.records import CollectiveRecord, HangRecord, Run, RunPaths, load_run
+from commspan.analysis.records import (
+    CollectiveRecord,
+    HangRecord,
+    Run,
+    RunPaths,
+    load_run,
+    p2p_pair,
+)
 from commspan.otlpjson.decode import DEFAULT_MAX_LINE_BYTES, ReadReport
 
 __all__ = [
@@ -706,7 +713,7 @@ def _p2p_hang_findings(
                 findings.append(_unmatched_p2p_finding(rec, r, hang))
                 continue
             peer = rec.peer
-            sender, receiver = (r, peer) if rec.op == "send" else (peer, r)
+            sender, receiver = p2p_pair(rec.op, r, peer)
             match = known[peer].get((rec.group, _P2P_MATCH[rec.op], r, rec.p2p_seq))
             if rec.op == "recv" and any(
                     w.op == "send" and w.peer == r and w.group == rec.group

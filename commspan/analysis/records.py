@@ -42,6 +42,7 @@ __all__ = [
     "build_run",
     "gc_event_fields",
     "load_run",
+    "p2p_pair",
 ]
 
 _log = logging.getLogger(__name__)
@@ -108,6 +109,17 @@ class CollectiveRecord(NamedTuple):
     def where(self) -> str:
         """``"`Net.blocks.0` forward"``: the module and phase, for messages."""
         return f"`{self.fqn}` {self.phase}"
+
+
+def p2p_pair(op: str, rank: int, peer: int) -> tuple[int, int]:
+    """``(sender, receiver)`` of point-to-point op ``op`` (``send`` or ``recv``) that
+    ``rank`` issued with ``peer``.
+
+    Example:
+        >>> p2p_pair("send", 1, 2), p2p_pair("recv", 2, 1)
+        ((1, 2), (1, 2))
+    """
+    return (rank, peer) if op == "send" else (peer, rank)
 
 
 class RankStep(NamedTuple):

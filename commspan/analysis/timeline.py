@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Union
 
 from commspan import semconv
-from commspan.analysis.records import gc_event_fields
+from commspan.analysis.records import gc_event_fields, p2p_pair
 from commspan.otlpjson.decode import read_spans
 from commspan.otlpjson.files import jsonl_files
 from commspan.otlpjson.records import SpanRecord, record_rank
@@ -162,10 +162,18 @@ class Collective(NamedTuple):
         """``(run_id, group, seq)``: the same on every rank that took part in it; for a
         point-to-point op, ``(run_id, group, (sender, receiver, p2p_seq))``: the same on
         the send and the receive that matches it."""
-        if self.p2p_seq is not None and self.peer is not None:
-            pair = (self.rank, self.peer) if self.op == "send" else (self.peer, self.rank)
+        pair = self.pair
+        if pair is not None:
             return (self.run_id, self.group, (*pair, self.p2p_seq))
         return (self.run_id, self.group, self.seq)
+
+    @property
+    def pair(self) -> tuple[int, int] | None:
+        """``(sender, receiver)`` of a point-to-point op numbered per peer (schema 3),
+        else ``None``."""
+        if self.p2p_seq is None or self.peer is None:
+            return None
+        return p2p_pair(self.op, self.rank, self.peer)
 
     @property
     def end_ns(self) -> int:

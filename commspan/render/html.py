@@ -748,9 +748,9 @@ def _timeline_data(
             cflat: list[int] = []
             for c in colls.get((index, rank), []):
                 if c.kind == semconv.KIND_P2P:  # linked with its peer's side, if any
-                    paired = c.p2p_seq is not None and c.peer is not None
-                    group = _link_group(c.group, *_pair(c)) if paired else c.group
-                    seq = c.p2p_seq if paired and c.p2p_seq is not None else -1
+                    pair = c.pair
+                    group = _link_group(c.group, *pair) if pair else c.group
+                    seq = c.p2p_seq if pair and c.p2p_seq is not None else -1
                 else:
                     group, seq = c.group, c.seq if c.seq is not None else -1
                 cflat += [
@@ -802,12 +802,6 @@ def _rows(items: list[Any]) -> list[int]:
 
 def _tick(ns: int) -> int:
     return int(round(ns / _TICK_NS))
-
-
-def _pair(c: Collective) -> tuple[int, int]:
-    """``(sender, receiver)`` of a point-to-point op."""
-    assert c.peer is not None
-    return (c.rank, c.peer) if c.op == "send" else (c.peer, c.rank)
 
 
 def _link_group(group: str, sender: Any, receiver: Any) -> str:
