@@ -274,8 +274,7 @@ class BackwardNesting:
             tensors = [t for t in tensors if ids.get(id(t), -1) != t._version]
         if not tensors:
             return
-        if tensors:
-            self._hook(call, tensors, self._output_grad_ready, self._leaf_output_ready)
+        self._hook(call, tensors, self._output_grad_ready, self._leaf_output_ready)
         if call.on_leaf and not call.on_graph:
             # only leaf tensors watch it (a module returning a parameter): nothing
             # else holds it; kept alive until its top-level module's next forward
