@@ -214,14 +214,9 @@ def capture(**mode_kwargs: Any) -> Iterator[CommCapture]:
     mode.__enter__()
     try:
         yield cap
-    except BaseException:
+    finally:
         if mode.active:  # (the block may have left the mode itself)
             mode.__exit__(*sys.exc_info())
-        raise
-    else:
-        if mode.active:
-            mode.__exit__(None, None, None)
-    finally:
         mode.shutdown()
 
 

@@ -121,8 +121,7 @@ def commspan_capture(request: pytest.FixtureRequest) -> Iterator[CommCapture]:
     whatever the order of its arguments (the mode takes its rank when entered)."""
     from commspan.testing import capture
 
-    if "commspan_fake_pg" in request.fixturenames:
-        request.getfixturevalue("commspan_fake_pg")
+    _fake_pg_first(request)
     with capture(**_mode_kwargs(request)) as cap:
         yield cap
 
@@ -132,10 +131,16 @@ def commspan_mode(request: pytest.FixtureRequest) -> Iterator[CommSpanMode]:
     """A fresh ``CommSpanMode``, not entered; left and shut down after the test."""
     from commspan.testing import fresh_mode
 
-    if "commspan_fake_pg" in request.fixturenames:  # (the fake group outlives the mode)
-        request.getfixturevalue("commspan_fake_pg")
+    _fake_pg_first(request)
     with fresh_mode(**_mode_kwargs(request)) as mode:
         yield mode
+
+
+def _fake_pg_first(request: pytest.FixtureRequest) -> None:
+    """Set up ``commspan_fake_pg`` first when the test asks for it, whatever the order of
+    its arguments: a mode takes its rank when entered, and the group outlives it."""
+    if "commspan_fake_pg" in request.fixturenames:
+        request.getfixturevalue("commspan_fake_pg")
 
 
 @pytest.fixture
