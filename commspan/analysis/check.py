@@ -752,8 +752,7 @@ def _p2p_hang_finding(
             parts.append(f"rank {peer} is in {match.where()} {other} {_P2P_TO[other]} "
                          f"rank {r}")
             root = False
-    elif run.rank_sample and peer_hang is None and peer not in run.ranks \
-            and peer not in run.listed_ranks():
+    elif peer_hang is None and run.left_out(peer):
         untraced.append(peer)
         peer_entry = {"op": None, "fqn": None, "phase": None, "seq": None,
                       "state": "not traced"}
@@ -885,8 +884,7 @@ def _hang_finding(
     blocked: list[int] = []  # ranks that never issued it, waiting in another op
     for r in members:
         hang = latest.get(r)
-        if run.rank_sample and hang is None and r not in run.ranks \
-                and r not in run.listed_ranks():
+        if hang is None and run.left_out(r):
             # left out by the rank sample: nothing is known of what it did
             untraced.append(r)
             ranks[r] = {"op": None, "fqn": None, "phase": None, "seq": None,

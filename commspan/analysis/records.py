@@ -261,6 +261,13 @@ class Run:
                             if not self.world_size or r < self.world_size)
         return sorted(expected)
 
+    def left_out(self, rank: int) -> bool:
+        """Whether the run's rank sample left ``rank`` out: it traced only some ranks,
+        ``rank`` wrote nothing and the sample does not name it (then nothing is known of
+        what it did, which is not a sign that it stopped)."""
+        return bool(self.rank_sample) and rank not in self.ranks \
+            and rank not in self.listed_ranks()
+
     def listed_ranks(self) -> frozenset[int]:
         """The ranks a sample of given ranks names (``commspan.sampling.ranks`` is
         ``"ranks 0,1,2"``): they trace, so one that wrote nothing stopped. Empty for
