@@ -65,19 +65,23 @@ def _measure(rounds: int, calls: int) -> dict[str, Any]:
     models = {"functional": Functional(), "c10d_blocking": Blocking(), "c10d_async": Async()}
     x = torch.ones(256)
 
+    next_step: dict[int, int] = {}  # per mode: step numbers grow over the whole run
+
     def loop(model: torch.nn.Module, mode: CommSpanMode | None, trace: Any = None) -> float:
         if mode is None:
             t0 = time.thread_time_ns()
             for _ in range(calls):
                 model(x)
             return (time.thread_time_ns() - t0) / calls / 1000
+        first = next_step.get(id(mode), 0)
+        next_step[id(mode)] = first + (calls + 49) // 50
         with mode:  # entering and leaving are not per collective: outside the clock
             t0 = time.thread_time_ns()
             if trace is not None:
                 sys.settrace(trace)
             try:
                 for start in range(0, calls, 50):
-                    with mode.step(start // 50):
+                    with mode.step(first + start // 50):
                         for _ in range(min(50, calls - start)):
                             model(x)
             finally:
