@@ -55,24 +55,32 @@ def _bytes(value: Any) -> int:
 
 
 class _Reference(TorchDispatchMode):
-    """Every collective op: (group name, op, input bytes, innermost hooked block or None)."""
+    """Every collective op: (mesh dimension, op, input bytes, innermost hooked block or None).
 
-    def __init__(self, groups: dict[str, str], blocks: list[str]) -> None:
+    The dimension is told by the group's ranks (``dims``: ranks -> dimension name),
+    not its name: torch may hand DTensor a group of an earlier mesh with the same
+    ranks (one made by another test on the session's fake process group)."""
+
+    def __init__(self, dims: dict[tuple[int, ...], str], blocks: list[str]) -> None:
         super().__init__()
-        self.groups = groups  # group name -> mesh dimension name
+        self.dims = dims
         self.blocks = blocks  # the forward-hook stack
         self.seen: list[tuple[str, str, int, str | None]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
         name = func._opname
         if func.namespace in ("_c10d_functional", "c10d") and name in _COLLECTIVES:
-            group = next((a for a in args if isinstance(a, str) and a in self.groups), None)
-            if group is None:  # c10d ops take the group, boxed
-                boxed = next(a for a in args if isinstance(a, torch.ScriptObject))
-                group = dist.ProcessGroup.unbox(boxed).group_name
-            assert group in self.groups, (func, group)
+            boxed = next((a for a in args if isinstance(a, torch.ScriptObject)), None)
+            if boxed is not None:  # c10d ops take the group, boxed
+                group = dist.ProcessGroup.unbox(boxed)
+            else:  # functional ops take its name, the last string argument
+                group = _resolve_process_group([a for a in args if isinstance(a, str)][-1])
+            ranks = tuple(dist.get_process_group_ranks(group))
+            assert ranks in self.dims, (func, ranks)
             source = args[_INPUT_INDEX.get(name, 0)]
-            self.seen.append((self.groups[group], name, _bytes(source),
+            self.seen.append((self.dims[ranks], name, _bytes(source),
                               self.blocks[-1] if self.blocks else None))
         return func(*args, **(kwargs or {}))
 
@@ -109,9 +117,9 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         for i, block in enumerate(model.layers):
             block.register_forward_pre_hook(enter(f"{prefix}.layers.{i}"))
             block.register_forward_hook(leave)
-        groups = {mesh["tp"].get_group().group_name: "tp",
-                  mesh["dp"].get_group().group_name: "dp"}
-        reference = _Reference(groups, stack)
+        dims = {tuple(dist.get_process_group_ranks(mesh[d].get_group())): d for d in ("tp", "dp")}
+        assert len(dims) == 2
+        reference = _Reference(dims, stack)
         mode = CommSpanMode(exporters=[JsonlSpanExporter(out / "commspan-rank{rank}.jsonl")])
         tokens, targets = make_batch(args)
         with mode:
