@@ -589,6 +589,35 @@ def _collectives_step(mesh: DeviceMesh) -> StepFn:
     return step
 
 
+class _Sharded(nn.Module):
+    """Two blocks of two Linears (each block returns its last layer's output) and a
+    head: FSDP2 units per block and at the root, as :func:`_fsdp2_step` shards them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)) for _ in range(2))
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _fsdp2_step(mesh: DeviceMesh) -> StepFn:
+    """FSDP2 over the mesh: a unit per block and the root (which holds ``head``). In
+    backward, each block's parameters are gathered again from gradient hooks FSDP
+    puts on the block's output (the root's prefetches the next block's)."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = _Sharded()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return _forward_backward(model, torch.rand(4, 8))
+
+
 _MLP_PLAN = {"net1": ColwiseParallel(), "net2": RowwiseParallel()}
 _STACKED_PLAN = {
     f"layers.{i}.{name}": style
@@ -609,6 +638,7 @@ REPORT_SCENARIOS: dict[str, Callable[[DeviceMesh], StepFn]] = {
     "passthrough": lambda mesh: _forward_backward(
         _Passthrough(), torch.rand(3, 4, requires_grad=True)
     ),
+    "fsdp2": _fsdp2_step,
     **{
         f"transformer_{name}": functools.partial(_transformer_step, args)
         for name, args in SCENARIOS.items()

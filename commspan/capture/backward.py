@@ -5,9 +5,9 @@ backward hooks fire in an order that does not nest. This module implements
 the five steps of docs/design.md, "How backward nesting is inferred"; the
 comments cite them as (step N):
 
-1. a forward call leaves gradient pre-hooks on the autograd nodes of its
-   outputs and of its inputs (:meth:`BackwardNesting._watch_outputs`,
-   :meth:`BackwardNesting._watch_inputs`);
+1. a forward call leaves a hook on its output tensors, first among their
+   hooks, and gradient pre-hooks on the autograd nodes of its inputs
+   (:meth:`BackwardNesting._watch_outputs`, :meth:`BackwardNesting._watch_inputs`);
 2. the module's backward starts when the gradient of one of its outputs is
    ready, together with its forward ancestors whose backward has not started
    (:meth:`BackwardNesting._output_grad_ready`);
@@ -63,7 +63,7 @@ _RUNNING = (Phase.FORWARD, Phase.RECOMPUTE)
 if TYPE_CHECKING:
     from commspan.capture.modules import ModuleInfo
 
-__all__ = ["BackwardNesting", "graph_task_id", "recomputing"]
+__all__ = ["BackwardNesting", "graph_task_id", "hook_first", "recomputing"]
 
 _Tensor = torch.Tensor
 # types torch's pytree flattens (registered dataclasses, ...): type -> its NodeDef
@@ -184,6 +184,19 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
     return out
 
 
+def hook_first(hooks: Any, key: Any) -> None:
+    """Move ``key`` to the front of a tensor's hook dictionary. Autograd runs them in
+    the order of the underlying ``dict`` (``OrderedDict.move_to_end`` does not change
+    it), so the others are inserted again after it, under the same keys (their
+    handles still remove them)."""
+    items = [(k, h) for k, h in hooks.items() if k != key]
+    if len(items) == len(hooks) - 1:
+        ours = hooks[key]
+        hooks.clear()
+        hooks[key] = ours
+        hooks.update(items)
+
+
 class BackwardNesting:
     """The backward half of :class:`~commspan.capture.modules.ModuleTracker`.
 
@@ -274,7 +287,31 @@ class BackwardNesting:
             tensors = [t for t in tensors if ids.get(id(t), -1) != t._version]
         if not tensors:
             return
-        self._hook(call, tensors, self._output_grad_ready, self._leaf_output_ready)
+        leaves = None
+        hook = functools.partial(self._output_tensor_ready, call)
+        for t in tensors:
+            node = t.grad_fn
+            if node is None:
+                if leaves is None:
+                    leaves = [t]
+                else:
+                    leaves.append(t)
+                continue
+            # (step 2) a hook on the tensor, first of its hooks: the backward starts
+            # before gradient hooks other code put on the output (the module's own
+            # forward hooks: FSDP2's re-gather of a unit's parameters) issue anything
+            hooks = t._backward_hooks
+            if hooks:
+                self._demote_inner(call, node, hooks)
+                hook_first(hooks, t.register_hook(hook).id)
+            else:
+                t.register_hook(hook)
+        if leaves is not None:
+            if len(leaves) < len(tensors):
+                call.on_graph = True
+            self._hook(call, leaves, self._output_grad_ready, self._leaf_output_ready)
+        else:
+            call.on_graph = True
         if call.on_leaf and not call.on_graph:
             # only leaf tensors watch it (a module returning a parameter): nothing
             # else holds it; kept alive until its top-level module's next forward
@@ -282,6 +319,29 @@ class BackwardNesting:
             while top.parent is not None:
                 top = top.parent
             self._leaf_calls.append((id(top.info), call))
+
+    def _demote_inner(self, call: _Call, node: Any, hooks: Any) -> None:
+        """``call`` returns a tensor that a call nested in it returned too (a block
+        returning its last layer's output): the inner call's backward starts after
+        the tensor's hooks instead (its hook moves to a pre-hook on the tensor's
+        node), so what the hooks ``call``'s own forward hooks put there issue (FSDP2's
+        re-gather) runs in ``call``'s backward, as torch's module backward hooks
+        order it."""
+        ready = self._output_tensor_ready
+        for key, h in list(hooks.items()):
+            if type(h) is functools.partial and h.func == ready:
+                inner = h.args[0].parent
+                while inner is not None and inner is not call:
+                    inner = inner.parent
+                if inner is None:  # not nested in this call: left as it is
+                    continue
+                del hooks[key]
+                node.register_prehook(functools.partial(self._output_grad_ready, *h.args))
+
+    def _output_tensor_ready(self, call: _Call, grad: Any) -> None:
+        """A hook on an output tensor: its gradient is ready (passed on as a tuple,
+        as a node's pre-hook receives it)."""
+        self._output_grad_ready(call, (grad,))
 
     def _new_top_level_forward(self, info: ModuleInfo) -> None:
         """A top-level module starts a forward outside autograd: the calls only leaf

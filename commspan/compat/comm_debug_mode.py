@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from commspan import semconv
+from commspan.capture.backward import hook_first
 from commspan.capture.dtensor import DTensor
 from commspan.compat import _report
 from commspan.compat._counting import ModuleCounts, NamedDict, OpCounts, counted_ops, registry
@@ -293,9 +294,10 @@ class _Observer:
                     hook = functools.partial(
                         _passthrough_grad_ready, weakref.ref(self._owner), fqn
                     )
-                # a tensor hook runs before the hooks on its node, among them
-                # those that start the backward of the module that made it
-                t.register_hook(hook)
+                # first of the tensor's hooks: before the one that starts the
+                # backward of the module that made it
+                key = t.register_hook(hook).id
+                hook_first(t._backward_hooks, key)
 
     def pre_bw(self, module: Any, grads: Any) -> None:
         fqn = self._fqn(module)
