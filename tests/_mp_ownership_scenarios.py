@@ -230,6 +230,81 @@ def _ddp_nested_run(out: Path, rank: int) -> None:
                                      **_view(mode.aggregator)})
 
 
+class _Stat(torch.nn.Module):
+    """Subtracts the batch mean all-reduced across ranks, as SyncBatchNorm does (which
+    refuses CPU tensors); counts its own all-reduces."""
+
+    calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mean = x.detach().mean(0)
+        dist.all_reduce(mean)
+        type(self).calls += 1
+        return x - mean / dist.get_world_size()
+
+
+class StatNet(torch.nn.Module):
+    """A batch norm (a buffer DDP broadcasts at each forward) and a module that
+    all-reduces in its forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(4, 8)
+        self.norm = torch.nn.BatchNorm1d(8)
+        self.stat = _Stat()
+        self.out = torch.nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.stat(self.norm(self.inp(x))))
+
+
+class _InsideReference(TorchDispatchMode):
+    """Collectives issued in DDP's forward, split by whether the wrapped module's
+    forward was running (hooks on it set ``inside``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inside = False
+        self.seen = {"ddp": 0, "model": 0}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func.namespace in ("c10d", "_c10d_functional") and "barrier" not in func._opname:
+            self.seen["model" if self.inside else "ddp"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _ddp_forward_run(out: Path, rank: int) -> None:
+    """DDP around a model whose own module all-reduces in forward: that module's
+    collectives are its own; DDP's buffer broadcasts are DDP's forward syncs."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    exporter = JsonlSpanExporter(out / "ddp_forward" / "trace-rank{rank}.jsonl")
+    mode = CommSpanMode(exporters=[exporter])
+    ddp = DDP(StatNet())
+    reference = _InsideReference()
+
+    def enter(module: Any, args: Any) -> None:
+        reference.inside = True
+
+    def leave(module: Any, args: Any, output: Any) -> None:
+        reference.inside = False
+
+    ddp.module.register_forward_pre_hook(enter)
+    ddp.module.register_forward_hook(leave)
+    _Stat.calls = 0
+    with mode:
+        for i in range(STEPS):
+            with mode.step(i):
+                with reference:
+                    loss = ddp(torch.randn(3, 4)).sum()
+                loss.backward()
+    mode.shutdown()
+    assert mode.aggregator is not None
+    _write(out, "ddp_forward", rank, {"stat_calls": _Stat.calls, "reference": reference.seen,
+                                      "stats": mode.stats(), **_view(mode.aggregator)})
+
+
 def _view(agg: Aggregator) -> dict[str, Any]:
     return {
         "module_counts": agg.module_counts(),
@@ -440,6 +515,7 @@ SCENARIOS: dict[str, Callable[[Path, int], None]] = {
     "ddp_compiled": lambda out, rank: _ddp_run(out, rank, "ddp_compiled", hook=True,
                                                compiled=True),
     "ddp_nested": _ddp_nested_run,
+    "ddp_forward": _ddp_forward_run,
     "ddp_cascade": lambda out, rank: _ddp_run(
         out, rank, "ddp_cascade", hook=True, find_unused=True, cascade=True),
     "ddp_resized": lambda out, rank: _hooked_ddp_run(

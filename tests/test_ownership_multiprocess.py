@@ -36,7 +36,7 @@ pytestmark = pytest.mark.multiprocess
 WORLD = 2
 SCRIPT = Path(__file__).with_name("_mp_ownership_scenarios.py")
 SCENARIOS = ["fsdp", "ddp", "ddp_hook", "ddp_unused", "ddp_cascade", "ddp_compiled",
-             "ddp_nested", "ddp_resized",
+             "ddp_nested", "ddp_resized", "ddp_forward",
              "pp_gpipe", "pp_1f1b", "pp_interleaved"]
 PIPELINES = ["pp_gpipe", "pp_1f1b"]
 MICROBATCHES = 4
@@ -306,6 +306,27 @@ def test_ddp_built_inside_the_mode_for_a_larger_model_is_named_in_it(
     setup = [a for _, _, a in ok_run.collectives("ddp_nested", rank)
              if a.get(semconv.OWNER_KIND) == "init_sync"]
     assert setup and {a[semconv.OWNER_FQN] for a in setup} == {DDP}
+    assert res["stats"]["internal_errors"] == 0
+
+
+@pytest.mark.parametrize("rank", range(WORLD))
+def test_ddp_forward_owns_its_syncs_and_the_model_its_collectives(ok_run: MpRun, rank: int) -> None:
+    """In DDP's forward, the collectives issued while the wrapped model's forward ran
+    (a module's own all-reduce, as SyncBatchNorm's) belong to the module that issued
+    them; the rest (DDP's buffer broadcasts) are DDP's forward syncs. Reference: a
+    dispatch mode of the test's own, told by hooks on the wrapped model whether its
+    forward runs, and the module's own count of its calls."""
+    res = ok_run.result("ddp_forward", rank)
+    forward = [a for _, _, a in ok_run.collectives("ddp_forward", rank)
+               if a[semconv.PHASE] == "forward"]
+    syncs = [a for a in forward if a.get(semconv.OWNER_KIND) == "forward_sync"]
+    own = [a for a in forward if a[semconv.OWNER_FQN] == f"{WRAPPED}.stat"]
+    assert res["reference"]["ddp"] > 0 and res["stat_calls"] == STEPS
+    assert len(syncs) == res["reference"]["ddp"]
+    assert {a[semconv.OWNER_FQN] for a in syncs} == {DDP}
+    assert len(own) == res["stat_calls"] == res["reference"]["model"]
+    assert {a[semconv.OWNER_SOURCE] for a in own} == {"position"}
+    assert res["module_counts"][f"{WRAPPED}.stat"]["forward"]["all_reduce"] == STEPS
     assert res["stats"]["internal_errors"] == 0
 
 

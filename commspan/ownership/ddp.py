@@ -61,11 +61,14 @@ class DdpModules:
                 return None
             return self._in_backward(issued, facts)
         if facts.has_ddp and DDP_FORWARD_LABEL in issued.labels:
-            ddps = facts.ddp_fqns()
-            for fqn in reversed(issued.open_fqns()):
-                if fqn in ddps:
-                    return Ownership(fqn, Phase.FORWARD, semconv.SOURCE_DDP,
-                                     semconv.OWNER_KIND_FORWARD_SYNC)
+            # DDP's own forward work (buffer broadcasts, parameter syncs) runs with
+            # its span innermost; the label stays open around the wrapped module's
+            # forward too, whose modules' collectives (SyncBatchNorm, tensor
+            # parallelism) are theirs
+            open_fqns = issued.open_fqns()
+            if open_fqns and open_fqns[-1] in facts.ddp_fqns():
+                return Ownership(open_fqns[-1], Phase.FORWARD, semconv.SOURCE_DDP,
+                                 semconv.OWNER_KIND_FORWARD_SYNC)
             return None
         if issued.fqn == semconv.GLOBAL_FQN and issued.op in _INIT_OPS:
             ddp = facts.ddp_constructing()
