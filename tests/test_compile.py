@@ -374,3 +374,85 @@ def test_a_submodule_called_twice_keeps_its_owner(fake_pg: None) -> None:
     assert eager == {("all_gather_into_tensor", "Shared.g", "forward"): 2,
                      ("reduce_scatter_tensor", "Shared.g", "backward"): 2}
     assert owners(True) == eager
+
+
+class _Holder(torch.nn.Module):
+    """A parent holding a (possibly compiled) tensor-parallel MLP, as torchtitan holds
+    its compiled blocks."""
+
+    def __init__(self, mlp: torch.nn.Module) -> None:
+        super().__init__()
+        self.mlp = mlp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(x)
+
+
+def test_a_compiled_child_is_named_as_the_module_it_wraps(fake_pg: None) -> None:
+    """``torch.compile(child)`` registered in a parent (aot_eager): the owners are
+    the names torch's CommDebugMode gives on the uncompiled parent
+    (``_Holder.mlp.net2``), not ``_Holder.mlp._orig_mod.net2``."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from commspan.testing import fake_mesh
+    from commspan.testing.models import MLPModule, parallelize_mlp
+
+    mesh = fake_mesh(4)
+    x = torch.randn(8, 10, requires_grad=True)
+    torch_cdm = CommDebugMode()
+    with torch_cdm:
+        _Holder(parallelize_mlp(MLPModule(), mesh))(x).sum().backward()
+    expected: Counter[tuple[str, str]] = Counter()
+    for fqn, phases in torch_cdm.comm_module_counts.items():
+        if fqn.count(".") == 2:  # the leaves (the others hold their sums)
+            for phase in ("forward", "backward"):
+                expected[(fqn, phase)] += sum(phases.get(phase, {}).values())
+    assert +expected, torch_cdm.comm_module_counts
+
+    torch._dynamo.reset()
+    model = _Holder(torch.compile(parallelize_mlp(MLPModule(), mesh), backend="aot_eager"))
+    with capture() as cap:
+        with cap.mode.step(0):
+            model(x).sum().backward()
+    got = Counter((e[semconv.OWNER_FQN], e[semconv.PHASE]) for e in _events(cap))
+    assert got == +expected
+    names = {s.attributes.get(semconv.MODULE_FQN) for s in cap.spans}
+    assert "_Holder.mlp" in names and not any("_orig_mod" in str(n) for n in names)
+    assert cap.mode.stats()["internal_errors"] == 0
+
+
+@pytest.mark.parametrize("order", ["shard_then_compile", "compile_then_shard"])
+def test_fsdp2_units_of_compiled_blocks_keep_their_names(fake_pg: None, order: str) -> None:
+    """FSDP2 units on blocks compiled with ``torch.compile(block)`` and registered in
+    the model: either order of wrapping, the all-gathers and reduce-scatters are
+    FSDP's, owned by units named as the blocks (FSDP's own label says
+    ``blocks.0._orig_mod``); sizes from the blocks' parameters."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (4,))
+    blocks = [torch.nn.Linear(DIM, 16), torch.nn.Linear(16, DIM)]
+    model = torch.nn.Sequential()
+    for i, block in enumerate(blocks):
+        if order == "shard_then_compile":
+            fully_shard(block, mesh=mesh)
+            model.add_module(str(i), torch.compile(block, backend="aot_eager"))
+        else:
+            wrapped = torch.compile(block, backend="aot_eager")
+            fully_shard(wrapped, mesh=mesh)
+            model.add_module(str(i), wrapped)
+    with capture() as cap:
+        for step in range(STEPS):
+            with cap.mode.step(step):
+                model(torch.randn(4, DIM)).sum().backward()
+    events = [e for e in _events(cap) if e[semconv.COLL_OP] != "all_reduce"]
+    assert events and {e[semconv.OWNER_SOURCE] for e in events} == {"fsdp"}
+    sizes = {f"Sequential.{i}": sum(p.numel() for p in b.parameters()) * 4
+             for i, b in enumerate(blocks)}
+    for e in events:  # padding: both blocks' sizes divide by 4
+        assert e[semconv.OWNER_BYTES] == sizes[e[semconv.OWNER_FQN]], e
+    names = {str(s.attributes.get(semconv.MODULE_FQN)) for s in cap.spans}
+    assert not any("_orig_mod" in n for n in names), names
+    assert cap.mode.stats()["internal_errors"] == 0

@@ -144,7 +144,9 @@ _HEADROOM = _RecursionHeadroom()
 
 
 def _named_modules(root: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """``root.named_modules()`` without recursion (same names, same order)."""
+    """``root.named_modules()`` without recursion (same order), except that a module
+    ``torch.compile`` wrapped (``OptimizedModule``) gives its name to the module it
+    wraps: ``blocks.0``, not ``blocks.0._orig_mod`` (the wrapper comes first)."""
     out: list[tuple[str, torch.nn.Module]] = []
     seen: set[int] = set()
     todo: list[tuple[str, torch.nn.Module]] = [("", root)]
@@ -154,8 +156,10 @@ def _named_modules(root: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
             continue
         seen.add(id(mod))
         out.append((name, mod))
+        compiled = isinstance(mod, _Compiled)
         children = [
-            (f"{name}.{key}" if name else key, child)
+            (name if compiled and key == "_orig_mod" else f"{name}.{key}" if name else key,
+             child)
             for key, child in mod._modules.items()
             if child is not None
         ]
@@ -459,11 +463,17 @@ class ModuleTracker(BackwardNesting):
         if isinstance(module, _Compiled):  # torch.compile(m): named, and spanned, as m
             info = known[module] = self._info(module._orig_mod)
             return info
+        wrappers = []
         for name, sub in _named_modules(module):
             if sub not in known:
                 fqn = f"{root}.{name}" if name else root
-                known[sub] = ModuleInfo(fqn, type(sub).__name__)
-                new.append((fqn, sub))
+                if isinstance(sub, _Compiled):  # named, and spanned, as the module it wraps
+                    wrappers.append(sub)
+                else:
+                    known[sub] = ModuleInfo(fqn, type(sub).__name__)
+                new.append((fqn, sub))  # a wrapper too: FSDP may shard it
+        for wrapper in wrappers:
+            known[wrapper] = known[wrapper._orig_mod]
         self._named += len(new)
         if self.parallel is not None and new:
             for ddp in self.parallel.learn(new, self._on_mesh):

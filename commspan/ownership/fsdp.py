@@ -153,6 +153,10 @@ class FsdpUnits:
 def _resolve(relative: str, facts: ParallelFacts) -> FsdpUnit | None:
     """The unit at ``relative`` (its path from its FSDP root); with several FSDP
     roots, the one whose parameter group is on the stack."""
+    if "_orig_mod" in relative:
+        # FSDP names a unit inside a torch.compile'd module by torch's path
+        # (``layers.0._orig_mod``); commspan gives the wrapped module the wrapper's name
+        relative = ".".join(p for p in relative.split(".") if p != "_orig_mod")
     candidates = facts.fsdp_units(relative)
     if len(candidates) == 1:
         return candidates[0]
