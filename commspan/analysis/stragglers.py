@@ -30,7 +30,13 @@ and those some member of their group has no record of
 sample left out): the rank that arrived last may be that one, and every
 recorded rank's duration then holds the wait it caused.
 Point-to-point ops (``checked["point_to_point"]``) are not matched: a send and
-its receive do not wait for each other the way a group's ranks do.
+its receive do not wait for each other the way a group's ranks do. Nor are
+collectives with a root (``checked["rooted"]``: broadcast, scatter, gather,
+reduce): their ranks do not all wait for the last one (a gather's root waits
+for every rank, the others for nobody; who a broadcast waits for depends on
+the backend's algorithm), so the shortest duration does not tell who arrived
+last. ``checked`` counts collectives (one per group, step and position),
+point-to-point ops per rank.
 
 Example:
     >>> from commspan.analysis.stragglers import analyze
@@ -211,18 +217,26 @@ def analyze(run: Run) -> StragglerResult:
 
 
 # ------------------------------------------------------------------ stragglers
+_ROOTED = frozenset(("broadcast", "scatter", "gather", "reduce"))
+"""Collectives with a root, whose ranks do not all wait for the last to arrive."""
+
+
 def matched_collectives(
     run: Run, checked: Counter[str] | None = None
 ) -> list[dict[int, CollectiveRecord]]:
     """Collectives matched across the ranks of their group: one ``rank -> record`` per
     collective, by position within (group, step), where the ranks agree on the ops."""
     counts = checked if checked is not None else Counter()
+    rooted: set[tuple[str, str, int | None, str]] = set()
     table: dict[tuple[str, str], dict[int, list[CollectiveRecord]]] = defaultdict(
         lambda: defaultdict(list)
     )
     for rec in run.collectives:
         if rec.kind == semconv.KIND_P2P:
             counts["point_to_point"] += 1
+            continue
+        if rec.op in _ROOTED:
+            rooted.add((rec.group, rec.trace_id, rec.seq, rec.op))
             continue
         if not rec.group:
             continue
@@ -234,10 +248,11 @@ def matched_collectives(
         if len(lengths) != 1 or any(
             len({c.op for c in column}) != 1 for column in zip(*lists)
         ):
-            counts["inconsistent"] += sum(len(v) for v in lists)
+            counts["inconsistent"] += max(lengths)
             continue
         for column in zip(*lists):
             out.append({c.rank: c for c in column})
+    counts["rooted"] += len(rooted)
     return out
 
 
@@ -267,7 +282,7 @@ def straggler_report(
             if c.duration_ns is not None:
                 durations[r] = c.duration_ns
         if len(durations) < len(match):
-            checked["without_duration"] += len(match)
+            checked["without_duration"] += 1
             continue
         checked["collectives"] += 1
         last = min(sorted(durations), key=durations.__getitem__)  # ties: lowest rank
@@ -324,6 +339,7 @@ def straggler_report(
         "inconsistent": checked["inconsistent"],
         "incomplete": checked["incomplete"],
         "point_to_point": checked["point_to_point"],
+        "rooted": checked["rooted"],
     }
     return rows, ranks, counts
 

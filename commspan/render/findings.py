@@ -137,6 +137,10 @@ def _why_nothing_matched(checked: Mapping[str, int]) -> str:
         return ("no collective recorded by every rank of its group: the last to arrive "
                 "may be a rank with no record (a missing file, or one the rank sample "
                 "left out), so none is named")
+    if checked.get("rooted"):
+        return (f"no collective to match: the {_plural(checked['rooted'], 'collective')} of "
+                "these files with a root (broadcast, scatter, gather, reduce) are not "
+                "matched: their ranks do not all wait for the last to arrive")
     if checked.get("point_to_point"):
         return (f"no collective to match: the {checked['point_to_point']} communication "
                 "ops of these files are point-to-point (send, recv), which stragglers "
