@@ -30,11 +30,15 @@ def format_duration(ns: int | None) -> str:
     Example:
         >>> format_duration(2_500), format_duration(3_000_000_000), format_duration(None)
         ('2.50 µs', '3.00 s', '-')
+        >>> format_duration(999_999), format_duration(999_994), format_duration(995)
+        ('1.00 ms', '999.99 µs', '995 ns')
     """
     if ns is None:
         return "-"
     for unit, scale in (("s", 1e9), ("ms", 1e6), ("µs", 1e3)):
-        if abs(ns) >= scale:
+        value = abs(ns) / scale
+        # or the next unit down would print 1000.00 (999_999 ns: 1.00 ms)
+        if value >= 1 or round(value * 1000, 2) >= 1000:
             return f"{ns / scale:.2f} {unit}"
     return f"{ns} ns"
 
