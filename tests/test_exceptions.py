@@ -475,3 +475,84 @@ def test_exception_leaving_the_mode_removes_hooks(mesh: DeviceMesh) -> None:
     assert not mode.active
     assert hook_sizes(model) == before
     assert_well_formed(list(exporter.get_finished_spans()))
+
+
+# ------------------------------------------------------------------ interrupts in commspan
+def _interrupt_once(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str) -> list[int]:
+    """Make ``owner.name`` raise KeyboardInterrupt on its first call (a Ctrl-C landing
+    inside commspan's own code); returns the call counter."""
+    original = getattr(owner, name)
+    calls = [0]
+
+    def interrupted(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise KeyboardInterrupt
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, interrupted)
+    return calls
+
+
+def _global_hooks() -> tuple[int, int]:
+    import torch.nn.modules.module as module_module
+
+    return (len(module_module._global_forward_pre_hooks),
+            len(module_module._global_forward_hooks))
+
+
+@pytest.mark.parametrize("where", ["trace", "pause"])
+def test_an_interrupt_while_a_step_is_entered_leaves_the_next_steps_traced(
+    monkeypatch: pytest.MonkeyPatch, where: str,
+) -> None:
+    """A Ctrl-C landing while ``mode.step(i)`` sets the step up (a traced step opening
+    its trace, a sampled-out step pausing the hooks) reaches the user, and the next
+    steps are traced as usual: the mode is not left believing a step is open."""
+    from commspan.spans.traces import TraceOpener
+
+    mode, exporter = traced_mode(sample=2)  # steps 0, 2, ... traced; 1, 3, ... sampled out
+    if where == "trace":
+        calls = _interrupt_once(monkeypatch, TraceOpener, "step")
+    else:
+        calls = _interrupt_once(monkeypatch, mode, "_pause")
+    model = nn.Linear(2, 2)
+    first = 0 if where == "trace" else 1
+    with mode:
+        with pytest.raises(KeyboardInterrupt):
+            with mode.step(first):
+                model(torch.ones(1, 2))
+        for i in (2, 3, 4):
+            with mode.step(i):
+                model(torch.ones(1, 2))
+    mode.shutdown()
+    assert calls[0] >= 2
+    forward = [s for s in exporter.get_finished_spans() if s.name == "Linear forward"]
+    assert len(forward) == 2  # steps 2 and 4
+    assert mode.stats()["internal_errors"] == 0
+
+
+def test_an_interrupt_while_the_mode_is_left_still_removes_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Ctrl-C landing while the mode closes its trace on exit reaches the user; the
+    global hooks and the dispatch mode are gone all the same, and the next use of the
+    mode traces as usual."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    from commspan.spans.recorder import SpanRecorder
+
+    before = (_global_hooks(), len(_get_current_dispatch_mode_stack()))
+    mode, exporter = traced_mode()
+    model = nn.Linear(2, 2)
+    _interrupt_once(monkeypatch, SpanRecorder, "end")
+    with pytest.raises(KeyboardInterrupt):
+        with mode:
+            model(torch.ones(1, 2))
+    assert not mode.active
+    assert (_global_hooks(), len(_get_current_dispatch_mode_stack())) == before
+    with mode:
+        with mode.step(0):
+            model(torch.ones(1, 2))
+    mode.shutdown()
+    names = [s.name for s in exporter.get_finished_spans()]
+    assert names.count("Linear forward") == 2 and "commspan.step" in names

@@ -95,11 +95,12 @@ class HangWatch:
                 self._socks[1].send(b"\0")
             except OSError:
                 pass
-        if self._thread is not None:
-            if self._thread.ident is not None:  # (a thread that failed to start: none)
-                self._thread.join(timeout_s)
+        try:
+            if self._thread is not None and self._thread.ident is not None:
+                self._thread.join(timeout_s)  # (a thread that failed to start: no ident)
+        finally:  # an interrupt in the join still restores the signal handler
             self._thread = None
-        self._uninstall_signal()
+            self._uninstall_signal()
 
     # ------------------------------------------------------------ signal
     def _install_signal(self) -> None:

@@ -73,6 +73,22 @@ def _version() -> str:
     return __version__
 
 
+def _each(*parts: Callable[[], object] | None) -> None:
+    """Call each of ``parts`` (``None``: skipped), even after one raised; then raise the
+    first error (an interrupt included)."""
+    first: BaseException | None = None
+    for part in parts:
+        if part is None:
+            continue
+        try:
+            part()
+        except BaseException as error:  # noqa: PERF203 - each part must run
+            if first is None:
+                first = error
+    if first is not None:
+        raise first
+
+
 class CommSpanMode:
     """Record module calls as spans and collectives as span events.
 
@@ -382,17 +398,14 @@ class CommSpanMode:
             raise RuntimeError(
                 "this CommSpanMode is not active (left already, or never entered); leave "
                 "it once per `with mode:`")
+        self._in_step = False
         try:
-            if self._watch is not None:
-                self._watch.stop()
-                self._watch = None
-            if self._in_step:
-                self._in_step = False
-            self._stop_capture()
-            self._end_trace(exc)
-            self._parallel.pipeline.uninstall()
-            if self._tracker is not None:
-                self._tracker.uninstall()
+            # each part runs even if one before it raised or was interrupted (Ctrl-C
+            # while the watchdog joins, while the trace closes): the mode never stays
+            # half installed
+            _each(self._stop_watch, self._stop_capture, lambda: self._end_trace(exc),
+                  self._parallel.pipeline.uninstall,
+                  self._tracker.uninstall if self._tracker is not None else None)
         finally:
             self._active = False
             if self._gc is not None:
@@ -409,6 +422,11 @@ class CommSpanMode:
             if self.aggregator is not None:
                 self.aggregator.attach_live(None)
             self._flush_on_exit()
+
+    def _stop_watch(self) -> None:
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            watch.stop()
 
     def _start_capture(self) -> None:
         assert self._tracker is not None and self._dispatch is not None
@@ -481,12 +499,14 @@ class CommSpanMode:
                 "epoch * steps_per_epoch + i) (not logged again)", index, last)
         self._last_step = index if last is None else max(last, index)
         traced = self._rank_traced and self._config.sampler(index)
+        # from here on, what sets up the step is inside the try whose finally leaves it:
+        # an interrupt (Ctrl-C) while the step is entered must not leave it entered
         self._in_step = True
         if not traced:
             self._stats["steps_skipped"] += 1
-            if self._rank_traced:  # an untraced rank is paused from the start
-                self._pause()
             try:
+                if self._rank_traced:  # an untraced rank is paused from the start
+                    self._pause()
                 yield False
             finally:
                 self._in_step = False
@@ -496,9 +516,9 @@ class CommSpanMode:
             return
         self._stats["steps_traced"] += 1
         assert self._recorder is not None
-        self._recorder.begin(self._traces.step(index))
         error: BaseException | None = None
         try:
+            self._recorder.begin(self._traces.step(index))
             yield True
         except BaseException as exc:
             error = exc
