@@ -556,3 +556,28 @@ def test_an_interrupt_while_the_mode_is_left_still_removes_it(
     mode.shutdown()
     names = [s.name for s in exporter.get_finished_spans()]
     assert names.count("Linear forward") == 2 and "commspan.step" in names
+
+
+def test_a_module_whose_own_forward_hook_raises_ends_with_error() -> None:
+    """The forward returned, then one of the module's own forward hooks raised (a
+    tensor-parallel output hook whose collective failed): the error is that call's,
+    so its span ends ERROR with the exception event, not its parent's."""
+    mode, exporter = traced_mode()
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+
+    def broken(module: nn.Module, args: Any, output: Any) -> None:
+        raise ValueError("the output hook failed")
+
+    model[1].register_forward_hook(broken)
+    with mode:
+        with pytest.raises(ValueError, match="output hook failed"):
+            with mode.step(0):
+                model(torch.ones(1, 2))
+    mode.shutdown()
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    inner, outer = spans["Sequential.1 forward"], spans["Sequential forward"]
+    assert inner.status.status_code is StatusCode.ERROR
+    assert [e.name for e in inner.events] == ["exception"]
+    assert not [e for e in outer.events if e.name == "exception"]
+    assert spans["Sequential.0 forward"].status.status_code is not StatusCode.ERROR
+    assert mode.stats()["internal_errors"] == 0

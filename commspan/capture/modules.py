@@ -259,6 +259,9 @@ def _remove_hooks(handles: list[Any]) -> None:
         _GLOBAL_WITH_KWARGS.pop(h.id, None)
 
 
+_exc_info = sys.exc_info
+
+
 def _raised_into(caller: Any) -> BaseException | None:
     """The exception a module call raised, seen from its always-called forward
     hook, or ``None``: torch runs those hooks from the ``except`` block of the
@@ -629,8 +632,10 @@ class ModuleTracker(BackwardNesting):
                 return
             call = calls[idx]
             del calls[idx:]
-            # the hook's caller is torch's Module._call_impl (2 frames up)
-            error = _raised_into(sys._getframe(2)) if output is None else None
+            # the hook's caller is torch's Module._call_impl (2 frames up); a call whose
+            # forward returned and one of whose own forward hooks raised has an output
+            error = (_raised_into(sys._getframe(2))
+                     if output is None or _exc_info()[1] is not None else None)
             if error is not None:
                 if isinstance(error, _StopRecomputation):
                     error = None  # checkpointing ends a recompute early this way: normal
