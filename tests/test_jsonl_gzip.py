@@ -195,3 +195,59 @@ def test_appending_the_other_format_is_refused_and_counted(
     report = ReadReport()
     spans = list(read_spans(path, strict=False, report=report))
     assert report.skipped == [] and len(spans) == first["exported"]
+
+
+@pytest.mark.parametrize("tail", [1, 2, 3])
+def test_a_file_cut_inside_the_last_header_is_torn_not_damaged(
+    runs: tuple[Path, Path], tmp_path: Path, tail: int
+) -> None:
+    """A crash right after the first bytes of a member's header (1, 2 or 3 of the
+    gzip magic written): the last line is torn, as a longer cut is, and the lines
+    before it are read."""
+    _plain, packed = runs
+    (src,) = packed.iterdir()
+    members = _members(src)
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(b"".join(members[:-1]) + members[-1][:tail])
+    report = ReadReport()
+    kept = _spans(cut, report)
+    assert [(s.kind, s.line) for s in report.skipped] == [("torn", len(members))]
+    whole = tmp_path / "whole.jsonl.gz"
+    whole.write_bytes(b"".join(members[:-1]))
+    assert kept == _spans(whole)
+
+
+def _write_steps(out: Path, first: int, steps: int) -> None:
+    from commspan.testing.models import MLPModule
+
+    mode = CommSpanMode(exporters=[JsonlSpanExporter(out, compress=True, digest=True)])
+    model = MLPModule()
+    with mode:
+        for i in range(first, first + steps):
+            with mode.step(i):
+                model(torch.ones(2, 10)).sum().backward()
+            mode.flush()  # a line (a member) per step
+    mode.shutdown()
+
+
+def test_with_a_digest_a_cut_line_with_lines_after_it_is_damaged(tmp_path: Path) -> None:
+    """Compressed and digested: a crash cuts the last line (its digest line never
+    written), then a writer starting afresh appends. Read through the digest, the
+    cut line is damaged (the file goes on), as without the digest; the counts agree."""
+    out = tmp_path / "run"
+    _write_steps(out, 0, 4)
+    (src,) = [p for p in out.iterdir() if p.name.endswith(".jsonl.gz")]
+    members = _members(src)
+    assert len(members) == 4
+    src.write_bytes(b"".join(members[:3]) + members[3][: len(members[3]) // 2])
+    digest = src.with_name(src.name + ".digest")
+    digest.write_bytes(b"".join(digest.read_bytes().splitlines(keepends=True)[:-1]))
+    _write_steps(out, 10, 3)
+    seen = []
+    for _ in range(2):  # with the digest, then without it
+        report = ReadReport()
+        total = Aggregator.from_jsonl(out, run="all", strict=False, report=report).total_count()
+        seen.append((total, [(s.kind, s.line) for s in report.skipped]))
+        digest.unlink(missing_ok=True)
+    assert seen[0] == seen[1]
+    assert seen[0][1] == [("damaged", 4)]

@@ -265,6 +265,8 @@ class LineReader:
 _TORN = "no trailing newline: a write cut short by a crash, or a file still being written"
 _GZ_TORN = ("the file ends inside this compressed line: a write cut short by a crash, "
             "or a file still being written")
+_GZ_CUT = ("a compressed line cut short, with more lines after it (a write cut short by "
+           "a crash, then a writer that started afresh)")
 
 
 def _ranges(
@@ -303,9 +305,13 @@ def _raw_lines(
     ``start`` (a line's start, numbered ``first``) to ``stop``; lines the reader must
     skip whole (too long, an undecodable compressed line) go to it."""
     with path.open("rb") as fh:
-        if start:
+        if start:  # compressed or not is the file's, told by its start (a range's
+            # start may be a cut line)
+            compressed = fh.read(3) == GZIP_MAGIC
             fh.seek(start)
-        if fh.peek(3)[:3] == GZIP_MAGIC:  # (peek: a FIFO cannot seek back)
+        else:
+            compressed = fh.peek(3)[:3] == GZIP_MAGIC  # (peek: a FIFO cannot seek back)
+        if compressed:
             yield from _gzip_lines(path, fh, limit, reader, start, stop, first)
             return
         readline = fh.readline
@@ -342,9 +348,13 @@ def _gzip_lines(
     size = len(view) if stop is None else min(stop, len(view))
     pos, number = start, first - 1
     try:
+        end = len(view)  # the file's end; ``size`` may be a range's
         while pos < size:
             if view[pos:pos + 3] != GZIP_MAGIC:
-                kind, reason = "damaged", "not a compressed line"
+                if size == end and end - pos < 3 and view[pos:end] == GZIP_MAGIC[:end - pos]:
+                    kind, reason = "torn", _GZ_TORN  # the file ends inside a header
+                else:
+                    kind, reason = "damaged", "not a compressed line"
             else:
                 d = zlib.decompressobj(31)
                 try:
@@ -362,7 +372,10 @@ def _gzip_lines(
                     if len(out) >= limit:
                         reader.skip(path, number + 1, "too_long", _too_long(limit - 1))
                         return
-                    kind, reason = "torn", _GZ_TORN
+                    if size == end:
+                        kind, reason = "torn", _GZ_TORN
+                    else:  # cut short, and the file goes on (a writer started afresh)
+                        kind, reason = "damaged", _GZ_CUT
             number += 1
             reader.skip(path, number, kind, reason)
             pos = mm.find(GZIP_MAGIC, pos + 1, size)  # the next line (a writer may start afresh)
