@@ -1014,3 +1014,21 @@ def test_hang_reports_the_lowest_collective_still_pending() -> None:
     assert f.ranks[0]["op"] == "all_gather_into_tensor" and f.ranks[0]["fqn"] == "Net.blocks.0"
     assert f.ranks[1]["fqn"] == "Net.embed" and f.ranks[1]["op"] is None
     assert "rank 1 never issued it and was last seen in `Net.embed` forward" in f.message
+
+
+def test_an_unmatched_send_is_told_by_its_number_per_peer_in_the_text() -> None:
+    """Schema 3: rank 0 sends twice to rank 1, which receives once. The text names the
+    send by its number per peer, and the receiver's last op by its own (a
+    point-to-point op has no collective ``seq``: the text never says ``seq None``)."""
+    b = SpanBuilder(world=2, schema=3)
+    s0, s1 = b.rank(0, 0), b.rank(1, 0)
+    s0.coll("send", fqn="Net.pipe", kind=semconv.KIND_P2P, peer=1)
+    s0.coll("send", fqn="Net.pipe", kind=semconv.KIND_P2P, peer=1)
+    s1.coll("recv", fqn="Net.pipe", kind=semconv.KIND_P2P, peer=0)
+    result = check(build_run(b.spans()))
+    (finding,) = result.findings
+    assert finding.kind == KIND_MISMATCH and finding.seq == 2
+    text = format_check(result)
+    assert "p2p_seq 2: rank 0 sent 2 to rank 1" in text
+    assert "last: recv in `Net.pipe` forward p2p_seq 1" in text
+    assert "None" not in text

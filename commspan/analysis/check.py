@@ -383,6 +383,11 @@ def _num(rec: CollectiveRecord) -> int | None:
     return rec.p2p_seq if rec.p2p_seq is not None else rec.seq
 
 
+def _num_words(rec: CollectiveRecord) -> str:
+    """``seq N`` of a collective, ``p2p_seq N`` of a point-to-point op numbered per peer."""
+    return f"seq {rec.seq}" if rec.p2p_seq is None else f"p2p_seq {rec.p2p_seq}"
+
+
 def _entry(rec: CollectiveRecord, fields: Iterable[str] = ()) -> dict[str, Any]:
     out: dict[str, Any] = {"op": rec.op, "fqn": rec.fqn, "phase": rec.phase, "seq": rec.seq}
     if rec.p2p_seq is not None:
@@ -605,7 +610,7 @@ def _compare_p2p(
                 continue
             ranks = {src: _entry(s, fields), dst: _entry(r, fields)}
             message = (
-                f"{where}, seq {_num(s)}: {_differ(fields)}: rank {src} "
+                f"{where}, {_num_words(s)}: {_differ(fields)}: rank {src} "
                 f"{_describe(s, fields)} to rank {dst}; rank {dst} "
                 f"{_describe(r, fields)} from rank {src}"
             )
@@ -615,7 +620,7 @@ def _compare_p2p(
             if s is not None:
                 ranks = {src: _entry(s), dst: _absent(recvs[-1] if recvs else None)}
                 message = (
-                    f"{where}, seq {_num(s)}: rank {src} sent {len(sends)} to rank {dst}, "
+                    f"{where}, {_num_words(s)}: rank {src} sent {len(sends)} to rank {dst}, "
                     f"rank {dst} received {len(recvs)} from rank {src}: the send in "
                     f"{s.where()} has no matching recv"
                 )
@@ -624,7 +629,7 @@ def _compare_p2p(
                 assert r is not None
                 ranks = {src: _absent(sends[-1] if sends else None), dst: _entry(r)}
                 message = (
-                    f"{where}, seq {_num(r)}: rank {dst} received {len(recvs)} from rank {src}, "
+                    f"{where}, {_num_words(r)}: rank {dst} received {len(recvs)} from rank {src}, "
                     f"rank {src} sent {len(sends)} to rank {dst}: the recv in {r.where()} "
                     "has no matching send"
                 )

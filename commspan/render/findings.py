@@ -85,9 +85,13 @@ def _rank_line(rank: int, entry: Mapping[str, Any]) -> str:
         if key == "waited_ns":
             bits.append(f"waited {format_duration(value)}")
         elif key == "last_seen" and isinstance(value, Mapping):
+            # a point-to-point op has no collective number, its number per peer instead
+            number = (f"seq {value.get('seq')}" if value.get("seq") is not None
+                      else f"p2p_seq {value.get('p2p_seq')}"
+                      if value.get("p2p_seq") is not None else "")
             bits.append(
                 f"last: {value.get('op')} in `{value.get('fqn')}` {value.get('phase')} "
-                f"seq {value.get('seq')}"
+                f"{number}".rstrip()
             )
         elif key == "shape" and isinstance(value, list):
             bits.append(f"shape [{', '.join(map(str, value))}]")
