@@ -22,6 +22,8 @@ _ENV = (
     "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
     "OTEL_EXPORTER_OTLP_PROTOCOL",
     "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+    "OTEL_EXPORTER_OTLP_TIMEOUT",
+    "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT",
 )
 
 
@@ -228,3 +230,20 @@ def test_failed_exports_never_log_credentials(
     assert stats["spans_failed"] == stats["spans"] > 0
     assert "commspan: OTLPSpanExporter.export" in caplog.text  # the loss was logged ...
     assert SECRET not in caplog.text  # ... without the secret
+
+
+@pytest.mark.parametrize("variable", ["OTEL_EXPORTER_OTLP_TIMEOUT",
+                                      "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT"])
+@pytest.mark.parametrize("value", ["0", "-5", "ten"])
+def test_a_timeout_variable_that_is_not_a_positive_number_is_refused(
+    monkeypatch: pytest.MonkeyPatch, variable: str, value: str
+) -> None:
+    """The SDK accepts 0 and negative timeouts, then fails every export; commspan
+    refuses them when the exporter is made, naming the variable, its value and the
+    fix. ``timeout_s=`` overrides the variable."""
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ValueError, match=rf"{variable}='{value}' is not valid.*timeout_s=10"):
+        otlp_exporter(endpoint="http://127.0.0.1:4318/v1/traces")
+    assert otlp_exporter(endpoint="http://127.0.0.1:4318/v1/traces", timeout_s=3) is not None
+    monkeypatch.setenv(variable, "2.5")
+    assert otlp_exporter(endpoint="http://127.0.0.1:4318/v1/traces") is not None

@@ -44,6 +44,8 @@ _ENV_ENDPOINT = "OTEL_EXPORTER_OTLP_ENDPOINT"
 _ENV_TRACES_ENDPOINT = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
 _ENV_PROTOCOL = "OTEL_EXPORTER_OTLP_PROTOCOL"
 _ENV_TRACES_PROTOCOL = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
+_ENV_TIMEOUT = "OTEL_EXPORTER_OTLP_TIMEOUT"
+_ENV_TRACES_TIMEOUT = "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT"
 _TRACES_PATH = "/v1/traces"
 # gRPC name-resolver schemes a gRPC target may start with (they are passed on as they are).
 _GRPC_TARGET_SCHEMES = ("unix", "unix-abstract", "dns", "ipv4", "ipv6", "vsock")
@@ -81,7 +83,8 @@ def otlp_exporter(
         what that needs).
 
     Raises:
-        ValueError: ``timeout_s`` is not a number of seconds above 0, or
+        ValueError: ``timeout_s`` (or, without it, ``OTEL_EXPORTER_OTLP_TRACES_TIMEOUT``
+            or ``OTEL_EXPORTER_OTLP_TIMEOUT``) is not a number of seconds above 0, or
             ``protocol`` is not one of :data:`PROTOCOLS`, or the
             endpoint (argument or variable, named in the message) is not a
             valid address: no or an unsupported scheme, no host, a port
@@ -105,6 +108,8 @@ def otlp_exporter(
         kwargs["headers"] = dict(headers)
     if timeout_s is not None:
         kwargs["timeout"] = seconds("timeout_s", timeout_s)
+    else:
+        _check_env_timeout()
     if proto == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
             OTLPSpanExporter as GrpcExporter,
@@ -140,6 +145,25 @@ def _mask_credentials(url: str) -> str:
 
 
 # ------------------------------------------------------------------ checks
+def _check_env_timeout() -> None:
+    """The timeout variable the SDK will read, if set, is a number of seconds above 0
+    (0 or less fails every export; the SDK accepts it)."""
+    for name in (_ENV_TRACES_TIMEOUT, _ENV_TIMEOUT):
+        raw = os.environ.get(name)
+        if not raw:
+            continue
+        try:
+            value = float(raw)
+        except ValueError:
+            value = float("nan")
+        if not value > 0:
+            raise ValueError(
+                f"{name}={raw!r} is not valid: the OTLP exporter's timeout must be a number "
+                f"of seconds above 0; set {name}=10 (or unset it for the default), or pass "
+                "timeout_s=10")
+        return
+
+
 def _protocol(protocol: str | None) -> str:
     if protocol:
         source, value = "protocol", protocol
