@@ -327,3 +327,16 @@ def test_a_step_number_not_above_the_highest_is_logged_once(
     assert caplog.text.count("mode.step(4) after mode.step(5): a step number not above "
                              "the highest so far") == 1
     assert "mode.step(3)" not in caplog.text
+
+
+def test_a_mode_shut_down_cannot_be_entered_again() -> None:
+    """After ``shutdown()`` the exporters are closed, so a new use would drop all it
+    traced: entering is refused, saying why and what to do instead."""
+    mode = CommSpanMode()
+    with mode:
+        pass
+    mode.shutdown()
+    with pytest.raises(RuntimeError, match=r"was shut down .* create a new CommSpanMode"):
+        with mode:
+            pass
+    assert not mode.active

@@ -251,6 +251,7 @@ class CommSpanMode:
         self._dispatch: CollectiveDispatchMode | None = None
         self._active = False
         self._entering = False  # a thread is inside __enter__ (under _enter_lock)
+        self._shut_down = False  # shutdown() closed the exporters: no entry after it
         self._capturing = False  # the dispatch mode was pushed by _start_capture
         self._enter_lock = threading.Lock()
         renew_after_fork(self, "_enter_lock")
@@ -286,6 +287,12 @@ class CommSpanMode:
                 raise RuntimeError(
                     "this CommSpanMode is already active; leave it before entering it "
                     "again, or create a second CommSpanMode"
+                )
+            if self._shut_down:
+                raise RuntimeError(
+                    "this CommSpanMode was shut down (mode.shutdown() closed its "
+                    "exporters, so everything it traced now would be dropped); create a "
+                    "new CommSpanMode, and call shutdown() once, after its last use"
                 )
             self._entering = True
         try:
@@ -946,9 +953,12 @@ class CommSpanMode:
 
         Args:
             timeout_s: bound on the whole shutdown, in seconds; default ``flush_timeout_s``.
+
+        The mode cannot be entered again afterwards (its exporters are closed).
         """
         timeout = self._config.flush_timeout_s if timeout_s is None else seconds(
             "timeout_s", timeout_s, zero=True)
+        self._shut_down = True
         deadline = time.monotonic() + timeout
         for q in self._queues:  # start every exporter now: a hung one delays no other
             q.flush(0.0)
