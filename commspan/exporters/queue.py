@@ -88,8 +88,10 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-_EXIT_SLICE_S = 1.0
-"""At exit, a queue whose exporter finishes no batch in this long is given up on."""
+_EXIT_SLICE_S = 2.5
+"""At exit, a queue whose exporter finishes no batch in this long is given up on (long
+enough for one export call with the SDK's first retry after a transient error, whose
+back-off is about a second)."""
 
 
 def _at_exit() -> None:
@@ -317,7 +319,7 @@ class ExportQueue(SpanProcessor):
         finish (at most its own ``timeout_s``) and does nothing more. At
         interpreter exit the queues nobody shut down are flushed, within
         ``export_timeout_s`` and while their exporter keeps finishing batches
-        (a dead backend is given up on after a second), and shut down.
+        (a dead backend is given up on after 2.5 s without progress), and shut down.
 
         Args:
             timeout_s: bound on the whole shutdown, in seconds; default
@@ -481,6 +483,10 @@ class ExportQueue(SpanProcessor):
                         self._cond.notify_all()
         finally:
             detach(token)
+            with self._cond:  # ended (stopped, or an exporter's SystemExit): the next
+                # span or flush starts a new worker unless the queue is stopped
+                if self._worker is threading.current_thread():
+                    self._worker = None
 
     def _drain(self, todo: int) -> bool:
         """Export ``todo`` spans from the queue's head; ``False`` once stopped."""
@@ -503,6 +509,10 @@ class ExportQueue(SpanProcessor):
             except BaseException as exc:
                 self._settle(number, n, "raised", exc)
                 if not isinstance(exc, Exception):  # let SystemExit & co end the thread
+                    _log.warning(
+                        "commspan: %s.export raised %s, which ends its export thread; a new "
+                        "one starts with the next span or flush", self._name,
+                        type(exc).__name__)
                     raise
                 continue
             if result is SpanExportResult.SUCCESS:
