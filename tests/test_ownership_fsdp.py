@@ -465,3 +465,64 @@ def test_a_tied_parameter_counts_once_in_its_unit(fake_pg: None) -> None:
             if attrs.get(semconv.OWNER_SOURCE) == "fsdp":
                 seen.setdefault(attrs[semconv.OWNER_FQN], set()).add(attrs[semconv.OWNER_PARAMS])
     assert seen == {fqn: {n} for fqn, n in reference.items()}
+
+
+class _EmbedNormOut(torch.nn.Module):
+    """torchtitan's root unit: an embedding, then a sequence-parallel norm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = torch.nn.Embedding(32, 16)
+        self.norm = torch.nn.LayerNorm(16)
+        self.out = torch.nn.Linear(16, 8)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(self.tok(tokens)))
+
+
+def test_a_collective_from_fsdps_final_callback_is_not_the_embeddings() -> None:
+    """FSDP2 root unit with an embedding (whose input needs no gradient, so nothing
+    ends its backward but the end of the graph) and a sequence-parallel norm: the
+    norm's gradient all-reduces run in FSDP's final backward callback, after the
+    embedding's backward kernel (a dispatch mode of the test's own sees both). They
+    are not the embedding's: its backward is over by then."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from commspan.testing import fake_mesh, fake_process_group
+
+    class Order(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            name = func._opname
+            if name in ("embedding_dense_backward", "all_reduce"):
+                self.seen.append(name)
+            return func(*args, **(kwargs or {}))
+
+    with fake_process_group(world_size=4):
+        mesh = fake_mesh((2, 2), names=("dpx", "tpx"))
+        torch.manual_seed(0)
+        model = _EmbedNormOut()
+        parallelize_module(model, mesh["tpx"], {
+            "norm": SequenceParallel(), "out": ColwiseParallel(input_layouts=Shard(1))})
+        fully_shard(model, mesh=mesh["dpx"])
+        order = Order()
+        with capture() as cap:
+            with cap.mode.step(0), order:
+                model(torch.randint(0, 32, (2, 8))).sum().backward()
+    late = order.seen[order.seen.index("embedding_dense_backward") + 1:]
+    assert late.count("all_reduce") == 2, order.seen
+    owners = [e.attributes[semconv.OWNER_FQN] for s in cap.spans for e in s.events
+              if e.attributes.get(semconv.COLL_OP) == "all_reduce"
+              and e.attributes.get(semconv.PHASE) == "backward"]
+    assert len(owners) == 2 and not any(o.endswith(".tok") for o in owners), owners
+    assert cap.counts("FSDP_EmbedNormOut.tok", "backward") == {}
