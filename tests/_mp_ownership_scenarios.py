@@ -305,6 +305,63 @@ def _ddp_forward_run(out: Path, rank: int) -> None:
                                       "stats": mode.stats(), **_view(mode.aggregator)})
 
 
+class TpBlockNet(torch.nn.Module):
+    """A plain input layer, a tensor-parallel block, a plain head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(6, 8)
+        self.tp = Block(8, 16)
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.tp(self.inp(x)))
+
+
+def _ddp_tp_run(out: Path, rank: int) -> None:
+    """DDP over ``dp`` of a model whose block is tensor-parallel over ``tp`` (a 1 x 2
+    mesh), the way torch composes them (``_pre_dp_module_transform``: DDP holds the
+    local tensors, each forward sets DTensors made from them on the modules). The
+    comm hook records each bucket's parameters by the names they had when DDP was
+    built."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+    from torch.distributed.tensor.parallel.ddp import _pre_dp_module_transform
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("dpt", "tpt"))
+    model = TpBlockNet()
+    parallelize_module(model.tp, mesh["tpt"], {"a": ColwiseParallel(),
+                                               "b": RowwiseParallel()})
+    _pre_dp_module_transform(model)
+    exporter = JsonlSpanExporter(out / "ddp_tp" / "trace-rank{rank}.jsonl")
+    mode = CommSpanMode(exporters=[exporter])
+    seen: list[list[Any]] = []
+    with mode:
+        ddp = DDP(model, process_group=mesh["dpt"].get_group(), bucket_cap_mb=0.0002)
+        names = {id(p): n for n, p in model.named_parameters()}  # DDP's, by their names
+
+        def recording_hook(state, bucket):  # type: ignore[no-untyped-def]
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
+                allreduce_hook,
+            )
+
+            seen.append([bucket.index(), [names[id(p)] for p in bucket.parameters()]])
+            return allreduce_hook(state, bucket)
+
+        ddp.register_comm_hook(mesh["dpt"].get_group(), recording_hook)
+        for i in range(3):
+            with mode.step(i):
+                ddp(torch.randn(4, 6)).sum().backward()
+    mode.shutdown()
+    _write(out, "ddp_tp", rank, {"hook": seen, "stats": mode.stats()})
+
+
 def _view(agg: Aggregator) -> dict[str, Any]:
     return {
         "module_counts": agg.module_counts(),
@@ -516,6 +573,7 @@ SCENARIOS: dict[str, Callable[[Path, int], None]] = {
                                                compiled=True),
     "ddp_nested": _ddp_nested_run,
     "ddp_forward": _ddp_forward_run,
+    "ddp_tp": _ddp_tp_run,
     "ddp_cascade": lambda out, rank: _ddp_run(
         out, rank, "ddp_cascade", hook=True, find_unused=True, cascade=True),
     "ddp_resized": lambda out, rank: _hooked_ddp_run(

@@ -36,7 +36,7 @@ pytestmark = pytest.mark.multiprocess
 WORLD = 2
 SCRIPT = Path(__file__).with_name("_mp_ownership_scenarios.py")
 SCENARIOS = ["fsdp", "ddp", "ddp_hook", "ddp_unused", "ddp_cascade", "ddp_compiled",
-             "ddp_nested", "ddp_resized", "ddp_forward",
+             "ddp_nested", "ddp_resized", "ddp_forward", "ddp_tp",
              "pp_gpipe", "pp_1f1b", "pp_interleaved"]
 PIPELINES = ["pp_gpipe", "pp_1f1b"]
 MICROBATCHES = 4
@@ -216,6 +216,24 @@ def test_ddp_bucket_all_reduces_match_the_comm_hook(
         assert sorted(attrs[semconv.DDP_BUCKET_MODULES]) == modules
         assert attrs[semconv.PHASE] == "backward"
         assert attrs[semconv.OWNER_SOURCE] == "ddp"
+
+
+@pytest.mark.parametrize("rank", range(WORLD))
+def test_ddp_of_a_tensor_parallel_model_owns_buckets_by_module(ok_run: MpRun, rank: int) -> None:
+    """DDP composed with tensor parallelism: the modules' DTensor parameters are set
+    again from DDP's local tensors at every forward, yet each bucket is owned by the
+    lowest module holding the parameters the comm hook saw in it (the block's
+    layers, not the whole model)."""
+    hook = ok_run.result("ddp_tp", rank)["hook"]
+    events = _bucket_events(ok_run, "ddp_tp", rank)
+    assert len(events) == len(hook) > 0
+    owners = set()
+    for attrs, (index, params) in zip(events, hook):
+        assert attrs[semconv.DDP_BUCKET_INDEX] == index
+        assert attrs[semconv.OWNER_FQN] == _module_name(_lowest_common_module(params))
+        owners.add(attrs[semconv.OWNER_FQN])
+    assert any(o.startswith(f"{WRAPPED}.tp.") for o in owners), owners
+    assert ok_run.result("ddp_tp", rank)["stats"]["internal_errors"] == 0
 
 
 @pytest.mark.parametrize("rank", range(WORLD))

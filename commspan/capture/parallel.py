@@ -344,6 +344,7 @@ class ParallelModules:
             for p in sub._parameters.values():
                 if p is not None:
                     owners.setdefault(id(p), name)
+        _owners_by_position(module, owners, name_of)
         prefix = name_of(module.module) or state.fqn
         find_unused = bool(getattr(module, "find_unused_parameters", False))
         grad_buckets = reducer._get_zeros_like_grad_buckets()
@@ -384,3 +385,27 @@ def _own_params(module: torch.nn.Module, units: set[int]) -> list[Any]:
                 params.append(p)
         todo.extend(c for c in current._modules.values() if c is not None and id(c) not in units)
     return params
+
+
+def _owners_by_position(module: Any, owners: dict[int, str],
+                        name_of: Callable[[Any], str | None]) -> None:
+    """Add to ``owners`` the parameters DDP holds that the modules no longer do: with
+    tensor parallelism inside DDP (``_pre_dp_module_transform``), DDP holds the local
+    tensors of the DTensor parameters, and each forward sets on the modules new
+    DTensors made from them (plain attributes, views of DDP's tensors)."""
+    held = getattr(module, "_module_parameters", None)
+    if not held or all(id(p) in owners for p in held):
+        return
+    for sub in module.module.modules():
+        name = None
+        for value in vars(sub).values():
+            local = getattr(value, "_local_tensor", None)  # a DTensor attribute
+            if local is None or not isinstance(value, torch.Tensor):
+                continue
+            if name is None:
+                name = name_of(sub)
+                if name is None:
+                    break
+            owners.setdefault(id(local), name)
+            if local._base is not None:
+                owners.setdefault(id(local._base), name)
