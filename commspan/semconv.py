@@ -431,7 +431,9 @@ ATTRIBUTES: dict[str, str] = {
     PG_RANKS: "Global ranks of the process group.",
     MESH_DIM: "DeviceMesh dimension the process group belongs to, when known.",
     MESH_DIM_NAME: "Name of that mesh dimension (``mesh_dim_names``), when the mesh names "
-    "it, e.g. ``tp``, ``dp``.",
+    "it, e.g. ``tp``, ``dp``; also when only the group's description says it (torch's "
+    "DeviceMesh describes its groups as ``mesh_<name>``: a collective met before any DTensor "
+    "of that mesh, such as ``distribute_tensor``'s scatter), without ``commspan.mesh.dim``.",
     OWNER_FQN: "The module that owns the collective: its counts include it. The span open "
     "when it was issued (``commspan.module.fqn``) for tensor parallelism and a module's own "
     "collectives; the FSDP unit whose parameters it moves (for a unit of several modules, the "

@@ -472,3 +472,28 @@ def test_a_new_mesh_at_a_dead_mesh_address_is_learned() -> None:
     cache._meshes[id(new)] = weakref.ref(dead)
     cache.add_mesh(new)
     assert cache.mesh_dims == {"dead": 0, "new": 0}
+
+
+def test_a_named_mesh_met_only_through_its_collectives_names_their_dimensions(
+    fake_pg: None,
+) -> None:
+    """No module holds a DTensor of the mesh: ``distribute_tensor``'s scatters, an
+    explicit redistribution and an implicit one (a matmul's) are the first commspan
+    hears of it. Their collectives still carry the dimension names the mesh gives
+    its groups (reference: ``mesh.get_group(name)``), and the counts per dimension
+    use them."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("rows", "cols"))
+    names = {mesh.get_group(d).group_name: d for d in ("rows", "cols")}
+    from commspan.testing import capture
+
+    with capture() as cap:
+        with cap.mode.step(0):
+            d = distribute_tensor(torch.ones(4, 4), mesh, [Shard(0), Shard(1)])
+            d.redistribute(mesh, [Replicate(), Replicate()])
+            a = distribute_tensor(torch.ones(4, 4), mesh, [Shard(0), Replicate()])
+            b = distribute_tensor(torch.ones(4, 4), mesh, [Replicate(), Shard(1)])
+            (a @ b).full_tensor()
+    seen = [(e.attributes[semconv.PG_NAME], e.attributes.get(semconv.MESH_DIM_NAME))
+            for s in cap.spans for e in s.events if semconv.COLL_OP in e.attributes]
+    assert len(seen) >= 4 and all(names[group] == dim for group, dim in seen), (seen, names)
+    assert set(cap.aggregator.mesh_dim_counts()[semconv.GLOBAL_FQN]) == {"rows", "cols"}

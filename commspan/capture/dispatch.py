@@ -755,9 +755,9 @@ def describe(
         mesh_dim = groups.mesh_dims.get(name)
         if mesh_dim is not None:
             attrs[semconv.MESH_DIM] = mesh_dim
-            dim_name = groups.mesh_dim_names.get(name)
-            if dim_name is not None:
-                attrs[semconv.MESH_DIM_NAME] = dim_name
+        dim_name = groups.mesh_dim_names.get(name)
+        if dim_name is not None:  # (known without the index from the group's description)
+            attrs[semconv.MESH_DIM_NAME] = dim_name
         if info.kind != semconv.KIND_P2P:
             attrs[semconv.COLL_SEQ] = groups.next_seq(name)
     reduce_op = _reduce_name(_arg(info, args, kwargs, info.reduce_index))

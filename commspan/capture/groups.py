@@ -23,6 +23,7 @@ import torch
 __all__ = ["ProcessGroups", "group_key"]
 
 _log = logging.getLogger(__name__)
+_MESH_DESC = "mesh_"
 
 
 def group_key(group: Any) -> str | None:
@@ -133,6 +134,13 @@ class ProcessGroups:
                 pg = group
             name = str(pg.group_name)
             ranks = list(dist.get_process_group_ranks(pg))
+            desc = getattr(pg, "group_desc", None)
+            if isinstance(desc, str) and desc.startswith(_MESH_DESC) and len(desc) > 5 \
+                    and name not in self.mesh_dim_names:
+                # a device mesh's dimension (DeviceMesh describes its groups as
+                # "mesh_<dim name>"), met before any DTensor of that mesh told commspan
+                # of it (distribute_tensor's scatter, a redistribution)
+                self.mesh_dim_names[name] = desc[len(_MESH_DESC):]
             return name, int(pg.size()), ranks
         except Exception as exc:
             _log.debug("commspan: cannot resolve process group %r: %s", group, exc)
