@@ -24,6 +24,7 @@ import base64
 import contextlib
 import gc
 import logging
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from operator import itemgetter
 from typing import Any
@@ -577,22 +578,41 @@ def _dropped_json(n: int) -> bytes:
     return b',"droppedAttributesCount":%d' % n if n else b""
 
 
+_SURROGATES = re.compile("[\ud800-\udfff]")
+
+
 def _clean_text(text: Any) -> str:
     """``text`` as a str UTF-8 can encode (a lone surrogate becomes U+FFFD)."""
     text = str(text)
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
-        text = text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+        text = _SURROGATES.sub("\ufffd", text)  # one U+FFFD for each
     return text
 
 
+def _clean_value(value: Any) -> Any:
+    """``value`` with :func:`_clean_text` applied to it, or to its elements, if text."""
+    t = type(value)
+    if t is str:
+        return _clean_text(value)
+    if (t is list or t is tuple) and any(type(x) is str for x in value):
+        return t(_clean_text(x) if type(x) is str else x for x in value)
+    return value
+
+
 def _clean_attrs(attrs: Any) -> BoundedAttributes:
-    """The attributes the OTLP/JSON mapping can encode; the others are left out (and
-    logged), as the SDK's encoder leaves them out. What the SDK's limits dropped
+    """The attributes the OTLP/JSON mapping can encode, text with U+FFFD for what UTF-8
+    cannot encode; the others are left out (and logged), as the SDK's encoder leaves
+    them out. What the SDK's limits dropped
     before stays counted."""
-    kept = {k: v for k, v in attrs.items() if _checked_entry(k, v) is not None} \
-        if attrs else {}
+    kept = {}
+    for k, v in (attrs.items() if attrs else ()):
+        # text UTF-8 cannot encode (a module name with a lone surrogate) is kept with
+        # U+FFFD there, the same in every attribute, so readers still join them
+        k, v = _clean_text(k), _clean_value(v)
+        if _checked_entry(k, v) is not None:
+            kept[k] = v
     out = BoundedAttributes(maxlen=None, attributes=kept, immutable=False)
     out.dropped = dropped_attributes(attrs)
     return out
