@@ -23,6 +23,7 @@ __all__ = [
     "COLL_ALGBW",
     "COLL_BUSBW",
     "COLL_DURATION_NS",
+    "COLL_WAIT_NS",
     "COLL_INPUT_SPLITS",
     "COLL_KIND",
     "COLL_OP",
@@ -253,6 +254,7 @@ COLL_PEER = "commspan.collective.peer"
 COLL_INPUT_SPLITS = "commspan.collective.input_split_sizes"
 COLL_OUTPUT_SPLITS = "commspan.collective.output_split_sizes"
 COLL_DURATION_NS = "commspan.collective.duration_ns"
+COLL_WAIT_NS = "commspan.collective.wait_ns"
 PG_NAME = "commspan.pg.name"
 PG_SIZE = "commspan.pg.size"
 PG_RANKS = "commspan.pg.ranks"
@@ -419,6 +421,13 @@ ATTRIBUTES: dict[str, str] = {
     "``time_collectives=False`` or when the completion was not seen before the step ended. "
     "The rank that arrived last waits least; the HTML report and the Chrome trace draw "
     "collectives with this width.",
+    COLL_WAIT_NS: "Functional collectives: the time the rank spent inside the "
+    "``wait_tensor`` that completed the collective, int ns (from its call to its return, at "
+    "most the duration). A rank that did other work between issuing the collective and "
+    "waiting for it has a duration that holds that work too: a wait much shorter than the "
+    "duration says so, and ``commspan stragglers`` does not read such a duration as a "
+    "late arrival. Absent for other collectives (their wait starts when they are issued) "
+    "and for CUDA tensors.",
     COLL_INPUT_SPLITS: "``all_to_all_single`` with uneven splits (expert parallelism): how "
     "many rows of the input go to each rank of the group, in group rank order (int array); "
     "absent when the caller passes none (even splits).",

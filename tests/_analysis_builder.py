@@ -111,6 +111,7 @@ class RankStepBuilder:
         peer: int | list[int] | None = None,
         duration_ns: int | None = None,
         nbytes: int | None = None,
+        wait_ns: int | None = None,
     ) -> int:
         """Issue a collective on this rank: an event on the module span ``fqn``; returns its
         seq (a point-to-point op's number per peer, with ``SpanBuilder(schema=3)``)."""
@@ -126,7 +127,7 @@ class RankStepBuilder:
         attrs = self.b.event_attrs(
             op, fqn=fqn, phase=phase, group=group, ranks=ranks, shape=shape, dtype=dtype,
             reduce_op=reduce_op, kind=kind, peer=peer, seq=None if p2p_seq else seq,
-            p2p_seq=p2p_seq, duration_ns=duration_ns, nbytes=nbytes,
+            p2p_seq=p2p_seq, duration_ns=duration_ns, nbytes=nbytes, wait_ns=wait_ns,
         )
         t = self._tick()
         key = (fqn, phase)
@@ -219,6 +220,7 @@ class SpanBuilder:
         nbytes: int | None = None,
         state: str | None = None,
         p2p_seq: int | None = None,
+        wait_ns: int | None = None,
     ) -> dict[str, Any]:
         """The attributes of a collective event, as commspan writes them."""
         attrs: dict[str, Any] = {
@@ -246,6 +248,8 @@ class SpanBuilder:
             attrs[semconv.COLL_PEER] = peer
         if duration_ns is not None:
             attrs[semconv.COLL_DURATION_NS] = duration_ns
+        if wait_ns is not None:
+            attrs[semconv.COLL_WAIT_NS] = wait_ns
         if state is not None:
             attrs[semconv.COLL_STATE] = state
         return attrs

@@ -145,6 +145,24 @@ class Straggler(torch.nn.Module):
         return self.slow(self.fast(x))
 
 
+# ---------------------------------------------------------------- late wait
+class LateWait(torch.nn.Module):
+    """Every rank issues LateWait.issue's all_reduce on time; rank SLOW_RANK then works
+    SLOW_S before using (waiting for) its output, so its duration holds that work.
+    LateWait.sync's blocking all_reduce then waits for rank SLOW_RANK."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.issue = Issue()
+        self.sync = Fast()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.issue(x)
+        if dist.get_rank() == SLOW_RANK:
+            time.sleep(SLOW_S)
+        return self.sync(funcol.wait_tensor(y) + 1)
+
+
 # ---------------------------------------------------------------- gc straggler
 class Collect(torch.nn.Module):
     """all_reduce; rank GC_RANK first runs a full garbage collection."""
@@ -264,6 +282,8 @@ def main(argv: list[str]) -> int:
                                   mode._dispatch.completions.no_future.items() for key in keys)))
             dist.barrier()
             _run(out, "straggler", Straggler())
+            dist.barrier()
+            _run(out, "late_wait", LateWait())
             dist.barrier()
             _gc_straggler(out)
             dist.barrier()

@@ -43,7 +43,8 @@ def test_last_rank_is_the_one_that_waited_least_and_its_wait_is_summed() -> None
         d[(r, "Net.blocks.1")] = [(1 if r == 2 else 30 + r) * MS, (1 if r == 2 else 40) * MS]
     rows, ranks, checked = straggler_report(build_run(timed_run(d).spans()))
     assert checked == {"collectives": 4, "with_wait": 4, "without_duration": 0,
-                       "inconsistent": 0, "incomplete": 0, "point_to_point": 0, "rooted": 0}
+                       "inconsistent": 0, "incomplete": 0, "point_to_point": 0, "rooted": 0,
+                       "late_wait": 0}
     top = rows[0]
     assert (top.step, top.fqn, top.phase, top.rank) == (1, "Net.blocks.1", "forward", 2)
     assert top.wait_ns == 3 * (40 - 1) * MS and top.max_wait_ns == 39 * MS
@@ -248,6 +249,27 @@ def test_collectives_with_a_root_name_no_straggler(op: str) -> None:
         only.rank(r, 0).coll(op, fqn="Net.a", duration_ns=(1 + r) * MS)
     text = format_stragglers(analyze(build_run(only.spans())))
     assert "with a root" in text and "timing" not in text
+
+
+def test_a_rank_that_waited_late_names_no_straggler_there() -> None:
+    """Functional all_reduce in Net.tp: ranks 0, 1, 3 wait for it at once (their wait
+    is their duration, ~10 ms); rank 2 works 300 ms before waiting, and waits 1 ms. Its
+    duration holds its work: rank 1 (the shortest) is not the last arrival, and no
+    wait is charged there. Had rank 2 been the shortest, its late wait would not
+    matter: its duration is then an upper bound below everyone's."""
+    b = SpanBuilder(WORLD)
+    for r in range(WORLD):
+        if r == 2:
+            b.rank(r, 0).coll(fqn="Net.tp", duration_ns=300 * MS, wait_ns=MS)
+            b.rank(r, 1).coll(fqn="Net.tp", duration_ns=MS, wait_ns=MS // 100)
+        else:
+            d = (10 + r) * MS
+            b.rank(r, 0).coll(fqn="Net.tp", duration_ns=d, wait_ns=d)
+            b.rank(r, 1).coll(fqn="Net.tp", duration_ns=50 * MS, wait_ns=50 * MS)
+    result = analyze(build_run(b.spans()))
+    assert result.checked["late_wait"] == 1 and result.checked["collectives"] == 1
+    assert [(row.step, row.rank) for row in result.stragglers] == [(1, 2)]
+    assert result.stragglers[0].wait_ns == 3 * 49 * MS
 
 
 # ------------------------------------------------------------------ bandwidth

@@ -392,3 +392,17 @@ def test_from_jsonl_of_a_folder_of_two_runs_counts_one_or_says_so(
                    for run in ("first", "second", "all")}
         assert per_run == {**expected, "all": expected["first"] + expected["second"]}
         assert per_run["second"] > per_run["first"]
+
+
+def test_digests_keep_each_collectives_wait(tmp_path: Path, fake_pg: None) -> None:
+    """The records read through digests are those read from the lines, the time each
+    functional collective spent in its wait (``commspan.collective.wait_ns``) included,
+    and the tensor-parallel run has such waits."""
+    from commspan.analysis.records import load_run
+
+    run = _traced(tmp_path / "run", steps=2, ranks=(0, 1))
+    plain = _without_digests(run, tmp_path / "plain")
+    lines = sorted(load_run(plain).collectives)
+    digested = sorted(load_run(run).collectives)
+    assert digested == lines
+    assert [c for c in lines if c.wait_ns is not None]

@@ -178,6 +178,35 @@ def test_slow_rank_makes_the_others_wait_and_stragglers_names_it(main_run: Path)
     assert result.ranks[0].rank == SLOW_RANK
 
 
+def test_a_rank_that_waits_late_is_not_taken_for_one_that_arrived_early(
+    main_run: Path,
+) -> None:
+    """Every rank issues LateWait.issue's all_reduce on time, and rank 2 works before
+    waiting for it: its duration there is long, its wait short (its own clock's
+    wait_ns), so that all_reduce names no straggler (none of the others was waited
+    for), and the wait rank 2 causes is found at LateWait.sync, where the others
+    block for it."""
+    from _mp_timing_scenarios import SLOW_RANK, SLOW_S, STEPS
+
+    run = load_run(main_run / "late_wait")
+    issue = defaultdict(dict)
+    for c in run.collectives:
+        if c.fqn == "LateWait.issue":
+            issue[c.step][c.rank] = c
+    assert sorted(issue) == list(range(STEPS))
+    for per_rank in issue.values():
+        late = per_rank[SLOW_RANK]
+        assert late.duration_ns > 0.5 * SLOW_S * 1e9
+        assert late.wait_ns is not None and late.wait_ns * 20 < late.duration_ns
+    result = stragglers(main_run / "late_wait")
+    assert not [r for r in result.stragglers if r.fqn == "LateWait.issue"
+                and r.wait_ns > 0.25 * SLOW_S * 1e9]
+    assert result.checked["late_wait"] >= 1
+    top = [r for r in result.stragglers if r.wait_ns > 0.5 * SLOW_S * 1e9 * (WORLD - 1)]
+    assert {(r.fqn, r.rank) for r in top} == {("LateWait.sync", SLOW_RANK)}
+    assert result.ranks[0].rank == SLOW_RANK
+
+
 # ------------------------------------------------------------------ hang
 def test_a_rank_late_from_a_full_collection_is_named_with_its_collection(
     main_run: Path,

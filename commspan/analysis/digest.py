@@ -220,7 +220,8 @@ def digest_parts(records: Iterable[SpanRecord]) -> list[DigestPart] | None:
     started, after ``start``), and the collectives: ``tmpls`` (what stays the same
     step after step, as JSON text) and ``coll`` (JSON text of ``[template index,
     seq, issued_ns, duration_ns]`` rows, with ``p2p_seq`` fifth for a point-to-point
-    op numbered per peer).
+    op numbered per peer, and ``wait_ns`` sixth when recorded, ``p2p_seq`` then
+    ``null`` for a collective).
     """
     parts: dict[tuple[str, int, str], _Part] = {}
     resources: dict[int, tuple[str, int | None, str | None, str | None]] = {}
@@ -320,13 +321,19 @@ class _Part:
         templates: dict[str, int] = {}
         rows = []
         for row in self.coll:
+            wait = row.pop()
             seq, issued, duration, p2p_seq = row[2], row[12], row[13], row.pop()
             row[2] = row[12] = row[13] = None
             text = dumps(row).decode()
             index = templates.setdefault(text, len(templates))
-            # a point-to-point op's number per peer (schema 3) comes fifth
-            rows.append([index, seq, issued, duration] if p2p_seq is None
-                        else [index, seq, issued, duration, p2p_seq])
+            # a point-to-point op's number per peer (schema 3) comes fifth, a functional
+            # collective's wait (commspan.collective.wait_ns) sixth
+            if wait is not None:
+                rows.append([index, seq, issued, duration, p2p_seq, wait])
+            elif p2p_seq is not None:
+                rows.append([index, seq, issued, duration, p2p_seq])
+            else:
+                rows.append([index, seq, issued, duration])
         part["tmpls"] = list(templates)
         part["coll"] = dumps(rows).decode()
         return part
@@ -784,7 +791,8 @@ def run_from_parts(parts: Sequence[DigestPart]) -> Run:
             group, members, op, kind, dtype, shape, nbytes, reduce_op, peer = head
             append(CollectiveRecord(rank, step, trace, group, members, row[1], op, kind,
                                     dtype, shape, nbytes, reduce_op, peer, fqn, phase, row[2],
-                                    row[3], state, row[4] if len(row) > 4 else None))
+                                    row[3], state, row[4] if len(row) > 4 else None,
+                                    row[5] if len(row) > 5 else None))
     run.rank_steps = {
         key: rs._replace(step=run.trace_steps.get(rs.trace_id))
         for key, rs in run.rank_steps.items()

@@ -84,6 +84,8 @@ class CollectiveRecord(NamedTuple):
             that matches it have the same); ``None`` for collectives and in files
             of schema 2, whose ``seq`` numbered point-to-point ops with the
             collectives.
+        wait_ns: a functional collective's time inside the ``wait_tensor`` that
+            completed it (``commspan.collective.wait_ns``), when recorded.
     """
 
     rank: int
@@ -105,6 +107,7 @@ class CollectiveRecord(NamedTuple):
     duration_ns: int | None
     state: str
     p2p_seq: int | None = None
+    wait_ns: int | None = None
 
     def where(self) -> str:
         """``"`Net.blocks.0` forward"``: the module and phase, for messages."""
@@ -574,6 +577,7 @@ def _collective(
         issued_ns=issued,
         duration_ns=duration,
         state=state,
+        wait_ns=_int(attrs.get(semconv.COLL_WAIT_NS)),
     )
 
 

@@ -35,8 +35,13 @@ collectives with a root (``checked["rooted"]``: broadcast, scatter, gather,
 reduce): their ranks do not all wait for the last one (a gather's root waits
 for every rank, the others for nobody; who a broadcast waits for depends on
 the backend's algorithm), so the shortest duration does not tell who arrived
-last. ``checked`` counts collectives (one per group, step and position),
-point-to-point ops per rank.
+last. Nor is a functional collective that a rank other than the one with the
+shortest duration waited for only once it had completed
+(``checked["late_wait"]``: its ``commspan.collective.wait_ns`` under a
+twentieth of its duration): that rank did other work between issuing and
+waiting, its duration holds that work, and the others' durations alone
+cannot say whether it arrived last. ``checked`` counts collectives (one per
+group, step and position), point-to-point ops per rank.
 
 Example:
     >>> from commspan.analysis.stragglers import analyze
@@ -256,6 +261,15 @@ def matched_collectives(
     return out
 
 
+def _waited_late(rec: CollectiveRecord) -> bool:
+    """Whether the rank called ``wait_tensor`` on a functional collective only once it
+    had (about) completed: it spent under a twentieth of the duration in the wait, the
+    rest doing other work. Its duration then ends at its wait, not at the collective's
+    completion, and says nothing of when it arrived."""
+    wait, duration = rec.wait_ns, rec.duration_ns
+    return wait is not None and duration is not None and wait * 20 < duration
+
+
 def straggler_report(
     run: Run,
 ) -> tuple[list[StragglerRow], list[RankWaits], dict[str, int]]:
@@ -284,8 +298,13 @@ def straggler_report(
         if len(durations) < len(match):
             checked["without_duration"] += 1
             continue
-        checked["collectives"] += 1
         last = min(sorted(durations), key=durations.__getitem__)  # ties: lowest rank
+        if any(_waited_late(c) for r, c in match.items() if r != last):
+            # another rank waited for it only once it had completed: that rank's
+            # duration holds its own work and may hide its being last
+            checked["late_wait"] += 1
+            continue
+        checked["collectives"] += 1
         d_last = durations[last]
         waits = [d - d_last for r, d in durations.items() if r != last]
         wait = sum(waits)
@@ -340,6 +359,7 @@ def straggler_report(
         "incomplete": checked["incomplete"],
         "point_to_point": checked["point_to_point"],
         "rooted": checked["rooted"],
+        "late_wait": checked["late_wait"],
     }
     return rows, ranks, counts
 

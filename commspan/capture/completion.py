@@ -271,13 +271,14 @@ class CompletionTracker:
         self.sweep_at = max(256, 2 * len(table))
 
     # ------------------------------------------------------------ completion
-    def waited(self, tensor: Any, now: int) -> None:
-        """``wait_tensor`` on ``tensor`` returned at ``now``: complete the collective
-        that produced it, if one is waiting."""
+    def waited(self, tensor: Any, now: int, start: int = 0) -> None:
+        """``wait_tensor`` on ``tensor``, called at ``start``, returned at ``now``: complete
+        the collective that produced it, if one is waiting."""
         if self.polled:
             self.poll_some()
         timing = self.outputs.pop(tensor.data_ptr() or id(tensor), None)
         if timing is not None:
+            timing.wait_start = start
             self.finish(timing, now)
 
     def finish(self, timing: CollectiveTiming, now: int) -> None:
@@ -290,6 +291,7 @@ class CompletionTracker:
                 if self.outputs.get(key) is timing:
                     del self.outputs[key]
             if cuda_start is not None:
+                timing.wait_start = 0  # device time: a host wait says nothing of it
                 _finish_cuda(timing, cuda_start)
                 return
         timing.complete(now)

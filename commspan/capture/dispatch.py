@@ -313,6 +313,7 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
         of this mode's sight; afterwards the outputs it waited on say so
         (``completed``), which is their completion."""
         lazy = _waiting_lazy(self._lazy, args, kwargs)
+        start = _perf()
         if isinstance(info, CollectiveInfo):
             out = self._collective(info, func, args, kwargs)
         else:
@@ -322,7 +323,7 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
             try:
                 for a in lazy:
                     if a.completed:
-                        self.completions.waited(a.elem, now)
+                        self.completions.waited(a.elem, now, start)
             except Exception:
                 self._errors.record(message="could not time the completion of a collective")
         return out
@@ -380,6 +381,7 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
 
     def _wait(self, func: Any, args: Any, kwargs: Any) -> Any:
         """``wait_tensor``: run it, then complete the collective whose output it waited."""
+        start = _perf()
         out = func(*args, **kwargs) if kwargs else func(*args)
         now = _perf()
         try:
@@ -394,6 +396,7 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
                 completions.poll_some()
             timing = completions.outputs.pop(tensor.data_ptr() or id(tensor), None)
             if timing is not None:
+                timing.wait_start = start
                 if timing.hold is None and timing.duration is None:
                     timing.duration = now - timing.issued  # the usual case: done
                 else:

@@ -145,6 +145,10 @@ def _why_nothing_matched(checked: Mapping[str, int]) -> str:
         return ("no collective recorded by every rank of its group: the last to arrive "
                 "may be a rank with no record (a missing file, or one the rank sample "
                 "left out), so none is named")
+    if checked.get("late_wait"):
+        return ("no collective matched: at each, a rank waited for the collective only once "
+                "it had completed (commspan.collective.wait_ns much shorter than its "
+                "duration), so who arrived last cannot be told")
     if checked.get("rooted"):
         return (f"no collective to match: the {_plural(checked['rooted'], 'collective')} of "
                 "these files with a root (broadcast, scatter, gather, reduce) are not "

@@ -37,6 +37,7 @@ __all__ = ["CollectiveLog", "CollectiveTiming", "add_timing", "hold_timing"]
 
 _perf = time.perf_counter_ns
 _DURATION = semconv.COLL_DURATION_NS
+_WAIT = semconv.COLL_WAIT_NS
 _BYTES = semconv.TENSOR_BYTES
 _SIZE = semconv.PG_SIZE
 _OP = semconv.COLL_OP
@@ -76,10 +77,12 @@ class CollectiveTiming:
         abandoned: its span was emitted without a completion (its trace ended
             first): it is not waited for any more, nor listed as not completed
             in hang records.
+        wait_start: ``perf_counter_ns()`` when the ``wait_tensor`` that completed it
+            was called (functional collectives on the CPU; 0 otherwise).
     """
 
     __slots__ = ("attrs", "phase", "name", "issued", "wall", "duration", "resolve", "hold",
-                 "abandoned")
+                 "abandoned", "wait_start")
 
     def __init__(self, attrs: dict[str, Any], phase: str, name: str = "") -> None:
         self.attrs = attrs
@@ -91,6 +94,7 @@ class CollectiveTiming:
         self.resolve: Callable[[], int | None] | None = None
         self.hold: Any = None
         self.abandoned = False
+        self.wait_start = 0
 
     def abandon(self) -> None:
         """Give up on the completion (the span is emitted without it)."""
@@ -136,6 +140,9 @@ class CollectiveTiming:
         if duration is None or _DURATION in attrs:
             return attrs
         attrs[_DURATION] = duration
+        start = self.wait_start
+        if start:  # the time inside the wait that completed it
+            attrs[_WAIT] = max(0, min(duration, self.issued + duration - start))
         nbytes = attrs.get(_BYTES)
         size = attrs.get(_SIZE)
         if duration > 0 and nbytes and size:
