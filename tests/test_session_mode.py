@@ -340,3 +340,43 @@ def test_a_mode_shut_down_cannot_be_entered_again() -> None:
         with mode:
             pass
     assert not mode.active
+
+
+_ENTERED_AT_EXIT = """
+import sys
+import torch
+from commspan import CommSpanMode
+from commspan.exporters import JsonlSpanExporter
+
+model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+mode = CommSpanMode(exporters=[JsonlSpanExporter(sys.argv[1])])
+mode.__enter__()  # entered by hand (a notebook, a framework's callbacks), never left
+with mode.step(0):
+    model(torch.ones(1, 2))
+step = mode.step(1)  # a step still open when the interpreter exits
+step.__enter__()
+model(torch.ones(1, 2))
+"""
+
+
+def test_a_mode_never_left_is_left_at_interpreter_exit(tmp_path: Any) -> None:
+    """The interpreter exits with the mode entered and a step open: the step's trace
+    is closed and written, its root and rank span included, as a step left by hand."""
+    import subprocess
+    import sys
+
+    from commspan.exporters import read_spans
+
+    script = tmp_path / "entered.py"
+    script.write_text(_ENTERED_AT_EXIT)
+    out = tmp_path / "out"
+    subprocess.run([sys.executable, str(script), str(out)], capture_output=True, text=True,
+                   timeout=120, check=True)
+    spans = [s for f in sorted(out.iterdir()) for s in read_spans(f)]
+    per_step = {}
+    for s in spans:
+        per_step.setdefault(s.trace_id, []).append(s.name)
+    assert len(per_step) == 2
+    for names in per_step.values():
+        assert sorted(names) == sorted(["commspan.step", "commspan.rank", "Sequential forward",
+                                        "Sequential.0 forward", "Sequential.1 forward"])

@@ -16,10 +16,12 @@ resource is built by :mod:`commspan.session.resource`.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -71,6 +73,27 @@ def _version() -> str:
     from commspan import __version__
 
     return __version__
+
+
+_ENTERED: weakref.WeakSet[CommSpanMode] = weakref.WeakSet()
+"""Modes entered and not left (``mode.__enter__()`` without its ``__exit__``)."""
+
+
+def _leave_at_exit() -> None:
+    """At interpreter exit, leave the modes this thread entered and never left: their
+    open trace is closed and handed to the exporters, which the export queues' own exit
+    handler (registered before this one, so run after it) then flushes. Without it the
+    open step's spans, its rank span and its root among them, vanish uncounted."""
+    me = threading.get_ident()
+    for mode in list(_ENTERED):
+        if mode._active and mode._owner == me:
+            try:
+                mode.__exit__(None, None, None)
+            except Exception:  # nothing may stop the interpreter's exit
+                _log.debug("commspan: leaving a mode at exit raised", exc_info=True)
+
+
+atexit.register(_leave_at_exit)  # after ExportQueue's (imported above): runs before it
 
 
 def _each(*parts: Callable[[], object] | None) -> None:
@@ -377,6 +400,7 @@ class CommSpanMode:
         if self.aggregator is not None:
             self.aggregator.attach_live(self._recorder.live_spans)
         self._active = True
+        _ENTERED.add(self)
         self._paused = False
         self._start_capture()
         self._parallel.pipeline.install()
@@ -415,6 +439,7 @@ class CommSpanMode:
                   self._tracker.uninstall if self._tracker is not None else None)
         finally:
             self._active = False
+            _ENTERED.discard(self)
             if self._gc is not None:
                 self._gc.remove()
                 self._stats["gc_pauses_unrecorded"] += (
