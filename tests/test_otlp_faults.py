@@ -74,20 +74,37 @@ class _BlackHole:
 class _HttpEndpoint:
     """An OTLP/HTTP stand-in answering every POST with ``status`` after ``delay_s``."""
 
-    def __init__(self, status: int, delay_s: float = 0.0) -> None:
+    def __init__(self, status: int, delay_s: float = 0.0, reject: int = 0) -> None:
         owner = self
         self.requests = 0
+        self.spans = 0
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
-                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+                    ExportTraceServiceRequest,
+                    ExportTraceServiceResponse,
+                )
+
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 owner.requests += 1
+                request = ExportTraceServiceRequest.FromString(body)
+                n = sum(len(ss.spans) for rs in request.resource_spans
+                        for ss in rs.scope_spans)
+                owner.spans += n
+                answer = b""
+                if reject:  # OTLP partial success: some of the spans rejected
+                    response = ExportTraceServiceResponse()
+                    response.partial_success.rejected_spans = min(reject, n)
+                    response.partial_success.error_message = "too many spans"
+                    answer = response.SerializeToString()
                 if delay_s:
                     time.sleep(delay_s)
                 self.send_response(status)
                 self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", "0")
+                self.send_header("Content-Length", str(len(answer)))
                 self.end_headers()
+                self.wfile.write(answer)
 
             def log_message(self, *args: Any) -> None:
                 """Quiet."""
@@ -241,6 +258,25 @@ def test_http_error_status(status: int) -> None:
     _assert_bounded(run)
     _assert_all_lost_and_counted(run)
     assert run.stats["spans_failed"] == run.stats["spans"]
+
+
+def test_spans_a_backend_rejects_in_a_partial_success_are_counted_failed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """HTTP 200 whose body is an OTLP partial success rejecting 2 spans of each batch:
+    those are counted as failed, the rest as exported, and the log says so once with
+    the backend's message."""
+    server = _HttpEndpoint(200, reject=2)
+    try:
+        with caplog.at_level(logging.WARNING, logger="commspan"):
+            run = _train(_exporter("http/protobuf", server.port))
+    finally:
+        server.close()
+    batches = server.requests
+    assert batches >= 1 and server.spans == run.stats["spans"]
+    assert run.stats["spans_failed"] == 2 * batches
+    assert run.stats["spans_exported"] == run.stats["spans"] - 2 * batches
+    assert caplog.text.count("partial success: too many spans") == 1
 
 
 @pytest.mark.parametrize("code_name", ["UNAVAILABLE", "INTERNAL"])

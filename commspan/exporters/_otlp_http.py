@@ -51,6 +51,9 @@ class OTLPSpanExporter(_sdk.OTLPSpanExporter):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self._rejected = 0
+        self._rejected_message = ""
+        self._watch = _LastResponse.install(self)
         missing = self._missing()
         #: whether ``export`` uses commspan's encoder (else it is the SDK's ``export``)
         self.fast_encoding = not missing
@@ -73,8 +76,42 @@ class OTLPSpanExporter(_sdk.OTLPSpanExporter):
             missing.append("_shutdown")
         return missing
 
+    def take_rejected(self) -> tuple[int, str]:
+        """The spans the backend said it rejected (OTLP partial success) since the last
+        call, and its message; the export queue counts them as failed."""
+        out = (self._rejected, self._rejected_message)
+        self._rejected, self._rejected_message = 0, ""
+        return out
+
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        """Export ``spans`` as the SDK does, encoded by commspan's encoder."""
+        """Export ``spans`` as the SDK does, encoded by commspan's encoder; a response
+        that rejects some spans (OTLP partial success) is remembered for
+        :meth:`take_rejected`."""
+        watch = self._watch
+        if watch is not None:
+            watch.last = None
+        result = self._export(spans)
+        if result is SpanExportResult.SUCCESS and watch is not None and watch.last is not None:
+            self._note_partial_success(watch.last)
+        return result
+
+    def _note_partial_success(self, response: Any) -> None:
+        try:
+            from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+                ExportTraceServiceResponse,
+            )
+
+            body = response.content()
+            if not body:
+                return
+            partial = ExportTraceServiceResponse.FromString(body).partial_success
+        except Exception:  # a body that is not the response message: nothing to say
+            return
+        if partial.rejected_spans > 0:
+            self._rejected += int(partial.rejected_spans)
+            self._rejected_message = str(partial.error_message)
+
+    def _export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         if not self.fast_encoding:
             return super().export(spans)
         log = _sdk._logger
@@ -114,3 +151,30 @@ class OTLPSpanExporter(_sdk.OTLPSpanExporter):
                 )
                 return SpanExportResult.FAILURE
         return SpanExportResult.SUCCESS
+
+
+class _LastResponse:
+    """Wraps the SDK client's HTTP transport to keep the last response it got (its body
+    holds an OTLP partial success, which the SDK's client does not read)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.last: Any = None
+
+    @classmethod
+    def install(cls, exporter: Any) -> _LastResponse | None:
+        client = getattr(exporter, "_client", None)
+        inner = getattr(client, "_transport", None)
+        if client is None or inner is None or not callable(getattr(inner, "request", None)):
+            return None
+        watch = cls(inner)
+        client._transport = watch
+        return watch
+
+    def request(self, *args: Any, **kwargs: Any) -> Any:
+        result = self._inner.request(*args, **kwargs)
+        self.last = result
+        return result
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)

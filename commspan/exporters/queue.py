@@ -516,13 +516,27 @@ class ExportQueue(SpanProcessor):
                     raise
                 continue
             if result is SpanExportResult.SUCCESS:
-                self._settle(number, n, "")
+                self._settle(number, n, "", rejected=self._take_rejected(n))
             else:
                 self._settle(number, n, f"returned {getattr(result, 'name', result)}")
         return True
 
-    def _settle(self, number: int, n: int, how: str, exc: BaseException | None = None) -> None:
-        """Count the result of batch ``number`` (``how`` empty: SUCCESS)."""
+    def _take_rejected(self, n: int) -> tuple[int, str]:
+        """Spans of the batch just exported that the backend rejected (an exporter with
+        ``take_rejected``: commspan's OTLP/HTTP one reads OTLP partial success)."""
+        take = getattr(self.exporter, "take_rejected", None)
+        if take is None:
+            return 0, ""
+        try:
+            count, message = take()
+            return max(0, min(n, int(count))), str(message)
+        except Exception:
+            return 0, ""
+
+    def _settle(self, number: int, n: int, how: str, exc: BaseException | None = None,
+                rejected: tuple[int, str] = (0, "")) -> None:
+        """Count the result of batch ``number`` (``how`` empty: SUCCESS, of which the
+        backend may have ``rejected`` some spans, counted as failed)."""
         with self._cond:
             if number == self._abandoned_batch:
                 # shutdown already counted it as failed; a late result changes nothing
@@ -531,12 +545,22 @@ class ExportQueue(SpanProcessor):
                 return
             self.in_flight = 0
             if not how:
-                self.exported += n
+                self.exported += n - rejected[0]
+                self.failed += rejected[0]
                 self._healthy = True
-                return
-            self.failed += n
-            self._healthy = False
-            warn = self._logged.first("fail")
+                warn = rejected[0] > 0 and self._logged.first("rejected")
+            else:
+                self.failed += n
+                self._healthy = False
+                warn = self._logged.first("fail")
+        if not how:
+            if warn:
+                _log.warning(
+                    "commspan: the backend of %s accepted a batch but rejected %d of its %d "
+                    "spans (OTLP partial success: %s); they are counted as failed in "
+                    "mode.stats() (further rejections are counted, not logged)",
+                    self._name, rejected[0], n, rejected[1] or "no message")
+            return
         if warn:
             _log.warning(
                 "commspan: %s.export %s; %d spans lost (further failures are counted "
