@@ -458,7 +458,8 @@ ATTRIBUTES: dict[str, str] = {
     OWNER_PREFETCH: "FSDP unshard: issued ahead of its unit's use by another unit's hook "
     "(implicit backward prefetch, or ``set_modules_to_*_prefetch``) (bool).",
     OWNER_PARAMS: "Number of parameters the collective moves: the FSDP unit's own "
-    "parameters (nested units excluded), or the DDP bucket's (int).",
+    "parameters (nested units excluded), for its gradient reduction those that require "
+    "gradients, or the DDP bucket's (int).",
     OWNER_BYTES: "Bytes of the owner's data the collective carries: the whole (padded) "
     "unit for an FSDP all-gather (its output) or reduce-scatter (its input), the unit's "
     "shard for HSDP's all-reduce, the bucket for DDP (int). Over the wire each rank "

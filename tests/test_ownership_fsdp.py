@@ -526,3 +526,47 @@ def test_a_collective_from_fsdps_final_callback_is_not_the_embeddings() -> None:
               and e.attributes.get(semconv.PHASE) == "backward"]
     assert len(owners) == 2 and not any(o.endswith(".tok") for o in owners), owners
     assert cap.counts("FSDP_EmbedNormOut.tok", "backward") == {}
+
+
+def test_a_units_gradient_reduction_counts_its_trainable_parameters() -> None:
+    """Fine-tuning: a unit's first layer is frozen. Its all-gathers move every
+    parameter; its reduce-scatter only the trainable ones' gradients, and says so in
+    ``commspan.owner.params`` (reference: ``requires_grad`` of the unit's parameters)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from commspan.testing import fake_mesh, fake_process_group
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = torch.nn.Linear(8, 16)
+            self.b = torch.nn.Linear(16, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.b(torch.relu(self.a(x)))
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = Block()
+            self.head = torch.nn.Linear(8, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.block(x))
+
+    with fake_process_group(world_size=4):
+        mesh = fake_mesh(4)
+        model = Net()
+        model.block.a.requires_grad_(False)
+        every = len(list(model.block.parameters()))
+        trainable = sum(p.requires_grad for p in model.block.parameters())
+        fully_shard(model.block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        with capture() as cap:
+            with cap.mode.step(0):
+                model(torch.randn(2, 8)).sum().backward()
+    seen = {(e.attributes[semconv.OWNER_KIND], e.attributes[semconv.OWNER_PARAMS])
+            for s in cap.spans for e in s.events
+            if e.attributes.get(semconv.OWNER_FQN) == "FSDPNet.block"}
+    assert seen == {("unshard", every), ("reduce_grad", trainable)}
+    assert trainable < every

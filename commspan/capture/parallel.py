@@ -295,7 +295,7 @@ class ParallelModules:
             else:
                 relative = fqn[len(root) + 1 :]
             params = _own_params(module, ids)
-            unit = FsdpUnit(fqn, len(params))
+            unit = FsdpUnit(fqn, len(params), sum(1 for p in params if p.requires_grad))
             same = self._fsdp.setdefault(relative, [])
             # a new model with the names of one seen before (commspan names by class
             # and path) replaces it: one name, one owner

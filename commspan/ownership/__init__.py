@@ -159,10 +159,13 @@ class FsdpUnit(NamedTuple):
     Attributes:
         fqn: its module's name in commspan's naming (``FSDPNet.blocks.0``).
         params: its own parameters (those of nested units excluded).
+        trainable: how many of them require gradients (those whose gradients its
+            reduce-scatter moves), when the unit was learned; ``-1``: all.
     """
 
     fqn: str
     params: int
+    trainable: int = -1
 
 
 @dataclass(frozen=True)

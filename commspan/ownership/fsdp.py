@@ -116,15 +116,18 @@ class FsdpUnits:
             if unit is None:
                 return None
             members.append(unit)
+        reduces = label.kind == semconv.OWNER_KIND_REDUCE_GRAD
+        # a gradient reduction moves the gradients of the trainable parameters only
+        counted = [m.trainable if reduces and m.trainable >= 0 else m.params for m in members]
         if len(members) == 1:
-            owner, params = members[0].fqn, members[0].params
+            owner, params = members[0].fqn, counted[0]
         else:
             owner = lowest_common_module([m.fqn for m in members])
-            params = sum(m.params for m in members)
+            params = sum(counted)
         op = issued.op
         attrs = issued.attributes
         moved = int(attrs.get(semconv.TENSOR_BYTES, 0) or 0)
-        if label.kind == semconv.OWNER_KIND_REDUCE_GRAD:
+        if reduces:
             phase = Phase.BACKWARD
             kind = semconv.OWNER_KIND_ALL_REDUCE if op == "all_reduce" else label.kind
         else:
