@@ -581,3 +581,22 @@ def test_a_module_whose_own_forward_hook_raises_ends_with_error() -> None:
     assert not [e for e in outer.events if e.name == "exception"]
     assert spans["Sequential.0 forward"].status.status_code is not StatusCode.ERROR
     assert mode.stats()["internal_errors"] == 0
+
+
+def test_an_interrupt_while_a_span_is_handed_on_still_exports_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Ctrl-C landing in the aggregator while it takes a span reaches the user; the
+    other processors still get that span, so every span counted reaches them."""
+    mode, exporter = traced_mode()
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    assert mode.aggregator is not None
+    _interrupt_once(monkeypatch, mode.aggregator, "on_end")
+    with mode:
+        with pytest.raises(KeyboardInterrupt):
+            with mode.step(0):
+                model(torch.ones(1, 2))
+        with mode.step(1):
+            model(torch.ones(1, 2))
+    mode.shutdown()
+    assert mode.stats()["spans"] == len(exporter.get_finished_spans())

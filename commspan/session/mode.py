@@ -789,11 +789,18 @@ class CommSpanMode:
 
     def _emit(self, span: ReadableSpan) -> None:
         self._stats["spans"] += 1
+        interrupted: BaseException | None = None
         for on_end in self._processors:
             try:
                 on_end(span)
             except Exception:
                 self._processor_errors.record()
+            except BaseException as exc:  # an interrupt (Ctrl-C) in one of them: the
+                # others still get the span (it is counted), then the interrupt goes on
+                if interrupted is None:
+                    interrupted = exc
+        if interrupted is not None:
+            raise interrupted
 
     def _build_processors(self) -> list[Callable[[ReadableSpan], None]]:
         procs: list[Callable[[ReadableSpan], None]] = []
