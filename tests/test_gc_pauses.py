@@ -159,6 +159,30 @@ def test_a_failing_where_is_counted_never_raised() -> None:
     assert watch._on_gc not in gc.callbacks
 
 
+def test_a_ctrl_c_while_a_collection_is_noted_reaches_the_program() -> None:
+    """A KeyboardInterrupt raised while the watch notes a collection (a Ctrl-C handled
+    then) would be swallowed by the collector, which ignores its callbacks' errors: it
+    reaches the program once the collection is over."""
+    calls = [0]
+
+    def where() -> Any:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise KeyboardInterrupt
+        return None
+
+    watch = GcWatch(where)
+    watch.install()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            gc.collect()
+            for _ in range(1000):  # the interrupt is raised at the next check
+                time.sleep(0.001)
+    finally:
+        watch.remove()
+    assert calls[0] >= 1
+
+
 def test_record_gc_must_be_a_bool() -> None:
     with pytest.raises(TypeError, match=r"record_gc='yes' is not valid; pass True"):
         CommSpanMode(record_gc="yes")  # type: ignore[arg-type]

@@ -23,13 +23,18 @@ Example:
 
 from __future__ import annotations
 
+import _thread
 import gc
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 __all__ = ["MAX_PENDING", "MIN_NS", "GcPause", "GcWatch"]
+
+_REDELIVER_S = 0.01
+"""How long after a collection an interrupt swallowed by it is delivered again."""
 
 MIN_NS = 1_000_000
 """Collections of the younger generations shorter than this (1 ms) are not noted."""
@@ -104,6 +109,16 @@ class GcWatch:
                 return taken
 
     def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        try:
+            self._note(phase, info)
+        except KeyboardInterrupt:
+            # a Ctrl-C handled while this callback ran: the collector ignores what its
+            # callbacks raise, so the user's interrupt would be lost. Deliver it again
+            # from another thread, a moment later: the main thread then meets it once
+            # the collection is over (raised here, it would be swallowed again)
+            threading.Timer(_REDELIVER_S, _thread.interrupt_main).start()
+
+    def _note(self, phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
             self._start = time.perf_counter_ns()
             self._start_wall = time.time_ns()
