@@ -234,7 +234,7 @@ def test_failed_exports_never_log_credentials(
 
 @pytest.mark.parametrize("variable", ["OTEL_EXPORTER_OTLP_TIMEOUT",
                                       "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT"])
-@pytest.mark.parametrize("value", ["0", "-5", "ten"])
+@pytest.mark.parametrize("value", ["0", "-5", "ten", "10s", "inf"])
 def test_a_timeout_variable_that_is_not_a_positive_number_is_refused(
     monkeypatch: pytest.MonkeyPatch, variable: str, value: str
 ) -> None:

@@ -497,3 +497,21 @@ def test_a_named_mesh_met_only_through_its_collectives_names_their_dimensions(
             for s in cap.spans for e in s.events if semconv.COLL_OP in e.attributes]
     assert len(seen) >= 4 and all(names[group] == dim for group, dim in seen), (seen, names)
     assert set(cap.aggregator.mesh_dim_counts()[semconv.GLOBAL_FQN]) == {"rows", "cols"}
+
+
+def test_a_mesh_without_names_names_no_dimension(fake_pg: None) -> None:
+    """A mesh whose dimensions have no names: torch describes its groups as
+    ``mesh_dim_0`` and ``mesh_dim_1``; commspan gives their collectives no dimension
+    name (``commspan.mesh.dim_name`` absent), as before it knew the descriptions."""
+    from commspan.testing import capture
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    with capture() as cap:
+        with cap.mode.step(0):
+            t = torch.ones(4)
+            torch.distributed.all_reduce(t, group=mesh.get_group(1))
+            d = distribute_tensor(torch.ones(4, 4), mesh, [Shard(0), Shard(1)])
+            d.redistribute(mesh, [Replicate(), Replicate()])
+    events = [e.attributes for s in cap.spans for e in s.events
+              if semconv.COLL_OP in e.attributes]
+    assert events and not [a for a in events if semconv.MESH_DIM_NAME in a]

@@ -329,10 +329,13 @@ def test_a_step_number_not_above_the_highest_is_logged_once(
     assert "mode.step(3)" not in caplog.text
 
 
-def test_a_mode_shut_down_cannot_be_entered_again() -> None:
+def test_a_mode_shut_down_cannot_be_entered_again(tmp_path: Any) -> None:
     """After ``shutdown()`` the exporters are closed, so a new use would drop all it
-    traced: entering is refused, saying why and what to do instead."""
-    mode = CommSpanMode()
+    traced: entering is refused, saying why and what to do instead. A mode without
+    exporters (the aggregator only) loses nothing and may be entered again."""
+    from commspan.exporters import JsonlSpanExporter
+
+    mode = CommSpanMode(exporters=[JsonlSpanExporter(tmp_path)])
     with mode:
         pass
     mode.shutdown()
@@ -340,6 +343,12 @@ def test_a_mode_shut_down_cannot_be_entered_again() -> None:
         with mode:
             pass
     assert not mode.active
+    counting = CommSpanMode()
+    with counting:
+        pass
+    counting.shutdown()
+    with counting:
+        assert counting.active
 
 
 _ENTERED_AT_EXIT = """
@@ -380,3 +389,40 @@ def test_a_mode_never_left_is_left_at_interpreter_exit(tmp_path: Any) -> None:
     for names in per_step.values():
         assert sorted(names) == sorted(["commspan.step", "commspan.rank", "Sequential forward",
                                         "Sequential.0 forward", "Sequential.1 forward"])
+
+
+_ENTERED_AT_EXIT_PROVIDER = """
+import torch
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
+from commspan import CommSpanMode
+
+class Printing(SpanExporter):
+    def export(self, spans):
+        for s in spans:
+            print("span", s.name, flush=True)
+        return SpanExportResult.SUCCESS
+
+provider = TracerProvider()  # registers its own shutdown at exit, before the mode exists
+provider.add_span_processor(SimpleSpanProcessor(Printing()))
+mode = CommSpanMode(tracer_provider=provider)
+mode.__enter__()
+step = mode.step(0)
+step.__enter__()
+torch.nn.Linear(2, 2)(torch.ones(1, 2))
+"""
+
+
+def test_a_mode_never_left_reaches_a_tracer_provider_of_its_own_at_exit(tmp_path: Any) -> None:
+    """The same with the user's ``tracer_provider``, made before the mode: the mode is
+    left before the provider shuts down, so the step's root and rank span reach it."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "provider.py"
+    script.write_text(_ENTERED_AT_EXIT_PROVIDER)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120, check=True)
+    names = sorted(line.split(" ", 1)[1] for line in done.stdout.splitlines()
+                   if line.startswith("span "))
+    assert names == ["Linear forward", "commspan.rank", "commspan.step"], done.stderr

@@ -5,8 +5,9 @@ backward hooks fire in an order that does not nest. This module implements
 the five steps of docs/design.md, "How backward nesting is inferred"; the
 comments cite them as (step N):
 
-1. a forward call leaves a hook on its output tensors, first among their
-   hooks, and gradient pre-hooks on the autograd nodes of its inputs
+1. a forward call leaves gradient pre-hooks on the autograd nodes of its
+   outputs and of its inputs; an output that already carries gradient hooks
+   (FSDP2's) gets a hook on the tensor, before them, instead
    (:meth:`BackwardNesting._watch_outputs`, :meth:`BackwardNesting._watch_inputs`);
 2. the module's backward starts when the gradient of one of its outputs is
    ready, together with its forward ancestors whose backward has not started
@@ -184,6 +185,28 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
     return out
 
 
+def _first_of_own(hooks: Any, key: Any, ready: Any) -> None:
+    """Put the hook ``key`` (a call's backward start) before the hooks added to the
+    tensor since the last such hook of another call (the hooks the call's own forward
+    hooks added), and those before the earlier ones: for a tensor a block returns
+    from its last layer, FSDP2's hooks of the block run in the block's backward, the
+    layer's (its backward start, then its own hooks) after, as torch's module
+    backward hooks order them. Autograd runs the hooks in the order of the
+    underlying ``dict``, so they are inserted again, under the same keys."""
+    items = [(k, h) for k, h in hooks.items() if k != key]
+    if len(items) != len(hooks) - 1:
+        return
+    last = -1
+    for i, (_, h) in enumerate(items):
+        if type(h) is functools.partial and h.func == ready:
+            last = i
+    ours = hooks[key]
+    hooks.clear()
+    hooks[key] = ours
+    hooks.update(items[last + 1:])
+    hooks.update(items[:last + 1])
+
+
 def hook_first(hooks: Any, key: Any) -> None:
     """Move ``key`` to the front of a tensor's hook dictionary. Autograd runs them in
     the order of the underlying ``dict`` (``OrderedDict.move_to_end`` does not change
@@ -287,31 +310,23 @@ class BackwardNesting:
             tensors = [t for t in tensors if ids.get(id(t), -1) != t._version]
         if not tensors:
             return
-        leaves = None
-        hook = functools.partial(self._output_tensor_ready, call)
-        for t in tensors:
-            node = t.grad_fn
-            if node is None:
-                if leaves is None:
-                    leaves = [t]
-                else:
-                    leaves.append(t)
-                continue
-            # (step 2) a hook on the tensor, first of its hooks: the backward starts
-            # before gradient hooks other code put on the output (the module's own
-            # forward hooks: FSDP2's re-gather of a unit's parameters) issue anything
-            hooks = t._backward_hooks
-            if hooks:
-                self._demote_inner(call, node, hooks)
-                hook_first(hooks, t.register_hook(hook).id)
-            else:
-                t.register_hook(hook)
-        if leaves is not None:
-            if len(leaves) < len(tensors):
-                call.on_graph = True
-            self._hook(call, leaves, self._output_grad_ready, self._leaf_output_ready)
-        else:
+        hooked = [t for t in tensors if t.grad_fn is not None and t._backward_hooks]
+        if hooked:
+            # (step 2) gradient hooks other code put on the output (the module's own
+            # forward hooks: FSDP2's re-gather of a unit's parameters) run before the
+            # node's pre-hooks: the backward starts from a hook on the tensor, put
+            # before them, so that what they issue is in this module's backward
+            hook = functools.partial(self._output_tensor_ready, call)
+            ready = self._output_tensor_ready
+            for t in hooked:
+                hooks = t._backward_hooks
+                _first_of_own(hooks, t.register_hook(hook).id, ready)
             call.on_graph = True
+            if len(hooked) < len(tensors):
+                rest = [t for t in tensors if all(t is not h for h in hooked)]
+                self._hook(call, rest, self._output_grad_ready, self._leaf_output_ready)
+        else:
+            self._hook(call, tensors, self._output_grad_ready, self._leaf_output_ready)
         if call.on_leaf and not call.on_graph:
             # only leaf tensors watch it (a module returning a parameter): nothing
             # else holds it; kept alive until its top-level module's next forward
@@ -319,24 +334,6 @@ class BackwardNesting:
             while top.parent is not None:
                 top = top.parent
             self._leaf_calls.append((id(top.info), call))
-
-    def _demote_inner(self, call: _Call, node: Any, hooks: Any) -> None:
-        """``call`` returns a tensor that a call nested in it returned too (a block
-        returning its last layer's output): the inner call's backward starts after
-        the tensor's hooks instead (its hook moves to a pre-hook on the tensor's
-        node), so what the hooks ``call``'s own forward hooks put there issue (FSDP2's
-        re-gather) runs in ``call``'s backward, as torch's module backward hooks
-        order it."""
-        ready = self._output_tensor_ready
-        for key, h in list(hooks.items()):
-            if type(h) is functools.partial and h.func == ready:
-                inner = h.args[0].parent
-                while inner is not None and inner is not call:
-                    inner = inner.parent
-                if inner is None:  # not nested in this call: left as it is
-                    continue
-                del hooks[key]
-                node.register_prehook(functools.partial(self._output_grad_ready, *h.args))
 
     def _output_tensor_ready(self, call: _Call, grad: Any) -> None:
         """A hook on an output tensor: its gradient is ready (passed on as a tuple,

@@ -14,6 +14,7 @@ with the most dimensions.
 from __future__ import annotations
 
 import logging
+import re
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -24,6 +25,8 @@ __all__ = ["ProcessGroups", "group_key"]
 
 _log = logging.getLogger(__name__)
 _MESH_DESC = "mesh_"
+# what DeviceMesh calls the groups of a mesh whose dimensions have no names
+_UNNAMED = re.compile(r"mesh_(dim_\d+|default)?")
 
 
 def group_key(group: Any) -> str | None:
@@ -135,8 +138,8 @@ class ProcessGroups:
             name = str(pg.group_name)
             ranks = list(dist.get_process_group_ranks(pg))
             desc = getattr(pg, "group_desc", None)
-            if isinstance(desc, str) and desc.startswith(_MESH_DESC) and len(desc) > 5 \
-                    and name not in self.mesh_dim_names:
+            if isinstance(desc, str) and desc.startswith(_MESH_DESC) \
+                    and not _UNNAMED.fullmatch(desc) and name not in self.mesh_dim_names:
                 # a device mesh's dimension (DeviceMesh describes its groups as
                 # "mesh_<dim name>"), met before any DTensor of that mesh told commspan
                 # of it (distribute_tensor's scatter, a redistribution)

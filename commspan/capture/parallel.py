@@ -391,16 +391,19 @@ def _owners_by_position(module: Any, owners: dict[int, str],
                         name_of: Callable[[Any], str | None]) -> None:
     """Add to ``owners`` the parameters DDP holds that the modules no longer do: with
     tensor parallelism inside DDP (``_pre_dp_module_transform``), DDP holds the local
-    tensors of the DTensor parameters, and each forward sets on the modules new
-    DTensors made from them (plain attributes, views of DDP's tensors)."""
+    tensors of the DTensor parameters, and the first forward sets on the modules
+    DTensors made from them (plain attributes from then on, their local tensors views
+    of DDP's)."""
     held = getattr(module, "_module_parameters", None)
     if not held or all(id(p) in owners for p in held):
         return
     for sub in module.module.modules():
         name = None
         for value in vars(sub).values():
+            if not isinstance(value, torch.Tensor):
+                continue
             local = getattr(value, "_local_tensor", None)  # a DTensor attribute
-            if local is None or not isinstance(value, torch.Tensor):
+            if local is None:
                 continue
             if name is None:
                 name = name_of(sub)

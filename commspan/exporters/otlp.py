@@ -146,8 +146,9 @@ def _mask_credentials(url: str) -> str:
 
 # ------------------------------------------------------------------ checks
 def _check_env_timeout() -> None:
-    """The timeout variable the SDK will read, if set, is a number of seconds above 0
-    (0 or less fails every export; the SDK accepts it)."""
+    """The timeout variable the SDK will read, if set, is a finite number of seconds
+    above 0 (the SDK accepts 0 and less, then fails every export; it ignores text that
+    is no number, such as ``10s``, with a warning)."""
     for name in (_ENV_TRACES_TIMEOUT, _ENV_TIMEOUT):
         raw = os.environ.get(name)
         if not raw:
@@ -156,7 +157,7 @@ def _check_env_timeout() -> None:
             value = float(raw)
         except ValueError:
             value = float("nan")
-        if not value > 0:
+        if not 0 < value < float("inf"):
             raise ValueError(
                 f"{name}={raw!r} is not valid: the OTLP exporter's timeout must be a number "
                 f"of seconds above 0; set {name}=10 (or unset it for the default), or pass "

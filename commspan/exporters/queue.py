@@ -484,9 +484,11 @@ class ExportQueue(SpanProcessor):
         finally:
             detach(token)
             with self._cond:  # ended (stopped, or an exporter's SystemExit): the next
-                # span or flush starts a new worker unless the queue is stopped
+                # span or flush starts a new worker unless the queue is stopped; a flush
+                # waiting on this one learns it at once
                 if self._worker is threading.current_thread():
                     self._worker = None
+                self._cond.notify_all()
 
     def _drain(self, todo: int) -> bool:
         """Export ``todo`` spans from the queue's head; ``False`` once stopped."""
@@ -509,10 +511,11 @@ class ExportQueue(SpanProcessor):
             except BaseException as exc:
                 self._settle(number, n, "raised", exc)
                 if not isinstance(exc, Exception):  # let SystemExit & co end the thread
-                    _log.warning(
-                        "commspan: %s.export raised %s, which ends its export thread; a new "
-                        "one starts with the next span or flush", self._name,
-                        type(exc).__name__)
+                    if self._logged.first("exit"):
+                        _log.warning(
+                            "commspan: %s.export raised %s, which ends its export thread; "
+                            "a new one starts with the next span or flush (not logged "
+                            "again)", self._name, type(exc).__name__)
                     raise
                 continue
             if result is SpanExportResult.SUCCESS:

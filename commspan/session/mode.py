@@ -80,10 +80,11 @@ _ENTERED: weakref.WeakSet[CommSpanMode] = weakref.WeakSet()
 
 
 def _leave_at_exit() -> None:
-    """At interpreter exit, leave the modes this thread entered and never left: their
-    open trace is closed and handed to the exporters, which the export queues' own exit
-    handler (registered before this one, so run after it) then flushes. Without it the
-    open step's spans, its rank span and its root among them, vanish uncounted."""
+    """At interpreter exit, leave the modes the main thread (the one exit handlers run
+    on) entered and never left: their open trace is closed and handed to the exporters,
+    which the export queues' own exit handler (registered before this one, so run after
+    it) then flushes. Without it the open step's spans, its rank span and its root among
+    them, vanish uncounted."""
     me = threading.get_ident()
     for mode in list(_ENTERED):
         if mode._active and mode._owner == me:
@@ -93,7 +94,17 @@ def _leave_at_exit() -> None:
                 _log.debug("commspan: leaving a mode at exit raised", exc_info=True)
 
 
-atexit.register(_leave_at_exit)  # after ExportQueue's (imported above): runs before it
+_AT_EXIT = [False]  # _leave_at_exit registered
+
+
+def _register_leave_at_exit() -> None:
+    """Register :func:`_leave_at_exit` when a mode is first entered: after the export
+    queues' handler (registered when commspan is imported) and after the handler of a
+    ``tracer_provider`` made before the mode, so it runs before both (last in, first
+    out)."""
+    if not _AT_EXIT[0]:
+        _AT_EXIT[0] = True
+        atexit.register(_leave_at_exit)
 
 
 def _each(*parts: Callable[[], object] | None) -> None:
@@ -401,6 +412,7 @@ class CommSpanMode:
             self.aggregator.attach_live(self._recorder.live_spans)
         self._active = True
         _ENTERED.add(self)
+        _register_leave_at_exit()
         self._paused = False
         self._start_capture()
         self._parallel.pipeline.install()
@@ -581,9 +593,11 @@ class CommSpanMode:
             self._tracker.pause()
         # The dispatch mode leaves the stack only when it is on top; under a
         # mode pushed later it stays, and its callback ignores what it sees.
-        self._popped = self._dispatch is not None and self._dispatch.on_top()
-        if self._popped and self._dispatch is not None:
+        if self._dispatch is not None and self._dispatch.on_top():
             self._dispatch.__exit__(None, None, None)
+            self._popped = True  # (after the pop: an interrupt before it pushes no second)
+        else:
+            self._popped = False
 
     def _resume(self) -> None:
         if self._active and self._paused:
@@ -990,7 +1004,8 @@ class CommSpanMode:
         """
         timeout = self._config.flush_timeout_s if timeout_s is None else seconds(
             "timeout_s", timeout_s, zero=True)
-        self._shut_down = True
+        if self._queues:  # its exporters are closed: a later entry would drop everything
+            self._shut_down = True
         deadline = time.monotonic() + timeout
         for q in self._queues:  # start every exporter now: a hung one delays no other
             q.flush(0.0)
