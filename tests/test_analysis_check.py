@@ -1032,3 +1032,47 @@ def test_an_unmatched_send_is_told_by_its_number_per_peer_in_the_text() -> None:
     assert "p2p_seq 2: rank 0 sent 2 to rank 1" in text
     assert "last: recv in `Net.pipe` forward p2p_seq 1" in text
     assert "None" not in text
+
+
+MS = 1_000_000
+
+
+def test_a_record_of_a_collective_that_completed_later_reports_no_hang() -> None:
+    """Rank 1 waited longer than hang_timeout_s at Net.b's all_reduce (rank 0 was slow)
+    and wrote a record of it as issued; the collective then completed, as rank 1's
+    spans (written after) show with its duration. The run is consistent: a record
+    of a slow collective is no hang."""
+    b = SpanBuilder(world=2)
+    for step in (0, 1):
+        for r in range(2):
+            b.rank(r, step).coll("all_reduce", fqn="Net.b", duration_ns=(4_000 if r else 1) * MS)
+    pending = b.event_attrs("all_reduce", fqn="Net.b", phase="forward", group=WORLD_GROUP,
+                            ranks=range(2), seq=1, state=semconv.STATE_ISSUED)
+    b.hang(1, 0, stack=[("Net", "forward"), ("Net.b", "forward")], collectives=[pending],
+           time_ns=b.clock[1] // 2)
+    result = check(build_run(b.spans()))
+    assert result.findings == []
+
+
+def test_a_stale_record_does_not_hide_the_real_hang() -> None:
+    """Rank 1 wrote a record in step 0 (a slow collective, completed later) and later
+    stalls computing in step 2, writing nothing more; rank 0 waits at seq 3 in step 2
+    and writes a record. The finding is seq 3 (rank 1 never issued it), not the
+    step-0 collective rank 1's old record lists."""
+    b = SpanBuilder(world=2)
+    for step in (0, 1):
+        for r in range(2):
+            b.rank(r, step).coll("all_reduce", fqn="Net.b", duration_ns=MS)
+    old = b.event_attrs("all_reduce", fqn="Net.b", phase="forward", group=WORLD_GROUP,
+                        ranks=range(2), seq=1, state=semconv.STATE_ISSUED)
+    b.hang(1, 0, stack=[("Net", "forward"), ("Net.b", "forward")], collectives=[old],
+           time_ns=b.clock[1] // 2)
+    b.rank(0, 2, finished=False).coll("all_reduce", fqn="Net.b")
+    b.rank(1, 2, finished=False)
+    stuck = b.event_attrs("all_reduce", fqn="Net.b", phase="forward", group=WORLD_GROUP,
+                          ranks=range(2), seq=3, state=semconv.STATE_ISSUED)
+    b.hang(0, 2, stack=[("Net", "forward"), ("Net.b", "forward")], collectives=[stuck])
+    result = check(build_run(b.spans()))
+    hangs = [f for f in result.findings if f.kind == KIND_HANG]
+    assert [(f.seq, f.step) for f in hangs] == [(3, 2)]
+    assert hangs[0].ranks[1]["op"] is None  # never issued

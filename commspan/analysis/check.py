@@ -652,6 +652,7 @@ def hang_findings(run: Run) -> list[Finding]:
     latest = run.latest_hangs()
     if not latest:
         return []
+    latest = _superseded_dropped(run, latest)
     from_hangs: dict[str, dict[int, list[CollectiveRecord]]] = defaultdict(
         lambda: defaultdict(list)
     )
@@ -689,6 +690,40 @@ def hang_findings(run: Run) -> list[Finding]:
     findings.sort(key=lambda f: (not f.details.get("root", True),
                                  f.details.get("issued_ns", 0)))
     return findings
+
+
+def _superseded_dropped(run: Run, latest: Mapping[int, HangRecord]) -> dict[int, HangRecord]:
+    """The hang records, less the collectives they list as not completed that the same
+    rank's spans, written later, show completed: a record written while a collective
+    was slow (a straggler longer than ``hang_timeout_s``, a ``mode.dump()`` during a
+    wait) says nothing of a hang once the collective completed."""
+    done: set[tuple[Any, ...]] = set()
+    last_issued: dict[int, int] = {}
+    for rec in run.collectives:
+        if rec.duration_ns is not None or rec.state == semconv.STATE_COMPLETED:
+            done.add(_op_key(rec))
+        if rec.issued_ns > last_issued.get(rec.rank, -1):
+            last_issued[rec.rank] = rec.issued_ns
+    out: dict[int, HangRecord] = {}
+    for rank, hang in latest.items():
+        kept = [rec for rec in hang.collectives
+                if rec.state == semconv.STATE_COMPLETED or _op_key(rec) not in done]
+        if len(kept) == len(hang.collectives):
+            out[rank] = hang
+            continue
+        if not any(rec.state != semconv.STATE_COMPLETED for rec in kept) and \
+                last_issued.get(rank, -1) > hang.time_ns:
+            continue  # the rank went on past it: what it says of the rank is out of date
+        out[rank] = hang._replace(collectives=tuple(kept))
+    return out
+
+
+def _op_key(rec: CollectiveRecord) -> tuple[Any, ...]:
+    """What names one collective (or point-to-point op) of one rank across its spans
+    and its hang records."""
+    if rec.p2p_seq is not None:
+        return (rec.rank, rec.group, rec.op, rec.peer, rec.p2p_seq)
+    return (rec.rank, rec.group, rec.seq)
 
 
 def _p2p_hang_findings(
