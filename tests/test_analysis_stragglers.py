@@ -316,3 +316,16 @@ def test_a_pause_is_charged_once_to_collectives_issued_at_the_same_instant() -> 
         spans.append(rec)
     (row,) = [r for r in analyze(build_run(spans)).stragglers if r.rank == 1]
     assert row.times_last == 2 and row.gc_ns == 4 * MS
+
+
+def test_a_step_whose_ranks_issued_another_dtype_is_left_out() -> None:
+    """One rank all-reduces bfloat16 where the others all-reduce float32 (check reports a
+    mismatch there): that group and step are not ranked, as when the ops differ."""
+    b = SpanBuilder(WORLD)
+    for r in range(WORLD):
+        b.rank(r, 0).coll(fqn="Net.a", duration_ns=(1 if r == 3 else 300) * MS,
+                          dtype="bfloat16" if r == 1 else "float32")
+        b.rank(r, 1).coll(fqn="Net.a", duration_ns=(1 if r == 3 else 300) * MS)
+    result = analyze(build_run(b.spans()))
+    assert [(row.step, row.rank) for row in result.stragglers] == [(1, 3)]
+    assert result.checked["inconsistent"] == 1

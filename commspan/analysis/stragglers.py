@@ -251,8 +251,9 @@ def matched_collectives(
         lists = [sorted(v, key=lambda c: (c.seq or 0, c.issued_ns)) for v in per_rank.values()]
         lengths = {len(v) for v in lists}
         if len(lengths) != 1 or any(
-            len({c.op for c in column}) != 1 for column in zip(*lists)
-        ):
+            len({(c.op, c.dtype, c.shape, c.reduce_op) for c in column}) != 1
+            for column in zip(*lists)
+        ):  # (what check compares: a column that differs is a mismatch there)
             counts["inconsistent"] += max(lengths)
             continue
         for column in zip(*lists):
