@@ -329,3 +329,20 @@ def test_a_step_whose_ranks_issued_another_dtype_is_left_out() -> None:
     result = analyze(build_run(b.spans()))
     assert [(row.step, row.rank) for row in result.stragglers] == [(1, 3)]
     assert result.checked["inconsistent"] == 1
+
+
+def test_time_outside_steps_is_not_a_step_of_the_mean() -> None:
+    """A rank spends time in the mode before its first step (model set-up, DDP's
+    construction: a trace without a step number) and then runs 2 steps: the per-rank
+    means are over the 2 steps, not 3."""
+    from commspan.analysis.stragglers import totals_by_rank
+
+    b = SpanBuilder(WORLD)
+    for r in range(WORLD):
+        b.rank(r, None).coll(fqn="Net.setup", duration_ns=MS)
+        for step in (0, 1):
+            b.rank(r, step).coll(fqn="Net.a", duration_ns=MS)
+    result = analyze(build_run(b.spans()))
+    assert {t.step for t in result.step_times} == {None, 0, 1}
+    totals = totals_by_rank(result.step_times)
+    assert {slot["steps"] for slot in totals.values()} == {2}

@@ -452,9 +452,15 @@ def step_breakdown(run: Run) -> list[StepTime]:
 
 
 def totals_by_rank(times: Iterable[StepTime]) -> Mapping[int, dict[str, int]]:
-    """Sum :class:`StepTime` rows per rank (``collectives_ns`` counts timed steps only)."""
+    """Sum :class:`StepTime` rows per rank (``collectives_ns`` counts timed steps only).
+    Time outside steps (a trace without a step number: set-up in the mode before the
+    first step) is left out when the rank has steps, so the means are per step."""
+    times = list(times)
+    stepped = {t.rank for t in times if t.step is not None}
     out: dict[int, dict[str, int]] = {}
     for t in times:
+        if t.step is None and t.rank in stepped:
+            continue
         slot = out.setdefault(
             t.rank,
             {"steps": 0, "total_ns": 0, "forward_ns": 0, "backward_ns": 0,
