@@ -1076,3 +1076,31 @@ def test_a_stale_record_does_not_hide_the_real_hang() -> None:
     hangs = [f for f in result.findings if f.kind == KIND_HANG]
     assert [(f.seq, f.step) for f in hangs] == [(3, 2)]
     assert hangs[0].ranks[1]["op"] is None  # never issued
+
+
+def test_a_hang_where_the_ranks_issued_different_collectives_says_so() -> None:
+    """Rank 1 skipped its backward: at seq 3 rank 0 waits in a reduce_scatter, rank 1
+    (a step later) in an all_gather. Both issued seq 3, so neither is "never issued";
+    the finding says the collectives differ, which no wait can resolve, and counts as
+    a cause."""
+    b = SpanBuilder(world=2)
+    for r in range(2):
+        b.rank(r, 0).coll("all_gather_into_tensor", fqn="Net.layer", reduce_op=None,
+                          duration_ns=MS)
+        b.rank(r, 0).coll("all_gather_into_tensor", fqn="Net.layer", reduce_op=None,
+                          duration_ns=MS)
+    b.rank(0, 1, finished=False).coll("reduce_scatter_tensor", fqn="Net.layer",
+                                      phase="backward")
+    b.rank(1, 2, finished=False).coll("all_gather_into_tensor", fqn="Net.layer",
+                                      reduce_op=None)
+    for r, (op, step, phase) in enumerate((("reduce_scatter_tensor", 1, "backward"),
+                                           ("all_gather_into_tensor", 2, "forward"))):
+        stuck = b.event_attrs(op, fqn="Net.layer", phase=phase, group=WORLD_GROUP,
+                              ranks=range(2), seq=3, state=semconv.STATE_ISSUED,
+                              reduce_op="sum" if op.startswith("reduce") else None)
+        b.hang(r, step, stack=[("Net", phase), ("Net.layer", phase)], collectives=[stuck])
+    result = check(build_run(b.spans()))
+    hangs = [f for f in result.findings if f.kind == KIND_HANG]
+    assert len(hangs) == 1 and hangs[0].seq == 3
+    assert "issued different collectives (op" in hangs[0].message
+    assert hangs[0].details["differ"][0] == "op" and hangs[0].details["root"] is True

@@ -922,6 +922,7 @@ def _hang_finding(
     issued_at: list[int] = []
     untraced: list[int] = []
     blocked: list[int] = []  # ranks that never issued it, waiting in another op
+    issued: dict[int, CollectiveRecord] = {}  # the ranks that issued something at seq
     for r in members:
         hang = latest.get(r)
         if hang is None and run.left_out(r):
@@ -935,6 +936,7 @@ def _hang_finding(
         at = known.get(seq)
         entry: dict[str, Any]
         if at is not None:
+            issued[r] = at
             entry = _entry(at)
             entry["state"] = at.state
             if at.state == semconv.STATE_COMPLETED:
@@ -977,15 +979,23 @@ def _hang_finding(
         parts.append(f"{_who(untraced)} {'is' if len(untraced) == 1 else 'are'} not traced "
                      f"({run.rank_sample}): unknown")
     step = steps.most_common(1)[0][0] if steps else None
+    differ = _differing(list(issued.values())) if len(issued) > 1 else []
+    if differ:
+        # the ranks did not issue the same collective there: it can never complete
+        parts.insert(0, f"the ranks issued different collectives ({', '.join(differ)} "
+                        "differ), which cannot complete")
     message = f"{_group_label(group, members)}, seq {seq}: " + "; ".join(parts)
     details: dict[str, Any] = {
         "group_ranks": list(members),
         "never_issued": sorted(r for who in never.values() for r in who),
         "not_traced": sorted(untraced),
         "issued_ns": min(issued_at) if issued_at else 0,
-        # it names a rank that never issued it and waits on nothing else: a cause
-        "root": not blocked,
+        # it names a rank that never issued it and waits on nothing else, or ranks
+        # that issued different collectives: a cause
+        "root": not blocked or bool(differ),
     }
+    if differ:
+        details["differ"] = differ
     return Finding(KIND_HANG, group, seq, step, ranks, message, details)
 
 
