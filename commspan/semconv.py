@@ -117,6 +117,7 @@ __all__ = [
     "SPAN_SESSION",
     "SPAN_STEP",
     "STATE_COMPLETED",
+    "STATE_FAILED",
     "STATE_ISSUED",
     "STEP",
     "TENSOR_BYTES",
@@ -332,6 +333,9 @@ STATE_ISSUED = "issued"
 """``commspan.collective.state``: issued, not known to have completed."""
 STATE_COMPLETED = "completed"
 """``commspan.collective.state``: completed, as far as the rank can observe."""
+STATE_FAILED = "failed"
+"""``commspan.collective.state``: the op raised on this rank (a backend's timeout, a
+peer gone): it never completed."""
 
 # ------------------------------------------------------------- hang records
 HANG_REASON = "commspan.hang.reason"
@@ -489,8 +493,9 @@ ATTRIBUTES: dict[str, str] = {
     COLL_BUSBW: "Bus bandwidth, GB/s: algbw x the NCCL-tests factor for the op and group size "
     "n: 2(n-1)/n for ``all_reduce*``; (n-1)/n for ``all_gather*``, ``reduce_scatter*``, "
     "``all_to_all*``, ``gather``, ``scatter``; 1 for ``broadcast``, ``reduce`` and p2p.",
-    COLL_STATE: "``issued`` or ``completed``: on the collective events of a "
-    "``commspan.hang`` span, whether that collective had completed at the dump.",
+    COLL_STATE: "``issued``, ``completed`` or ``failed``: on the collective events of a "
+    "``commspan.hang`` span, whether that collective had completed at the dump, or its op "
+    "raised on this rank (a backend's timeout: it never completed).",
     HANG_REASON: "Why a ``commspan.hang`` span was written: ``timeout``, ``dump`` or "
     "``signal``.",
     HANG_TIMEOUT: "The ``hang_timeout_s`` in force (float seconds), when the reason is "

@@ -1104,3 +1104,23 @@ def test_a_hang_where_the_ranks_issued_different_collectives_says_so() -> None:
     assert len(hangs) == 1 and hangs[0].seq == 3
     assert "issued different collectives (op" in hangs[0].message
     assert hangs[0].details["differ"][0] == "op" and hangs[0].details["root"] is True
+
+
+def test_a_collective_that_failed_on_one_rank_is_a_hang_finding() -> None:
+    """Rank 1 stalls before Net.b's all_reduce; rank 0's all_reduce fails on the
+    backend's timeout and its record lists it failed. The finding names seq 2: rank 0
+    issued it (failed), rank 1 never did."""
+    b = SpanBuilder(world=2)
+    for r in range(2):
+        b.rank(r, 0).coll("all_reduce", fqn="Net.b", duration_ns=MS)
+    b.rank(0, 1, finished=False).coll("all_reduce", fqn="Net.b")
+    b.rank(1, 1, finished=False)
+    failed = b.event_attrs("all_reduce", fqn="Net.b", phase="forward", group=WORLD_GROUP,
+                           ranks=range(2), seq=2, state=semconv.STATE_FAILED)
+    b.hang(0, 1, stack=[("Net", "forward"), ("Net.b", "forward")], collectives=[failed],
+           reason=semconv.HANG_REASON_DUMP)
+    result = check(build_run(b.spans()))
+    hangs = [f for f in result.findings if f.kind == KIND_HANG]
+    assert [(f.seq, f.step) for f in hangs] == [(2, 1)]
+    assert hangs[0].ranks[0]["state"] == semconv.STATE_FAILED
+    assert hangs[0].ranks[1]["op"] is None

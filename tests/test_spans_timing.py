@@ -92,3 +92,23 @@ def test_a_finished_timing_lets_go_of_what_its_resolver_holds(how: str) -> None:
         t.abandon()
     gc.collect()
     assert alive() is None and t.resolve is None
+
+
+def test_a_collective_whose_op_raised_is_listed_failed_and_not_waited_for() -> None:
+    """An op that raised (a backend's timeout) is given up on as failed: hang records
+    list it with state ``failed`` (a peer may be waiting for it), while one given up
+    on for having nothing to wait on is not listed; neither counts as still pending
+    for the watchdog."""
+    from commspan.capture.completion import CompletionTracker
+
+    tracker = CompletionTracker()
+    raised, nothing = _timing("a", 1, done=False), _timing("a", 2, done=False)
+    log = CollectiveLog(keep=4, size=8, pending=lambda: [])
+    for t in (raised, nothing):
+        log.add(t)
+    tracker.give_up(raised, failed=True)
+    tracker.give_up(nothing)
+    assert [t.attrs[semconv.COLL_SEQ] for t in log.snapshot()] == [1]
+    assert raised.hang_attributes()[semconv.COLL_STATE] == semconv.STATE_FAILED
+    assert log.not_completed() == [] and log.oldest_pending() is None
+    assert tracker.failed == 2

@@ -156,7 +156,7 @@ class CompletionTracker:
             except Exception:
                 # the op failed (the caller's own wait raises it again): it has no
                 # completion to wait for, and is counted as emitted without one
-                self.give_up(timing)
+                self.give_up(timing, failed=True)
                 return
             timing.duration = max(0, _perf() - timing.issued)
             return
@@ -183,12 +183,14 @@ class CompletionTracker:
             self.futures[id(timing)] = timing
             future.add_done_callback(partial(self._future_done, timing))
 
-    def give_up(self, timing: CollectiveTiming) -> None:
-        """Nothing will complete ``timing`` (its op raised, or returned nothing to wait
-        on): its span does not wait for it, hang records do not list it, and it is
-        counted in :attr:`failed`."""
+    def give_up(self, timing: CollectiveTiming, failed: bool = False) -> None:
+        """Nothing will complete ``timing`` (its op raised: ``failed``, or it returned
+        nothing to wait on): its span does not wait for it, and it is counted in
+        :attr:`failed`. Hang records list one whose op raised as failed (it never
+        completed, and a peer may wait for it), and not the others."""
         if not timing.finished():
             timing.abandon()
+            timing.failed = failed
             self.failed += 1
 
     def _future_done(self, timing: CollectiveTiming, _future: Any) -> None:

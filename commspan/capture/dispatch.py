@@ -382,7 +382,11 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
     def _wait(self, func: Any, args: Any, kwargs: Any) -> Any:
         """``wait_tensor``: run it, then complete the collective whose output it waited."""
         start = _perf()
-        out = func(*args, **kwargs) if kwargs else func(*args)
+        try:
+            out = func(*args, **kwargs) if kwargs else func(*args)
+        except BaseException:
+            self._wait_failed(args, kwargs)
+            raise
         now = _perf()
         try:
             tensor = args[0] if args else kwargs["tensor"]
@@ -404,6 +408,19 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
         except Exception:
             self._errors.record(message="could not time the completion of a collective")
         return out
+
+    def _wait_failed(self, args: Any, kwargs: Any) -> None:
+        """``wait_tensor`` raised (the collective failed: a backend's timeout): the
+        collective that made its tensor never completes; hang records list it failed."""
+        try:
+            tensor = args[0] if args else kwargs["tensor"]
+            tensor = getattr(tensor, "elem", tensor)
+            completions = self.completions
+            timing = completions.outputs.pop(tensor.data_ptr() or id(tensor), None)
+            if timing is not None:
+                completions.give_up(timing, failed=True)
+        except Exception:
+            self._errors.record(message="could not note a failed collective")
 
     def _collective(self, info: CollectiveInfo, func: Any, args: Any, kwargs: Any) -> Any:
         """Describe a collective, hand it over, run it and time it; returns its result."""
@@ -441,7 +458,7 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
         try:
             out = func(*args, **kwargs)
         except BaseException:
-            completions.give_up(timing)  # the op raised: nothing will complete it
+            completions.give_up(timing, failed=True)  # the op raised: it never completes
             raise
         try:
             if started is None and info.functional and type(out) is _Tensor:

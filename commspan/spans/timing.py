@@ -79,10 +79,11 @@ class CollectiveTiming:
             in hang records.
         wait_start: ``perf_counter_ns()`` when the ``wait_tensor`` that completed it
             was called (functional collectives on the CPU; 0 otherwise).
+        failed: its op raised (given up on, and listed by hang records as failed).
     """
 
     __slots__ = ("attrs", "phase", "name", "issued", "wall", "duration", "resolve", "hold",
-                 "abandoned", "wait_start")
+                 "abandoned", "wait_start", "failed")
 
     def __init__(self, attrs: dict[str, Any], phase: str, name: str = "") -> None:
         self.attrs = attrs
@@ -95,6 +96,7 @@ class CollectiveTiming:
         self.hold: Any = None
         self.abandoned = False
         self.wait_start = 0
+        self.failed = False
 
     def abandon(self) -> None:
         """Give up on the completion (the span is emitted without it)."""
@@ -162,7 +164,9 @@ class CollectiveTiming:
         attrs = dict(self.attrs)
         if done and _DURATION not in attrs and self.duration is not None:
             attrs[_DURATION] = self.duration
-        attrs[semconv.COLL_STATE] = semconv.STATE_COMPLETED if done else semconv.STATE_ISSUED
+        attrs[semconv.COLL_STATE] = (semconv.STATE_COMPLETED if done else
+                                     semconv.STATE_FAILED if self.failed else
+                                     semconv.STATE_ISSUED)
         return attrs
 
 
@@ -201,14 +205,15 @@ class CollectiveLog:
 
     def snapshot(self) -> list[CollectiveTiming]:
         """The collectives a hang record lists: per group (in first-use order), oldest
-        first, the last ``keep`` and every one not completed; abandoned ones left out."""
+        first, the last ``keep`` and every one not completed; abandoned ones left out,
+        but for those whose op raised."""
         recent = list(self._recent)
         ids = {id(t) for t in recent}
         # waited for and no longer among the recent ones: issued before all of them
         older = {id(t): t for t in self.pending() if id(t) not in ids}
         groups: dict[Any, list[CollectiveTiming]] = {}
         for t in [*sorted(older.values(), key=_issued), *recent]:
-            if not t.abandoned:
+            if not t.abandoned or t.failed:  # (a failed op is listed: it never completed)
                 groups.setdefault(t.attrs.get(_GROUP, ""), []).append(t)
         out: list[CollectiveTiming] = []
         keep = self._keep
@@ -226,7 +231,7 @@ class CollectiveLog:
         """The collectives issued and not completed (nor given up on), oldest first
         (a copy; safe from any thread). One whose issue time is not set yet (the
         dispatch mode sets it right before the op runs) is not among them."""
-        out = [t for t in self.snapshot() if t.issued and not t.finished()]
+        out = [t for t in self.snapshot() if t.issued and not t.failed and not t.finished()]
         out.sort(key=_issued)
         return out
 
