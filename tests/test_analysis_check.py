@@ -1124,3 +1124,34 @@ def test_a_collective_that_failed_on_one_rank_is_a_hang_finding() -> None:
     assert [(f.seq, f.step) for f in hangs] == [(2, 1)]
     assert hangs[0].ranks[0]["state"] == semconv.STATE_FAILED
     assert hangs[0].ranks[1]["op"] is None
+
+
+def test_a_step_selection_keeps_the_record_of_a_rank_stuck_before_it() -> None:
+    """Rank 2 stalls in step 1, so rank 1 waits there on group "b" (ranks 1, 2) and
+    writes a record in step 1; rank 0 goes on to step 2 and waits on group "a" (ranks 0,
+    1). Checking step 2 alone (``check --step 2``) still says rank 1 is itself waiting
+    on group "b", not that it "wrote nothing": its step-1 record is kept."""
+    from commspan.analysis.runs import StepRange, select
+
+    b = SpanBuilder(world=3)
+    for step in (0, 1):
+        b.rank(0, step).coll("all_reduce", fqn="Net.a", group="a", ranks=(0, 1),
+                             duration_ns=MS)
+        b.rank(1, step, finished=step == 0).coll("all_reduce", fqn="Net.a", group="a",
+                                                 ranks=(0, 1), duration_ns=MS)
+    b.rank(1, 0).coll("all_reduce", fqn="Net.b", group="b", ranks=(1, 2), duration_ns=MS)
+    b.rank(2, 0).coll("all_reduce", fqn="Net.b", group="b", ranks=(1, 2), duration_ns=MS)
+    b.rank(1, 1, finished=False).coll("all_reduce", fqn="Net.b", group="b", ranks=(1, 2))
+    b.rank(2, 1, finished=False)
+    waits_b = b.event_attrs("all_reduce", fqn="Net.b", phase="forward", group="b",
+                            ranks=(1, 2), seq=2, state=semconv.STATE_ISSUED)
+    b.hang(1, 1, stack=[("Net", "forward"), ("Net.b", "forward")], collectives=[waits_b])
+    b.rank(0, 2, finished=False).coll("all_reduce", fqn="Net.a", group="a", ranks=(0, 1))
+    waits_a = b.event_attrs("all_reduce", fqn="Net.a", phase="forward", group="a",
+                            ranks=(0, 1), seq=3, state=semconv.STATE_ISSUED)
+    b.hang(0, 2, stack=[("Net", "forward"), ("Net.a", "forward")], collectives=[waits_a])
+    sel = select(b.spans(), steps=StepRange(2, 2))
+    result = check(build_run(sel.records))
+    (on_a,) = [f for f in result.findings if f.kind == KIND_HANG and f.group == "a"]
+    assert "wrote nothing" not in on_a.message
+    assert "itself waiting" in on_a.message and on_a.ranks[1]["hang_record"] is not None

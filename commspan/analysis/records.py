@@ -499,12 +499,27 @@ def _times(span: SpanRecord) -> Iterator[int]:
         yield span.start_time
 
 
+def _hangs_kept(hangs: list[HangRecord], keep: set[str], first: int | None) -> list[HangRecord]:
+    """The hang records of the kept traces, and, of a rank that wrote none there, its
+    latest record from a step before them: it never got to the selected steps, and that
+    record says where it is stuck (not that it "wrote nothing")."""
+    kept = [h for h in hangs if h.trace_id in keep]
+    present = {h.rank for h in kept}
+    earlier: dict[int, HangRecord] = {}
+    for h in hangs:
+        if h.rank in present or first is None or h.step is None or h.step >= first:
+            continue
+        if h.rank not in earlier or h.time_ns >= earlier[h.rank].time_ns:
+            earlier[h.rank] = h
+    return kept + list(earlier.values())
+
+
 def _keep_steps(run: Run, wanted: frozenset[int]) -> None:
     keep = {t for t, s in run.trace_steps.items() if s in wanted}
     run.collectives = [c for c in run.collectives if c.trace_id in keep]
     run.rank_steps = {k: v for k, v in run.rank_steps.items() if v.trace_id in keep}
     run.module_spans = [m for m in run.module_spans if m.trace_id in keep]
-    run.hangs = [h for h in run.hangs if h.trace_id in keep]
+    run.hangs = _hangs_kept(run.hangs, keep, min(wanted) if wanted else None)
     run.gc_pauses = [g for g in run.gc_pauses if g.trace_id in keep]
     run.presence = {t: r for t, r in run.presence.items() if t in keep}
     run.trace_start = {t: s for t, s in run.trace_start.items() if t in keep}

@@ -23,7 +23,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -271,8 +271,31 @@ def select(
     if steps is not None:
         trace_steps = _trace_steps(kept)
         traces = {t for t, s in trace_steps.items() if s in steps}
-        kept = [r for r in kept if r.trace_id in traces]
+        selected = [r for r in kept if r.trace_id in traces]
+        kept = selected + _earlier_hangs(kept, selected, traces, trace_steps, kept_steps)
     return Selection(kept, chosen, runs, kept_steps, note)
+
+
+def _earlier_hangs(records: Sequence[SpanRecord], selected: Sequence[SpanRecord],
+                   traces: set[str], trace_steps: Mapping[str, int | None],
+                   kept_steps: Sequence[int]) -> list[SpanRecord]:
+    """The latest hang record of each rank that wrote none in the selected steps, from a
+    step before them: that rank never got to them, and its record says where it is
+    stuck (``check --step`` would otherwise say it wrote nothing)."""
+    if not kept_steps:
+        return []
+    first = min(kept_steps)
+    present = {r.rank for r in selected if r.name == semconv.SPAN_HANG}
+    latest: dict[int, SpanRecord] = {}
+    for r in records:
+        if r.name != semconv.SPAN_HANG or r.trace_id in traces or r.rank in present:
+            continue
+        step = trace_steps.get(r.trace_id)
+        if step is None or step >= first or r.rank is None:
+            continue
+        if r.rank not in latest or r.end_time >= latest[r.rank].end_time:
+            latest[r.rank] = r
+    return list(latest.values())
 
 
 def commspan_runs(runs: Sequence[RunInfo]) -> tuple[RunInfo, ...]:
