@@ -185,39 +185,29 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
     return out
 
 
-def _first_of_own(hooks: Any, key: Any, ready: Any) -> None:
-    """Put the hook ``key`` (a call's backward start) before the hooks added to the
-    tensor since the last such hook of another call (the hooks the call's own forward
-    hooks added), and those before the earlier ones: for a tensor a block returns
-    from its last layer, FSDP2's hooks of the block run in the block's backward, the
-    layer's (its backward start, then its own hooks) after, as torch's module
-    backward hooks order them. Autograd runs the hooks in the order of the
-    underlying ``dict``, so they are inserted again, under the same keys."""
+def hook_first(hooks: Any, key: Any, ready: Any = None) -> None:
+    """Move the hook ``key`` to the front of a tensor's hook dictionary. With ``ready``
+    (a call's backward start, ``partial(ready, call)``), only before the hooks added
+    since the last hook of ``ready`` (those the call's own forward hooks added), those
+    earlier coming after them: for a tensor a block returns from its last layer,
+    FSDP2's hooks of the block run in the block's backward, the layer's (its backward
+    start, then its own hooks) after, as torch's module backward hooks order them.
+    Autograd runs the hooks in the order of the underlying ``dict``
+    (``OrderedDict.move_to_end`` does not change it), so the others are inserted
+    again, under the same keys (their handles still remove them)."""
     items = [(k, h) for k, h in hooks.items() if k != key]
     if len(items) != len(hooks) - 1:
         return
     last = -1
-    for i, (_, h) in enumerate(items):
-        if type(h) is functools.partial and h.func == ready:
-            last = i
+    if ready is not None:
+        for i, (_, h) in enumerate(items):
+            if type(h) is functools.partial and h.func == ready:
+                last = i
     ours = hooks[key]
     hooks.clear()
     hooks[key] = ours
     hooks.update(items[last + 1:])
     hooks.update(items[:last + 1])
-
-
-def hook_first(hooks: Any, key: Any) -> None:
-    """Move ``key`` to the front of a tensor's hook dictionary. Autograd runs them in
-    the order of the underlying ``dict`` (``OrderedDict.move_to_end`` does not change
-    it), so the others are inserted again after it, under the same keys (their
-    handles still remove them)."""
-    items = [(k, h) for k, h in hooks.items() if k != key]
-    if len(items) == len(hooks) - 1:
-        ours = hooks[key]
-        hooks.clear()
-        hooks[key] = ours
-        hooks.update(items)
 
 
 class BackwardNesting:
@@ -316,16 +306,13 @@ class BackwardNesting:
             # forward hooks: FSDP2's re-gather of a unit's parameters) run before the
             # node's pre-hooks: the backward starts from a hook on the tensor, put
             # before them, so that what they issue is in this module's backward
-            hook = functools.partial(self._output_tensor_ready, call)
             ready = self._output_tensor_ready
+            hook = functools.partial(ready, call)
             for t in hooked:
-                hooks = t._backward_hooks
-                _first_of_own(hooks, t.register_hook(hook).id, ready)
+                hook_first(t._backward_hooks, t.register_hook(hook).id, ready)
             call.on_graph = True
-            if len(hooked) < len(tensors):
-                rest = [t for t in tensors if all(t is not h for h in hooked)]
-                self._hook(call, rest, self._output_grad_ready, self._leaf_output_ready)
-        else:
+            tensors = [t for t in tensors if t.grad_fn is None or not t._backward_hooks]
+        if tensors:
             self._hook(call, tensors, self._output_grad_ready, self._leaf_output_ready)
         if call.on_leaf and not call.on_graph:
             # only leaf tensors watch it (a module returning a parameter): nothing
