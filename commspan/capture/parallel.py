@@ -344,7 +344,7 @@ class ParallelModules:
             for p in sub._parameters.values():
                 if p is not None:
                     owners.setdefault(id(p), name)
-        _owners_by_position(module, owners, name_of)
+        _owners_of_dtensor_attributes(module, owners, name_of)
         prefix = name_of(module.module) or state.fqn
         find_unused = bool(getattr(module, "find_unused_parameters", False))
         grad_buckets = reducer._get_zeros_like_grad_buckets()
@@ -387,7 +387,7 @@ def _own_params(module: torch.nn.Module, units: set[int]) -> list[Any]:
     return params
 
 
-def _owners_by_position(module: Any, owners: dict[int, str],
+def _owners_of_dtensor_attributes(module: Any, owners: dict[int, str],
                         name_of: Callable[[Any], str | None]) -> None:
     """Add to ``owners`` the parameters DDP holds that the modules no longer do: with
     tensor parallelism inside DDP (``_pre_dp_module_transform``), DDP holds the local
