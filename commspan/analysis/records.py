@@ -20,10 +20,10 @@ from __future__ import annotations
 import logging
 import os
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple, Union
+from typing import Any, NamedTuple, TypeVar, Union
 
 from commspan import semconv
 from commspan.otlpjson.decode import DEFAULT_MAX_LINE_BYTES, ReadReport, read_spans
@@ -41,6 +41,7 @@ __all__ = [
     "RunPaths",
     "build_run",
     "gc_event_fields",
+    "latest_before",
     "load_run",
     "p2p_pair",
 ]
@@ -499,19 +500,29 @@ def _times(span: SpanRecord) -> Iterator[int]:
         yield span.start_time
 
 
-def _hangs_kept(hangs: list[HangRecord], keep: set[str], first: int | None) -> list[HangRecord]:
-    """The hang records of the kept traces, and, of a rank that wrote none there, its
-    latest record from a step before them: it never got to the selected steps, and that
-    record says where it is stuck (not that it "wrote nothing")."""
-    kept = [h for h in hangs if h.trace_id in keep]
-    present = {h.rank for h in kept}
-    earlier: dict[int, HangRecord] = {}
-    for h in hangs:
-        if h.rank in present or first is None or h.step is None or h.step >= first:
+_T = TypeVar("_T")
+
+
+def latest_before(items: Iterable[_T], first: int,
+                  where: Callable[[_T], tuple[int | None, int | None, int]],
+                  present: set[int | None]) -> list[_T]:
+    """Of hang records (``items``; ``where`` gives each one's rank, step and time), the
+    latest of each rank not in ``present`` (those with a record in the selected steps)
+    from a step before ``first``: that rank never got to the selected steps, and the
+    record says where it is stuck, so a step selection keeps it (``check --step`` would
+    otherwise say the rank wrote nothing)."""
+    latest: dict[int, tuple[int, _T]] = {}
+    for item in items:
+        rank, step, time_ns = where(item)
+        if rank is None or rank in present or step is None or step >= first:
             continue
-        if h.rank not in earlier or h.time_ns >= earlier[h.rank].time_ns:
-            earlier[h.rank] = h
-    return kept + list(earlier.values())
+        if rank not in latest or time_ns >= latest[rank][0]:
+            latest[rank] = (time_ns, item)
+    return [item for _, item in latest.values()]
+
+
+def _hang_where(h: HangRecord) -> tuple[int | None, int | None, int]:
+    return h.rank, h.step, h.time_ns
 
 
 def _keep_steps(run: Run, wanted: frozenset[int]) -> None:
@@ -519,7 +530,10 @@ def _keep_steps(run: Run, wanted: frozenset[int]) -> None:
     run.collectives = [c for c in run.collectives if c.trace_id in keep]
     run.rank_steps = {k: v for k, v in run.rank_steps.items() if v.trace_id in keep}
     run.module_spans = [m for m in run.module_spans if m.trace_id in keep]
-    run.hangs = _hangs_kept(run.hangs, keep, min(wanted) if wanted else None)
+    kept = [h for h in run.hangs if h.trace_id in keep]
+    if wanted:
+        kept += latest_before(run.hangs, min(wanted), _hang_where, {h.rank for h in kept})
+    run.hangs = kept
     run.gc_pauses = [g for g in run.gc_pauses if g.trace_id in keep]
     run.presence = {t: r for t, r in run.presence.items() if t in keep}
     run.trace_start = {t: s for t, s in run.trace_start.items() if t in keep}

@@ -272,30 +272,23 @@ def select(
         trace_steps = _trace_steps(kept)
         traces = {t for t, s in trace_steps.items() if s in steps}
         selected = [r for r in kept if r.trace_id in traces]
-        kept = selected + _earlier_hangs(kept, selected, traces, trace_steps, kept_steps)
+        kept = selected + _earlier_hangs(kept, selected, trace_steps, kept_steps)
     return Selection(kept, chosen, runs, kept_steps, note)
 
 
 def _earlier_hangs(records: Sequence[SpanRecord], selected: Sequence[SpanRecord],
-                   traces: set[str], trace_steps: Mapping[str, int | None],
+                   trace_steps: Mapping[str, int | None],
                    kept_steps: Sequence[int]) -> list[SpanRecord]:
-    """The latest hang record of each rank that wrote none in the selected steps, from a
-    step before them: that rank never got to them, and its record says where it is
-    stuck (``check --step`` would otherwise say it wrote nothing)."""
+    """The hang records a step selection keeps from before it
+    (:func:`commspan.analysis.records.latest_before`)."""
+    from commspan.analysis.records import latest_before
+
     if not kept_steps:
         return []
-    first = min(kept_steps)
+    hangs = [r for r in records if r.name == semconv.SPAN_HANG]
     present = {r.rank for r in selected if r.name == semconv.SPAN_HANG}
-    latest: dict[int, SpanRecord] = {}
-    for r in records:
-        if r.name != semconv.SPAN_HANG or r.trace_id in traces or r.rank in present:
-            continue
-        step = trace_steps.get(r.trace_id)
-        if step is None or step >= first or r.rank is None:
-            continue
-        if r.rank not in latest or r.end_time >= latest[r.rank].end_time:
-            latest[r.rank] = r
-    return list(latest.values())
+    return latest_before(hangs, min(kept_steps),
+                         lambda r: (r.rank, trace_steps.get(r.trace_id), r.end_time), present)
 
 
 def commspan_runs(runs: Sequence[RunInfo]) -> tuple[RunInfo, ...]:
