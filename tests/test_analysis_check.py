@@ -198,6 +198,19 @@ def test_one_rank_with_another_field_is_reported_with_the_values(
     assert f"{field} differ" in f.message and "rank 1 issued all_reduce" in f.message
 
 
+def test_uneven_all_to_all_splits_are_not_a_mismatch_but_another_op_is() -> None:
+    """Ranks of an all_to_all_single send uneven splits (MoE token routing): their input
+    shapes differ and that is no divergence; its dtype still must agree."""
+    b = SpanBuilder(WORLD)
+    for r in range(WORLD):
+        b.rank(r, 0).coll("all_to_all_single", fqn="Net.moe", shape=(3 + r, 8), reduce_op=None)
+        b.rank(r, 1).coll("all_to_all_single", fqn="Net.moe", shape=(3 + r, 8), reduce_op=None,
+                          dtype="bfloat16" if r == 2 else "float32")
+    (f,) = check(build_run(b.spans())).findings
+    assert (f.kind, f.step, f.details["fields"]) == (KIND_MISMATCH, 1, ["dtype"])
+    assert f.ranks[2]["dtype"] == "bfloat16"
+
+
 def test_divergence_in_every_step_is_one_finding_listing_later_steps() -> None:
     """The same divergence in steps 0, 1 and 2: the first is reported, the others listed."""
 

@@ -331,6 +331,20 @@ def test_a_step_whose_ranks_issued_another_dtype_is_left_out() -> None:
     assert result.checked["inconsistent"] == 1
 
 
+def test_an_all_to_all_with_uneven_splits_is_ranked() -> None:
+    """Uneven all_to_all splits give each rank another input shape (check finds no
+    mismatch there): the collective is matched, and its late rank named."""
+    b = SpanBuilder(WORLD)
+    for step in range(2):
+        for r in range(WORLD):
+            b.rank(r, step).coll("all_to_all_single", fqn="Net.moe", shape=(3 + r, 8),
+                                 reduce_op=None, duration_ns=(1 if r == 2 else 50) * MS)
+    result = analyze(build_run(b.spans()))
+    assert result.checked["inconsistent"] == 0
+    assert [(row.step, row.fqn, row.rank) for row in result.stragglers] == [
+        (0, "Net.moe", 2), (1, "Net.moe", 2)]
+
+
 def test_time_outside_steps_is_not_a_step_of_the_mean() -> None:
     """A rank spends time in the mode before its first step (model set-up, DDP's
     construction: a trace without a step number) and then runs 2 steps: the per-rank

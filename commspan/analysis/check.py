@@ -52,6 +52,8 @@ from commspan.analysis.records import (
     HangRecord,
     Run,
     RunPaths,
+    differing_fields,
+    field_value,
     load_run,
     p2p_pair,
 )
@@ -79,12 +81,6 @@ KIND_MISSING = "missing"
 KIND_HANG = "hang"
 """A collective some ranks of a group issued and did not complete (from hang records)."""
 
-COMPARED = ("op", "dtype", "shape", "reduce_op")
-"""Fields of a collective that must be equal on every rank of its group."""
-
-# inputs that legitimately differ between ranks: uneven splits, root-only inputs
-_NO_SHAPE = frozenset({"all_to_all", "all_to_all_single", "shard_dim_alltoall", "scatter"})
-_NO_DTYPE = frozenset({"scatter"})
 _NOT_ISSUED = "not issued"
 
 
@@ -358,26 +354,6 @@ def _first_with_later_steps(
     return dataclasses.replace(first, details={**first.details, "later_steps": later})
 
 
-def _value(rec: CollectiveRecord, name: str) -> Any:
-    if name == "shape":
-        return list(rec.shape) if rec.shape is not None else None
-    return getattr(rec, name)
-
-
-def _differing(records: Sequence[CollectiveRecord]) -> list[str]:
-    ops = {r.op for r in records}
-    out = []
-    for name in COMPARED:
-        if name == "shape" and ops & _NO_SHAPE:
-            continue
-        if name == "dtype" and ops & _NO_DTYPE:
-            continue
-        values = {repr(_value(r, name)) for r in records if _value(r, name) is not None}
-        if len(values) > 1:
-            out.append(name)
-    return out
-
-
 def _num(rec: CollectiveRecord) -> int | None:
     """A point-to-point op's number per peer (schema 3), else its ``seq``."""
     return rec.p2p_seq if rec.p2p_seq is not None else rec.seq
@@ -394,7 +370,7 @@ def _entry(rec: CollectiveRecord, fields: Iterable[str] = ()) -> dict[str, Any]:
         out["p2p_seq"] = rec.p2p_seq
     for name in fields:
         if name not in ("op", "count"):  # a count is the step's, not a field of the record
-            out[name] = _value(rec, name)
+            out[name] = field_value(rec, name)
     return out
 
 
@@ -443,7 +419,7 @@ def _compare(
     for i in range(longest):
         at = {r: (recs[i] if i < len(recs) else None) for r, recs in per_rank.items()}
         present = [rec for rec in at.values() if rec is not None]
-        fields = _differing(present)
+        fields = differing_fields(present)
         if len(present) == len(at) and not fields:
             continue
         if len(present) < len(at):
@@ -473,7 +449,7 @@ def _describe(rec: CollectiveRecord, fields: Iterable[str]) -> str:
     for name in fields:
         if name in ("op", "count"):
             continue
-        value = _value(rec, name)
+        value = field_value(rec, name)
         if name == "shape":
             bits.append("[" + ", ".join(map(str, value)) + "]" if value is not None else "[?]")
         elif name == "reduce_op":
@@ -602,9 +578,9 @@ def _compare_p2p(
             fields = [
                 name
                 for name in ("dtype", "shape")
-                if _value(s, name) is not None
-                and _value(r, name) is not None
-                and _value(s, name) != _value(r, name)
+                if field_value(s, name) is not None
+                and field_value(r, name) is not None
+                and field_value(s, name) != field_value(r, name)
             ]
             if not fields:
                 continue
@@ -979,7 +955,7 @@ def _hang_finding(
         parts.append(f"{_who(untraced)} {'is' if len(untraced) == 1 else 'are'} not traced "
                      f"({run.rank_sample}): unknown")
     step = steps.most_common(1)[0][0] if steps else None
-    differ = _differing(list(issued.values())) if len(issued) > 1 else []
+    differ = differing_fields(list(issued.values())) if len(issued) > 1 else []
     if differ:
         # the ranks did not issue the same collective there: it can never complete
         parts.insert(0, f"the ranks issued different collectives ({', '.join(differ)} "

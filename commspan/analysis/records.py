@@ -115,6 +115,40 @@ class CollectiveRecord(NamedTuple):
         return f"`{self.fqn}` {self.phase}"
 
 
+COMPARED = ("op", "dtype", "shape", "reduce_op")
+"""Fields of a collective that must be equal on every rank of its group."""
+
+# inputs that legitimately differ between ranks: uneven splits, root-only inputs
+_NO_SHAPE = frozenset({"all_to_all", "all_to_all_single", "shard_dim_alltoall", "scatter"})
+_NO_DTYPE = frozenset({"scatter"})
+
+
+def field_value(rec: CollectiveRecord, name: str) -> Any:
+    """Field ``name`` of ``rec`` as compared across ranks (a shape as a list)."""
+    if name == "shape":
+        return list(rec.shape) if rec.shape is not None else None
+    return getattr(rec, name)
+
+
+def differing_fields(records: Sequence[CollectiveRecord]) -> list[str]:
+    """The fields of :data:`COMPARED` on which ``records`` (one collective as several
+    ranks issued it) disagree. Inputs that legitimately differ between ranks are not
+    compared: the shapes of an all-to-all (uneven splits) and of a scatter, a scatter's
+    dtype (only its root has inputs). The one rule of ``commspan check`` (a mismatch)
+    and ``commspan stragglers`` (a collective it cannot match)."""
+    ops = {r.op for r in records}
+    out = []
+    for name in COMPARED:
+        if name == "shape" and ops & _NO_SHAPE:
+            continue
+        if name == "dtype" and ops & _NO_DTYPE:
+            continue
+        values = {repr(field_value(r, name)) for r in records if field_value(r, name) is not None}
+        if len(values) > 1:
+            out.append(name)
+    return out
+
+
 def p2p_pair(op: str, rank: int, peer: int) -> tuple[int, int]:
     """``(sender, receiver)`` of point-to-point op ``op`` (``send`` or ``recv``) that
     ``rank`` issued with ``peer``.

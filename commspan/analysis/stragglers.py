@@ -23,7 +23,8 @@ collector time too.
 
 Collectives are matched across ranks as ``commspan check`` matches them: by
 position within the step, per group; a (group, step) whose ranks issued
-different sequences is left out (``checked["inconsistent"]``), as are
+different sequences, by check's rule (an all-to-all's uneven splits are no
+difference), is left out (``checked["inconsistent"]``), as are
 collectives some rank has no duration for (``checked["without_duration"]``)
 and those some member of their group has no record of
 (``checked["incomplete"]``: a rank whose file is missing, or that a rank
@@ -59,7 +60,13 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from commspan import semconv
-from commspan.analysis.records import CollectiveRecord, Run, RunPaths, load_run
+from commspan.analysis.records import (
+    CollectiveRecord,
+    Run,
+    RunPaths,
+    differing_fields,
+    load_run,
+)
 from commspan.otlpjson.decode import DEFAULT_MAX_LINE_BYTES, ReadReport
 
 __all__ = [
@@ -250,10 +257,8 @@ def matched_collectives(
     for (_group, _trace), per_rank in table.items():
         lists = [sorted(v, key=lambda c: (c.seq or 0, c.issued_ns)) for v in per_rank.values()]
         lengths = {len(v) for v in lists}
-        if len(lengths) != 1 or any(
-            len({(c.op, c.dtype, c.shape, c.reduce_op) for c in column}) != 1
-            for column in zip(*lists)
-        ):  # (what check compares: a column that differs is a mismatch there)
+        if len(lengths) != 1 or any(differing_fields(column) for column in zip(*lists)):
+            # (check's rule: a column that differs is a mismatch there)
             counts["inconsistent"] += max(lengths)
             continue
         for column in zip(*lists):
