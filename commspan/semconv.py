@@ -495,7 +495,9 @@ ATTRIBUTES: dict[str, str] = {
     "``all_to_all*``, ``gather``, ``scatter``; 1 for ``broadcast``, ``reduce`` and p2p.",
     COLL_STATE: "``issued``, ``completed`` or ``failed``: on the collective events of a "
     "``commspan.hang`` span, whether that collective had completed at the dump, or its op "
-    "raised on this rank (a backend's timeout: it never completed).",
+    "raised on this rank (a backend's timeout: it never completed). On a module span's "
+    "collective event only ``failed``, when its op (or the wait for it) raised: "
+    "``commspan check`` names it without a hang record.",
     HANG_REASON: "Why a ``commspan.hang`` span was written: ``timeout``, ``dump`` or "
     "``signal``.",
     HANG_TIMEOUT: "The ``hang_timeout_s`` in force (float seconds), when the reason is "

@@ -22,6 +22,12 @@ rank 0 sends to rank 1 in ``Hang.pipe``, then every rank all_reduces in each of
 other ranks block. Every rank has ``hang_timeout_s=HANG_TIMEOUT_S`` and
 ``dump_signal=SIGUSR1``; the parent test stops the job.
 
+``python tests/_mp_timing_scenarios.py OUT_DIR crash`` runs ``crash``: the same
+program without hang records (``hang_timeout_s`` off), where in step 2 rank
+:data:`STALLED_RANK` dies in ``Hang.blocks.1`` (``os._exit(CRASH_EXIT)``) instead of
+stalling: the other ranks' all_reduce in ``Hang.blocks.2`` raises the backend's
+error, which they catch after the mode has exported their spans.
+
 Each writes ``OUT_DIR/<scenario>/trace-rank<r>.jsonl``; the world group's name
 goes to ``OUT_DIR/groups.json``. ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
 ``MASTER_PORT`` come from the environment.
@@ -32,6 +38,7 @@ from __future__ import annotations
 import datetime
 import gc
 import json
+import os
 import signal
 import sys
 import time
@@ -51,6 +58,7 @@ SLOW_S = 0.2
 STALLED_RANK = 1
 HANG_STEP = 2
 HANG_TIMEOUT_S = 1.0
+CRASH_EXIT = 3
 GC_RANK = 1
 BALLAST = 400_000
 
@@ -209,6 +217,7 @@ def _gc_straggler(out: Path) -> None:
 # ---------------------------------------------------------------- hang
 class Step:
     index = 0
+    crash = False
 
 
 class Block(torch.nn.Module):
@@ -222,6 +231,9 @@ class Block(torch.nn.Module):
         t = x.clone()
         dist.all_reduce(t)
         if self.index == 1 and Step.index == HANG_STEP and dist.get_rank() == STALLED_RANK:
+            if Step.crash:  # dies in compute, once the spans closed so far are written
+                time.sleep(1.5)  # (the export queue writes every 0.5 s)
+                os._exit(CRASH_EXIT)
             while True:  # stuck in compute: never reaches block 2's all_reduce
                 time.sleep(0.05)
         return t
@@ -267,9 +279,28 @@ def _run(out: Path, name: str, model: torch.nn.Module, **mode_kwargs: object) ->
     return mode
 
 
+def _crash(out: Path) -> None:
+    Step.crash = True
+    exporter = JsonlSpanExporter(out / "crash" / "trace-rank{rank}.jsonl")
+    mode = CommSpanMode(exporters=[exporter], aggregator=False)
+    try:
+        with mode:
+            for step in range(STEPS):
+                Step.index = step
+                with mode.step(step):
+                    Hang()(torch.ones(DIM))
+    except RuntimeError as e:  # the backend's error: a peer died
+        print(f"raised: {e}", flush=True)
+    mode.shutdown()
+    stats = mode.stats()
+    assert stats["spans_dropped"] == stats["spans_failed"] == 0, stats
+
+
 def main(argv: list[str]) -> int:
     out, what = Path(argv[1]), argv[2]
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    # a crashed peer makes gloo raise at once; the timeout is the backstop
+    timeout = 30 if what == "crash" else 300
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
     try:
         if dist.get_rank() == 0:
             (out / "groups.json").write_text(json.dumps({"world": dist.group.WORLD.group_name}))
@@ -287,6 +318,8 @@ def main(argv: list[str]) -> int:
             dist.barrier()
             _gc_straggler(out)
             dist.barrier()
+        elif what == "crash":
+            _crash(out)
         else:
             _run(out, "hang", Hang(), hang_timeout_s=HANG_TIMEOUT_S, dump_signal=signal.SIGUSR1)
     finally:

@@ -1139,6 +1139,54 @@ def test_a_collective_that_failed_on_one_rank_is_a_hang_finding() -> None:
     assert hangs[0].ranks[1]["op"] is None
 
 
+def test_a_collective_that_failed_with_no_hang_record_is_a_hang_finding() -> None:
+    """Rank 1 died in step 1 before Net.b's all_reduce, with no hang record anywhere;
+    ranks 0, 2, 3's all_reduce raised (the event says ``failed``). The finding names
+    the group, seq, step and modules; step 1 is not compared (rank 1's spans stop
+    short there), so its missing all_reduce is no count mismatch."""
+    b = SpanBuilder(WORLD)
+    for r in range(WORLD):
+        b.rank(r, 0).coll("all_reduce", fqn="Net.a", duration_ns=MS)
+        b.rank(r, 0).coll("all_reduce", fqn="Net.b", duration_ns=MS)
+    b.rank(1, 1, finished=False).coll("all_reduce", fqn="Net.a", duration_ns=MS)
+    for r in (0, 2, 3):
+        s = b.rank(r, 1)
+        s.coll("all_reduce", fqn="Net.a", duration_ns=MS)
+        s.coll("all_reduce", fqn="Net.b")
+    spans = b.spans()
+    for rec in spans:  # what the capture writes on the event of an op that raised
+        for _name, attrs in rec.events:
+            if attrs.get(semconv.COLL_SEQ) == 4:
+                attrs[semconv.COLL_STATE] = semconv.STATE_FAILED
+    result = check(build_run(spans))
+    (f,) = result.findings
+    assert (f.kind, f.seq, f.step) == (KIND_HANG, 4, 1)
+    assert f.details["never_issued"] == [1] and f.ranks[1]["last_seq"] == 3
+    assert [r for r in range(WORLD) if f.ranks[r]["state"] == semconv.STATE_FAILED] == [0, 2, 3]
+    assert "ranks 0, 2, 3 issued all_reduce in `Net.b` forward and it failed there" in f.message
+    assert "its last exported collective was all_reduce in `Net.a` forward (step 1)" \
+        in f.message
+    assert result.checked["steps_interrupted"] == 1 and result.checked["steps"] == 1
+
+
+def test_a_rank_that_stops_mid_step_is_not_a_mismatch_but_a_missing_rank_span_earlier_is(
+) -> None:
+    """A rank's last step without its rank span (stopped, or still running) is not
+    compared; a step it finished on the other ranks but whose rank span is lost while
+    it went on to later steps is compared as before."""
+    b = SpanBuilder(WORLD)
+    for step in range(3):
+        for r in range(WORLD):
+            s = b.rank(r, step, finished=not (r == 2 and step in (0, 2)))
+            s.coll("all_reduce", fqn="Net.a", duration_ns=MS)
+            if not (r == 2 and step in (0, 2)):
+                s.coll("all_reduce", fqn="Net.b", duration_ns=MS)
+    result = check(build_run(b.spans()))
+    (f,) = result.findings  # step 0: rank 2 went on to later steps
+    assert (f.kind, f.step, f.details["fields"]) == (KIND_MISMATCH, 0, ["count"])
+    assert result.checked["steps_interrupted"] == 1 and result.checked["steps"] == 2
+
+
 def test_a_step_selection_keeps_the_record_of_a_rank_stuck_before_it() -> None:
     """Rank 2 stalls in step 1, so rank 1 waits there on group "b" (ranks 1, 2) and
     writes a record in step 1; rank 0 goes on to step 2 and waits on group "a" (ranks 0,

@@ -212,6 +212,8 @@ def test_failed_blocking_op_raises_and_is_counted_without_a_duration(
             cap.mode.dump()
     (event,) = collective_events(_by_fqn(cap.spans, "Fails"))
     assert semconv.COLL_DURATION_NS not in event.attributes
+    # the module span's event says so too (check names it without a hang record)
+    assert event.attributes[semconv.COLL_STATE] == semconv.STATE_FAILED
     assert cap.mode.stats()["collectives_untimed"] == 1
     (hang,) = [s for s in cap.spans if s.name == semconv.SPAN_HANG]
     assert [e.attributes[semconv.COLL_STATE] for e in hang.events] == [semconv.STATE_FAILED]
@@ -236,6 +238,7 @@ def test_collective_that_raises_is_given_up_on_not_reported_stuck() -> None:
     assert cap.mode.stats()["collectives_untimed"] == 1
     events = [e for s in cap.spans if s.name != semconv.SPAN_HANG for e in collective_events(s)]
     assert [semconv.COLL_DURATION_NS in e.attributes for e in events] == [False]
+    assert [e.attributes.get(semconv.COLL_STATE) for e in events] == [semconv.STATE_FAILED]
 
 
 def test_c10d_ops_are_timed() -> None:

@@ -342,3 +342,67 @@ def test_a_send_and_the_receive_that_matches_it_have_one_number(hang_run: Path) 
     for c in run.collectives:
         assert (c.seq is None) == (c.kind == semconv.KIND_P2P), c
         assert (c.p2p_seq is None) == (c.kind != semconv.KIND_P2P), c
+
+
+# ------------------------------------------------------------------ crash
+@pytest.fixture(scope="module")
+def crash_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Step 2: rank 1 dies in Hang.blocks.1 (no hang records anywhere); ranks 0, 2, 3
+    get the backend's error in Hang.blocks.2's all_reduce, catch it and exit 0."""
+    from _mp_timing_scenarios import CRASH_EXIT, STALLED_RANK
+
+    root = tmp_path_factory.mktemp("crash")
+    job = _spawn(root, "crash")
+    try:
+        if not _wait(lambda: all(p.poll() is not None for p in job.procs), 150):
+            pytest.fail(f"ranks did not exit:\n{job.failure()}")
+    finally:
+        job.stop()
+    codes = [p.returncode for p in job.procs]
+    expected = [CRASH_EXIT if r == STALLED_RANK else 0 for r in range(WORLD)]
+    assert codes == expected, job.failure()
+    return root
+
+
+def test_check_names_the_collective_that_failed_when_a_rank_died(crash_run: Path) -> None:
+    """commspan check on a job where a rank died and nobody wrote a hang record: the
+    collective the others were in when the backend gave up is named (group, seq, step,
+    module, failed on ranks 0, 2, 3), with the dead rank's last exported collective.
+    The step it died in is not compared (its spans stop short there: comparing them
+    said "count differs"); steps 0 and 1 are, and are consistent. (Before the failure
+    was recorded on the event, only the count mismatch was said.)"""
+    from _mp_timing_scenarios import HANG_STEP, STALLED_RANK
+
+    world = json.loads((crash_run / "groups.json").read_text())["world"]
+    result = check_run(crash_run / "crash")
+    (hang,) = result.findings
+    seq = 3 * HANG_STEP + 3  # three all_reduces per step: block 2's never completed
+    assert (hang.kind, hang.group, hang.seq, hang.step) == ("hang", world, seq, HANG_STEP)
+    assert hang.details["never_issued"] == [STALLED_RANK]
+    others = [r for r in range(WORLD) if r != STALLED_RANK]
+    for r in others:
+        assert (hang.ranks[r]["fqn"], hang.ranks[r]["op"], hang.ranks[r]["state"]) == (
+            "Hang.blocks.2", "all_reduce", "failed")
+    # its spans closed before it died: Hang.blocks.0's (block 1's never closed)
+    assert hang.ranks[STALLED_RANK]["last_seq"] == seq - 2
+    assert hang.message == (
+        f"group {world} (ranks 0-3), seq {seq}: ranks 0, 2, 3 issued all_reduce in "
+        "`Hang.blocks.2` forward and it failed there; rank 1 wrote no record of it and "
+        "no hang record (stopped?); its last exported collective was all_reduce in "
+        f"`Hang.blocks.0` forward (step {HANG_STEP})")
+    assert result.checked["steps"] == HANG_STEP and result.checked["steps_interrupted"] == 1
+
+
+def test_check_of_the_crash_is_the_same_from_digests(crash_run: Path, tmp_path: Path) -> None:
+    """The failed state travels in digests: check reads the same findings from them."""
+    import shutil
+
+    from commspan.analysis.digest import write_digest
+
+    for f in (crash_run / "crash").glob("*.jsonl"):
+        shutil.copy(f, tmp_path / f.name)
+        write_digest(tmp_path / f.name)
+    assert len(list(tmp_path.glob("*.digest"))) == WORLD
+    plain, digested = check_run(crash_run / "crash"), check_run(tmp_path)
+    assert digested.to_dict() == plain.to_dict()
+    assert [f.kind for f in digested.findings] == ["hang"]

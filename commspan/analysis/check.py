@@ -79,7 +79,8 @@ KIND_MISMATCH = "mismatch"
 KIND_MISSING = "missing"
 """A rank wrote nothing for a step, or issued nothing on a group others used in a step."""
 KIND_HANG = "hang"
-"""A collective some ranks of a group issued and did not complete (from hang records)."""
+"""A collective some ranks of a group issued and did not complete (from hang records,
+or events that say its op raised: a backend's timeout, a peer that died)."""
 
 _NOT_ISSUED = "not issued"
 
@@ -213,9 +214,25 @@ def check(run: Run) -> CheckResult:
 
 
 def interrupted_traces(run: Run) -> set[str]:
-    """Traces with a hang record in which some rank that wrote spans has no rank span:
-    the step never finished there, so its spans are incomplete."""
+    """Steps some rank never finished, whose spans are incomplete by nature: a rank
+    wrote spans of the step but not its rank span, and either a hang record is in the
+    step or the rank wrote nothing in a later step (it hung, died, was stopped in it,
+    or is still in it). Comparing them would call the collectives it had not yet
+    reached a mismatch."""
+    last: dict[int, int] = {}
+    for trace, ranks in run.presence.items():
+        step = run.trace_steps.get(trace)
+        if step is not None:
+            for r in ranks:
+                if step > last.get(r, -1):
+                    last[r] = step
     out = set()
+    for trace, ranks in run.presence.items():
+        step = run.trace_steps.get(trace)
+        if step is not None and any(
+            (r, trace) not in run.rank_steps and last.get(r) == step for r in ranks
+        ):
+            out.add(trace)
     for h in run.hangs:
         present = run.presence.get(h.trace_id, set())
         if any((r, h.trace_id) not in run.rank_steps for r in present):
@@ -620,13 +637,17 @@ def _compare_p2p(
 
 # ------------------------------------------------------------------ hangs
 def hang_findings(run: Run) -> list[Finding]:
-    """For each group a hang record shows stuck: the lowest sequence number some rank
-    issued and had not completed, and what every rank of the group was doing; for each
+    """For each group a hang record shows stuck, or where a collective's op raised on
+    some rank (``commspan.collective.state`` ``failed`` on its event: a backend's
+    timeout, a peer that died): the lowest sequence number some rank issued and had
+    not completed, and what every rank of the group was doing; for each
     send or receive not completed, what its peer did about the matching op. Findings
     that name a rank waiting on nothing come first (a rank that never issued its part
     because it is itself blocked is rarely the cause)."""
     latest = run.latest_hangs()
-    if not latest:
+    failed = [rec for rec in run.collectives
+              if rec.state == semconv.STATE_FAILED and rec.group and rec.p2p_seq is None]
+    if not latest and not failed:
         return []
     latest = _superseded_dropped(run, latest)
     from_hangs: dict[str, dict[int, list[CollectiveRecord]]] = defaultdict(
@@ -636,6 +657,8 @@ def hang_findings(run: Run) -> list[Finding]:
         for rec in h.collectives:
             if rec.group and rec.p2p_seq is None:  # point-to-point ops: below
                 from_hangs[rec.group][h.rank].append(rec)
+    for rec in failed:  # its op raised (a backend's timeout), with or without a record
+        from_hangs[rec.group][rec.rank].append(rec)
     exported: dict[tuple[str, int], list[CollectiveRecord]] = defaultdict(list)
     last_any: dict[int, CollectiveRecord] = {}
     for rec in run.collectives:
@@ -875,7 +898,8 @@ def _unseen(
         last = last_any[r]
         # nothing after its last exported spans: not known to have issued it
         return ("wrote no record of it and no hang record (stopped?); its last "
-                f"exported collective was {last.op} in `{last.fqn}` {last.phase}",
+                f"exported collective was {last.op} in `{last.fqn}` {last.phase} "
+                f"({_step_words(last.step)})",
                 last.fqn, last.phase)
     return "never issued it and wrote nothing", None, None
 
@@ -892,6 +916,7 @@ def _hang_finding(
 ) -> Finding:
     ranks: dict[int, dict[str, Any]] = {}
     inside: dict[str, list[int]] = {}
+    failed: dict[str, list[int]] = {}
     done: list[int] = []
     never: dict[str, list[int]] = {}
     steps: Counter[int | None] = Counter()
@@ -921,8 +946,13 @@ def _hang_finding(
                 if hang is not None:
                     entry["waited_ns"] = max(0, hang.time_ns - at.issued_ns)
                     steps[hang.step] += 1
+                else:
+                    steps[at.step] += 1
                 issued_at.append(at.issued_ns)
-                inside.setdefault(f"in {at.where()} {at.op}", []).append(r)
+                if at.state == semconv.STATE_FAILED:
+                    failed.setdefault(f"{at.op} in {at.where()}", []).append(r)
+                else:
+                    inside.setdefault(f"in {at.where()} {at.op}", []).append(r)
         else:
             before = [rec for s, rec in known.items() if s < seq]
             last = max(before, key=_order_key) if before else None
@@ -944,12 +974,15 @@ def _hang_finding(
     for text, who in inside.items():
         verb = "is" if len(who) == 1 else "are"
         parts.append(f"{_who(who)} {verb} {text}")
+    for text, who in failed.items():
+        parts.append(f"{_who(who)} issued {text} and it failed there")
     if done:
         parts.append(f"{_who(done)} completed it")
     for text, who in never.items():
         if len(who) > 1:
             text = text.replace(" and was ", " and were ", 1).replace(
-                "; it is itself waiting", "; they are themselves waiting", 1)
+                "; it is itself waiting", "; they are themselves waiting", 1).replace(
+                "; its last exported", "; their last exported", 1)
         parts.append(f"{_who(who)} {text}")
     if untraced:
         parts.append(f"{_who(untraced)} {'is' if len(untraced) == 1 else 'are'} not traced "

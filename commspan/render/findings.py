@@ -62,8 +62,8 @@ def _checked_line(checked: Mapping[str, int]) -> str:
         extra.append(_plural(checked["hang_records"], "hang record"))
     if checked.get("steps_interrupted"):
         extra.append(
-            f"{_plural(checked['steps_interrupted'], 'step')} cut short by a hang "
-            "not compared"
+            f"{_plural(checked['steps_interrupted'], 'step')} some rank did not finish "
+            "(hang, crash or stop) not compared"
         )
     return line + (f" ({'; '.join(extra)})" if extra else "")
 

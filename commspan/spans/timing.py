@@ -136,10 +136,13 @@ class CollectiveTiming:
 
     def event_attributes(self) -> dict[str, Any]:
         """The event's attributes, with ``duration_ns``, ``algbw`` and ``busbw`` added
-        once completed (in place: the span is built once, and hang records copy)."""
+        once completed, or ``commspan.collective.state`` ``failed`` if its op raised
+        (in place: the span is built once, and hang records copy)."""
         duration = self.duration
         attrs = self.attrs
         if duration is None or _DURATION in attrs:
+            if self.failed and duration is None:  # its op raised: it never completes
+                attrs[semconv.COLL_STATE] = semconv.STATE_FAILED
             return attrs
         attrs[_DURATION] = duration
         start = self.wait_start
