@@ -112,9 +112,11 @@ class RankStepBuilder:
         duration_ns: int | None = None,
         nbytes: int | None = None,
         wait_ns: int | None = None,
+        owner: str | None = None,
     ) -> int:
         """Issue a collective on this rank: an event on the module span ``fqn``; returns its
-        seq (a point-to-point op's number per peer, with ``SpanBuilder(schema=3)``)."""
+        seq (a point-to-point op's number per peer, with ``SpanBuilder(schema=3)``).
+        ``owner``: its ``commspan.owner.fqn`` (none written when not given)."""
         ranks = list(range(self.b.world)) if ranks is None else list(ranks)
         p2p_seq = None
         if kind == semconv.KIND_P2P and self.b.schema >= 3:
@@ -129,6 +131,8 @@ class RankStepBuilder:
             reduce_op=reduce_op, kind=kind, peer=peer, seq=None if p2p_seq else seq,
             p2p_seq=p2p_seq, duration_ns=duration_ns, nbytes=nbytes, wait_ns=wait_ns,
         )
+        if owner is not None:
+            attrs[semconv.OWNER_FQN] = owner
         t = self._tick()
         key = (fqn, phase)
         span = self._modules.get(key)

@@ -1187,6 +1187,22 @@ def test_a_rank_that_stops_mid_step_is_not_a_mismatch_but_a_missing_rank_span_ea
     assert result.checked["steps_interrupted"] == 1 and result.checked["steps"] == 2
 
 
+def test_a_collective_owned_by_another_module_names_both() -> None:
+    """Rank 2's all-gather of unit Net.blocks.0, prefetched from Net.blocks.1's backward,
+    has another shape: the entries and the message say where it was issued and whose
+    it is."""
+    b = SpanBuilder(WORLD)
+    for r in range(WORLD):
+        b.rank(r, 0).coll("all_gather_into_tensor", fqn="Net.blocks.1", phase="backward",
+                          owner="Net.blocks.0", reduce_op=None,
+                          shape=(12,) if r == 2 else (8,))
+    (f,) = check(build_run(b.spans())).findings
+    assert f.details["fields"] == ["shape"]
+    assert all((f.ranks[r]["fqn"], f.ranks[r]["owner"]) == ("Net.blocks.1", "Net.blocks.0")
+               for r in range(WORLD))
+    assert "in `Net.blocks.1` backward (for `Net.blocks.0`)" in f.message
+
+
 def test_a_step_selection_keeps_the_record_of_a_rank_stuck_before_it() -> None:
     """Rank 2 stalls in step 1, so rank 1 waits there on group "b" (ranks 1, 2) and
     writes a record in step 1; rank 0 goes on to step 2 and waits on group "a" (ranks 0,

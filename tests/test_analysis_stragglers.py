@@ -345,6 +345,23 @@ def test_an_all_to_all_with_uneven_splits_is_ranked() -> None:
         (0, "Net.moe", 2), (1, "Net.moe", 2)]
 
 
+def test_rows_are_per_owner_not_per_issuing_module() -> None:
+    """FSDP2 prefetches unit Net.blocks.0's all-gather from Net.blocks.1's backward, and
+    runs the root's reduce-scatter from a final callback outside modules: the rows name
+    the unit each collective is counted in (its owner), as summary does."""
+    b = SpanBuilder(WORLD)
+    for step in range(2):
+        for r in range(WORLD):
+            s = b.rank(r, step)
+            s.coll("all_gather_into_tensor", fqn="Net.blocks.1", phase="backward",
+                   owner="Net.blocks.0", reduce_op=None, duration_ns=(1 if r == 3 else 20) * MS)
+            s.coll("reduce_scatter_tensor", fqn="Global", phase="backward", owner="Net",
+                   duration_ns=(1 if r == 0 else 30) * MS)
+    rows = analyze(build_run(b.spans())).stragglers
+    assert sorted({(row.fqn, row.phase, row.rank) for row in rows}) == [
+        ("Net", "backward", 0), ("Net.blocks.0", "backward", 3)]
+
+
 def test_time_outside_steps_is_not_a_step_of_the_mean() -> None:
     """A rank spends time in the mode before its first step (model set-up, DDP's
     construction: a trace without a step number) and then runs 2 steps: the per-rank

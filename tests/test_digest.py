@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from _cli_runs import net_step, run_cli, session_dir, tp_run, write_run
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
@@ -394,6 +395,17 @@ def test_from_jsonl_of_a_folder_of_two_runs_counts_one_or_says_so(
         assert per_run["second"] > per_run["first"]
 
 
+def _through_digests(run: Path) -> Any:
+    """The run's records as ``commspan check`` reads them: from the digests only (fails
+    if some line is not covered by its digest)."""
+    from commspan.analysis.digest import load_parts, run_from_parts
+    from commspan.otlpjson.files import jsonl_files
+
+    parts = load_parts(jsonl_files([run]))
+    assert parts is not None and all(p.get("table") is not None for p in parts)
+    return run_from_parts(parts)
+
+
 def test_digests_keep_each_collectives_wait(tmp_path: Path, fake_pg: None) -> None:
     """The records read through digests are those read from the lines, the time each
     functional collective spent in its wait (``commspan.collective.wait_ns``) included,
@@ -403,6 +415,56 @@ def test_digests_keep_each_collectives_wait(tmp_path: Path, fake_pg: None) -> No
     run = _traced(tmp_path / "run", steps=2, ranks=(0, 1))
     plain = _without_digests(run, tmp_path / "plain")
     lines = sorted(load_run(plain).collectives)
-    digested = sorted(load_run(run).collectives)
+    digested = sorted(_through_digests(run).collectives)
     assert digested == lines
     assert [c for c in lines if c.wait_ns is not None]
+
+
+def test_digests_keep_each_collectives_owner(tmp_path: Path, fake_pg: None) -> None:
+    """FSDP2's collectives are owned by their unit, not always the module that issued
+    them (a unit's all-gather prefetched from the next unit's backward): the records
+    read through digests keep the owner, as the lines do, and an older digest (version
+    1, no owner in its templates) is still read."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from commspan.analysis import digest as digest_mod
+    from commspan.analysis.records import load_run
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 8))
+    mesh = init_device_mesh("cpu", (4,))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+    def step(rank: int, index: int) -> None:
+        model(torch.ones(2, 8)).sum().backward()
+
+    run = write_run(tmp_path / "run", "fsdp", step)
+    plain = _without_digests(run, tmp_path / "plain")
+    v2 = _with_digests(run, tmp_path / "v2")
+    lines = sorted(load_run(plain, module_spans=False).collectives)
+    assert [c for c in lines if c.owner is not None and c.owner != c.fqn]
+    assert sorted(_through_digests(v2).collectives) == lines
+    digests = [json.loads(x.rsplit(" ", 1)[0]) for f in v2.glob("*.digest")
+               for x in f.read_text().splitlines()]
+    assert {d["digest"] for d in digests} == {digest_mod.DIGEST_VERSION} == {2}
+    # a version-1 digest: the same without the owners (read from its templates)
+    v1 = tmp_path / "v1"
+    v1.mkdir()
+    for f in v2.iterdir():
+        shutil.copy(f, v1 / f.name)
+    for f in v1.glob("*.digest"):
+        out = []
+        for line in f.read_text().splitlines():
+            doc = json.loads(line.rsplit(" ", 1)[0])
+            doc["digest"] = 1
+            doc["defs"] = {k: (json.dumps(json.loads(v)[:15], separators=(",", ":"))
+                               if isinstance(v, str) and v.startswith("[") else v)
+                           for k, v in doc["defs"].items()}
+            body = json.dumps(doc, separators=(",", ":")).encode()
+            out.append(f"{body.decode()} {zlib.crc32(body):08x}")
+        f.write_text("\n".join(out) + "\n")
+    old = sorted(_through_digests(v1).collectives)
+    assert old == sorted(c._replace(owner=None) for c in lines)

@@ -383,6 +383,8 @@ def _num_words(rec: CollectiveRecord) -> str:
 
 def _entry(rec: CollectiveRecord, fields: Iterable[str] = ()) -> dict[str, Any]:
     out: dict[str, Any] = {"op": rec.op, "fqn": rec.fqn, "phase": rec.phase, "seq": rec.seq}
+    if rec.owner is not None:
+        out["owner"] = rec.owner
     if rec.p2p_seq is not None:
         out["p2p_seq"] = rec.p2p_seq
     for name in fields:

@@ -92,8 +92,12 @@ __all__ = [
 
 DIGEST_SUFFIX = ".digest"
 """Appended to a JSONL file's name to name its digest."""
-DIGEST_VERSION = 1
-"""The version written in every digest line (``"digest"``); other versions are ignored."""
+DIGEST_VERSION = 2
+"""The version written in every digest line (``"digest"``). Readers use versions
+:data:`_READ_VERSIONS` and ignore others (their lines are parsed). Version 2 adds a
+collective's owner to its template, when it is not the module that issued it."""
+_READ_VERSIONS = (1, 2)  # a version-1 template has no owner: None, as from the lines
+                         # when a collective's owner is the module that issued it
 _SAMPLE = 64  # bytes at the middle and end of a line whose CRC-32 the digest keeps
 _HEAD = 2048  # and at its start: the resource, whose run id tells two runs' lines apart
 
@@ -321,9 +325,12 @@ class _Part:
         templates: dict[str, int] = {}
         rows = []
         for row in self.coll:
+            owner = row.pop()
             wait = row.pop()
             seq, issued, duration, p2p_seq = row[2], row[12], row[13], row.pop()
             row[2] = row[12] = row[13] = None
+            if owner is not None:  # (version 2) a 16th field, only where it says more
+                row.append(owner)
             text = dumps(row).decode()
             index = templates.setdefault(text, len(templates))
             # a point-to-point op's number per peer (schema 3) comes fifth, a functional
@@ -705,7 +712,7 @@ def read_digest(path: str | os.PathLike[str]) -> FileDigest | None:
                 continue  # damaged, cut short or not a digest line
             try:
                 doc = orjson.loads(body)
-                if type(doc) is not dict or doc.get("digest") != DIGEST_VERSION:
+                if type(doc) is not dict or doc.get("digest") not in _READ_VERSIONS:
                     continue
                 offset, length = doc["offset"], doc["length"]
                 parts, spans, sample = doc["parts"], doc["spans"], doc["sample"]
@@ -787,12 +794,12 @@ def run_from_parts(parts: Sequence[DigestPart]) -> Run:
         made = [_template(text, cache) for text in part["tmpls"]]
         append = run.collectives.append
         for row in orjson.loads(part["coll"]):
-            head, fqn, phase, state = made[row[0]]
+            head, fqn, phase, state, owner = made[row[0]]
             group, members, op, kind, dtype, shape, nbytes, reduce_op, peer = head
             append(CollectiveRecord(rank, step, trace, group, members, row[1], op, kind,
                                     dtype, shape, nbytes, reduce_op, peer, fqn, phase, row[2],
                                     row[3], state, row[4] if len(row) > 4 else None,
-                                    row[5] if len(row) > 5 else None))
+                                    row[5] if len(row) > 5 else None, owner))
     run.rank_steps = {
         key: rs._replace(step=run.trace_steps.get(rs.trace_id))
         for key, rs in run.rank_steps.items()
@@ -804,12 +811,13 @@ def _template(text: str, cache: dict[str, tuple[Any, ...]]) -> tuple[Any, ...]:
     """A collective template's fields, as :class:`CollectiveRecord` holds them."""
     made = cache.get(text)
     if made is None:
+        fields = orjson.loads(text)
         (group, ranks, _, op, kind, dtype, shape, nbytes, reduce_op, peer, fqn, phase, _,
-         _, state) = orjson.loads(text)
+         _, state) = fields[:15]
         head = (group, tuple(ranks), op, kind, dtype,
                 tuple(shape) if shape is not None else None, nbytes, reduce_op,
                 tuple(peer) if isinstance(peer, list) else peer)
-        made = cache[text] = (head, fqn, phase, state)
+        made = cache[text] = (head, fqn, phase, state, fields[15] if len(fields) > 15 else None)
     return made
 
 

@@ -87,6 +87,9 @@ class CollectiveRecord(NamedTuple):
             collectives.
         wait_ns: a functional collective's time inside the ``wait_tensor`` that
             completed it (``commspan.collective.wait_ns``), when recorded.
+        owner: the module that owns it (``commspan.owner.fqn``: FSDP's unit, DDP's
+            bucket, ...) when that is not :attr:`fqn`, else ``None``; see
+            :attr:`charged`.
     """
 
     rank: int
@@ -109,9 +112,19 @@ class CollectiveRecord(NamedTuple):
     state: str
     p2p_seq: int | None = None
     wait_ns: int | None = None
+    owner: str | None = None
+
+    @property
+    def charged(self) -> str:
+        """The module the collective is counted in: its owner, else the module that
+        issued it (what ``commspan summary`` charges it to)."""
+        return self.owner or self.fqn
 
     def where(self) -> str:
-        """``"`Net.blocks.0` forward"``: the module and phase, for messages."""
+        """``"`Net.blocks.0` forward"``: the module and phase, for messages; with
+        ``" (for `Net.blocks.1`)"`` when another module owns the collective."""
+        if self.owner:
+            return f"`{self.fqn}` {self.phase} (for `{self.owner}`)"
         return f"`{self.fqn}` {self.phase}"
 
 
@@ -618,6 +631,8 @@ def _collective(
     if state is None:
         state = semconv.STATE_COMPLETED if duration is not None else semconv.STATE_ISSUED
     phase = _str(attrs.get(semconv.PHASE)) or semconv.Phase.FORWARD.value
+    fqn = _str(attrs.get(semconv.MODULE_FQN)) or semconv.GLOBAL_FQN
+    owner = _str(attrs.get(semconv.OWNER_FQN))
     return CollectiveRecord(
         rank=rank,
         step=step,
@@ -635,12 +650,13 @@ def _collective(
         nbytes=_int(attrs.get(semconv.TENSOR_BYTES)),
         reduce_op=_str(attrs.get(semconv.COLL_REDUCE_OP)),
         peer=peer,
-        fqn=_str(attrs.get(semconv.MODULE_FQN)) or semconv.GLOBAL_FQN,
+        fqn=fqn,
         phase=phase,
         issued_ns=issued,
         duration_ns=duration,
         state=state,
         wait_ns=_int(attrs.get(semconv.COLL_WAIT_NS)),
+        owner=owner if owner != fqn else None,
     )
 
 

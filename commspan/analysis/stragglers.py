@@ -7,8 +7,10 @@ Two questions, one analyzer each, over a :class:`~commspan.analysis.records.Run`
   with the shortest ``commspan.collective.duration_ns``. No clock alignment
   across hosts is needed, only each rank's own durations. The wait it caused
   is the sum over the other ranks of (their duration - its duration).
-  Aggregated per step, module and phase (the module in which the last rank
-  issued the collective) and per rank.
+  Aggregated per step, module and phase and per rank. The module is the one
+  the collective is counted in, as ``commspan summary`` counts it: its owner
+  (``commspan.owner.fqn``: the FSDP unit whose parameters a reduce-scatter
+  moves, the module holding a DDP bucket), else the module that issued it.
 - :func:`step_breakdown`: per rank and step, the time in forward, backward
   and recompute module spans (each instant counted once, for the innermost
   span open then), outside any module, and in collectives (the sum of their
@@ -88,7 +90,8 @@ class StragglerRow(NamedTuple):
 
     Attributes:
         step: the step (``None`` outside steps).
-        fqn: module in which the last rank issued those collectives.
+        fqn: module those collectives are counted in (their owner, else the module
+            the last rank issued them in).
         phase: their phase.
         rank: the rank that arrived last.
         times_last: how many of them it arrived last at.
@@ -315,7 +318,7 @@ def straggler_report(
         waits = [d - d_last for r, d in durations.items() if r != last]
         wait = sum(waits)
         rec = match[last]
-        key = (rec.step, rec.fqn, rec.phase)
+        key = (rec.step, rec.charged, rec.phase)
         per_key[key] += 1
         if wait <= 0:
             continue
