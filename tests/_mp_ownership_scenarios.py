@@ -421,6 +421,50 @@ def scenario_fsdp(out: Path, rank: int) -> None:
     })
 
 
+SLOW_S = 0.3
+
+
+def scenario_fsdp_straggler(out: Path, rank: int) -> None:
+    """FSDP2 on Net, as ``fsdp``; the last rank sleeps SLOW_S when its backward starts
+    (a hook on the model's output), so it arrives last at the first collective FSDP
+    issues after that (the test finds which from the sizes: blocks.0's all-gather,
+    prefetched from blocks.1's backward)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    world = dist.get_world_size()
+    torch.manual_seed(0)
+    model = Net()
+    # padded numel of each unit's own parameters, before sharding: names a collective's
+    # unit from its size alone
+    units = {"blocks.0": model.blocks[0], "blocks.1": model.blocks[1], "": model}
+    nested = {id(m) for m in units.values()}
+    sizes: dict[str, int] = {}
+    for rel, module in units.items():
+        shapes = []
+        todo = [module]
+        while todo:
+            cur = todo.pop()
+            shapes.extend(p.shape for p in cur._parameters.values())
+            todo.extend(c for c in cur._modules.values() if id(c) not in nested)
+        sizes[rel] = sum(math.ceil(s[0] / world) * world * math.prod(s[1:]) for s in shapes)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    exporter = JsonlSpanExporter(out / "fsdp_straggler" / "trace-rank{rank}.jsonl")
+    mode = CommSpanMode(exporters=[exporter])
+    with mode:
+        for i in range(STEPS):
+            with mode.step(i):
+                y = model(torch.randn(4, 8))
+                if rank == world - 1:
+                    y.register_hook(lambda g: (time.sleep(SLOW_S), g)[1])
+                y.sum().backward()
+    mode.shutdown()
+    _write(out, "fsdp_straggler", rank, {"root": type(model).__name__, "units": sizes})
+
+
 def _ddp_run(
     out: Path, rank: int, name: str, *, hook: bool = False, find_unused: bool = False,
     cascade: bool = False, compiled: bool = False,
@@ -566,6 +610,7 @@ def _train_schedule(out: Path, rank: int, name: str, schedule: Any, stages: list
 
 SCENARIOS: dict[str, Callable[[Path, int], None]] = {
     "fsdp": scenario_fsdp,
+    "fsdp_straggler": scenario_fsdp_straggler,
     "ddp": lambda out, rank: _ddp_run(out, rank, "ddp"),
     "ddp_hook": lambda out, rank: _ddp_run(out, rank, "ddp_hook", hook=True),
     "ddp_unused": lambda out, rank: _ddp_run(out, rank, "ddp_unused", find_unused=True),

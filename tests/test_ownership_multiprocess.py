@@ -176,6 +176,49 @@ def test_fsdp_owner_phase_and_counts_match_the_size_reference(ok_run: MpRun, ran
     assert res["stats"]["internal_errors"] == 0
 
 
+def test_fsdp_straggler_is_charged_to_the_unit_it_delayed(ok_run: MpRun) -> None:
+    """The last rank sleeps as its backward starts: the collective the others then wait
+    for longest (found from the durations alone) is a unit's all-gather, the unit
+    named by its size; commspan stragglers names that rank and that unit, in backward,
+    in each step, not the module the all-gather was issued from (blocks.1's backward
+    prefetches blocks.0's parameters)."""
+    from commspan.analysis import stragglers
+
+    res = ok_run.result("fsdp_straggler", 0)
+    root = res["root"]
+    by_size = {padded: (root + "." + rel if rel else root) for rel, padded in res["units"].items()}
+    # per step, the collective with the largest spread of durations across the ranks
+    events: dict[tuple[int, int], dict[int, dict[str, Any]]] = {}
+    for rank in range(WORLD):
+        for span in ok_run.spans("fsdp_straggler", rank):
+            for _, attrs in span.events:
+                if semconv.COLL_OP in attrs:
+                    step = _step_of(ok_run, "fsdp_straggler", rank, span.trace_id)
+                    events.setdefault((step, attrs[semconv.COLL_SEQ]), {})[rank] = attrs
+    slowest: dict[int, tuple[int, dict[str, Any]]] = {}
+    for (step, _seq), per_rank in events.items():
+        spread = (max(a[semconv.COLL_DURATION_NS] for a in per_rank.values())
+                  - min(a[semconv.COLL_DURATION_NS] for a in per_rank.values()))
+        if step not in slowest or spread > slowest[step][0]:
+            slowest[step] = (spread, per_rank[0])
+    expected = set()
+    for step, (spread, attrs) in slowest.items():
+        assert attrs[semconv.COLL_OP].startswith("all_gather") and spread > 0.2e9
+        unit = by_size[attrs[semconv.TENSOR_BYTES] // 4 * WORLD]
+        expected.add((step, unit, "backward", WORLD - 1))
+    rows = stragglers(ok_run.root / "fsdp_straggler").stragglers
+    top = {(r.step, r.fqn, r.phase, r.rank) for r in rows
+           if r.max_wait_ns > 0.2e9}
+    assert top == expected and len(expected) == 2
+
+
+def _step_of(run: MpRun, scenario: str, rank: int, trace_id: str) -> int:
+    for span in run.spans(scenario, rank):
+        if span.trace_id == trace_id and semconv.STEP in span.attributes:
+            return int(span.attributes[semconv.STEP])
+    raise AssertionError(f"no step span in trace {trace_id}")
+
+
 # ------------------------------------------------------------------ DDP
 def _lowest_common_module(param_names: list[str]) -> str:
     """The deepest module path that contains every parameter ('' = the wrapped model)."""
