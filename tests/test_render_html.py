@@ -335,3 +335,49 @@ def test_traces_outside_steps_are_not_counted_as_steps(tmp_path: Path, fake_pg: 
     assert per_step is not None and float(per_step.group(1)) == len(in_steps) / 2
     assert "summed over 2 steps (0-1) and 3 traces outside steps" in page
 
+
+
+def test_collectives_issued_for_another_module_name_their_owner(
+    tmp_path: Path, fake_pg: None
+) -> None:
+    """FSDP2 prefetches a unit's all-gather from the next unit's backward: the module
+    that issued it lists it "for" the unit that owns it (as recorded on the event), in
+    the report and in the Perfetto args; collectives a module owns itself say nothing
+    more."""
+    import json
+
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from commspan.render.perfetto import chrome_trace
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 8))
+    mesh = init_device_mesh("cpu", (4,))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+    def body(mode: Any) -> None:
+        for i in range(2):
+            with mode.step(i):
+                model(torch.ones(2, 8)).sum().backward()
+
+    records = load_records(_one_rank_run(tmp_path, "fsdp", body))
+    recorded = Counter(
+        (str(a[semconv.MODULE_FQN]), str(a[semconv.OWNER_FQN]))
+        for r in records for _, a in r.events
+        if semconv.COLL_OP in a and a[semconv.OWNER_FQN] != a[semconv.MODULE_FQN]
+    )
+    assert recorded  # the prefetches (and the root's reduce-scatter, issued outside modules)
+    page = html_report(records)
+    for issuer, owner in recorded:
+        block = page.split(f'data-fqn="{issuer}">', 1)[1].split("</details>")[0]
+        assert f'<span class="owner" title="counted in {owner}: the module that owns it">' \
+               f"for {owner}</span>" in block
+    assert page.count('<span class="owner"') == len(recorded)
+    trace = json.loads(json.dumps(chrome_trace(records)))
+    owners = Counter((e["args"]["fqn"], e["args"]["owner"]) for e in trace["traceEvents"]
+                     if "owner" in e.get("args", {}))
+    assert owners == recorded

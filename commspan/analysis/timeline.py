@@ -130,6 +130,8 @@ class Collective(NamedTuple):
             unknown).
         pending: not completed when the rank wrote a hang record (it waited in it,
             inside a span never written): taken from that record.
+        owner: the module that owns it (``commspan.owner.fqn``: an FSDP unit, a DDP
+            bucket's module) when that is not :attr:`fqn`, else ``""``.
     """
 
     window: int
@@ -156,6 +158,7 @@ class Collective(NamedTuple):
     redistribute_op: str
     p2p_seq: int | None = None
     pending: bool = False
+    owner: str = ""
 
     @property
     def key(self) -> tuple[str, str, Any]:
@@ -441,13 +444,15 @@ def _collective(
     shape = ev.get(semconv.TENSOR_SHAPE) or ()
     ranks = ev.get(semconv.PG_RANKS) or ()
     duration = _int_or_none(ev.get(semconv.COLL_DURATION_NS))
+    issuer = str(ev.get(semconv.MODULE_FQN, fqn))
+    owner = ev.get(semconv.OWNER_FQN)
     return Collective(
         window=window,
         rank=rank,
         run_id=run_id,
         time_ns=when,
         duration_ns=duration if duration is None or duration >= 0 else None,
-        fqn=str(ev.get(semconv.MODULE_FQN, fqn)),
+        fqn=issuer,
         phase=str(ev.get(semconv.PHASE, "")),
         op=str(ev[semconv.COLL_OP]),
         kind=str(ev.get(semconv.COLL_KIND, "")),
@@ -465,6 +470,7 @@ def _collective(
         dst=str(ev.get(semconv.REDIST_DST, "")),
         redistribute_op=str(ev.get(semconv.REDIST_OP, "")),
         p2p_seq=_int_or_none(ev.get(semconv.P2P_SEQ)),
+        owner=owner if isinstance(owner, str) and owner != issuer else "",
     )
 
 

@@ -463,10 +463,13 @@ def _merged_tree(records: list[SpanRecord], ranks: list[int]) -> _Node:
 class _Issued:
     """Collectives one module issued itself, grouped by phase, op, group and placements."""
 
-    __slots__ = ("phase", "op", "group", "src", "dst", "count", "bytes", "time", "timed")
+    __slots__ = ("phase", "op", "group", "src", "dst", "owner", "count", "bytes", "time",
+                 "timed")
 
-    def __init__(self, phase: str, op: str, group: str, src: str, dst: str, n: int) -> None:
+    def __init__(self, phase: str, op: str, group: str, src: str, dst: str, n: int,
+                 owner: str = "") -> None:
         self.phase, self.op, self.group, self.src, self.dst = phase, op, group, src, dst
+        self.owner = owner  # the module it is counted in, when not this one
         self.count = [0] * n
         self.bytes = [0] * n
         self.time = [0] * n
@@ -475,12 +478,13 @@ class _Issued:
 
 def _issued(collectives: Sequence[Collective], ranks: list[int]) -> dict[str, list[_Issued]]:
     pos = {r: i for i, r in enumerate(ranks)}
-    groups: dict[tuple[str, str, str, str, str, str], _Issued] = {}
+    groups: dict[tuple[str, str, str, str, str, str, str], _Issued] = {}
     for c in collectives:
-        key = (c.fqn, c.phase, c.op, c.group, c.src, c.dst)
+        key = (c.fqn, c.phase, c.op, c.group, c.src, c.dst, c.owner)
         item = groups.get(key)
         if item is None:
-            item = groups[key] = _Issued(c.phase, c.op, c.group, c.src, c.dst, len(ranks))
+            item = groups[key] = _Issued(c.phase, c.op, c.group, c.src, c.dst, len(ranks),
+                                         c.owner)
         i = pos[c.rank]
         item.count[i] += 1
         item.bytes[i] += c.bytes
@@ -491,7 +495,8 @@ def _issued(collectives: Sequence[Collective], ranks: list[int]) -> dict[str, li
     for (fqn, *_rest), item in groups.items():
         out.setdefault(fqn, []).append(item)
     for items in out.values():
-        items.sort(key=lambda s: (_phase_order(s.phase), s.op, s.group, s.src, s.dst))
+        items.sort(key=lambda s: (_phase_order(s.phase), s.op, s.group, s.src, s.dst,
+                                  s.owner))
     return out
 
 
@@ -607,13 +612,15 @@ def _node_body(node: _Node, ctx: _Context) -> str:
         lines = []
         for s in issued:
             placements = f"{s.src} \u2192 {s.dst}" if (s.src or s.dst) else ""
+            owner = (f" <span class=\"owner\" title=\"counted in {_e(s.owner)}: the "
+                     f"module that owns it\">for {_e(s.owner)}</span>" if s.owner else "")
             time_cell = ""
             if ctx.durations:
                 time_cell = f"<td>{_per_rank(s.time, _duration) if any(s.timed) else '-'}</td>"
             lines.append(
                 f"<tr data-phase=\"{_e(s.phase)}\" data-op=\"{_e(s.op)}\">"
                 f"<td><span class=\"dot ph-{_e(s.phase)}\"></span>{_e(s.phase)}</td>"
-                f"<td>{_e(s.op)}</td><td>{_e(s.group)}</td>"
+                f"<td>{_e(s.op)}{owner}</td><td>{_e(s.group)}</td>"
                 f"<td class=\"count\">{_per_rank(s.count, _num)}</td>"
                 f"<td>{_per_rank(s.bytes, _bytes)}</td><td>{_e(placements)}</td>{time_cell}</tr>"
             )

@@ -301,6 +301,8 @@ def _collective_args(c: Collective, timeline: Timeline) -> dict[str, Any]:
         "step": timeline.steps[c.window].step,
         "rank": c.rank,
     }
+    if c.owner:
+        args["owner"] = c.owner  # counted there (an FSDP unit, a DDP bucket's module)
     if c.pending:
         args["pending"] = "not completed: the rank waited in it (hang record)"
     if c.duration_ns is not None:
