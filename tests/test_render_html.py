@@ -337,13 +337,14 @@ def test_traces_outside_steps_are_not_counted_as_steps(tmp_path: Path, fake_pg: 
 
 
 
-def test_collectives_issued_for_another_module_name_their_owner(
+def test_collectives_issued_for_another_module_are_listed_under_their_owner(
     tmp_path: Path, fake_pg: None
 ) -> None:
-    """FSDP2 prefetches a unit's all-gather from the next unit's backward: the module
-    that issued it lists it "for" the unit that owns it (as recorded on the event), in
-    the report and in the Perfetto args; collectives a module owns itself say nothing
-    more."""
+    """FSDP2 prefetches a unit's all-gather from the next unit's backward, and runs the
+    root unit's reduce-scatter outside every module: the report lists each under the
+    module that owns it (as recorded on the event; as the counts and ``table --show``
+    do), saying where it was issued; Perfetto's args name the owner. A collective a
+    hang record lists as not completed is not counted."""
     import json
 
     import torch
@@ -365,19 +366,51 @@ def test_collectives_issued_for_another_module_name_their_owner(
                 model(torch.ones(2, 8)).sum().backward()
 
     records = load_records(_one_rank_run(tmp_path, "fsdp", body))
-    recorded = Counter(
+    moved = Counter(
         (str(a[semconv.MODULE_FQN]), str(a[semconv.OWNER_FQN]))
         for r in records for _, a in r.events
         if semconv.COLL_OP in a and a[semconv.OWNER_FQN] != a[semconv.MODULE_FQN]
     )
-    assert recorded  # the prefetches (and the root's reduce-scatter, issued outside modules)
+    assert moved  # the prefetches, and the root's reduce-scatter issued outside modules
     page = html_report(records)
-    for issuer, owner in recorded:
-        block = page.split(f'data-fqn="{issuer}">', 1)[1].split("</details>")[0]
-        assert f'<span class="owner" title="counted in {owner}: the module that owns it">' \
-               f"for {owner}</span>" in block
-    assert page.count('<span class="owner"') == len(recorded)
+    for issuer, owner in moved:
+        block = re.split(r"<details|</details>", page.split(f'data-fqn="{owner}">', 1)[1])[0]
+        assert f">issued in {issuer}</span>" in block
+    assert page.count('<span class="issuer"') == len(moved)
+    # every collective is listed under its owner: the counts of the issued tables add
+    # up to the events, rank 0's column
+    listed = sum(int(n) for n in re.findall(r'<td class="count"><span class="n">(\d+)</span>',
+                                             page.split('<section id="modules">', 1)[1]
+                                             .split("</section>", 1)[0]))
+    events = sum(1 for r in records for _, a in r.events if semconv.COLL_OP in a)
+    assert listed == events
     trace = json.loads(json.dumps(chrome_trace(records)))
     owners = Counter((e["args"]["fqn"], e["args"]["owner"]) for e in trace["traceEvents"]
                      if "owner" in e.get("args", {}))
-    assert owners == recorded
+    assert owners == moved
+
+
+def test_collectives_a_hang_record_lists_are_drawn_not_counted() -> None:
+    """Step 1 hangs in Net.b's all_reduce on ranks 0, 2, 3 (their hang records list it
+    not completed; rank 1 never issued it). The timeline draws it; the counts, the
+    issued table and the per-step card count only what the spans hold, as ``table``."""
+    from _analysis_builder import WORLD_GROUP, SpanBuilder
+
+    b = SpanBuilder(4)
+    for r in range(4):
+        b.rank(r, 0).coll("all_reduce", fqn="Net.b", duration_ns=1000)
+        b.rank(r, 1, finished=False).coll("all_reduce", fqn="Net.a", duration_ns=1000)
+    for r in (0, 2, 3):
+        stuck = b.event_attrs("all_reduce", fqn="Net.b", phase="forward", group=WORLD_GROUP,
+                              ranks=range(4), seq=3, state=semconv.STATE_ISSUED)
+        b.hang(r, 1, stack=[("Net.b", "forward")], collectives=[stuck])
+    records = b.spans()
+    timeline = build_timeline(records)
+    assert sum(c.pending for c in timeline.collectives) == 3  # drawn
+    page = html_report(records)
+    block = re.split(r"<details|</details>|</div>\n",
+                     page.split('data-fqn="Net.b">', 1)[1])[0]
+    assert '<td class="count"><span class="n">1</span></td>' in block  # step 0's only
+    card = page.split('<div class="label">collectives per step and rank', 1)[0]
+    card = card.rsplit('<div class="value">', 1)[1]
+    assert card.startswith('<span class="n">1</span>')  # 2 per rank in 2 steps, every rank

@@ -228,7 +228,10 @@ def _page(
 ) -> str:
     ranks = list(timeline.ranks)
     tree = _merged_tree(records, ranks)
-    issued = _issued(timeline.collectives, ranks)
+    # what the ranks did: a collective a hang record lists as not completed is drawn
+    # on the timeline, not counted (its span was never written; the counts leave it out)
+    done = [c for c in timeline.collectives if not c.pending]
+    issued = _issued(done, ranks)
     times = _span_times(timeline, ranks)
     durations = any(c.duration_ns is not None for c in timeline.collectives)
     ctx = _Context(ranks, _windows_text(timeline), issued, times, durations)
@@ -244,7 +247,7 @@ def _page(
     if findings is not None:
         parts.append(_findings_section(findings, timeline, embedded))
     parts.append(_modules_section(tree, ctx))
-    parts.append(_redistributions_section(timeline.collectives, ranks))
+    parts.append(_redistributions_section(done, ranks))
     parts.append(_timeline_section())
     data = _timeline_data(timeline, embedded, first, findings or [])
     parts.append(
@@ -330,7 +333,7 @@ def _summary(timeline: Timeline, ranks: list[int]) -> str:
     nbytes = {r: 0 for r in ranks}
     dur = {r: 0 for r in ranks}
     for c in timeline.collectives:
-        if c.window not in counted:
+        if c.window not in counted or c.pending:
             continue  # a trace outside the steps (set-up, evaluation): not per step
         count[c.rank] += 1
         nbytes[c.rank] += c.bytes
@@ -463,13 +466,13 @@ def _merged_tree(records: list[SpanRecord], ranks: list[int]) -> _Node:
 class _Issued:
     """Collectives one module issued itself, grouped by phase, op, group and placements."""
 
-    __slots__ = ("phase", "op", "group", "src", "dst", "owner", "count", "bytes", "time",
+    __slots__ = ("phase", "op", "group", "src", "dst", "issuer", "count", "bytes", "time",
                  "timed")
 
     def __init__(self, phase: str, op: str, group: str, src: str, dst: str, n: int,
-                 owner: str = "") -> None:
+                 issuer: str = "") -> None:
         self.phase, self.op, self.group, self.src, self.dst = phase, op, group, src, dst
-        self.owner = owner  # the module it is counted in, when not this one
+        self.issuer = issuer  # the module it was issued in, when not this one
         self.count = [0] * n
         self.bytes = [0] * n
         self.time = [0] * n
@@ -480,11 +483,14 @@ def _issued(collectives: Sequence[Collective], ranks: list[int]) -> dict[str, li
     pos = {r: i for i, r in enumerate(ranks)}
     groups: dict[tuple[str, str, str, str, str, str, str], _Issued] = {}
     for c in collectives:
-        key = (c.fqn, c.phase, c.op, c.group, c.src, c.dst, c.owner)
+        # under the module that owns it, as the counts and `table --show` list it (an
+        # FSDP unit's all-gather prefetched from another unit's backward is the unit's)
+        issuer = c.fqn if c.owner else ""
+        key = (c.owner or c.fqn, c.phase, c.op, c.group, c.src, c.dst, issuer)
         item = groups.get(key)
         if item is None:
             item = groups[key] = _Issued(c.phase, c.op, c.group, c.src, c.dst, len(ranks),
-                                         c.owner)
+                                         issuer)
         i = pos[c.rank]
         item.count[i] += 1
         item.bytes[i] += c.bytes
@@ -496,7 +502,7 @@ def _issued(collectives: Sequence[Collective], ranks: list[int]) -> dict[str, li
         out.setdefault(fqn, []).append(item)
     for items in out.values():
         items.sort(key=lambda s: (_phase_order(s.phase), s.op, s.group, s.src, s.dst,
-                                  s.owner))
+                                  s.issuer))
     return out
 
 
@@ -612,20 +618,22 @@ def _node_body(node: _Node, ctx: _Context) -> str:
         lines = []
         for s in issued:
             placements = f"{s.src} \u2192 {s.dst}" if (s.src or s.dst) else ""
-            owner = (f" <span class=\"owner\" title=\"counted in {_e(s.owner)}: the "
-                     f"module that owns it\">for {_e(s.owner)}</span>" if s.owner else "")
+            issuer = (f" <span class=\"issuer\" title=\"issued while {_e(s.issuer)} ran; "
+                      f"counted here, in the module that owns it\">issued in "
+                      f"{_e(s.issuer)}</span>" if s.issuer else "")
             time_cell = ""
             if ctx.durations:
                 time_cell = f"<td>{_per_rank(s.time, _duration) if any(s.timed) else '-'}</td>"
             lines.append(
                 f"<tr data-phase=\"{_e(s.phase)}\" data-op=\"{_e(s.op)}\">"
                 f"<td><span class=\"dot ph-{_e(s.phase)}\"></span>{_e(s.phase)}</td>"
-                f"<td>{_e(s.op)}{owner}</td><td>{_e(s.group)}</td>"
+                f"<td>{_e(s.op)}{issuer}</td><td>{_e(s.group)}</td>"
                 f"<td class=\"count\">{_per_rank(s.count, _num)}</td>"
                 f"<td>{_per_rank(s.bytes, _bytes)}</td><td>{_e(placements)}</td>{time_cell}</tr>"
             )
         parts.append(
-            "<table class=\"issued\"><caption>issued by this module itself</caption><thead><tr>"
+            "<table class=\"issued\"><caption>collectives it issued itself, or that were "
+            "issued for it</caption><thead><tr>"
             "<th>phase</th><th>op</th><th>group</th><th>count</th><th>bytes</th>"
             f"<th>placements</th>{time_head}</tr></thead><tbody>{''.join(lines)}</tbody></table>"
         )
