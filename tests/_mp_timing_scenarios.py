@@ -25,8 +25,9 @@ other ranks block. Every rank has ``hang_timeout_s=HANG_TIMEOUT_S`` and
 ``python tests/_mp_timing_scenarios.py OUT_DIR crash`` runs ``crash``: the same
 program without hang records (``hang_timeout_s`` off), where in step 2 rank
 :data:`STALLED_RANK` dies in ``Hang.blocks.1`` (``os._exit(CRASH_EXIT)``) instead of
-stalling: the other ranks' all_reduce in ``Hang.blocks.2`` raises the backend's
-error, which they catch after the mode has exported their spans.
+stalling: the other ranks' all_reduce in ``Hang.blocks.2`` (``async_op=True`` in
+this scenario) raises the backend's error, which they catch after the mode has
+exported their spans.
 
 Each writes ``OUT_DIR/<scenario>/trace-rank<r>.jsonl``; the world group's name
 goes to ``OUT_DIR/groups.json``. ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
@@ -229,7 +230,10 @@ class Block(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t = x.clone()
-        dist.all_reduce(t)
+        if Step.crash and self.index == 2:  # (an async op: its Work's future fails)
+            dist.all_reduce(t, async_op=True).wait()
+        else:
+            dist.all_reduce(t)
         if self.index == 1 and Step.index == HANG_STEP and dist.get_rank() == STALLED_RANK:
             if Step.crash:  # dies in compute, once the spans closed so far are written
                 time.sleep(1.5)  # (the export queue writes every 0.5 s)

@@ -3,7 +3,10 @@ completed collective gets, and which collectives a hang record lists."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
+import torch
 
 from commspan import semconv
 from commspan.spans.timing import CollectiveLog, CollectiveTiming
@@ -112,3 +115,67 @@ def test_a_collective_whose_op_raised_is_listed_failed_and_not_waited_for() -> N
     assert raised.hang_attributes()[semconv.COLL_STATE] == semconv.STATE_FAILED
     assert log.not_completed() == [] and log.oldest_pending() is None
     assert tracker.failed == 2
+
+
+def test_an_async_op_whose_future_completed_with_an_error_failed() -> None:
+    """A ``Work``'s future that completes with the op's error (gloo's timeout of an
+    ``async_op=True`` all_reduce): no duration, the event says ``failed``; one that
+    completes with a value gets its duration."""
+    from commspan.capture.completion import CompletionTracker
+
+    tracker = CompletionTracker()
+    bad, good = _timing("a", 1, done=False), _timing("a", 2, done=False)
+    for t in (bad, good):
+        tracker.futures[id(t)] = t
+    failed: torch.futures.Future[Any] = torch.futures.Future()
+    failed.set_exception(RuntimeError("Timed out waiting for the peer"))
+    ok: torch.futures.Future[Any] = torch.futures.Future()
+    ok.set_result([torch.ones(1)])
+    tracker._future_done(bad, failed)
+    tracker._future_done(good, ok)
+    assert bad.duration is None and bad.failed and tracker.failed == 1
+    assert bad.event_attributes()[semconv.COLL_STATE] == semconv.STATE_FAILED
+    assert good.duration is not None and semconv.COLL_STATE not in good.event_attributes()
+    assert tracker.settled()
+
+
+class _Work:
+    """A ``Work`` without a future (gloo's send and recv), completed, and failed or not."""
+
+    def __init__(self, success: bool) -> None:
+        self.success = success
+        self.asked = 0
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        self.asked += 1
+        return self.success
+
+
+def test_a_polled_op_that_failed_is_told_apart_while_its_error_is_handled() -> None:
+    """A ``Work`` without a future says it completed when it failed too. Whether it
+    succeeded is asked (torch prints a deprecation warning once when asked) only while
+    an exception is being handled: the span of the module whose ``wait()`` raised
+    closing. A failed one then has no duration and says ``failed``."""
+    from functools import partial
+
+    from commspan.capture.completion import CompletionTracker, _poll_work
+
+    tracker = CompletionTracker()
+    quiet, failed, fine = (_timing("a", i, done=False) for i in (1, 2, 3))
+    works = {id(quiet): _Work(False), id(failed): _Work(False), id(fine): _Work(True)}
+    for t in (quiet, failed, fine):
+        t.resolve = partial(_poll_work, works[id(t)], t, None, tracker)
+        tracker.polled.append(t)
+    assert quiet.finished() and works[id(quiet)].asked == 0  # no error in flight: not asked
+    try:
+        raise RuntimeError("the caller's wait() raised")
+    except RuntimeError:
+        assert not failed.finished() and fine.finished()
+    assert failed.failed and failed.duration is None and tracker.failed == 1
+    assert failed.event_attributes()[semconv.COLL_STATE] == semconv.STATE_FAILED
+    assert fine.duration is not None and not fine.failed
+    tracker.poll()
+    assert not tracker.polled

@@ -37,6 +37,7 @@ error as an internal one.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -174,7 +175,7 @@ class CompletionTracker:
                 no_future.setdefault(info.overload, set()).add(
                     (timing.attrs.get(_GROUP), cuda_start is not None))
         if future is None:
-            timing.resolve = partial(_poll_work, handle, timing, cuda_start)
+            timing.resolve = partial(_poll_work, handle, timing, cuda_start, self)
             self.polled.append(timing)
             return
         if cuda_start is not None:
@@ -193,10 +194,17 @@ class CompletionTracker:
             timing.failed = failed
             self.failed += 1
 
-    def _future_done(self, timing: CollectiveTiming, _future: Any) -> None:
+    def _future_done(self, timing: CollectiveTiming, future: Any) -> None:
         """A ``Work``'s future completed (on the backend's thread): complete its timing,
-        then stop counting it as outstanding (in that order, for :meth:`settled`)."""
-        timing.complete()
+        then stop counting it as outstanding (in that order, for :meth:`settled`). A
+        future that completed with an error (a backend's timeout, a peer that died)
+        is a failed op: no duration, listed failed."""
+        try:
+            future.value()  # (already there: raises the op's error, if it failed)
+        except Exception:
+            self.give_up(timing, failed=True)
+        else:
+            timing.complete()
         self.futures.pop(id(timing), None)
 
     def pending(self) -> list[CollectiveTiming]:
@@ -320,10 +328,27 @@ def _arg(info: CollectiveInfo, args: Any, kwargs: Any, index: int, default: Any)
     return default
 
 
-def _poll_work(handle: Any, timing: CollectiveTiming, cuda_start: Any) -> int | None:
-    """The duration of a ``Work`` without a future, once it says it has completed."""
+def _poll_work(handle: Any, timing: CollectiveTiming, cuda_start: Any,
+               tracker: CompletionTracker) -> int | None:
+    """The duration of a ``Work`` without a future, once it says it has completed.
+
+    A ``Work`` that failed (a backend's timeout: gloo's send and receive) says it has
+    completed too, and its caller's ``wait()`` raises. Whether it succeeded is asked
+    only while an exception is being handled on this thread (a span closing on the
+    error its module raised: the caller's ``wait()`` raised it), since asking prints
+    a deprecation warning of torch's once per process; then a failed op is given up
+    on (no duration, listed failed)."""
     if not handle.is_completed():
         return None
+    if sys.exc_info()[0] is not None:
+        try:
+            ok = handle.is_success()
+        except Exception:  # not implemented by a backend: as completed
+            ok = True
+        if not ok:
+            timing.resolve = None  # (give_up asks finished(), which would call this)
+            tracker.give_up(timing, failed=True)
+            return None
     if cuda_start is not None:
         _finish_cuda(timing, cuda_start)
         return None  # the CUDA events resolve it from now on
