@@ -498,6 +498,37 @@ def test_dump_with_every_collective_completed_is_not_a_hang() -> None:
     assert result.checked["steps_interrupted"] == 0  # every rank span of step 0 exists
 
 
+@pytest.mark.parametrize("known_by", ["another_rank", "a_later_collective"])
+def test_a_record_of_a_slow_collective_that_completed_is_no_hang(known_by: str) -> None:
+    """Rank 2 is late at step 1's all_reduce (seq 2), waited after its module closed
+    (a functional collective): ranks 0, 1, 3 write timeout records listing it issued,
+    and the spans flushed with them carry no duration for it. It completed: rank 2's
+    span says so, or (its file lost) each rank completed the next collective on the
+    group. No hang. A collective a record lists failed is kept."""
+    b = SpanBuilder(WORLD)
+    for r in range(WORLD):
+        b.rank(r, 0).coll("all_reduce", fqn="Net.m", duration_ns=MS)
+        s = b.rank(r, 1)
+        s.coll("all_reduce", fqn="Net.m", duration_ns=MS if r == 2 else None)
+        s.coll("all_reduce", fqn="Net.n",
+               duration_ns=MS if known_by == "a_later_collective" else None)
+    slow = {r: b.event_attrs("all_reduce", fqn="Net.m", phase="forward", group=WORLD_GROUP,
+                             ranks=range(WORLD), seq=2, state=semconv.STATE_ISSUED)
+            for r in (0, 1, 3)}
+    for r, attrs in slow.items():
+        b.hang(r, 1, stack=[("Net", "forward")], collectives=[attrs])
+    spans = b.spans(ranks=[0, 1, 3]) if known_by == "a_later_collective" else b.spans()
+    result = check(build_run(spans))
+    assert [f for f in result.findings if f.kind == KIND_HANG] == []
+    # the same records, the collective failed on rank 0: reported
+    failed = dict(slow[0], **{semconv.COLL_STATE: semconv.STATE_FAILED})
+    b.hang(0, 1, stack=[("Net", "forward")], collectives=[failed],
+           time_ns=b.clock[0] + 20_000_000)
+    spans = b.spans(ranks=[0, 1, 3]) if known_by == "a_later_collective" else b.spans()
+    (f,) = [f for f in check(build_run(spans)).findings if f.kind == KIND_HANG]
+    assert (f.seq, f.ranks[0]["state"]) == (2, semconv.STATE_FAILED)
+
+
 def _p2p_then_all_reduce(stall_in_step_1: int) -> SpanBuilder:
     """Schema 3. Each step rank 0 sends to rank 1 in Net.pipe (ranks 2 and 3 do no
     send/recv), then every rank all_reduces in Net.sync. In step 1, rank

@@ -694,21 +694,49 @@ def hang_findings(run: Run) -> list[Finding]:
 
 
 def _superseded_dropped(run: Run, latest: Mapping[int, HangRecord]) -> dict[int, HangRecord]:
-    """The hang records, less the collectives they list as not completed that the same
-    rank's spans, written later, show completed: a record written while a collective
-    was slow (a straggler longer than ``hang_timeout_s``, a ``mode.dump()`` during a
-    wait) says nothing of a hang once the collective completed."""
+    """The hang records, less the collectives they list as not completed that are known
+    to have completed: a record written while a collective was slow (a straggler
+    longer than ``hang_timeout_s``, a ``mode.dump()`` during a wait) says nothing of a
+    hang once the collective completed. Known completed: the same rank's spans,
+    written later, show it completed; or (a collective, not a point-to-point op) some
+    rank of its group completed it, which none can before every rank took part; or
+    the same rank completed a later collective on the same group. A collective whose
+    op failed is kept: its failure is what the finding reports."""
     done: set[tuple[Any, ...]] = set()
+    anywhere: set[tuple[str, int]] = set()  # (group, seq) some rank completed
+    upto: dict[tuple[int, str], int] = {}  # (rank, group) -> highest seq it completed
     last_issued: dict[int, int] = {}
+
+    def completed(rec: CollectiveRecord) -> None:
+        done.add(_op_key(rec))
+        if rec.p2p_seq is None and rec.seq is not None and rec.group:
+            anywhere.add((rec.group, rec.seq))
+            key = (rec.rank, rec.group)
+            if rec.seq > upto.get(key, -1):
+                upto[key] = rec.seq
+
     for rec in run.collectives:
         if rec.duration_ns is not None or rec.state == semconv.STATE_COMPLETED:
-            done.add(_op_key(rec))
+            completed(rec)
         if rec.issued_ns > last_issued.get(rec.rank, -1):
             last_issued[rec.rank] = rec.issued_ns
+    for hang in latest.values():
+        for rec in hang.collectives:
+            if rec.state == semconv.STATE_COMPLETED:
+                completed(rec)
+
+    def superseded(rec: CollectiveRecord) -> bool:
+        if rec.state == semconv.STATE_COMPLETED or rec.state == semconv.STATE_FAILED:
+            return False
+        if _op_key(rec) in done:
+            return True
+        if rec.p2p_seq is not None or rec.seq is None or not rec.group:
+            return False
+        return (rec.group, rec.seq) in anywhere or rec.seq < upto.get((rec.rank, rec.group), -1)
+
     out: dict[int, HangRecord] = {}
     for rank, hang in latest.items():
-        kept = [rec for rec in hang.collectives
-                if rec.state == semconv.STATE_COMPLETED or _op_key(rec) not in done]
+        kept = [rec for rec in hang.collectives if not superseded(rec)]
         if len(kept) == len(hang.collectives):
             out[rank] = hang
             continue
