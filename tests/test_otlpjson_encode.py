@@ -269,3 +269,142 @@ def test_non_finite_doubles_read_back(tmp_path: Any) -> None:
         back = decode_value(value)
         assert (math.isnan(back) and math.isnan(v)) or back == v
     assert math.isnan(decode_value({"doubleValue": None}))
+
+
+def _own_spans() -> list[ReadableSpan]:
+    """Spans of commspan's scope (the unchecked path, :func:`encode._span_own`): the
+    cases it encodes itself and those it hands to :func:`encode._span`."""
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+    from opentelemetry.trace import Link, SpanKind
+    from opentelemetry.trace.span import TraceState
+    from opentelemetry.trace.status import Status, StatusCode
+
+    from commspan import semconv
+
+    resource = Resource({"service.name": "x", "commspan.rank": 0})
+    scope = InstrumentationScope(semconv.INSTRUMENTATION_SCOPE, "0.1", semconv.SCHEMA_URL)
+    ctx = SpanContext(0x00F1E9BB0EDE73BF6F489EA9BB01BD61, 0x302080911327B798, False)
+    parent = SpanContext(ctx.trace_id, 0x0000000000000001, False)
+    shared = ("weight", "bias")  # the same tuple object in several spans, as modules do
+    nested = ((1, 2), ("a", 1.5))
+    spans = []
+
+    def span(name: Any = "m forward", attrs: Any = None, events: Any = (), **kw: Any) -> None:
+        spans.append(ReadableSpan(
+            name, kw.pop("context", ctx), parent=kw.pop("parent", parent), resource=resource,
+            attributes=attrs, events=events, links=kw.pop("links", ()),
+            kind=kw.pop("kind", SpanKind.INTERNAL), instrumentation_scope=scope,
+            status=kw.pop("status", Status(StatusCode.UNSET)),
+            start_time=kw.pop("start", 1_790_000_000_000_000_000), end_time=2**63 - 1,
+        ))
+
+    module = {"commspan.module.fqn": "layers.0.wq", "commspan.module.type": "Linear",
+              "commspan.phase": "forward", "commspan.module.depth": 4,
+              "commspan.module.param_names": shared, "commspan.bytes.forward": 1 << 40}
+    coll = {"commspan.collective.op": "all_reduce", "commspan.tensor.shape": [8, 64, 256],
+            "commspan.collective.seq": 61, "commspan.collective.algbw": 0.33,
+            "commspan.pg.ranks": [0, 1, 2, 3], "commspan.ok": True, "nested": nested}
+    for i in range(2):  # templates written, then used
+        span(attrs=dict(module, **{"commspan.collective.seq": i}))
+        span(attrs=dict(module), events=[Event("all_reduce", dict(coll), timestamp=5 + i)])
+    span(attrs={"t": (1, 2)})
+    span(attrs={"t": (True, 2)})  # equal to (1, 2), another object: not its template
+    span(attrs={"t": (1.0, 2)})
+    span(attrs={"t": shared, "n": nested})
+    span(attrs={"t": ("weight", "bias")})  # equal to shared, another object
+    span(attrs={"t": ([1], 2)})  # a tuple holding a list: no template (unhashable)
+    span(attrs={"x": True}), span(attrs={"x": 1}), span(attrs={"x": 1.0}), span(attrs={"x": -0.0})
+    span(attrs={"d": (1.0, math.nan, -math.inf), "e": ()})
+    span(attrs={"m": 2**63 - 1, "n": -(2**63), "l": [True, 1, 1.0]})
+    # text: non-ASCII, JSON escapes, the templates' own %
+    span("模块 ☃ 100% %s %d forward", {"100%": "50%d of %s", "q": 'a "q"\\ \n\x00 é 𝄞'})
+    span("% %% %(x)s", {"%(x)s": ("%", "%%"), "n": 7}, [Event("%d", {"%s": "%"}, 3)])
+    # empty attributes, events with and without attributes
+    span(attrs={}), span(attrs=None)
+    span(attrs={"a": 1}, events=[Event("e", None, 1), Event("f", {}, 2),
+                                 Event("g", {"s": "x", "f": 2.5, "l": ["a"]}, 3)])
+    span(attrs=BoundedAttributes(maxlen=None, attributes={"b": "bounded"}))
+    # what _span_own hands to _span (the same bytes either way)
+    span(attrs={"a": 1}, parent=None)
+    span(attrs={"a": 1}, parent=SpanContext(ctx.trace_id, 9, True))
+    span(attrs={"a": 1}, kind=SpanKind.CLIENT)
+    span(attrs={"a": 1}, links=[Link(SpanContext(3, 4, True), {"l": 1})])
+    span(attrs={"a": 1}, status=Status(StatusCode.ERROR, "boom \u2603 %s"))
+    span(attrs={"a": 1}, status=Status(StatusCode.OK))
+    span(attrs={"a": 1}, context=SpanContext(ctx.trace_id, 5, False,
+                                             trace_state=TraceState([("k", "v")])))
+    span(_Name("sub"), {"p": _Phase.FORWARD, "s": _Name("x"), "b": b"\x00"})
+    span(attrs={"e": _Color.RED, "n": None})
+    # what the fast path cannot encode: the checked path leaves it out
+    span(attrs={"big": 2**64, "keep": 1})
+    span(attrs={"t": (1, 2**64)})
+    span("bad \ud800", {"bad": "a\ud800", "many": ("x", "\udfff")},
+         [Event("e\ud800", {"v": "\ud800"}, 1)])
+    return spans
+
+
+def _general(monkeypatch: pytest.MonkeyPatch, spans: list[ReadableSpan]) -> bytes:
+    """What :func:`encode._span` writes for ``spans``: the fast path turned off."""
+    with monkeypatch.context() as m:
+        m.setattr(encode, "_span_own", lambda span: encode._span(span))
+        return encode.encode_spans(spans)
+
+
+@pytest.mark.parametrize("limits", [False, True])
+def test_own_spans_encode_as_the_general_path(monkeypatch: pytest.MonkeyPatch,
+                                              limits: bool) -> None:
+    """commspan's spans, whole templates each, give the bytes of the span-by-span
+    encoder: alone and together, with cold, warm and full caches."""
+    import logging
+
+    for name in ("_SPAN_PLANS", "_EVENT_PLANS", "_HEADS"):
+        monkeypatch.setattr(encode, name, {})
+    monkeypatch.setattr(encode, "_own_templates", 0)
+    if limits:
+        monkeypatch.setattr(encode, "_PLANS_MAX", 3)
+        monkeypatch.setattr(encode, "_TEMPLATES_MAX", 4)
+    spans = _own_spans()
+    logging.disable(logging.CRITICAL)  # the checked path logs what it leaves out
+    try:
+        for _ in range(3):
+            assert encode.encode_spans(spans) == _general(monkeypatch, spans)
+            for span in spans:
+                assert encode.encode_spans([span]) == _general(monkeypatch, [span]), span.name
+    finally:
+        logging.disable(logging.NOTSET)
+    assert len(encode._SPAN_PLANS) <= encode._PLANS_MAX
+    assert encode._own_templates <= encode._TEMPLATES_MAX
+
+
+def _reference_span(span: ReadableSpan) -> dict[str, Any]:
+    """A span of finite values as OTLP/JSON, value by value with orjson."""
+    def attrs(values: Any) -> list[dict[str, Any]]:
+        return [{"key": k, "value": _reference_value(v)} for k, v in (values or {}).items()]
+
+    assert span.context is not None
+    out: dict[str, Any] = {"traceId": f"{span.context.trace_id:032x}",
+                           "spanId": f"{span.context.span_id:016x}"}
+    if span.parent is not None:
+        out["parentSpanId"] = f"{span.parent.span_id:016x}"
+    out.update(name=span.name, kind=1, startTimeUnixNano=str(span.start_time),
+               endTimeUnixNano=str(span.end_time), attributes=attrs(span.attributes))
+    if span.events:
+        out["events"] = [{"timeUnixNano": str(e.timestamp), "name": e.name,
+                          "attributes": attrs(e.attributes)} for e in span.events]
+    out.update(flags=0x100, status={})
+    return out
+
+
+def test_own_spans_encode_as_the_reference() -> None:
+    """The spans the fast path writes itself, finite values: byte for byte what orjson
+    writes for the mapping built value by value."""
+    spans = [s for s in _own_spans()[:22] if s.name != "bad \ud800"]
+    spans = [s for s in spans if not any(  # NaN, infinities: see the general path test
+        isinstance(v, tuple) and any(isinstance(x, float) and not math.isfinite(x) for x in v)
+        for v in (s.attributes or {}).values())]
+    for _ in range(2):
+        for span in spans:
+            got = encode.encode_spans([span])
+            body = got[got.index(b'"spans":[') + 9:-6]  # the span alone
+            assert body == orjson.dumps(_reference_span(span)), span.name

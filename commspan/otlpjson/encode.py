@@ -8,7 +8,9 @@ with values of the same types, so attribute lists are encoded from ``%``
 templates (one plan per keys and value types; the strings written in, the
 numbers formatted in), and whole attribute lists, arrays, strings and trace
 ids are cached, all in bounded module-level dictionaries (plans and templates
-stop growing when full; the others are cleared).
+stop growing when full; the others are cleared). commspan's own spans and
+their events go further: each is one template of the whole span (or event),
+its name and attribute strings written in (``_span_own``).
 They are module-level on purpose: every exporter of the process shares them,
 and they hold only bytes built from attribute values, never spans.
 
@@ -26,7 +28,7 @@ import gc
 import logging
 import re
 from collections.abc import Iterator, Mapping, Sequence
-from operator import itemgetter
+from operator import is_, itemgetter
 from typing import Any
 
 import orjson
@@ -557,6 +559,219 @@ def _span(span: ReadableSpan, check: bool = False) -> bytes:
     )
 
 
+# commspan's own spans (their scope's; ``check`` off, see :func:`_encode`), each
+# in a single ``%``: a module's span repeats its name, keys, strings and
+# parameter tuples step after step, and its collective events their keys and
+# strings, so a whole span (or event) is a template with its name and the
+# attributes' strings and bools written in, and the ids, times, ints, floats
+# and lists formatted in. One plan per (keys, value types), one template per
+# tuple of the values written in. Unlike ``_PLANS``, tuples are written in
+# too: a module's parameter names, placements and shapes are the same tuple
+# objects every step, and a template serves the very tuples it was built from
+# (by identity: equal tuples may hold values of other types, ``(1,) ==
+# (True,)``; and only tuples of values that cannot change are written in).
+# Internal spans of local contexts with a parent, an unset status and no
+# links take this path; anything else (a root span, another value type, other
+# tuple objects, full tables) takes :func:`_span`, which writes the same bytes.
+# Bounded as the plans are: once full, they stop growing.
+_SPAN_PLANS: dict[tuple[tuple[str, ...], tuple[type, ...]], Any] = {}
+_EVENT_PLANS: dict[tuple[tuple[str, ...], tuple[type, ...]], Any] = {}
+_own_templates = 0
+_IMMUTABLE = frozenset((str, int, bool, float))
+_HEADS: dict[int, bytes] = {}  # trace id -> b'{"traceId":"...","spanId":"'
+_SPAN_HEAD = b'%s%016x","parentSpanId":"%016x","name":'
+_SPAN_TIMES = b',"kind":1,"startTimeUnixNano":"%d","endTimeUnixNano":"%d","attributes":'
+_SPAN_TAIL = b'%s,"flags":256,"status":{}}'
+_EVENT_HEAD = b'{"timeUnixNano":"%d","name":'
+_EVENT_TAIL = b"}"
+
+
+def _own_plan(signature: tuple[tuple[str, ...], tuple[type, ...]]) -> Any:
+    """``(pick written values, templates, converters, pick formatted values, pick
+    tuples, signature)`` for a name (value 0) and attributes of these keys and
+    value types, or ``_NO_PLAN``."""
+    written: list[int] = [0]
+    formatted: list[int] = []
+    tuples: list[int] = []
+    convert: list[tuple[int, Any]] = []
+    if signature[1][0] is not str:
+        return _NO_PLAN
+    for i, t in enumerate(signature[1][1:], 1):
+        if t is str or t is bool:
+            written.append(i)
+        elif t is tuple:
+            written.append(i)
+            tuples.append(i)
+        elif t is int:
+            formatted.append(i)
+        elif t is float:
+            convert.append((len(formatted), _dumps))
+            formatted.append(i)
+        elif t is list:
+            convert.append((len(formatted), _array_value))
+            formatted.append(i)
+        else:
+            return _NO_PLAN
+    return (_pick(written), {}, tuple(convert), _pick(formatted),
+            _pick(tuples) if tuples else None, signature)
+
+
+def _frozen(v: Any) -> bool:
+    """Whether a tuple holds only values that cannot change (so the same tuple object
+    always encodes the same)."""
+    for x in v:
+        t = type(x)
+        if t not in _IMMUTABLE and not (t is tuple and _frozen(x)):
+            return False
+    return True
+
+
+def _escaped(b: bytes) -> bytes:
+    return b.replace(b"%", b"%%")
+
+
+def _own_template(plan: Any, written: tuple[Any, ...], values: tuple[Any, ...],
+                  head: bytes, mid: bytes, tail: bytes) -> Any:
+    """``(template, the tuples written into it)`` for these written values (the
+    name first), or ``None`` (full, or a tuple that may change or that the mapping
+    cannot encode)."""
+    global _own_templates
+    if _own_templates >= _TEMPLATES_MAX:
+        return None
+    keys, types = plan[5]
+    tuples = plan[4](values) if plan[4] is not None else ()
+    if not all(map(_frozen, tuples)):
+        return None
+    it = iter(written)
+    parts = []
+    try:
+        name = _escaped(_text(next(it)))
+        for k, t in zip(keys, types[1:]):
+            key = b'{"key":%s,"value":' % _escaped(_text(k))
+            if t is str:
+                body = b'{"stringValue":%s}}' % _escaped(_text(next(it)))
+            elif t is bool:
+                body = b'{"boolValue":true}}' if next(it) else b'{"boolValue":false}}'
+            elif t is tuple:
+                body = _escaped(_array_value(next(it))) + b"}"
+            elif t is int:
+                body = b'{"intValue":"%d"}}'
+            elif t is float:
+                body = b'{"doubleValue":%s}}'
+            else:
+                body = b"%s}"
+            parts.append(key + body)
+    except Exception:  # an element the mapping cannot encode: _span decides
+        return None
+    hit = (head + name + mid + b"[" + b",".join(parts) + b"]" + tail, tuples)
+    _own_templates += 1
+    plan[1][written] = hit
+    return hit
+
+
+def _head(trace_id: int) -> bytes:
+    out = b'{"traceId":"%032x","spanId":"' % trace_id
+    if len(_HEADS) >= 256:
+        _HEADS.clear()
+    _HEADS[trace_id] = out
+    return out
+
+
+def _span_own(span: ReadableSpan) -> bytes:
+    """:func:`_span` of a span of commspan's scope (unchecked): the same bytes."""
+    try:
+        ctx, parent, name, kind, start, end, attrs, events, links, code = (
+            span._context, span._parent, span._name, span._kind, span._start_time,
+            span._end_time, span._attributes, span._events, span._links,
+            span._status._status_code)
+    except AttributeError:
+        return _span(span)
+    if (type(ctx) is not SpanContext or type(parent) is not SpanContext or parent[2] or links
+            or kind is not _INTERNAL or code is not _UNSET):
+        return _span(span)
+    state = ctx[4]
+    if state is not _NO_STATE and state is not None and len(state):
+        return _span(span)
+    if attrs:
+        values = (name, *attrs.values())
+        signature = (tuple(attrs), tuple(map(type, values)))
+    else:
+        values = (name,)
+        signature = ((), (type(name),))
+    plan = _SPAN_PLANS.get(signature)
+    if plan is None:
+        if len(_SPAN_PLANS) >= _PLANS_MAX:
+            return _span(span)
+        plan = _SPAN_PLANS[signature] = _own_plan(signature)
+    if plan is _NO_PLAN:
+        return _span(span)
+    written = plan[0](values)
+    try:
+        hit = plan[1].get(written)
+    except TypeError:  # a tuple holding a list
+        return _span(span)
+    if hit is None:
+        hit = _own_template(plan, written, values, _SPAN_HEAD, _SPAN_TIMES, _SPAN_TAIL)
+        if hit is None:
+            return _span(span)
+    if hit[1] and not all(map(is_, plan[4](values), hit[1])):
+        return _span(span)  # equal tuples, not the ones the template was built from
+    tail = b',"events":[%s]' % b",".join([_event_own(e) for e in events]) if events else b""
+    if plan[2]:
+        formatted = list(plan[3](values))
+        for j, convert in plan[2]:
+            formatted[j] = convert(formatted[j])
+    else:
+        formatted = plan[3](values)
+    trace_id = ctx[0]
+    return hit[0] % (  # type: ignore[no-any-return]
+        _HEADS.get(trace_id) or _head(trace_id), ctx[1], parent[1], start or 0, end or 0,
+        *formatted, tail)
+
+
+def _event_own(e: Any) -> bytes:
+    """One event of :func:`_span_own`: the bytes :func:`_events` writes."""
+    try:
+        ts, name, attrs = e._timestamp, e._name, e._attributes
+    except AttributeError:
+        ts, name, attrs = e.timestamp, e.name, e.attributes
+    if attrs:
+        values = (name, *attrs.values())
+        signature = (tuple(attrs), tuple(map(type, values)))
+    else:
+        values = (name,)
+        signature = ((), (type(name),))
+    plan = _EVENT_PLANS.get(signature)
+    if plan is None:
+        if len(_EVENT_PLANS) >= _PLANS_MAX:
+            return _events((e,))
+        plan = _EVENT_PLANS[signature] = _own_plan(signature)
+    if plan is _NO_PLAN:
+        return _events((e,))
+    written = plan[0](values)
+    try:
+        hit = plan[1].get(written)
+    except TypeError:
+        return _events((e,))
+    if hit is None:
+        hit = _own_template(plan, written, values, _EVENT_HEAD, b',"attributes":', _EVENT_TAIL)
+        if hit is None:
+            return _events((e,))
+    if hit[1] and not all(map(is_, plan[4](values), hit[1])):
+        return _events((e,))
+    if plan[2]:
+        formatted = list(plan[3](values))
+        for j, convert in plan[2]:
+            formatted[j] = convert(formatted[j])
+        return hit[0] % (ts, *formatted)  # type: ignore[no-any-return]
+    return hit[0] % (ts, *plan[3](values))  # type: ignore[no-any-return]
+
+
+def _span_other(span: ReadableSpan) -> bytes:
+    """:func:`_span` of a span of another scope, checked."""
+    return _span(span, True)
+
+
 def _events(events: Any, check: bool = False) -> bytes:
     # events rarely repeat whole (a collective's sequence number differs each
     # time): no blob cache, the attribute plans only
@@ -674,27 +889,32 @@ def encode_lines(spans: Sequence[ReadableSpan], end: bytes) -> bytes:
     # spans grouped by resource, then by instrumentation scope (by identity:
     # commspan's spans share one resource and one scope object)
     groups: dict[int, tuple[Any, dict[int, tuple[Any, list[bytes]]]]] = {}
-    last: Any = None  # the (resource, scope) of the previous span, and its list
+    # the resource and scope of the previous span, its list's append and its encoder
+    last_res: Any = None
+    last_scope: Any = None
+    append: Any = None
+    encode: Any = None
     for span in spans:
         try:
             res, scope = span._resource, span._instrumentation_scope
         except AttributeError:
             res, scope = span.resource, span.instrumentation_scope
-        if last is None or last[0] is not res or last[1] is not scope:
+        if append is None or last_res is not res or last_scope is not scope:
             slot = groups.get(id(res))
             if slot is None:
                 slot = groups[id(res)] = (res, {})
             scoped = slot[1].get(id(scope))
             if scoped is None:
                 scoped = slot[1][id(scope)] = (scope, [])
+            last_res, last_scope, append = res, scope, scoped[1].append
             # commspan's spans carry no int beyond int64 (see _encode): unchecked
-            last = (res, scope, scoped[1].append,
-                    scope is None or getattr(scope, "name", None) != _SCOPE)
+            encode = (_span_other if scope is None or getattr(scope, "name", None) != _SCOPE
+                      else _span_own)
         try:
-            body = _span(span, last[3])
+            body = encode(span)
         except Exception:  # a value the fast path cannot encode: that value left out
             body = _span_checked(span)
-        last[2](body)
+        append(body)
     # one list of fragments and a single join: a batch of thousands of spans
     # is megabytes, and every intermediate join or concatenation copies it
     parts = [b'{"resourceSpans":[']
