@@ -211,6 +211,27 @@ def test_uneven_all_to_all_splits_are_not_a_mismatch_but_another_op_is() -> None
     assert f.ranks[2]["dtype"] == "bfloat16"
 
 
+def test_first_divergence_is_by_step_whatever_the_clocks_say() -> None:
+    """Ranks 2 and 3 disagree on a subgroup's dtype in steps 1 and 2. Rank 0 traced
+    only steps 0 and 2 and its clock is 10 s behind: step 2's earliest span is then
+    its, before step 1's. The first divergence is still step 1's."""
+    b = SpanBuilder(WORLD)
+    b.clock[0] = 10**12 - 10**10
+    for r in range(1, WORLD):
+        b.clock[r] = 10**12
+    for step in range(3):
+        for r in range(WORLD):
+            if r == 0 and step == 1:
+                continue
+            s = b.rank(r, step)
+            s.coll("all_reduce", fqn="Net.a", group="g", ranks=(0, 1, 2, 3))
+            if r >= 2:
+                s.coll("all_reduce", fqn="Net.b", group="pair", ranks=(2, 3),
+                       dtype="bfloat16" if (r == 3 and step) else "float32")
+    pair = [f for f in check(build_run(b.spans())).findings if f.group == "pair"]
+    assert [(f.step, f.details["later_steps"]) for f in pair] == [(1, [2])]
+
+
 def test_divergence_in_every_step_is_one_finding_listing_later_steps() -> None:
     """The same divergence in steps 0, 1 and 2: the first is reported, the others listed."""
 

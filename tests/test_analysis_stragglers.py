@@ -362,6 +362,18 @@ def test_rows_are_per_owner_not_per_issuing_module() -> None:
         ("Net", "backward", 0), ("Net.blocks.0", "backward", 3)]
 
 
+def test_a_collective_only_one_rank_recorded_is_counted_incomplete() -> None:
+    """Reading one rank's file (or the only file left): its collectives are counted
+    incomplete, and the text says why nothing is named, not that rooted ops are."""
+    d = {(r, "Net.a"): [MS * (r + 1)] * 2 for r in range(WORLD)}
+    b = timed_run(d)
+    for r in range(WORLD):
+        b.rank(r, 0).coll("broadcast", fqn="Net.a", duration_ns=MS)
+    result = analyze(build_run(b.spans(ranks=[0])))
+    assert result.checked["incomplete"] == 2 and result.checked["rooted"] == 1
+    assert "may be a rank with no record" in format_stragglers(result)
+
+
 def test_time_outside_steps_is_not_a_step_of_the_mean() -> None:
     """A rank spends time in the mode before its first step (model set-up, DDP's
     construction: a trace without a step number) and then runs 2 steps: the per-rank

@@ -332,11 +332,23 @@ class Run:
             return frozenset()
 
     def traces(self) -> list[str]:
-        """Trace ids in the order the run went through them (earliest span first)."""
-        return sorted(
-            self.presence,
-            key=lambda t: (self.trace_start.get(t, 0), _step_key(self.trace_steps.get(t)), t),
-        )
+        """Trace ids in the order the run went through them: steps by number (the
+        ranks' clocks need not agree: ordering by the earliest span, a skewed rank
+        missing from a step put it out of place), a trace outside steps after the
+        last step that started before it, by its earliest span."""
+        steps = sorted((self.trace_start.get(t, 0), step)
+                       for t, step in self.trace_steps.items() if step is not None)
+
+        def key(t: str) -> tuple[int, int, int, str]:
+            step = self.trace_steps.get(t)
+            start = self.trace_start.get(t, 0)
+            if step is not None:
+                return (step, 1, start, t)
+            # after the latest step started before it (host clock: approximate)
+            before = [s for at, s in steps if at <= start]
+            return (max(before) if before else (steps[0][1] - 1 if steps else 0), 2, start, t)
+
+        return sorted(self.presence, key=key)
 
     def latest_hangs(self) -> dict[int, HangRecord]:
         """The latest hang record of each rank that wrote one."""

@@ -294,12 +294,13 @@ def straggler_report(
     per_rank: dict[int, list[int]] = defaultdict(lambda: [0, 0])
     gc_before = _GcBefore(run)
     for match in matched_collectives(run, checked):
-        if len(match) < 2:
-            continue
         members = next(iter(match.values())).group_ranks
         if members and len(match) < len(members):
+            # (one rank's record alone too: the others' files are missing)
             checked["incomplete"] += 1
             continue
+        if len(match) < 2:
+            continue  # a group of one
         durations: dict[int, int] = {}
         for r, c in match.items():
             if c.duration_ns is not None:
