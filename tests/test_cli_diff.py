@@ -277,3 +277,44 @@ def test_a_change_smaller_than_the_rounding_is_still_a_change() -> None:
     text = format_diff(result, "A", "B")
     assert "count 1 => 1 (10,001 in 10,000 steps => 1 in 1 steps)" in text
     assert diff(profile(side(3), steps=3), profile(side(1), steps=1)).equal
+
+
+def test_what_happens_once_is_not_divided_by_the_steps(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], fake_pg: None
+) -> None:
+    """A run of 2 steps and one of 4 of the same program, which all-reduces once before
+    its first step (outside steps) and once per step: equal. A third run that
+    all-reduces twice before its first step differs there, and only there."""
+    import torch
+    import torch.distributed as dist
+
+    from commspan import CommSpanMode
+    from commspan.exporters import JsonlSpanExporter
+
+    class Net(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            dist.all_reduce(x)
+            return x
+
+    def run(name: str, steps: int, before: int) -> Path:
+        out = tmp_path / name
+        net = Net()
+        mode = CommSpanMode(exporters=[JsonlSpanExporter(out / "rank0.jsonl")], run_id=name)
+        with mode:
+            for _ in range(before):
+                net(torch.ones(4))  # set-up, outside the steps
+            for i in range(steps):
+                with mode.step(i):
+                    net(torch.ones(4))
+        mode.shutdown()
+        return out
+
+    two, four, more = run("two", 2, 1), run("four", 4, 1), run("more", 4, 2)
+    code, out, _ = run_cli(capsys, "diff", str(two), str(four))
+    assert code == 0, out
+    code, out, _ = run_cli(capsys, "diff", str(two), str(more), "--json")
+    data = json.loads(out)
+    assert code == 1 and data["counts"]["changed"] == 1 and data["counts"]["same"] == 1
+    (entry,) = [e for e in data["entries"] if e["status"] == "changed"]
+    assert (entry["phase"], entry["a"]["count"], entry["b"]["count"]) == (
+        "forward (outside steps)", 1, 2)

@@ -34,14 +34,19 @@ from commspan.analysis.counts import mesh_dim_of
 from commspan.analysis.issued import issued, natural_key
 from commspan.otlpjson.records import SpanRecord
 
-__all__ = ["ADDED", "CHANGED", "REMOVED", "DiffEntry", "DiffResult", "Profile", "Usage",
-           "diff", "profile"]
+__all__ = ["ADDED", "CHANGED", "OUTSIDE_STEPS", "REMOVED", "DiffEntry", "DiffResult", "Profile",
+           "Usage", "diff", "profile"]
 
 ADDED = "added"
 REMOVED = "removed"
 CHANGED = "changed"
 
 _PHASES = {p.value: n for n, p in enumerate(semconv.Phase)}
+
+
+OUTSIDE_STEPS = " (outside steps)"
+"""Appended to the phase of collectives issued outside the numbered steps: they are
+compared as totals, not per step."""
 
 
 @dataclass(frozen=True)
@@ -189,7 +194,10 @@ def profile(
         records: one side's span records (one run, or the steps compared).
         rank: only this rank; ``None`` sums every rank.
         steps: divide the totals by this; ``None``: by the number of numbered
-            steps in the records (1 when there is none).
+            steps in the records (1 when there is none). A parallel wrapper's
+            set-up (phase ``setup``) and collectives outside the numbered steps
+            (their phase gets :data:`OUTSIDE_STEPS`) are not divided: they happen
+            once, however many steps the run has.
 
     Returns:
         The :class:`Profile`.
@@ -198,34 +206,48 @@ def profile(
         ValueError: ``steps`` is not a positive int.
     """
     records = list(records)
+    numbered = {
+        r.trace_id for r in records
+        if r.name in (semconv.SPAN_RANK, semconv.SPAN_STEP)
+        and isinstance(r.attributes.get(semconv.STEP), int)
+    }
     if steps is None:
-        numbered = {
-            r.trace_id for r in records
-            if r.name in (semconv.SPAN_RANK, semconv.SPAN_STEP)
-            and isinstance(r.attributes.get(semconv.STEP), int)
-        }
         steps = max(1, len(numbered))
     elif not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise ValueError(f"steps={steps!r} is not valid; pass a number of steps >= 1")
+    # what happens once, not every step: a parallel wrapper's set-up, and collectives
+    # outside the numbered steps (before the first, evaluation between steps), are
+    # compared as they are, not divided by the steps (a 2-step and a 4-step run of
+    # one model have the same set-up)
+    in_steps = [r for r in records if r.trace_id in numbered] if numbered else records
+    outside = [r for r in records if r.trace_id not in numbered] if numbered else []
     totals: dict[tuple[str, str, str], list[Any]] = {}
+    once: set[tuple[str, str, str]] = set()
     ranks: set[int] = set()
-    for row in issued(records, rank=rank):
-        slot = totals.setdefault((row.fqn, row.phase, row.op), [0, 0, set(), {}])
-        slot[0] += row.count
-        slot[1] += row.bytes
-        if row.src or row.dst:
-            slot[2].add(f"{row.src or '?'}->{row.dst or '?'}")
-        where = _group_label(row)
-        slot[3][where] = slot[3].get(where, 0) + row.count
-        ranks.update(row.ranks)
-    usage = {
-        key: Usage(
-            _per_step(c, steps), _per_step(b, steps), tuple(sorted(p)),
-            tuple(f"{g} x{_per_step(n, steps)}" for g, n in sorted(per_group.items())),
-            c, b, steps, tuple(sorted(per_group.items())),
+    for part, stepped in ((in_steps, True), (outside, False)):
+        for row in issued(part, rank=rank):
+            phase = row.phase
+            if phase != semconv.Phase.SETUP.value and not stepped:
+                phase = f"{phase}{OUTSIDE_STEPS}"
+            key = (row.fqn, phase, row.op)
+            if not stepped or phase == semconv.Phase.SETUP.value:
+                once.add(key)
+            slot = totals.setdefault(key, [0, 0, set(), {}])
+            slot[0] += row.count
+            slot[1] += row.bytes
+            if row.src or row.dst:
+                slot[2].add(f"{row.src or '?'}->{row.dst or '?'}")
+            where = _group_label(row)
+            slot[3][where] = slot[3].get(where, 0) + row.count
+            ranks.update(row.ranks)
+    usage = {}
+    for key, (c, b, p, per_group) in totals.items():
+        n = 1 if key in once else steps
+        usage[key] = Usage(
+            _per_step(c, n), _per_step(b, n), tuple(sorted(p)),
+            tuple(f"{g} x{_per_step(k, n)}" for g, k in sorted(per_group.items())),
+            c, b, n, tuple(sorted(per_group.items())),
         )
-        for key, (c, b, p, per_group) in totals.items()
-    }
     return Profile(usage, steps, tuple(sorted(ranks)))
 
 
