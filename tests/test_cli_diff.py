@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _cli_runs import run_cli, session_dir, tp_transformer, transformer_step, write_run
+from _cli_runs import net_step, run_cli, session_dir, tp_transformer, transformer_step, write_run
 
 from commspan.cli import main
 from commspan.testing import fake_mesh
@@ -318,3 +318,14 @@ def test_what_happens_once_is_not_divided_by_the_steps(
     (entry,) = [e for e in data["entries"] if e["status"] == "changed"]
     assert (entry["phase"], entry["a"]["count"], entry["b"]["count"]) == (
         "forward (outside steps)", 1, 2)
+
+
+def test_the_header_names_the_rank_compared(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], fake_pg: None
+) -> None:
+    """``--rank 1`` compares rank 1: the text header says so, as the JSON does."""
+    run = write_run(tmp_path / "run", "r", net_step(), ranks=(0, 1, 2, 3))
+    code, out, _ = run_cli(capsys, "diff", str(run), str(run), "--rank", "1")
+    assert code == 0 and "ranks 1, steps" in out.splitlines()[0], out
+    code, out, _ = run_cli(capsys, "diff", str(run), str(run))
+    assert "ranks 0-3, steps" in out.splitlines()[0], out

@@ -414,3 +414,18 @@ def test_collectives_a_hang_record_lists_are_drawn_not_counted() -> None:
     card = page.split('<div class="label">collectives per step and rank', 1)[0]
     card = card.rsplit('<div class="value">', 1)[1]
     assert card.startswith('<span class="n">1</span>')  # 2 per rank in 2 steps, every rank
+
+
+def test_negative_step_numbers_read_as_a_range(tmp_path: Path) -> None:
+    """Steps -1, 0, 1 are written ``-1..1`` (``-1-1`` reads as two numbers)."""
+    import torch
+
+    net = torch.nn.Linear(2, 2)
+
+    def body(mode: Any) -> None:
+        for i in (-1, 0, 1):
+            with mode.step(i):
+                net(torch.ones(1, 2))
+
+    page = html_report(load_records(_one_rank_run(tmp_path, "neg", body)))
+    assert "(-1..1)" in page and "(-1-1)" not in page

@@ -442,8 +442,9 @@ def diff(args: argparse.Namespace, reader: Reader) -> Outcome:
         sel = reader.select(read[path], _first(args.run, i), steps, option,
                             label=f"{name}: " if args.b is not None or args.run else "")
         sides.append(sel)
-        labels.append(_label(name, path, sel))
     rank = args.rank if isinstance(args.rank, int) else None
+    for name, path, sel in zip("AB", paths, sides):
+        labels.append(_label(name, path, sel, rank))
     for sel, name in zip(sides, "AB"):
         if rank is not None and rank not in _ranks(sel):
             raise ValueError(
@@ -461,12 +462,13 @@ def diff(args: argparse.Namespace, reader: Reader) -> Outcome:
     return Outcome(format_diff(result, labels[0], labels[1]), status)
 
 
-def _label(name: str, path: str, sel: Selection) -> str:
+def _label(name: str, path: str, sel: Selection, rank: int | None = None) -> str:
     run = sel.run
     bits = []
     if run is not None and run.run_id:
         bits.append(f"run {run.run_id}")
-    ranks = sorted({r.rank for r in sel.records if r.rank is not None})
+    ranks = [rank] if rank is not None else sorted(
+        {r.rank for r in sel.records if r.rank is not None})
     bits.append(f"ranks {format_numbers(ranks)}")
     bits.append(f"steps {format_numbers(sel.steps)}")
     return f"{name}: {os.fspath(path)} ({', '.join(bits)})"

@@ -201,8 +201,10 @@ def _first_step(timeline: Timeline, embedded: list[int], step: int | None) -> in
 
 
 def _ranges(numbers: Sequence[int]) -> str:
-    """``0-2, 5`` for ``[0, 1, 2, 5]``."""
+    """``0-2, 5`` for ``[0, 1, 2, 5]``; ``-1..1`` for ``[-1, 0, 1]`` (``-1-1`` would
+    read as two numbers)."""
     parts: list[str] = []
+    dash = ".." if numbers and min(numbers) < 0 else "-"
     start = prev = None
     for n in numbers:
         if start is None:
@@ -210,10 +212,10 @@ def _ranges(numbers: Sequence[int]) -> str:
         elif n == prev + 1:  # type: ignore[operator]
             prev = n
         else:
-            parts.append(f"{start}" if start == prev else f"{start}-{prev}")
+            parts.append(f"{start}" if start == prev else f"{start}{dash}{prev}")
             start = prev = n
     if start is not None:
-        parts.append(f"{start}" if start == prev else f"{start}-{prev}")
+        parts.append(f"{start}" if start == prev else f"{start}{dash}{prev}")
     return ", ".join(parts)
 
 

@@ -151,7 +151,7 @@ def chrome_trace(source: RecordSource | Timeline) -> dict[str, Any]:
             metadata.append(_meta("thread_name", rank, t, {"name": lane}))
             metadata.append(_meta("thread_sort_index", rank, t, {"sort_index": index}))
     # by time, outer slices before the slices they contain; flow steps in issue order
-    events.sort(key=lambda e: (e["ts"], -e["dur"]))
+    events.sort(key=lambda e: (e["ts"], -e["dur"], e["pid"]))
     recorded = sum(1 for c in timeline.collectives if c.duration_ns is not None)
     return {
         "traceEvents": metadata + events,
@@ -335,6 +335,9 @@ def _flow_marks(collectives: Iterable[Collective]) -> dict[int, tuple[int, bool,
     for members in match_collectives(collectives).values():
         if len(members) < 2:
             continue
+        # in the order the events are written (by time, the longer first, then rank):
+        # a flow's start must come before its steps and end in the file
+        members = sorted(members, key=lambda c: (c.time_ns, -(c.duration_ns or 0), c.rank))
         last = len(members) - 1
         for i, c in enumerate(members):
             marks[id(c)] = (next_id, i > 0, i < last)
