@@ -384,3 +384,38 @@ def test_empty_input_is_an_empty_trace(tmp_path: Path) -> None:
     assert problems(chrome_trace([])) == []
     with pytest.raises(FileNotFoundError, match="does not exist"):
         chrome_trace(tmp_path / "missing")
+
+
+def test_a_step_number_used_twice_keeps_every_span_inside_the_trace(tmp_path: Path) -> None:
+    """Two epochs each counting steps from 0 (commspan warns; readers add them up): every
+    slice starts at or after the trace's origin, each step slice holds its module
+    spans, and the overlapping windows of the repeated numbers are on lanes of their
+    own: the trace follows the format."""
+    import time
+    import warnings
+
+    import torch
+
+    from commspan import CommSpanMode
+    from commspan.exporters import JsonlSpanExporter
+
+    net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+    mode = CommSpanMode(exporters=[JsonlSpanExporter(tmp_path / "rank0.jsonl")])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with mode:
+            for _epoch in range(2):
+                for i in range(2):
+                    with mode.step(i):
+                        net(torch.ones(1, 2))
+                        time.sleep(0.005)
+    mode.shutdown()
+    trace = chrome_trace(load_records(tmp_path))
+    assert problems(trace) == []
+    xs = _x(trace)
+    assert min(e["ts"] for e in xs) >= 0
+    steps = _x(trace, "step")
+    for e in xs:
+        if e["cat"] == "forward":
+            assert any(s["ts"] <= e["ts"] and e["ts"] + e["dur"] <= s["ts"] + s["dur"]
+                       and s["args"]["step"] == e["args"]["step"] for s in steps)

@@ -299,7 +299,12 @@ def build_timeline(records: Iterable[SpanRecord]) -> Timeline:
                 _int_or_none(rec.resource.get(semconv.PROCESS_PID)),
             )
         if rec.name == semconv.SPAN_RANK:
-            rank_extent[(rec.trace_id, rank)] = (rec.start_time, max(rec.end_time, rec.start_time))
+            key = (rec.trace_id, rank)
+            start, end = rec.start_time, max(rec.end_time, rec.start_time)
+            had = rank_extent.get(key)
+            if had is not None:  # a step number used twice (each epoch from 0): both
+                start, end = min(start, had[0]), max(end, had[1])
+            rank_extent[key] = (start, end)
         module_records.append((rank, str(fqn), rec))
 
     # extent of each (trace, rank): its rank span, else its module spans
@@ -390,6 +395,8 @@ def build_timeline(records: Iterable[SpanRecord]) -> Timeline:
     origin = min((w.start_ns for w in steps), default=0)
     if collectives:
         origin = min(origin, min(c.time_ns for c in collectives))
+    if slices:
+        origin = min(origin, min(s.start_ns for s in slices))
     pauses.sort(key=lambda g: (g.rank, g.start_ns))
     return Timeline(
         ranks, tuple(steps), tuple(slices), tuple(collectives), tuple(run_ids), origin,

@@ -49,6 +49,7 @@ from commspan.analysis.timeline import (
     Collective,
     ModuleSlice,
     RecordSource,
+    StepWindow,
     Timeline,
     assign_lanes,
     build_timeline,
@@ -101,10 +102,18 @@ def chrome_trace(source: RecordSource | Timeline) -> dict[str, Any]:
         return (rank + 1) * _TIDS_PER_RANK + names.index(lane) + 1
 
     # steps first, so the lanes come out in a stable order
+    parts: dict[int, list[tuple[StepWindow, int, int]]] = {}
     for window in timeline.steps:
         for rank, start, end in window.ranks:
+            parts.setdefault(rank, []).append((window, start, end))
+    for rank, windows in parts.items():
+        # steps never overlap, unless a step number was used twice (each epoch counting
+        # from 0: its window spans both): then the overlapping ones go to "steps #2"
+        placed = assign_lanes([(start, end) for _, start, end in windows])
+        for (window, start, end), (lane_no, _depth) in zip(windows, placed):
+            lane = STEPS_LANE if lane_no == 0 else f"{STEPS_LANE} #{lane_no + 1}"
             events.append(_complete(
-                window.label, "step", rank, tid(rank, STEPS_LANE), start - origin, end - start,
+                window.label, "step", rank, tid(rank, lane), start - origin, end - start,
                 {"step": window.step, "run_id": window.run_id, "rank": rank},
             ))
     for rank, lane, s in _lanes(timeline.slices):
