@@ -419,3 +419,27 @@ def test_a_step_number_used_twice_keeps_every_span_inside_the_trace(tmp_path: Pa
         if e["cat"] == "forward":
             assert any(s["ts"] <= e["ts"] and e["ts"] + e["dur"] <= s["ts"] + s["dur"]
                        and s["args"]["step"] == e["args"]["step"] for s in steps)
+
+
+@pytest.mark.multiprocess
+def test_flows_stay_within_a_step_when_two_jobs_share_a_run_id(
+    records: list[SpanRecord],
+) -> None:
+    """A second job under the same run id (a fixed run id, resumed at step 3) numbers
+    its collectives from 1 again: a flow joins one collective of one step, never a
+    collective of job 1 with one of job 2."""
+    shift = max(r.end_time for r in records) - min(r.start_time for r in records) + 10**9
+    second = []
+    for r in records:
+        attrs = dict(r.attributes)
+        if isinstance(attrs.get(semconv.STEP), int):
+            attrs[semconv.STEP] += STEPS
+        second.append(dataclasses.replace(
+            r, trace_id="f" + r.trace_id[1:] if r.trace_id[0] != "f" else "e" + r.trace_id[1:],
+            attributes=attrs, start_time=r.start_time + shift, end_time=r.end_time + shift,
+            event_times=[t + shift for t in r.event_times]))
+    trace = chrome_trace(records + second)
+    assert problems(trace) == []
+    colls = [e for e in _x(trace, "collective") if "bind_id" in e]
+    for fid in {e["bind_id"] for e in colls}:
+        assert len({e["args"]["step"] for e in colls if e["bind_id"] == fid}) == 1

@@ -161,14 +161,15 @@ class Collective(NamedTuple):
     owner: str = ""
 
     @property
-    def key(self) -> tuple[str, str, Any]:
-        """``(run_id, group, seq)``: the same on every rank that took part in it; for a
-        point-to-point op, ``(run_id, group, (sender, receiver, p2p_seq))``: the same on
-        the send and the receive that matches it."""
+    def key(self) -> tuple[str, int, str, Any]:
+        """``(run_id, window, group, seq)``: the same on every rank that took part in it;
+        for a point-to-point op, ``(run_id, window, group, (sender, receiver,
+        p2p_seq))``: the same on the send and the receive that matches it. The step
+        is part of it: two jobs under one run id each number from 1."""
         pair = self.pair
         if pair is not None:
-            return (self.run_id, self.group, (*pair, self.p2p_seq))
-        return (self.run_id, self.group, self.seq)
+            return (self.run_id, self.window, self.group, (*pair, self.p2p_seq))
+        return (self.run_id, self.window, self.group, self.seq)
 
     @property
     def pair(self) -> tuple[int, int] | None:
@@ -484,8 +485,8 @@ def _collective(
 # ------------------------------------------------------------------ queries
 def match_collectives(
     collectives: Iterable[Collective],
-) -> dict[tuple[str, str, Any], list[Collective]]:
-    """Group the collectives of all ranks by :attr:`Collective.key` (run, group, seq;
+) -> dict[tuple[str, int, str, Any], list[Collective]]:
+    """Group the collectives of all ranks by :attr:`Collective.key` (run, step, group, seq;
     a send with the receive that matches it).
 
     Collectives without a sequence number are left out (they cannot be matched), as
@@ -496,7 +497,7 @@ def match_collectives(
         ``{key: [collective of each rank]}``, each list ordered by issue time
         (then rank): the first rank to issue it comes first.
     """
-    out: dict[tuple[str, str, Any], list[Collective]] = {}
+    out: dict[tuple[str, int, str, Any], list[Collective]] = {}
     for c in collectives:
         if c.kind == semconv.KIND_P2P:
             if c.p2p_seq is None or c.peer is None:
