@@ -248,7 +248,8 @@ def test_a_hang_records_stuck_collective_is_drawn_in_its_step() -> None:
     assert sorted((c.rank, c.seq) for c in in_step1) == [
         (0, 2), (0, 3), (1, 2), (2, 2), (2, 3), (3, 2), (3, 3)]
     matched = match_collectives(timeline.collectives)
-    assert sorted(c.rank for c in matched[(pending[0].run_id, WORLD_GROUP, 3)]) == [0, 2, 3]
+    assert sorted(c.rank for c in matched[(pending[0].run_id, step1[0], WORLD_GROUP, 3)]) == [
+        0, 2, 3]
     for c in pending:  # drawn inside its step's extent on its rank
         part = {r: (s, e) for r, s, e in timeline.steps[c.window].ranks}[c.rank]
         assert part[0] <= c.time_ns <= part[1]
