@@ -326,16 +326,19 @@ def _rebuilt(span: ReadableSpan, **changes: Any) -> ReadableSpan:
 @pytest.mark.parametrize(
     ("breakage", "message"),
     [
-        ("orphan", "parent missing"),
-        ("outlives", "Sequential.0 forward"),
-        ("renamed", "Sequential.0 forward"),
-        ("rank_root", "commspan.rank: a trace root that is not a step or session"),
+        ("orphan", "every span's parent is a span of its trace (parent missing"),
+        ("outlives", "a span lies inside its parent's interval: 'Sequential.0 forward'"),
+        ("renamed", "a module span is named '<fqn> <phase>': 'Sequential.0 fwd'"),
+        ("rank_root", "a trace's root is a step or session span: 'commspan.rank'"),
+        ("nothing", "no spans to check"),
+        ("twice", "span ids are unique (a span exported twice?): 'Sequential.0 forward'"),
     ],
 )
 def test_assert_well_formed_catches_a_broken_tree(breakage: str, message: str) -> None:
     """A span whose parent is gone, one that ends after its parent, a module span not
-    named '<fqn> <phase>', a trace whose root is not a step or session span: each fails
-    naming the span."""
+    named '<fqn> <phase>', a trace whose root is not a step or session span, no spans,
+    a span twice: each fails naming the rule and the span, also under ``python -O``
+    (the checks are not ``assert`` statements)."""
     spans = _linear_spans()
     index = next(i for i, s in enumerate(spans) if s.name == "Sequential.0 forward")
     span = spans[index]
@@ -347,6 +350,10 @@ def test_assert_well_formed_catches_a_broken_tree(breakage: str, message: str) -
         spans[index] = _rebuilt(span, end_time=parent.end_time + 1)
     elif breakage == "renamed":
         spans[index] = _rebuilt(span, name="Sequential.0 fwd")
+    elif breakage == "nothing":
+        spans = []
+    elif breakage == "twice":
+        spans.append(span)
     else:  # the rank span without its step root above it
         spans = [
             _rebuilt(s, parent=None) if s.name == semconv.SPAN_RANK else s
@@ -355,3 +362,104 @@ def test_assert_well_formed_catches_a_broken_tree(breakage: str, message: str) -
         ]
     with pytest.raises(AssertionError, match=re.escape(message)):
         assert_well_formed(spans)
+
+
+def test_assert_well_formed_checks_under_python_O(tmp_path: Path) -> None:
+    """Under ``python -O`` (assert statements stripped) a broken tree still fails."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "o.py"
+    script.write_text(
+        "import torch\n"
+        "from commspan.testing import capture\n"
+        "from commspan.testing.spans import assert_well_formed\n"
+        "with capture() as cap:\n"
+        "    torch.nn.Sequential(torch.nn.Linear(2, 2))(torch.ones(1, 2))\n"
+        "spans = cap.spans\n"
+        "try:\n"
+        "    assert_well_formed(spans + spans[:1])\n"
+        "except AssertionError as e:\n"
+        "    print('caught', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-O", str(script)], capture_output=True, text=True,
+                         cwd=tmp_path, timeout=120)
+    assert "caught span ids are unique" in out.stdout, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("kwargs", [{"ranks": [1]}, {"sample": [5]}])
+def test_assertions_refuse_a_capture_that_traced_nothing(
+    kwargs: dict[str, object], fake_pg: None
+) -> None:
+    """A capture whose rank (``ranks=``) or every step (``sample=``) is left out records
+    nothing: an assertion of absence would pass whatever ran, so every assertion
+    refuses it, naming the parameter."""
+    import torch.distributed as dist
+
+    from commspan.testing import assert_counts, assert_no_comm, capture
+
+    class Sync(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            dist.all_reduce(x)
+            return x
+
+    with capture(**kwargs) as cap:
+        with cap.mode.step(0):
+            Sync()(torch.ones(2))
+    name = next(iter(kwargs))
+    with pytest.raises(AssertionError, match=f"{name}= "):
+        assert_no_comm(cap, phase=None)
+    with pytest.raises(AssertionError, match=f"drop {name}="):
+        assert_counts(cap, "Global", "forward", {})
+
+
+def test_assert_no_comm_refuses_a_capture_with_steps_sampled_out(fake_pg: None) -> None:
+    """With every other step sampled out, counts cover the traced steps: assert_counts
+    reads them, but absence cannot be shown (the collective of step 1 went unseen)."""
+    import torch.distributed as dist
+
+    from commspan.testing import assert_counts, assert_no_comm, capture
+
+    class Sync(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.on:
+                dist.all_reduce(x)
+            return x
+
+    sync = Sync()
+    with capture(sample=2) as cap:
+        for i in range(2):
+            sync.on = i == 1
+            with cap.mode.step(i):
+                sync(torch.ones(2))
+    assert_counts(cap, "Sync", "forward", {})  # step 0 only: what was traced
+    with pytest.raises(AssertionError, match="sample= left 1 of 2 steps untraced"):
+        assert_no_comm(cap)
+
+
+def test_capture_inside_a_callers_except_records_no_error() -> None:
+    """A capture used while the caller handles an unrelated exception: the block
+    succeeded, so no span says ERROR and none carries the caller's exception."""
+    from opentelemetry.trace import StatusCode
+
+    from commspan.testing import capture
+
+    try:
+        raise KeyError("the caller's, already handled")
+    except KeyError:
+        with capture() as cap:
+            torch.nn.Linear(2, 2)(torch.ones(1, 2))
+    assert all(s.status.status_code is not StatusCode.ERROR for s in cap.spans)
+    assert not any(e.name == "exception" for s in cap.spans for e in s.events)
+
+
+def test_assertion_arguments_of_the_wrong_kind_are_named() -> None:
+    """``expected=None``, ``src=5``: a TypeError naming the parameter and what to pass."""
+    from commspan.testing import assert_counts, assert_placements, capture
+
+    with capture() as cap:
+        pass
+    with pytest.raises(TypeError, match=r"expected=None is not valid; pass \{op: count\}"):
+        assert_counts(cap, "Global", "forward", None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="src=5 is not valid"):
+        assert_placements(cap, "Global", "all_reduce", 5, "R")  # type: ignore[arg-type]

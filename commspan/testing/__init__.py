@@ -214,9 +214,16 @@ def capture(**mode_kwargs: Any) -> Iterator[CommCapture]:
     mode.__enter__()
     try:
         yield cap
-    finally:
+    except BaseException:
         if mode.active:  # (the block may have left the mode itself)
             mode.__exit__(*sys.exc_info())
+        raise
+    else:
+        # (not sys.exc_info(): inside a caller's `except`, that is the caller's
+        # exception, already handled, which the spans would record as an error)
+        if mode.active:
+            mode.__exit__(None, None, None)
+    finally:
         mode.shutdown()
 
 
@@ -280,6 +287,10 @@ def assert_counts(
     """
     aggregator = _aggregator(agg)
     ph = _check_phase(phase, allow_none=False)
+    if not isinstance(expected, Mapping):
+        raise TypeError(f"expected={expected!r} is not valid; pass {{op: count}}, e.g. "
+                        "{'all_reduce': 1} ({} for none)")
+    _assert_traced(agg, f"collectives of {fqn!r} in {ph}", every_step=False)
     for op, n in expected.items():
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise ValueError(f"expected[{op!r}]={n!r} is not valid; counts are ints >= 0")
@@ -327,6 +338,7 @@ def assert_no_comm(
     aggregator = _aggregator(agg)
     ph = _check_phase(phase, allow_none=True)
     where = fqn if fqn is not None else semconv.GLOBAL_FQN
+    _assert_traced(agg, f"expected no collectives inside {where!r}", every_step=True)
     _assert_known(aggregator, where, f"expected no collectives inside {where!r}")
     got = _counts(aggregator, where, ph)
     if not got:
@@ -381,7 +393,12 @@ def assert_placements(
     """
     aggregator = _aggregator(agg)
     ph = _check_phase(phase, allow_none=True)
+    for name, value in (("src", src), ("dst", dst)):
+        if not isinstance(value, (str, Sequence)):
+            raise TypeError(f"{name}={value!r} is not valid; pass placements as a str "
+                            "('P(sum)', 'S(0),R') or a sequence of DTensor placements")
     want = (_placements(src), _placements(dst))
+    _assert_traced(agg, f"{op} of {fqn!r}", every_step=False)
     _assert_known(aggregator, fqn, f"{op} of {fqn!r}")
     seen: list[CollectiveSummary] = aggregator.collectives(fqn=fqn, phase=ph, op=op)
     wrong = [s for s in seen if (s.src, s.dst) != want]
@@ -417,6 +434,29 @@ def _aggregator(agg: AggregatorLike) -> Aggregator:
     raise TypeError(
         f"agg={agg!r} is not valid; pass an Aggregator, a CommSpanMode or a CommCapture"
     )
+
+
+def _assert_traced(agg: AggregatorLike, what: str, *, every_step: bool) -> None:
+    """Refuse to assert on a mode that traced nothing (its rank left out by ``ranks=``,
+    every step sampled out by ``sample=``): its counts are empty, and an assertion of
+    absence would pass whatever ran. With ``every_step``, refuse when any step was
+    sampled out (absence cannot be shown from the steps traced)."""
+    mode = agg.mode if isinstance(agg, CommCapture) else agg
+    if not isinstance(mode, CommSpanMode):
+        return  # an Aggregator: what it was fed is all there is
+    if not mode._rank_traced:
+        raise AssertionError(
+            f"{what}: this rank ({mode.rank}) is not traced: ranks= leaves it out, so "
+            "nothing was recorded to assert on (drop ranks= from capture() or the "
+            "commspan marker)")
+    stats = mode.stats()
+    skipped, traced = stats["steps_skipped"], stats["steps_traced"]
+    if skipped and (every_step or not traced):
+        raise AssertionError(
+            f"{what}: sample= left {skipped} of {skipped + traced} steps untraced, so "
+            + ("no step was recorded to assert on" if not traced else
+               "collectives in those steps were not seen")
+            + " (drop sample= from capture() or the commspan marker)")
 
 
 def _check_phase(phase: Any, *, allow_none: bool) -> str | None:

@@ -120,14 +120,23 @@ class SpanTree:
         return [s for s in self.spans if s.name == semconv.SPAN_RANK]
 
 
+def _fail(rule: str, span: ReadableSpan, *more: str) -> None:
+    """A broken rule: the rule, the span and what else the message needs."""
+    raise AssertionError(f"{rule}: {span.name!r}" + "".join(f"; {m}" for m in more))
+
+
 def _times(span: ReadableSpan) -> tuple[int, int]:
-    assert span.start_time is not None and span.end_time is not None, span.name
-    return span.start_time, span.end_time
+    if span.start_time is None or span.end_time is None:
+        _fail("every span has ended (is the mode still entered? read the spans after "
+              "the `with` block)", span)
+    return span.start_time, span.end_time  # type: ignore[return-value]
 
 
 def assert_well_formed(spans: Iterable[ReadableSpan]) -> None:
     """Assert the rules every trace commspan writes follows.
 
+    - there are spans: an empty list is refused (an exporter that never flushed,
+      a mode still entered);
     - ids are unique; each trace has one root, a ``commspan.step`` or
       ``commspan.session`` span, and every other span's parent is a span of
       the same trace;
@@ -142,62 +151,100 @@ def assert_well_formed(spans: Iterable[ReadableSpan]) -> None:
       backward or recompute span with a backward span above it;
     - a collective event carries the module and phase of the span it is on.
 
+    The checks are explicit (``python -O`` keeps them).
+
     Args:
         spans: every span of the traces to check (a trace's root included).
 
     Raises:
-        AssertionError: a rule is broken; the message names the span.
+        AssertionError: a rule is broken; the message names the rule and the span.
     """
     tree = SpanTree(spans)
-    assert len(tree.by_id) == len(tree.spans), "span ids are unique"
+    if not tree.spans:
+        raise AssertionError("no spans to check: read them after the mode's `with` block "
+                             "has ended (and its exporters flushed)")
+    if len(tree.by_id) != len(tree.spans):
+        seen: Counter[tuple[int, int]] = Counter(
+            (s.context.trace_id, s.context.span_id) for s in tree.spans)
+        twice = [s for s in tree.spans if seen[(s.context.trace_id, s.context.span_id)] > 1]
+        _fail("span ids are unique (a span exported twice?)", twice[0])
     uses: Counter[tuple[int, Any]] = Counter(  # a step number used again: 2 per rank
         (s.context.trace_id, (s.attributes or {}).get(semconv.RANK))
         for s in tree.spans if s.name == semconv.SPAN_RANK)
     roots: Counter[int] = Counter()
     for span in tree.spans:
         start, end = _times(span)
-        assert start <= end, span.name
+        if start > end:
+            _fail("a span starts before it ends", span, f"start {start}, end {end}")
         for event in span.events:
-            assert start <= event.timestamp <= end, (span.name, event.name)
+            if not start <= event.timestamp <= end:
+                _fail("events happen while their span is open", span,
+                      f"event {event.name!r} at {event.timestamp}, span {start}-{end}")
         if span.parent is None:
-            assert span.name in _ROOTS, f"{span.name}: a trace root that is not a step or session"
+            if span.name not in _ROOTS:
+                _fail("a trace's root is a step or session span", span)
             roots[span.context.trace_id] += 1
             continue
         parent = tree.by_id.get((span.context.trace_id, span.parent.span_id))
-        assert parent is not None, f"{span.name}: parent missing"
+        if parent is None:
+            _fail("every span's parent is a span of its trace (parent missing: not "
+                  "exported, or the mode not left yet)", span)
+            continue
         parent_start, parent_end = _times(parent)
         if span.name == semconv.SPAN_RANK and uses[(span.context.trace_id, (
                 span.attributes or {}).get(semconv.RANK))] > 1:
             continue  # a later use of the step number, after its root was written
-        assert parent_start <= start and end <= parent_end, (span.name, parent.name)
-    assert set(roots) == {s.context.trace_id for s in tree.spans}, "a trace without its root"
-    assert all(n == 1 for n in roots.values()), "a trace with several roots"
+        if not (parent_start <= start and end <= parent_end):
+            _fail("a span lies inside its parent's interval", span,
+                  f"parent {parent.name!r} {parent_start}-{parent_end}, span {start}-{end}")
+    for trace_id in {s.context.trace_id for s in tree.spans} - set(roots):
+        _fail("every trace has its root", next(
+            s for s in tree.spans if s.context.trace_id == trace_id))
+    for trace_id, n in roots.items():
+        if n != 1:
+            _fail(f"a trace has one root (this one has {n})", next(
+                s for s in tree.spans if s.context.trace_id == trace_id and s.parent is None))
     for span in tree.module_spans():
         _check_module_span(tree, span)
 
 
 def _check_module_span(tree: SpanTree, span: ReadableSpan) -> None:
     phase, fqn = span_phase(span), span_fqn(span)
-    assert span.name == f"{fqn} {phase}", span.name
+    if span.name != f"{fqn} {phase}":
+        _fail("a module span is named '<fqn> <phase>'", span, f"fqn {fqn!r}, phase {phase!r}")
     parent = tree.parent(span)
-    assert parent is not None, span.name
+    if parent is None:
+        _fail("every module span has a parent", span)
+        return
     parent_phase = span_phase(parent)
+    under = f"under {parent.name!r}"
     if parent_phase is None:  # directly under the rank span
-        assert parent.name == semconv.SPAN_RANK, (span.name, parent.name)
-        assert phase in ("forward", "backward"), span.name
+        if parent.name != semconv.SPAN_RANK:
+            _fail("a top-level module span is under the rank span", span, under)
+        if phase not in ("forward", "backward"):
+            _fail("a span under the rank span is a forward or backward", span)
     elif phase == "backward" and parent_phase == "forward":
         # a backward run inside a forward: of modules that ran before it, never the
         # running module or one enclosing it (their backward comes later)
         running = str(span_fqn(parent))
-        assert running != fqn and not running.startswith(f"{fqn}."), (span.name, parent.name)
+        if running == fqn or running.startswith(f"{fqn}."):
+            _fail("a backward inside a forward is not of the running module or one "
+                  "enclosing it", span, under)
     elif phase in ("forward", "backward"):
-        assert parent_phase == phase, (span.name, parent.name)
+        if parent_phase != phase:
+            _fail(f"a {phase} span nests under a {phase} span", span, under)
     else:  # recompute: inside a backward, possibly under an enclosing recompute
-        assert parent_phase in ("backward", "recompute"), (span.name, parent.name)
+        if parent_phase not in ("backward", "recompute"):
+            _fail("a recompute span nests under a backward or recompute span", span, under)
         ancestor: Any = parent
         while span_phase(ancestor) == "recompute":
             ancestor = tree.parent(ancestor)
-        assert span_phase(ancestor) == "backward", (span.name, ancestor.name)
+        if span_phase(ancestor) != "backward":
+            _fail("a recompute has a backward span above it", span,
+                  f"under {getattr(ancestor, 'name', None)!r}")
     for event in collective_events(span):
         attrs = event.attributes or {}
-        assert attrs[semconv.PHASE] == phase and attrs[semconv.MODULE_FQN] == fqn, span.name
+        if attrs.get(semconv.PHASE) != phase or attrs.get(semconv.MODULE_FQN) != fqn:
+            _fail("a collective event carries its span's module and phase", span,
+                  f"event {event.name!r}: {attrs.get(semconv.MODULE_FQN)!r} "
+                  f"{attrs.get(semconv.PHASE)!r}")
