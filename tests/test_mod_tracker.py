@@ -242,3 +242,30 @@ def test_every_module_whose_backward_ran_gets_post_bw_as_in_torch() -> None:
 
     assert post_bw(ModTracker) == post_bw(TorchModTracker) == [
         "Identity", "Linear", "Linear", "Sequential"]
+
+
+@pytest.mark.parametrize("kind", ["pre_fw_hook", "post_fw_hook", "pre_bw_hook", "post_bw_hook"])
+def test_a_user_hook_that_raises_raises_into_the_step_as_with_torch(kind: str) -> None:
+    """An assertion inside a user hook fails the step, as torch's ModTracker does (it
+    used to be counted as an internal error of commspan and swallowed: a test
+    asserting inside a hook could not fail); the tracker is usable afterwards."""
+    from torch.distributed._tools.mod_tracker import ModTracker as TorchModTracker
+
+    def check(*_args: object) -> None:
+        raise AssertionError("checked inside the hook")
+
+    outcomes = []
+    for cls in (TorchModTracker, ModTracker):
+        tracker = cls()
+        tracker.register_user_hooks(**{kind: check})
+        with pytest.raises(AssertionError, match="checked inside the hook"):
+            with tracker:
+                torch.nn.Linear(2, 2)(torch.ones(1, 2, requires_grad=True)).sum().backward()
+        outcomes.append(cls)
+    assert len(outcomes) == 2
+    seen: list[str] = []
+    again = ModTracker()
+    again.register_user_hooks(pre_fw_hook=lambda m, _a: seen.append(type(m).__name__))
+    with again:
+        torch.nn.Linear(2, 2)(torch.ones(1, 2))
+    assert seen == ["Linear"]

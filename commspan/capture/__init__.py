@@ -53,6 +53,10 @@ class ModuleObserver(Protocol):
     forward calls, and on whichever thread autograd runs the backward. An
     observer must be quick and must not raise (an exception is counted as an
     internal error of the mode and the rest of that event's tracing is lost).
+    An observer that calls user code may keep what that code raised and have a
+    ``take_error()`` method returning it (and forgetting it): the mode raises it
+    into the user's code once its own bookkeeping for the event is done (a
+    forward that raised keeps its own exception, as torch's hooks do).
 
     ``module`` of the backward calls is ``None`` when the module has been
     garbage-collected since its forward.

@@ -435,6 +435,17 @@ class BackwardNesting:
                 under = None
         except Exception:
             self._errors.record()
+        if self.observer is not None:
+            self._raise_observed()
+
+    def _raise_observed(self) -> None:
+        """Raise what the observer's user code raised during this event (compat's
+        user hooks), now that the mode's own bookkeeping is done."""
+        take = getattr(self.observer, "take_error", None)
+        if take is not None:
+            error = take()
+            if error is not None:
+                raise error
 
     def _running_forward(self, outer: Frame) -> Frame:
         """The innermost forward (or recompute) frame still open at or above
@@ -517,6 +528,8 @@ class BackwardNesting:
             self._finish_backward(call, grad)
         except Exception:
             self._errors.record()
+        if self.observer is not None:
+            self._raise_observed()
 
     def _finish_backward(self, call: _Call, grad: Any) -> None:
         call.bw_finished = True
@@ -543,6 +556,8 @@ class BackwardNesting:
                 self._remove_leaf_hooks()
         except Exception:
             self._errors.record()
+        if self.observer is not None:
+            self._raise_observed()
 
     def _abandon_backward(self) -> None:
         """A forward runs outside autograd while backward frames are open: that

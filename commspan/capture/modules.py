@@ -532,6 +532,8 @@ class ModuleTracker(BackwardNesting):
             pass
         except Exception:  # never break the user's step
             self._errors.record()
+        if self.observer is not None:
+            self._raise_observed()
 
     def _call_depth(self, info: ModuleInfo, phase: Phase, parent: _Call | None) -> int:
         """Nesting depth of the call (1 for a top-level module), and headroom
@@ -625,6 +627,7 @@ class ModuleTracker(BackwardNesting):
     def _finish_forward(
         self, info: ModuleInfo, module: torch.nn.Module, args: Any, output: Any, kwargs: Any
     ) -> None:
+        raised = False  # the forward raised
         try:
             calls = self._calls
             idx = self._innermost_call(info)
@@ -645,6 +648,7 @@ class ModuleTracker(BackwardNesting):
                     return
             if self.observer is not None:
                 self.observer.post_fw(module, args, output)
+                raised = error is not None
             if error is not None and not call.frame.closed:
                 # frames above this one are calls the error crossed whose
                 # hooks did not run: the innermost is where it came from
@@ -661,6 +665,12 @@ class ModuleTracker(BackwardNesting):
                 self._watch_outputs(call, output)
         except Exception:
             self._errors.record()
+        if self.observer is not None:
+            take = getattr(self.observer, "take_error", None)
+            observed = take() if take is not None else None
+            # a forward that raised keeps its exception (torch silences a hook's then)
+            if observed is not None and not raised:
+                raise observed
 
     def _record_exception(self, error: BaseException) -> None:
         """Put an ``exception`` event for ``error`` on the innermost open frame,

@@ -251,6 +251,10 @@ class _Observer:
     def __init__(self, owner: CommDebugMode) -> None:
         self._owner = owner
 
+    def take_error(self) -> BaseException | None:
+        """The exception a user hook raised (for the mode to raise it), if any."""
+        return self._owner._user_hooks.take_error()
+
     def _fqn(self, module: Any) -> str | None:
         if module is None:
             return None

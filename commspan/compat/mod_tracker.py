@@ -39,30 +39,47 @@ class HookAlreadyRegisteredError(ValueError, AssertionError):
 
 
 class _UserHooks:
-    """Calls a ModTracker's user hooks at commspan's module events."""
+    """Calls a ModTracker's user hooks at commspan's module events.
+
+    An exception a user hook raises is kept and handed to the mode
+    (:meth:`take_error`), which raises it into the user's code once its own
+    bookkeeping for the event is done, as torch's hooks would."""
 
     def __init__(self, owner: ModTracker) -> None:
         self._owner = owner
+        self._error: BaseException | None = None
+
+    def _call(self, hook: Any, *args: Any) -> None:
+        try:
+            hook(*args)
+        except BaseException as e:  # the user's: raised at the end of the event
+            if self._error is None:
+                self._error = e
+
+    def take_error(self) -> BaseException | None:
+        """The exception a user hook raised since the last call, if any (cleared)."""
+        error, self._error = self._error, None
+        return error
 
     def pre_fw(self, module: torch.nn.Module, args: Any) -> None:
         hook = self._owner._user_pre_fw_hook
         if hook is not None:
-            hook(module, args)
+            self._call(hook, module, args)
 
     def post_fw(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         hook = self._owner._user_post_fw_hook
         if hook is not None:
-            hook(module, args, output)
+            self._call(hook, module, args, output)
 
     def pre_bw(self, module: Any, grads: Any) -> None:
         hook = self._owner._user_pre_bw_hook
         if hook is not None:
-            hook(module, grads)
+            self._call(hook, module, grads)
 
     def post_bw(self, module: Any, grads: Any) -> None:
         hook = self._owner._user_post_bw_hook
         if hook is not None:
-            hook(module, grads)
+            self._call(hook, module, grads)
 
 
 class ModTracker:
