@@ -625,6 +625,15 @@ _STACKED_PLAN = {
     for name, style in (("net1", ColwiseParallel()), ("net2", RowwiseParallel()))
 }
 
+def _clip_step(mesh: DeviceMesh) -> StepFn:
+    """clip_grad_norm_ on the gradients of a TP MLP: its norm's placements are a
+    ``_NormPartial(2.0)``, which torch's JSON dump writes from a copy (``(2)``)."""
+    torch.manual_seed(0)
+    model = parallelize_module(MLPModule(), mesh, dict(_MLP_PLAN))
+    model(torch.rand(8, 10)).sum().backward()
+    return lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=False)
+
+
 REPORT_SCENARIOS: dict[str, Callable[[DeviceMesh], StepFn]] = {
     "empty": lambda mesh: lambda: None,
     "no_module": lambda mesh: lambda: torch.ones(2, 2).sum(),
@@ -639,6 +648,7 @@ REPORT_SCENARIOS: dict[str, Callable[[DeviceMesh], StepFn]] = {
         _Passthrough(), torch.rand(3, 4, requires_grad=True)
     ),
     "fsdp2": _fsdp2_step,
+    "clip_grad_norm": _clip_step,
     **{
         f"transformer_{name}": functools.partial(_transformer_step, args)
         for name, args in SCENARIOS.items()

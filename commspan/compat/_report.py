@@ -18,6 +18,7 @@ its ancestors); collectives count for the module and every ancestor.
 
 from __future__ import annotations
 
+import copy
 import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -156,11 +157,20 @@ def table(
     return "".join(line + "\n" for line in lines)
 
 
+def _copied_str(value: Any) -> str:
+    """``str`` of a copy of ``value``, as torch writes the JSON dump (it deep-copies the
+    op records first: a copy of ``_NormPartial(2.0)`` prints ``_NormPartial(2)``)."""
+    try:
+        return str(copy.deepcopy(value))
+    except Exception:  # not copyable: as it is
+        return str(value)
+
+
 def _op_json(op: Record) -> dict[str, Any]:
     return {
         "name": str(op["name"]),
         "input_shape": [str(s) for s in op["input_shape"]],
-        "input_sharding": [str(p) for p in op["input_sharding"]],
+        "input_sharding": [_copied_str(p) for p in op["input_sharding"]],
         "device_mesh": op["device_mesh"],
         "is_bw": op["is_bw"],
         "is_activation_checkpointing": op["is_activation_checkpointing"],
