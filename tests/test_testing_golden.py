@@ -184,6 +184,24 @@ def test_update_mode_writes_only_changes(
         assert_matches_golden(tp_cap, path)
 
 
+def test_update_mode_refuses_one_file_given_two_texts(
+    tp_cap: CommCapture, tmp_path: Path
+) -> None:
+    """Two tests (or parameters) sharing one golden file with different texts: updating
+    used to write both in turn, report it twice and leave the next run failing. The
+    second is refused with both texts; a second call with the same text is fine."""
+    path = tmp_path / "shared.txt"
+    with update_golden() as written:
+        assert_matches_golden(tp_cap, path)
+        assert_matches_golden(tp_cap, path)
+        with pytest.raises(AssertionError, match="was given another text earlier in this run"):
+            assert_matches_golden(tp_cap, path, bytes=True)
+    assert written == [path] and path.read_text() == golden_text(tp_cap)
+    with update_golden():  # a new run starts afresh
+        assert_matches_golden(tp_cap, path, bytes=True)
+    assert path.read_text() == golden_text(tp_cap, bytes=True)
+
+
 def test_subtree_and_misspelt_module(tp_cap: CommCapture, tmp_path: Path) -> None:
     """fqn= keeps one module's subtree; a name that never ran is a ValueError naming the
     closest names."""

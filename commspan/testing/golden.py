@@ -15,7 +15,7 @@ The file::
 
     # commspan golden file v1: collectives each module issued itself, per phase and op.
     # options: bytes=False placements=False
-    # update: pytest --commspan-update-golden
+    # update: pytest --commspan-update-golden (or COMMSPAN_UPDATE_GOLDEN=1)
     MLP.net2 forward all_reduce count=1
 
 Lines are sorted by module name (numbers in names sort as numbers:
@@ -26,7 +26,7 @@ also every module with DTensor parameters).
 
 Example:
     >>> import torch, pathlib, tempfile
-    >>> from commspan.testing import assert_matches_golden, capture
+    >>> from commspan.testing import assert_matches_golden, capture, golden_text
     >>> with capture() as cap:
     ...     _ = torch.nn.Linear(2, 2)(torch.ones(1, 2))
     >>> path = pathlib.Path(tempfile.mkdtemp()) / "linear.txt"
@@ -58,6 +58,9 @@ _UPDATE_LINE = "# update: pytest --commspan-update-golden (or COMMSPAN_UPDATE_GO
 _PHASES = {p.value: n for n, p in enumerate(semconv.Phase)}
 
 _written: list[Path] | None = None  # inside update_golden(): the files written so far
+# in update mode: the text each golden file was given in this run (two calls giving one
+# file two texts would leave it holding the last, and the next run failing on the other)
+_given: dict[Path, str] = {}
 
 
 @contextmanager
@@ -80,6 +83,7 @@ def update_golden() -> Iterator[list[Path]]:
     global _written
     previous = _written
     _written = []
+    _given.clear()
     try:
         yield _written
     finally:
@@ -197,7 +201,8 @@ def assert_matches_golden(
 
     With pytest's ``--commspan-update-golden`` (or ``COMMSPAN_UPDATE_GOLDEN=1``)
     the file is written instead (directories created; left untouched when
-    already equal) and the assertion passes.
+    already equal) and the assertion passes, unless an earlier call of the run
+    gave the same file another text (two tests sharing one file).
 
     Args:
         capture: a :class:`~commspan.testing.CommCapture`, a ``CommSpanMode`` or
@@ -232,10 +237,21 @@ def assert_matches_golden(
     if kept and not kept.endswith("\n"):  # an editor that drops the last newline
         kept += "\n"
     if _updating():
+        key = target.resolve()
+        given = _given.get(key)
+        if given is not None and given != text:
+            raise AssertionError(
+                f"golden file {str(target)!r} was given another text earlier in this run "
+                "(two tests, or two parameters of one test, share it): it would keep the "
+                "last and the next run would fail on the other; give each its own file. "
+                "This call's text, then the earlier one:\n" + "".join(difflib.unified_diff(
+                    text.splitlines(keepends=True), given.splitlines(keepends=True),
+                    fromfile="this call", tofile="earlier call")))
+        _given[key] = text
         if kept != text:
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_text(text, encoding="utf-8")
-            if _written is not None:
+            if _written is not None and target not in _written:
                 _written.append(target)
         return
     if kept is None:

@@ -297,6 +297,7 @@ def tp_fsdp_transformer(args: ModelArgs, mesh: DeviceMesh, tp: str = "tp",
 
     Example:
         >>> from commspan.testing import fake_process_group, fake_mesh
+        >>> from commspan.testing.models import ModelArgs, tp_fsdp_transformer
         >>> with fake_process_group(world_size=4):
         ...     mesh = fake_mesh((2, 2), names=("dp_shard", "tp"))
         ...     type(tp_fsdp_transformer(ModelArgs(), mesh)).__name__

@@ -5,6 +5,8 @@ there. Fixtures:
 
 * ``commspan_capture``: the test body runs under a fresh, entered
   ``CommSpanMode``; yields a :class:`commspan.testing.CommCapture` to assert on.
+  Fixtures set up after it run under the mode too: list a model-building
+  fixture before it (``def test(tp_model, commspan_capture)``).
   When a test using it fails, the report gets a "commspan modules" section
   with the module table.
 * ``commspan_mode``: a fresh ``CommSpanMode``, not entered (``with
@@ -118,7 +120,11 @@ def _mode_kwargs(request: pytest.FixtureRequest) -> dict[str, Any]:
 def commspan_capture(request: pytest.FixtureRequest) -> Iterator[CommCapture]:
     """The test runs under a fresh, entered ``CommSpanMode``; assert on what it recorded.
     A test that also asks for ``commspan_fake_pg`` gets its process group first,
-    whatever the order of its arguments (the mode takes its rank when entered)."""
+    whatever the order of its arguments (the mode takes its rank when entered).
+    The mode is entered when this fixture is set up: fixtures pytest sets up after
+    it (the test's arguments listed after it) run under the mode, and what they
+    issue (a model's construction: DTensor's broadcasts) is recorded, counted as
+    ``Global`` forward. List fixtures that build the model before it."""
     from commspan.testing import capture
 
     _fake_pg_first(request)
