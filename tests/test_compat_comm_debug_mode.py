@@ -512,3 +512,15 @@ def test_entering_talks_to_no_other_rank(
     with CommDebugMode(run_id="shared") as cdm:
         pass
     assert cdm.mode.run_id == "shared" and agreed == []
+
+
+def test_a_misspelt_phase_is_a_key_error_not_a_zero_count() -> None:
+    """``counts["forwards"]`` used to read as an op with no count (0): a test asserting
+    ``== 0`` on it could not fail. torch raises ``KeyError``; so does compat, saying what
+    the phases are. An op name still sums both phases, 0 when never issued."""
+    from commspan.compat._counting import ModuleCounts
+
+    counts = ModuleCounts()
+    with pytest.raises(KeyError, match="'forwards' is neither a phase nor a collective"):
+        counts["forwards"]
+    assert counts["all_reduce"] == 0 and counts["forward"] == {}

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from commspan.capture.collectives import canonical_name
+from commspan.capture.collectives import canonical_name, canonical_names
 
 __all__ = ["ModuleCounts", "NamedDict", "OpCounts", "closest", "counted_ops", "registry"]
 
@@ -173,10 +173,25 @@ class ModuleCounts(dict):  # type: ignore[type-arg]
         super().__init__(forward=OpCounts(), backward=OpCounts())
 
     def __missing__(self, key: Any) -> int:
+        if isinstance(key, str) and key not in _op_names() and canonical_name(key) is None:
+            # a misspelt phase ("forwards") must not read as an op with no count
+            raise KeyError(f"{key!r} is neither a phase nor a collective: the phases are "
+                           "'forward' and 'backward' (an op name, e.g. 'all_reduce', sums "
+                           "both)")
         return int(self["forward"][key]) + int(self["backward"][key])
 
     def __contains__(self, key: object) -> bool:
         return dict.__contains__(self, key) or key in self["forward"] or key in self["backward"]
+
+
+_OP_NAMES: frozenset[str] | None = None
+
+
+def _op_names() -> frozenset[str]:
+    global _OP_NAMES
+    if _OP_NAMES is None:
+        _OP_NAMES = frozenset(canonical_names())
+    return _OP_NAMES
 
 
 def closest(name: str, names: Iterable[str]) -> list[str]:
