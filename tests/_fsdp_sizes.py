@@ -22,3 +22,21 @@ def padded_unit_elements(modules: list[torch.nn.Module], nested: set[int], shard
                 total += math.ceil(shape[0] / shard) * shard * math.prod(shape[1:])
         todo.extend(c for c in cur._modules.values() if c is not None and id(c) not in nested)
     return total
+
+
+def fsdp2_sequential(world: int = 4) -> torch.nn.Sequential:
+    """Two linears, each an FSDP2 unit, under a root unit, on a ``world``-rank mesh (of
+    the process group in use: a fake one in tests). FSDP2 prefetches the first
+    unit's all-gather from the second's backward, and runs the root's
+    reduce-scatter outside every module: collectives owned by another module than
+    the one that issued them."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 8))
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model

@@ -376,10 +376,19 @@ def _write(out: Path, name: str, rank: int, data: dict[str, Any]) -> None:
     (d / f"rank{rank}.result.json").write_text(json.dumps(data, sort_keys=True))
 
 
-def scenario_fsdp(out: Path, rank: int) -> None:
-    """fully_shard on both blocks and the root, 2 steps (issue 10's FSDP2 table)."""
+def _shard_net(model: Net, world: int) -> None:
+    """fully_shard each block, then the root, over a 1-D ``dp`` mesh of ``world`` ranks."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def scenario_fsdp(out: Path, rank: int) -> None:
+    """fully_shard on both blocks and the root, 2 steps (issue 10's FSDP2 table)."""
 
     world = dist.get_world_size()
     torch.manual_seed(0)
@@ -396,10 +405,7 @@ def scenario_fsdp(out: Path, rank: int) -> None:
             todo.extend(c for c in cur._modules.values() if id(c) not in nested)
         padded = sum(math.ceil(s[0] / world) * world * math.prod(s[1:]) for s in shapes)
         sizes[rel] = [padded, len(shapes)]
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    _shard_net(model, world)
     exporter = JsonlSpanExporter(out / "fsdp" / "trace-rank{rank}.jsonl")
     mode = CommSpanMode(exporters=[exporter])
     steps = []
@@ -429,29 +435,18 @@ def scenario_fsdp_straggler(out: Path, rank: int) -> None:
     (a hook on the model's output), so it arrives last at the first collective FSDP
     issues after that (the test finds which from the sizes: blocks.0's all-gather,
     prefetched from blocks.1's backward)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     world = dist.get_world_size()
     torch.manual_seed(0)
     model = Net()
     # padded numel of each unit's own parameters, before sharding: names a collective's
     # unit from its size alone
+    from _fsdp_sizes import padded_unit_elements
+
     units = {"blocks.0": model.blocks[0], "blocks.1": model.blocks[1], "": model}
     nested = {id(m) for m in units.values()}
-    sizes: dict[str, int] = {}
-    for rel, module in units.items():
-        shapes = []
-        todo = [module]
-        while todo:
-            cur = todo.pop()
-            shapes.extend(p.shape for p in cur._parameters.values())
-            todo.extend(c for c in cur._modules.values() if id(c) not in nested)
-        sizes[rel] = sum(math.ceil(s[0] / world) * world * math.prod(s[1:]) for s in shapes)
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    sizes = {rel: padded_unit_elements([m], nested, world) for rel, m in units.items()}
+    _shard_net(model, world)
     exporter = JsonlSpanExporter(out / "fsdp_straggler" / "trace-rank{rank}.jsonl")
     mode = CommSpanMode(exporters=[exporter])
     with mode:

@@ -425,18 +425,12 @@ def test_digests_keep_each_collectives_owner(tmp_path: Path, fake_pg: None) -> N
     them (a unit's all-gather prefetched from the next unit's backward): the records
     read through digests keep the owner, as the lines do, and an older digest (version
     1, no owner in its templates) is still read."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from _fsdp_sizes import fsdp2_sequential
 
     from commspan.analysis import digest as digest_mod
     from commspan.analysis.records import load_run
 
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 8))
-    mesh = init_device_mesh("cpu", (4,))
-    for layer in model:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model = fsdp2_sequential()
 
     def step(rank: int, index: int) -> None:
         model(torch.ones(2, 8)).sum().backward()

@@ -348,17 +348,11 @@ def test_collectives_issued_for_another_module_are_listed_under_their_owner(
     import json
 
     import torch
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from _fsdp_sizes import fsdp2_sequential
 
     from commspan.render.perfetto import chrome_trace
 
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 8))
-    mesh = init_device_mesh("cpu", (4,))
-    for layer in model:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model = fsdp2_sequential()
 
     def body(mode: Any) -> None:
         for i in range(2):
