@@ -179,3 +179,18 @@ def test_a_polled_op_that_failed_is_told_apart_while_its_error_is_handled() -> N
     assert fine.duration is not None and not fine.failed
     tracker.poll()
     assert not tracker.polled
+
+
+def test_a_cuda_op_whose_future_failed_is_failed_without_touching_the_device() -> None:
+    """On CUDA a ``Work``'s future completing puts the end event on the stream; one
+    that completed with an error (an NCCL timeout or abort) is failed instead, and
+    needs no device (this runs without a GPU)."""
+    from commspan.capture.completion import CompletionTracker, _cuda_done
+
+    tracker = CompletionTracker()
+    timing = _timing("a", 1, done=False)
+    failed: torch.futures.Future[Any] = torch.futures.Future()
+    failed.set_exception(RuntimeError("NCCL watchdog timeout"))
+    _cuda_done(timing, None, tracker, failed)
+    assert timing.failed and timing.duration is None and timing.resolve is None
+    assert tracker.failed == 1

@@ -179,7 +179,7 @@ class CompletionTracker:
             self.polled.append(timing)
             return
         if cuda_start is not None:
-            future.add_done_callback(partial(_cuda_done, timing, cuda_start))
+            future.add_done_callback(partial(_cuda_done, timing, cuda_start, self))
         else:
             self.futures[id(timing)] = timing
             future.add_done_callback(partial(self._future_done, timing))
@@ -371,5 +371,13 @@ def _finish_cuda(timing: CollectiveTiming, start: Any) -> None:
     timing.resolve = partial(_elapsed_ns, start, end)
 
 
-def _cuda_done(timing: CollectiveTiming, start: Any, _future: Any) -> None:
+def _cuda_done(timing: CollectiveTiming, start: Any, tracker: CompletionTracker,
+               future: Any) -> None:
+    """A CUDA op's ``Work`` future completed: its end event goes on the stream, unless
+    the op failed (a NCCL timeout or abort: no duration, listed failed)."""
+    try:
+        future.value()
+    except Exception:
+        tracker.give_up(timing, failed=True)
+        return
     _finish_cuda(timing, start)
