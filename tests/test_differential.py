@@ -634,6 +634,25 @@ def _clip_step(mesh: DeviceMesh) -> StepFn:
     return lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=False)
 
 
+def _freed_model_step(mesh: DeviceMesh) -> StepFn:
+    """A helper builds and calls the model and returns the loss: the model is freed
+    before its backward (torch's hooks keep it alive; commspan's name it from the
+    backward span it opened)."""
+    import gc
+
+    def loss() -> torch.Tensor:
+        torch.manual_seed(0)
+        model = parallelize_module(MLPModule(), mesh, dict(_MLP_PLAN))
+        return model(torch.rand(8, 10)).sum()
+
+    def step() -> None:
+        value = loss()
+        gc.collect()
+        value.backward()
+
+    return step
+
+
 REPORT_SCENARIOS: dict[str, Callable[[DeviceMesh], StepFn]] = {
     "empty": lambda mesh: lambda: None,
     "no_module": lambda mesh: lambda: torch.ones(2, 2).sum(),
@@ -649,6 +668,7 @@ REPORT_SCENARIOS: dict[str, Callable[[DeviceMesh], StepFn]] = {
     ),
     "fsdp2": _fsdp2_step,
     "clip_grad_norm": _clip_step,
+    "freed_model": _freed_model_step,
     **{
         f"transformer_{name}": functools.partial(_transformer_step, args)
         for name, args in SCENARIOS.items()

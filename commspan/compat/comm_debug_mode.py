@@ -305,6 +305,13 @@ class _Observer:
 
     def pre_bw(self, module: Any, grads: Any) -> None:
         fqn = self._fqn(module)
+        if fqn is None and module is None:
+            # freed since its forward (a helper built and called it, returning the
+            # loss): its backward span was opened just now, the innermost open one
+            spans = self._owner.mode.open_spans()
+            if spans and not spans[-1].finished and \
+                    spans[-1].attributes.get(semconv.PHASE) == semconv.Phase.BACKWARD.value:
+                fqn = spans[-1].fqn
         if fqn is not None:
             self._owner.advanced_module_tracker._pre_bw(fqn)
         self._owner._user_hooks.pre_bw(module, grads)
