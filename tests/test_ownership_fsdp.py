@@ -570,3 +570,20 @@ def test_a_units_gradient_reduction_counts_its_trainable_parameters() -> None:
             if e.attributes.get(semconv.OWNER_FQN) == "FSDPNet.block"}
     assert seen == {("unshard", every), ("reduce_grad", trainable)}
     assert trainable < every
+
+
+def _unshard_by_hand(model: Net) -> None:
+    """No implicit backward prefetch; blocks.1's backward pre-hook unshards blocks.0
+    itself (what FSDP2's ``unshard()`` is for)."""
+    for block in model.blocks:
+        block.set_modules_to_backward_prefetch([])
+    model.blocks[1].register_full_backward_pre_hook(
+        lambda _m, _g: model.blocks[0].unshard())
+
+
+def test_an_unshard_issued_from_a_backward_hook_serves_the_backward(fake_pg: None) -> None:
+    """A user's ``unshard()`` during backward, without activation checkpointing, is the
+    unit's backward all-gather (it was counted a recompute: nothing is recomputed)."""
+    run = _run(setup=_unshard_by_hand)
+    seen = _check(run)
+    assert not [a for a in seen if a[semconv.PHASE] == "recompute"]

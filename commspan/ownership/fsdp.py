@@ -98,7 +98,9 @@ class FsdpUnits:
     backward; an unshard serves the pass it was prefetched for (a forward
     prefetch while autograd runs serves the recompute), backward when FSDP's
     pre-backward hook issued it, recompute when a forward hook issued it while
-    autograd runs (activation checkpointing), forward otherwise.
+    autograd runs (activation checkpointing), backward when anything else did
+    while autograd runs (a user's ``unshard()`` in a backward hook), forward
+    otherwise.
     """
 
     def owner(self, issued: Issued, facts: ParallelFacts) -> Ownership | None:
@@ -142,7 +144,11 @@ class FsdpUnits:
             elif label.hook == "pre_backward":
                 phase = Phase.BACKWARD
             elif issued.in_autograd:
-                phase = Phase.RECOMPUTE
+                # a unit's forward hook while autograd runs: a recompute (activation
+                # checkpointing re-runs the forward hooks); anything else there (a
+                # user's unshard() from a backward hook, a custom Function) serves
+                # the backward
+                phase = Phase.RECOMPUTE if label.hook == "pre_forward" else Phase.BACKWARD
             else:
                 phase = Phase.FORWARD
         extra: dict[str, Any] = {semconv.OWNER_PARAMS: params, semconv.OWNER_BYTES: moved}
