@@ -172,6 +172,25 @@ def _recording_hook(params_of: Callable[[Any], list[str]], seen: list[list[Any]]
     return hook
 
 
+class NormWatchedNet(torch.nn.Module):
+    """Two layers; a gradient hook on ``l0.weight`` all-reduces that gradient's norm
+    (one element: a user's gradient-norm monitor), no bucket's size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l0 = torch.nn.Linear(4, 8)
+        self.l1 = torch.nn.Linear(8, 2)
+        self.l0.weight.register_post_accumulate_grad_hook(self._watch)
+
+    @staticmethod
+    def _watch(param: torch.Tensor) -> None:
+        assert param.grad is not None
+        dist.all_reduce(param.grad.norm().reshape(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l1(torch.relu(self.l0(x)))
+
+
 class MapSizedNet(torch.nn.Module):
     """3 parameters; ``l0.weight`` (float64, so a bucket of its own) has 3 elements:
     the size of DDP's map of used parameters (one int32 per parameter)."""
@@ -622,6 +641,8 @@ SCENARIOS: dict[str, Callable[[Path, int], None]] = {
         out, rank, "ddp_halves", CascadeNet, 6, _halves_hook),
     "ddp_map_sized": lambda out, rank: _hooked_ddp_run(
         out, rank, "ddp_map_sized", MapSizedNet, 3, _recording_hook),
+    "ddp_user_hook": lambda out, rank: _hooked_ddp_run(
+        out, rank, "ddp_user_hook", NormWatchedNet, 4, _recording_hook),
     "pp_gpipe": lambda out, rank: _pipeline_run(out, rank, "pp_gpipe"),
     "pp_1f1b": lambda out, rank: _pipeline_run(out, rank, "pp_1f1b"),
     "pp_interleaved": _interleaved_run,

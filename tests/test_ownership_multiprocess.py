@@ -329,6 +329,24 @@ def test_a_compressing_hooks_collectives_are_the_bucket_it_was_called_with(
         assert attrs[semconv.TENSOR_BYTES] == 4 * numel
 
 
+def test_a_users_collective_in_a_gradient_hook_is_not_a_bucket(ok_run: MpRun) -> None:
+    """A gradient hook of the user's all-reduces a norm (1 element, no bucket's size) from
+    DDP's backward: it is not DDP's; its owner is where it ran, and the bucket
+    all-reduces are exactly those the comm hook saw."""
+    for rank in range(WORLD):
+        hook = ok_run.result("ddp_user_hook", rank)["hook"]
+        events = [a for _, _, a in ok_run.collectives("ddp_user_hook", rank)
+                  if a.get(semconv.TENSOR_DTYPE) == "float32"]
+        buckets = [a for a in events if a.get(semconv.OWNER_KIND) == "bucket"]
+        assert sorted(a[semconv.DDP_BUCKET_INDEX] for a in buckets) == sorted(i for i, _, _ in hook)
+        norms = [a for a in events if a[semconv.TENSOR_SHAPE] == [1]]
+        assert len(norms) == STEPS
+        for attrs in norms:
+            assert semconv.OWNER_KIND not in attrs and semconv.DDP_BUCKET_INDEX not in attrs
+            assert attrs[semconv.OWNER_SOURCE] == semconv.SOURCE_POSITION
+            assert attrs[semconv.OWNER_FQN] == attrs[semconv.MODULE_FQN]
+
+
 def test_the_unused_map_is_not_a_bucket_of_its_size(ok_run: MpRun) -> None:
     """The map of used parameters (int32, one per parameter: 3) is the DDP module's even
     when a bucket (l0.weight's, 3 elements) has its size; that bucket's all-reduces are

@@ -228,7 +228,9 @@ class ParallelModules:
         if index is not None and 0 <= index < len(state.buckets) \
                 and state.buckets[index].index == index:
             return state.buckets[index]
-        return own
+        # of no bucket's size and outside every comm hook: not DDP's (a user's own
+        # collective in a gradient hook, a gradient-norm monitor's, say)
+        return None
 
     def ddp_constructing(self) -> str | None:
         code = self._init_code

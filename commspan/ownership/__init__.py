@@ -245,7 +245,10 @@ class ParallelFacts(Protocol):
         buckets in index order, several from one hook when they became ready
         out of order; so it is the DDP module's next bucket not yet launched
         in this backward when that one has ``numel`` elements (it then counts
-        as launched), else the hook's parameter's bucket.
+        as launched), else the hook's parameter's bucket if it has ``numel``
+        elements, else the bucket a Python comm hook on the stack was called with;
+        ``None`` for a collective of no bucket's size outside every comm hook (a
+        user's own collective in a gradient hook).
         """
         ...
 
