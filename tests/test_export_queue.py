@@ -887,6 +887,49 @@ def test_an_exporter_ending_its_thread_does_not_stop_the_export(
     assert queue.stats().unaccounted == 0
 
 
+class _CancelledOnce(RecordingExporter):
+    """Sleeps, then raises ``asyncio.CancelledError`` (a BaseException) from its first
+    export call, as an exporter running asyncio inside may; then records."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        import asyncio
+
+        self.calls += 1
+        if self.calls == 1:
+            time.sleep(0.2)
+            raise asyncio.CancelledError
+        return super().export(spans)
+
+
+def test_a_flush_waiting_on_a_thread_an_exporter_ends_returns_at_once(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """A flush without a time limit, waiting while the exporter's call ends the thread
+    (CancelledError): it used to wait on a thread that had ended, for ever. It returns
+    False as soon as the thread is gone, the thread prints no traceback of its own,
+    and a later flush exports the rest with a new thread."""
+    exporter = _CancelledOnce()
+    queue = ExportQueue(exporter, schedule_delay_s=60)
+    provider = TracerProvider()
+    provider.add_span_processor(queue)
+    tracer = provider.get_tracer("t")
+    tracer.start_span("first").end()
+    done: list[bool] = []
+    waiter = threading.Thread(target=lambda: done.append(queue.flush(float("inf"))))
+    waiter.start()
+    waiter.join(30)  # a bound for the test only: the flush has none
+    assert done == [False]
+    tracer.start_span("second").end()
+    assert queue.flush(5.0) is True and [s.name for s in exporter.spans] == ["second"]
+    assert "Exception in thread" not in capfd.readouterr().err
+    queue.shutdown(1.0)
+    assert queue.stats().unaccounted == 0
+
+
 _AT_EXIT_SLOW = """
 import atexit
 import time

@@ -283,7 +283,11 @@ class ExportQueue(SpanProcessor):
                 left = deadline - time.monotonic()
                 if self._stopped:
                     return False
-                if left <= 0 or not worker.is_alive():
+                if self._worker is not worker or not worker.is_alive():
+                    # the worker ended (an exporter's SystemExit, KeyboardInterrupt or
+                    # CancelledError, logged there): nothing will export these now
+                    return False
+                if left <= 0:
                     self._healthy = False
                     warn = self._logged.first("slow")
                     break
@@ -510,13 +514,15 @@ class ExportQueue(SpanProcessor):
                 result = self.exporter.export(batch)
             except BaseException as exc:
                 self._settle(number, n, "raised", exc)
-                if not isinstance(exc, Exception):  # let SystemExit & co end the thread
+                if not isinstance(exc, Exception):  # SystemExit & co end the thread
                     if self._logged.first("exit"):
                         _log.warning(
                             "commspan: %s.export raised %s, which ends its export thread; "
                             "a new one starts with the next span or flush (not logged "
                             "again)", self._name, type(exc).__name__)
-                    raise
+                    # ended here, not by raising on: logged above, and no traceback of
+                    # the thread's on the user's stderr
+                    return False
                 continue
             if result is SpanExportResult.SUCCESS:
                 self._settle(number, n, "", rejected=self._take_rejected(n))
