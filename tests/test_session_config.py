@@ -193,3 +193,33 @@ def test_a_one_element_tensor_of_steps_is_a_set_of_steps() -> None:
                 with mode.step(i):
                     pass
         assert mode.stats()["steps_traced"] == 1, sample
+
+
+def test_a_sample_callable_that_fails_names_sample_and_leaves_the_step() -> None:
+    """A vectorised rule by mistake (an array for a step): the error names sample=, and
+    the mode is not left inside a step (every later step used to say "steps do not
+    nest"). A callable that cannot take a step number is refused when the mode is made."""
+    import numpy as np
+
+    from commspan import CommSpanMode
+
+    mode = CommSpanMode(sample=lambda i: np.array([i % 2 == 0, True]), aggregator=False)
+    with mode:
+        for i in range(2):
+            with pytest.raises(TypeError, match=r"sample=.* returned array\(.*for step "
+                                                f"{i}, which is not True or False"):
+                with mode.step(i):
+                    pass
+    with pytest.raises(TypeError, match=r"sample=.* cannot be called with a step number"):
+        CommSpanMode(sample=lambda: True)
+
+
+def test_an_exporter_listed_twice_is_refused() -> None:
+    """The same exporter twice would write every span twice (and be shut down twice)."""
+    from commspan import CommSpanMode
+    from commspan.exporters import JsonlSpanExporter
+
+    exporter = JsonlSpanExporter("/tmp/commspan-never-written")
+    with pytest.raises(ValueError, match="is listed twice, so every span would be written "
+                                         "twice; list each exporter once"):
+        CommSpanMode(exporters=[exporter, exporter])

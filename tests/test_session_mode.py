@@ -426,3 +426,24 @@ def test_a_mode_never_left_reaches_a_tracer_provider_of_its_own_at_exit(tmp_path
     names = sorted(line.split(" ", 1)[1] for line in done.stdout.splitlines()
                    if line.startswith("span "))
     assert names == ["Linear forward", "commspan.rank", "commspan.step"], done.stderr
+
+
+def test_breaking_out_of_a_generator_that_holds_a_step_is_no_error() -> None:
+    """A generator yields inside ``with mode.step(i):`` and the caller breaks out of
+    its loop: Python closes the generator (GeneratorExit), which is normal, so the
+    step's spans do not end with ERROR."""
+    from opentelemetry.trace import StatusCode
+
+    from commspan.testing import capture
+
+    def batches(mode: Any) -> Any:
+        for i in range(3):
+            with mode.step(i):
+                yield torch.nn.Linear(2, 2)(torch.ones(1, 2))
+
+    with capture() as cap:
+        for n, _ in enumerate(batches(cap.mode)):
+            if n == 1:
+                break
+    assert [s.name for s in cap.spans if s.status.status_code is StatusCode.ERROR] == []
+    assert not any(e.name == "exception" for s in cap.spans for e in s.events)

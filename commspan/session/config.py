@@ -185,6 +185,13 @@ def _exporters(exporters: Sequence[SpanExporter]) -> tuple[SpanExporter, ...]:
             f"exporters={exporters!r} must be a list of "
             "opentelemetry.sdk.trace.export.SpanExporter instances"
         )
+    seen: set[int] = set()
+    for e in exporter_list:
+        if id(e) in seen:
+            raise ValueError(
+                f"exporters={exporters!r} is not valid: {e!r} is listed twice, so every "
+                "span would be written twice; list each exporter once")
+        seen.add(id(e))
     return tuple(exporter_list)
 
 
@@ -239,6 +246,36 @@ def _resource_attributes(attributes: Mapping[str, Any] | None) -> dict[str, Any]
     return out
 
 
+def _checked_sampler(sample: Sampler) -> Sampler:
+    """A callable ``sample=``: refused now if it cannot take a step number; at each step,
+    an error it raises, or a value that is not a truth value, names ``sample=``."""
+    import inspect
+
+    fix = "a callable sample= takes the step number and returns True to trace the step"
+    try:
+        inspect.signature(sample).bind(0)
+    except TypeError as e:
+        raise TypeError(f"sample={sample!r} is not valid: it cannot be called with a step "
+                        f"number ({e}); {fix}") from None
+    except ValueError:  # no signature to read (a builtin): called as it is
+        pass
+
+    def checked(index: int) -> bool:
+        try:
+            value = sample(index)
+        except Exception as e:  # the user's own error, kept as it is, said where it came from
+            if hasattr(e, "add_note"):  # Python 3.11+
+                e.add_note(f"(raised by commspan's sample={sample!r} for step {index})")
+            raise
+        try:
+            return bool(value)
+        except Exception as e:
+            raise TypeError(f"sample={sample!r} returned {value!r} for step {index}, which is "
+                            f"not True or False ({e}); {fix}") from None
+
+    return checked
+
+
 def _sampler(sample: int | Iterable[int] | Sampler | None) -> Sampler:
     if sample is None:
         return lambda i: True
@@ -252,7 +289,7 @@ def _sampler(sample: int | Iterable[int] | Sampler | None) -> Sampler:
         n = whole
         return lambda i: i % n == 0
     if callable(sample):
-        return sample
+        return _checked_sampler(sample)
     fix = "pass N, a collection of step ints or a callable"
     if isinstance(sample, (str, bytes)):  # would be its characters, as steps
         raise TypeError(f"sample={sample!r} is not valid; {fix}")

@@ -446,7 +446,9 @@ class CommSpanMode:
             # each part runs even if one before it raised or was interrupted (Ctrl-C
             # while the watchdog joins, while the trace closes): the mode never stays
             # half installed
-            _each(self._stop_watch, self._stop_capture, lambda: self._end_trace(exc),
+            # (a generator holding the mode closed early: GeneratorExit, not an error)
+            error = None if isinstance(exc, GeneratorExit) else exc
+            _each(self._stop_watch, self._stop_capture, lambda: self._end_trace(error),
                   self._parallel.pipeline.uninstall,
                   self._tracker.uninstall if self._tracker is not None else None)
         finally:
@@ -542,7 +544,7 @@ class CommSpanMode:
                 "add the two up; pass a number that grows over the whole run (e.g. "
                 "epoch * steps_per_epoch + i) (not logged again)", index, last)
         self._last_step = index if last is None else max(last, index)
-        traced = self._rank_traced and self._config.sampler(index)
+        traced = bool(self._rank_traced and self._config.sampler(index))
         # from here on, what sets up the step is inside the try whose finally leaves it:
         # an interrupt (Ctrl-C) while the step is entered must not leave it entered
         self._in_step = True
@@ -564,6 +566,10 @@ class CommSpanMode:
         try:
             self._recorder.begin(self._traces.step(index))
             yield True
+        except GeneratorExit:
+            # a generator holding the step was closed (the caller broke out of its
+            # loop): normal Python, not an error of the step
+            raise
         except BaseException as exc:
             error = exc
             raise
