@@ -305,3 +305,46 @@ def test_bad_settings_name_the_argument(kwargs: dict[str, Any], error: type, mat
     """Each bad hang or timing setting is rejected with the argument, the value and the fix."""
     with pytest.raises(error, match=match):
         CommSpanMode(**kwargs)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork") or not hasattr(signal, "SIGUSR1"),
+                    reason="needs fork and SIGUSR1")
+def test_a_forked_child_gives_the_dump_signal_back(tmp_path: Path) -> None:
+    """A process forked inside a mode with dump_signal= (a DataLoader worker): in the
+    child the signal is the program's again and the wakeup descriptor the child shared
+    with the parent is gone, so signalling the child writes no record in the parent."""
+    path = tmp_path / "rank0.jsonl"
+    calls = tmp_path / "child-got-it"
+    previous = signal.getsignal(signal.SIGUSR1)
+
+    def mine(signum: int, frame: Any) -> None:
+        calls.write_text("yes")
+
+    signal.signal(signal.SIGUSR1, mine)
+    try:
+        mode = CommSpanMode(exporters=[JsonlSpanExporter(path)], dump_signal=signal.SIGUSR1)
+        with mode:
+            read, write = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # the child: waits for the parent's signal, then leaves at once
+                try:
+                    os.close(read)
+                    ok = signal.getsignal(signal.SIGUSR1) is mine \
+                        and signal.set_wakeup_fd(-1) == -1
+                    os.write(write, b"1" if ok else b"0")
+                    deadline = time.monotonic() + 10
+                    while not calls.exists() and time.monotonic() < deadline:
+                        time.sleep(0.01)
+                finally:
+                    os._exit(0)
+            os.close(write)
+            child_state = os.read(read, 1)
+            os.close(read)
+            os.kill(pid, signal.SIGUSR1)
+            os.waitpid(pid, 0)
+            time.sleep(0.3)  # a wrongly woken watchdog would write now
+        mode.shutdown()
+        assert child_state == b"1" and calls.read_text() == "yes"
+        assert _hangs(path) == []
+    finally:
+        signal.signal(signal.SIGUSR1, previous)

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 from commspan import semconv
+from commspan._fork import on_fork_in_child
 from commspan.spans.timing import CollectiveTiming
 
 __all__ = ["HangWatch"]
@@ -40,6 +41,39 @@ _log = logging.getLogger(__name__)
 
 # per signal, the watches whose handler is installed, in the order they installed it
 _INSTALLED: dict[int, list[HangWatch]] = {}
+
+
+def _forget_signals_in_child() -> None:
+    """In a child forked with a ``dump_signal`` installed (a DataLoader worker): give
+    the signal back to the handler the first mode found, and drop the wakeup
+    descriptor, one end of a socket pair the child shares with its parent. Else the
+    signal, sent to the child, would do nothing there and wake the parent's
+    watchdog, which would write a record for a rank nobody signalled."""
+    for signum, chain in list(_INSTALLED.items()):
+        for watch in chain:
+            socks, watch._socks = watch._socks, None
+            watch._handler_installed = False
+            if socks is not None:
+                try:
+                    current = signal.set_wakeup_fd(-1)
+                    if current not in (-1, socks[1].fileno()):  # someone else's: put back
+                        signal.set_wakeup_fd(current)
+                except (ValueError, OSError):
+                    pass
+                for sock in socks:  # the child's copies; the parent's stay open
+                    try:
+                        sock.close()
+                    except OSError:
+                        pass
+        if chain:
+            try:
+                signal.signal(signum, chain[0]._old_handler)  # type: ignore[arg-type]
+            except (ValueError, OSError, TypeError):
+                pass
+    _INSTALLED.clear()
+
+
+on_fork_in_child(_forget_signals_in_child)
 
 
 class HangWatch:
