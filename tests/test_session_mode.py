@@ -447,3 +447,58 @@ def test_breaking_out_of_a_generator_that_holds_a_step_is_no_error() -> None:
                 break
     assert [s.name for s in cap.spans if s.status.status_code is StatusCode.ERROR] == []
     assert not any(e.name == "exception" for s in cap.spans for e in s.events)
+
+
+def test_left_under_a_dispatch_mode_of_the_programs_it_takes_only_its_own() -> None:
+    """The program enters its own dispatch mode after commspan's and leaves it after
+    leaving commspan: commspan's mode comes off the stack from under it, the
+    program's stays and keeps working, and commspan records nothing more."""
+    from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+
+    class Counting(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            Counting.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    mode = CommSpanMode(aggregator=False)
+    mine = Counting()
+    mode.__enter__()
+    mine.__enter__()
+    mode.__exit__(None, None, None)  # out of order
+    assert [type(m).__name__ for m in _get_current_dispatch_mode_stack()] == ["Counting"]
+    before = Counting.ops
+    torch.ones(2) + 1
+    assert Counting.ops > before and mode.stats()["spans"] == mode.stats()["spans_exported"] + \
+        mode.stats()["spans_dropped"] + mode.stats()["spans_failed"] + \
+        mode.stats()["spans_in_flight"]
+    mine.__exit__(None, None, None)
+    assert _get_current_dispatch_mode_stack() == []
+
+
+def test_leaving_on_another_thread_is_refused_and_the_mode_stays_in() -> None:
+    """Leaving on a thread that did not enter the mode: a clear error (torch's was "pop
+    from empty mode stack", and the dispatch mode stayed on the entering thread for
+    good); the mode stays active and leaves properly on its own thread."""
+    import threading
+
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    mode = CommSpanMode(aggregator=False)
+    mode.__enter__()
+    errors: list[BaseException] = []
+
+    def leave() -> None:
+        try:
+            mode.__exit__(None, None, None)
+        except RuntimeError as e:
+            errors.append(e)
+
+    worker = threading.Thread(target=leave)
+    worker.start()
+    worker.join()
+    assert len(errors) == 1 and "leave it on the thread that entered it" in str(errors[0])
+    assert mode.active
+    mode.__exit__(None, None, None)
+    assert not mode.active and _get_current_dispatch_mode_stack() == []

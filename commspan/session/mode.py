@@ -123,6 +123,31 @@ def _each(*parts: Callable[[], object] | None) -> None:
         raise first
 
 
+def _leave_from_under(mode: Any) -> None:
+    """Take ``mode`` off this thread's dispatch-mode stack from under the modes pushed
+    after it (left out of order: the program's own mode entered after commspan's and
+    still in), putting those back as they were: popping the top would remove the
+    program's mode and leave commspan's recording."""
+    from torch.utils._python_dispatch import (
+        _get_current_dispatch_mode,
+        _get_current_dispatch_mode_stack,
+        _pop_mode,
+        _push_mode,
+    )
+
+    if not any(m is mode for m in _get_current_dispatch_mode_stack()):
+        return  # not on this thread's stack
+    leave = mode.__exit__
+    above: list[Any] = []
+    while _get_current_dispatch_mode() is not mode:
+        above.append(_pop_mode())
+    try:
+        leave(None, None, None)
+    finally:
+        for m in reversed(above):
+            _push_mode(m)
+
+
 class CommSpanMode:
     """Record module calls as spans and collectives as span events.
 
@@ -441,6 +466,11 @@ class CommSpanMode:
             raise RuntimeError(
                 "this CommSpanMode is not active (left already, or never entered); leave "
                 "it once per `with mode:`")
+        if threading.get_ident() != self._owner:
+            raise RuntimeError(
+                f"this CommSpanMode was entered on thread {self._owner} and is left on "
+                f"thread {threading.get_ident()}: its dispatch mode is on the entering "
+                "thread's stack; leave it on the thread that entered it (it stays active)")
         self._in_step = False
         try:
             # each part runs even if one before it raised or was interrupted (Ctrl-C
@@ -485,7 +515,10 @@ class CommSpanMode:
         # failed entry, would take the program's own mode off the stack)
         if self._capturing and self._dispatch is not None and not (
                 self._paused and self._popped):
-            self._dispatch.__exit__(None, None, None)
+            if self._dispatch.on_top():
+                self._dispatch.__exit__(None, None, None)
+            else:  # a dispatch mode of the program's entered after it, still in
+                _leave_from_under(self._dispatch)
         self._capturing = False
         self._popped = False
         if self._tracker is not None:
