@@ -848,18 +848,22 @@ def test_a_dead_exporter_at_interpreter_exit_costs_a_few_seconds_and_is_logged(
     assert "shutting Dead down within 0.00 s lost" in done.stderr, done.stderr
 
 
-class _ExitOnce(RecordingExporter):
-    """Raises SystemExit from its first export call (an exporter calling sys.exit),
+class _EndsThreadOnce(RecordingExporter):
+    """Raises ``error`` (a BaseException: an exporter calling sys.exit, one running
+    asyncio inside that is cancelled) from its first export call, after ``delay_s``;
     then records."""
 
-    def __init__(self) -> None:
+    def __init__(self, error: BaseException | None = None, delay_s: float = 0.0) -> None:
         super().__init__()
         self.calls = 0
+        self.error = error if error is not None else SystemExit(3)
+        self.delay_s = delay_s
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         self.calls += 1
         if self.calls == 1:
-            raise SystemExit(3)
+            time.sleep(self.delay_s)
+            raise self.error
         return super().export(spans)
 
 
@@ -869,7 +873,7 @@ def test_an_exporter_ending_its_thread_does_not_stop_the_export(
     """SystemExit from one export call ends the export thread (that batch is counted
     as failed); the spans after it are exported by a new thread, without waiting for
     a shutdown, and the log says the thread ended."""
-    exporter = _ExitOnce()
+    exporter = _EndsThreadOnce()
     queue = ExportQueue(exporter, schedule_delay_s=60)
     provider = TracerProvider()
     provider.add_span_processor(queue)
@@ -887,24 +891,6 @@ def test_an_exporter_ending_its_thread_does_not_stop_the_export(
     assert queue.stats().unaccounted == 0
 
 
-class _CancelledOnce(RecordingExporter):
-    """Sleeps, then raises ``asyncio.CancelledError`` (a BaseException) from its first
-    export call, as an exporter running asyncio inside may; then records."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0
-
-    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        import asyncio
-
-        self.calls += 1
-        if self.calls == 1:
-            time.sleep(0.2)
-            raise asyncio.CancelledError
-        return super().export(spans)
-
-
 def test_a_flush_waiting_on_a_thread_an_exporter_ends_returns_at_once(
     capfd: pytest.CaptureFixture[str],
 ) -> None:
@@ -912,7 +898,9 @@ def test_a_flush_waiting_on_a_thread_an_exporter_ends_returns_at_once(
     (CancelledError): it used to wait on a thread that had ended, for ever. It returns
     False as soon as the thread is gone, the thread prints no traceback of its own,
     and a later flush exports the rest with a new thread."""
-    exporter = _CancelledOnce()
+    import asyncio
+
+    exporter = _EndsThreadOnce(asyncio.CancelledError(), delay_s=0.2)
     queue = ExportQueue(exporter, schedule_delay_s=60)
     provider = TracerProvider()
     provider.add_span_processor(queue)
