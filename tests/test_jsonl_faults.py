@@ -526,3 +526,19 @@ def test_malformed_line_adds_nothing_to_the_counts(tmp_path: Path) -> None:
     assert agg.module_counts() == {} and report.lines == 0
     assert orjson.loads(line)  # valid JSON: damage is in the content
     assert "spans[1].attributes[2].value is not an OTLP AnyValue" in report.skipped[0].reason
+
+
+def test_an_existing_non_directory_taken_for_a_directory_is_refused_at_once(
+    tmp_path: Path,
+) -> None:
+    """A path without a suffix names a directory of rank files; one that exists and is
+    not a directory (``/dev/full``, a file) used to be accepted, every export then
+    failing; it is refused when the exporter is made, naming the parameter."""
+    plain = tmp_path / "notes"
+    plain.write_text("x")
+    for path in (plain, Path("/dev/full")):
+        if not path.exists():
+            continue
+        with pytest.raises(ValueError, match="it names a directory .no suffix. but exists"):
+            JsonlSpanExporter(path)
+    JsonlSpanExporter(tmp_path / "out")  # a new directory: fine

@@ -102,6 +102,16 @@ class JsonlSpanExporter(SpanExporter):
             raise TypeError(
                 f"path={path!r} is not valid; pass a file path or a directory (str or Path)"
             )
+        text = os.fspath(path)
+        if isinstance(text, str) and "{" not in text and os.path.exists(text) \
+                and not os.path.isdir(text) and _is_directory(text):
+            # a name without a suffix means a directory of rank files: this one exists
+            # and is not a directory (a device such as /dev/full, a file), so every
+            # export would fail; say so now rather than at the first span
+            raise ValueError(
+                f"path={text!r} is not valid: it names a directory (no suffix) but exists "
+                "and is not one; pass a directory, or a file path with a suffix "
+                "(e.g. 'out/rank{rank}.jsonl')")
         if compress is True:
             level = 1
         elif compress is False:
