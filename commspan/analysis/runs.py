@@ -349,14 +349,16 @@ def choose(
     return chosen, kept_steps, note
 
 
-def format_numbers(values: Iterable[int]) -> str:
-    """``[0, 1, 2, 3, 7]`` -> ``"0-3,7"``; ``"-"`` when empty.
+def format_numbers(values: Iterable[int], sep: str = ",") -> str:
+    """``[0, 1, 2, 3, 7]`` -> ``"0-3,7"`` (parts joined by ``sep``); ``"-"`` when empty.
 
     Example:
         >>> format_numbers([0, 1, 2, 3, 7, 9, 10])
         '0-3,7,9-10'
         >>> format_numbers([-2, -1, 0, 1])
         '-2..1'
+        >>> format_numbers([0, 1, 2, 5], sep=", ")
+        '0-2, 5'
     """
     numbers = sorted(set(values))
     if not numbers:
@@ -371,4 +373,4 @@ def format_numbers(values: Iterable[int]) -> str:
         parts.append(str(start) if start == prev else f"{start}{dash}{prev}")
         start = prev = v
     parts.append(str(start) if start == prev else f"{start}{dash}{prev}")
-    return ",".join(parts)
+    return sep.join(parts)

@@ -42,6 +42,7 @@ from typing import Any, NamedTuple
 from commspan import __version__, semconv
 from commspan._json import dumps
 from commspan.analysis.counts import Aggregator
+from commspan.analysis.runs import format_numbers
 from commspan.analysis.timeline import (
     Collective,
     RecordSource,
@@ -196,27 +197,8 @@ def _first_step(timeline: Timeline, embedded: list[int], step: int | None) -> in
         if timeline.steps[index].step == step:
             return pos
     have = sorted({n for n in (timeline.steps[i].step for i in embedded) if n is not None})
-    where = f"steps {_ranges(have)}" if have else "no numbered steps"
+    where = f"steps {format_numbers(have, sep=', ')}" if have else "no numbered steps"
     raise ValueError(f"step={step!r} is not in the report's timeline, which has {where}")
-
-
-def _ranges(numbers: Sequence[int]) -> str:
-    """``0-2, 5`` for ``[0, 1, 2, 5]``; ``-1..1`` for ``[-1, 0, 1]`` (``-1-1`` would
-    read as two numbers)."""
-    parts: list[str] = []
-    dash = ".." if numbers and min(numbers) < 0 else "-"
-    start = prev = None
-    for n in numbers:
-        if start is None:
-            start = prev = n
-        elif n == prev + 1:  # type: ignore[operator]
-            prev = n
-        else:
-            parts.append(f"{start}" if start == prev else f"{start}{dash}{prev}")
-            start = prev = n
-    if start is not None:
-        parts.append(f"{start}" if start == prev else f"{start}{dash}{prev}")
-    return ", ".join(parts)
 
 
 # ------------------------------------------------------------------ the page
@@ -300,7 +282,7 @@ def _windows_text(timeline: Timeline) -> str:
     others = len(timeline.steps) - n_steps
     if not n_steps:
         return f"{others} trace{'s' if others != 1 else ''}"
-    text = f"{n_steps} step{'s' if n_steps != 1 else ''} ({_ranges(numbers)})"
+    text = f"{n_steps} step{'s' if n_steps != 1 else ''} ({format_numbers(numbers, sep=', ')})"
     if others:
         text += f" and {others} trace{'s' if others != 1 else ''} outside steps"
     return text
