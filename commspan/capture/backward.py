@@ -438,14 +438,18 @@ class BackwardNesting:
         if self.observer is not None:
             self._raise_observed()
 
-    def _raise_observed(self) -> None:
-        """Raise what the observer's user code raised during this event (compat's
-        user hooks), now that the mode's own bookkeeping is done."""
+    def _take_observed(self) -> BaseException | None:
+        """What the observer's user code raised during this event (compat's user
+        hooks), taken from it, if anything."""
         take = getattr(self.observer, "take_error", None)
-        if take is not None:
-            error = take()
-            if error is not None:
-                raise error
+        return take() if take is not None else None
+
+    def _raise_observed(self) -> None:
+        """Raise what the observer's user code raised during this event, now that the
+        mode's own bookkeeping is done."""
+        error = self._take_observed()
+        if error is not None:
+            raise error
 
     def _running_forward(self, outer: Frame) -> Frame:
         """The innermost forward (or recompute) frame still open at or above

@@ -199,9 +199,7 @@ class CompletionTracker:
         then stop counting it as outstanding (in that order, for :meth:`settled`). A
         future that completed with an error (a backend's timeout, a peer that died)
         is a failed op: no duration, listed failed."""
-        try:
-            future.value()  # (already there: raises the op's error, if it failed)
-        except Exception:
+        if _failed(future):
             self.give_up(timing, failed=True)
         else:
             timing.complete()
@@ -375,9 +373,16 @@ def _cuda_done(timing: CollectiveTiming, start: Any, tracker: CompletionTracker,
                future: Any) -> None:
     """A CUDA op's ``Work`` future completed: its end event goes on the stream, unless
     the op failed (a NCCL timeout or abort: no duration, listed failed)."""
-    try:
-        future.value()
-    except Exception:
+    if _failed(future):
         tracker.give_up(timing, failed=True)
         return
     _finish_cuda(timing, start)
+
+
+def _failed(future: Any) -> bool:
+    """Whether a completed ``Work`` future completed with the op's error."""
+    try:
+        future.value()  # (already there: raises the op's error, if it failed)
+    except Exception:
+        return True
+    return False

@@ -666,8 +666,7 @@ class ModuleTracker(BackwardNesting):
         except Exception:
             self._errors.record()
         if self.observer is not None:
-            take = getattr(self.observer, "take_error", None)
-            observed = take() if take is not None else None
+            observed = self._take_observed()
             # a forward that raised keeps its exception (torch silences a hook's then)
             if observed is not None and not raised:
                 raise observed
