@@ -161,6 +161,12 @@ class CompletionTracker:
                 return
             timing.duration = max(0, _perf() - timing.issued)
             return
+        self.watch(info, timing, handle, cuda_start)
+
+    def watch(self, info: CollectiveInfo, timing: CollectiveTiming, handle: Any,
+              cuda_start: Any) -> None:
+        """Arrange to learn when the ``Work`` ``handle`` of a c10d op the caller may not
+        wait on at once completes: by its future's callback, or by asking it later."""
         # a backend's Work for one op has a future always or never; the group and the
         # device pick the backend
         no_future = self.no_future

@@ -46,6 +46,11 @@ __all__ = ["MAX_LABELS", "CollectiveDispatchMode", "OpRecordingDispatchMode", "d
 _log = logging.getLogger(__name__)
 _Tensor = torch.Tensor
 _OpOverload: Any = torch._ops.OpOverload  # subclasses (TorchBindOpOverload) excluded
+_ScriptObject = torch.ScriptObject
+try:  # a c10d op's Work, as returned to the dispatch mode
+    _unbox: Any = torch._C._distributed_c10d.Work.unbox  # type: ignore[attr-defined]
+except AttributeError:  # pragma: no cover - torch built without distributed
+    _unbox = None
 
 CollectiveCallback = Callable[[CollectiveInfo, dict[str, Any]], "CollectiveTiming | None"]
 """Told about each collective before it runs; returns the timing to complete, or ``None``."""
@@ -381,6 +386,8 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
 
     def _wait(self, func: Any, args: Any, kwargs: Any) -> Any:
         """``wait_tensor``: run it, then complete the collective whose output it waited."""
+        if type(func) is _OpOverload:  # its __call__ is a Python frame around _op
+            func = func._op
         start = _perf()
         try:
             out = func(*args, **kwargs) if kwargs else func(*args)
@@ -461,15 +468,31 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
             completions.give_up(timing, failed=True)  # the op raised: it never completes
             raise
         try:
-            if started is None and info.functional and type(out) is _Tensor:
-                # CompletionTracker.issued's usual case, inline: one output on the CPU,
-                # found by its data pointer when waited
-                key = out.data_ptr()
-                if key:
-                    outputs = completions.outputs
-                    outputs[key] = timing
-                    if len(outputs) > completions.sweep_at:
-                        completions.sweep()
+            if started is None:  # CompletionTracker.issued's usual cases on the CPU, inline
+                if info.functional:
+                    if type(out) is _Tensor:  # one output, found by its data pointer when waited
+                        key = out.data_ptr()
+                        if key:
+                            outputs = completions.outputs
+                            outputs[key] = timing
+                            if len(outputs) > completions.sweep_at:
+                                completions.sweep()
+                            return out
+                elif not kwargs and type(out) is tuple and out and type(out[-1]) is _ScriptObject:
+                    # a c10d op and its Work; async_op, if given, is positional
+                    index = info.async_index
+                    handle = _unbox(out[-1])
+                    if index < 0 or index >= len(args) or args[index] is not False:
+                        completions.watch(info, timing, handle, None)
+                        return out
+                    # a blocking c10d op: the caller waits right after this returns; wait
+                    # first (releasing the GIL, as the caller's wait does), and time it
+                    try:
+                        handle.wait()
+                    except Exception:  # the op failed: the caller's own wait raises it again
+                        completions.give_up(timing, failed=True)
+                        return out
+                    timing.duration = max(0, _perf() - timing.issued)
                     return out
             completions.issued(info, timing, args, kwargs, out, started)
         except Exception:
