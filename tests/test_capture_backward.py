@@ -469,3 +469,72 @@ def test_a_parameter_returning_module_keeps_its_backward_across_top_level_calls(
     separate = run(composed=False)
     assert separate == {("_WithPosition.pos", "backward"): 1}
     assert sum(run(composed=True).values()) == 1
+
+
+class _HookedLayer(nn.Module):
+    """Puts a gradient hook on its output that changes the gradient (× 2)."""
+
+    def __init__(self, order: list[str]) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.order = order
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.lin(x)
+        out.register_hook(lambda g: (self.order.append("inner"), g * 2)[1])
+        return out
+
+
+class _Wrapper(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+class _HookedOuter(nn.Module):
+    """Returns the same tensor as the hooked layer two levels down, with a hook of its
+    own on it (+ 1): autograd runs the layer's first, as registered."""
+
+    def __init__(self, order: list[str]) -> None:
+        super().__init__()
+        self.wrap = _Wrapper(_HookedLayer(order))
+        self.order = order
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.wrap(x)
+        out.register_hook(lambda g: (self.order.append("outer"), g + 1)[1])
+        return out
+
+
+def test_users_gradient_hooks_on_a_shared_output_keep_their_order() -> None:
+    """Nested modules returning one tensor, each with a gradient hook of the user's on
+    it: commspan's own hooks go first, and the user's run in the order they were
+    registered, so the gradients are the untraced ones, bit for bit."""
+
+    def run(traced: bool) -> tuple[torch.Tensor, list[str]]:
+        torch.manual_seed(0)
+        order: list[str] = []
+        model = _HookedOuter(order)
+        x = torch.randn(2, 4, requires_grad=True)
+        if traced:
+            mode, exporter = traced_mode()
+            with mode:
+                model(x).sum().backward()
+            spans = list(exporter.get_finished_spans())
+            assert_well_formed(spans)
+            backward = {fqn(s) for s in spans if phase(s) == "backward"}
+            assert {"_HookedOuter", "_HookedOuter.wrap", "_HookedOuter.wrap.inner"} <= backward
+        else:
+            model(x).sum().backward()
+        bias = model.wrap.inner.lin.bias.grad
+        assert bias is not None
+        return bias.clone(), order
+
+    plain, plain_order = run(False)
+    traced, traced_order = run(True)
+    assert plain_order == ["inner", "outer"]
+    assert traced_order == plain_order
+    assert torch.equal(traced, plain)

@@ -185,29 +185,20 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
     return out
 
 
-def hook_first(hooks: Any, key: Any, ready: Any = None) -> None:
-    """Move the hook ``key`` to the front of a tensor's hook dictionary. With ``ready``
-    (a call's backward start, ``partial(ready, call)``), only before the hooks added
-    since the last hook of ``ready`` (those the call's own forward hooks added), those
-    earlier coming after them: for a tensor a block returns from its last layer,
-    FSDP2's hooks of the block run in the block's backward, the layer's (its backward
-    start, then its own hooks) after, as torch's module backward hooks order them.
-    Autograd runs the hooks in the order of the underlying ``dict``
-    (``OrderedDict.move_to_end`` does not change it), so the others are inserted
-    again, under the same keys (their handles still remove them)."""
+def hook_first(hooks: Any, key: Any) -> None:
+    """Move the hook ``key`` to the front of a tensor's hook dictionary; the other
+    hooks keep their order. Autograd runs a tensor's hooks in the order of the
+    underlying ``dict`` (``OrderedDict.move_to_end`` does not change it), and a
+    user's hooks may change the gradient (scaling, clipping), so only commspan's own
+    hook moves: the others are inserted again, in order, under the same keys (their
+    handles still remove them)."""
     items = [(k, h) for k, h in hooks.items() if k != key]
     if len(items) != len(hooks) - 1:
         return
-    last = -1
-    if ready is not None:
-        for i, (_, h) in enumerate(items):
-            if type(h) is functools.partial and h.func == ready:
-                last = i
     ours = hooks[key]
     hooks.clear()
     hooks[key] = ours
-    hooks.update(items[last + 1:])
-    hooks.update(items[:last + 1])
+    hooks.update(items)
 
 
 class BackwardNesting:
@@ -306,10 +297,9 @@ class BackwardNesting:
             # forward hooks: FSDP2's re-gather of a unit's parameters) run before the
             # node's pre-hooks: the backward starts from a hook on the tensor, put
             # before them, so that what they issue is in this module's backward
-            ready = self._output_tensor_ready
-            hook = functools.partial(ready, call)
+            hook = functools.partial(self._output_tensor_ready, call)
             for t in hooked:
-                hook_first(t._backward_hooks, t.register_hook(hook).id, ready)
+                hook_first(t._backward_hooks, t.register_hook(hook).id)
             call.on_graph = True
             tensors = [t for t in tensors if t.grad_fn is None or not t._backward_hooks]
         if tensors:
