@@ -140,6 +140,46 @@ def test_model_raising_recursion_error_gets_it_back_unchanged() -> None:
     assert dict(events[0][1].attributes or {})[semconv.EXCEPTION_TYPE] == "RecursionError"
 
 
+class _FallsBack(nn.Module):
+    """Catches its child's RecursionError and goes on with another child, which
+    all-reduces (a tree model giving up on too deep an input)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tree = _RaisesRecursionError()
+        self.fallback = nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        try:
+            return self.tree(x)
+        except RecursionError:
+            out = self.fallback(x)
+            torch.distributed.all_reduce(out)
+            return out
+
+
+def test_recursion_error_caught_by_the_parent_closes_the_child(fake_pg: None) -> None:
+    """The parent catches its child's RecursionError and calls another child: the failed
+    child's span ends there, ERROR with the event, and the fallback and its all_reduce
+    are the parent's, not under the failed child."""
+    mode, exporter = capture()
+    with mode, mode.step(0):
+        _FallsBack()(torch.randn(1, 2, requires_grad=True))
+    assert mode.stats()["internal_errors"] == 0
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    parent, tree = spans["_FallsBack forward"], spans["_FallsBack.tree forward"]
+    fallback = spans["_FallsBack.fallback forward"]
+    assert tree.status.status_code is StatusCode.ERROR
+    assert [e.name for e in tree.events] == [semconv.EVENT_EXCEPTION]
+    assert parent.status.status_code is StatusCode.UNSET
+    assert fallback.parent is not None and parent.context is not None
+    assert fallback.parent.span_id == parent.context.span_id
+    assert tree.end_time is not None and fallback.start_time is not None
+    assert tree.end_time <= fallback.start_time
+    assert [e.name for e in parent.events] == ["all_reduce"]
+    assert not any(k.startswith(semconv.COUNT_PREFIX) for k in (tree.attributes or {}))
+
+
 def test_model_too_deep_to_run_untraced_raises_its_recursion_error() -> None:
     """Too deep even untraced: the user gets Python's RecursionError (not another error
     raised while handling it); every module span open then ends ERROR, the deepest one

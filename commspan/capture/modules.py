@@ -44,6 +44,7 @@ from commspan.capture.groups import ProcessGroups
 from commspan.capture.parallel import ParallelModules
 from commspan.ownership import phase_now
 from commspan.semconv import Phase
+from commspan.spans.frames import Frame
 from commspan.spans.recorder import SpanRecorder
 
 __all__ = ["ModuleHooks", "ModuleInfo", "ModuleTracker"]
@@ -338,6 +339,11 @@ class ModuleTracker(BackwardNesting):
         # reference (built-in exceptions take none); forgotten at the next
         # module call, so a freed exception's id cannot be mistaken for it.
         self._error_mark: tuple[int, str | None] | None = None
+        # (frame, error): a RecursionError left a call whose caller is a module, and
+        # its frame (and those above) stays open until the next hook, which has the
+        # stack to close them: a caller that catches it goes on (a fallback) with
+        # them closed, ERROR; one that does not closes them itself
+        self._unwound: tuple[Frame, BaseException] | None = None
         self.owner = 0  # thread the tracker follows (set by install)
         self._deepest = 0  # deepest module nesting the recursion limit allows for
         self._headroom = False
@@ -381,6 +387,7 @@ class ModuleTracker(BackwardNesting):
         self.active = False
         self._release_headroom()
         self._error_mark = None
+        self._unwound = None
         _remove_hooks(self._handles)
         self._handles = []
         self._drop_closers()
@@ -394,6 +401,7 @@ class ModuleTracker(BackwardNesting):
         self._calls.clear()
         self._drop_closers()
         self._error_mark = None
+        self._unwound = None
 
     def _drop_closers(self) -> None:
         """Remove every closing hook of a call still registered (:class:`_Closer`)."""
@@ -494,6 +502,8 @@ class ModuleTracker(BackwardNesting):
         if self._ignores_this_call(module):
             return
         try:
+            if self._unwound is not None:
+                self._close_unwound()
             self._error_mark = None
             info = self._info(module)
             task = _graph_task_id()
@@ -629,6 +639,8 @@ class ModuleTracker(BackwardNesting):
     ) -> None:
         raised = False  # the forward raised
         try:
+            if self._unwound is not None:
+                self._close_unwound()
             calls = self._calls
             idx = self._innermost_call(info)
             if idx < 0:
@@ -643,8 +655,10 @@ class ModuleTracker(BackwardNesting):
                 if isinstance(error, _StopRecomputation):
                     error = None  # checkpointing ends a recompute early this way: normal
                 elif isinstance(error, RecursionError) and call.parent is not None:
-                    # no stack left here to build spans: the outermost call (or
-                    # the end of the trace) closes these frames, ERROR and event
+                    # no stack left here to build spans: the next hook closes these
+                    # frames, ERROR and event (the caller's, or the next call's if
+                    # the caller caught it); the outermost frame it left wins
+                    self._unwound = (call.frame, error)
                     return
             if self.observer is not None:
                 self.observer.post_fw(module, args, output)
@@ -671,6 +685,18 @@ class ModuleTracker(BackwardNesting):
             if observed is not None and not raised:
                 raise observed
 
+    def _close_unwound(self) -> None:
+        """Close the frames a ``RecursionError`` left (see ``_unwound``): ERROR, and
+        the innermost gets the ``exception`` event."""
+        unwound, self._unwound = self._unwound, None
+        if unwound is None:
+            return
+        frame, error = unwound
+        if frame.closed:  # closed already by the outermost call it left
+            return
+        self._record_exception(error)
+        self.recorder.close_now(frame, error)
+
     def _record_exception(self, error: BaseException) -> None:
         """Put an ``exception`` event for ``error`` on the innermost open frame,
         unless it is already on a frame the error crossed before."""
@@ -693,6 +719,7 @@ class ModuleTracker(BackwardNesting):
         the error was caught): its frames end with ERROR saying so.
         """
         try:
+            self._close_unwound()
             if error is not None:
                 self._record_exception(error)
             elif self._tasks:
