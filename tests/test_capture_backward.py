@@ -538,3 +538,48 @@ def test_users_gradient_hooks_on_a_shared_output_keep_their_order() -> None:
     assert plain_order == ["inner", "outer"]
     assert traced_order == plain_order
     assert torch.equal(traced, plain)
+
+
+class _PopsItsInput(nn.Module):
+    """Takes its input from a list and pops it (U-Net's skips): the popped tensor is
+    freed during the forward, and the output often gets its Python ``id``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(4))
+
+    def forward(self, skips: list[torch.Tensor]) -> torch.Tensor:
+        h = skips.pop() * 2
+        return h * self.w
+
+
+class _Skips(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = nn.Linear(4, 4)
+        self.up = _PopsItsInput()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.up([self.down(x)])
+
+
+def test_an_output_with_the_id_of_a_freed_input_still_starts_the_backward() -> None:
+    """An output that took the ``id`` of an input freed during the forward is not that
+    input handed back: the module gets its backward span every time (the reference,
+    a forward hook of our own, tells when the ids collided; they must, at least once)."""
+    collided = lost = 0
+    for _ in range(30):
+        model = _Skips()
+        seen: dict[str, Any] = {}
+        model.up.register_forward_pre_hook(
+            lambda m, args, seen=seen: seen.__setitem__("in", {id(t) for t in args[0]}))
+        model.up.register_forward_hook(
+            lambda m, args, out, seen=seen: seen.__setitem__("same_id", id(out) in seen["in"]))
+        mode, exporter = traced_mode()
+        with mode:
+            model(torch.randn(2, 4, requires_grad=True)).sum().backward()
+        backward = {fqn(s) for s in exporter.get_finished_spans() if phase(s) == "backward"}
+        collided += seen["same_id"]
+        lost += "_Skips.up" not in backward
+    assert collided > 0, "the ids never collided: the test shows nothing"
+    assert lost == 0

@@ -155,7 +155,10 @@ class _Call:
         self.inputs_left = 0
         self.depth = depth
         self.task = -1  # graph task a recompute ran in
-        self.input_ids: dict[int, int] = {}  # id(tensor) -> its version at call time
+        # id(tensor) -> (its version at call time, a weak reference to it): the
+        # reference tells an input handed back from a new tensor that took the id of
+        # an input freed during the forward (U-Net's popped skips); cleared at the end
+        self.input_ids: dict[int, tuple[int, Any]] = {}
         self.local: Any = None  # handle of the forward hook that closes this call, if any
         self.on_graph = False  # a pre-hook on an autograd node holds it
         self.on_leaf = False  # a hook on a leaf tensor watches it (weakly)
@@ -183,6 +186,12 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
             for item in node.flatten_fn(obj)[0]:
                 out.extend(_tensors(item))
     return out
+
+
+def _handed_back(seen: tuple[int, Any] | None, t: torch.Tensor) -> bool:
+    """Whether output ``t`` is the input recorded as ``seen`` (its version at the call
+    and a weak reference to it), unchanged."""
+    return seen is not None and seen[0] == t._version and seen[1]() is t
 
 
 def hook_first(hooks: Any, key: Any) -> None:
@@ -272,10 +281,11 @@ class BackwardNesting:
         if not tensors:
             return
         if versions:
+            ref = weakref.ref
             if call.input_ids:
-                call.input_ids.update({id(t): t._version for t in tensors})
+                call.input_ids.update({id(t): (t._version, ref(t)) for t in tensors})
             else:
-                call.input_ids = {id(t): t._version for t in tensors}
+                call.input_ids = {id(t): (t._version, ref(t)) for t in tensors}
         call.inputs += len(tensors)
         call.inputs_left += len(tensors)
         self._hook(call, tensors, self._input_grad_ready, self._leaf_input_ready)
@@ -287,8 +297,10 @@ class BackwardNesting:
             # (step 1) an input handed back unchanged (Identity, Dropout(p=0))
             # has no backward in this module; its gradient belongs to whoever
             # made it. One modified in place (ReLU(inplace=True)) does: its
-            # version moved.
-            tensors = [t for t in tensors if ids.get(id(t), -1) != t._version]
+            # version moved. (The same object: a new tensor may have the id of an
+            # input freed meanwhile.)
+            tensors = [t for t in tensors if not _handed_back(ids.get(id(t)), t)]
+            ids.clear()
         if not tensors:
             return
         hooked = [t for t in tensors if t.grad_fn is not None and t._backward_hooks]
