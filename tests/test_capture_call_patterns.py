@@ -422,3 +422,62 @@ def test_a_module_re_run_in_backward_by_other_checkpointing_is_a_recompute(
     assert rerun == 1  # reference: the test's own record
     assert _counts(mode, "Global", "recompute") == {"all_reduce": rerun}
     assert ("_ReRunFromHook.block", "recompute") in {(fqn(s), phase(s)) for s in spans}
+
+
+class _Pair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.second = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(self.first(x))
+
+
+@pytest.mark.parametrize("where", ["child", "top"])
+def test_full_backward_pre_hook_runs_in_the_modules_backward(fake_pg: None, where: str) -> None:
+    """torch runs a module's full backward pre-hook when its backward starts: what the
+    hook issues is in that module's backward span, from the first call under the mode
+    on (the reference: the hook itself, which knows whose it is); commspan's own hook
+    is gone once the mode is left."""
+    model = _Pair()
+    target, name = (model.second, "_Pair.second") if where == "child" else (model, "_Pair")
+    issued: list[str] = []
+
+    def pre_hook(module: nn.Module, grad_output: Any) -> None:
+        issued.append(name)
+        funcol.all_reduce(grad_output[0], "sum", dist.group.WORLD)
+
+    target.register_full_backward_pre_hook(pre_hook)
+    mode, exporter = traced_mode()
+    with mode:
+        for step in range(2):
+            with mode.step(step):
+                model(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    spans = list(exporter.get_finished_spans())
+    assert_well_formed(spans)
+    assert issued == [name, name]
+    on = [(fqn(s), phase(s)) for s in spans for e in s.events if e.name == "all_reduce"]
+    assert on == [(name, "backward")] * 2
+    assert mode.stats()["internal_errors"] == 0
+    assert list(target._backward_pre_hooks.values()) == [pre_hook]
+
+
+def test_exception_in_a_full_backward_pre_hook_is_on_the_modules_backward() -> None:
+    """A full backward pre-hook that raises: the error reaches the caller and its
+    event is on the module's backward span, ERROR."""
+
+    def pre_hook(module: nn.Module, grad_output: Any) -> None:
+        raise ValueError("bad gradient")
+
+    model = _Pair()
+    model.second.register_full_backward_pre_hook(pre_hook)
+    mode, exporter = traced_mode()
+    with pytest.raises(ValueError, match="bad gradient"), mode:
+        model(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    spans = list(exporter.get_finished_spans())
+    with_event = [(fqn(s), phase(s)) for s in spans for e in s.events
+                  if e.name == semconv.EVENT_EXCEPTION]
+    assert with_event == [("_Pair.second", "backward")]
+    (second,) = [s for s in spans if (fqn(s), phase(s)) == ("_Pair.second", "backward")]
+    assert second.status.status_code is StatusCode.ERROR

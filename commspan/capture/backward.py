@@ -137,6 +137,7 @@ class _Call:
         "local",
         "on_graph",
         "on_leaf",
+        "bw_hooked",
         "__weakref__",  # hooks on leaf tensors hold the call weakly
     )
 
@@ -162,6 +163,7 @@ class _Call:
         self.local: Any = None  # handle of the forward hook that closes this call, if any
         self.on_graph = False  # a pre-hook on an autograd node holds it
         self.on_leaf = False  # a hook on a leaf tensor watches it (weakly)
+        self.bw_hooked = False  # commspan's module backward pre-hook serves this call
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
