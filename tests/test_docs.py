@@ -12,6 +12,8 @@ import pytest
 
 import commspan
 
+pytest_plugins = ["pytester"]
+
 REPO = Path(__file__).resolve().parent.parent
 _BLOCK = re.compile(r"^```python\n(.*?)^```", re.MULTILINE | re.DOTALL)
 _LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
@@ -41,6 +43,19 @@ def test_readme_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ca
     assert out.startswith("Global\n") and "Sequential.2" in out
     assert (tmp_path / "commspan-out" / "commspan-rank0.jsonl").stat().st_size > 0
     namespace["mode"].shutdown()  # type: ignore[attr-defined]
+
+
+def test_readme_test_snippets_pass(pytester: pytest.Pytester) -> None:
+    """README's "In tests" blocks are whole test files: each passes under pytest as
+    written (every name imported), the golden-file one after
+    ``--commspan-update-golden`` has written its file."""
+    blocks = [b for b in python_blocks(REPO / "README.md") if "\ndef test_" in b]
+    assert len(blocks) == 2, "README.md's test blocks changed: update this test"
+    pytester.makepyfile(**{f"test_readme_{i}": b for i, b in enumerate(blocks)})
+    args = ("-p", "no:cacheprovider", "--strict-markers")
+    pytester.runpytest_subprocess(*args, "--commspan-update-golden").assert_outcomes(passed=2)
+    assert (pytester.path / "golden" / "tp.txt").stat().st_size > 0
+    pytester.runpytest_subprocess(*args).assert_outcomes(passed=2)
 
 
 @pytest.mark.parametrize("name", ["jsonl.md", "design.md", "views.md"])
