@@ -364,6 +364,23 @@ def test_assert_well_formed_catches_a_broken_tree(breakage: str, message: str) -
         assert_well_formed(spans)
 
 
+def test_assert_well_formed_refuses_what_is_not_sdk_spans() -> None:
+    """Spans read back from a file (SpanRecord), or a single span, are a TypeError naming
+    ``spans``, what was given and what to pass, not an AttributeError from inside."""
+    from commspan.exporters import SpanRecord
+
+    record = SpanRecord("Linear forward", "1", "2", "", 0, 1, {})
+    with pytest.raises(TypeError, match=r"spans\[0\] is a SpanRecord \(a span read back "
+                       r"from a JSONL file.*commspan_capture\.spans"):
+        assert_well_formed([record])
+    span = _linear_spans()[0]
+    with pytest.raises(TypeError, match=r"spans=.* not a ReadableSpan; pass the SDK spans"):
+        assert_well_formed(span)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"spans\[0\] is a SpanRecord.*not the "
+                       r"OpenTelemetry ReadableSpan SpanTree takes"):
+        SpanTree(iter([record]))
+
+
 def test_assert_well_formed_checks_under_python_O(tmp_path: Path) -> None:
     """Under ``python -O`` (assert statements stripped) a broken tree still fails."""
     import subprocess

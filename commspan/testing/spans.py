@@ -70,6 +70,24 @@ def collective_events(span: ReadableSpan) -> list[Event]:
     return [e for e in span.events if semconv.COLL_OP in (e.attributes or {})]
 
 
+def _sdk_spans(spans: Iterable[ReadableSpan], where: str) -> list[ReadableSpan]:
+    """``spans`` as a list, refused with a TypeError (naming ``spans``, what was given and
+    what to pass) unless it is an iterable of OpenTelemetry SDK spans."""
+    what = ("pass the SDK spans a mode finished: `commspan_capture.spans` (or "
+            "`capture().spans`), or an in-memory exporter's `get_finished_spans()`")
+    if isinstance(spans, (str, bytes, ReadableSpan)) or not isinstance(spans, Iterable):
+        raise TypeError(f"spans={spans!r} is not valid for {where}: it takes a list of "
+                        f"spans, not a {type(spans).__name__}; {what}")
+    out = list(spans)
+    for i, span in enumerate(out):
+        if not isinstance(span, ReadableSpan):
+            read_back = (" (a span read back from a JSONL file, which this check does not "
+                         "take)" if type(span).__name__ == "SpanRecord" else "")
+            raise TypeError(f"spans[{i}] is a {type(span).__name__}{read_back}, not the "
+                            f"OpenTelemetry ReadableSpan {where} takes; {what}")
+    return out
+
+
 def _key(span: ReadableSpan) -> tuple[int, int]:
     return span.context.trace_id, span.context.span_id
 
@@ -78,7 +96,11 @@ class SpanTree:
     """Finished spans indexed by ``(trace id, span id)``.
 
     Args:
-        spans: the spans, in any order.
+        spans: the SDK spans (``ReadableSpan``), in any order.
+
+    Raises:
+        TypeError: ``spans`` is not an iterable of ``ReadableSpan`` (e.g. the
+            ``SpanRecord`` objects ``read_spans`` returns).
 
     Attributes:
         spans: the spans, as given.
@@ -87,7 +109,7 @@ class SpanTree:
     """
 
     def __init__(self, spans: Iterable[ReadableSpan]) -> None:
-        self.spans = list(spans)
+        self.spans = _sdk_spans(spans, "SpanTree")
         self.by_id = {_key(s): s for s in self.spans}
         self.children: dict[tuple[int, int], list[ReadableSpan]] = defaultdict(list)
         for s in self.spans:
@@ -153,13 +175,20 @@ def assert_well_formed(spans: Iterable[ReadableSpan]) -> None:
 
     The checks are explicit (``python -O`` keeps them).
 
+    It checks the OpenTelemetry SDK spans (``ReadableSpan``) of one process: a
+    capture's (``commspan_capture.spans``, ``capture().spans``) or an
+    in-memory exporter's ``get_finished_spans()``. The ``SpanRecord`` objects
+    :func:`commspan.exporters.read_spans` returns are not taken (the files of
+    other ranks hold rank spans whose step root only rank 0 writes).
+
     Args:
         spans: every span of the traces to check (a trace's root included).
 
     Raises:
         AssertionError: a rule is broken; the message names the rule and the span.
+        TypeError: ``spans`` is not an iterable of ``ReadableSpan``.
     """
-    tree = SpanTree(spans)
+    tree = SpanTree(_sdk_spans(spans, "assert_well_formed"))
     if not tree.spans:
         raise AssertionError("no spans to check: read them after the mode's `with` block "
                              "has ended (and its exporters flushed)")
