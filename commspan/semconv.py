@@ -370,7 +370,9 @@ ATTRIBUTES: dict[str, str] = {
     RUN_ID: "Run identifier shared by all ranks of one run (resource and rank span).",
     STEP: "Step index given to ``mode.step(i)`` (step root and rank span).",
     RANK: "Global rank of the process (resource and rank span).",
-    LOCAL_RANK: "Rank within the node (resource).",
+    LOCAL_RANK: "Rank within the node, from ``LOCAL_RANK`` (torchrun sets it); 0 for a "
+                "world of one rank; absent when unknown: no ``LOCAL_RANK`` in a world of "
+                "several ranks (resource).",
     WORLD_SIZE: "Number of ranks (resource and rank span).",
     SCHEMA: "commspan span schema version (rank span).",
     MODULE_FQN: "Module name: root class name + dotted path, e.g. ``MLPModule.net2``; "

@@ -127,6 +127,29 @@ def test_commspan_ids_ignore_environment_and_provider(
     assert "commspan.rank, commspan.run_id, commspan.world_size" in warnings[0]
 
 
+def test_local_rank_comes_from_LOCAL_RANK_or_is_left_out(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """commspan.local_rank is LOCAL_RANK (torchrun's); without it, 0 for a lone process and
+    absent in a world of several ranks (mp.spawn, srun), not a 0 on every rank."""
+    from commspan.testing import fake_process_group
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    if _world() == 1:
+        assert _resource()["commspan.local_rank"] == 0
+    with fake_process_group(world_size=4, rank=0):  # (the session-wide one, if any)
+        assert "commspan.local_rank" not in _resource()
+        monkeypatch.setenv("LOCAL_RANK", "1")
+        assert _resource()["commspan.local_rank"] == 1
+        monkeypatch.delenv("LOCAL_RANK")
+        # resource_attributes= may set it, or leave it out
+        assert _resource(resource_attributes={"commspan.local_rank": 3})[
+            "commspan.local_rank"] == 3
+        monkeypatch.setenv("LOCAL_RANK", "1")
+        assert "commspan.local_rank" not in _resource(
+            resource_attributes={"commspan.local_rank": None})
+
+
 def test_argument_may_override_the_rank_to_simulate_ranks() -> None:
     """resource_attributes= may set commspan.rank (one process writing several ranks' files)."""
     assert _resource(resource_attributes={"commspan.rank": 3})["commspan.rank"] == 3

@@ -20,25 +20,41 @@ __all__ = ["Ranks", "process_ranks"]
 
 
 class Ranks(NamedTuple):
-    """Where this process sits in the job."""
+    """Where this process sits in the job.
+
+    Attributes:
+        local_rank: the rank within the node, ``None`` when unknown.
+    """
 
     rank: int
-    local_rank: int
+    local_rank: int | None
     world_size: int
 
 
 def process_ranks() -> Ranks:
-    """From torch.distributed when it is initialised, else ``RANK``,
-    ``LOCAL_RANK`` and ``WORLD_SIZE`` (torchrun's variables); ``(0, 0, 1)``
-    when none is set."""
-    local = int(os.environ.get("LOCAL_RANK", "0") or 0)
+    """Rank and world size from torch.distributed when it is initialised, else
+    ``RANK`` and ``WORLD_SIZE`` (torchrun's variables), ``0`` and ``1`` when unset.
+
+    The local rank comes from ``LOCAL_RANK`` only (torchrun sets it; torch
+    knows no other source): without it, it is ``0`` for a world of one rank and
+    ``None`` (unknown) otherwise, e.g. under ``mp.spawn`` or ``srun``."""
+    env_local = os.environ.get("LOCAL_RANK", "")
+    local = int(env_local) if env_local else None
     try:
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
-            return Ranks(int(dist.get_rank()), local, int(dist.get_world_size()))
+            world = int(dist.get_world_size())
+            return Ranks(int(dist.get_rank()), _local(local, world), world)
     except Exception:
         pass
     rank = int(os.environ.get("RANK", "0") or 0)
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    return Ranks(rank, local, world)
+    return Ranks(rank, _local(local, world), world)
+
+
+def _local(local: int | None, world: int) -> int | None:
+    """``LOCAL_RANK``'s value; without it ``0`` when the process is alone, else unknown."""
+    if local is None and world == 1:
+        return 0
+    return local

@@ -222,6 +222,8 @@ def _resource_attributes(attributes: Mapping[str, Any] | None) -> dict[str, Any]
             "every rank derive from it)"
         )
     for key in _OWN_RESOURCE_KEYS:
+        if key == semconv.LOCAL_RANK and key in out and out[key] is None:
+            continue  # may be left out, as commspan does when it is unknown
         if key in out and out[key] is None:
             raise ValueError(
                 f"resource_attributes[{key!r}]=None is not accepted; readers need "
@@ -233,7 +235,8 @@ def _resource_attributes(attributes: Mapping[str, Any] | None) -> dict[str, Any]
             if n is None or n < least:
                 raise ValueError(
                     f"resource_attributes[{key!r}]={out[key]!r} is not valid; pass an int "
-                    f">= {least} (or leave it out: commspan reads it from torch.distributed)"
+                    f">= {least} (or leave it out: commspan reads it from "
+                    + ("LOCAL_RANK)" if key == semconv.LOCAL_RANK else "torch.distributed)")
                 )
             out[key] = n
     rank, world = out.get(semconv.RANK), out.get(semconv.WORLD_SIZE)

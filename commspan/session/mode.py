@@ -178,11 +178,12 @@ class CommSpanMode:
             ``commspan``, ``service.instance.id`` = the rank, ``host.name``,
             ``process.pid``). A value of ``None`` leaves the key out, e.g.
             ``{"host.name": None, "process.pid": None}`` to send neither.
-            ``commspan.rank``, ``commspan.local_rank`` and ``commspan.world_size``
-            come from torch.distributed (or ``RANK``/``LOCAL_RANK``/
-            ``WORLD_SIZE``); only this argument can override them (e.g. to
-            simulate ranks in one process), the environment and the provider
-            cannot. ``commspan.run_id`` is set with ``run_id=``.
+            ``commspan.rank`` and ``commspan.world_size`` come from
+            torch.distributed (or ``RANK``/``WORLD_SIZE``), ``commspan.local_rank``
+            from ``LOCAL_RANK`` (left out when unset in a world of several
+            ranks); only this argument can override them (e.g. to simulate
+            ranks in one process), the environment and the provider cannot.
+            ``commspan.run_id`` is set with ``run_id=``.
         export_queue_size: spans each exporter queue holds before dropping.
         flush_timeout_s: the most leaving the context waits for exporters, in
             seconds (``float("inf")``: until done); it does not wait for an

@@ -86,6 +86,8 @@ def build_resource(
             "the run id)", ", ".join(ignored),
         )
     attrs.update(own)
+    if ranks.local_rank is None:  # unknown (no LOCAL_RANK in a world of several ranks)
+        del attrs[semconv.LOCAL_RANK]
     for key, value in extra.items():
         if value is None:
             attrs.pop(key, None)
