@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import re
 import types
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -76,6 +78,20 @@ def test_top_level_api() -> None:
     assert {"CommSpanMode", "Aggregator", "Phase"} <= set(commspan.__all__)
     assert "__version__" in commspan.__all__
     assert isinstance(commspan.__version__, str) and commspan.__version__.count(".") == 2
+
+
+def test_every_public_name_is_in_the_api_page() -> None:
+    """docs/api.md lists every name of the public modules' ``__all__`` (and only theirs)."""
+    page = (Path(__file__).resolve().parent.parent / "docs" / "api.md").read_text()
+    sections = dict(re.findall(r"^## `([\w.]+)`\n(.*?)(?=^## |\Z)", page, re.M | re.S))
+    modules = [*PUBLIC_MODULES, "commspan.analysis", "commspan.capture"]
+    assert sorted(sections) == sorted(modules)
+    missing = {
+        name: [n for n in _module(name).__all__
+               if not re.search(rf"`{re.escape(n)}`", sections[name])]
+        for name in modules
+    }
+    assert not any(missing.values()), f"docs/api.md does not list {missing}"
 
 
 def test_exporters_api() -> None:

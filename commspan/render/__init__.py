@@ -8,14 +8,24 @@
   Format that ui.perfetto.dev and chrome://tracing open: one process per rank,
   module spans and collectives as slices, flow arrows joining each collective
   across ranks.
-- :mod:`commspan.render.findings`: the terminal text of ``check`` and
-  ``stragglers`` results (their JSON comes from the results' ``to_dict``).
+- :func:`~commspan.render.findings.format_check` and
+  :func:`~commspan.render.findings.format_stragglers`: the terminal text of
+  ``check`` and ``stragglers`` results (their JSON comes from the results'
+  ``to_dict``).
 
 Both read the JSONL files written by ``JsonlSpanExporter`` (or span records
 already read); see ``docs/views.md``.
 """
 
+from commspan.render.findings import format_check, format_stragglers
 from commspan.render.html import html_report, write_html_report
 from commspan.render.perfetto import chrome_trace, write_chrome_trace
 
-__all__ = ["chrome_trace", "html_report", "write_chrome_trace", "write_html_report"]
+__all__ = [
+    "chrome_trace",
+    "format_check",
+    "format_stragglers",
+    "html_report",
+    "write_chrome_trace",
+    "write_html_report",
+]
