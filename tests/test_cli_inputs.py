@@ -425,7 +425,7 @@ def test_plan_import_errors_name_the_target(
     plan = tmp_path / "needs.py"
     plan.write_text("import nosuchthing_zz\n\ndef setup():\n    pass\n")
     code, _, err = _cli(capsys, "plan", f"{plan}:setup", "--world", "2")
-    assert code == 1 and f"TARGET '{plan}:setup': importing" in err
+    assert code == 1 and f"FILE.py:FUNCTION '{plan}:setup': importing" in err
     assert "No module named 'nosuchthing_zz'" in err
     code, _, err = _cli(capsys, "plan", "nosuch_mod_zz:setup", "--world", "2")
     assert code == 1 and "no module 'nosuch_mod_zz'" in err

@@ -138,7 +138,7 @@ def test_cli_plan_of_the_example() -> None:
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["nope"], "TARGET 'nope' is not valid"),
+    (["nope"], "FILE.py:FUNCTION 'nope' is not valid"),
     (["examples/missing.py:setup"], "examples/missing.py is not a file"),
     (["examples/plan_at_scale.py:nothing"], "has no function 'nothing'"),
     (["examples/plan_at_scale.py:setup", "--world", "12"],
@@ -149,6 +149,26 @@ def test_cli_plan_errors_are_one_line(argv: list[str], message: str) -> None:
     assert done.returncode == 1
     assert message in done.stderr and "Traceback" not in done.stderr
     assert done.stdout == ""
+
+
+@pytest.mark.parametrize(("source", "message"), [
+    ("def setup():\n    raise RuntimeError('boom in setup')\n",
+     "RuntimeError: {target} raised RuntimeError at {file}:2: boom in setup"),
+    ("def setup():\n    def step():\n        raise RuntimeError('boom in step')\n"
+     "    return step\n",
+     "RuntimeError: the step {target} returned raised RuntimeError at {file}:3: boom in step"),
+    ("def setup():\n    return 3\n",
+     "RuntimeError: FILE.py:FUNCTION '{target}': TypeError: setup returned int, not the step"),
+])
+def test_cli_plan_says_whether_setup_or_its_step_raised(
+    tmp_path: Path, source: str, message: str
+) -> None:
+    """An exception in the step is the step's, not blamed on the setup function."""
+    plan = tmp_path / "badplan.py"
+    plan.write_text(source)
+    done = _cli(f"{plan}:setup", "--world", "2")
+    assert done.returncode == 1 and done.stdout == "" and "Traceback" not in done.stderr
+    assert message.format(target=f"{plan}:setup", file=plan) in done.stderr, done.stderr
 
 
 def test_example_prints_a_512_rank_plan() -> None:

@@ -490,11 +490,32 @@ def plan(args: argparse.Namespace, reader: Reader) -> Outcome:
     from commspan.session.plan import plan_step
 
     setup = _load_function(args.target)
+    running = [""]  # which of the user's functions runs: "setup", "step" or neither
+
+    def watched_setup() -> Any:
+        running[0] = "setup"
+        step = setup()
+        running[0] = ""
+        if not callable(step):
+            return step  # (plan_step says what is wrong with it)
+
+        def watched_step() -> Any:
+            running[0] = "step"
+            out = step()
+            running[0] = ""
+            return out
+        return watched_step
+
     try:
-        result = plan_step(setup, world_size=args.world, rank=args.rank,
+        result = plan_step(watched_setup, world_size=args.world, rank=args.rank,
                            warmup_steps=args.warmup)
     except Exception as exc:
-        raise PlanError(f"{args.target} raised {type(exc).__name__}{_where(exc)}: {exc}") from None
+        who = {"setup": f"{args.target} raised",
+               "step": f"the step {args.target} returned raised"}.get(running[0])
+        if who is None:  # plan_step's own check (setup returned no step, a group exists)
+            raise PlanError(f"FILE.py:FUNCTION {args.target!r}: {type(exc).__name__}: "
+                            f"{exc}") from None
+        raise PlanError(f"{who} {type(exc).__name__}{_where(exc)}: {exc}") from None
     return Outcome(_json(result.to_dict()) if args.json else result.table())
 
 
@@ -549,20 +570,21 @@ def _where(exc: BaseException) -> str:
 
 
 def _load_function(target: str) -> Callable[[], Any]:
-    """``FILE.py:FUNCTION`` or ``MODULE:FUNCTION`` -> the function (errors name TARGET)."""
+    """``FILE.py:FUNCTION`` or ``MODULE:FUNCTION`` -> the function (errors name the
+    argument as the usage line does, ``FILE.py:FUNCTION``)."""
     import importlib
     import importlib.util
     import sys
 
     where, sep, name = target.rpartition(":")
     if not sep or not where or not name.isidentifier():
-        raise ValueError(f"TARGET {target!r} is not valid; pass FILE.py:FUNCTION or "
+        raise ValueError(f"FILE.py:FUNCTION {target!r} is not valid; pass FILE.py:FUNCTION or "
                          "MODULE:FUNCTION, e.g. examples/plan_at_scale.py:setup")
     try:
         if where.endswith(".py") or os.sep in where or "/" in where:
             path = Path(where)
             if not path.is_file():
-                raise FileNotFoundError(f"TARGET {target!r}: {where} is not a file")
+                raise FileNotFoundError(f"FILE.py:FUNCTION {target!r}: {where} is not a file")
             spec = importlib.util.spec_from_file_location(f"_commspan_plan_{path.stem}", path)
             assert spec is not None and spec.loader is not None
             module = importlib.util.module_from_spec(spec)
@@ -577,17 +599,17 @@ def _load_function(target: str) -> Callable[[], Any]:
     except ModuleNotFoundError as exc:
         if exc.name and where.replace("/", ".").removesuffix(".py").endswith(exc.name):
             raise ModuleNotFoundError(
-                f"TARGET {target!r}: no module {where!r}; pass FILE.py:FUNCTION or an "
+                f"FILE.py:FUNCTION {target!r}: no module {where!r}; pass FILE.py:FUNCTION or an "
                 "importable MODULE:FUNCTION") from None
         raise ModuleNotFoundError(
-            f"TARGET {target!r}: importing {where} failed: {exc} (install it, or run "
+            f"FILE.py:FUNCTION {target!r}: importing {where} failed: {exc} (install it, or run "
             "from the directory it imports from)") from None
     except Exception as exc:
         raise PlanError(f"importing {where} raised {type(exc).__name__}{_where(exc)}: "
                         f"{exc}") from None
     function = getattr(module, name, None)
     if not callable(function):
-        raise AttributeError(f"TARGET {target!r}: {where} has no function {name!r}")
+        raise AttributeError(f"FILE.py:FUNCTION {target!r}: {where} has no function {name!r}")
     return function  # type: ignore[no-any-return]
 
 
