@@ -434,10 +434,13 @@ def test_plan_import_errors_name_the_target(
 def test_usage_errors_show_the_commands_usage(
     packed_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Rules checked after parsing (diff of one folder, --run twice) answer with the
-    command's usage line, as argparse's own errors do."""
+    """Rules checked after parsing (diff of one folder, --run twice) and options the
+    command does not take (digest --json) answer with the command's usage line, as
+    argparse's own errors of a known option's value do."""
     for argv, command in ((["diff", str(packed_dir)], "diff"),
-                          (["summary", str(packed_dir), "--run", "a", "--run", "b"], "summary")):
+                          (["summary", str(packed_dir), "--run", "a", "--run", "b"], "summary"),
+                          (["digest", str(packed_dir), "--json"], "digest"),
+                          (["plan", "x.py:setup", "--world", "2", "--step", "0"], "plan")):
         with pytest.raises(SystemExit) as exc:
             main(argv)
         err = capsys.readouterr().err

@@ -121,10 +121,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         ``commspan table out/ --rank all`` prints the module table of every rank's
         files summed.
     """
-    from commspan.cli.parser import build_parser, check_usage
+    from commspan.cli.parser import build_parser, check_usage, parse_args
 
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     check_usage(parser, args)
     try:
         return _run(args)

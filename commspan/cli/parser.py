@@ -15,7 +15,7 @@ from commspan import __version__
 from commspan.analysis.runs import StepRange
 from commspan.render.details import SHOW_FIELDS
 
-__all__ = ["build_parser", "check_usage"]
+__all__ = ["build_parser", "check_usage", "parse_args"]
 
 _EPILOG = (
     "Exit status: 0 ok; 1 an error, damaged lines skipped or no commspan span (check: "
@@ -247,6 +247,17 @@ def _command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.A
             found: argparse.ArgumentParser = action.choices[command]
             return found
     return parser
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """``parser.parse_args(argv)``, but arguments no command knows (``digest --json``)
+    are refused with the command's own usage, which lists its options, not the
+    top-level one argparse would show. Exits with status 2."""
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        _command_parser(parser, args.command).error(
+            f"unrecognized arguments: {' '.join(unknown)}")
+    return args
 
 
 def check_usage(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
