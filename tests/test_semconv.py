@@ -47,6 +47,14 @@ def test_schema_doc_lists_every_attribute_and_phase() -> None:
     assert f"Schema version **{semconv.SCHEMA_VERSION}**" in text
 
 
+def test_schema_doc_is_markdown_not_docstring_markup() -> None:
+    """No Sphinx role (:data:`X`) leaks into docs/schema.md, and a docstring that follows
+    "Label: " mid-sentence does not start with a capital (": Prefix of ...")."""
+    text = (REPO / "docs" / "schema.md").read_text(encoding="utf-8")
+    assert not re.findall(r":(?:data|func|class|meth|attr|mod):`", text)
+    assert not re.findall(r"(?:roll-ups|attributes|`Global`): [A-Z][a-z]", text)
+
+
 def test_every_attribute_constant_is_documented() -> None:
     """Each ``commspan.*`` / OpenTelemetry key constant in semconv has an ATTRIBUTES entry."""
     keys = {

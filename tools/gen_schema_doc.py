@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -50,9 +51,21 @@ def _constant_docs(source: str) -> dict[str, str]:
     return docs
 
 
+_ROLE = re.compile(r":(?:data|func|class|meth|attr|mod):`~?([^`]+)`")
+
+
 def _cell(text: str) -> str:
-    """Make reST-ish docstring text fit a Markdown table cell."""
-    return text.replace("``", "`").replace("|", "\\|")
+    """Make reST-ish docstring text fit a Markdown table cell: ``literal`` and
+    Sphinx roles (:data:`NAME`) become `code`."""
+    return _ROLE.sub(r"`\1`", text.replace("``", "`")).replace("|", "\\|")
+
+
+def _after_colon(text: str) -> str:
+    """Docstring text to follow "Label: " mid-sentence: its first word in lower case
+    (``Prefix of`` -> ``prefix of``), unless that word is an acronym or code."""
+    if len(text) > 1 and text[0].isupper() and text[1].islower():
+        return text[0].lower() + text[1:]
+    return text
 
 
 def generate() -> str:
@@ -105,7 +118,7 @@ def generate() -> str:
             "span per rank → that rank's module spans. All ranks derive the same trace id "
             "from the run id and the step, so they share one trace without communicating. "
             f"The rank span's `{semconv.MODULE_FQN}` is `{semconv.GLOBAL_FQN}`: "
-            f"{_cell(docs.get('GLOBAL_FQN', ''))}"
+            f"{_after_colon(_cell(docs.get('GLOBAL_FQN', '')))}"
         ),
         "",
         (
@@ -192,11 +205,11 @@ def generate() -> str:
         out.append(f"| `{key}` | {f'`{const}`' if const else ''} | {_cell(meaning)} |")
     out += [
         "",
-        f"Count attributes: {_cell(docs.get('COUNT_PREFIX', ''))}",
+        f"Count attributes: {_after_colon(_cell(docs.get('COUNT_PREFIX', '')))}",
         "",
-        f"Byte roll-ups: {_cell(docs.get('BYTES_PREFIX', ''))}",
+        f"Byte roll-ups: {_after_colon(_cell(docs.get('BYTES_PREFIX', '')))}",
         "",
-        f"Collective-time roll-ups: {_cell(docs.get('COMM_TIME_PREFIX', ''))}",
+        f"Collective-time roll-ups: {_after_colon(_cell(docs.get('COMM_TIME_PREFIX', '')))}",
         "",
         (
             "The resource of every span also carries the OpenTelemetry keys "
