@@ -16,7 +16,9 @@ pytest_plugins = ["pytester"]
 
 REPO = Path(__file__).resolve().parent.parent
 _BLOCK = re.compile(r"^```python\n(.*?)^```", re.MULTILINE | re.DOTALL)
-_LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+_LINK = re.compile(r"\]\(([^)\s]*)\)")
+_FENCE = re.compile(r"^```.*?^```", re.MULTILINE | re.DOTALL)
+_DOCS = sorted([REPO / "README.md", *(REPO / "docs").glob("*.md")])
 
 
 def python_blocks(path: Path) -> list[str]:
@@ -67,25 +69,40 @@ def test_docs_examples_run(name: str, tmp_path: Path, monkeypatch: pytest.Monkey
     run_blocks(REPO / "docs" / name)
 
 
-@pytest.mark.parametrize(
-    "doc",
-    [
-        "README.md",
-        "docs/design.md",
-        "docs/jsonl.md",
-        "docs/parallelisms.md",
-        "docs/schema.md",
-        "docs/views.md",
-    ],
-)
-def test_relative_links_resolve(doc: str) -> None:
-    """Every relative link in the documentation points at a file of the repository."""
-    path = REPO / doc
-    broken = [
-        target
-        for target in _LINK.findall(path.read_text(encoding="utf-8"))
-        if "://" not in target and not (path.parent / target).exists()
-    ]
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a heading: markup dropped, lower case, punctuation dropped,
+    spaces as dashes."""
+    text = re.sub(r"[`*_]|\[|\]\([^)]*\)", "", heading.strip()).lower()
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def _anchors(path: Path) -> set[str]:
+    """The anchors of a Markdown file's headings (a repeated one gets -1, -2, ...)."""
+    seen: dict[str, int] = {}
+    out = set()
+    text = _FENCE.sub("", path.read_text(encoding="utf-8"))
+    for heading in re.findall(r"^#{1,6}\s+(.*)$", text, re.MULTILINE):
+        slug = _slug(heading)
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+@pytest.mark.parametrize("path", _DOCS, ids=lambda p: str(p.relative_to(REPO)))
+def test_relative_links_resolve(path: Path) -> None:
+    """Every relative link (and image) in README.md and docs/*.md points at a file of the
+    repository, and its #anchor at a heading of that file."""
+    broken = []
+    for target in _LINK.findall(_FENCE.sub("", path.read_text(encoding="utf-8"))):
+        if "://" in target or target.startswith("mailto:"):
+            continue
+        file, _, anchor = target.partition("#")
+        dest = path.parent / file if file else path
+        if not dest.exists():
+            broken.append(target)
+        elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+            broken.append(target)
     assert not broken
 
 

@@ -128,7 +128,7 @@ def _selection(p: argparse.ArgumentParser, twice: bool) -> None:
 
 def _files(p: argparse.ArgumentParser) -> None:
     p.add_argument("files", nargs="+", metavar="FILES",
-                   help="JSONL files or directories of *.jsonl files")
+                   help="JSONL files (.jsonl, .jsonl.gz) or directories of them")
 
 
 def _rank_option(p: argparse.ArgumentParser, required_note: str) -> None:
@@ -185,7 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="findings to show: the output of `commspan check --json`")
     html.add_argument("--check", action="store_true",
                       help="run `commspan check` on the same files and show its findings")
-    html.add_argument("--title", help="page title (default: commspan report)")
+    html.add_argument("--title", metavar="TEXT",
+                      help="page title (default: commspan report)")
     commands["perfetto"].add_argument("-o", "--output", required=True, metavar="PATH",
                                       help="the trace file to write (.json, or .json.gz)")
     commands["stragglers"].add_argument(
@@ -206,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="write the digest of JSONL files written without one, so that summary, "
              "table and check read them fast")
     digest.add_argument("files", nargs="+", metavar="FILES",
-                        help="JSONL files or directories of *.jsonl files")
+                        help="JSONL files (.jsonl, .jsonl.gz) or directories of them")
 
     plan = sub.add_parser(
         "plan", epilog=_EPILOG,

@@ -93,7 +93,7 @@ def otlp_exporter(
 
     Example:
         >>> from commspan.exporters import otlp_exporter
-        >>> otlp_exporter(endpoint="localhost:4318")
+        >>> otlp_exporter(endpoint="localhost:4318")  # doctest: +NORMALIZE_WHITESPACE
         Traceback (most recent call last):
           ...
         ValueError: endpoint='localhost:4318' is not a valid OTLP/HTTP endpoint: it has no
