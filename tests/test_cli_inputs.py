@@ -14,6 +14,7 @@ import gzip
 import json
 import os
 import shutil
+import zlib
 from pathlib import Path
 
 import pytest
@@ -467,6 +468,52 @@ def test_of_a_copy_and_a_grown_file_the_grown_one_is_read(
     plain.write_bytes(b"".join(lines))
     assert {f.name for f in jsonl_files(folder)} == {
         "commspan-rank0.jsonl", "commspan-rank1.jsonl.gz"}
+
+
+def _members(data: bytes) -> list[bytes]:
+    """A compressed file cut into its gzip members (one per line)."""
+    out = []
+    while data:
+        d = zlib.decompressobj(31)
+        d.decompress(data)
+        out.append(data[:len(data) - len(d.unused_data)])
+        data = d.unused_data
+    return out
+
+
+@pytest.mark.parametrize("copy", ["gunzip-k", "cp"])
+@pytest.mark.parametrize("held", ["all", "fewer"])
+def test_a_copy_beside_a_compressed_file_being_written_is_read_once(
+    packed_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], copy: str,
+    held: str,
+) -> None:
+    """The rank's ``.jsonl.gz`` is being written (its last line cut mid-member) beside
+    a copy taken earlier (``gunzip -k``, or ``cp`` of the compressed file), holding all
+    its whole lines or fewer: the copy is left out as when the file is whole (the cut
+    member used to make the two differ, and the rank was counted twice)."""
+    folder = tmp_path / copy
+    shutil.copytree(packed_dir, folder)
+    packed = folder / "commspan-rank0.jsonl.gz"
+    members = _members(packed.read_bytes())
+    assert len(members) >= 2
+    taken = b"".join(members if held == "all" else members[:-1])
+    if copy == "gunzip-k":
+        kept, copied = packed, folder / "commspan-rank0.jsonl"
+        copied.write_bytes(gzip.decompress(taken))
+    else:
+        kept, copied = folder / "commspan-rank0.jsonl.gz", folder / "rank0-copy.jsonl.gz"
+        copied.write_bytes(taken)
+    packed.write_bytes(b"".join(members) + members[-1][: len(members[-1]) // 2])
+    whole = tmp_path / "whole"  # the reference: the lines the folder holds, once
+    whole.mkdir()
+    (whole / "rank0.jsonl.gz").write_bytes(b"".join(members))
+    expected = _raw_collectives(whole / "rank0.jsonl.gz", folder / "commspan-rank1.jsonl.gz")
+    code, out, err = _cli(capsys, "summary", str(folder), "--rank", "all", "--json")
+    assert code == 0 and json.loads(out)["total"] == expected
+    assert f"not reading {copied} (read {kept})" in err
+    assert {f.name for f in jsonl_files(folder, notes=[])} == {
+        kept.name, "commspan-rank1.jsonl.gz"}
+    assert Aggregator.from_jsonl(folder, rank="all").total_count() == expected
 
 
 @pytest.mark.skipif(not Path("/proc/self/mem").exists(), reason="needs Linux's /proc")

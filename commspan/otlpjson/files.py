@@ -181,25 +181,126 @@ def _head(path: Path) -> bytes:
 _CHUNK = 1 << 20
 
 
+class _Lines:
+    """A file's bytes as the readers read its lines: a compressed file's members
+    decompressed in turn, up to one that cannot be (the file ends inside it: a line
+    being written; or it is damaged), whose bytes are no line of the file.
+
+    ``whole`` counts the bytes of whole members read so far (every byte read, for a
+    plain file); once ``done``, the file's lines are its first ``whole`` bytes.
+    ``more``: a damaged member has bytes after it (lines the readers read too).
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.f = open(path, "rb")
+        self.gz = self.f.read(len(GZIP_MAGIC)) == GZIP_MAGIC
+        self.f.seek(0)
+        self.whole = self.given = 0
+        self.done = self.more = False
+        self.d: Any = None
+        self.buf = b""
+
+    def __enter__(self) -> _Lines:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.f.close()
+
+    def read(self, size: int) -> bytes:
+        """Up to ``size`` bytes (fewer only at the end: ``b""`` once ``done``)."""
+        if not self.gz:
+            data: bytes = self.f.read(size)
+            self.whole += len(data)
+            self.done = not data
+            return data
+        out: list[bytes] = []
+        n = 0
+        while n < size and not self.done:
+            data = self._decompress(size - n)
+            out.append(data)
+            n += len(data)
+        return b"".join(out)
+
+    def _decompress(self, size: int) -> bytes:
+        if not self.buf:
+            self.buf = self.f.read(_CHUNK)
+        if self.d is None:  # a member starts
+            while 0 < len(self.buf) < len(GZIP_MAGIC) and (more := self.f.read(_CHUNK)):
+                self.buf += more
+            if not self.buf:
+                self.done = True  # the file ends after a whole member
+                return b""
+            if not self.buf.startswith(GZIP_MAGIC):  # a cut header, or not a member
+                self.done = True
+                self.more = not GZIP_MAGIC.startswith(self.buf)
+                return b""
+            self.d = zlib.decompressobj(31)
+        fed = self.buf
+        try:
+            data = self.d.decompress(fed, size)
+        except zlib.error:
+            self.done = self.more = True
+            return b""
+        self.given += len(data)
+        if self.d.eof:
+            self.buf = self.d.unused_data
+            self.whole = self.given
+            self.d = None
+        else:
+            self.buf = self.d.unconsumed_tail
+            if not fed and not data:  # the file ends inside a member: a line being written
+                self.done = True
+        return data
+
+    def settle(self, at: int) -> int | None:
+        """The length of the file's lines if it is at most ``at`` (read on until it is
+        known), else ``None``."""
+        while not self.done and self.whole <= at:
+            self.read(_CHUNK)
+        return self.whole if self.done and self.whole <= at else None
+
+
+def _agreed(x: bytes, y: bytes) -> int:
+    """The length of the bytes ``x`` and ``y`` start with."""
+    lo, hi = 0, min(len(x), len(y))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if x[:mid] == y[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 def _prefix_of(a: Path, b: Path) -> Path | None:
-    """Of two files, the one whose (decompressed) bytes start the other's; when they
-    are equal, the plain one if one is compressed (the compressed one may have a
-    digest), else ``b`` (the later name: the first is read); ``None`` when neither
-    starts the other (or one cannot be read): both are read."""
+    """Of two files, the one whose lines (decompressed; a compressed line cut short, as
+    a file being written ends, is none) start the other's; when they are equal, the
+    plain one if one is compressed (the compressed one may have a digest), else ``b``
+    (the later name: the first is read); ``None`` when neither starts the other, when
+    the shorter has lines after a damaged compressed one, or one cannot be read: both
+    are read."""
     try:
-        with _open(a) as f, _open(b) as g:
+        with _Lines(a) as f, _Lines(b) as g:
+            at = 0  # the bytes both start with
             while True:
                 x = f.read(_CHUNK)
                 y = g.read(len(x) if x else _CHUNK)
                 if x != y:
-                    if not x and y:
-                        return a  # a ended first: a shorter copy
-                    if x.startswith(y):  # b ended first (read() is short only at its end)
-                        return b
-                    return None
+                    at += _agreed(x, y)
+                    break
                 if not x:
-                    if b.name.endswith(".gz") != a.name.endswith(".gz"):
-                        return b if a.name.endswith(".gz") else a
-                    return b
-    except (OSError, EOFError, zlib.error):
+                    break
+                at += len(x)
+            la, lb = f.settle(at), g.settle(at)
+            if la is None and lb is None:
+                return None  # they differ inside lines of both
+            if la == lb:
+                if f.more != g.more:
+                    return b if f.more else a
+                if a.name.endswith(".gz") != b.name.endswith(".gz"):
+                    return b if a.name.endswith(".gz") else a
+                return None if f.more else b
+            shorter = a if lb is None or (la is not None and la < lb) else b
+            return None if (f if shorter is a else g).more else shorter
+    except OSError:
         return None
