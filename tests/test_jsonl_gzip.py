@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import zlib
 from pathlib import Path
 
 import pytest
@@ -158,6 +159,46 @@ def test_a_compressed_line_longer_than_the_limit_is_refused(
     assert _spans(src, ReadReport()) != []
     assert list(read_spans(src, strict=False, report=report, max_line_bytes=100)) == []
     assert [s.kind for s in report.skipped] == ["too_long"]
+
+
+def test_a_file_gzipped_whole_is_bounded_per_line_not_per_member(
+    runs: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """``gzip FILE`` writes one member of every line: ``max_line_bytes`` bounds each of
+    its lines, as in the plain file (the member used to be taken for one line, and a
+    file of more than 64 MiB was refused whole). A too long line still ends the
+    reading, at that line; a file cut short gives its whole lines."""
+    plain_dir, _packed = runs
+    (src,) = plain_dir.iterdir()
+    lines = src.read_bytes().splitlines(keepends=True)
+    data = b"".join(lines) * 4
+    longest = max(map(len, lines))
+    limit = longest + 10
+    assert len(data) > 3 * limit
+    plain, whole = tmp_path / "plain.jsonl", tmp_path / "whole.jsonl.gz"
+    for content in (data, data + b"x" * (limit + 1) + b"\n" + data):  # then a too long line
+        plain.write_bytes(content)
+        whole.write_bytes(gzip.compress(content))
+        reports = ReadReport(), ReadReport()
+        got = [_spans_of(f, r, limit) for f, r in zip((plain, whole), reports)]
+        assert got[0] == got[1] != []
+        assert [(s.kind, s.line) for s in reports[1].skipped] == [
+            (s.kind, s.line) for s in reports[0].skipped]
+    assert [s.kind for s in reports[1].skipped] == ["too_long"]
+    packed = gzip.compress(data)
+    part = zlib.decompressobj(31).decompress(packed[:len(packed) * 2 // 3])
+    plain.write_bytes(part[:part.rfind(b"\n") + 1])  # the whole lines before the cut
+    whole.write_bytes(packed[:len(packed) * 2 // 3])
+    report = ReadReport()
+    assert _spans_of(whole, report, limit) == _spans_of(plain, ReadReport(), limit) != []
+    assert [(s.kind, s.line) for s in report.skipped] == [("torn", part.count(b"\n") + 1)]
+    # a plain copy of those lines is the copy of it, not the file holding more
+    assert jsonl_files([plain, whole], notes=[]) == [whole]
+
+
+def _spans_of(path: Path, report: ReadReport, limit: int) -> list[tuple[str, str]]:
+    return sorted((s.name, s.span_id) for s in read_spans(
+        path, strict=False, report=report, max_line_bytes=limit))
 
 
 @pytest.mark.parametrize("bad", [0, 10, -1, 2.0, "yes", None])

@@ -22,7 +22,7 @@ import math
 import mmap
 import os
 import zlib
-from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Container, Generator, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -333,7 +333,8 @@ def _gzip_lines(
     path: Path, fh: Any, limit: int, reader: LineReader, start: int = 0,
     stop: int | None = None, first: int = 1,
 ) -> Iterator[tuple[int, bytes]]:
-    """The lines of a file of gzip members (one per exported line, docs/jsonl.md).
+    """The lines of a file of gzip members (one per exported line, docs/jsonl.md; or
+    one holding every line, ``gzip FILE``'s).
 
     A member that cannot be decoded is skipped as ``damaged`` (or ``torn`` when the
     file ends inside it) and reading resumes at the next member, as a damaged line
@@ -369,13 +370,14 @@ def _gzip_lines(
                             number += 1
                             yield number, line
                         continue
-                    if len(out) >= limit:
-                        reader.skip(path, number + 1, "too_long", _too_long(limit - 1))
+                    # the member goes on past ``limit`` bytes (a file gzipped whole), or
+                    # the file ends inside it: line by line
+                    pos, number = yield from _member_lines(
+                        path, mm, view, size - len(d.unconsumed_tail), size, d, out, limit,
+                        reader, number)
+                    if pos < 0:
                         return
-                    if size == end:
-                        kind, reason = "torn", _GZ_TORN
-                    else:  # cut short, and the file goes on (a writer started afresh)
-                        kind, reason = "damaged", _GZ_CUT
+                    continue
             number += 1
             reader.skip(path, number, kind, reason)
             pos = mm.find(GZIP_MAGIC, pos + 1, size)  # the next line (a writer may start afresh)
@@ -385,6 +387,79 @@ def _gzip_lines(
         view.release()
         if isinstance(mm, mmap.mmap):
             mm.close()
+
+
+def _cut(at_end: bool) -> tuple[str, str]:
+    """How a compressed line cut short is skipped: ``torn`` when the file ends inside
+    it, else ``damaged`` (the file goes on: a writer started afresh)."""
+    return ("torn", _GZ_TORN) if at_end else ("damaged", _GZ_CUT)
+
+
+_STEP = 1 << 20
+
+
+def _member_lines(
+    path: Path, mm: Any, view: memoryview, pos: int, size: int, d: Any, out: bytes,
+    limit: int, reader: LineReader, number: int,
+) -> Generator[tuple[int, bytes], None, tuple[int, int]]:
+    """The lines of a gzip member that goes on past its first ``limit`` bytes, ``out``
+    (``gzip FILE`` writes one member of every line), or that the file ends inside;
+    ``d`` decompresses it on from input byte ``pos``. ``limit`` bounds each line, as
+    in a plain file. The whole lines before a cut or damaged place are read; the line
+    holding it is skipped. Returns where the next member starts (``-1``: none) and
+    the last line number."""
+    step = min(_STEP, limit)  # (a line inside one output is then short enough)
+    head: list[bytes] = []  # the start of a line that goes on in the next output
+    held = 0
+    whole = False  # a line of it was read whole
+    while True:
+        cut = out.rfind(b"\n") + 1
+        if cut:
+            if head:
+                first = out.find(b"\n") + 1
+                head.append(out[:first])
+                line = b"".join(head)
+                head, held = [], 0
+                if len(line) > limit:
+                    reader.skip(path, number + 1, "too_long", _too_long(limit - 1))
+                    return -1, number
+                number += 1
+                yield number, line
+                out, cut = out[first:], cut - first
+            for line in out[:cut].splitlines(keepends=True):
+                number += 1
+                yield number, line
+            out = out[cut:]
+            whole = True
+        if out:
+            head.append(out)
+            held += len(out)
+            if held >= limit:
+                reader.skip(path, number + 1, "too_long", _too_long(limit - 1))
+                return -1, number
+        if d.eof:
+            if head:  # a last line without its newline
+                number += 1
+                yield number, b"".join(head)
+            return pos - len(d.unused_data), number
+        chunk = view[pos:min(pos + _STEP, size)]
+        try:
+            out = d.decompress(chunk, step)
+        except zlib.error as exc:
+            kind = "damaged"
+            reason = f"a compressed line that cannot be decompressed ({exc})"
+        else:
+            pos += len(chunk) - len(d.unconsumed_tail)
+            if out or d.eof or len(d.unconsumed_tail) < len(chunk):
+                continue
+            if whole and not head:  # cut after a line's end (in the gzip trailer)
+                return -1, number
+            kind, reason = _cut(size == len(view))
+        number += 1
+        reader.skip(path, number, kind, reason)
+        return mm.find(GZIP_MAGIC, pos, size), number  # the next line (a writer may start afresh)
+
+
 DECODE_ERRORS = (TypeError, KeyError, AttributeError, ValueError)
 
 

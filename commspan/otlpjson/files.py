@@ -187,7 +187,8 @@ class _Lines:
     being written; or it is damaged), whose bytes are no line of the file.
 
     ``whole`` counts the bytes of whole members read so far (every byte read, for a
-    plain file); once ``done``, the file's lines are its first ``whole`` bytes.
+    plain file); once ``done``, the file's lines are its first ``whole`` bytes (with
+    the whole lines of a member the file ends inside: a file gzipped whole, cut short).
     ``more``: a damaged member has bytes after it (lines the readers read too).
     """
 
@@ -195,7 +196,7 @@ class _Lines:
         self.f = open(path, "rb")
         self.gz = self.f.read(len(GZIP_MAGIC)) == GZIP_MAGIC
         self.f.seek(0)
-        self.whole = self.given = 0
+        self.whole = self.given = self.lines = 0
         self.done = self.more = False
         self.d: Any = None
         self.buf = b""
@@ -241,14 +242,19 @@ class _Lines:
         except zlib.error:
             self.done = self.more = True
             return b""
+        end = data.rfind(b"\n")
+        if end >= 0:
+            self.lines = self.given + end + 1
         self.given += len(data)
         if self.d.eof:
             self.buf = self.d.unused_data
-            self.whole = self.given
+            self.whole = self.lines = self.given
             self.d = None
         else:
             self.buf = self.d.unconsumed_tail
-            if not fed and not data:  # the file ends inside a member: a line being written
+            if not fed and not data:  # the file ends inside a member: a line being
+                # written (the whole lines before it, of a file gzipped whole, are read)
+                self.whole = self.lines
                 self.done = True
         return data
 
