@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
+import subprocess
+import sys
 import zlib
 from pathlib import Path
 
@@ -199,6 +202,25 @@ def test_a_file_gzipped_whole_is_bounded_per_line_not_per_member(
 def _spans_of(path: Path, report: ReadReport, limit: int) -> list[tuple[str, str]]:
     return sorted((s.name, s.span_id) for s in read_spans(
         path, strict=False, report=report, max_line_bytes=limit))
+
+
+@pytest.mark.skipif(not Path("/dev/stdin").exists(), reason="needs /dev/stdin")
+def test_a_compressed_file_is_read_through_a_pipe(
+    runs: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``zcat``'s input through a pipe (``cat X.jsonl.gz | commspan summary /dev/stdin``)
+    reads as the file does; it was "cannot be read (File or stream is not seekable.):
+    a failing disk ..." (a plain file through a pipe was read)."""
+    _plain, packed = runs
+    (src,) = packed.iterdir()
+    assert main(["summary", str(src), "--json"]) == 0
+    expected = json.loads(capsys.readouterr().out)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    proc = subprocess.run([sys.executable, "-m", "commspan", "summary", "/dev/stdin", "--json"],
+                          input=src.read_bytes(), capture_output=True, env=env, timeout=120,
+                          check=False)
+    assert (proc.returncode, proc.stderr.decode()) == (0, "")
+    assert json.loads(proc.stdout) == expected
 
 
 @pytest.mark.parametrize("bad", [0, 10, -1, 2.0, "yes", None])

@@ -343,7 +343,8 @@ def _gzip_lines(
     try:
         mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
     except (OSError, ValueError):  # not mappable (a pipe, ...): read it whole
-        fh.seek(0)
+        if start:  # (a pipe cannot seek: its start was only peeked at)
+            fh.seek(0)
         mm = fh.read()
     view = memoryview(mm)
     size = len(view) if stop is None else min(stop, len(view))
