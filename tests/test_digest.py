@@ -255,6 +255,41 @@ def test_answers_stay_right_whatever_happened(
     _same_answers(capsys, run, _without_digests(run, tmp_path / "plain"))
 
 
+def _lose_a_rank_span(run: Path, rank: int, step: int) -> None:
+    """As in a real run, only rank 0 writes the ``commspan.step`` root (one process played
+    every rank here: the others' are removed), and ``rank``'s ``commspan.rank`` span of
+    ``step`` is lost (dropped by the export queue) while the rest was written."""
+    for f in run.glob("*.jsonl"):
+        r = int(f.name.removeprefix("commspan-rank").removesuffix(".jsonl"))
+        lines = []
+        for line in f.read_bytes().splitlines():
+            doc = json.loads(line)
+            for rs in doc["resourceSpans"]:
+                for ss in rs["scopeSpans"]:
+                    ss["spans"] = [sp for sp in ss["spans"] if not (
+                        (sp["name"] == semconv.SPAN_STEP and r != 0)
+                        or (sp["name"] == semconv.SPAN_RANK and r == rank
+                            and {"key": semconv.STEP, "value": {"intValue": str(step)}}
+                            in sp["attributes"]))]
+            lines.append(json.dumps(doc, separators=(",", ":")).encode())
+        f.write_bytes(b"\n".join(lines) + b"\n")
+
+
+def test_a_step_cut_short_is_named_from_the_other_ranks_spans(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], fake_pg: None
+) -> None:
+    """Rank 1's rank span of step 1 is lost and only rank 0 wrote step roots: the lines
+    name the step from the other ranks' spans of its trace ("step 1 of rank 1 was cut
+    short"); the digests said "a step of rank 1" (the step from rank 1's own part)."""
+    plain = _without_digests(_traced(tmp_path / "run"), tmp_path / "plain")
+    _lose_a_rank_span(plain, rank=1, step=1)
+    digested = _with_digests(plain, tmp_path / "digested")
+    code, out, err = run_cli(capsys, "summary", str(plain), "--rank", "all", "--json")
+    assert json.loads(out)["partial"] == [{"rank": 1, "step": 1}]
+    assert "step 1 of rank 1 was cut short" in err
+    _same_answers(capsys, digested, plain)
+
+
 def test_a_line_changed_near_its_start_is_read_not_its_digest(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], fake_pg: None
 ) -> None:

@@ -917,12 +917,15 @@ def summarize_parts(
     steps: set[int] = set()
     traces: set[str] = set()
     rooted: set[tuple[int, str]] = set()
-    present: dict[tuple[int, str], int | None] = {}
+    present: set[tuple[int, str]] = set()
+    trace_step: dict[str, int] = {}  # (any rank's span of the trace may say its step)
     latest: dict[int, tuple[int, str]] = {}
     for part in parts:
         if rank is not None and part["rank"] != rank:
             continue
         count += part["spans"]
+        if part["step"] is not None:
+            trace_step.setdefault(part["trace"], part["step"])
         traces.add(part["trace"])
         ranks.add(part["rank"])
         key = (part["rank"], part["trace"])
@@ -934,11 +937,11 @@ def summarize_parts(
             if part["rank_step"][3] is not None:
                 steps.add(part["rank_step"][3])
         if part["present"] and part["commspan_spans"]:
-            present[key] = part["step"] if present.get(key) is None else present[key]
+            present.add(key)
     # a trace's spans may span lines: cut short when no line of it holds its rank span
     # and the rank wrote later traces (digests hold no hang record: lines that have
     # one are read as spans)
-    partial = [(r, step) for (r, t), step in present.items()
+    partial = [(r, trace_step.get(t)) for r, t in present
                if (r, t) not in rooted and latest[r][1] != t]
     steps.update(step for _, step in partial if step is not None)
     return summary_of(agg, count, traces, ranks, steps, partial)
