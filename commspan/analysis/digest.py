@@ -40,7 +40,6 @@ from typing import Any, NamedTuple
 import orjson
 
 from commspan import semconv
-from commspan._json import dumps
 from commspan.analysis.counts import Aggregator
 from commspan.analysis.records import (
     MAX_WORLD_SIZE,
@@ -211,7 +210,8 @@ def _contribution(fqn: str, rec: SpanRecord) -> str:
 def digest_parts(records: Iterable[SpanRecord]) -> list[DigestPart] | None:
     """The digest of the spans of one line, one part per (run, rank, trace) in order of
     first appearance; ``None`` when the line holds what a digest does not carry (a
-    hang record, a span without a rank): readers then parse the line itself.
+    hang record, a span without a rank, an int beyond 64 bits, which orjson reads
+    back as a float): readers then parse the line itself.
 
     Each part is a dict: ``run``, ``rank``, ``world_size``, ``sample``, ``writer``
     (``"host:pid"`` of the process that wrote it, or ``None``), ``trace``,
@@ -227,6 +227,15 @@ def digest_parts(records: Iterable[SpanRecord]) -> list[DigestPart] | None:
     op numbered per peer, and ``wait_ns`` sixth when recorded, ``p2p_seq`` then
     ``null`` for a collective).
     """
+    try:
+        return _digest_parts(records)
+    except TypeError as exc:
+        if "64-bit" not in str(exc):
+            raise
+        return None
+
+
+def _digest_parts(records: Iterable[SpanRecord]) -> list[DigestPart] | None:
     parts: dict[tuple[str, int, str], _Part] = {}
     resources: dict[int, tuple[str, int | None, str | None, str | None]] = {}
     span_step, span_rank, span_hang = semconv.SPAN_STEP, semconv.SPAN_RANK, semconv.SPAN_HANG
@@ -331,7 +340,7 @@ class _Part:
             row[2] = row[12] = row[13] = None
             if owner is not None:  # (version 2) a 16th field, only where it says more
                 row.append(owner)
-            text = dumps(row).decode()
+            text = orjson.dumps(row).decode()
             index = templates.setdefault(text, len(templates))
             # a point-to-point op's number per peer (schema 3) comes fifth, a functional
             # collective's wait (commspan.collective.wait_ns) sixth
@@ -342,7 +351,7 @@ class _Part:
             else:
                 rows.append([index, seq, issued, duration])
         part["tmpls"] = list(templates)
-        part["coll"] = dumps(rows).decode()
+        part["coll"] = orjson.dumps(rows).decode()
         return part
 
 
@@ -350,7 +359,7 @@ def _agg_state(agg: Aggregator) -> str:
     """What an aggregator holds, as JSON text without the times modules first ran (the
     text is then the same step after step for a module's span; readers fold each
     distinct text once: :class:`PartMerger`)."""
-    return dumps({
+    return orjson.dumps({
         "counts": agg._counts,
         "modules": [
             [m.fqn, m.type, m.depth, [[n, s, p] for n, (s, p) in m.params.items()]]
@@ -529,11 +538,14 @@ def digest_line(
             part["aggs"] = [number(t, defs, f) for t, f in zip(part["aggs"], part["first"])]
             del part["first"]
             part["tmpls"] = [number(t, defs) for t in part["tmpls"]]
-    body = dumps({
-        "digest": DIGEST_VERSION, "offset": offset, "length": len(line),
-        "sample": _sample_crc(line), "spans": spans, "token": texts.token, "defs": defs,
-        "parts": parts,
-    })
+    head = {"digest": DIGEST_VERSION, "offset": offset, "length": len(line),
+            "sample": _sample_crc(line), "spans": spans, "token": texts.token, "defs": defs}
+    try:
+        body = orjson.dumps({**head, "parts": parts})
+    except TypeError as exc:  # an int beyond 64 bits (a rank, a time): the line is parsed
+        if "64-bit" not in str(exc):
+            raise
+        body = orjson.dumps({**head, "parts": None})
     return b"%s %08x\n" % (body, zlib.crc32(body))
 
 
