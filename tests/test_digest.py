@@ -408,6 +408,27 @@ def test_digest_command_errors_are_one_line(
     assert run_cli(capsys, "summary", str(empty))[0] == 1
 
 
+def test_digest_names_damaged_lines_as_the_other_commands_do(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], fake_pg: None
+) -> None:
+    """Lines that are no OTLP/JSON trace request: ``digest`` says what is wrong with each
+    as ``summary`` does, not by a Python exception (``KeyError: 'resourceSpans'``)."""
+    run = _without_digests(_traced(tmp_path / "run", ranks=(0,), steps=1), tmp_path / "p")
+    with (run / "commspan-rank0.jsonl").open("ab") as fh:
+        fh.write(b'{"resourceLogs":[]}\n[1,2]\n{"resourceSpans":[{"scopeSpans":[{"spans":'
+                 b'[{"name":"x","startTimeUnixNano":"soon"}]}]}]}\nnot json\n')
+
+    def damaged(err: str) -> list[str]:
+        return [e for e in err.splitlines() if e.startswith("ValueError: ")]
+
+    code, _, err = run_cli(capsys, "summary", str(run))
+    expected = damaged(err)
+    assert code == 1 and len(expected) == 4
+    code, _, err = run_cli(capsys, "digest", str(run))
+    assert code == 1 and damaged(err) == expected
+    assert "Error: " not in err.replace("ValueError: ", "")
+
+
 def test_digest_is_small(tmp_path: Path, fake_pg: None) -> None:
     """What repeats is written once per file: over 6 steps the digest is a fraction of
     the JSONL it stands for."""

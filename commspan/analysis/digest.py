@@ -58,7 +58,13 @@ from commspan.analysis.runs import (
     writer_of,
 )
 from commspan.analysis.summary import summary_of
-from commspan.otlpjson.decode import DECODE_ERRORS, GZIP_MAGIC, read_spans_in, request_spans
+from commspan.otlpjson.decode import (
+    DECODE_ERRORS,
+    GZIP_MAGIC,
+    read_spans_in,
+    request_spans,
+    what_is_wrong,
+)
 from commspan.otlpjson.encode import resource_and_scope, span_fields
 from commspan.otlpjson.records import (
     DEFAULT_MAX_LINE_BYTES,
@@ -584,6 +590,7 @@ def write_digest(path: str | os.PathLike[str], report: ReadReport | None = None)
         level = 1 if data[:3] == GZIP_MAGIC else 0
         for number, (offset, stored, text) in enumerate(_stored_lines(data, level), 1):
             records: list[SpanRecord] = []
+            line = b""
             try:
                 for line in text.splitlines():
                     if line.strip():
@@ -591,8 +598,7 @@ def write_digest(path: str | os.PathLike[str], report: ReadReport | None = None)
             except (orjson.JSONDecodeError, *DECODE_ERRORS) as exc:
                 if report is not None:
                     report.skipped.append(SkippedLine(
-                        os.fspath(path), number, "damaged",
-                        f"not an OTLP/JSON trace request ({type(exc).__name__}: {exc})"))
+                        os.fspath(path), number, "damaged", what_is_wrong(line, exc)))
                 continue
             out.write(digest_line(records, stored, offset, len(records), texts))
             written += 1

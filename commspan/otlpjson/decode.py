@@ -48,6 +48,7 @@ __all__ = [
     "read_documents",
     "read_spans",
     "walk",
+    "what_is_wrong",
 ]
 
 _log = logging.getLogger(__name__)
@@ -576,6 +577,17 @@ def _explain(doc: Any) -> str | None:
                     if bad is not None:
                         return bad
     return None
+
+
+def what_is_wrong(line: bytes, exc: Exception) -> str:
+    """Why ``line`` is no OTLP/JSON trace request, as the readers say it; ``exc`` is what
+    parsing it (``orjson.JSONDecodeError``) or decoding its spans raised."""
+    if isinstance(exc, orjson.JSONDecodeError):
+        return f"not a JSON line ({exc})"
+    doc = orjson.loads(line)
+    if type(doc) is not dict or type(doc.get("resourceSpans")) is not list:
+        return _not_a_request(doc)
+    return _explain(doc) or f"cannot be decoded ({type(exc).__name__}: {exc})"
 
 
 def read_documents(
