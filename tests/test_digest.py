@@ -198,6 +198,27 @@ def test_the_digest_is_used_not_the_lines(tmp_path: Path, fake_pg: None) -> None
     assert max(n for ph in counts.values() for ops in ph.values() for n in ops.values()) > 900
 
 
+@pytest.mark.parametrize("command", ["summary", "table", "check"])
+def test_no_digest_reads_the_lines(
+    tmp_path: Path, fake_pg: None, capsys: pytest.CaptureFixture[str], command: str,
+) -> None:
+    """``--no-digest``: the command's answer is the lines', even beside a digest that
+    says otherwise (a digest whose counts differ from its lines); without the option
+    the digest is read (the test would pass on a reader that ignored digests)."""
+    run = _traced(tmp_path / "run", ranks=(0,), steps=2)
+    plain = _without_digests(run, tmp_path / "plain")
+    side = digest_path(run / "commspan-rank0.jsonl")
+    lines = []
+    for raw in side.read_bytes().splitlines():
+        body = raw.rsplit(b" ", 1)[0].replace(b'\\"all_reduce\\":1', b'\\"all_reduce\\":1000')
+        lines.append(b"%s %08x\n" % (body, zlib.crc32(body)))
+    side.write_bytes(b"".join(lines))
+    expected = run_cli(capsys, command, str(plain), "--json")
+    assert run_cli(capsys, command, str(run), "--json", "--no-digest")[:2] == expected[:2]
+    if command == "table":  # (the lie is in the module counts, which table prints)
+        assert run_cli(capsys, command, str(run), "--json")[1] != expected[1]
+
+
 # ====================================================================== what can go wrong
 def _cut_digest(run: Path, keep: int) -> None:
     for side in run.glob("*.digest"):

@@ -107,6 +107,8 @@ class Reader:
         the same way; ``None`` when a file has none (then :meth:`load`)."""
         from commspan.analysis.digest import load_parts, select_parts
 
+        if getattr(self.args, "no_digest", False):
+            return None
         files = self.files(paths)
         read = ReadReport()
         parts = load_parts(files, read, self.args.max_line_mib * _MIB)

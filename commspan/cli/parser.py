@@ -110,7 +110,8 @@ def _positive(value: str) -> int:
 
 
 def _selection(p: argparse.ArgumentParser, twice: bool) -> None:
-    """--run, --step / --steps, --json and --max-line-mib (every command has them)."""
+    """--run, --step / --steps, --json, --max-line-mib and --no-digest (every command
+    has them)."""
     again = " (diff: give it twice, for A then B)" if twice else ""
     p.add_argument("--run", action="append", metavar="ID",
                    help="the run to read when the files hold several (its run id, or the "
@@ -124,6 +125,9 @@ def _selection(p: argparse.ArgumentParser, twice: bool) -> None:
     p.add_argument("--max-line-mib", type=_mib, default=64, metavar="MIB",
                    help="longest line read, in MiB (default 64); a longer line ends the "
                         "reading of its file")
+    p.add_argument("--no-digest", action="store_true",
+                   help="read the lines even where the files' digests could stand for "
+                        "them (summary, table and check read digests otherwise)")
 
 
 def _files(p: argparse.ArgumentParser) -> None:
