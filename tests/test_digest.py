@@ -219,6 +219,29 @@ def test_no_digest_reads_the_lines(
         assert run_cli(capsys, command, str(run), "--json")[1] != expected[1]
 
 
+def test_a_line_longer_than_the_limit_is_not_read_from_its_digest(
+    tmp_path: Path, fake_pg: None, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--max-line-mib``: a line longer than the limit ends its file's reading, from
+    the lines and from a digest alike (same exit status, same counts)."""
+    run = _traced(tmp_path / "run", ranks=(0, 1), steps=2)
+    spans = []
+    for f in sorted(run.glob("*.jsonl")):
+        for line in f.read_text().splitlines():
+            spans.extend(json.loads(line)["resourceSpans"])
+    first = (run / "commspan-rank0.jsonl").read_text().splitlines()[0]
+    big = json.dumps({"resourceSpans": spans * 20}, separators=(",", ":"))
+    assert len(big) > 1 << 20
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "all.jsonl").write_text(first + "\n" + big + "\n")
+    digested = _with_digests(plain, tmp_path / "digested")
+    expected = run_cli(capsys, "summary", str(plain), "--json", "--max-line-mib", "1")
+    assert expected[0] == 1 and "longer than" in expected[2]
+    got = run_cli(capsys, "summary", str(digested), "--json", "--max-line-mib", "1")
+    assert got[:2] == expected[:2]
+
+
 # ====================================================================== what can go wrong
 def _cut_digest(run: Path, keep: int) -> None:
     for side in run.glob("*.digest"):

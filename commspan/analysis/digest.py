@@ -846,8 +846,9 @@ def load_parts(
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
 ) -> list[DigestPart] | None:
     """The parts of every line of ``files``, from their digests, and the lines the
-    digests do not cover parsed and digested here; ``None`` when a file has no digest
-    or an uncovered line holds what parts cannot (a hang record): read the spans then.
+    digests do not cover parsed and digested here; ``None`` when a file has no digest,
+    a line is longer than ``max_line_bytes``, or an uncovered line holds what parts
+    cannot (a hang record): read the spans then.
 
     What was read is added to ``report`` only when parts are returned. Damaged lines
     are skipped (``strict=False``).
@@ -856,6 +857,10 @@ def load_parts(
     for f in files:
         digest = read_digest(f)
         if digest is None:
+            return None
+        if any(end - start > max_line_bytes for start, end in digest.covered):
+            # a line longer than the limit: the lines' reader stops its file there
+            # (a compressed line's length here is its compressed size)
             return None
         digests.append(digest)
     scratch = ReadReport()
