@@ -96,3 +96,36 @@ def test_sampled_out_steps_with_commdebugmode_around_or_inside(mesh: DeviceMesh)
                 seen.append((cdm.get_total_counts(), mode.aggregator.total_count()))
         assert seen == [(2, 2), (2, 2), (2, 4), (2, 4)], cdm_outside
         assert mode.stats()["collectives"] == 4
+
+
+def test_sampled_out_steps_number_nothing_under_a_mode_pushed_later(fake_pg: None) -> None:
+    """A dispatch mode of the job's entered after commspan's (a FLOP counter around the
+    step loop) keeps commspan's on the stack through sampled-out steps: their
+    collectives are not numbered either, so the traced steps number their collectives
+    as a rank without that mode does (the reference: the same loop without it)."""
+    import torch
+    import torch.distributed as dist
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from commspan import semconv
+
+    def seqs(inner: bool) -> list[Any]:
+        mode, exporter = traced_mode(sample={0, 2})
+        with mode:
+            counter = FlopCounterMode(display=False)
+            if inner:
+                counter.__enter__()
+            try:
+                for i in range(3):
+                    with mode.step(i):
+                        dist.all_reduce(torch.ones(4))
+            finally:
+                if inner:
+                    counter.__exit__(None, None, None)
+        return [(e.attributes or {})[semconv.COLL_SEQ]
+                for s in exporter.get_finished_spans() for e in s.events
+                if e.name == "all_reduce"]
+
+    alone = seqs(False)
+    assert len(alone) == 2
+    assert seqs(True) == alone

@@ -191,6 +191,9 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
         self.groups = groups if groups is not None else ProcessGroups()
         self._tls = threading.local()
         self._errors = ErrorCounter(_log, "could not record a collective")
+        self.recording = True
+        """``False``: collectives run as any op, undescribed and unnumbered (a step not
+        traced while the mode stays on the stack under a mode pushed after it)."""
 
     @property
     def errors(self) -> int:
@@ -431,6 +434,8 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
 
     def _collective(self, info: CollectiveInfo, func: Any, args: Any, kwargs: Any) -> Any:
         """Describe a collective, hand it over, run it and time it; returns its result."""
+        if not self.recording:  # (numbering it would set this rank's numbers apart)
+            return func(*args, **kwargs)
         tls = self._tls
         timing: CollectiveTiming | None = None
         try:

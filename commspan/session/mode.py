@@ -638,12 +638,15 @@ class CommSpanMode:
             self._popped = True  # (after the pop: an interrupt before it pushes no second)
         else:
             self._popped = False
+            if self._dispatch is not None:  # nor numbers what it sees meanwhile
+                self._dispatch.recording = False
 
     def _resume(self) -> None:
         if self._active and self._paused:
             self._paused = False
             assert self._tracker is not None and self._dispatch is not None
             self._tracker.install()
+            self._dispatch.recording = True
             if self._popped:
                 self._dispatch.clear_labels()  # it saw no label exits while off the stack
                 self._dispatch.__enter__()
