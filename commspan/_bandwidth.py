@@ -15,8 +15,9 @@ op                                                         factor
 ========================================================  ===========
 
 ``S`` is ``commspan.tensor.bytes`` (the bytes of the rank's inputs), except
-for ``all_gather*`` and ``gather``, whose inputs are one rank's share: there
-``S`` is that times ``n``. Bandwidths are in GB/s (10^9 bytes per second).
+for ``all_gather*``, ``gather`` and ``scatter``, whose tensors described are one
+rank's share (``scatter``'s output): there ``S`` is that times ``n``. Bandwidths
+are in GB/s (10^9 bytes per second).
 
 Example:
     >>> from commspan._bandwidth import bandwidth, bus_factor
@@ -58,6 +59,7 @@ _PER_RANK_INPUT = frozenset(
         "all_gather_into_tensor",
         "all_gather_into_tensor_coalesced",
         "gather",
+        "scatter",
     }
 )
 

@@ -85,6 +85,7 @@ __all__ = [
     "PARAM_NAMES",
     "PARAM_PLACEMENTS",
     "P2P_SEQ",
+    "P2P_TAG",
     "PARAM_SHAPES",
     "PG_NAME",
     "PG_RANKS",
@@ -250,6 +251,7 @@ COLL_OVERLOAD = "commspan.collective.overload"
 COLL_KIND = "commspan.collective.kind"
 COLL_SEQ = "commspan.collective.seq"
 P2P_SEQ = "commspan.p2p.seq"
+P2P_TAG = "commspan.p2p.tag"
 COLL_REDUCE_OP = "commspan.collective.reduce_op"
 COLL_PEER = "commspan.collective.peer"
 COLL_INPUT_SPLITS = "commspan.collective.input_split_sizes"
@@ -418,8 +420,13 @@ ATTRIBUTES: dict[str, str] = {
         "Point-to-point ops: per-rank number of the op among those in the same direction "
         "with the same peer on the group: 1 for the first send to that peer (receive from "
         "it), counting on across the mode's `with` blocks. A send and the receive that "
-        "matches it carry the same number."
+        "matches it carry the same number when the backend matches a pair's ops in the "
+        "order they were issued (NCCL; gloo for ops of one tag). Absent on a receive from "
+        "any source (its peer is not known when it is issued)."
     ),
+    P2P_TAG: "Point-to-point ops given a tag other than 0: the tag. gloo matches a send "
+    "with a receive by peer and tag, so ops of several tags in flight between two ranks "
+    "may match in another order than ``commspan.p2p.seq`` numbers them.",
     COLL_REDUCE_OP: "Reduce op, e.g. ``sum``, when the op has one.",
     COLL_DURATION_NS: "Issue to completion of the collective as the issuing process observes "
     "it (``wait_tensor`` for functional collectives, the ``Work`` of a blocking c10d op, the "
@@ -482,15 +489,16 @@ ATTRIBUTES: dict[str, str] = {
     DDP_BUCKET_MODULES: "Modules holding the DDP bucket's parameters (array of module fqns).",
     FSDP_UNIT_MODULES: "The modules of an FSDP unit made of several (``fully_shard([a, b])``; "
     "array of module fqns); its owner is the lowest module holding them all.",
-    TENSOR_SHAPE: "Shape of the (first) input tensor.",
+    TENSOR_SHAPE: "Shape of the (first) input tensor (``scatter``: of its output, the "
+    "rank's share, since only its source has inputs; barriers: none).",
     TENSOR_DTYPE: "Dtype of the input tensor(s), e.g. ``float32``.",
-    TENSOR_BYTES: "Bytes of all input tensors of the op.",
+    TENSOR_BYTES: "Bytes of all input tensors of the op (``scatter``: of its output).",
     TENSOR_COUNT: "Number of input tensors (coalesced and list ops).",
     REDIST_SRC: "DTensor placements before the redistribution that issued the op.",
     REDIST_DST: "DTensor placements after it.",
     REDIST_OP: "The DTensor op that needed the redistribution, or ``redistribute``.",
     COLL_ALGBW: "Algorithm bandwidth, GB/s (1e9 bytes/s): the op's size S over its duration. "
-    "S is the bytes of all ranks' contributions for ``all_gather*`` and ``gather`` "
+    "S is the bytes of all ranks' shares for ``all_gather*``, ``gather`` and ``scatter`` "
     "(``commspan.tensor.bytes`` x group size), ``commspan.tensor.bytes`` otherwise.",
     COLL_BUSBW: "Bus bandwidth, GB/s: algbw x the NCCL-tests factor for the op and group size "
     "n: 2(n-1)/n for ``all_reduce*``; (n-1)/n for ``all_gather*``, ``reduce_scatter*``, "

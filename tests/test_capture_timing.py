@@ -464,3 +464,65 @@ def test_outstanding_works_without_a_future_are_asked_a_bounded_number_of_times(
     done.update(range(1000))  # all complete (the step waited on them)
     tracker.poll_some()  # the completed ones at the front are forgotten
     assert not tracker.polled and tracker.settled() == (not tracker.cuda)
+
+
+def test_barriers_are_collectives_without_bytes() -> None:
+    """``dist.barrier()`` is a collective of its group: an event with its own number in
+    the group's sequence, timed like any c10d op, and no bytes (its tensor is a
+    placeholder), so no bandwidth."""
+    with capture() as cap:
+        with cap.mode.step(0):
+            dist.barrier()
+            dist.all_reduce(torch.ones(4))
+            work = dist.barrier(async_op=True)
+            assert work is not None
+            work.wait()
+    events = [e for s in cap.spans for e in collective_events(s)]
+    ops = [(e.attributes or {})[semconv.COLL_OP] for e in events]
+    assert ops == ["barrier", "all_reduce", "barrier"]
+    assert [(e.attributes or {})[semconv.COLL_SEQ] for e in events] == [1, 2, 3]
+    for event in events:
+        attrs = event.attributes or {}
+        assert int(str(attrs[semconv.COLL_DURATION_NS])) > 0
+        if attrs[semconv.COLL_OP] == "barrier":
+            assert semconv.TENSOR_BYTES not in attrs and semconv.COLL_BUSBW not in attrs
+    assert cap.mode.stats()["collectives_untimed"] == 0
+
+
+@pytest.mark.parametrize("src", [0, 1], ids=["source", "receiver"])
+def test_scatter_describes_each_ranks_share_on_every_rank(src: int) -> None:
+    """Only scatter's source has inputs: every rank's event describes its output, the
+    rank's share (the reference: the output tensor the test passes), and its size S
+    is the shares of the whole group, so source and receivers report the same
+    collective alike (this process is rank 0 of the fake group)."""
+    out = torch.empty(8)
+    with capture() as cap:
+        with cap.mode.step(0):
+            chunks = [torch.ones(8) for _ in range(4)] if src == 0 else None
+            dist.scatter(out, chunks, src=src)
+    (event,) = [e for s in cap.spans for e in collective_events(s)]
+    attrs = event.attributes or {}
+    assert attrs[semconv.COLL_OP] == "scatter"
+    assert list(attrs[semconv.TENSOR_SHAPE]) == list(out.shape)  # type: ignore[arg-type]
+    assert attrs[semconv.TENSOR_BYTES] == out.numel() * out.element_size()
+    whole = 4 * out.numel() * out.element_size()  # S: the four ranks' shares
+    duration = int(str(attrs[semconv.COLL_DURATION_NS]))
+    assert attrs[semconv.COLL_ALGBW] == pytest.approx(whole / duration)  # bytes/ns = GB/s
+
+
+def test_point_to_point_tags_and_receives_from_any_source() -> None:
+    """A send's tag is on its event; a receive from any source has no peer when it is
+    issued, so it gets no number either (a number counted under "no peer" matches no
+    send); a receive from a given rank is numbered from that rank."""
+    with capture() as cap:
+        with cap.mode.step(0):
+            dist.send(torch.ones(2), dst=1, tag=3)
+            dist.send(torch.ones(2), dst=1)
+            work = dist.irecv(torch.ones(2))  # any source
+            assert work is not None
+            dist.recv(torch.ones(2), src=2)
+    rows = [(a.get(semconv.COLL_OP), a.get(semconv.COLL_PEER), a.get(semconv.P2P_SEQ),
+             a.get(semconv.P2P_TAG))
+            for s in cap.spans for e in collective_events(s) for a in [e.attributes or {}]]
+    assert rows == [("send", 1, 1, 3), ("send", 1, 2, None), ("recv", None, None, None),
+                    ("recv", 2, 1, None)]

@@ -98,7 +98,12 @@ _add(
     },
 )
 _add("c10d", {"send": "send", "recv_": "recv", "recv_any_source_": "recv"}, semconv.KIND_P2P)
+# barriers move no data of the caller's (the tensor they take is a placeholder): no bytes
+_BARRIERS = {"barrier": "barrier", "monitored_barrier_": "monitored_barrier"}
+_add("c10d", _BARRIERS)
 _add("_dtensor", {"shard_dim_alltoall": "shard_dim_alltoall"})
+
+_BARRIER_NAMES = frozenset(_BARRIERS.values())
 
 # Schema argument names, in order of preference, for each role.
 _INPUT_ARGS = ("input_tensors", "input_tensor", "inputs", "input", "input_list", "shard",
@@ -133,6 +138,7 @@ class CollectiveInfo:
             (``-1`` when absent): ``False`` means the caller waits right away.
         split_in_index / split_out_index: positions of the input and output
             split sizes of an ``all_to_all_single`` (``-1`` when absent).
+        tag_index: position of a point-to-point op's ``tag`` (``-1`` when absent).
     """
 
     name: str
@@ -150,6 +156,7 @@ class CollectiveInfo:
     async_index: int = -1
     split_in_index: int = -1
     split_out_index: int = -1
+    tag_index: int = -1
 
 
 def canonical_names() -> list[str]:
@@ -180,6 +187,17 @@ def _index(names: tuple[str, ...], wanted: tuple[str, ...]) -> int:
     return -1
 
 
+def _described(canonical: str, names: tuple[str, ...]) -> int:
+    """Position of the argument whose tensors an event describes: the inputs, but for
+    ``scatter`` the output (only its source has inputs: every rank then describes its
+    share, as for ``gather``), and nothing for barriers."""
+    if canonical in _BARRIER_NAMES:
+        return -1
+    if canonical == "scatter":
+        return _index(names, ("output_tensors",))
+    return _index(names, _INPUT_ARGS)
+
+
 def _info(overload: Any, canonical: str, kind: str) -> CollectiveInfo:
     names = tuple(a.name for a in overload._schema.arguments)
     peer = _index(names, _PEER_ARGS) if kind == semconv.KIND_P2P else -1
@@ -188,7 +206,7 @@ def _info(overload: Any, canonical: str, kind: str) -> CollectiveInfo:
         kind=kind,
         overload=str(overload),
         packet=overload.overloadpacket,
-        input_index=_index(names, _INPUT_ARGS),
+        input_index=_described(canonical, names),
         group_index=_index(names, _GROUP_ARGS),
         reduce_index=_index(names, _REDUCE_ARGS),
         peer_index=peer,
@@ -199,6 +217,7 @@ def _info(overload: Any, canonical: str, kind: str) -> CollectiveInfo:
         async_index=_index(names, _ASYNC_ARGS),
         split_in_index=_index(names, _SPLIT_IN_ARGS),
         split_out_index=_index(names, _SPLIT_OUT_ARGS),
+        tag_index=_index(names, ("tag",)) if kind == semconv.KIND_P2P else -1,
     )
 
 

@@ -138,6 +138,9 @@ class CompletionTracker:
             # (one output on the CPU, the usual case, the dispatch mode stores itself)
             self._remember(timing, out, cuda_start)
             return
+        if out is None:  # a blocking op that returns nothing (monitored_barrier): done
+            timing.duration = max(0, _perf() - timing.issued)
+            return
         work = out[-1] if type(out) is tuple and out else out
         if _Work is None or not isinstance(work, _ScriptObject):
             self.give_up(timing)  # nothing to wait on

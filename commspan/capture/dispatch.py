@@ -825,10 +825,15 @@ def describe(
             attrs[semconv.COLL_PEER] = _global_rank(peer, ranks)
         elif isinstance(peer, (list, tuple)) and all(isinstance(p, int) for p in peer):
             attrs[semconv.COLL_PEER] = [_global_rank(p, ranks) for p in peer]
-    if g is not None and info.kind == semconv.KIND_P2P:
+    if info.kind == semconv.KIND_P2P:
+        if info.tag_index >= 0:
+            tag = _arg(info, args, kwargs, info.tag_index)
+            if tag and type(tag) is int:
+                attrs[semconv.P2P_TAG] = tag
         peer = attrs.get(semconv.COLL_PEER)
-        attrs[semconv.P2P_SEQ] = groups.next_p2p_seq(
-            g[0], info.name, tuple(peer) if type(peer) is list else peer)
+        if g is not None and peer is not None:  # (a receive from any source: no number)
+            attrs[semconv.P2P_SEQ] = groups.next_p2p_seq(
+                g[0], info.name, tuple(peer) if type(peer) is list else peer)
     return attrs
 
 
