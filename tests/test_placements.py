@@ -515,3 +515,26 @@ def test_a_mesh_without_names_names_no_dimension(fake_pg: None) -> None:
     events = [e.attributes for s in cap.spans for e in s.events
               if semconv.COLL_OP in e.attributes]
     assert events and not [a for a in events if semconv.MESH_DIM_NAME in a]
+
+
+@pytest.mark.parametrize("how", ["redistribute", "full_tensor"])
+def test_an_explicit_redistribution_names_its_mesh_dimension(fake_pg: None, how: str) -> None:
+    """An explicit redistribution (no module with DTensor parameters ran, no implicit
+    one before it): each collective names the mesh dimension whose group it ran on
+    (the reference: the mesh's own groups per dimension)."""
+    from commspan.testing import capture
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    dim_of = {mesh.get_group(d).group_name: d for d in range(2)}
+    d = distribute_tensor(torch.ones(4, 4), mesh, [Shard(0), Shard(1)])
+    with capture() as cap:
+        with cap.mode.step(0):
+            if how == "redistribute":
+                d.redistribute(mesh, [Replicate(), Replicate()])
+            else:
+                d.full_tensor()
+    events = [e.attributes for s in cap.spans for e in s.events
+              if semconv.COLL_OP in (e.attributes or {})]
+    assert len(events) == 2
+    for attrs in events:
+        assert attrs.get(semconv.MESH_DIM) == dim_of[str(attrs[semconv.PG_NAME])]

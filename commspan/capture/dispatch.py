@@ -19,6 +19,7 @@ and :mod:`commspan.ownership` reads them when a collective is issued.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -544,9 +545,17 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
         if stack is None:
             stack = tls.stack = []
         try:  # learn the mesh now: a redistribution without collectives names it too
+            learned = False
             for spec in (src, dst):
                 mesh = getattr(spec, "mesh", None)
                 if mesh is not None:
+                    self.groups.add_mesh(mesh)
+                    learned = True
+            if not learned:
+                # an explicit redistribution (redistribute(), full_tensor()) passes
+                # placements only; torch's caller (redistribute_local_tensor) holds the mesh
+                mesh = sys._getframe(1).f_locals.get("device_mesh")
+                if mesh is not None and hasattr(mesh, "get_group"):
                     self.groups.add_mesh(mesh)
         except Exception:
             self._errors.record(
