@@ -526,3 +526,21 @@ def test_point_to_point_tags_and_receives_from_any_source() -> None:
             for s in cap.spans for e in collective_events(s) for a in [e.attributes or {}]]
     assert rows == [("send", 1, 1, 3), ("send", 1, 2, None), ("recv", None, None, None),
                     ("recv", 2, 1, None)]
+
+
+def test_dtensors_shard_dim_alltoall_completes_when_it_returns() -> None:
+    """DTensor's ``shard_dim_alltoall`` (Shard(i) to Shard(j) off the CPU; called here
+    directly) waits inside and returns its output: it is timed to its return, with
+    bandwidths, not left untimed."""
+    import torch.distributed.tensor  # noqa: F401  (registers the op)
+
+    group = dist.group.WORLD
+    assert group is not None
+    with capture() as cap:
+        with cap.mode.step(0):
+            torch.ops._dtensor.shard_dim_alltoall(torch.ones(2, 8), 0, 1, group.group_name)
+    (event,) = [e for s in cap.spans for e in collective_events(s)]
+    attrs = event.attributes or {}
+    assert attrs[semconv.COLL_OP] == "shard_dim_alltoall"
+    assert int(str(attrs[semconv.COLL_DURATION_NS])) > 0 and semconv.COLL_BUSBW in attrs
+    assert cap.mode.stats()["collectives_untimed"] == 0

@@ -16,6 +16,8 @@ collectives complete"):
   right after the op returns. The dispatch mode waits on it first (releasing
   the GIL, as the caller's wait does) and times the completion there; the
   caller's own wait then returns at once, or raises the op's error as before.
+- **ops that return their result done** (DTensor's ``shard_dim_alltoall``, which
+  waits inside, and ``monitored_barrier``, which returns nothing): their return.
 - **other c10d ops** (``async_op=True``, ``send``/``recv``, whose blocking or
   not is the caller's choice): a done-callback on the ``Work``'s future. It
   runs on the backend's thread and needs the GIL, so it can be late by up
@@ -55,6 +57,9 @@ _GROUP = semconv.PG_NAME
 __all__ = ["CompletionTracker"]
 
 _perf = time.perf_counter_ns
+_SYNCHRONOUS = frozenset({"shard_dim_alltoall"})
+"""Ops that are not functional collectives and return their output done (DTensor's
+``shard_dim_alltoall`` waits inside)."""
 _POLL_AHEAD = 4  # Works without a future asked per collective (poll_some)
 _Tensor = torch.Tensor
 _ScriptObject = torch.ScriptObject
@@ -138,8 +143,12 @@ class CompletionTracker:
             # (one output on the CPU, the usual case, the dispatch mode stores itself)
             self._remember(timing, out, cuda_start)
             return
-        if out is None:  # a blocking op that returns nothing (monitored_barrier): done
-            timing.duration = max(0, _perf() - timing.issued)
+        if out is None or info.name in _SYNCHRONOUS:
+            # a blocking op that returns nothing (monitored_barrier) or its output: done
+            if cuda_start is not None:
+                _finish_cuda(timing, cuda_start)  # (it ran on the current stream)
+            else:
+                timing.duration = max(0, _perf() - timing.issued)
             return
         work = out[-1] if type(out) is tuple and out else out
         if _Work is None or not isinstance(work, _ScriptObject):
