@@ -481,3 +481,47 @@ def test_exception_in_a_full_backward_pre_hook_is_on_the_modules_backward() -> N
     assert with_event == [("_Pair.second", "backward")]
     (second,) = [s for s in spans if (fqn(s), phase(s)) == ("_Pair.second", "backward")]
     assert second.status.status_code is StatusCode.ERROR
+
+
+class _Branch(nn.Module):
+    def __init__(self, shared: nn.Module) -> None:
+        super().__init__()
+        self.shared = shared
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.shared(x)
+
+
+class _TwoBranches(nn.Module):
+    """One Linear (with a backward hook of the user's) called from two branches; only
+    the first branch's output reaches the loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        shared = nn.Linear(4, 4)
+        shared.register_full_backward_hook(lambda m, gi, go: None)
+        self.a, self.b = _Branch(shared), _Branch(shared)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.a(x)
+        self.b(x)  # computed, not trained
+        return out
+
+
+def test_a_hooked_module_called_twice_gets_the_backward_of_the_call_that_ran_it() -> None:
+    """A module with backward hooks of its own, called from two parents: its backward
+    span is the call's whose output reached the loss, under that call's parent (the
+    reference: the test's model, where only branch ``a`` is trained), once."""
+    mode, exporter = traced_mode()
+    with mode:
+        for step in range(2):
+            with mode.step(step):
+                _TwoBranches()(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    spans = list(exporter.get_finished_spans())
+    assert_well_formed(spans)
+    by_id = {s.context.span_id: s for s in spans if s.context is not None}
+    backward = [(fqn(s), fqn(by_id[s.parent.span_id]) if s.parent else None)
+                for s in spans if phase(s) == "backward"]
+    assert sorted(backward) == sorted([("_TwoBranches.a.shared", "_TwoBranches.a"),
+                                       ("_TwoBranches.a", "_TwoBranches")] * 2
+                                      + [("_TwoBranches", "Global")] * 2)

@@ -244,6 +244,31 @@ def test_every_module_whose_backward_ran_gets_post_bw_as_in_torch() -> None:
         "Identity", "Linear", "Linear", "Sequential"]
 
 
+def test_pre_bw_sees_the_gradient_a_modules_backward_pre_hook_passed_on() -> None:
+    """A module with backward hooks of its own, one of which doubles its output
+    gradient: ``pre_bw`` hears of its backward with the gradient its hooks passed on,
+    as under torch's ModTracker (the reference), for every module, in the same order."""
+    from torch.distributed._tools.mod_tracker import ModTracker as TorchModTracker
+
+    def pre_bw(cls: type) -> list[tuple[str, list[float]]]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+        model[2].register_full_backward_pre_hook(lambda m, go: (go[0] * 2,))
+        model[1].register_full_backward_hook(lambda m, gi, go: None)
+        tracker = cls()
+        seen: list[tuple[str, list[float]]] = []
+        tracker.register_user_hooks(pre_bw_hook=lambda m, go: seen.append(
+            (tracker.get_known_fqn(m), [float(g.sum()) for g in go if g is not None])))
+        with tracker:
+            for _ in range(2):
+                model(torch.ones(3, 4, requires_grad=True)).sum().backward()
+        return seen
+
+    ours, torch_s = pre_bw(ModTracker), pre_bw(TorchModTracker)
+    assert ours == torch_s
+    assert ("Sequential.2", [24.0]) in torch_s  # (the doubled gradient: 12 ones, x 2)
+
+
 @pytest.mark.parametrize("kind", ["pre_fw_hook", "post_fw_hook", "pre_bw_hook", "post_bw_hook"])
 def test_a_user_hook_that_raises_raises_into_the_step_as_with_torch(kind: str) -> None:
     """An assertion inside a user hook fails the step, as torch's ModTracker does (it

@@ -115,6 +115,7 @@ def _restart(call: _Call) -> None:
     call.bw_finished = False
     call.bw_frame = None
     call.inputs_left = call.inputs
+    call.bw_unheard = False
 
 
 class _Call:
@@ -137,7 +138,7 @@ class _Call:
         "local",
         "on_graph",
         "on_leaf",
-        "bw_hooked",
+        "bw_unheard",
         "__weakref__",  # hooks on leaf tensors hold the call weakly
     )
 
@@ -163,7 +164,7 @@ class _Call:
         self.local: Any = None  # handle of the forward hook that closes this call, if any
         self.on_graph = False  # a pre-hook on an autograd node holds it
         self.on_leaf = False  # a hook on a leaf tensor watches it (weakly)
-        self.bw_hooked = False  # commspan's module backward pre-hook serves this call
+        self.bw_unheard = False  # its backward started; the observer not told yet
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
@@ -381,8 +382,19 @@ class BackwardNesting:
             self._output_grad_ready(call, grad)
 
     # ------------------------------------------------------------ steps 2 and 3
-    def _output_grad_ready(self, call: _Call, grad: Any) -> None:
+    def _output_grad_ready(self, call: _Call, grad: Any, observe: bool = True) -> None:
         if not self.active:
+            return
+        if call.bw_unheard and observe:
+            # its backward started from the module's pre-hooks: the observer hears of
+            # it now, with the gradient they passed on
+            call.bw_unheard = False
+            if self.observer is not None:
+                try:
+                    self.observer.pre_bw(call.module(), grad)
+                except Exception:
+                    self._errors.record()
+                self._raise_observed()
             return
         try:
             task = graph_task_id()
@@ -435,7 +447,7 @@ class BackwardNesting:
             if self.observer is not None and under is not None:
                 self._observe_closing(under)
             for c in reversed(chain):
-                self._open_backward(c, task, under, grad)
+                self._open_backward(c, task, under, grad, observe or c is not call)
                 under = None
         except Exception:
             self._errors.record()
@@ -496,7 +508,8 @@ class BackwardNesting:
                 if not left:
                     break
 
-    def _open_backward(self, call: _Call, task: int, under: Frame | None, grad: Any) -> None:
+    def _open_backward(self, call: _Call, task: int, under: Frame | None, grad: Any,
+                       observe: bool = True) -> None:
         call.bw_started = True
         call.bw_task = task
         info = call.info
@@ -508,7 +521,9 @@ class BackwardNesting:
             info.fqn, Phase.BACKWARD, attrs, task, under, info.names[Phase.BACKWARD]
         )
         self._bw_open.append(call)
-        if self.observer is not None:
+        if not observe:  # the observer hears of it later, with the gradient then
+            call.bw_unheard = True
+        elif self.observer is not None:
             self.observer.pre_bw(call.module(), grad)
 
     def _task_base(self, task: int) -> Frame | None:

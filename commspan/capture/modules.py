@@ -61,7 +61,6 @@ _FORWARD = Phase.FORWARD
 # Frames the hooks themselves may use on top of a module call (span building,
 # processors, logging an internal error), beyond what an untraced call uses.
 _HOOK_FRAMES = 100
-_BW_WAITING = 64  # calls a module backward pre-hook of commspan's keeps waiting
 
 try:  # non-reentrant checkpointing stops a recompute early with this exception
     from torch.utils.checkpoint import _StopRecomputationError as _StopRecomputation
@@ -230,8 +229,6 @@ class ModuleInfo:
         "ref",
         "ddp",
         "fw_trace",
-        "bw_pre",
-        "bw_waiting",
     )
 
     def __init__(self, fqn: str, mtype: str) -> None:
@@ -253,8 +250,6 @@ class ModuleInfo:
         self.depth = 0  # nesting depth at the module's first forward
         self.ref: Any = None  # weakref.ref to the module, made once
         self.fw_trace: Any = None  # trace id of its last forward (a recompute re-runs it)
-        self.bw_pre: Any = None  # handle of commspan's full backward pre-hook on it
-        self.bw_waiting: list[_Call] = []  # calls that hook serves, backward not started
 
 
 def _remove_hooks(handles: list[Any]) -> None:
@@ -350,7 +345,6 @@ class ModuleTracker(BackwardNesting):
         # stack to close them: a caller that catches it goes on (a fallback) with
         # them closed, ERROR; one that does not closes them itself
         self._unwound: tuple[Frame, BaseException] | None = None
-        self._bw_infos: list[ModuleInfo] = []  # modules commspan put a backward pre-hook on
         self.owner = 0  # thread the tracker follows (set by install)
         self._deepest = 0  # deepest module nesting the recursion limit allows for
         self._headroom = False
@@ -397,7 +391,6 @@ class ModuleTracker(BackwardNesting):
         self._unwound = None
         _remove_hooks(self._handles)
         self._handles = []
-        self._drop_backward_pre_hooks()
         self._drop_closers()
         self._calls.clear()
         self._forget_backward()
@@ -410,8 +403,6 @@ class ModuleTracker(BackwardNesting):
         self._drop_closers()
         self._error_mark = None
         self._unwound = None
-        for info in self._bw_infos:
-            info.bw_waiting.clear()
 
     def _drop_closers(self) -> None:
         """Remove every closing hook of a call still registered (:class:`_Closer`)."""
@@ -543,7 +534,7 @@ class ModuleTracker(BackwardNesting):
             if module._forward_hooks:
                 self._close_after_own_hooks(module, info, call)
             if module._backward_pre_hooks or module._backward_hooks:
-                self._watch_backward_hooks(module, info, call)
+                self._watch_backward_hooks(module, call)
             if torch.is_grad_enabled():
                 self._watch_inputs(call, args)
             if self.observer is not None:
@@ -646,57 +637,26 @@ class ModuleTracker(BackwardNesting):
             self._stale.append(handle)
         return True
 
-    def _watch_backward_hooks(self, module: torch.nn.Module, info: ModuleInfo,
-                              call: _Call) -> None:
+    def _watch_backward_hooks(self, module: torch.nn.Module, call: _Call) -> None:
         """The module has backward hooks of its own. torch runs them from autograd
-        nodes it puts around the module's outputs after the forward hooks ran, so a
-        full backward pre-hook would run before the nodes commspan's output hooks are
-        on, outside the module's backward. commspan's own full backward pre-hook, first
-        among the module's, starts the backward there. torch takes a module's hooks
-        when a call starts, so the hook serves from the module's next call on; it is
-        removed once the module's own hooks are gone, and when the mode is left."""
-        hooks = module._backward_pre_hooks
-        handle = info.bw_pre
-        if handle is not None and handle.id in hooks:
-            if len(hooks) == 1 and not module._backward_hooks:  # only ours is left
-                handle.remove()
-                info.bw_pre = None
-            else:
-                call.bw_hooked = True
-            return
+        nodes it puts around the call's outputs after the forward hooks ran, so a full
+        backward pre-hook would run before the nodes commspan's output hooks are on,
+        outside the module's backward. The call's backward starts from a pre-hook of
+        commspan's put first among the ones torch took for this call: in the list the
+        frame that called this hook (torch's ``Module._call_impl``) hands its
+        ``BackwardHook`` next. (Nothing is registered on the module.)"""
         if module._is_full_backward_hook is False:  # old-style hooks: torch refuses both
             return
-        hook = functools.partial(self._module_backward_starts, info)
-        info.bw_pre = module.register_full_backward_pre_hook(hook, prepend=True)
-        self._bw_infos.append(info)
-        # this call took its hooks already, in a list the frame that called this hook
-        # (torch's Module._call_impl) hands to its BackwardHook next: put it there too
         taken = sys._getframe(2).f_locals.get("backward_pre_hooks")
         if type(taken) is list:
-            taken.insert(0, hook)
-            call.bw_hooked = True
+            taken.insert(0, functools.partial(self._call_backward_starts, call))
 
-    def _module_backward_starts(self, info: ModuleInfo, module: torch.nn.Module,
-                                grad_output: Any) -> None:
-        """commspan's full backward pre-hook of a module: the gradient of the outputs
-        of its latest call whose backward has not started is ready."""
-        if not self.active:
-            return
-        waiting = info.bw_waiting
-        while waiting:
-            call = waiting.pop()
-            if not call.bw_started:
-                self._output_grad_ready(call, grad_output)
-                return
-
-    def _drop_backward_pre_hooks(self) -> None:
-        """Remove commspan's module backward pre-hooks (the mode is left)."""
-        for info in self._bw_infos:
-            if info.bw_pre is not None:
-                info.bw_pre.remove()
-                info.bw_pre = None
-            info.bw_waiting.clear()
-        self._bw_infos = []
+    def _call_backward_starts(self, call: _Call, module: torch.nn.Module,
+                              grad_output: Any) -> None:
+        """commspan's full backward pre-hook of one call: the gradient of its outputs is
+        ready. An observer hears of it from the outputs' own nodes, after the module's
+        pre-hooks (which may change the gradient), as before."""
+        self._output_grad_ready(call, grad_output, observe=False)
 
     def _finish_forward(
         self, info: ModuleInfo, module: torch.nn.Module, args: Any, output: Any, kwargs: Any
@@ -741,11 +701,6 @@ class ModuleTracker(BackwardNesting):
                 if kwargs:  # keyword inputs: seen only now
                     self._watch_inputs(call, kwargs, versions=False)
                 self._watch_outputs(call, output)
-                if call.bw_hooked:
-                    waiting = info.bw_waiting
-                    waiting.append(call)
-                    if len(waiting) > _BW_WAITING:  # backwards that never ran
-                        del waiting[0]
         except Exception:
             self._errors.record()
         if self.observer is not None:
