@@ -6,10 +6,13 @@ hundreds of modules deep are printed (no recursion per module depth anywhere).
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import sys
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -178,6 +181,56 @@ def test_recursion_error_caught_by_the_parent_closes_the_child(fake_pg: None) ->
     assert tree.end_time <= fallback.start_time
     assert [e.name for e in parent.events] == ["all_reduce"]
     assert not any(k.startswith(semconv.COUNT_PREFIX) for k in (tree.attributes or {}))
+
+
+class _GivesUp(nn.Module):
+    """Raises RecursionError, holding a tensor in its frame (the traceback's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: Any = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scratch = torch.ones(1024)
+        self.held = weakref.ref(scratch)
+        raise RecursionError("input too deep")
+
+
+class _ReducesFirst(nn.Module):
+    """Catches its child's RecursionError, then all-reduces before calling any module,
+    noting whether the child's frame (its tensor) is still alive by then."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tree = _GivesUp()
+        self.fallback = nn.Linear(2, 2)
+        self.alive_after: bool | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        try:
+            return self.tree(x)
+        except RecursionError:
+            pass
+        gc.collect()
+        self.alive_after = self.tree.held() is not None
+        torch.distributed.all_reduce(torch.ones(2))
+        return self.fallback(x)
+
+
+def test_after_a_caught_recursion_error_collectives_are_the_catchers(fake_pg: None) -> None:
+    """The catching module all-reduces before it calls any module: the all_reduce is on
+    its span, not on the failed child's; and the error's traceback (the failed frames
+    and their tensors) is not kept alive by commspan once the except block is over."""
+    model = _ReducesFirst()
+    mode, exporter = capture()
+    with mode, mode.step(0):
+        model(torch.randn(1, 2))
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    assert [e.name for e in spans["_ReducesFirst forward"].events] == ["all_reduce"]
+    tree = spans["_ReducesFirst.tree forward"]
+    assert [e.name for e in tree.events] == [semconv.EVENT_EXCEPTION]
+    assert tree.status.status_code is StatusCode.ERROR
+    assert model.alive_after is False
 
 
 def test_model_too_deep_to_run_untraced_raises_its_recursion_error() -> None:

@@ -252,6 +252,14 @@ class ModuleInfo:
         self.fw_trace: Any = None  # trace id of its last forward (a recompute re-runs it)
 
 
+def _without_traceback(error: BaseException) -> BaseException:
+    """``error`` as a span needs it, without its traceback (which holds every frame of
+    the recursion and its tensors) when it can be copied: a ``RecursionError``."""
+    if type(error) is RecursionError:
+        return RecursionError(*error.args)
+    return error
+
+
 def _remove_hooks(handles: list[Any]) -> None:
     """Remove hooks; for a global forward hook registered ``with_kwargs``, also
     its entry in torch's table of such hooks, which the handle leaves behind
@@ -344,7 +352,7 @@ class ModuleTracker(BackwardNesting):
         # its frame (and those above) stays open until the next hook, which has the
         # stack to close them: a caller that catches it goes on (a fallback) with
         # them closed, ERROR; one that does not closes them itself
-        self._unwound: tuple[Frame, BaseException] | None = None
+        self._unwound: tuple[Frame, BaseException, int] | None = None
         self.owner = 0  # thread the tracker follows (set by install)
         self._deepest = 0  # deepest module nesting the recursion limit allows for
         self._headroom = False
@@ -682,7 +690,7 @@ class ModuleTracker(BackwardNesting):
                     # no stack left here to build spans: the next hook closes these
                     # frames, ERROR and event (the caller's, or the next call's if
                     # the caller caught it); the outermost frame it left wins
-                    self._unwound = (call.frame, error)
+                    self._unwound = (call.frame, _without_traceback(error), id(error))
                     return
             if self.observer is not None:
                 self.observer.post_fw(module, args, output)
@@ -715,11 +723,22 @@ class ModuleTracker(BackwardNesting):
         unwound, self._unwound = self._unwound, None
         if unwound is None:
             return
-        frame, error = unwound
+        frame, error, original = unwound
         if frame.closed:  # closed already by the outermost call it left
             return
-        self._record_exception(error)
+        # marked as the error's own exception object (not the copy), which is still
+        # on its way out: the spans it crosses get ERROR, not another event
+        mark = (original, describe_error(error))
+        if mark != self._error_mark:
+            self._record_exception(error)
+            self._error_mark = mark
         self.recorder.close_now(frame, error)
+
+    def close_unwound(self) -> None:
+        """Close the frames a ``RecursionError`` caught by a module left, before
+        anything else is recorded (a collective the catching module issues)."""
+        if self._unwound is not None:
+            self._close_unwound()
 
     def _record_exception(self, error: BaseException) -> None:
         """Put an ``exception`` event for ``error`` on the innermost open frame,

@@ -725,6 +725,9 @@ class CommSpanMode:
         rec = self._recorder
         if rec is None or self._paused:
             return None
+        tracker = self._tracker
+        if tracker is not None and tracker._unwound is not None:
+            tracker.close_unwound()  # (a module caught a RecursionError: not its frames)
         rec.ensure_trace()
         top = rec.stack[-1]
         in_autograd = _graph_task_id() != -1
