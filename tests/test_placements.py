@@ -538,3 +538,16 @@ def test_an_explicit_redistribution_names_its_mesh_dimension(fake_pg: None, how:
     assert len(events) == 2
     for attrs in events:
         assert attrs.get(semconv.MESH_DIM) == dim_of[str(attrs[semconv.PG_NAME])]
+
+
+def test_placement_strings_are_dtensors_own() -> None:
+    """Shards, strided shards (FSDP2 over tensor parallelism) and replicas are written
+    as DTensor prints them (the reference: ``str`` of each placement), so a strided
+    shard is not mistaken for the plain shard of the same dim."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from commspan.capture.dtensor import placements_str
+
+    for placements in [(Shard(0), Replicate()), (_StridedShard(0, split_factor=2), Shard(1)),
+                       (Replicate(), _StridedShard(1, split_factor=4))]:
+        assert placements_str(placements) == ",".join(str(p) for p in placements)

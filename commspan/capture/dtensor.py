@@ -1,7 +1,10 @@
 """DTensor helpers: placement strings and a module's parameter summary.
 
 Placements are written the way DTensor prints them: ``S(0)``, ``R``,
-``P(sum)``; a multi-dimensional mesh joins them with commas (``S(0),R``).
+``P(sum)``, ``_S(0, 2)`` (a strided shard, as FSDP2 over tensor parallelism makes:
+another layout than ``S(0)``); every partial placement, ``_NormPartial`` and
+``MaskPartial`` too, is ``P(<reduce op>)``. A multi-dimensional mesh joins them
+with commas (``S(0),R``).
 """
 
 from __future__ import annotations
@@ -51,8 +54,10 @@ def _one(p: Any) -> str:
     if _Partial is not None and isinstance(p, _Partial):  # _MaskPartial, _NormPartial too
         return f"P({p.reduce_op})"
     name = type(p).__name__
-    if name in ("Shard", "_StridedShard"):
+    if name == "Shard":
         return f"S({p.dim})"
+    if name == "_StridedShard":
+        return f"_S({p.dim}, {p.split_factor})"
     if name == "Replicate":
         return "R"
     if name in ("Partial", "_Partial", "_NormPartial", "MaskPartial"):
