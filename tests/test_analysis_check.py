@@ -734,6 +734,23 @@ def test_a_stuck_receive_from_any_source_is_reported_as_it_is(peer: Any) -> None
     assert hangs[0].details["never_issued"] == [] and not hangs[0].details["root"]
 
 
+def test_a_stuck_receive_from_any_source_without_a_number_is_reported_as_it_is() -> None:
+    """Receives from any source carry no ``p2p.seq`` (none matches them): such a stuck
+    receive is still a point-to-point op waiting, said as it is, not taken for a
+    collective of its group (the same finding as for files that numbered it)."""
+    b = SpanBuilder(schema=3)
+    for r in range(WORLD):
+        b.rank(r, 0).coll("all_reduce", fqn="Net.sync")
+    b.hang(1, 1, stack=[("Net", "forward"), ("Net.stage", "forward")], collectives=[
+        b.event_attrs("recv", fqn="Net.stage", phase="forward", group=WORLD_GROUP,
+                      ranks=range(WORLD), seq=None, p2p_seq=None, kind=semconv.KIND_P2P,
+                      peer=None, state=semconv.STATE_ISSUED)])
+    hangs = [f for f in run_check(b).findings if f.kind == KIND_HANG]
+    assert [f.message for f in hangs] == [
+        "group 0 (ranks 0-3), rank 1: rank 1 is in `Net.stage` forward recv from any "
+        "source, not matched with a peer's side"]
+
+
 def test_a_rank_that_skipped_a_collective_while_blocked_elsewhere_says_so() -> None:
     """Group "dp" is ranks 0 and 1. Rank 0 waits in its all_reduce; rank 1 never issued
     it because it waits in a receive from rank 2, which stalled. The all_reduce's

@@ -648,7 +648,7 @@ def hang_findings(run: Run) -> list[Finding]:
     because it is itself blocked is rarely the cause)."""
     latest = run.latest_hangs()
     failed = [rec for rec in run.collectives
-              if rec.state == semconv.STATE_FAILED and rec.group and rec.p2p_seq is None]
+              if rec.state == semconv.STATE_FAILED and rec.group and not _per_peer(rec)]
     if not latest and not failed:
         return []
     latest = _superseded_dropped(run, latest)
@@ -657,7 +657,7 @@ def hang_findings(run: Run) -> list[Finding]:
     )
     for h in latest.values():
         for rec in h.collectives:
-            if rec.group and rec.p2p_seq is None:  # point-to-point ops: below
+            if rec.group and not _per_peer(rec):  # point-to-point ops: below
                 from_hangs[rec.group][h.rank].append(rec)
     for rec in failed:  # its op raised (a backend's timeout), with or without a record
         from_hangs[rec.group][rec.rank].append(rec)
@@ -776,7 +776,7 @@ def _p2p_hang_findings(
     for r in sorted(latest):
         hang = latest[r]
         for rec in waiting.get(r, []):
-            if rec.p2p_seq is None:
+            if not _per_peer(rec):
                 continue  # a collective, or schema 2: the group's path
             if not isinstance(rec.peer, int) or rec.op not in _P2P_MATCH:
                 findings.append(_unmatched_p2p_finding(rec, r, hang))
@@ -791,6 +791,13 @@ def _p2p_hang_findings(
             findings.append(_p2p_hang_finding(
                 run, rec, r, hang, peer, match, sender, receiver, latest, known, last_any))
     return findings
+
+
+def _per_peer(rec: CollectiveRecord) -> bool:
+    """A point-to-point op, checked against its peer rather than in its group's
+    sequence: one numbered per peer (schema 3), or one without a number in its group
+    (a receive from any source, which has no number per peer either)."""
+    return rec.p2p_seq is not None or (rec.kind == semconv.KIND_P2P and rec.seq is None)
 
 
 _P2P_MATCH = {"send": "recv", "recv": "send"}
@@ -870,7 +877,8 @@ def _unmatched_p2p_finding(rec: CollectiveRecord, r: int, hang: HangRecord) -> F
         peers = list(rec.peer) if isinstance(rec.peer, tuple) else [rec.peer]
         entry["peer"] = peers
         what = f"{rec.op} with ranks {_list(peers)}"
-    message = (f"{_group_label(rec.group, rec.group_ranks)}, rank {r} #{rec.p2p_seq}: rank "
+    number = f" #{rec.p2p_seq}" if rec.p2p_seq is not None else ""
+    message = (f"{_group_label(rec.group, rec.group_ranks)}, rank {r}{number}: rank "
                f"{r} is in {rec.where()} {what}, not matched with a peer's side")
     details: dict[str, Any] = {"group_ranks": list(rec.group_ranks), "never_issued": [],
                                "not_traced": [], "issued_ns": rec.issued_ns, "root": False}
@@ -911,6 +919,8 @@ def _op_words(rec: CollectiveRecord) -> str:
     """``all_reduce (seq 4)``, ``send to rank 2 (#3)``: an op, for messages."""
     if rec.p2p_seq is not None and isinstance(rec.peer, int) and rec.op in _P2P_TO:
         return f"{rec.op} {_P2P_TO[rec.op]} rank {rec.peer} (#{rec.p2p_seq})"
+    if _per_peer(rec) and rec.peer is None:
+        return f"{rec.op} from any source on group {rec.group}"
     return f"{rec.op} on group {rec.group} (seq {rec.seq})"
 
 
