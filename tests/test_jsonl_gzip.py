@@ -199,6 +199,27 @@ def test_a_file_gzipped_whole_is_bounded_per_line_not_per_member(
     assert jsonl_files([plain, whole], notes=[]) == [whole]
 
 
+def test_a_member_longer_than_the_limit_then_another_member(
+    runs: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """A file gzipped whole, then more lines appended as members of their own (``cat
+    a.gz b.gz``, or the exporter appending to it): read member after member, as the
+    plain file of the same lines is, with no line skipped or numbered twice."""
+    plain_dir, _packed = runs
+    (src,) = plain_dir.iterdir()
+    lines = src.read_bytes().splitlines(keepends=True)
+    limit = max(map(len, lines)) + 10
+    first, second = b"".join(lines) * 4, b"".join(lines)
+    assert len(first) > 3 * limit
+    plain, joined = tmp_path / "plain.jsonl", tmp_path / "joined.jsonl.gz"
+    plain.write_bytes(first + second)
+    joined.write_bytes(gzip.compress(first) + b"".join(gzip.compress(x) for x in lines))
+    reports = ReadReport(), ReadReport()
+    got = [_spans_of(f, r, limit) for f, r in zip((plain, joined), reports)]
+    assert got[0] == got[1] != []
+    assert reports[1].skipped == [] and reports[1].lines == reports[0].lines
+
+
 def _spans_of(path: Path, report: ReadReport, limit: int) -> list[tuple[str, str]]:
     return sorted((s.name, s.span_id) for s in read_spans(
         path, strict=False, report=report, max_line_bytes=limit))

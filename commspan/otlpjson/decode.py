@@ -443,7 +443,9 @@ def _member_lines(
             if head:  # a last line without its newline
                 number += 1
                 yield number, b"".join(head)
-            return pos - len(d.unused_data), number
+            # (the input after the member's end: with a max_length, CPython keeps it
+            # in unconsumed_tail as well as in unused_data, and pos stopped before it)
+            return pos + len(d.unconsumed_tail) - len(d.unused_data), number
         chunk = view[pos:min(pos + _STEP, size)]
         try:
             out = d.decompress(chunk, step)
