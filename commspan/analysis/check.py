@@ -778,7 +778,8 @@ def _p2p_hang_findings(
         for rec in waiting.get(r, []):
             if not _per_peer(rec):
                 continue  # a collective, or schema 2: the group's path
-            if not isinstance(rec.peer, int) or rec.op not in _P2P_MATCH:
+            if not isinstance(rec.peer, int) or rec.op not in _P2P_MATCH or (
+                    rec.p2p_seq is None):
                 findings.append(_unmatched_p2p_finding(rec, r, hang))
                 continue
             peer = rec.peer
