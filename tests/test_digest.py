@@ -7,6 +7,7 @@ digests: the line-by-line parse that predates digests.
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import re
@@ -235,6 +236,31 @@ def test_a_line_longer_than_the_limit_is_not_read_from_its_digest(
     plain = tmp_path / "plain"
     plain.mkdir()
     (plain / "all.jsonl").write_text(first + "\n" + big + "\n")
+    digested = _with_digests(plain, tmp_path / "digested")
+    expected = run_cli(capsys, "summary", str(plain), "--json", "--max-line-mib", "1")
+    assert expected[0] == 1 and "longer than" in expected[2]
+    got = run_cli(capsys, "summary", str(digested), "--json", "--max-line-mib", "1")
+    assert got[:2] == expected[:2]
+
+
+def test_a_compressed_line_longer_than_the_limit_is_not_read_from_its_digest(
+    tmp_path: Path, fake_pg: None, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A compressed file's digest knows each line's compressed length only: under a
+    ``--max-line-mib`` below the default, such a file is read from its lines, so a
+    line decompressing past the limit ends its reading as without a digest."""
+    run = _traced(tmp_path / "run", ranks=(0, 1), steps=2)
+    spans = []
+    for f in sorted(run.glob("*.jsonl")):
+        for line in f.read_text().splitlines():
+            spans.extend(json.loads(line)["resourceSpans"])
+    first = (run / "commspan-rank0.jsonl").read_text().splitlines()[0]
+    big = json.dumps({"resourceSpans": spans * 20}, separators=(",", ":"))
+    packed_big = gzip.compress(big.encode() + b"\n")
+    assert len(big) > 1 << 20 > len(packed_big)  # over the limit, its member under it
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "all.jsonl.gz").write_bytes(gzip.compress(first.encode() + b"\n") + packed_big)
     digested = _with_digests(plain, tmp_path / "digested")
     expected = run_cli(capsys, "summary", str(plain), "--json", "--max-line-mib", "1")
     assert expected[0] == 1 and "longer than" in expected[2]

@@ -859,8 +859,10 @@ def load_parts(
         if digest is None:
             return None
         if any(end - start > max_line_bytes for start, end in digest.covered):
-            # a line longer than the limit: the lines' reader stops its file there
-            # (a compressed line's length here is its compressed size)
+            return None  # a line longer than the limit: the lines' reader stops there
+        if max_line_bytes < DEFAULT_MAX_LINE_BYTES and _compressed(f):
+            # a tighter limit than the default, on lines whose decompressed length the
+            # digest does not know (it holds their compressed length)
             return None
         digests.append(digest)
     scratch = ReadReport()
@@ -884,6 +886,15 @@ def load_parts(
     if report is not None:
         report.add(scratch)
     return parts
+
+
+def _compressed(path: Path) -> bool:
+    """Whether the file at ``path`` starts as a compressed line does."""
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(3) == GZIP_MAGIC
+    except OSError:
+        return False
 
 
 def list_part_runs(parts: Sequence[DigestPart]) -> list[RunInfo]:
