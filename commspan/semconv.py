@@ -133,12 +133,15 @@ __all__ = [
     "parse_count_key",
 ]
 
-SCHEMA_VERSION = "3"
+SCHEMA_VERSION = "4"
 """Version of commspan's span schema; bumped whenever a name below changes or changes
 meaning. 2: collectives have an owner (``commspan.owner.*``) and count for it, not for
 the span open when they were issued; phase ``setup``; ``commspan.mesh.dim_name``.
 3: ``commspan.collective.seq`` counts collectives only; point-to-point ops are
-numbered per peer and direction (``commspan.p2p.seq``)."""
+numbered per peer and direction (``commspan.p2p.seq``). 4: barriers are collectives
+(``barrier``, ``monitored_barrier``: numbered in their group's sequence); ``scatter``'s
+tensor attributes describe its output, the rank's share; ``commspan.p2p.tag``; a
+receive from any source has no ``commspan.p2p.seq``."""
 
 SCHEMA_URL = f"https://commspan.dev/schemas/{SCHEMA_VERSION}"
 """Schema URL recorded on the instrumentation scope of every span."""
