@@ -220,11 +220,9 @@ def test_no_digest_reads_the_lines(
         assert run_cli(capsys, command, str(run), "--json")[1] != expected[1]
 
 
-def test_a_line_longer_than_the_limit_is_not_read_from_its_digest(
-    tmp_path: Path, fake_pg: None, capsys: pytest.CaptureFixture[str],
-) -> None:
-    """``--max-line-mib``: a line longer than the limit ends its file's reading, from
-    the lines and from a digest alike (same exit status, same counts)."""
+def _small_then_big_line(tmp_path: Path) -> tuple[str, str]:
+    """A small line of a traced run, and one of more than 1 MiB holding every span
+    of its two ranks twenty times."""
     run = _traced(tmp_path / "run", ranks=(0, 1), steps=2)
     spans = []
     for f in sorted(run.glob("*.jsonl")):
@@ -233,34 +231,27 @@ def test_a_line_longer_than_the_limit_is_not_read_from_its_digest(
     first = (run / "commspan-rank0.jsonl").read_text().splitlines()[0]
     big = json.dumps({"resourceSpans": spans * 20}, separators=(",", ":"))
     assert len(big) > 1 << 20
-    plain = tmp_path / "plain"
-    plain.mkdir()
-    (plain / "all.jsonl").write_text(first + "\n" + big + "\n")
-    digested = _with_digests(plain, tmp_path / "digested")
-    expected = run_cli(capsys, "summary", str(plain), "--json", "--max-line-mib", "1")
-    assert expected[0] == 1 and "longer than" in expected[2]
-    got = run_cli(capsys, "summary", str(digested), "--json", "--max-line-mib", "1")
-    assert got[:2] == expected[:2]
+    return first, big
 
 
-def test_a_compressed_line_longer_than_the_limit_is_not_read_from_its_digest(
-    tmp_path: Path, fake_pg: None, capsys: pytest.CaptureFixture[str],
+@pytest.mark.parametrize("compressed", [False, True], ids=["plain", "compressed"])
+def test_a_line_longer_than_the_limit_is_not_read_from_its_digest(
+    tmp_path: Path, fake_pg: None, capsys: pytest.CaptureFixture[str], compressed: bool,
 ) -> None:
-    """A compressed file's digest knows each line's compressed length only: under a
-    ``--max-line-mib`` below the default, such a file is read from its lines, so a
-    line decompressing past the limit ends its reading as without a digest."""
-    run = _traced(tmp_path / "run", ranks=(0, 1), steps=2)
-    spans = []
-    for f in sorted(run.glob("*.jsonl")):
-        for line in f.read_text().splitlines():
-            spans.extend(json.loads(line)["resourceSpans"])
-    first = (run / "commspan-rank0.jsonl").read_text().splitlines()[0]
-    big = json.dumps({"resourceSpans": spans * 20}, separators=(",", ":"))
-    packed_big = gzip.compress(big.encode() + b"\n")
-    assert len(big) > 1 << 20 > len(packed_big)  # over the limit, its member under it
+    """``--max-line-mib``: a line longer than the limit ends its file's reading, from
+    the lines and from a digest alike (same exit status, same counts). A compressed
+    file's digest knows each line's compressed length only (here under the limit):
+    under a limit below the default, such a file is read from its lines."""
+    first, big = _small_then_big_line(tmp_path)
     plain = tmp_path / "plain"
     plain.mkdir()
-    (plain / "all.jsonl.gz").write_bytes(gzip.compress(first.encode() + b"\n") + packed_big)
+    if compressed:
+        packed_big = gzip.compress(big.encode() + b"\n")
+        assert len(packed_big) < 1 << 20  # over the limit, its member under it
+        (plain / "all.jsonl.gz").write_bytes(
+            gzip.compress(first.encode() + b"\n") + packed_big)
+    else:
+        (plain / "all.jsonl").write_text(first + "\n" + big + "\n")
     digested = _with_digests(plain, tmp_path / "digested")
     expected = run_cli(capsys, "summary", str(plain), "--json", "--max-line-mib", "1")
     assert expected[0] == 1 and "longer than" in expected[2]
