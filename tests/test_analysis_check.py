@@ -751,6 +751,25 @@ def test_a_stuck_receive_from_any_source_without_a_number_is_reported_as_it_is()
         "source, not matched with a peer's side"]
 
 
+def test_a_completed_receive_from_any_source_does_not_hide_the_next_one() -> None:
+    """Two receives from any source on one rank, neither numbered: the first completed,
+    the second is stuck. The second is still reported (they are told apart by when
+    they were issued, not taken for one op)."""
+    b = SpanBuilder(schema=3)
+    for r in range(WORLD):
+        b.rank(r, 0).coll("all_reduce", fqn="Net.sync")
+    receives = [
+        b.event_attrs("recv", fqn="Net.stage", phase="forward", group=WORLD_GROUP,
+                      ranks=range(WORLD), seq=None, p2p_seq=None, kind=semconv.KIND_P2P,
+                      peer=None, state=state)
+        for state in (semconv.STATE_COMPLETED, semconv.STATE_ISSUED)]
+    b.hang(1, 1, stack=[("Net", "forward"), ("Net.stage", "forward")], collectives=receives)
+    hangs = [f for f in run_check(b).findings if f.kind == KIND_HANG]
+    assert [f.message for f in hangs] == [
+        "group 0 (ranks 0-3), rank 1: rank 1 is in `Net.stage` forward recv from any "
+        "source, not matched with a peer's side"]
+
+
 def test_a_rank_that_skipped_a_collective_while_blocked_elsewhere_says_so() -> None:
     """Group "dp" is ranks 0 and 1. Rank 0 waits in its all_reduce; rank 1 never issued
     it because it waits in a receive from rank 2, which stalled. The all_reduce's

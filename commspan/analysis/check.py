@@ -752,6 +752,8 @@ def _op_key(rec: CollectiveRecord) -> tuple[Any, ...]:
     and its hang records."""
     if rec.p2p_seq is not None:
         return (rec.rank, rec.group, rec.op, rec.peer, rec.p2p_seq)
+    if _per_peer(rec):  # no number at all (a receive from any source): its issue time
+        return (rec.rank, rec.group, rec.op, rec.peer, None, rec.issued_ns)
     return (rec.rank, rec.group, rec.seq)
 
 
