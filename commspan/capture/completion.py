@@ -163,17 +163,23 @@ class CompletionTracker:
             # the caller waits right after this returns: wait first, and time it
             if cuda_start is not None:
                 _finish_cuda(timing, cuda_start)  # a blocking op ran on the current stream
-                return
-            try:
-                handle.wait()  # releases the GIL, as the caller's wait does
-            except Exception:
-                # the op failed (the caller's own wait raises it again): it has no
-                # completion to wait for, and is counted as emitted without one
-                self.give_up(timing, failed=True)
-                return
-            timing.duration = max(0, _perf() - timing.issued)
+            else:
+                self.wait_blocking(timing, handle)
             return
         self.watch(info, timing, handle, cuda_start)
+
+    def wait_blocking(self, timing: CollectiveTiming, handle: Any) -> None:
+        """A blocking c10d op on the CPU, whose caller waits on its ``Work`` ``handle``
+        right after it returns: wait first (releasing the GIL, as the caller's wait
+        does), and time the completion."""
+        try:
+            handle.wait()
+        except Exception:
+            # the op failed (the caller's own wait raises it again): it has no
+            # completion to wait for, and is counted as emitted without one
+            self.give_up(timing, failed=True)
+            return
+        timing.duration = max(0, _perf() - timing.issued)
 
     def watch(self, info: CollectiveInfo, timing: CollectiveTiming, handle: Any,
               cuda_start: Any) -> None:

@@ -490,15 +490,8 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
                     handle = _unbox(out[-1])
                     if index < 0 or index >= len(args) or args[index] is not False:
                         completions.watch(info, timing, handle, None)
-                        return out
-                    # a blocking c10d op: the caller waits right after this returns; wait
-                    # first (releasing the GIL, as the caller's wait does), and time it
-                    try:
-                        handle.wait()
-                    except Exception:  # the op failed: the caller's own wait raises it again
-                        completions.give_up(timing, failed=True)
-                        return out
-                    timing.duration = max(0, _perf() - timing.issued)
+                    else:  # blocking: the caller waits right after this returns
+                        completions.wait_blocking(timing, handle)
                     return out
             completions.issued(info, timing, args, kwargs, out, started)
         except Exception:
