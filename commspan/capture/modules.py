@@ -348,11 +348,13 @@ class ModuleTracker(BackwardNesting):
         # reference (built-in exceptions take none); forgotten at the next
         # module call, so a freed exception's id cannot be mistaken for it.
         self._error_mark: tuple[int, str | None] | None = None
-        # (frame, error): a RecursionError left a call whose caller is a module, and
-        # its frame (and those above) stays open until the next hook, which has the
-        # stack to close them: a caller that catches it goes on (a fallback) with
-        # them closed, ERROR; one that does not closes them itself
-        self._unwound: tuple[Frame, BaseException, int] | None = None
+        self.unwound: tuple[Frame, BaseException, int] | None = None
+        """``(frame, error, id of the error raised)``: a RecursionError left a call
+        whose caller is a module; its frame (and those above) stays open until the
+        next hook or collective, which has the stack to close them
+        (:meth:`close_unwound`): a caller that catches it goes on (a fallback) with
+        them closed, ERROR; one that does not closes them itself. ``error`` is a copy
+        without the traceback."""
         self.owner = 0  # thread the tracker follows (set by install)
         self._deepest = 0  # deepest module nesting the recursion limit allows for
         self._headroom = False
@@ -396,7 +398,7 @@ class ModuleTracker(BackwardNesting):
         self.active = False
         self._release_headroom()
         self._error_mark = None
-        self._unwound = None
+        self.unwound = None
         _remove_hooks(self._handles)
         self._handles = []
         self._drop_closers()
@@ -410,7 +412,7 @@ class ModuleTracker(BackwardNesting):
         self._calls.clear()
         self._drop_closers()
         self._error_mark = None
-        self._unwound = None
+        self.unwound = None
 
     def _drop_closers(self) -> None:
         """Remove every closing hook of a call still registered (:class:`_Closer`)."""
@@ -511,8 +513,8 @@ class ModuleTracker(BackwardNesting):
         if self._ignores_this_call(module):
             return
         try:
-            if self._unwound is not None:
-                self._close_unwound()
+            if self.unwound is not None:
+                self.close_unwound()
             self._error_mark = None
             info = self._info(module)
             task = _graph_task_id()
@@ -671,8 +673,8 @@ class ModuleTracker(BackwardNesting):
     ) -> None:
         raised = False  # the forward raised
         try:
-            if self._unwound is not None:
-                self._close_unwound()
+            if self.unwound is not None:
+                self.close_unwound()
             calls = self._calls
             idx = self._innermost_call(info)
             if idx < 0:
@@ -690,7 +692,7 @@ class ModuleTracker(BackwardNesting):
                     # no stack left here to build spans: the next hook closes these
                     # frames, ERROR and event (the caller's, or the next call's if
                     # the caller caught it); the outermost frame it left wins
-                    self._unwound = (call.frame, _without_traceback(error), id(error))
+                    self.unwound = (call.frame, _without_traceback(error), id(error))
                     return
             if self.observer is not None:
                 self.observer.post_fw(module, args, output)
@@ -717,10 +719,11 @@ class ModuleTracker(BackwardNesting):
             if observed is not None and not raised:
                 raise observed
 
-    def _close_unwound(self) -> None:
-        """Close the frames a ``RecursionError`` left (see ``_unwound``): ERROR, and
-        the innermost gets the ``exception`` event."""
-        unwound, self._unwound = self._unwound, None
+    def close_unwound(self) -> None:
+        """Close the frames a ``RecursionError`` left (see :attr:`unwound`), if any,
+        before anything else is recorded: ERROR, and the innermost gets the
+        ``exception`` event."""
+        unwound, self.unwound = self.unwound, None
         if unwound is None:
             return
         frame, error, original = unwound
@@ -728,23 +731,15 @@ class ModuleTracker(BackwardNesting):
             return
         # marked as the error's own exception object (not the copy), which is still
         # on its way out: the spans it crosses get ERROR, not another event
-        mark = (original, describe_error(error))
-        if mark != self._error_mark:
-            self._record_exception(error)
-            self._error_mark = mark
+        self._record_exception(error, original)
         self.recorder.close_now(frame, error)
 
-    def close_unwound(self) -> None:
-        """Close the frames a ``RecursionError`` caught by a module left, before
-        anything else is recorded (a collective the catching module issues)."""
-        if self._unwound is not None:
-            self._close_unwound()
-
-    def _record_exception(self, error: BaseException) -> None:
+    def _record_exception(self, error: BaseException, ident: int | None = None) -> None:
         """Put an ``exception`` event for ``error`` on the innermost open frame,
-        unless it is already on a frame the error crossed before."""
+        unless it is already on a frame the error crossed before (``ident``: the
+        ``id`` it goes by, when ``error`` stands for another exception object)."""
         rec = self.recorder
-        mark = (id(error), describe_error(error))
+        mark = (id(error) if ident is None else ident, describe_error(error))
         if mark == self._error_mark:
             return
         self._error_mark = mark
@@ -762,7 +757,7 @@ class ModuleTracker(BackwardNesting):
         the error was caught): its frames end with ERROR saying so.
         """
         try:
-            self._close_unwound()
+            self.close_unwound()
             if error is not None:
                 self._record_exception(error)
             elif self._tasks:

@@ -726,7 +726,7 @@ class CommSpanMode:
         if rec is None or self._paused:
             return None
         tracker = self._tracker
-        if tracker is not None and tracker._unwound is not None:
+        if tracker is not None and tracker.unwound is not None:
             tracker.close_unwound()  # (a module caught a RecursionError: not its frames)
         rec.ensure_trace()
         top = rec.stack[-1]
