@@ -66,6 +66,7 @@ from commspan.otlpjson.decode import (
     what_is_wrong,
 )
 from commspan.otlpjson.encode import resource_and_scope, span_fields
+from commspan.otlpjson.files import starts_compressed
 from commspan.otlpjson.records import (
     DEFAULT_MAX_LINE_BYTES,
     ReadReport,
@@ -860,7 +861,7 @@ def load_parts(
             return None
         if any(end - start > max_line_bytes for start, end in digest.covered):
             return None  # a line longer than the limit: the lines' reader stops there
-        if max_line_bytes < DEFAULT_MAX_LINE_BYTES and _compressed(f):
+        if max_line_bytes < DEFAULT_MAX_LINE_BYTES and starts_compressed(f):
             # a tighter limit than the default, on lines whose decompressed length the
             # digest does not know (it holds their compressed length)
             return None
@@ -886,15 +887,6 @@ def load_parts(
     if report is not None:
         report.add(scratch)
     return parts
-
-
-def _compressed(path: Path) -> bool:
-    """Whether the file at ``path`` starts as a compressed line does."""
-    try:
-        with open(path, "rb") as fh:
-            return fh.read(3) == GZIP_MAGIC
-    except OSError:
-        return False
 
 
 def list_part_runs(parts: Sequence[DigestPart]) -> list[RunInfo]:

@@ -34,8 +34,8 @@ from commspan import semconv
 from commspan._errors import Once
 from commspan._fork import renew_after_fork
 from commspan.capture.ranks import process_ranks
-from commspan.otlpjson.decode import GZIP_MAGIC
 from commspan.otlpjson.encode import encode_lines
+from commspan.otlpjson.files import starts_compressed
 
 __all__ = ["DEFAULT_FILENAME", "JsonlSpanExporter"]
 
@@ -176,7 +176,7 @@ class JsonlSpanExporter(SpanExporter):
             return None
         st = os.fstat(fd)
         if st.st_size > 0:
-            packed = _starts_compressed(path)
+            packed = starts_compressed(path)
             if packed is not None and packed != bool(self.compress_level):
                 # a mix of plain and gzip'd lines is unreadable: write nothing there
                 os.close(fd)
@@ -386,16 +386,6 @@ def _check_template(template: str) -> None:
         f"path={template!r} is not a valid file-name template: {problem}; the fields are "
         "{rank} and {run_id} (write {{ or }} for a literal brace)"
     )
-
-
-def _starts_compressed(path: Path) -> bool | None:
-    """Whether a non-empty file starts with the gzip magic, as the readers tell a
-    compressed file; ``None`` if unreadable."""
-    try:
-        with open(path, "rb") as fh:
-            return fh.read(len(GZIP_MAGIC)) == GZIP_MAGIC
-    except OSError:
-        return None
 
 
 def _ends_in_newline(path: Path, size: int) -> bool:

@@ -27,7 +27,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["GZIP_MAGIC", "NoJsonlFilesError", "jsonl_files"]
+__all__ = ["GZIP_MAGIC", "NoJsonlFilesError", "jsonl_files", "starts_compressed"]
 
 _log = logging.getLogger(__name__)
 
@@ -154,6 +154,16 @@ _HEAD = 4096
 GZIP_MAGIC = b"\x1f\x8b\x08"
 """How a compressed file (``JsonlSpanExporter(compress=...)``) begins, and each of its
 members."""
+
+
+def starts_compressed(path: Path) -> bool | None:
+    """Whether a non-empty file starts with the gzip magic, as the readers tell a
+    compressed file; ``None`` if unreadable."""
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(len(GZIP_MAGIC)) == GZIP_MAGIC
+    except OSError:
+        return None
 
 
 def _open(path: Path) -> Any:
