@@ -524,3 +524,19 @@ def test_a_read_error_after_open_names_the_file(capsys: pytest.CaptureFixture[st
     code, _, err = _cli(capsys, "summary", "/proc/self/mem")
     assert code == 1 and "Traceback" not in err
     assert "/proc/self/mem cannot be read (" in err and "leave it out of FILES" in err
+
+
+def test_a_copy_beside_a_compressed_file_of_short_lines_being_written_is_left_out(
+    tmp_path: Path,
+) -> None:
+    """As above with lines so short that a file's first 4 KiB (decompressed) reach
+    the member being written: the files were told apart by those 4 KiB, read with
+    ``gzip``, which gave up on the cut member, and both were read (a rank counted
+    twice, for small or young files)."""
+    lines = [b'{"resourceSpans":[],"n":%d}\n' % n for n in range(40)]
+    members = [gzip.compress(line, mtime=0) for line in lines]
+    (tmp_path / "X.jsonl.gz").write_bytes(b"".join(members) + members[0][:10])
+    (tmp_path / "X.jsonl").write_bytes(b"".join(lines[:30]))  # gunzip -k, earlier
+    notes: list[str] = []
+    assert [f.name for f in jsonl_files(tmp_path, notes=notes)] == ["X.jsonl.gz"]
+    assert len(notes) == 1 and "not reading" in notes[0]

@@ -335,3 +335,94 @@ def test_with_a_digest_a_cut_line_with_lines_after_it_is_damaged(tmp_path: Path)
         digest.unlink(missing_ok=True)
     assert seen[0] == seen[1]
     assert seen[0][1] == [("damaged", 4)]
+
+
+def _long_compressed_file(runs: tuple[Path, Path], path: Path, min_bytes: int) -> int:
+    """A compressed file of the run's lines repeated (each a gzip member, as the
+    exporter writes them) to at least ``min_bytes``; returns its number of spans."""
+    _plain, packed = runs
+    (src,) = packed.iterdir()
+    members = src.read_bytes()
+    spans = len(list(read_spans(src)))
+    copies = -(-min_bytes // len(members))
+    path.write_bytes(members * copies)
+    return spans * copies
+
+
+_TRUNCATE_WHILE_READING = """
+import os, sys
+from commspan.exporters import ReadReport, read_spans
+path = sys.argv[1]
+report = ReadReport()
+n = 0
+for _ in read_spans(path, strict=False, report=report):
+    n += 1
+    if n == 1:  # the exporter trims a cut line after a full disk; a user truncates
+        os.truncate(path, os.path.getsize(path) // 3 + int(sys.argv[2]))
+print(n, *[s.kind for s in report.skipped])
+"""
+
+
+@pytest.mark.parametrize("offset", [0, 1000])
+def test_a_compressed_file_cut_short_while_read_ends_early(
+    runs: tuple[Path, Path], tmp_path: Path, offset: int
+) -> None:
+    """A compressed file truncated while a reader is in it: the reader ends early,
+    its last line torn. It was mapped to memory, and the process died of SIGBUS
+    (no message, no summary) at the first byte past the new end."""
+    path = tmp_path / "cut.jsonl.gz"
+    total = _long_compressed_file(runs, path, 12 << 20)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    proc = subprocess.run([sys.executable, "-c", _TRUNCATE_WHILE_READING, str(path), str(offset)],
+                          capture_output=True, env=env, timeout=120, check=False, text=True)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    read, *skipped = proc.stdout.split()
+    assert 0 < int(read) < total
+    assert skipped in ([], ["torn"])
+
+
+def test_reading_a_compressed_file_holds_a_block_not_the_file(
+    runs: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Memory (and time) for reading a file of many compressed lines grows with a
+    block, not with the file: each line used to copy the rest of the file (what
+    follows a gzip member), quadratic in the file's size (3.4 s for a 3.5 MB file
+    of 80,000 lines; 0.26 s now)."""
+    import tracemalloc
+
+    from commspan.otlpjson import decode
+
+    monkeypatch.setattr(decode, "_BLOCK", 64 << 10, raising=False)
+    path = tmp_path / "long.jsonl.gz"
+    total = _long_compressed_file(runs, path, 4 << 20)
+    tracemalloc.start()
+    try:
+        read = sum(1 for _ in read_spans(path))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert read == total
+    assert peak < path.stat().st_size / 4, (peak, path.stat().st_size)
+
+
+@pytest.mark.parametrize("form", ["members", "whole"])
+def test_a_carriage_return_inside_a_line_splits_no_compressed_line(
+    runs: tuple[Path, Path], tmp_path: Path, form: str
+) -> None:
+    """JSON allows a bare CR between values; a plain file's lines split at LF only,
+    and so do a compressed file's (they split at the CR too: a ``torn`` line, then a
+    ``damaged`` one, and the line numbers after it off by one)."""
+    plain, _packed = runs
+    (src,) = plain.iterdir()
+    lines = [line.replace(b"{", b"{\r", 1) for line in src.read_bytes().splitlines(keepends=True)]
+    assert len(lines) == STEPS and all(b"\r" in line for line in lines)
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "r.jsonl").write_bytes(b"".join(lines))
+    (tmp_path / "packed").mkdir()
+    packed = (b"".join(gzip.compress(line, mtime=0) for line in lines) if form == "members"
+              else gzip.compress(b"".join(lines), mtime=0))
+    (tmp_path / "packed" / "r.jsonl.gz").write_bytes(packed)
+    reports = ReadReport(), ReadReport()
+    expected = _spans(tmp_path / "plain", reports[0])
+    assert expected and _spans(tmp_path / "packed", reports[1]) == expected
+    assert reports[0].skipped == reports[1].skipped == []

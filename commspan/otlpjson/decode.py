@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import logging
 import math
-import mmap
 import os
+import stat
 import zlib
 from collections.abc import Container, Generator, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -341,54 +341,130 @@ def _gzip_lines(
     file ends inside it) and reading resumes at the next member, as a damaged line
     of a plain file is skipped; the line numbers count members' lines.
     """
-    try:
-        mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-    except (OSError, ValueError):  # not mappable (a pipe, ...): read it whole
-        if start:  # (a pipe cannot seek: its start was only peeked at)
-            fh.seek(0)
-        mm = fh.read()
-    view = memoryview(mm)
-    size = len(view) if stop is None else min(stop, len(view))
+    src = _Window(fh, start)
+    end = src.size  # the file's end; ``size`` may be a range's
+    size = end if stop is None else min(stop, end)
     pos, number = start, first - 1
-    try:
-        end = len(view)  # the file's end; ``size`` may be a range's
-        while pos < size:
-            if view[pos:pos + 3] != GZIP_MAGIC:
-                if size == end and end - pos < 3 and view[pos:end] == GZIP_MAGIC[:end - pos]:
-                    kind, reason = "torn", _GZ_TORN  # the file ends inside a header
-                else:
-                    kind, reason = "damaged", "not a compressed line"
+    while pos < size:
+        head = src.view(pos, 3)[:3]
+        if not head:
+            return  # the file was cut short here while being read, after a whole line
+        if head != GZIP_MAGIC:
+            if size == end and end - pos < 3 and head == GZIP_MAGIC[:end - pos]:
+                kind, reason = "torn", _GZ_TORN  # the file ends inside a header
             else:
-                d = zlib.decompressobj(31)
-                try:
-                    out = d.decompress(view[pos:size], limit)
-                except zlib.error as exc:
-                    kind = "damaged"
-                    reason = f"a compressed line that cannot be decompressed ({exc})"
-                else:
-                    if d.eof:
-                        pos = size - len(d.unused_data)
-                        for line in out.splitlines(keepends=True):
-                            number += 1
-                            yield number, line
-                        continue
-                    # the member goes on past ``limit`` bytes (a file gzipped whole), or
-                    # the file ends inside it: line by line
-                    pos, number = yield from _member_lines(
-                        path, mm, view, size - len(d.unconsumed_tail), size, d, out, limit,
-                        reader, number)
-                    if pos < 0:
-                        return
+                kind, reason = "damaged", "not a compressed line"
+        else:
+            d = zlib.decompressobj(31)
+            # a first slice of input, small: what follows the member is copied
+            # (unused_data), so a whole window per member would cost its size each
+            chunk = src.view(pos, _FIRST)[:min(_FIRST, size - pos)]
+            try:
+                out = d.decompress(chunk, limit)
+            except zlib.error as exc:
+                kind = "damaged"
+                reason = f"a compressed line that cannot be decompressed ({exc})"
+            else:
+                if d.eof:
+                    pos += len(chunk) - len(d.unused_data)
+                    for line in _lines_of(out):
+                        number += 1
+                        yield number, line
                     continue
-            number += 1
-            reader.skip(path, number, kind, reason)
-            pos = mm.find(GZIP_MAGIC, pos + 1, size)  # the next line (a writer may start afresh)
-            if pos < 0:
-                return
-    finally:
-        view.release()
-        if isinstance(mm, mmap.mmap):
-            mm.close()
+                # the member goes on past this input or past ``limit`` bytes of output
+                # (a file gzipped whole), or the file ends inside it: line by line
+                pos, number = yield from _member_lines(
+                    path, src, pos + len(chunk) - len(d.unconsumed_tail), size, d, out,
+                    limit, reader, number)
+                if pos < 0:
+                    return
+                continue
+        number += 1
+        reader.skip(path, number, kind, reason)
+        pos = src.find(GZIP_MAGIC, pos + 1, size)  # the next line (a writer may start afresh)
+        if pos < 0:
+            return
+
+
+def _lines_of(data: bytes) -> list[bytes]:
+    """``data``'s lines, each with its newline (the last may have none), split at
+    ``\\n`` only as a plain file's lines are (``bytes.splitlines`` splits at a bare
+    ``\\r`` too, which JSON allows between values)."""
+    if b"\r" not in data:
+        return data.splitlines(keepends=True)
+    lines = [line + b"\n" for line in data.split(b"\n")]
+    last = lines.pop()[:-1]
+    if last:
+        lines.append(last)
+    return lines
+
+
+_FIRST = 16 << 10  # input given to a member's first decompress call
+_BLOCK = 4 << 20  # bytes read from a file at a time
+
+
+class _Window:
+    """The bytes of an open file, read forward a block at a time as its reader moves
+    on, from byte ``start``.
+
+    Not an ``mmap``: a file cut short while mapped (the exporter trims a line cut
+    by a full disk; a user truncates a file being read) kills the process with
+    SIGBUS. A file that shrinks while read here ends early instead, its last line
+    read as torn or damaged. A pipe is read whole.
+    """
+
+    def __init__(self, fh: Any, start: int) -> None:
+        self._fh = fh
+        self._base = start  # the file offset of _buf[0]
+        self._buf = b""
+        try:
+            regular = stat.S_ISREG(os.fstat(fh.fileno()).st_mode)
+        except (OSError, ValueError, AttributeError):
+            regular = False
+        if regular:
+            fh.seek(0, os.SEEK_END)
+            self.size = fh.tell()
+            fh.seek(start)
+        else:  # a pipe: read whole (from its start, peeked at only)
+            self._buf = fh.read()
+            self.size = start + len(self._buf)
+        self._eof = not regular
+
+    def _load(self, a: int, want: int) -> None:
+        """Hold the file from byte ``a`` on: at least ``want`` bytes of it, unless it
+        ends sooner."""
+        base, buf = self._base, self._buf
+        if a < base or a > base + len(buf):  # (backwards, or a jump ahead: re-read)
+            self._fh.seek(a)
+            base, buf, self._eof = a, b"", False
+        have = base + len(buf) - a
+        if have >= want or self._eof:
+            return
+        more = self._fh.read(max(want - have, _BLOCK))
+        if len(more) < max(want - have, _BLOCK):
+            self._eof = True  # (the file's end, or it shrank while being read)
+        self._buf = buf[a - base:] + more
+        self._base = a
+
+    def view(self, a: int, want: int) -> memoryview:
+        """The bytes from ``a`` on that are held, at least ``want`` of them (fewer
+        only at the file's end): no copy."""
+        self._load(a, want)
+        return memoryview(self._buf)[a - self._base:]
+
+    def find(self, sub: bytes, a: int, b: int) -> int:
+        """The offset of the first ``sub`` in bytes ``[a, b)``, or -1."""
+        while a < b:
+            self._load(a, min(_BLOCK, b - a))
+            base, buf = self._base, self._buf
+            stop = min(b, base + len(buf))
+            found = buf.find(sub, a - base, stop - base)
+            if found >= 0:
+                return base + found
+            if stop >= b or self._eof:
+                return -1
+            a = max(a + 1, stop - len(sub) + 1)  # (sub may straddle the blocks)
+        return -1
 
 
 def _cut(at_end: bool) -> tuple[str, str]:
@@ -401,7 +477,7 @@ _STEP = 1 << 20
 
 
 def _member_lines(
-    path: Path, mm: Any, view: memoryview, pos: int, size: int, d: Any, out: bytes,
+    path: Path, src: _Window, pos: int, size: int, d: Any, out: bytes,
     limit: int, reader: LineReader, number: int,
 ) -> Generator[tuple[int, bytes], None, tuple[int, int]]:
     """The lines of a gzip member that goes on past its first ``limit`` bytes, ``out``
@@ -428,7 +504,7 @@ def _member_lines(
                 number += 1
                 yield number, line
                 out, cut = out[first:], cut - first
-            for line in out[:cut].splitlines(keepends=True):
+            for line in _lines_of(out[:cut]):
                 number += 1
                 yield number, line
             out = out[cut:]
@@ -446,7 +522,7 @@ def _member_lines(
             # (the input after the member's end: with a max_length, CPython keeps it
             # in unconsumed_tail as well as in unused_data, and pos stopped before it)
             return pos + len(d.unconsumed_tail) - len(d.unused_data), number
-        chunk = view[pos:min(pos + _STEP, size)]
+        chunk = src.view(pos, _STEP)[:min(_STEP, size - pos)]
         try:
             out = d.decompress(chunk, step)
         except zlib.error as exc:
@@ -458,10 +534,10 @@ def _member_lines(
                 continue
             if whole and not head:  # cut after a line's end (in the gzip trailer)
                 return -1, number
-            kind, reason = _cut(size == len(view))
+            kind, reason = _cut(size == src.size)
         number += 1
         reader.skip(path, number, kind, reason)
-        return mm.find(GZIP_MAGIC, pos, size), number  # the next line (a writer may start afresh)
+        return src.find(GZIP_MAGIC, pos, size), number  # the next line (a writer may start afresh)
 
 
 DECODE_ERRORS = (TypeError, KeyError, AttributeError, ValueError)

@@ -18,7 +18,6 @@ Example:
 
 from __future__ import annotations
 
-import gzip
 import logging
 import os
 import stat
@@ -151,6 +150,7 @@ def _without_copies(files: list[Path], notes: list[str] | None) -> list[Path]:
 
 
 _HEAD = 4096
+_HEAD_READ = 64 << 10  # compressed bytes read for a file's _head
 GZIP_MAGIC = b"\x1f\x8b\x08"
 """How a compressed file (``JsonlSpanExporter(compress=...)``) begins, and each of its
 members."""
@@ -166,24 +166,33 @@ def starts_compressed(path: Path) -> bool | None:
         return None
 
 
-def _open(path: Path) -> Any:
-    """``path`` for reading its (decompressed) bytes."""
-    f = open(path, "rb")
-    if f.read(len(GZIP_MAGIC)) == GZIP_MAGIC:
-        f.close()
-        return gzip.open(path, "rb")
-    f.seek(0)
-    return f
-
-
 def _head(path: Path) -> bytes:
     """``path``'s first line, at most its first 4 KiB (``b""`` if it cannot be read):
-    a copy holds whole lines, so a shorter copy starts with the same one."""
+    a copy holds whole lines, so a shorter copy starts with the same one.
+
+    A compressed file's members are decompressed in turn, as the readers do, up to
+    one the file ends inside or that is damaged: that the lines after the first are
+    still being written (the first 4 KiB reach a cut member) does not hide the first.
+    """
     try:
-        with _open(path) as f:
-            data: bytes = f.read(_HEAD)
-    except (OSError, EOFError, zlib.error):
+        with open(path, "rb") as f:
+            raw = f.read(_HEAD_READ)
+    except OSError:
         return b""
+    if raw[:len(GZIP_MAGIC)] != GZIP_MAGIC:
+        data = raw[:_HEAD]
+    else:
+        data = b""
+        pos = 0
+        while len(data) < _HEAD and b"\n" not in data and raw[pos:pos + 3] == GZIP_MAGIC:
+            d = zlib.decompressobj(31)
+            try:
+                data += d.decompress(raw[pos:], _HEAD - len(data))
+            except zlib.error:
+                break
+            if not d.eof:
+                break
+            pos = len(raw) - len(d.unused_data)
     end = data.find(b"\n")
     return data if end < 0 else data[:end + 1]
 
