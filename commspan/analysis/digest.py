@@ -66,7 +66,7 @@ from commspan.otlpjson.decode import (
     what_is_wrong,
 )
 from commspan.otlpjson.encode import resource_and_scope, span_fields
-from commspan.otlpjson.files import starts_compressed
+from commspan.otlpjson.files import MEMBER_FEED, starts_compressed
 from commspan.otlpjson.records import (
     DEFAULT_MAX_LINE_BYTES,
     ReadReport,
@@ -626,18 +626,23 @@ def _stored_lines(data: bytes, level: int) -> Iterator[tuple[int, memoryview, by
             pos = end + 1
             continue
         d = zlib.decompressobj(31)
+        parts = []
+        at = pos
         try:
-            text = d.decompress(view[pos:])
+            while not d.eof and at < size:  # (bounded input: see MEMBER_FEED)
+                chunk = view[at:at + MEMBER_FEED]
+                parts.append(d.decompress(chunk))
+                at += len(chunk)
         except zlib.error:
-            text = b""
+            pass
         if not d.eof:
             nxt = data.find(GZIP_MAGIC, pos + 1)
             if nxt < 0:
                 return
             pos = nxt
             continue
-        end = size - len(d.unused_data)
-        yield pos, view[pos:end], text
+        end = at - len(d.unused_data)
+        yield pos, view[pos:end], b"".join(parts)
         pos = end
 
 

@@ -31,7 +31,7 @@ import orjson
 from commspan import semconv
 from commspan._errors import positive_int
 from commspan.otlpjson.encode import paused_gc
-from commspan.otlpjson.files import GZIP_MAGIC, jsonl_files
+from commspan.otlpjson.files import GZIP_MAGIC, MEMBER_FEED, jsonl_files
 from commspan.otlpjson.records import (
     DEFAULT_MAX_LINE_BYTES,
     ReadReport,
@@ -356,9 +356,8 @@ def _gzip_lines(
                 kind, reason = "damaged", "not a compressed line"
         else:
             d = zlib.decompressobj(31)
-            # a first slice of input, small: what follows the member is copied
-            # (unused_data), so a whole window per member would cost its size each
-            chunk = src.view(pos, _FIRST)[:min(_FIRST, size - pos)]
+            # a first slice of input, small (MEMBER_FEED)
+            chunk = src.view(pos, MEMBER_FEED)[:min(MEMBER_FEED, size - pos)]
             try:
                 out = d.decompress(chunk, limit)
             except zlib.error as exc:
@@ -399,7 +398,6 @@ def _lines_of(data: bytes) -> list[bytes]:
     return lines
 
 
-_FIRST = 16 << 10  # input given to a member's first decompress call
 _BLOCK = 4 << 20  # bytes read from a file at a time
 
 

@@ -198,6 +198,11 @@ def _head(path: Path) -> bytes:
 
 
 _CHUNK = 1 << 20
+MEMBER_FEED = 16 << 10
+"""Compressed bytes given to zlib at a time when decompressing a file's members one
+after another: what follows a member's end in that input is copied, for each
+member, so a whole file (or a large block) given at once costs time quadratic in
+the file's size."""
 
 
 class _Lines:
@@ -242,10 +247,11 @@ class _Lines:
         return b"".join(out)
 
     def _decompress(self, size: int) -> bytes:
+        # (read a little at a time: what follows a member's end is copied, each one)
         if not self.buf:
-            self.buf = self.f.read(_CHUNK)
+            self.buf = self.f.read(MEMBER_FEED)
         if self.d is None:  # a member starts
-            while 0 < len(self.buf) < len(GZIP_MAGIC) and (more := self.f.read(_CHUNK)):
+            while 0 < len(self.buf) < len(GZIP_MAGIC) and (more := self.f.read(MEMBER_FEED)):
                 self.buf += more
             if not self.buf:
                 self.done = True  # the file ends after a whole member
