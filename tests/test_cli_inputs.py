@@ -31,7 +31,9 @@ RANKS = (0, 1)
 
 @pytest.fixture(scope="module")
 def packed_dir(tmp_path_factory: pytest.TempPathFactory, fake_pg: None) -> Path:
-    """Compressed files of ranks 0 and 1, two steps of a TP MLP, one run."""
+    """Compressed files of ranks 0 and 1, two steps of a TP MLP, one run, one line
+    per step (each flushed: lines are the export thread's batches, and a step cut
+    into two by a busy machine made _cut_step's tests fail now and then)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     out = tmp_path_factory.mktemp("packed")
@@ -47,7 +49,10 @@ def packed_dir(tmp_path_factory: pytest.TempPathFactory, fake_pg: None) -> Path:
             for i in range(2):
                 with mode.step(i):
                     model(torch.randn(4, 8)).sum().backward()
+                assert mode.flush()
         mode.shutdown()
+    lines = [len(gzip.decompress(f.read_bytes()).splitlines()) for f in out.iterdir()]
+    assert lines == [2] * len(RANKS)
     return out
 
 

@@ -342,15 +342,14 @@ def _gzip_lines(
     of a plain file is skipped; the line numbers count members' lines.
     """
     src = _Window(fh, start)
-    end = src.size  # the file's end; ``size`` may be a range's
-    size = end if stop is None else min(stop, end)
+    size = src.size if stop is None else min(stop, src.size)  # (a range's end, perhaps)
     pos, number = start, first - 1
     while pos < size:
         head = src.view(pos, 3)[:3]
         if not head:
             return  # the file was cut short here while being read, after a whole line
         if head != GZIP_MAGIC:
-            if size == end and end - pos < 3 and head == GZIP_MAGIC[:end - pos]:
+            if len(head) < 3 and GZIP_MAGIC.startswith(head):
                 kind, reason = "torn", _GZ_TORN  # the file ends inside a header
             else:
                 kind, reason = "damaged", "not a compressed line"
