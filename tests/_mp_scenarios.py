@@ -241,12 +241,35 @@ SCENARIOS: dict[str, Callable[[Path, int], None]] = {
 }
 
 
+def entered_before_init(out: Path) -> None:
+    """``with CommSpanMode(...): main()`` where main initialises the process group
+    (``mp.spawn``: no ``RANK`` in the environment): the mode enters not knowing its
+    rank, and must learn it (and agree on the run id) by the first step. Leaves the
+    default process group initialised for the other scenarios."""
+    rank, world = os.environ.pop("RANK"), os.environ.pop("WORLD_SIZE")
+    try:
+        mode = CommSpanMode(exporters=[JsonlSpanExporter(
+            out / "before_init" / "trace-rank{rank}.jsonl")], aggregator=False)
+        with mode:
+            dist.init_process_group("gloo", rank=int(rank), world_size=int(world))
+            model = C10dOps()
+            for i in range(STEPS):
+                with mode.step(i):
+                    model(torch.ones(8))
+        mode.shutdown()
+    finally:
+        os.environ.update(RANK=rank, WORLD_SIZE=world)
+    _write(out, "before_init", dist.get_rank(), {"run_id": mode.run_id})
+
+
 def main(argv: list[str]) -> int:
-    """Initialise gloo from the environment, run every scenario, report timings."""
+    """Initialise gloo from the environment (in the first scenario), run every
+    scenario, report timings."""
     out = Path(argv[1])
-    dist.init_process_group("gloo")
+    t0 = time.perf_counter()
+    entered_before_init(out)
     rank = dist.get_rank()
-    timings: dict[str, float] = {}
+    timings: dict[str, float] = {"before_init": time.perf_counter() - t0}
     try:
         for name, scenario in SCENARIOS.items():
             t0 = time.perf_counter()

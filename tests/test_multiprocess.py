@@ -128,7 +128,27 @@ def test_all_ranks_finished(mp_run: MpRun) -> None:
     assert mp_run.seconds < 120
     for r in range(WORLD):
         timings = json.loads((mp_run.root / f"timings-rank{r}.json").read_text())
-        assert set(timings) == {"run_id", *STEP_SCENARIOS}
+        assert set(timings) == {"before_init", "run_id", *STEP_SCENARIOS}
+
+
+def test_a_mode_entered_before_the_process_group_learns_its_rank(ok_run: MpRun) -> None:
+    """``with CommSpanMode(): main()`` under ``mp.spawn`` (no ``RANK``; main calls
+    ``init_process_group``): each rank writes its own file, its resource names its
+    rank and the world, and all ranks share one run id. Every rank wrote to rank 0's
+    file as rank 0 of 1, each with a run id of its own."""
+    ids = set()
+    for r in range(WORLD):
+        spans = ok_run.spans("before_init", r)
+        assert spans, r
+        assert {(s.resource[semconv.RANK], s.resource[semconv.WORLD_SIZE])
+                for s in spans} == {(r, WORLD)}
+        assert {s.resource[semconv.RUN_ID] for s in spans} == {
+            ok_run.result("before_init", r)["run_id"]}
+        ids.add(ok_run.result("before_init", r)["run_id"])
+        # the steps' collectives, all of them on this rank's file
+        assert sum(1 for s in spans for _name, attrs in s.events
+                   if semconv.COLL_OP in attrs) == 5 * STEPS
+    assert len(ids) == 1
 
 
 def test_run_id_agreed_without_env_and_taken_from_env(ok_run: MpRun) -> None:

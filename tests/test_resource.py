@@ -164,3 +164,58 @@ def test_argument_rejects_run_id_and_omitting_commspan_ids() -> None:
         CommSpanMode(resource_attributes={"commspan.rank": None})
     with pytest.raises(TypeError, match="resource_attributes=.*pass a dict"):
         CommSpanMode(resource_attributes=[("host.name", "h")])  # type: ignore[arg-type]
+
+
+_ENTERED_BEFORE_THE_GROUP = """
+import sys
+import torch
+import torch.distributed as dist
+from commspan import CommSpanMode
+from commspan.exporters import JsonlSpanExporter
+from commspan.testing import fake_process_group
+
+out = sys.argv[1]
+model = torch.nn.Linear(4, 4)
+mode = CommSpanMode(exporters=[JsonlSpanExporter(out)], aggregator=False)
+with mode:
+    model(torch.ones(4))  # before the process group: rank 0 of 1, a guess
+    assert mode.flush()
+    with fake_process_group(world_size=4, rank=2):
+        for i in range(2):
+            with mode.step(i):
+                t = model(torch.ones(4)).detach()
+                dist.all_reduce(t)
+mode.shutdown()
+"""
+
+
+def test_a_mode_entered_before_the_process_group_learns_its_rank_at_the_next_step(
+    tmp_path: Path,
+) -> None:
+    """Entered with no process group and no ``RANK``, the mode guesses rank 0 of 1; once
+    the group is up, its next step's spans say rank 2 of 4 and go to rank 2's file (they
+    went on as rank 0 of 1, into rank 0's file, which every rank of an ``mp.spawn`` job
+    then shared); the spans recorded before are said to be guessed, once."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "COMMSPAN_RUN_ID",
+                        "TORCHELASTIC_RUN_ID")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)
+    proc = subprocess.run([sys.executable, "-c", _ENTERED_BEFORE_THE_GROUP, str(tmp_path)],
+                          capture_output=True, text=True, env=env, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(f.name for f in tmp_path.iterdir()) == [
+        "commspan-rank0.jsonl", "commspan-rank2.jsonl"]
+    before = list(read_spans(tmp_path / "commspan-rank0.jsonl"))
+    after = list(read_spans(tmp_path / "commspan-rank2.jsonl"))
+    assert [s.name for s in before].count("Linear forward") == 1  # the guessed call
+    assert [s.name for s in after].count("Linear forward") == 2  # one per step
+    assert {(s.resource["commspan.rank"], s.resource["commspan.world_size"])
+            for s in before} == {(0, 1)}
+    assert {(s.resource["commspan.rank"], s.resource["commspan.world_size"])
+            for s in after} == {(2, 4)}
+    assert sum(1 for s in after for _name, attrs in s.events
+               if "commspan.collective.op" in attrs) == 2
+    assert proc.stderr.count("entered before torch.distributed was initialised") == 1

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from typing import NamedTuple
 
-__all__ = ["Ranks", "process_ranks"]
+__all__ = ["Ranks", "process_ranks", "ranks_known"]
 
 
 class Ranks(NamedTuple):
@@ -51,6 +51,25 @@ def process_ranks() -> Ranks:
     rank = int(os.environ.get("RANK", "0") or 0)
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     return Ranks(rank, _local(local, world), world)
+
+
+def ranks_known() -> bool:
+    """Whether :func:`process_ranks` says where this process is, rather than guessing
+    rank 0 of 1: torch.distributed is initialised, or ``RANK`` is set.
+
+    Example:
+        >>> import os
+        >>> ranks_known() == ("RANK" in os.environ)  # no process group here
+        True
+    """
+    if os.environ.get("RANK", ""):
+        return True
+    try:
+        import torch.distributed as dist
+
+        return bool(dist.is_available() and dist.is_initialized())
+    except Exception:
+        return False
 
 
 def _local(local: int | None, world: int) -> int | None:

@@ -145,6 +145,7 @@ class JsonlSpanExporter(SpanExporter):
         self._warned = Once()
         self.path: Path | None = None
         self._path_str = ""
+        self._path_resource: Any = None  # the resource self.path was chosen for
         self.lines_written = 0
         self.bytes_written = 0
 
@@ -160,11 +161,28 @@ class JsonlSpanExporter(SpanExporter):
             template = os.path.join(template, name)
         return Path(template.format(rank=rank, run_id=run_id))
 
+    def _follow_rank(self, first: ReadableSpan) -> int | None:
+        """Spans of another resource than the file's: a file holds one rank's spans,
+        so when the path's ``{rank}`` or ``{run_id}`` now reads otherwise (a mode
+        that learnt its rank once the process group came up), the file is left for
+        the one at that path. Returns the descriptor to write to (``None``: open)."""
+        self._path_resource = first.resource
+        try:
+            path = self._path_for(first)
+        except (ValueError, KeyError, IndexError, AttributeError, TypeError):
+            return self._fd
+        if path == self.path:
+            return self._fd
+        self._close_fd()
+        self.path = None
+        return None
+
     def _open(self, first: ReadableSpan) -> int | None:
         """Open (or create again) the file; ``None``, logged once, if it cannot be."""
         try:
             path = self.path if self.path is not None else self._path_for(first)
             self.path, self._path_str = path, str(path)
+            self._path_resource = first.resource
             path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except (OSError, ValueError, KeyError, IndexError, AttributeError, TypeError) as exc:
@@ -236,6 +254,8 @@ class JsonlSpanExporter(SpanExporter):
             if self._closed:
                 return SpanExportResult.FAILURE
             fd = self._fd
+            if fd is not None and spans[0].resource is not self._path_resource:
+                fd = self._follow_rank(spans[0])
             if fd is not None and not self._file_is_there():
                 self._warn_once(
                     "gone", "commspan: %s was deleted or replaced while being written; "

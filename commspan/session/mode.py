@@ -46,7 +46,7 @@ from commspan.capture.gcwatch import GcWatch
 from commspan.capture.groups import ProcessGroups
 from commspan.capture.modules import ModuleTracker
 from commspan.capture.parallel import ParallelModules
-from commspan.capture.ranks import Ranks, process_ranks
+from commspan.capture.ranks import Ranks, process_ranks, ranks_known
 from commspan.exporters.queue import ExportQueue
 from commspan.ownership import CollectiveRule, Issued, Ownership, counted_names, resolve
 from commspan.ownership.ddp import DdpModules
@@ -319,6 +319,10 @@ class CommSpanMode:
         self._watch_errors = ErrorCounter(
             _log, "could not start the hang watchdog; this rank writes no hang records "
             "(training goes on)")
+        self._identity_errors = ErrorCounter(
+            _log, "could not take this rank's place in the process group that came up "
+            "after the mode was entered; its spans go on saying rank 0 of 1 (training "
+            "goes on)")
         self._warned = Once()
         self._in_step = False
         self._last_step: int | None = None  # highest step number so far (a repeat
@@ -326,6 +330,7 @@ class CommSpanMode:
         self._paused = False
         self._popped = False
         self._ranks = Ranks(0, 0, 1)
+        self._guessed_ranks = False  # entered with no process group and no RANK
         self._rank_traced = True
         self._resource_key: tuple[Any, ...] | None = None
         self._processor_errors = ErrorCounter(
@@ -376,8 +381,11 @@ class CommSpanMode:
             _log.debug("commspan: cleaning up a failed entry raised", exc_info=True)
         self._active = False
 
-    def _enter(self) -> None:
+    def _identify(self) -> Ranks:
+        """Where this process is (rank, world size), the run id and the resource that
+        says both; a run id chosen while the ranks were a guess is chosen again."""
         config = self._config
+        known = ranks_known()
         self._ranks = ranks = process_ranks()
         # a rank the rank sample leaves out runs every step as a sampled-out one
         self._rank_traced = config.ranks.traces(ranks.rank, ranks.world_size)
@@ -386,10 +394,11 @@ class CommSpanMode:
             _log.warning("commspan: ranks=%s names no rank of this world of %d: no rank "
                          "traces (ranks are numbered 0 to %d)", config.ranks.description,
                          ranks.world_size, ranks.world_size - 1)
-        if not self.run_id:
+        if not self.run_id or (known and self._guessed_ranks):
             from commspan.session.run_id import resolve_run_id
 
             self.run_id = resolve_run_id(config.run_id)
+        self._guessed_ranks = not known
         key = (*ranks, self.run_id)
         if self.resource is None or self._resource_key != key:
             extra = dict(config.resource_attributes)
@@ -397,10 +406,38 @@ class CommSpanMode:
                 extra.setdefault(semconv.SAMPLING_RANKS, config.ranks.description)
             self.resource = build_resource(ranks, self.run_id, config.tracer_provider, extra)
             self._resource_key = key
+        self._traces.identify(self.run_id, ranks.rank, ranks.world_size)
+        return ranks
+
+    def _learn_ranks(self) -> None:
+        """The mode was entered before ``init_process_group`` with no ``RANK`` set
+        (``with CommSpanMode(): main()`` under ``mp.spawn``): it guessed rank 0 of 1.
+        Once the process group is up, at the next step, it takes the rank, the world
+        size and a run id agreed with the other ranks, as if entered now."""
+        spans_before = self._stats["spans"]
+        was_traced = self._rank_traced
+        ranks = self._identify()
+        assert self._recorder is not None and self.resource is not None
+        self._recorder.resource = self.resource
+        if spans_before and self._warned.first("ranks guessed"):
+            _log.warning(
+                "commspan: the mode was entered before torch.distributed was initialised, "
+                "with no RANK set: its %d spans recorded until now say rank 0 of 1 (and "
+                "went to rank 0's file); from here on this rank is %d of %d. Enter the "
+                "mode after init_process_group, or set RANK and WORLD_SIZE (torchrun "
+                "does) (not logged again)", spans_before, ranks.rank, ranks.world_size)
+        if was_traced and not self._rank_traced:
+            self._pause()  # the rank sample leaves this rank out
+        elif self._rank_traced and not was_traced:
+            self._resume()
+
+    def _enter(self) -> None:
+        config = self._config
+        self._identify()
+        assert self.resource is not None
         if self.aggregator is not None:
             self.aggregator.reset()
         self._owner = threading.get_ident()
-        self._traces.identify(self.run_id, ranks.rank, ranks.world_size)
         self._recorder = SpanRecorder(
             self._emit,
             self.resource,
@@ -570,6 +607,12 @@ class CommSpanMode:
                 f"mode.step({index}) was entered inside another step; steps do not nest"
             )
         self._end_trace(None)
+        if self._guessed_ranks and ranks_known():
+            try:
+                self._learn_ranks()
+            except Exception:
+                self._guessed_ranks = False  # (tried once)
+                self._identity_errors.record()
         last = self._last_step
         if last is not None and index <= last and self._warned.first("step repeated"):
             _log.warning(
@@ -995,7 +1038,7 @@ class CommSpanMode:
         out["processor_errors"] = self._processor_errors.count
         out["internal_errors"] = (self._tracker.internal_errors if self._tracker else 0) + (
             self._dispatch.errors if self._dispatch else 0
-        ) + self._watch_errors.count
+        ) + self._watch_errors.count + self._identity_errors.count
         exporters = [q.stats() for q in self._queues]
         out["exporters"] = exporters
         for total, key in (("spans_exported", "exported"), ("spans_dropped", "dropped"),
