@@ -390,3 +390,4 @@ def test_position_owned_collective_counts_as_before() -> None:
     attrs = _event(rec, "all_reduce", "forward")
     assert semconv.OWNER_CREDIT not in attrs
     assert [dict(f.counts) for f in rec.stack] == [{("forward", "all_reduce"): 1}] * 3
+

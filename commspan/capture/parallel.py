@@ -133,6 +133,27 @@ class _DdpState:
         self.launched = 0  # buckets all-reduced since its last forward
 
 
+_CHAINED_HOOKS = frozenset({"powerSGD_hook", "batched_powerSGD_hook"})
+"""torch's DDP comm hooks that issue collectives from ``Future.then`` callbacks."""
+
+
+def _warn_of_chained_hooks(module: Any, fqn: str) -> None:
+    """Say, once per DDP module, that its comm hook issues collectives commspan cannot
+    see: from callbacks that run on the backend's threads (docs/parallelisms.md)."""
+    for hook, _state in getattr(module, "_comm_hooks", ()) or ():
+        name = getattr(hook, "__name__", "")
+        if name in _CHAINED_HOOKS:
+            _log.warning(
+                "commspan: DistributedDataParallel %s uses the comm hook %s, which issues "
+                "its all-reduces from Future callbacks on the backend's threads: commspan "
+                "records only those that happen to run on the training thread (it traces "
+                "that thread), and on gloo the hook can hang when ranks issue them in "
+                "different orders, likelier under any dispatch mode's slower step. Trace "
+                "this job with another comm hook (allreduce_hook, a compression hook) "
+                "(docs/parallelisms.md, DDP)", fqn, name)
+            return
+
+
 class ParallelModules:
     """FSDP2 units and DDP modules of the models the tracker has named.
 
@@ -333,6 +354,8 @@ class ParallelModules:
         key = (id(reducer), bool(getattr(module, "_has_rebuilt_buckets", False)))
         if key == state.key:
             return
+        if state.key is None:
+            _warn_of_chained_hooks(module, state.fqn)
         state.key = key
         for pid in state.params:
             self._buckets.pop(pid, None)
