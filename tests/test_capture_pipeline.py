@@ -50,7 +50,7 @@ def test_wrappers_are_instance_attributes_removed_on_uninstall() -> None:
     """Installing sets the stage's own attributes only; uninstalling deletes them,
     so the class's methods show through again."""
     watch, stage, other = PipelineWatch(), FakeStage(), FakeStage()
-    watch.namer = lambda m: "Stage"
+    watch.namer = lambda m, root: "Stage"
     watch.watch(stage)
     watch.install()
     assert "get_fwd_recv_ops" in vars(stage) and "forward_one_chunk" in vars(stage)
@@ -63,7 +63,7 @@ def test_ops_are_tagged_by_their_tensor_once() -> None:
     """An op announced for a microbatch is found by its tensor object (not an equal
     tensor), once; the peer is the stage before for activations in."""
     watch, stage = PipelineWatch(), FakeStage(index=1)
-    watch.namer = lambda m: "Stage"
+    watch.namer = lambda m, root: "Stage"
     watch.watch(stage)
     watch.install()
     (op,) = stage.get_fwd_recv_ops(3)
@@ -80,7 +80,7 @@ def test_microbatch_attributes_while_a_chunk_runs() -> None:
     nothing; an op issued before the first chunk of a step is the stage's setup."""
     watch, stage = PipelineWatch(), FakeStage(index=1)
     seen: list[Any] = []
-    watch.namer = lambda m: "Stage"
+    watch.namer = lambda m, root: "Stage"
     watch.on_microbatch = seen.append
     watch.watch(stage)
     watch.install()

@@ -471,20 +471,21 @@ class ModuleTracker(BackwardNesting):
     def _tag_spans(self, tags: dict[str, Any] | None) -> None:
         self.span_tags = tags
 
-    def name(self, module: torch.nn.Module) -> str:
-        """The name spans give ``module``, naming its module tree if it is new."""
-        return self._info(module).fqn
+    def name(self, module: torch.nn.Module, root: str | None = None) -> str:
+        """The name spans give ``module``, naming its module tree if it is new: its
+        class name, or ``root`` if given, then the dotted path inside it."""
+        return self._info(module, root).fqn
 
-    def _info(self, module: torch.nn.Module) -> ModuleInfo:
+    def _info(self, module: torch.nn.Module, root: str | None = None) -> ModuleInfo:
         info = self._known.get(module)
         if info is not None:
             return info
-        root = type(module).__name__
         known = self._known
-        new: list[tuple[str, torch.nn.Module]] = []
         if isinstance(module, _Compiled):  # torch.compile(m): named, and spanned, as m
-            info = known[module] = self._info(module._orig_mod)
+            info = known[module] = self._info(module._orig_mod, root)
             return info
+        root = root or type(module).__name__
+        new: list[tuple[str, torch.nn.Module]] = []
         wrappers = []
         for name, sub in _named_modules(module):
             if sub not in known:

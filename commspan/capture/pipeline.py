@@ -108,7 +108,7 @@ class PipelineWatch:
         self._started = False  # a microbatch ran in this step
         self._setting_up: _Watched | None = None  # the stage whose set-up runs now
         self._active = False
-        self.namer: Callable[[Any], str] | None = None
+        self.namer: Callable[[Any, str], str] | None = None
         """The module tracker's name of a module (set by the tracker)."""
         self.on_microbatch: Callable[[dict[str, int] | None], None] | None = None
         """Told the span attributes of the microbatch starting (and ``None``, or the
@@ -119,17 +119,26 @@ class PipelineWatch:
         return bool(self._stages)
 
     # ------------------------------------------------------------ set-up
-    def watch(self, stage: Any) -> bool:
-        """Watch ``stage`` (installed now if the mode is entered, else when it is);
-        ``False`` if it is already watched."""
-        for w in self._stages:
-            if w.ref() is stage:
-                return False
-        watched = _Watched(stage)
-        self._stages.append(watched)
+    def watch(self, *stages: Any) -> bool:
+        """Watch ``stages`` (installed now if the mode is entered, else when it is);
+        ``False`` if they all are already watched.
+
+        A stage's module is named by its class, as any model is; when this rank
+        watches several stages whose modules share a class (an interleaved
+        schedule), each is named ``<class>[stage<index>]`` instead, so that their
+        spans and owners stay apart (a module the mode already named keeps its name).
+        """
+        added = []
+        for stage in stages:
+            if any(w.ref() is stage for w in self._stages):
+                continue
+            watched = _Watched(stage)
+            self._stages.append(watched)
+            added.append(watched)
         if self._active:
-            self._install(watched)
-        return True
+            for watched in added:
+                self._install(watched)
+        return bool(added)
 
     def install(self) -> None:
         """Wrap the watched stages' methods (entering the mode)."""
@@ -165,8 +174,12 @@ class PipelineWatch:
         if stage is None or w.installed:
             return
         if not w.fqn:
-            w.fqn = self.namer(stage.submod) if self.namer is not None else type(
-                stage.submod).__name__
+            cls = type(stage.submod).__name__
+            root = cls
+            if any(o is not w and (other := o.ref()) is not None
+                   and type(other.submod).__name__ == cls for o in self._stages):
+                root = f"{cls}[stage{w.index}]"  # several stages of one class on this rank
+            w.fqn = self.namer(stage.submod, root) if self.namer is not None else root
         for name, kind in _OPS:
             original = getattr(stage, name, None)
             if original is None:

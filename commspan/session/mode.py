@@ -989,8 +989,7 @@ class CommSpanMode:
         """
         from commspan.capture.pipeline import stages_of
 
-        for stage in stages_of(schedule):
-            self._parallel.pipeline.watch(stage)
+        self._parallel.pipeline.watch(*stages_of(schedule))
 
     def module_name(self, module: torch.nn.Module) -> str | None:
         """The name spans give ``module`` (e.g. ``"Net.blocks.0"``), once the mode
