@@ -58,8 +58,8 @@ def ranks_known() -> bool:
     rank 0 of 1: torch.distributed is initialised, or ``RANK`` is set.
 
     Example:
-        >>> import os
-        >>> ranks_known() == ("RANK" in os.environ)  # no process group here
+        >>> ranks = process_ranks()
+        >>> ranks_known() or ranks.rank == 0  # unknown: rank 0, a guess
         True
     """
     if os.environ.get("RANK", ""):
