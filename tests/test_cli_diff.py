@@ -81,7 +81,8 @@ def test_diff_json_lists_added_removed_changed(
     data = json.loads(out)
     assert code == 1 and data["equal"] is False
     assert set(data) >= {"equal", "counts", "entries", "a", "b"}
-    assert data["a"] == {"path": str(plans["tp"]), "run": "tp", "steps": [0], "ranks": [0]}
+    assert data["a"] == {"path": str(plans["tp"]), "run": "tp", "steps": [0], "ranks": [0],
+                         "cut_short": []}
     entries = {(e["fqn"], e["phase"], e["op"]): e for e in data["entries"]}
     removed = entries[(WO, "forward", "all_reduce")]
     assert removed["status"] == "removed" and removed["b"] is None
@@ -329,3 +330,54 @@ def test_the_header_names_the_rank_compared(
     assert code == 0 and "ranks 1, steps" in out.splitlines()[0], out
     code, out, _ = run_cli(capsys, "diff", str(run), str(run))
     assert "ranks 0-3, steps" in out.splitlines()[0], out
+
+
+def _without_step_ends(run: Path, out: Path, step: int) -> int:
+    """Copies of ``run``'s files without the rank and step spans of step ``step``, as a
+    hang in that step leaves them; returns the hand count of the collective events in
+    the other steps' traces."""
+    out.mkdir()
+    kept = 0
+    for path in sorted(run.glob("*.jsonl")):
+        docs = [json.loads(line) for line in path.read_bytes().splitlines()]
+        spans = [span for doc in docs for rs in doc["resourceSpans"]
+                 for ss in rs["scopeSpans"] for span in ss["spans"]]
+        cut = {span["traceId"] for span in spans
+               if {"key": "commspan.step", "value": {"intValue": str(step)}}
+               in span.get("attributes", [])}
+        assert len(cut) == 1
+        for doc in docs:
+            for rs in doc["resourceSpans"]:
+                for ss in rs["scopeSpans"]:
+                    ss["spans"] = [span for span in ss["spans"] if span["traceId"] not in cut
+                                   or span["name"] not in ("commspan.rank", "commspan.step")]
+        for span in spans:
+            if span["traceId"] not in cut:
+                kept += sum(any(a["key"] == "commspan.collective.op" for a in e["attributes"])
+                            for e in span.get("events", []))
+        (out / path.name).write_bytes(b"".join(json.dumps(d).encode() + b"\n" for d in docs))
+    return kept
+
+
+def test_a_step_cut_short_is_left_out_of_its_side(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], fake_pg: None
+) -> None:
+    """Step 1 of 3 of a run lost its rank and step spans (a hang leaves them so): diff
+    leaves it out, on every rank, instead of dividing steps 0 and 2's collectives by 3
+    and calling step 1's "outside steps"; compared with the whole run it is equal,
+    its totals are the hand count of the other steps', and stderr and --json name it."""
+    from commspan.analysis.diff import OUTSIDE_STEPS, profile
+    from commspan.exporters import read_spans
+
+    whole = write_run(tmp_path / "whole", "w", net_step(), steps=(0, 1, 2), ranks=(0, 1))
+    kept = _without_step_ends(whole, tmp_path / "cut", 1)
+    code, out, err = run_cli(capsys, "diff", str(whole), str(tmp_path / "cut"), "--json")
+    data = json.loads(out)
+    assert (code, data["equal"]) == (0, True), out
+    assert data["b"]["cut_short"] == [{"rank": 0, "step": None}, {"rank": 1, "step": None}]
+    assert data["a"]["cut_short"] == []
+    assert "B: a step of ranks 0-1 was cut short" in err and "2 step(s) left" in err
+    cut = profile(read_spans(tmp_path / "cut"))
+    assert cut.steps == 2 and kept > 0
+    assert sum(u.total_count for u in cut.usage.values()) == kept
+    assert not any(OUTSIDE_STEPS in phase for _, phase, _ in cut.usage)

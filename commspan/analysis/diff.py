@@ -32,6 +32,7 @@ from typing import Any, NamedTuple
 from commspan import semconv
 from commspan.analysis.counts import mesh_dim_of
 from commspan.analysis.issued import issued, natural_key
+from commspan.analysis.summary import cut_short, cut_short_steps
 from commspan.otlpjson.records import SpanRecord
 
 __all__ = ["ADDED", "CHANGED", "OUTSIDE_STEPS", "REMOVED", "DiffEntry", "DiffResult", "Profile",
@@ -104,11 +105,28 @@ class Profile:
         usage: ``(fqn, phase, op) -> Usage``.
         steps: number of steps the totals were divided by (at least 1).
         ranks: the ranks summed.
+        cut_short: the ``(rank, step)`` of the traces cut short (a hang, a process
+            stopped mid-step: no ``commspan.rank`` span written), sorted; their
+            steps are left out of the profile, on every rank.
     """
 
     usage: dict[tuple[str, str, str], Usage]
     steps: int
     ranks: tuple[int, ...]
+    cut_short: tuple[tuple[int | None, int | None], ...] = ()
+
+    def note(self, label: str = "") -> str | None:
+        """The stderr note saying which steps were left out as cut short, or ``None``.
+
+        Args:
+            label: put before the steps (``"B: "``).
+        """
+        if not self.cut_short:
+            return None
+        return (f"commspan: {label}{cut_short_steps(self.cut_short)} was cut short (no "
+                "commspan.rank span written: a hang or a process stopped mid-step): diff "
+                "leaves such a step out on every rank, and counts per step over the "
+                f"{self.steps} step(s) left (commspan check shows where each rank was)")
 
 
 class DiffEntry(NamedTuple):
@@ -194,7 +212,9 @@ def profile(
         records: one side's span records (one run, or the steps compared).
         rank: only this rank; ``None`` sums every rank.
         steps: divide the totals by this; ``None``: by the number of numbered
-            steps in the records (1 when there is none). A parallel wrapper's
+            steps in the records (1 when there is none), not counting the steps
+            cut short (a hang; see :attr:`Profile.cut_short`), which are left out
+            on every rank. A parallel wrapper's
             set-up (phase ``setup``) and collectives outside the numbered steps
             (their phase gets :data:`OUTSIDE_STEPS`) are not divided: they happen
             once, however many steps the run has.
@@ -206,6 +226,11 @@ def profile(
         ValueError: ``steps`` is not a positive int.
     """
     records = list(records)
+    # a step cut short (a hang; no rank span) is left out, on every rank: its collectives
+    # are neither a whole step nor outside the steps
+    cut = cut_short(records)
+    left_out = {trace for _, trace, _ in cut}
+    records = [r for r in records if r.trace_id not in left_out]
     numbered = {
         r.trace_id for r in records
         if r.name in (semconv.SPAN_RANK, semconv.SPAN_STEP)
@@ -248,7 +273,9 @@ def profile(
             tuple(f"{g} x{_per_step(k, n)}" for g, k in sorted(per_group.items())),
             c, b, n, tuple(sorted(per_group.items())),
         )
-    return Profile(usage, steps, tuple(sorted(ranks)))
+    return Profile(usage, steps, tuple(sorted(ranks)),
+                   tuple(sorted({(r, st) for r, _, st in cut},
+                                key=lambda p: (p[1] is None, p[1] or 0, p[0] is None, p[0] or 0))))
 
 
 def _group_label(row: Any) -> str:

@@ -19,7 +19,7 @@ from commspan.analysis.counts import Aggregator
 from commspan.analysis.runs import format_numbers
 from commspan.otlpjson.records import SpanRecord
 
-__all__ = ["partial_note", "summarize", "summary_of"]
+__all__ = ["cut_short", "cut_short_steps", "partial_note", "summarize", "summary_of"]
 
 _STEP_NAMES = frozenset({semconv.SPAN_RANK, semconv.SPAN_STEP, semconv.SPAN_HANG})
 
@@ -48,11 +48,7 @@ def summarize(
     ranks: set[int] = set()
     steps: set[int] = set()
     traces: set[str] = set()
-    trace_step: dict[str, int] = {}
-    rooted: set[tuple[int | None, str]] = set()
-    modules: set[tuple[int | None, str]] = set()
-    hung: set[tuple[int | None, str]] = set()
-    latest: dict[int | None, tuple[int, str]] = {}  # rank -> (start, trace) of its last
+    unfinished = _Unfinished()
     for span in spans:
         if rank is not None and span.rank != rank:
             continue
@@ -60,34 +56,67 @@ def summarize(
         traces.add(span.trace_id)
         if span.rank is not None:
             ranks.add(span.rank)
-        name = span.name
-        last = latest.get(span.rank)
-        if last is None or span.start_time > last[0]:
-            latest[span.rank] = (span.start_time, span.trace_id)
-        if name == semconv.SPAN_HANG:
-            hung.add((span.rank, span.trace_id))
-        if name in _STEP_NAMES:
-            step = span.attributes.get(semconv.STEP)
-            if isinstance(step, int) and not isinstance(step, bool):
-                steps.add(step)
-                trace_step.setdefault(span.trace_id, step)
-            if name == semconv.SPAN_RANK:
-                rooted.add((span.rank, span.trace_id))
-        elif semconv.MODULE_FQN in span.attributes:
-            modules.add((span.rank, span.trace_id))
-    partial = [(r, trace_step.get(t)) for r, t in modules - rooted
-               if _cut_short(r, t, hung, latest)]
+        step = unfinished.add(span)
+        if step is not None:
+            steps.add(step)
+    partial = [(r, s) for r, _, s in unfinished.cut_short()]
     return summary_of(aggregator, count, traces, ranks, steps, partial)
 
 
-def _cut_short(rank: Any, trace: str, hung: set[Any], latest: dict[Any, Any]) -> bool:
-    """A trace without its rank span was cut short when a hang record names it, or
-    when the rank wrote a later trace; its last trace may still be running (files
-    of a job in progress), so that one is not."""
-    if (rank, trace) in hung:
-        return True
-    last = latest.get(rank)
-    return last is not None and last[1] != trace
+def cut_short(spans: Iterable[SpanRecord]) -> list[tuple[int | None, str, int | None]]:
+    """The ``(rank, trace id, step)`` of the traces cut short, as :func:`summarize`'s
+    ``partial`` finds them (``step`` ``None`` when no span of the trace says it).
+
+    Example:
+        >>> cut_short([])
+        []
+    """
+    unfinished = _Unfinished()
+    for span in spans:
+        unfinished.add(span)
+    return unfinished.cut_short()
+
+
+class _Unfinished:
+    """Which traces a rank began (wrote module spans of) but never ended (wrote no
+    ``commspan.rank`` span of), and which of those were cut short."""
+
+    def __init__(self) -> None:
+        self.trace_step: dict[str, int] = {}
+        self.rooted: set[tuple[int | None, str]] = set()
+        self.modules: set[tuple[int | None, str]] = set()
+        self.hung: set[tuple[int | None, str]] = set()
+        self.latest: dict[int | None, tuple[int, str]] = {}  # rank -> (start, trace) of its last
+
+    def add(self, span: SpanRecord) -> int | None:
+        """Note one span; returns the step it names (a step, rank or hang span's)."""
+        name = span.name
+        last = self.latest.get(span.rank)
+        if last is None or span.start_time > last[0]:
+            self.latest[span.rank] = (span.start_time, span.trace_id)
+        if name == semconv.SPAN_HANG:
+            self.hung.add((span.rank, span.trace_id))
+        if name in _STEP_NAMES:
+            if name == semconv.SPAN_RANK:
+                self.rooted.add((span.rank, span.trace_id))
+            step = span.attributes.get(semconv.STEP)
+            if isinstance(step, int) and not isinstance(step, bool):
+                self.trace_step.setdefault(span.trace_id, step)
+                return step
+        elif semconv.MODULE_FQN in span.attributes:
+            self.modules.add((span.rank, span.trace_id))
+        return None
+
+    def cut_short(self) -> list[tuple[int | None, str, int | None]]:
+        """A trace without its rank span was cut short when a hang record names it, or
+        when the rank wrote a later trace; its last trace may still be running (files
+        of a job in progress), so that one is not."""
+        out = []
+        for rank, trace in self.modules - self.rooted:
+            last = self.latest.get(rank)
+            if (rank, trace) in self.hung or (last is not None and last[1] != trace):
+                out.append((rank, trace, self.trace_step.get(trace)))
+        return sorted(out, key=lambda p: (p[0] is None, p[0] or 0, p[1]))
 
 
 def summary_of(
@@ -117,16 +146,26 @@ def partial_note(partial: list[dict[str, Any]]) -> str | None:
     """
     if not partial:
         return None
-    by_step: dict[Any, list[int]] = {}
-    for p in partial:
-        by_step.setdefault(p["step"], []).append(p["rank"])
-    what = "; ".join(
+    what = cut_short_steps((p["rank"], p["step"]) for p in partial)
+    return (f"commspan: {what} was cut short (no commspan.rank span written: a hang or a "
+            "process stopped mid-step): Global and the modules still open then do not "
+            "count its collectives, the modules that finished do (commspan check shows "
+            "where each rank was, when a hang record was written)")
+
+
+def cut_short_steps(partial: Iterable[tuple[int | None, int | None]]) -> str:
+    """``(rank, step)`` pairs of traces cut short in words, by step.
+
+    Example:
+        >>> cut_short_steps([(0, 2), (1, 2), (3, None)])
+        'step 2 of ranks 0-1; a step of rank 3'
+    """
+    by_step: dict[Any, list[int | None]] = {}
+    for rank, step in partial:
+        by_step.setdefault(step, []).append(rank)
+    return "; ".join(
         ("a step" if step is None else f"step {step}")
         + f" of rank{'s' if len(rs) > 1 else ''} "
         + format_numbers(r for r in rs if r is not None)
         for step, rs in by_step.items()
     )
-    return (f"commspan: {what} was cut short (no commspan.rank span written: a hang or a "
-            "process stopped mid-step): Global and the modules still open then do not "
-            "count its collectives, the modules that finished do (commspan check shows "
-            "where each rank was, when a hang record was written)")

@@ -23,6 +23,7 @@ from commspan.otlpjson.files import jsonl_files
 from commspan.otlpjson.records import ReadReport, SpanRecord
 
 if TYPE_CHECKING:
+    from commspan.analysis.diff import Profile
     from commspan.analysis.digest import PartSelection
 
 _Sel = TypeVar("_Sel", bound=Union[Selection, "PartSelection"])
@@ -453,13 +454,18 @@ def diff(args: argparse.Namespace, reader: Reader) -> Outcome:
                 f"--rank {rank}: {name} holds no span of that rank "
                 f"(ranks: {format_numbers(r for r in _ranks(sel) if r is not None)})"
             )
-    a, b = (profile(s.records, rank=rank, steps=max(1, len(s.steps))) for s in sides)
+    # divided by the steps that ended: a step cut short is left out (the profile's note)
+    a, b = (profile(s.records, rank=rank) for s in sides)
+    for name, side in zip("AB", (a, b)):
+        note = side.note(f"{name}: " if args.b is not None or args.run else "")
+        if note is not None:
+            reader.notes.append(note)
     result = compare(a, b)
     status = 0 if result.equal else 1
     if args.json:
         data = result.to_dict()
-        data["a"] = _side(paths[0], sides[0], a.ranks)
-        data["b"] = _side(paths[1], sides[1], b.ranks)
+        data["a"] = _side(paths[0], sides[0], a)
+        data["b"] = _side(paths[1], sides[1], b)
         return Outcome(json.dumps(data, indent=2), status)
     return Outcome(format_diff(result, labels[0], labels[1]), status)
 
@@ -476,12 +482,13 @@ def _label(name: str, path: str, sel: Selection, rank: int | None = None) -> str
     return f"{name}: {os.fspath(path)} ({', '.join(bits)})"
 
 
-def _side(path: str, sel: Selection, ranks: tuple[int, ...]) -> dict[str, Any]:
+def _side(path: str, sel: Selection, side: Profile) -> dict[str, Any]:
     return {
         "path": path,
         "run": sel.run.run_id if sel.run else None,
         "steps": list(sel.steps),
-        "ranks": list(ranks),
+        "ranks": list(side.ranks),
+        "cut_short": [{"rank": r, "step": s} for r, s in side.cut_short],
     }
 
 
