@@ -410,6 +410,45 @@ def test_collectives_a_hang_record_lists_are_drawn_not_counted() -> None:
     assert card.startswith('<span class="n">1</span>')  # 2 per rank in 2 steps, every rank
 
 
+def test_a_step_cut_short_is_left_out_of_the_cards_and_named(
+    tmp_path: Path, fake_pg: None
+) -> None:
+    """Step 1 of 3 lost its backward and its rank and step spans, and got hang records
+    (as a hang in the backward leaves it), and rank 1
+    issues one more all_reduce in step 2: the cards count per step over the steps each
+    rank finished, as the tree's Global row does (both the hand count of the finished
+    steps' collectives), and the page names the cut step; a run without one has no
+    such note."""
+    from _cli_runs import net_step, write_run
+
+    run = write_run(tmp_path / "run", "cut", net_step(extra_on=(1, 2)), steps=(0, 1, 2),
+                    ranks=(0, 1))
+    whole = load_records(run)
+    cut = {r.trace_id for r in whole if r.attributes.get(semconv.STEP) == 1}
+    # the hang came before the backward pass: neither its spans nor the step's ends
+    # were written; each rank wrote a hang record instead (its step, its rank)
+    records = [r for r in whole if r.trace_id not in cut
+               or (r.name not in (semconv.SPAN_RANK, semconv.SPAN_STEP)
+                   and r.attributes.get(semconv.PHASE) != "backward")]
+    records += [dataclasses.replace(r, name=semconv.SPAN_HANG, attributes={
+        semconv.RANK: r.rank, semconv.STEP: 1, semconv.HANG_REASON: semconv.HANG_REASON_TIMEOUT})
+        for r in whole if r.trace_id in cut and r.name == semconv.SPAN_RANK]
+    ended = {(r.rank, r.trace_id) for r in records if r.name == semconv.SPAN_RANK}
+    by_hand = Counter(r.rank for r in records if (r.rank, r.trace_id) in ended
+                      for _, a in r.events if semconv.COLL_OP in a)
+    assert by_hand[0] < by_hand[1]  # rank 1's extra one in step 2
+    page = html_report(records)
+    card = page.split('<div class="label">collectives per step and rank', 1)[0]
+    card = re.sub("<[^>]+>", "", card.rsplit('<div class="value">', 1)[1])
+    assert card == f"{by_hand[0] / 2:g} \u00b7 {by_hand[1] / 2:g}"
+    shown = [[int(n) for n in text.split(" \u00b7 ")]
+             for ops in tree_counts(page).counts["Global"].values() for text in ops.values()]
+    assert [sum(per_rank) for per_rank in zip(*shown)] == [by_hand[0], by_hand[1]]
+    note = page.split('<p class="warn" id="unfinished">', 1)[1].split("</p>", 1)[0]
+    assert note.startswith("Step 1 of ranks 0-1 was cut short")
+    assert 'id="unfinished"' not in html_report(whole)
+
+
 def test_negative_step_numbers_read_as_a_range(tmp_path: Path) -> None:
     """Steps -1, 0, 1 are written ``-1..1`` (``-1-1`` reads as two numbers)."""
     import torch

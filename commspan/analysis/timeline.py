@@ -200,6 +200,10 @@ class Timeline:
         processes: ``{rank: (host name, process id)}`` from the records'
             resources ("" and ``None`` when not recorded).
         gc_pauses: garbage-collector pauses, by rank, then start time.
+        unfinished: ``(window, rank)`` of each rank's part of a step whose
+            ``commspan.rank`` span was never written (cut short by a hang or a
+            process stopped mid-step, or still running when read): the counts
+            (``Aggregator``) leave its collectives out; sorted.
     """
 
     ranks: tuple[int, ...]
@@ -210,6 +214,7 @@ class Timeline:
     origin_ns: int
     processes: dict[int, tuple[str, int | None]] = field(default_factory=dict)
     gc_pauses: tuple[GcSlice, ...] = ()
+    unfinished: tuple[tuple[int, int], ...] = ()
 
 
 # ------------------------------------------------------------------ loading
@@ -402,6 +407,7 @@ def build_timeline(records: Iterable[SpanRecord]) -> Timeline:
     return Timeline(
         ranks, tuple(steps), tuple(slices), tuple(collectives), tuple(run_ids), origin,
         {r: processes[r] for r in ranks if r in processes}, tuple(pauses),
+        tuple(sorted((index_of[t], r) for t, r in extents if (t, r) not in rank_extent)),
     )
 
 

@@ -43,6 +43,7 @@ from commspan import __version__, semconv
 from commspan._json import dumps
 from commspan.analysis.counts import Aggregator
 from commspan.analysis.runs import format_numbers
+from commspan.analysis.summary import cut_short, cut_short_steps
 from commspan.analysis.timeline import (
     Collective,
     RecordSource,
@@ -227,6 +228,7 @@ def _page(
         f"<title>{_e(title)}</title>\n<style>\n{_asset('report.css')}</style>\n</head>\n<body>\n",
         _header(timeline, title, findings is not None),
         _summary(timeline, ranks),
+        _unfinished_note(timeline, records),
     ]
     if findings is not None:
         parts.append(_findings_section(findings, timeline, embedded))
@@ -313,11 +315,15 @@ def _summary(timeline: Timeline, ranks: list[int]) -> str:
     windows = _per_step(timeline)
     n_steps = max(len(windows), 1)
     counted = {w.position for w in windows}
+    # a rank's part of a step that never ended is left out, as the counts (Global) do:
+    # per step over the steps the rank finished
+    unfinished = set(timeline.unfinished)
+    over = {r: max(n_steps - sum((w, r) in unfinished for w in counted), 1) for r in ranks}
     count = {r: 0 for r in ranks}
     nbytes = {r: 0 for r in ranks}
     dur = {r: 0 for r in ranks}
     for c in timeline.collectives:
-        if c.window not in counted or c.pending:
+        if c.window not in counted or (c.window, c.rank) in unfinished:
             continue  # a trace outside the steps (set-up, evaluation): not per step
         count[c.rank] += 1
         nbytes[c.rank] += c.bytes
@@ -328,13 +334,13 @@ def _summary(timeline: Timeline, ranks: list[int]) -> str:
         ("steps" if any(w.step is not None for w in windows) else "traces",
          str(len(windows))),
         ("modules", str(modules)),
-        ("collectives per step and rank", _per_rank([count[r] / n_steps for r in ranks], _num)),
-        ("bytes per step and rank", _per_rank([nbytes[r] / n_steps for r in ranks], _bytes)),
+        ("collectives per step and rank", _per_rank([count[r] / over[r] for r in ranks], _num)),
+        ("bytes per step and rank", _per_rank([nbytes[r] / over[r] for r in ranks], _bytes)),
     ]
     if any(c.duration_ns is not None for c in timeline.collectives):
         cards.append(
             ("collective time per step and rank",
-             _per_rank([dur[r] / n_steps for r in ranks], _duration))
+             _per_rank([dur[r] / over[r] for r in ranks], _duration))
         )
     body = "".join(
         f"<div class=\"card\"><div class=\"value\">{v}</div><div class=\"label\">{_e(k)}</div>"
@@ -342,6 +348,34 @@ def _summary(timeline: Timeline, ranks: list[int]) -> str:
         for k, v in cards
     )
     return f"<section id=\"summary\" class=\"cards\">{body}</section>\n"
+
+
+def _unfinished_note(timeline: Timeline, records: list[SpanRecord]) -> str:
+    """What ``commspan summary`` says on stderr of the steps cut short (and of a last step
+    still running), on the page; ``""`` when every step ended."""
+    if not timeline.unfinished:
+        return ""
+    cut = {(0 if r is None else r, trace) for r, trace, _ in cut_short(records)}
+    gone: list[tuple[int | None, int | None]] = []
+    running: list[tuple[int | None, int | None]] = []
+    for window, rank in timeline.unfinished:
+        w = timeline.steps[window]
+        (gone if (rank, w.trace_id) in cut else running).append((rank, w.step))
+    said = []
+    if gone:
+        said.append(_capitalized(cut_short_steps(gone)) + " was cut short (no commspan.rank "
+                    "span written: a hang or a process stopped mid-step).")
+    if running:
+        said.append(_capitalized(cut_short_steps(running)) + " had not ended when the files "
+                    "were read (no commspan.rank span yet).")
+    said.append("The figures per step above leave such a step out; in the module tree, "
+                "Global and the modules still open then do not count its collectives, the "
+                "modules that finished do. The timeline draws it.")
+    return f"<p class=\"warn\" id=\"unfinished\">{_e(' '.join(said))}</p>\n"
+
+
+def _capitalized(text: str) -> str:
+    return text[:1].upper() + text[1:]
 
 
 # ------------------------------------------------------------------ findings
