@@ -267,8 +267,10 @@ class SpanBuilder:
         collectives: Sequence[dict[str, Any]],
         reason: str = semconv.HANG_REASON_TIMEOUT,
         time_ns: int | None = None,
+        times: Sequence[int] | None = None,
     ) -> None:
-        """Add a ``commspan.hang`` span; ``collectives`` are ``event_attrs(...)`` dicts."""
+        """Add a ``commspan.hang`` span; ``collectives`` are ``event_attrs(...)`` dicts,
+        issued at ``times`` (default: 1 µs apart, just before the record)."""
         now = time_ns if time_ns is not None else self.clock[rank] + 10_000_000
         attrs: dict[str, Any] = {
             semconv.RANK: rank,
@@ -281,7 +283,7 @@ class SpanBuilder:
         span = _Span(semconv.SPAN_HANG, trace_of(step), self.new_id(), "", now - 1, now, attrs)
         for i, c in enumerate(collectives):
             span.events.append((c[semconv.COLL_OP], c))
-            span.times.append(now - 1000 * (len(collectives) - i))
+            span.times.append(now - 1000 * (len(collectives) - i) if times is None else times[i])
         self.add(rank, span)
 
     def spans(self, *, ranks: Sequence[int] | None = None) -> list[SpanRecord]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -212,6 +213,66 @@ def test_match_collectives_joins_a_send_with_its_receive(schema: int) -> None:
     pairs = [((0, "send"), (1, "recv"))] * 4
     assert ops == sorted(reduces + pairs)
     assert sorted(tuple(sorted(m)) for m in linked.values()) == sorted(reduces + pairs)
+
+
+def test_a_collective_completed_in_a_span_never_written_is_drawn() -> None:
+    """Rank 1 completes its all_reduce in Net.blocks.1 in step 2, then stalls inside
+    Net.blocks.1 (never written); the other ranks wrote theirs and wait in Net.blocks.2.
+    Each hang record lists the rank's whole history: the timeline of step 2 holds on
+    each rank exactly what it issued there (rank 1's Net.blocks.1 one marked
+    unwritten, not pending), matched across the 4 ranks, and no collective of an
+    earlier step twice."""
+    from _analysis_builder import WORLD_GROUP, SpanBuilder
+
+    b = SpanBuilder(world=4, schema=3)
+    history: dict[int, list[tuple[int, str, int]]] = {r: [] for r in range(4)}  # seq, fqn, t
+    issued: dict[tuple[int, int], list[int]] = {}  # (rank, step) -> seqs, by hand
+    for step in (0, 1, 2):
+        for r in range(4):
+            s = b.rank(r, step, finished=step < 2)
+            blocks = ("Net.blocks.0",) if (r, step) == (1, 2) else (
+                "Net.blocks.0", "Net.blocks.1")
+            for fqn in blocks:
+                seq = s.coll("all_reduce", fqn=fqn)
+                history[r].append((seq, fqn, b.clock[r]))
+                issued.setdefault((r, step), []).append(seq)
+    b.seq[(1, WORLD_GROUP)] += 1  # rank 1's Net.blocks.1 all_reduce, its span never written
+    b.clock[1] += 1000
+    history[1].append((b.seq[(1, WORLD_GROUP)], "Net.blocks.1", b.clock[1]))
+    issued[(1, 2)].append(b.seq[(1, WORLD_GROUP)])
+    for r in range(4):
+        events = [b.event_attrs("all_reduce", fqn=fqn, phase="forward", group=WORLD_GROUP,
+                                ranks=range(4), seq=seq, state=semconv.STATE_COMPLETED)
+                  for seq, fqn, _ in history[r]]
+        times = [t for _, _, t in history[r]]
+        stack = [("Net", "forward"), ("Net.blocks.1", "forward")]
+        if r != 1:  # waiting in Net.blocks.2's
+            seq = history[r][-1][0] + 1
+            events.append(b.event_attrs("all_reduce", fqn="Net.blocks.2", phase="forward",
+                                        group=WORLD_GROUP, ranks=range(4), seq=seq,
+                                        state=semconv.STATE_ISSUED))
+            times.append(b.clock[r] + 1000)
+            issued[(r, 2)].append(seq)
+            stack = [("Net", "forward"), ("Net.blocks.2", "forward")]
+        b.hang(r, 2, stack=stack, collectives=events, times=times)
+    timeline = build_timeline(b.spans())
+    for w in timeline.steps:
+        for r in range(4):
+            drawn = [c.seq for c in timeline.collectives if c.window == w.position and c.rank == r]
+            assert drawn == issued[(r, w.step)], (w.step, r)
+    (unwritten,) = [c for c in timeline.collectives if c.unwritten and not c.pending]
+    assert (unwritten.rank, unwritten.fqn, unwritten.seq) == (1, "Net.blocks.1", issued[(1, 2)][-1])
+    matched = match_collectives(timeline.collectives)
+    assert sorted(c.rank for c in matched[unwritten.key]) == [0, 1, 2, 3]
+    # drawn, not counted: the report's issued table of Net.blocks.1 holds the spans' own
+    from commspan.render.html import html_report
+
+    page = html_report(b.spans())
+    block = page.split('data-fqn="Net.blocks.1">', 1)[1].split("</details>", 1)[0]
+    in_spans = [sum(fqn == "Net.blocks.1" for _, fqn, _ in history[r]) for r in range(4)]
+    in_spans[1] -= 1  # the one in the span never written
+    assert re.search(r'<td class="count"><span class="n[^"]*"[^>]*>([^<]*)</span>',
+                     block).group(1) == " \u00b7 ".join(map(str, in_spans))
 
 
 def test_a_hang_records_stuck_collective_is_drawn_in_its_step() -> None:

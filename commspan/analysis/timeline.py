@@ -130,6 +130,9 @@ class Collective(NamedTuple):
             unknown).
         pending: not completed when the rank wrote a hang record (it waited in it,
             inside a span never written): taken from that record.
+        unwritten: taken from a hang record, not from a span: it was issued inside a
+            span never written (completed there, or ``pending``), so the counts
+            (``Aggregator``, ``issued``) leave it out.
         owner: the module that owns it (``commspan.owner.fqn``: an FSDP unit, a DDP
             bucket's module) when that is not :attr:`fqn`, else ``""``.
     """
@@ -159,6 +162,7 @@ class Collective(NamedTuple):
     p2p_seq: int | None = None
     pending: bool = False
     owner: str = ""
+    unwritten: bool = False
 
     @property
     def key(self) -> tuple[str, int, str, Any]:
@@ -394,7 +398,7 @@ def build_timeline(records: Iterable[SpanRecord]) -> Timeline:
                     took, gen, in_fqn, phase = pause
                     pauses.append(GcSlice(index, rank, when, took, gen, in_fqn or "", phase or ""))
 
-    collectives.extend(_stuck(hangs, index_of, run_of_trace, collectives))
+    collectives.extend(_stuck(hangs, index_of, run_of_trace, collectives, steps))
     slices.sort(key=lambda s: (s.rank, s.start_ns, -s.end_ns))
     collectives.sort(key=lambda c: (c.rank, c.time_ns))
     ranks = tuple(sorted({r for _, r in extents}))
@@ -417,9 +421,14 @@ _STATUS_ERROR = 2  # OTLP StatusCode ERROR
 def _stuck(
     hangs: Sequence[tuple[int, SpanRecord]], index_of: Mapping[str, int],
     run_of_trace: Mapping[str, str], drawn: Sequence[Collective],
+    steps: Sequence[StepWindow],
 ) -> list[Collective]:
-    """The collectives hang records list as not completed (a rank waits in them, inside
-    a span never written), in the step of the record, marked ``pending``; each once."""
+    """The collectives hang records list in the step of the record that no written span
+    holds, each once, marked ``unwritten``: those not completed (a rank waits in them,
+    inside a span never written; also marked ``pending``), and those completed inside
+    a span still open when the record was written. A record also lists collectives of
+    earlier steps: a completed one is drawn only when issued after the rank's part of
+    the step before ended."""
     seen = {(c.rank, c.key) for c in drawn}
     out = []
     for rank, rec in sorted(hangs, key=lambda h: h[1].end_time):
@@ -427,15 +436,33 @@ def _stuck(
         if index is None:
             continue
         run_id = run_of_trace.get(rec.trace_id, _run_id(rec))
+        after = _before(steps, index, rank)
         for (_name, ev), when in zip(rec.events, rec.event_times):
-            if semconv.COLL_OP not in ev or ev.get(semconv.COLL_STATE) == semconv.STATE_COMPLETED:
+            if semconv.COLL_OP not in ev:
                 continue
+            done = ev.get(semconv.COLL_STATE) == semconv.STATE_COMPLETED
+            if done and (after is None or when <= after):
+                continue  # (or of a step before: drawn there, from its span)
             c = _collective(index, rank, run_id, when, str(ev.get(semconv.MODULE_FQN, "")), ev)
             if (rank, c.key) in seen:
                 continue
             seen.add((rank, c.key))
-            out.append(c._replace(duration_ns=None, pending=True))
+            if done:
+                out.append(c._replace(unwritten=True))
+            else:
+                out.append(c._replace(duration_ns=None, pending=True, unwritten=True))
     return out
+
+
+def _before(steps: Sequence[StepWindow], index: int, rank: int) -> int | None:
+    """When ``rank``'s part of the steps before step ``index`` ended (its latest end),
+    or ``None`` when the rank has no part in step ``index``; the earliest time there
+    is when none came before."""
+    start = next((s for r, s, _ in steps[index].ranks if r == rank), None)
+    if start is None:
+        return None
+    return max((e for w in steps if w.position != index for r, s, e in w.ranks
+                if r == rank and s < start), default=-1)
 
 
 def _rank(rec: SpanRecord) -> int:

@@ -213,9 +213,10 @@ def _page(
 ) -> str:
     ranks = list(timeline.ranks)
     tree = _merged_tree(records, ranks)
-    # what the ranks did: a collective a hang record lists as not completed is drawn
-    # on the timeline, not counted (its span was never written; the counts leave it out)
-    done = [c for c in timeline.collectives if not c.pending]
+    # what the ranks did: a collective taken from a hang record (not completed, or
+    # completed in a span still open) is drawn on the timeline, not counted (its span
+    # was never written; the counts leave it out)
+    done = [c for c in timeline.collectives if not c.unwritten]
     issued = _issued(done, ranks)
     times = _span_times(timeline, ranks)
     durations = any(c.duration_ns is not None for c in timeline.collectives)
@@ -323,7 +324,7 @@ def _summary(timeline: Timeline, ranks: list[int]) -> str:
     nbytes = {r: 0 for r in ranks}
     dur = {r: 0 for r in ranks}
     for c in timeline.collectives:
-        if c.window not in counted or (c.window, c.rank) in unfinished:
+        if c.window not in counted or (c.window, c.rank) in unfinished or c.unwritten:
             continue  # a trace outside the steps (set-up, evaluation): not per step
         count[c.rank] += 1
         nbytes[c.rank] += c.bytes
@@ -855,8 +856,15 @@ def _mark(i: int, f: Mapping[str, Any]) -> dict[str, Any]:
             "kind": str(f.get("kind", ""))}
 
 
+def _unwritten(c: Collective) -> str:
+    """What a collective taken from a hang record is, in words."""
+    if c.pending:
+        return "not completed: the rank waited in it (hang record)"
+    return "completed in a span never written (hang record): not counted"
+
+
 def _details(c: Collective) -> str:
-    parts = ["not completed: the rank waited in it (hang record)"] if c.pending else []
+    parts = [_unwritten(c)] if c.unwritten else []
     if c.dtype:
         shape = "x".join(str(d) for d in c.shape)
         parts.append(f"{c.dtype}[{shape}]" if shape else c.dtype)

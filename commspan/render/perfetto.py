@@ -314,6 +314,8 @@ def _collective_args(c: Collective, timeline: Timeline) -> dict[str, Any]:
         args["owner"] = c.owner  # counted there (an FSDP unit, a DDP bucket's module)
     if c.pending:
         args["pending"] = "not completed: the rank waited in it (hang record)"
+    elif c.unwritten:
+        args["unwritten"] = "completed in a span never written (hang record)"
     if c.duration_ns is not None:
         args["duration_ns"] = c.duration_ns
     if c.src or c.dst:
