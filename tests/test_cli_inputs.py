@@ -545,3 +545,64 @@ def test_a_copy_beside_a_compressed_file_of_short_lines_being_written_is_left_ou
     notes: list[str] = []
     assert [f.name for f in jsonl_files(tmp_path, notes=notes)] == ["X.jsonl.gz"]
     assert len(notes) == 1 and "not reading" in notes[0]
+
+
+def _any_value(v: object) -> dict[str, object]:
+    if isinstance(v, bool):
+        return {"boolValue": v}
+    if isinstance(v, int):
+        return {"intValue": str(v)}
+    if isinstance(v, float):
+        return {"doubleValue": v}
+    return {"stringValue": v}
+
+
+@pytest.mark.parametrize(("key", "value"), [
+    (semconv.TENSOR_BYTES, "12kB"), (semconv.MODULE_DEPTH, "deep"),
+    (semconv.TENSOR_SHAPE, 7), (semconv.PG_RANKS, 1.5), (semconv.PARAM_NAMES, "str"),
+    (semconv.PARAM_PLACEMENTS, -1)])
+def test_an_attribute_of_the_wrong_type_damages_its_line_in_every_command(
+    packed_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], key: str,
+    value: object
+) -> None:
+    """An attribute the readers convert, of a type commspan never writes, in the first
+    line of rank 0's file: every command names the file, line, attribute and value,
+    skips that line as damaged (status 1, no traceback), and counts what the files
+    without that line hold."""
+    damaged, clean = tmp_path / "damaged", tmp_path / "clean"
+    damaged.mkdir()
+    clean.mkdir()
+    for packed in sorted(packed_dir.glob("*.jsonl.gz")):
+        lines = gzip.decompress(packed.read_bytes()).splitlines(keepends=True)
+        name = packed.name.removesuffix(".gz")
+        (clean / name).write_bytes(b"".join(lines[1:] if "rank0" in name else lines))
+        if "rank0" in name:
+            doc = json.loads(lines[0])
+            hits = 0
+            for rs in doc["resourceSpans"]:
+                for ss in rs["scopeSpans"]:
+                    for span in ss["spans"]:
+                        for a in [*span.get("attributes", []), *(
+                                b for e in span.get("events", []) for b in e["attributes"])]:
+                            if a["key"] == key:
+                                a["value"] = _any_value(value)
+                                hits += 1
+            assert hits
+            lines[0] = json.dumps(doc).encode() + b"\n"
+        (damaged / name).write_bytes(b"".join(lines))
+    where = f"{damaged / 'commspan-rank0.jsonl'}:1: "
+    for command in (["summary", "--rank", "all", "--json"], ["table", "--rank", "all", "--json"],
+                    ["html", "-o", str(tmp_path / "r.html")],
+                    ["perfetto", "-o", str(tmp_path / "t.json")]):
+        code, out, err = _cli(capsys, command[0], str(damaged), *command[1:])
+        assert code == 1 and "Traceback" not in err, err
+        named = [ln for ln in err.splitlines() if ln.startswith(f"ValueError: {where}")]
+        assert len(named) == 1 and f"{key} is {value!r}, not " in named[0], err
+        assert "1 damaged line" in err, err
+        if command[0] in ("summary", "table"):
+            _, expected, _ = _cli(capsys, command[0], str(clean), *command[1:])
+            got, want = json.loads(out), json.loads(expected)
+            if command[0] == "summary":  # (and the hand count of the other lines')
+                assert got["total"] == _raw_collectives(*sorted(clean.iterdir())) > 0
+                got, want = got["collectives"], want["collectives"]
+            assert got == want

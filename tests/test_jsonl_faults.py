@@ -348,6 +348,18 @@ WRONG_TYPE = (
     b'[{"name":"x","attributes":[{"key":"commspan.module.fqn","value":{"stringValue":"M"}},'
     b'{"key":"commspan.collectives.forward.all_reduce","value":{"intValue":"many"}}]}]}]}]}\n'
 )
+
+
+def _typed_line(span_attrs: bytes, event_attrs: bytes = b"") -> bytes:
+    """A line of one module span M (and one all_reduce event on it) with more attributes."""
+    fqn = b'{"key":"commspan.module.fqn","value":{"stringValue":"M"}}'
+    op = b'{"key":"commspan.collective.op","value":{"stringValue":"all_reduce"}}'
+    event = b'"events":[{"name":"all_reduce","attributes":[' + op + event_attrs + b"]}]"
+    return (b'{"resourceSpans":[{"resource":{"attributes":[]},"scopeSpans":[{"spans":'
+            b'[{"name":"M forward","attributes":[' + fqn + span_attrs + b"]," + event
+            + b"}]}]}]}\n")
+
+
 DAMAGE = {
     "garbage": (b"{not json\n", "not a JSON line"),
     "null": (b"null\n", "null, not an OTLP/JSON trace request"),
@@ -360,6 +372,23 @@ DAMAGE = {
     "wrong-type-inside": (
         WRONG_TYPE,
         "resourceSpans[0].scopeSpans[0].spans[0].attributes[1].value is not an OTLP AnyValue",
+    ),
+    # an attribute the readers convert, of a type commspan never writes
+    "bytes-type": (
+        _typed_line(b"", b',{"key":"commspan.tensor.bytes","value":{"stringValue":"12kB"}}'),
+        "resourceSpans[0].scopeSpans[0].spans[0] ('M forward'): commspan.tensor.bytes is "
+        "'12kB', not an integer as commspan writes it",
+    ),
+    "depth-type": (
+        _typed_line(b',{"key":"commspan.module.depth","value":{"stringValue":"deep"}}'),
+        "spans[0] ('M forward'): commspan.module.depth is 'deep', not an integer",
+    ),
+    "placements-type": (
+        _typed_line(b',{"key":"commspan.module.param_names","value":{"arrayValue":{"values":'
+                    b'[{"stringValue":"weight"}]}}},'
+                    b'{"key":"commspan.module.param_placements","value":{"intValue":"-1"}}'),
+        "spans[0] ('M forward'): commspan.module.param_placements is -1, not an array of 1 "
+        "values, one per name in commspan.module.param_names",
     ),
 }
 

@@ -42,7 +42,9 @@ from commspan.otlpjson.records import (
 
 __all__ = [
     "DECODE_ERRORS",
+    "BadValue",
     "LineReader",
+    "check_values",
     "decode_attributes",
     "decode_value",
     "read_documents",
@@ -107,6 +109,60 @@ def decode_attributes(
     return out
 
 
+class BadValue(ValueError):
+    """A commspan attribute of a type commspan never writes (``commspan.tensor.bytes``
+    a string): its line is damaged, as one with a malformed value."""
+
+
+def _int(v: Any) -> bool:
+    return type(v) is int
+
+
+def _array(v: Any) -> bool:
+    return type(v) is list
+
+
+# the attributes readers convert or walk (int(), for ... in): of another type, a line
+# is damaged. Others are read as they come (a string op, a seq of another type: unknown).
+_SPAN_TYPES = ((semconv.MODULE_DEPTH, _int, "an integer"),
+               (semconv.PARAM_NAMES, _array, "an array"))
+_EVENT_TYPES = ((semconv.TENSOR_BYTES, _int, "an integer"),
+                (semconv.TENSOR_SHAPE, _array, "an array"),
+                (semconv.PG_RANKS, _array, "an array"),
+                (semconv.OWNER_CREDIT, _array, "an array of module names"))
+
+
+def check_values(
+    attrs: Mapping[str, Any], events: Iterable[tuple[str, Mapping[str, Any]]]
+) -> None:
+    """Check the types of the commspan attributes readers convert, of one span.
+
+    Raises:
+        BadValue: one is of another type (``None``, an empty value, is none).
+    """
+    for key, fits, what in _SPAN_TYPES:
+        v = attrs.get(key)
+        if v is not None and not fits(v):
+            raise BadValue(_bad(key, v, what))
+    names = attrs.get(semconv.PARAM_NAMES)
+    if names:
+        for key in (semconv.PARAM_PLACEMENTS, semconv.PARAM_SHAPES):
+            values = attrs.get(key)
+            if values and (type(values) is not list or len(values) < len(names)):
+                raise BadValue(_bad(key, values, f"an array of {len(names)} values, one per "
+                                                 f"name in {semconv.PARAM_NAMES}"))
+    for _name, ev in events:
+        for key, fits, what in _EVENT_TYPES:
+            v = ev.get(key)
+            if v is not None and not fits(v):
+                raise BadValue(_bad(key, v, what))
+
+
+def _bad(key: str, value: Any, what: str) -> str:
+    return (f"{key} is {value!r:.80}, not {what} as commspan writes it (a file edited, or "
+            "written by another program)")
+
+
 Decoded = tuple[dict[str, Any], dict[str, Any], dict[str, Any], list[tuple[str, dict[str, Any]]]]
 """``(resource attributes, raw span object, span attributes, [(event name, event attributes)])``."""
 
@@ -133,8 +189,9 @@ def walk(
         object gives its ids, name, times and status.
 
     Raises:
-        KeyError, TypeError, AttributeError, ValueError: a malformed document;
-            nothing is returned for it.
+        KeyError, TypeError, AttributeError, ValueError: a malformed document
+            (:class:`BadValue`: a commspan attribute of the wrong type,
+            :func:`check_values`); nothing is returned for it.
     """
     out: list[Decoded] = []
     append = out.append
@@ -162,6 +219,7 @@ def walk(
                     (e.get("name", ""), decode_attributes(e.get("attributes"), event_keys))
                     for e in s.get("events") or ()
                 ]
+                check_values(attrs, events)
                 append((resource, s, attrs, events))
     return out
 
@@ -259,8 +317,7 @@ class LineReader:
 
     def bad_request(self, path: Path, number: int, doc: Any, exc: Exception) -> None:
         """A parsed line whose content could not be decoded."""
-        reason = _explain(doc) or f"cannot be decoded ({type(exc).__name__}: {exc})"
-        self.skip(path, number, "damaged", reason)
+        self.skip(path, number, "damaged", _reason(doc, exc))
 
 
 _TORN = "no trailing newline: a write cut short by a crash, or a file still being written"
@@ -651,6 +708,11 @@ def _explain(doc: Any) -> str | None:
                         bad = attrs(e.get("attributes"), f"{w4}.attributes")
                     if bad is not None:
                         return bad
+                try:
+                    check_values(decode_attributes(s.get("attributes")), [
+                        ("", decode_attributes(e.get("attributes"))) for e in events])
+                except BadValue as exc:
+                    return f"{w3} ({s.get('name')!r:.80}): {exc}"
     return None
 
 
@@ -662,7 +724,14 @@ def what_is_wrong(line: bytes, exc: Exception) -> str:
     doc = orjson.loads(line)
     if type(doc) is not dict or type(doc.get("resourceSpans")) is not list:
         return _not_a_request(doc)
-    return _explain(doc) or f"cannot be decoded ({type(exc).__name__}: {exc})"
+    return _reason(doc, exc)
+
+
+def _reason(doc: Any, exc: Exception) -> str:
+    """Why a parsed line could not be decoded: where, and what."""
+    return _explain(doc) or (
+        str(exc) if isinstance(exc, BadValue) else
+        f"cannot be decoded ({type(exc).__name__}: {exc})")
 
 
 def read_documents(
