@@ -186,3 +186,59 @@ def test_hundred_step_report_size_and_load(
     assert int(drawn["data-spans"]) > 0
     assert dom.count("<option") >= LONG_STEPS  # every step can be chosen
     assert size < 5_000_000  # measured 0.83 MB: 100 steps x 4 ranks stay a small file
+
+
+HOVER_PROBE = """<script>
+window.hoverErrors = [];
+window.addEventListener("error", function (e) { window.hoverErrors.push(String(e.message)); });
+setTimeout(function () {
+  var svg = document.getElementById("cs-svg"), tip = document.getElementById("cs-tip");
+  var res = {tips: 0, lit: [], errors: window.hoverErrors};
+  Array.prototype.forEach.call(svg.querySelectorAll("rect.coll"), function (el) {
+    tip.hidden = true;
+    var r = el.getBoundingClientRect();
+    try {
+      el.dispatchEvent(new MouseEvent("mousemove",
+        {bubbles: true, clientX: r.x + 1, clientY: r.y + 1}));
+    } catch (e) { res.errors.push(String(e)); }
+    if (!tip.hidden) res.tips++;
+    res.lit.push(svg.querySelectorAll("rect.coll.hl").length);
+    svg.dispatchEvent(new MouseEvent("mouseleave"));
+  });
+  var out = document.createElement("pre");
+  out.id = "hover-result";
+  out.textContent = JSON.stringify(res);
+  document.body.appendChild(out);
+}, 300);
+</script></body>"""
+
+
+@pytest.mark.parametrize("group", ["plain", "tp\\dim", "line\nbreak", 'q"uote'])
+def test_hovering_a_collective_lights_it_on_every_rank_whatever_its_group_name(
+    chromium: str, tmp_path: Path, group: str
+) -> None:
+    """Two ranks all-reduce twice on a group whose name holds a backslash, a newline or
+    a quote: hovering each mark shows its tooltip and lights the marks of the
+    collective on both ranks (a backslash lit none, a newline threw a SyntaxError)."""
+    import json
+    import re
+
+    from _analysis_builder import SpanBuilder
+
+    b = SpanBuilder(2)
+    for r in range(2):
+        s = b.rank(r, 0)
+        for _ in range(2):
+            s.coll("all_reduce", fqn="Net", group=group, ranks=[0, 1])
+    records = b.spans()
+    marks = sum(1 for r in records for _, a in r.events if "commspan.collective.op" in a)
+    page = write_html_report(records, tmp_path / "report.html")
+    page.write_text(page.read_text("utf-8").replace("</body>", HOVER_PROBE), "utf-8")
+    dom = run_chromium(chromium, page.as_uri(), tmp_path / "profile",
+                       "--virtual-time-budget=3000", "--dump-dom").stdout
+    found = re.search(r'<pre id="hover-result">([^<]*)</pre>', dom)
+    assert found, dom[-2000:]
+    res = json.loads(found.group(1).replace("&quot;", '"').replace("&amp;", "&"))
+    assert res["errors"] == []
+    assert res["tips"] == marks > 0
+    assert res["lit"] == [2] * marks  # this collective, on each of the 2 ranks

@@ -154,8 +154,11 @@
       (it.du >= 0 ? " \u00b7 duration " + fmtDur(it.du * TICK) : " \u00b7 duration not recorded");
   }
   function highlight(key, on) {
-    Array.prototype.forEach.call(svg.querySelectorAll('[data-k="' + key.replace(/"/g, '\\"') + '"]'),
-      function (el) { el.classList.toggle("hl", on); });
+    // the key holds a group name, any text (a backslash, a newline): compared as is,
+    // never put in a selector
+    Array.prototype.forEach.call(svg.querySelectorAll("[data-k]"), function (el) {
+      if (el.getAttribute("data-k") === key) el.classList.toggle("hl", on);
+    });
   }
   var lastKey = null;
   svg.addEventListener("mousemove", function (ev) {
