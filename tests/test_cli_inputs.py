@@ -367,6 +367,29 @@ def test_an_output_that_is_an_input_file_is_refused(
     assert target.read_bytes() == before
 
 
+@pytest.mark.parametrize("command", ["html", "perfetto"])
+def test_a_new_jsonl_output_in_an_input_folder_is_refused(
+    packed_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    """-o naming a new *.jsonl (or *.jsonl.gz) file in a folder the command reads is
+    refused before anything is written: it was written, and every later read of the
+    folder found it a damaged line. Another name in the folder is written."""
+    run = tmp_path / "run"
+    shutil.copytree(packed_dir, run)
+    before = sorted(p.name for p in run.iterdir())
+    for output in (run / "trace.jsonl", run / "out.jsonl.gz"):
+        with pytest.raises(SystemExit) as info:  # a usage error, before anything is read
+            main([command, str(run), "-o", str(output)])
+        err = capsys.readouterr().err
+        assert info.value.code == 2, err
+        assert f"-o '{output}' is a new *.jsonl file in the input folder '{run}'" in err
+        assert "pass another file name" in err and "Traceback" not in err
+    assert sorted(p.name for p in run.iterdir()) == before
+    assert main([command, str(run), "-o", str(run / "view.out")]) == 0
+    capsys.readouterr()
+    assert main(["summary", str(run), "--rank", "all"]) == 0
+
+
 def test_an_int_beyond_64_bits_is_read_and_written_as_it_is(
     packed_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

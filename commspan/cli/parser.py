@@ -304,8 +304,23 @@ def _output_not_an_input(
     parser: argparse.ArgumentParser, output: str, paths: Sequence[str], example: str
 ) -> None:
     """``-o`` must not name a file the command reads: writing it would replace that
-    rank's spans (checked before anything is read or written)."""
+    rank's spans; nor a new ``*.jsonl`` (``*.jsonl.gz``) file in a folder it reads:
+    every later read of the folder would take it for a rank's file (checked before
+    anything is read or written)."""
     if not os.path.exists(output):
+        if not output.endswith((".jsonl", ".jsonl.gz")):
+            return
+        folder = os.path.dirname(os.path.abspath(output))
+        for path in paths:
+            try:
+                inside = os.path.isdir(path) and os.path.samefile(folder, path)
+            except OSError:
+                continue  # the reading says what is wrong with it
+            if inside:
+                parser.error(
+                    f"-o {output!r} is a new *.jsonl file in the input folder {path!r}: "
+                    "every later read of the folder would take it for a rank's spans; "
+                    f"pass another file name, e.g. {example!r}")
         return
     for path in paths:
         names = [path]
