@@ -333,3 +333,47 @@ def test_module_names_that_differ_only_in_zeros_keep_their_lines() -> None:
     assert len({natural_key(n) for n in names}) == len(names)
     assert sorted(names, key=natural_key) == [
         "Net.d.01", "Net.d.1", "Net.d.2", "Net.d.10", "Net.d.²"]
+
+
+def test_a_module_name_with_a_line_break_round_trips(
+    tmp_path: Path, fake_pg: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ModuleDict keys holding \\r, \\n and a tab: the file written in update mode
+    matches on the next run (a \\r read back as a line end and it never matched), one
+    line per module that issued a collective (the tab's written as it is, as
+    before), and a change in one of them still differs."""
+    import torch.distributed as dist
+
+    keys = ["a\rb", "c\nd", "tab\there"]
+
+    class Block(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            dist.all_reduce(x)
+            return x
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.d = torch.nn.ModuleDict({k: Block() for k in keys})
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for m in self.d.values():
+                x = m(x)
+            return x
+
+    net = Net()
+    with capture() as cap:
+        net(torch.ones(2))
+    path = tmp_path / "golden.txt"
+    monkeypatch.setenv("COMMSPAN_UPDATE_GOLDEN", "1")
+    assert_matches_golden(cap, path)
+    monkeypatch.setenv("COMMSPAN_UPDATE_GOLDEN", "0")
+    assert_matches_golden(cap, path)
+    body = [ln for ln in path.read_text(encoding="utf-8").splitlines() if not ln.startswith("#")]
+    assert len(body) == len(keys)
+    assert sum(ln.startswith("Net.d.tab\there ") for ln in body) == 1  # as files before
+    with capture() as more:
+        net(torch.ones(2))
+        net.d["c\nd"](torch.ones(2))
+    with pytest.raises(AssertionError, match="count=2"):
+        assert_matches_golden(more, path)

@@ -18,6 +18,10 @@ The file::
     # update: pytest --commspan-update-golden (or COMMSPAN_UPDATE_GOLDEN=1)
     MLP.net2 forward all_reduce count=1
 
+A module or parameter name holding a line break (a ``ModuleDict`` key with
+``\\r`` or ``\\n``, which would end or split its line) is written as its Python
+literal (``'a\\rb'``).
+
 Lines are sorted by module name (numbers in names sort as numbers:
 ``layers.2`` before ``layers.10``), then phase (forward, backward,
 recompute) and op; counts are summed over everything the capture recorded.
@@ -151,7 +155,7 @@ def golden_text(
         slot[0] += s.count
         slot[1] += s.bytes
     for (name, phase, op, where), (count, nbytes) in totals.items():
-        text = f"{name} {phase} {op} count={count}"
+        text = f"{_shown(name)} {phase} {op} count={count}"
         if bytes:
             text += f" bytes={nbytes}"
         if where:
@@ -164,7 +168,8 @@ def golden_text(
                     continue
                 for dim, ops in dims.items():
                     for op, usage in ops.items():
-                        text = f"{name} {phase} {op} group={dim} count={usage['count']}"
+                        text = (f"{_shown(name)} {phase} {op} group={dim} "
+                                f"count={usage['count']}")
                         if bytes:
                             text += f" bytes={usage['bytes']}"
                         lines[(natural_key(name), 2, _PHASES[phase], phase, op, dim)] = text
@@ -175,17 +180,30 @@ def golden_text(
             for index, (param, info) in enumerate(params.items()):
                 if info["placements"]:
                     lines[(natural_key(name), 0, index, "", "", "")] = (
-                        f"{name} param {param} {info['shape']} {info['placements']}"
+                        f"{_shown(name)} param {_shown(param)} {info['shape']} "
+                        f"{info['placements']}"
                     )
     header = [
         _VERSION_LINE,
         f"# options: bytes={bool(bytes)} placements={bool(placements)}"
         + (" groups=True" if groups else "")
-        + (f" fqn={fqn}" if fqn is not None else ""),
+        + (f" fqn={_shown(fqn)}" if fqn is not None else ""),
         _UPDATE_LINE,
     ]
     body = [lines[k] for k in sorted(lines)] or ["# (no collectives)"]
     return "\n".join(header + body) + "\n"
+
+
+_LINE_BREAKS = frozenset("\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029")  # (str.splitlines)
+
+
+def _shown(name: str) -> str:
+    """A name as a golden line holds it: its Python literal when it holds a line break
+    (``\\r`` reads back as a line end, ``\\n`` splits the line); as it is otherwise
+    (a tab too, as files written before hold it)."""
+    if any(ch in _LINE_BREAKS for ch in name):
+        return repr(name)
+    return name
 
 
 def assert_matches_golden(
