@@ -15,7 +15,7 @@ from _cli_runs import (
     tp_run,
     write_run,
 )
-from _report_dom import embedded_data
+from _report_dom import embedded_data, tree_counts
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +55,25 @@ def test_html_step_keeps_that_step(
     code, text, _ = run_cli(capsys, "html", str(tp), "-o", str(out), "--step", "1", "--json")
     assert code == 0 and json.loads(text)["steps"] == [1]
     assert [s["l"] for s in embedded_data(out.read_text())["steps"]] == ["step 1"]
+
+
+def test_html_timeline_every_embeds_some_steps_and_counts_all(
+    tp: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--timeline-every 2: the timeline of steps 0 and 2 only (a smaller page); the
+    counts of the tree are the same as with every step's timeline."""
+    every, some = tmp_path / "every.html", tmp_path / "some.html"
+    assert run_cli(capsys, "html", str(tp), "-o", str(every))[0] == 0
+    code, _, err = run_cli(capsys, "html", str(tp), "-o", str(some), "--timeline-every", "2")
+    assert (code, err) == (0, "")
+    full, part = every.read_text(), some.read_text()
+    assert [s["l"] for s in embedded_data(part)["steps"]] == ["step 0", "step 2"]
+    assert len(part) < len(full)
+    assert tree_counts(part).counts == tree_counts(full).counts != {}
+    with pytest.raises(SystemExit) as exc:
+        run_cli(capsys, "html", str(tp), "-o", str(some), "--timeline-every", "0")
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--timeline-every '0' is not valid; pass" in err
 
 
 def test_html_check_and_findings_file(

@@ -330,9 +330,16 @@ def html(args: argparse.Namespace, reader: Reader) -> Outcome:
     if findings:  # --findings FILE and --check may name the same finding
         findings = list({json.dumps(f, sort_keys=True, default=str): f
                          for f in findings}.values())
+    timeline_steps = None
+    if args.timeline_every > 1:
+        every = args.timeline_every
+        timeline_steps = {step for r in sel.records
+                          if type(step := r.attributes.get(semconv.STEP)) is int
+                          and step % every == 0}
     try:
         path = _writing(args.output, lambda: write_html_report(
-            sel.records, args.output, findings=findings, title=args.title), "report.html")
+            sel.records, args.output, findings=findings, title=args.title,
+            timeline_steps=timeline_steps), "report.html")
     except TypeError as exc:
         if args.findings is None or not str(exc).startswith("findings"):
             raise  # not about the findings: not to be blamed on --findings

@@ -109,6 +109,10 @@ def _positive(value: str) -> int:
     return _at_least_one("--top", value, "a number >= 1")
 
 
+def _every(value: str) -> int:
+    return _at_least_one("--timeline-every", value, "a number >= 1 (1: every step)")
+
+
 def _selection(p: argparse.ArgumentParser, twice: bool) -> None:
     """--run, --step / --steps, --json, --max-line-mib and --no-digest (every command
     has them)."""
@@ -191,6 +195,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="run `commspan check` on the same files and show its findings")
     html.add_argument("--title", metavar="TEXT",
                       help="page title (default: commspan report)")
+    html.add_argument("--timeline-every", type=_every, default=1, metavar="N",
+                      help="embed the timeline of the steps whose number is a multiple of "
+                           "N only (default 1: every step); the counts and tables still "
+                           "cover every step. Long runs make large pages")
     commands["perfetto"].add_argument("-o", "--output", required=True, metavar="PATH",
                                       help="the trace file to write (.json, or .json.gz)")
     commands["stragglers"].add_argument(
