@@ -172,3 +172,59 @@ def test_the_store_carries_rank_0s_id_and_rank_0_waits_for_nobody(
 
     assert run_id_mod._by_store(_Dist(FakeStore(), 0), mine) == (False, None)
     assert run_id_mod._by_store(_Dist(FakeStore(), 1), mine) == (False, None)
+
+
+@pytest.mark.parametrize("var", ["COMMSPAN_RUN_ID", "TORCHELASTIC_RUN_ID"])
+def test_a_variable_holding_bytes_that_are_not_utf8_gives_an_escaped_run_id(
+    calls: list[str], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+    var: str,
+) -> None:
+    """os.environ decodes a byte that is not UTF-8 to a lone surrogate: the run id keeps
+    it as a ``\\xff`` escape, and the warning names the variable."""
+    monkeypatch.setattr(run_id_mod, "_agree", lambda local: None)
+    monkeypatch.setenv(var, "run\udcff")  # the bytes b"run\xff"
+    with caplog.at_level("WARNING", logger="commspan"):
+        assert resolve_run_id() == "run\\xff"
+    assert var in caplog.text and "not UTF-8" in caplog.text
+
+
+def test_a_run_id_argument_utf8_cannot_encode_is_refused_when_the_mode_is_made() -> None:
+    """run_id= with a lone surrogate: a ValueError naming the argument and a fix, before
+    any training step."""
+    from commspan import CommSpanMode
+
+    with pytest.raises(ValueError, match=r"run_id='r\\udcff' is not valid.*run_id='r\\\\xff'"):
+        CommSpanMode(run_id="r\udcff")
+
+
+def test_steps_run_and_export_under_a_run_id_variable_that_is_not_utf8(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """COMMSPAN_RUN_ID=$'run\\xff': every step runs (it raised UnicodeEncodeError into the
+    loop) and its spans carry the escaped run id."""
+    import torch
+    from _tracing import attrs, traced_mode
+    from torch import nn
+
+    from commspan import semconv
+
+    monkeypatch.setenv("COMMSPAN_RUN_ID", "run\udcff")
+    mode, exporter = traced_mode()
+    model = nn.Linear(2, 2)
+    with mode:
+        for i in range(2):
+            with mode.step(i):
+                model(torch.randn(2, 2)).sum().backward()
+    steps = [s for s in exporter.get_finished_spans() if s.name == semconv.SPAN_STEP]
+    assert [attrs(s)[semconv.RUN_ID] for s in steps] == ["run\\xff", "run\\xff"]
+
+
+def test_derive_ids_of_a_run_id_with_a_lone_surrogate() -> None:
+    """derive_ids never raises: a lone surrogate is hashed as its UTF-8 sequence."""
+    import hashlib
+
+    from commspan.spans import derive_ids
+
+    digest = hashlib.blake2b(b"r\xed\xb3\xbf/step/0", digest_size=24).digest()
+    expected = (int.from_bytes(digest[:16], "big"), int.from_bytes(digest[16:], "big"))
+    assert derive_ids("r\udcff", "step/0") == expected

@@ -92,6 +92,8 @@ def mode_config(
     positive_int("export_queue_size", export_queue_size, "pass a positive int")
     if run_id is not None and (not isinstance(run_id, str) or not run_id):
         raise TypeError(f"run_id={run_id!r} is not valid; pass a non-empty str")
+    if run_id is not None:
+        _utf8_text("run_id", run_id)
     flush_timeout_s = seconds("flush_timeout_s", flush_timeout_s)
     if not isinstance(record_exception_messages, bool):
         raise TypeError(
@@ -203,6 +205,20 @@ def _aggregator(aggregator: bool | Aggregator) -> Aggregator | None:
     if aggregator is False or aggregator is None:
         return None
     raise TypeError(f"aggregator={aggregator!r} is not valid; pass True, False or an Aggregator")
+
+
+def _utf8_text(name: str, value: str) -> None:
+    """Raise ValueError if UTF-8 cannot encode ``value`` (a lone surrogate, as
+    ``os.environ`` and ``os.listdir`` give for bytes that are not UTF-8)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        from commspan.session.run_id import escape_non_utf8
+
+        raise ValueError(
+            f"{name}={value!r} is not valid: UTF-8 cannot encode {value[exc.start]!r} at "
+            f"index {exc.start} (a byte that is not UTF-8, decoded with surrogateescape); "
+            f"pass UTF-8 text, e.g. {name}={escape_non_utf8(value)!r}") from None
 
 
 def _resource_attributes(attributes: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -167,6 +167,9 @@ class CommSpanMode:
             ``Aggregator`` instance to use, or ``False`` for none.
         run_id: identifier shared by all ranks of the run; default from
             ``COMMSPAN_RUN_ID``, then ``TORCHELASTIC_RUN_ID``, then random.
+            Text UTF-8 cannot encode is refused here; a variable holding
+            bytes that are not UTF-8 gives a run id with them as ``\\xNN``
+            escapes (with a warning).
         sample: which steps to trace: ``None`` (all), an int ``N`` (every Nth
             step: 0, N, 2N, …), a collection of step indices, or a callable
             ``step -> bool``. Untraced steps record and export nothing.
@@ -236,7 +239,8 @@ class CommSpanMode:
     Raises:
         TypeError: an argument has the wrong type (the message says which).
         ValueError: ``resource_attributes`` sets ``commspan.run_id`` or leaves
-            out (``None``) one of commspan's own keys.
+            out (``None``) one of commspan's own keys, or UTF-8 cannot encode
+            ``run_id`` (a lone surrogate).
 
     Example:
         >>> import torch

@@ -20,6 +20,11 @@ attempt is a run of its own, whose step numbers start again without adding
 to the last attempt's. Without a process group to agree through (one
 process), the suffix is ``restart<N>`` from ``TORCHELASTIC_RESTART_COUNT``
 after the first restart, and nothing before it.
+
+Python decodes environment variables with ``surrogateescape``, so a variable
+holding bytes that are not UTF-8 (a scheduler's job name in Latin-1) gives text
+no UTF-8 encoder accepts; such a run id is used with those bytes written as
+``\\xNN`` escapes (``run\\xff``), and a warning says so.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ def resolve_run_id(explicit: str | None = None) -> str:
     if explicit:
         return explicit
     for var in (ENV_RUN_ID, ENV_TORCHELASTIC):
-        value = os.environ.get(var, "").strip()
+        value = _utf8(var, os.environ.get(var, "").strip())
         if value and value != "none":
             if var == ENV_TORCHELASTIC:
                 attempt = _agree(uuid.uuid4().hex)
@@ -60,6 +65,31 @@ def resolve_run_id(explicit: str | None = None) -> str:
     local = uuid.uuid4().hex
     agreed = _agree(local)
     return agreed if agreed is not None else local
+
+
+def _utf8(var: str, value: str) -> str:
+    """``value`` if UTF-8 can encode it, else :func:`escape_non_utf8` of it, with a
+    warning naming the variable."""
+    try:
+        value.encode("utf-8")
+        return value
+    except UnicodeEncodeError:
+        pass
+    cleaned = escape_non_utf8(value)
+    _log.warning("commspan: %s=%s holds bytes that are not UTF-8; the run id is %r "
+                 "(set %s to UTF-8 text to choose it)", var, ascii(value), cleaned, var)
+    return cleaned
+
+
+def escape_non_utf8(value: str) -> str:
+    """``value`` with what UTF-8 cannot encode written as backslash escapes: the
+    bytes ``os.environ`` kept as lone surrogates as ``\\xNN`` (``run\\xff``),
+    other lone surrogates as ``\\uNNNN``."""
+    try:
+        raw = value.encode("utf-8", "surrogateescape")  # the variable's own bytes
+    except UnicodeEncodeError:
+        raw = value.encode("utf-8", "backslashreplace")
+    return raw.decode("utf-8", "backslashreplace")
 
 
 _AGREEMENTS = itertools.count()

@@ -37,9 +37,11 @@ def derive_ids(run_id: str, key: str) -> tuple[int, int]:
 
     Every rank derives the same ids from the same run id and key (e.g.
     ``"step/7"``), so all ranks' spans of a step join one trace without any
-    communication.
+    communication. A run id UTF-8 cannot encode (a lone surrogate) is hashed
+    with its surrogates as UTF-8 sequences (``surrogatepass``), never raising.
     """
-    digest = hashlib.blake2b(f"{run_id}/{key}".encode(), digest_size=24).digest()
+    digest = hashlib.blake2b(
+        f"{run_id}/{key}".encode("utf-8", "surrogatepass"), digest_size=24).digest()
     trace_id = int.from_bytes(digest[:16], "big") or 1
     span_id = int.from_bytes(digest[16:], "big") or 1
     return trace_id, span_id
