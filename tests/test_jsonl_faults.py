@@ -571,3 +571,25 @@ def test_an_existing_non_directory_taken_for_a_directory_is_refused_at_once(
         with pytest.raises(ValueError, match="it names a directory .no suffix. but exists"):
             JsonlSpanExporter(path)
     JsonlSpanExporter(tmp_path / "out")  # a new directory: fine
+
+
+def test_a_resource_attribute_utf8_cannot_encode_costs_no_span(tmp_path: Path) -> None:
+    """A resource value with a lone surrogate (``OTEL_SERVICE_NAME`` holding a byte that
+    is not UTF-8): every span is written, the value with U+FFFD (every export failed)."""
+    model = torch.nn.Linear(2, 2)
+    mode = CommSpanMode(exporters=[JsonlSpanExporter(tmp_path)],
+                        resource_attributes={"team": "ml\udcff"})
+    with mode:
+        for i in range(2):
+            with mode.step(i):
+                model(torch.randn(2, 2)).sum().backward()
+    mode.shutdown()
+    stats = mode.stats()
+    assert stats["spans_failed"] == 0 and stats["spans_exported"] == stats["spans"] > 0
+    lines = (tmp_path / "commspan-rank0.jsonl").read_bytes().splitlines()
+    resources = [json.loads(line)["resourceSpans"][0]["resource"] for line in lines]
+    teams = {a["value"]["stringValue"] for r in resources for a in r["attributes"]
+             if a["key"] == "team"}
+    assert teams == {"ml\ufffd"}
+    assert sum(len(s["spans"]) for line in lines
+               for s in json.loads(line)["resourceSpans"][0]["scopeSpans"]) == stats["spans"]

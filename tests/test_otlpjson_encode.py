@@ -191,7 +191,8 @@ def _sdk_cases(bad: str = "\ud800") -> dict[str, ReadableSpan]:
         ctx = SpanContext(0x0123456789ABCDEF0123456789ABCDEF, 0x0123456789ABCDEF, False,
                           trace_flags=TraceFlags(1))
         return ReadableSpan(
-            kw.pop("name", "s"), ctx, parent=kw.pop("parent", None), resource=resource,
+            kw.pop("name", "s"), ctx, parent=kw.pop("parent", None),
+            resource=kw.pop("resource", resource),
             attributes=attrs, events=events if isinstance(events, BoundedList) else list(events),
             start_time=1, end_time=2**63 - 1,
             kind=kw.pop("kind", SpanKind.INTERNAL),
@@ -226,6 +227,13 @@ def _sdk_cases(bad: str = "\ud800") -> dict[str, ReadableSpan]:
         "status": span({}, status=Status(StatusCode.ERROR, "boom \u2603")),
         "scope attributes": span(
             {}, scope=InstrumentationScope("lib", "1", None, {"sa": 1})),
+        # str and int values take the resource's template path, which raised for the
+        # whole batch
+        "resource text": span({}, resource=Resource(
+            {"service.name": f"trainer{bad}", f"k{bad}": "v", "commspan.rank": 1},
+            f"https://r{bad}")),
+        "scope text": span({}, scope=InstrumentationScope(
+            f"lib{bad}", f"1{bad}", f"https://s{bad}", {"sa": f"x{bad}", "n": 1})),
     }
 
 

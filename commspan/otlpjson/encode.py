@@ -935,17 +935,21 @@ def encode_lines(spans: Sequence[ReadableSpan], end: bytes) -> bytes:
                      b'{"resource":{"attributes":%s%s},%s"scopeSpans":[')
         res_attrs = res.attributes if res else {}
         schema = getattr(res, "schema_url", "") if res else ""
-        parts[-1] %= (_attrs(res_attrs, True), _dropped_json(dropped_attributes(res_attrs)),
-                      b'"schemaUrl":%s,' % _dumps(schema) if schema else b"")
+        try:
+            res_json, schema_json = _attrs(res_attrs, True), _dumps(schema)
+        except Exception:  # text UTF-8 cannot encode: U+FFFD, as in _span_checked
+            res_json = _attrs(_clean_attrs(res_attrs), True)
+            schema_json = _dumps(_clean_text(schema))
+        parts[-1] %= (res_json, _dropped_json(dropped_attributes(res_attrs)),
+                      b'"schemaUrl":%s,' % schema_json if schema else b"")
         for i, ((n, v, u), (scope, encoded)) in enumerate(merged.items()):
             scope_attrs = getattr(scope, "attributes", None) if scope else None
-            scope_json = _dumps({"name": n, "version": v})
-            if scope_attrs:
-                scope_json = scope_json[:-1] + b',"attributes":%s}' % _attrs(scope_attrs, True)
-            parts.append(
-                b'%s{"scope":%s,"schemaUrl":%s,"spans":['
-                % (b"," if i else b"", scope_json, _dumps(u))
-            )
+            try:
+                scope_json = _scope_json(n, v, u, scope_attrs)
+            except Exception:  # as the resource's
+                scope_json = _scope_json(_clean_text(n), _clean_text(v), _clean_text(u),
+                                         _clean_attrs(scope_attrs) if scope_attrs else None)
+            parts.append(b'%s{"scope":%s,"spans":[' % (b"," if i else b"", scope_json))
             separated = [b","] * (2 * len(encoded) - 1)
             separated[0::2] = encoded
             parts.extend(separated)
@@ -955,3 +959,10 @@ def encode_lines(spans: Sequence[ReadableSpan], end: bytes) -> bytes:
     parts.append(end)
     return b"".join(parts)
 
+
+def _scope_json(name: str, version: str, schema_url: str, attrs: Any) -> bytes:
+    """``{"name":...,"version":...[,"attributes":[...]]},"schemaUrl":...`` of a scope."""
+    out = _dumps({"name": name, "version": version})
+    if attrs:
+        out = out[:-1] + b',"attributes":%s}' % _attrs(attrs, True)
+    return out + b',"schemaUrl":' + _dumps(schema_url)
