@@ -247,6 +247,29 @@ def test_attributes_the_sdk_cannot_encode_are_left_out(caplog: pytest.LogCapture
     assert sum("Failed to encode attribute" in r.getMessage() for r in caplog.records) >= 4
 
 
+def _text_cases(bad: str) -> list[ReadableSpan]:
+    """Spans with ``bad`` wherever text goes: name, status message, event name, attribute
+    keys and values (arrays too), resource, scope."""
+    ctx = SpanContext(5, 6, False)
+    resource = Resource({"service.name": f"trainer{bad}", f"k{bad}": 1}, f"https://r{bad}")
+    scope = InstrumentationScope(f"lib{bad}", f"1{bad}", f"https://s{bad}", {"sa": f"x{bad}"})
+    return [
+        ReadableSpan("fine", ctx, attributes={"a": 1}),
+        ReadableSpan(f"head{bad}", ctx, attributes={"m": f"head{bad}", f"k{bad}": (f"a{bad}", "b")},
+                     status=Status(StatusCode.ERROR, f"cannot open shard-{bad}.bin"),
+                     events=(Event(f"e{bad}", {"v": f"v{bad}"}, timestamp=3),)),
+        ReadableSpan("other resource", ctx, resource=resource, instrumentation_scope=scope),
+    ]
+
+
+def test_text_utf8_cannot_encode_is_written_with_replacement() -> None:
+    """A lone surrogate (a file name from a non-UTF-8 file system in an exception message, a
+    module name) costs neither the span nor its batch: the bytes are the SDK's encoding of
+    the same spans with U+FFFD there, as the OTLP/JSON encoder writes them."""
+    ours = encode_spans_protobuf(_text_cases("\udcff"))
+    assert ours == encode_spans(_text_cases("\ufffd")).SerializePartialToString()
+
+
 def test_an_unencodable_span_raises() -> None:
     """A span the SDK cannot encode either (an unknown kind, no context) raises."""
     span = ReadableSpan("s", SpanContext(1, 2, False), kind="not a kind")  # type: ignore[arg-type]
@@ -394,6 +417,15 @@ def test_encoding_failure_fails_the_batch_and_is_counted(
     stats = mode.stats()
     assert stats["spans"] > 0 and stats["spans_failed"] == stats["spans"], stats
     assert endpoint.bodies == []
+
+
+def test_one_span_with_text_utf8_cannot_encode_costs_not_its_batch(endpoint: _Endpoint) -> None:
+    """A span whose status message holds a lone surrogate: the whole batch is sent and
+    succeeds (it failed), that message with U+FFFD."""
+    exporter = otlp_exporter(protocol="http/protobuf", endpoint=endpoint.url)
+    assert exporter.export(_text_cases("\udcff")) is SpanExportResult.SUCCESS
+    exporter.shutdown()
+    assert endpoint.bodies == [encode_spans(_text_cases("\ufffd")).SerializePartialToString()]
 
 
 def test_request_size_limit(endpoint: _Endpoint) -> None:

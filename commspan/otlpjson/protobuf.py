@@ -38,9 +38,9 @@ from typing import Any
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.trace import SpanContext, SpanKind
 
+from commspan.otlpjson.encode import _clean_text, resource_and_scope, span_fields
 from commspan.otlpjson.encode import dropped_attributes as _dropped
 from commspan.otlpjson.encode import dropped_items as _dropped_items
-from commspan.otlpjson.encode import resource_and_scope, span_fields
 
 __all__ = ["encode_spans_protobuf"]
 
@@ -107,7 +107,13 @@ def _field(tag: bytes, payload: bytes) -> bytes:
 
 def _text(tag: bytes, value: str | None) -> bytes:
     """A string field, omitted when empty (proto3 leaves default values out)."""
-    return _field(tag, value.encode("utf-8")) if value else b""
+    if not value:
+        return b""
+    try:
+        raw = value.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate: U+FFFD, as the OTLP/JSON encoder writes
+        raw = _clean_text(value).encode("utf-8")
+    return _field(tag, raw)
 
 
 def _count(tag: bytes, n: int) -> bytes:
@@ -122,7 +128,11 @@ def _any(v: Any) -> bytes:
     if isinstance(v, bool):
         return b"\x10\x01" if v else b"\x10\x00"
     if isinstance(v, str):
-        return _field(b"\x0a", v.encode("utf-8"))
+        try:
+            raw = v.encode("utf-8")
+        except UnicodeEncodeError:  # as in _text
+            raw = _clean_text(v).encode("utf-8")
+        return _field(b"\x0a", raw)
     if isinstance(v, int):
         if not _INT64_MIN <= v <= _INT64_MAX:
             raise ValueError(f"Value out of range: {v}")
@@ -432,8 +442,11 @@ def encode_spans_protobuf(spans: Sequence[ReadableSpan]) -> bytes:
 
     The result equals the SDK's ``encode_spans(spans).SerializePartialToString()``;
     an attribute the SDK cannot encode (a value of another type, an int outside
-    int64) is left out with a warning, as the SDK does. A span the SDK cannot
-    encode (no context, an unknown kind, a negative time) raises.
+    int64) is left out with a warning, as the SDK does. Text UTF-8 cannot encode
+    (a lone surrogate in a span's name, status message, an attribute), on which
+    the SDK raises for the whole batch or leaves the attribute out, is written
+    with U+FFFD in its place, as the OTLP/JSON encoder writes it. A span the SDK
+    cannot encode (no context, an unknown kind, a negative time) raises.
 
     Example:
         >>> from opentelemetry.sdk.trace import ReadableSpan
