@@ -74,7 +74,8 @@ class _BlackHole:
 class _HttpEndpoint:
     """An OTLP/HTTP stand-in answering every POST with ``status`` after ``delay_s``."""
 
-    def __init__(self, status: int, delay_s: float = 0.0, reject: int = 0) -> None:
+    def __init__(self, status: int, delay_s: float = 0.0, reject: int = 0,
+                 headers: dict[str, str] | None = None) -> None:
         owner = self
         self.requests = 0
         self.spans = 0
@@ -103,6 +104,8 @@ class _HttpEndpoint:
                 self.send_response(status)
                 self.send_header("Content-Type", "application/x-protobuf")
                 self.send_header("Content-Length", str(len(answer)))
+                for name, value in (headers or {}).items():
+                    self.send_header(name, value)
                 self.end_headers()
                 self.wfile.write(answer)
 
@@ -258,6 +261,31 @@ def test_http_error_status(status: int) -> None:
     _assert_bounded(run)
     _assert_all_lost_and_counted(run)
     assert run.stats["spans_failed"] == run.stats["spans"]
+
+
+@pytest.mark.parametrize("status", [301, 302, 307, 308])
+def test_a_redirect_is_no_delivery(status: int, caplog: pytest.LogCaptureFixture) -> None:
+    """An endpoint answering a redirect (http to https, a trailing slash) received
+    nothing the backend keeps: every span is counted failed (they counted as exported,
+    the exporter healthy), and one error names the endpoint, the status, the Location
+    and the fix."""
+    target = "https://collector.example/v1/traces"
+    server = _HttpEndpoint(status, headers={"Location": target})
+    try:
+        with caplog.at_level(logging.ERROR, logger="commspan"):
+            run = _train(_exporter("http/protobuf", server.port))
+    finally:
+        server.close()
+    assert server.requests >= 1
+    _assert_all_lost_and_counted(run)
+    assert run.stats["spans_failed"] == run.stats["spans"]
+    (exp,) = run.stats["exporters"]
+    assert exp["healthy"] is False
+    endpoint = f"http://127.0.0.1:{server.port}/v1/traces"
+    logged = [r.getMessage() for r in caplog.records if "redirect" in r.getMessage()]
+    assert len(logged) == 1, logged
+    assert f"{endpoint} answered HTTP {status} (a redirect to {target})" in logged[0]
+    assert "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT" in logged[0]
 
 
 def test_spans_a_backend_rejects_in_a_partial_success_are_counted_failed(

@@ -327,16 +327,20 @@ def test_cache_keys_tell_bools_ints_and_floats_apart() -> None:
 
 # ------------------------------------------------------------------ the exporter
 class _Endpoint:
-    """An OTLP/HTTP endpoint on 127.0.0.1 answering 200 and keeping every body."""
+    """An OTLP/HTTP endpoint on 127.0.0.1 answering ``status`` (200) and keeping every
+    body."""
 
     def __init__(self) -> None:
         owner = self
         self.bodies: list[bytes] = []
+        self.status = 200
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
                 owner.bodies.append(self.rfile.read(int(self.headers["Content-Length"])))
-                self.send_response(200)
+                self.send_response(owner.status)
+                if owner.status != 200:
+                    self.send_header("Location", "https://elsewhere.example/v1/traces")
                 self.send_header("Content-Type", "application/x-protobuf")
                 self.send_header("Content-Length", "0")
                 self.end_headers()
@@ -455,3 +459,19 @@ def test_falls_back_to_the_sdk_export_when_members_are_missing(
     spans = _some_spans()
     assert fallback.export(spans) is SpanExportResult.SUCCESS
     assert endpoint.bodies == [encode_spans(spans).SerializePartialToString()]
+
+
+def test_a_redirect_fails_the_export_on_the_fast_path_and_the_sdks(
+    endpoint: _Endpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """HTTP 308 (which the SDK's client counts as success, following no redirect) fails
+    the export, whether commspan's encoder or the SDK's own export sent it."""
+    endpoint.status = 308
+    fast = otlp_exporter(protocol="http/protobuf", endpoint=endpoint.url)
+    assert fast.fast_encoding and fast.export(_some_spans()) is SpanExportResult.FAILURE
+    monkeypatch.setattr(_otlp_http, "_SDK_NAMES",
+                        (*_otlp_http._SDK_NAMES, "_not_in_this_version"))
+    fallback = otlp_exporter(protocol="http/protobuf", endpoint=endpoint.url)
+    assert not fallback.fast_encoding
+    assert fallback.export(_some_spans()) is SpanExportResult.FAILURE
+    assert len(endpoint.bodies) == 2

@@ -6,9 +6,12 @@ with :func:`commspan.otlpjson.protobuf.encode_spans_protobuf` (the same bytes,
 several times faster) and otherwise does what the SDK's does: the shutdown
 check, the exporter's metrics operation, the ``max_request_size`` check, the
 POST through the SDK's HTTP client (its retries, timeout, compression and
-headers) and the result. Those steps use the SDK exporter's private members;
-when an installed SDK version does not have them all, the exporter says so at
-debug level and exports through the SDK's own ``export`` instead.
+headers) and the result, except that a redirect (HTTP 3xx: the client follows
+none, and the SDK counts it a success) fails the batch, with an error logged
+naming the endpoint, the status and the ``Location``. Those steps use the SDK
+exporter's private members; when an installed SDK version does not have them
+all, the exporter says so at debug level and exports through the SDK's own
+``export`` instead.
 
 Imported only when an OTLP/HTTP exporter is created (it imports the SDK's
 HTTP exporter and ``requests``).
@@ -31,6 +34,8 @@ from opentelemetry.exporter.otlp.proto.http import trace_exporter as _sdk
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExportResult
 
+from commspan._errors import Once
+from commspan.exporters.otlp import _mask_credentials
 from commspan.otlpjson.protobuf import encode_spans_protobuf
 
 __all__ = ["OTLPSpanExporter"]
@@ -53,6 +58,7 @@ class OTLPSpanExporter(_sdk.OTLPSpanExporter):
         super().__init__(*args, **kwargs)
         self._rejected = 0
         self._rejected_message = ""
+        self._redirects = Once()  # redirect answers logged: one line per status and target
         self._watch = _LastResponse.install(self)
         missing = self._missing()
         #: whether ``export`` uses commspan's encoder (else it is the SDK's ``export``)
@@ -92,8 +98,34 @@ class OTLPSpanExporter(_sdk.OTLPSpanExporter):
             watch.last = None
         result = self._export(spans)
         if result is SpanExportResult.SUCCESS and watch is not None and watch.last is not None:
+            status = getattr(watch.last, "status_code", None)
+            if _is_redirect(status):  # the SDK's own export (no fast encoding) took it
+                self._redirected(status, len(spans))
+                return SpanExportResult.FAILURE
             self._note_partial_success(watch.last)
         return result
+
+    def _redirected(self, status: int | None, n: int) -> Exception:
+        """Log (once per status and target) that the endpoint answered a redirect: the
+        SDK's client follows none and counts any status below 400 as success, but
+        nothing was delivered. Returns the error for the exporter's metrics."""
+        location = "(no Location header)"
+        watch = self._watch
+        try:
+            if watch is not None and watch.last is not None:
+                location = watch.last.headers().get("location") or location
+        except Exception:  # headers a transport cannot give: the message says less
+            pass
+        endpoint = _mask_credentials(str(getattr(self, "_endpoint", "?")))
+        location = _mask_credentials(str(location))
+        message = (f"the OTLP/HTTP endpoint {endpoint} answered HTTP {status} (a redirect "
+                   f"to {location}): the batch was not delivered")
+        if self._redirects.first(f"{status}\0{location}"):
+            _logger.error(
+                "commspan: %s (%d spans failed; OTLP exporters follow no redirect, so every "
+                "batch sent there fails): set endpoint= (or "
+                "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT) to the URL it redirects to", message, n)
+        return RuntimeError(message)
 
     def _note_partial_success(self, response: Any) -> None:
         try:
@@ -142,6 +174,10 @@ class OTLPSpanExporter(_sdk.OTLPSpanExporter):
                 return SpanExportResult.FAILURE
 
             export_result = self._client.export(serialized_data)
+            if export_result.success and _is_redirect(export_result.status_code):
+                result.error = self._redirected(export_result.status_code, len(spans))
+                result.error_attrs = {_sdk.HTTP_RESPONSE_STATUS_CODE: export_result.status_code}
+                return SpanExportResult.FAILURE
             if not export_result.success:
                 result.error = export_result.error
                 result.error_attrs = (
@@ -151,6 +187,12 @@ class OTLPSpanExporter(_sdk.OTLPSpanExporter):
                 )
                 return SpanExportResult.FAILURE
         return SpanExportResult.SUCCESS
+
+
+def _is_redirect(status: int | None) -> bool:
+    """Whether ``status`` is a 3xx answer, which the SDK's client counts as success
+    (OTLP/HTTP's success is 200; what a redirect points to was never sent the batch)."""
+    return status is not None and 300 <= status < 400
 
 
 class _LastResponse:
