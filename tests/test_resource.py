@@ -150,6 +150,31 @@ def test_local_rank_comes_from_LOCAL_RANK_or_is_left_out(
             resource_attributes={"commspan.local_rank": None})
 
 
+def test_rank_variables_holding_no_int_are_warned_about_and_count_as_unset(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """LOCAL_RANK=gpu0 (read even with a process group) and, without one, RANK and
+    WORLD_SIZE holding no int: `with mode:` works (it raised a bare ValueError), the
+    values count as unset, and one warning names each variable and its value."""
+    from commspan.capture.ranks import Ranks, process_ranks
+    from commspan.testing import fake_process_group
+
+    monkeypatch.setenv("LOCAL_RANK", "gpu0")
+    with caplog.at_level(logging.WARNING, logger="commspan"):
+        with fake_process_group(world_size=4, rank=2):
+            res = _resource()
+            assert "commspan.local_rank" not in res and res["commspan.rank"] == 2
+        monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+        monkeypatch.setenv("RANK", "%r")
+        monkeypatch.setenv("WORLD_SIZE", "two")
+        assert process_ranks() == Ranks(0, 0, 1) == process_ranks()
+    logged = [r.getMessage() for r in caplog.records if r.name.startswith("commspan")]
+    for name, value in (("LOCAL_RANK", "gpu0"), ("RANK", "%r"), ("WORLD_SIZE", "two")):
+        about = [m for m in logged if m.startswith(f"commspan: {name}={value!r} ")]
+        assert len(about) == 1, logged
+        assert "is not a whole number" in about[0] and f"set {name} to" in about[0]
+
+
 def test_argument_may_override_the_rank_to_simulate_ranks() -> None:
     """resource_attributes= may set commspan.rank (one process writing several ranks' files)."""
     assert _resource(resource_attributes={"commspan.rank": 3})["commspan.rank"] == 3

@@ -13,10 +13,15 @@ Example:
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import NamedTuple
 
+from commspan._errors import Once
+
 __all__ = ["Ranks", "process_ranks", "ranks_known"]
+
+_log = logging.getLogger(__name__)
 
 
 class Ranks(NamedTuple):
@@ -37,9 +42,12 @@ def process_ranks() -> Ranks:
 
     The local rank comes from ``LOCAL_RANK`` only (torchrun sets it; torch
     knows no other source): without it, it is ``0`` for a world of one rank and
-    ``None`` (unknown) otherwise, e.g. under ``mp.spawn`` or ``srun``."""
-    env_local = os.environ.get("LOCAL_RANK", "")
-    local = int(env_local) if env_local else None
+    ``None`` (unknown) otherwise, e.g. under ``mp.spawn`` or ``srun``.
+
+    A variable holding no int (``LOCAL_RANK=gpu0``) counts as unset, with a
+    warning naming it and its value (once per value): these only label spans
+    and name files, so a bad one never stops training."""
+    local = _env_int("LOCAL_RANK", "the local rank is unknown")
     try:
         import torch.distributed as dist
 
@@ -48,28 +56,50 @@ def process_ranks() -> Ranks:
             return Ranks(int(dist.get_rank()), _local(local, world), world)
     except Exception:
         pass
-    rank = int(os.environ.get("RANK", "0") or 0)
-    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    return Ranks(rank, _local(local, world), world)
+    env_rank = _env_int("RANK", "rank 0 is used")
+    env_world = _env_int("WORLD_SIZE", "a world of 1 is used")
+    world = 1 if env_world is None else env_world
+    return Ranks(0 if env_rank is None else env_rank, _local(local, world), world)
+
+
+_WARNED = Once()  # variables whose value was warned about: once per variable and value
+
+
+def _env_int(name: str, instead: str) -> int | None:
+    """The int in environment variable ``name``; ``None`` when it is unset or empty,
+    and when it is no int (a warning, saying ``instead`` what is used, names the
+    variable and its value: commspan uses it only to label spans and name files,
+    so it does not stop training over it)."""
+    raw = os.environ.get(name, "")
+    if not raw:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        _WARNED.warn(_log, f"{name}\0{raw}",
+                     "commspan: %s=%r (environment variable) is not a whole number; %s "
+                     "(set %s to this process's number, as torchrun does, or unset it)",
+                     name, raw, instead, name)
+        return None
 
 
 def ranks_known() -> bool:
     """Whether :func:`process_ranks` says where this process is, rather than guessing
-    rank 0 of 1: torch.distributed is initialised, or ``RANK`` is set.
+    rank 0 of 1: torch.distributed is initialised, or ``RANK`` is set (to a number).
 
     Example:
         >>> ranks = process_ranks()
         >>> ranks_known() or ranks.rank == 0  # unknown: rank 0, a guess
         True
     """
-    if os.environ.get("RANK", ""):
-        return True
     try:
         import torch.distributed as dist
 
-        return bool(dist.is_available() and dist.is_initialized())
+        if dist.is_available() and dist.is_initialized():
+            return True
     except Exception:
-        return False
+        pass
+    return _env_int("RANK", "rank 0 is used") is not None
 
 
 def _local(local: int | None, world: int) -> int | None:
