@@ -956,3 +956,115 @@ def test_a_slow_exporter_at_interpreter_exit_gets_its_spans_out(tmp_path: Any) -
                           timeout=120, check=True)
     assert done.stdout.strip() == "sent 6", done.stderr  # 3 spans per step
     assert "lost" not in done.stderr
+
+
+def _interrupted_at(point: int, call: Any, where: Any) -> BaseException | None:
+    """Run ``call`` with a KeyboardInterrupt raised at its ``point``-th place where
+    CPython 3.11 runs a signal handler (so where a Ctrl-C's KeyboardInterrupt can land)
+    in code ``where(code)`` accepts: a function's start (its ``call`` event), a loop's jump back
+    (a JUMP_BACKWARD instruction) and the return of a call (a Python function's
+    ``return`` event, a builtin's ``c_return``; a call of a type gives no event and is
+    left out). Returns what ``call`` raised, or ``None`` once ``point`` lies beyond its
+    end."""
+    import dis
+    import sys
+
+    seen = 0
+
+    def hit(frame: Any) -> None:
+        nonlocal seen
+        if not where(frame.f_code):
+            return
+        seen += 1
+        if seen == point:
+            raise KeyboardInterrupt
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        frame.f_trace_opcodes = True
+        if event in ("call", "return") or (
+                event == "opcode"
+                and dis.opname[frame.f_code.co_code[frame.f_lasti]] == "JUMP_BACKWARD"):
+            hit(frame)
+        return tracer
+
+    def profiler(frame: Any, event: str, arg: Any) -> None:
+        if event == "c_return":
+            hit(frame)
+
+    sys.settrace(tracer)
+    sys.setprofile(profiler)
+    try:
+        call()
+    except BaseException as exc:  # what the interrupt became
+        return exc
+    finally:
+        sys.setprofile(None)
+        sys.settrace(None)
+    return None
+
+
+def _held_by_someone(lock: Any) -> bool:
+    """Whether ``lock`` is held, as another thread finds it."""
+    got: list[bool] = []
+
+    def probe() -> None:
+        got.append(lock.acquire(blocking=False))
+        if got[0]:
+            lock.release()
+
+    thread = threading.Thread(target=probe)
+    thread.start()
+    thread.join()
+    return not got[0]
+
+
+def test_a_caught_ctrl_c_anywhere_in_the_queue_leaves_its_lock_free(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A KeyboardInterrupt landing at any point of on_end, stats or a waiting flush on
+    the training thread (a loop that catches Ctrl-C and goes on) leaves the queue's lock
+    free and becomes nothing but that KeyboardInterrupt: it could land right after the
+    lock was taken inside Condition.__enter__ and leave it held for good, so every later
+    span, flush, shutdown and the exit handler hung."""
+    blocking = BlockingExporter()
+    queue = ExportQueue(blocking, max_batch_size=1)
+    lock = queue._cond._lock  # type: ignore[attr-defined]
+    span = ReadableSpan("s")
+    queue.on_end(span)  # the worker starts and blocks in export: flush has to wait
+    assert blocking.entered.wait(10)
+    import types
+
+    import commspan.exporters.queue as queue_module
+
+    clock: list[float] = []  # the queue's clock: flush waits once (1 ms), then times out
+    monkeypatch.setattr(queue_module, "time", types.SimpleNamespace(
+        monotonic=lambda: clock.pop() if clock else 1.0))
+
+    def flush() -> None:
+        clock[:] = [0.0, 0.0]
+        queue.flush(0.001)
+
+    calls = {"on_end": lambda: queue.on_end(span), "stats": queue.stats, "flush": flush}
+    # in the queue's code and the Condition's (not Thread.is_alive's: interrupted there,
+    # it takes a running thread for stopped, CPython's own matter)
+    conditions = {f.__code__ for f in vars(threading.Condition).values()
+                  if isinstance(f, types.FunctionType)}
+
+    def where(code: Any) -> bool:
+        return code.co_filename == queue_module.__file__ or code in conditions
+    leaks, others = [], []
+    for name, call in calls.items():
+        for point in range(1, 10_000):
+            raised = _interrupted_at(point, call, where)
+            if _held_by_someone(lock):
+                leaks.append((name, point))
+                while _held_by_someone(lock):  # free it, or the test's exit would hang
+                    lock.release()
+            if raised is None:
+                break
+            if not isinstance(raised, KeyboardInterrupt):
+                others.append((name, point, repr(raised)))
+    assert leaks == [] and others == []
+    blocking.release.set()
+    queue.shutdown(10)
+    assert queue.stats()["pending"] == 0

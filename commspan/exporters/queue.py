@@ -180,8 +180,15 @@ class ExportQueue(SpanProcessor):
         self._timeout = export_timeout_s
         self._queue: collections.deque[ReadableSpan] = collections.deque()
         # One lock guards the queue, every counter and the worker's state, so
-        # a snapshot of the counters always adds up.
-        self._cond = threading.Condition(threading.Lock())
+        # a snapshot of the counters always adds up. It is taken with ``with
+        # self._lock`` (a C lock entered by the with statement itself), never
+        # ``with self._cond``: Condition.__enter__ is Python code, where a signal
+        # handler (Ctrl-C caught by a training loop) can raise right after the lock
+        # was taken and before the with block holds it, leaving it held for good:
+        # every later span, flush, shutdown and the exit handler then hung. An RLock,
+        # whose wait/re-acquire helpers are C too, for the same reason in wait().
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
         self._flush_requests = 0
         self._flushed = 0
         self._stopped = False
@@ -208,7 +215,7 @@ class ExportQueue(SpanProcessor):
 
     def on_end(self, span: ReadableSpan) -> None:
         """Queue ``span`` for export; drop and count it if the queue is full or stopped."""
-        with self._cond:
+        with self._lock:
             self.handed += 1
             queue = self._queue
             if self._stopped or len(queue) >= self._max_queue:
@@ -264,7 +271,7 @@ class ExportQueue(SpanProcessor):
         timeout = self._timeout if timeout_s is None else seconds("timeout_s", timeout_s,
                                                                     zero=True)
         deadline = time.monotonic() + timeout
-        with self._cond:
+        with self._lock:
             if not self._queue and not self.in_flight:
                 return True
             if self._stopped:
@@ -291,7 +298,14 @@ class ExportQueue(SpanProcessor):
                     self._healthy = False
                     warn = self._logged.first("slow")
                     break
-                self._cond.wait(left)
+                try:
+                    self._cond.wait(left)
+                except BaseException:  # a signal's exception (Ctrl-C) on the training
+                    # thread, maybe between wait() releasing the lock and taking it
+                    # back: held again, so leaving the with block releases it
+                    if not self._lock._is_owned():  # type: ignore[attr-defined]
+                        self._lock.acquire()
+                    raise
             else:
                 return True
         if warn:
@@ -331,7 +345,7 @@ class ExportQueue(SpanProcessor):
         """
         timeout = self._timeout if timeout_s is None else seconds("timeout_s", timeout_s,
                                                                     zero=True)
-        with self._cond:
+        with self._lock:
             closing = self._closing
             self._closing = True
             self._logged.mark("slow")  # a slow flush here is reported as shutdown's loss
@@ -346,7 +360,7 @@ class ExportQueue(SpanProcessor):
     def _shutdown(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         self.flush(timeout)
-        with self._cond:
+        with self._lock:
             self._stopped = True
             unsent = len(self._queue)
             self._queue.clear()
@@ -371,7 +385,7 @@ class ExportQueue(SpanProcessor):
             )
         if worker is not None:  # shutting the exporter down may have ended a stuck export
             worker.join(timeout=max(0.0, deadline - time.monotonic()))
-        with self._cond:
+        with self._lock:
             abandoned = self.in_flight
             if abandoned:
                 self._abandoned_batch = self._batch
@@ -390,14 +404,14 @@ class ExportQueue(SpanProcessor):
         ``export_timeout_s``, then shut down at once."""
         deadline = time.monotonic() + self._timeout
         while not self._closing:
-            with self._cond:
+            with self._lock:
                 done = self.exported + self.failed
                 if not self._queue and not self.in_flight:
                     break
             left = deadline - time.monotonic()
             if left <= 0 or self.flush(min(left, _EXIT_SLICE_S)):
                 break
-            with self._cond:
+            with self._lock:
                 if self.exported + self.failed == done:  # nothing finished: a dead end
                     break
         self.shutdown(0.0)
@@ -415,7 +429,7 @@ class ExportQueue(SpanProcessor):
             A snapshot in which ``handed == exported + dropped + failed +
             pending + in_flight``.
         """
-        with self._cond:
+        with self._lock:
             return ExportStats(
                 exporter=self._name,
                 handed=self.handed,
@@ -434,7 +448,8 @@ class ExportQueue(SpanProcessor):
         and lock holder did not come along. The spans still queued are the parent's
         (which exports them): forgotten here, and no longer counted. The child
         exports nothing; what it records is dropped and counted."""
-        self._cond = threading.Condition(threading.Lock())
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
         self._logged = Once()  # (its lock may have been held by a thread left behind)
         gone = len(self._queue) + self.in_flight
         self._queue.clear()
@@ -470,7 +485,7 @@ class ExportQueue(SpanProcessor):
         token = attach(set_value(_SUPPRESS, True))
         try:
             while True:
-                with self._cond:
+                with self._lock:
                     if not self._stopped and len(self._queue) < self._max_batch and (
                         self._flushed >= self._flush_requests
                     ):
@@ -481,13 +496,13 @@ class ExportQueue(SpanProcessor):
                     todo = len(self._queue)
                 if not self._drain(todo):
                     return
-                with self._cond:
+                with self._lock:
                     if ticket > self._flushed:
                         self._flushed = ticket
                         self._cond.notify_all()
         finally:
             detach(token)
-            with self._cond:  # ended (stopped, or an exporter's SystemExit): the next
+            with self._lock:  # ended (stopped, or an exporter's SystemExit): the next
                 # span or flush starts a new worker unless the queue is stopped; a flush
                 # waiting on this one learns it at once
                 if self._worker is threading.current_thread():
@@ -497,7 +512,7 @@ class ExportQueue(SpanProcessor):
     def _drain(self, todo: int) -> bool:
         """Export ``todo`` spans from the queue's head; ``False`` once stopped."""
         while todo > 0:
-            with self._cond:
+            with self._lock:
                 if self._stopped:
                     return False
                 n = min(todo, len(self._queue), self._max_batch)
@@ -546,7 +561,7 @@ class ExportQueue(SpanProcessor):
                 rejected: tuple[int, str] = (0, "")) -> None:
         """Count the result of batch ``number`` (``how`` empty: SUCCESS, of which the
         backend may have ``rejected`` some spans, counted as failed)."""
-        with self._cond:
+        with self._lock:
             if number == self._abandoned_batch:
                 # shutdown already counted it as failed; a late result changes nothing
                 _log.debug("commspan: an abandoned %s.export returned late (%s)",
