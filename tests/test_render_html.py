@@ -217,6 +217,21 @@ def test_two_runs_in_one_folder_are_flagged(records: list[SpanRecord]) -> None:
     assert "run second step 0" in page
 
 
+@pytest.mark.multiprocess
+def test_two_jobs_under_one_run_id_are_flagged(records: list[SpanRecord]) -> None:
+    """The same run id written by two processes for each rank (a fixed
+    COMMSPAN_RUN_ID): the page says their steps are added up, as the CLI does; it
+    said nothing, and its cards showed twice the collectives of either job."""
+    assert "processes for one rank" not in html_report(records)
+    pids = {r.resource.get(semconv.PROCESS_PID) for r in records}
+    assert len(pids) == len({r.rank for r in records})  # one process per rank
+    other = [dataclasses.replace(r, resource={**r.resource, semconv.PROCESS_PID: -1})
+             for r in records]
+    page = html_report(records + other)
+    run = records[0].resource[semconv.RUN_ID]
+    assert f"Run {run} was written by 2 processes for one rank" in page
+
+
 def _one_rank_run(tmp_path: Path, name: str, body: Any) -> Path:
     """Run ``body(mode)`` in this process (rank 0), JSONL into ``tmp_path / name``."""
     from commspan import CommSpanMode

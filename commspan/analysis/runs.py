@@ -332,11 +332,8 @@ def choose(
                 + "; ".join(r.describe() for r in runs)
                 + f"; showing the latest, {chosen.run_id or '(no run id)'}"
             )
-    if chosen.writers > 1:
-        what = f"run {chosen.run_id}" if chosen.run_id else "the files"
-        twice = (f"{what} was written by {chosen.writers} processes for one rank (two "
-                 "jobs under one run id: a fixed COMMSPAN_RUN_ID or run_id=): their steps "
-                 "are added up; give each job its own run id")
+    twice = shared_run_note(chosen)
+    if twice is not None:
         note = f"{note}. {twice[0].upper()}{twice[1:]}" if note else twice
     kept_steps = chosen.steps
     if steps is not None:
@@ -347,6 +344,23 @@ def choose(
             what = "not" if steps.first == steps.last else "none of them is"
             raise SelectionError("steps", str(steps), f"{what} in {where}, which has {there}")
     return chosen, kept_steps, note
+
+
+def shared_run_note(run: RunInfo) -> str | None:
+    """What to say of a run that two jobs wrote (one rank's spans from two processes:
+    a fixed ``COMMSPAN_RUN_ID`` or ``run_id=``), whose steps readers add up; ``None``
+    for a run of one job.
+
+    Example:
+        >>> shared_run_note(RunInfo("r", (0,), (0,), 1, 0, 1)) is None
+        True
+    """
+    if run.writers <= 1:
+        return None
+    what = f"run {run.run_id}" if run.run_id else "the files"
+    return (f"{what} was written by {run.writers} processes for one rank (two jobs under "
+            "one run id: a fixed COMMSPAN_RUN_ID or run_id=): their steps are added up; "
+            "give each job its own run id")
 
 
 def format_numbers(values: Iterable[int], sep: str = ",") -> str:

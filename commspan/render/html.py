@@ -42,7 +42,7 @@ from typing import Any, NamedTuple
 from commspan import __version__, semconv
 from commspan._json import dumps
 from commspan.analysis.counts import Aggregator
-from commspan.analysis.runs import format_numbers
+from commspan.analysis.runs import format_numbers, list_runs, shared_run_note
 from commspan.analysis.summary import cut_short, cut_short_steps
 from commspan.analysis.timeline import (
     Collective,
@@ -227,7 +227,7 @@ def _page(
         # the page loads nothing: the browser is told to refuse any request it might make
         f"<meta http-equiv=\"Content-Security-Policy\" content=\"{_CSP}\">\n",
         f"<title>{_e(title)}</title>\n<style>\n{_asset('report.css')}</style>\n</head>\n<body>\n",
-        _header(timeline, title, findings is not None),
+        _header(timeline, title, findings is not None, records),
         _summary(timeline, ranks),
         _unfinished_note(timeline, records),
     ]
@@ -291,7 +291,8 @@ def _windows_text(timeline: Timeline) -> str:
     return text
 
 
-def _header(timeline: Timeline, title: str, findings: bool) -> str:
+def _header(timeline: Timeline, title: str, findings: bool,
+            records: Sequence[SpanRecord]) -> str:
     step_text = _windows_text(timeline)
     runs = ", ".join(f"<code>{_e(r)}</code>" for r in timeline.run_ids) or "unknown"
     warn = ""
@@ -300,6 +301,10 @@ def _header(timeline: Timeline, title: str, findings: bool) -> str:
             f"<p class=\"warn\">These files hold {len(timeline.run_ids)} runs; counts below "
             "add them up. Write each run to its own directory to see them apart.</p>\n"
         )
+    for run in list_runs(records):  # two jobs under one run id (the CLI says it too)
+        note = shared_run_note(run)
+        if note is not None:
+            warn += f"<p class=\"warn\">{_e(note[0].upper() + note[1:])}.</p>\n"
     now = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     findings_link = "<a href=\"#findings\">Findings</a> " if findings else ""
     return (
