@@ -494,3 +494,28 @@ def test_comparing_compressed_twins_gives_zlib_each_byte_a_few_times(
     monkeypatch.setattr(files, "zlib", fed)
     assert len(jsonl_files(tmp_path, notes=[])) == 1
     assert 2 * a.stat().st_size <= fed.bytes < 2 * 10 * a.stat().st_size
+
+
+def test_a_member_that_fails_its_checksum_gives_no_line(
+    runs: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """A file gzipped whole (one member, longer than the first slice of input read)
+    whose checksum fails: none of its lines is read, one damaged line is reported, as
+    before reading in slices (its lines were read, unchecked, then the damage
+    reported at its last one)."""
+    plain, _packed = runs
+    (src,) = plain.iterdir()
+    lines = [b'{"pad":"%s",%s' % (os.urandom(2 << 10).hex().encode(), line[1:])
+             for _ in range(10)
+             for line in src.read_bytes().splitlines(keepends=True)]  # (little to squeeze)
+    packed = bytearray(gzip.compress(b"".join(lines), mtime=0))
+    assert len(packed) > 4 * (16 << 10)
+    ok = tmp_path / "ok.jsonl.gz"
+    ok.write_bytes(bytes(packed))
+    assert len(list(read_spans(ok))) == 10 * len(list(read_spans(src)))  # (pads ignored)
+    packed[-8] ^= 0xFF  # the CRC-32 of the trailer
+    path = tmp_path / "whole.jsonl.gz"
+    path.write_bytes(bytes(packed))
+    report = ReadReport()
+    assert list(read_spans(path, strict=False, report=report)) == []
+    assert [(s.line, s.kind) for s in report.skipped] == [(1, "damaged")]

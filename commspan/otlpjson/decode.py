@@ -411,26 +411,29 @@ def _gzip_lines(
             else:
                 kind, reason = "damaged", "not a compressed line"
         else:
+            # the whole member, checksum checked, before any of its lines (up to
+            # ``limit`` bytes of it): input in slices, small first (MEMBER_FEED)
             d = zlib.decompressobj(31)
-            # a first slice of input, small (MEMBER_FEED)
             chunk = src.view(pos, MEMBER_FEED)[:min(MEMBER_FEED, size - pos)]
             try:
                 out = d.decompress(chunk, limit)
+                at = pos + len(chunk) - len(d.unused_data if d.eof else d.unconsumed_tail)
+                if not d.eof:  # a longer member (a file gzipped whole): more input
+                    out, at = _rest_of_member(src, d, out, at, size, limit)
             except zlib.error as exc:
                 kind = "damaged"
                 reason = f"a compressed line that cannot be decompressed ({exc})"
             else:
                 if d.eof:
-                    pos += len(chunk) - len(d.unused_data)
+                    pos = at
                     for line in _lines_of(out):
                         number += 1
                         yield number, line
                     continue
-                # the member goes on past this input or past ``limit`` bytes of output
-                # (a file gzipped whole), or the file ends inside it: line by line
+                # the member goes on past ``limit`` bytes of output (a file gzipped
+                # whole), or the file ends inside it: line by line
                 pos, number = yield from _member_lines(
-                    path, src, pos + len(chunk) - len(d.unconsumed_tail), size, d, out,
-                    limit, reader, number)
+                    path, src, at, size, d, out, limit, reader, number)
                 if pos < 0:
                     return
                 continue
@@ -439,6 +442,28 @@ def _gzip_lines(
         pos = src.find(GZIP_MAGIC, pos + 1, size)  # the next line (a writer may start afresh)
         if pos < 0:
             return
+
+
+def _rest_of_member(
+    src: _Window, d: Any, out: bytes, at: int, size: int, limit: int
+) -> tuple[bytes, int]:
+    """A member's output from ``out`` on, ``d`` given input from byte ``at`` in
+    growing slices, up to its end or ``limit`` bytes of output or the input's end;
+    returns the output and where the input stopped. (zlib raises at a failed checksum
+    only then: the lines are not read before they are checked.)"""
+    parts = [out]
+    got = len(out)
+    feed = MEMBER_FEED
+    while not d.eof and got < limit:
+        feed = min(2 * feed, _STEP)
+        chunk = src.view(at, feed)[:min(feed, size - at)]
+        if not chunk:
+            break  # the file ends inside the member
+        out = d.decompress(chunk, limit - got)
+        parts.append(out)
+        got += len(out)
+        at += len(chunk) - len(d.unused_data if d.eof else d.unconsumed_tail)
+    return b"".join(parts), at
 
 
 def _lines_of(data: bytes) -> list[bytes]:
