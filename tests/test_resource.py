@@ -245,3 +245,48 @@ def test_a_mode_entered_before_the_process_group_learns_its_rank_at_the_next_ste
     assert sum(1 for s in after for _name, attrs in s.events
                if "commspan.collective.op" in attrs) == 2
     assert proc.stderr.count("entered before torch.distributed was initialised") == 1
+
+
+_SAMPLED_BEFORE_THE_GROUP = """
+import signal, sys
+import torch
+import torch.distributed as dist
+from commspan import CommSpanMode
+from commspan.exporters import JsonlSpanExporter
+from commspan.testing import fake_process_group
+
+model = torch.nn.Linear(4, 4)
+mode = CommSpanMode(exporters=[JsonlSpanExporter(sys.argv[1])], aggregator=False, ranks=[2],
+                    dump_signal=signal.SIGUSR1)
+with mode:
+    model(torch.ones(4))  # a guess, rank 0: not among the ranks traced
+    print("handler before:", signal.getsignal(signal.SIGUSR1) is not signal.SIG_DFL)
+    with fake_process_group(world_size=4, rank=2):
+        with mode.step(0):
+            model(torch.ones(4))
+            print("handler after:", signal.getsignal(signal.SIGUSR1) is not signal.SIG_DFL)
+mode.shutdown()
+"""
+
+
+def test_a_rank_sampled_in_once_it_learns_its_rank_gets_its_watches(tmp_path: Path) -> None:
+    """``ranks=[2]`` and the mode entered before the process group: while it guesses
+    rank 0 it traces nothing (and says nothing about the sample naming no rank of a
+    world of one); once it knows it is rank 2 it traces, with the hang watchdog (here
+    its dump signal) it would have had entered after the group (it had none: a hang
+    on that rank left no record)."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "COMMSPAN_RUN_ID",
+                        "TORCHELASTIC_RUN_ID")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)
+    proc = subprocess.run([sys.executable, "-c", _SAMPLED_BEFORE_THE_GROUP, str(tmp_path)],
+                          capture_output=True, text=True, env=env, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split("\n")[:2] == ["handler before: False", "handler after: True"]
+    assert "names no rank" not in proc.stderr
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["commspan-rank2.jsonl"]
+    spans = list(read_spans(tmp_path / "commspan-rank2.jsonl"))
+    assert [s.name for s in spans].count("Linear forward") == 1  # the step's call only

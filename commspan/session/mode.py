@@ -393,7 +393,7 @@ class CommSpanMode:
         self._ranks = ranks = process_ranks()
         # a rank the rank sample leaves out runs every step as a sampled-out one
         self._rank_traced = config.ranks.traces(ranks.rank, ranks.world_size)
-        if not self._rank_traced and ranks.rank == 0 and not config.ranks.chosen(
+        if known and not self._rank_traced and ranks.rank == 0 and not config.ranks.chosen(
                 ranks.world_size):
             _log.warning("commspan: ranks=%s names no rank of this world of %d: no rank "
                          "traces (ranks are numbered 0 to %d)", config.ranks.description,
@@ -431,9 +431,11 @@ class CommSpanMode:
                 "mode after init_process_group, or set RANK and WORLD_SIZE (torchrun "
                 "does) (not logged again)", spans_before, ranks.rank, ranks.world_size)
         if was_traced and not self._rank_traced:
-            self._pause()  # the rank sample leaves this rank out
+            self._stop_watch()  # the rank sample leaves this rank out
+            self._pause()
         elif self._rank_traced and not was_traced:
             self._resume()
+            self._start_watches()
 
     def _enter(self) -> None:
         config = self._config
@@ -483,13 +485,22 @@ class CommSpanMode:
         self._paused = False
         self._start_capture()
         self._parallel.pipeline.install()
-        if self._rank_traced and config.record_gc:
+        if self._rank_traced:
+            self._start_watches()
+        else:
+            self._pause()  # nothing is recorded on this rank, in steps or between them
+
+    def _start_watches(self) -> None:
+        """The garbage-collector watch and the hang watchdog of a traced rank, as
+        configured."""
+        config = self._config
+        assert self._recorder is not None
+        if config.record_gc and self._gc is None:
             self._gc = GcWatch(self._gc_where)
             self._gc.install()
             self._recorder.before_root = self._record_gc
-        if not self._rank_traced:
-            self._pause()  # nothing is recorded on this rank, in steps or between them
-        elif config.hang_timeout_s is not None or config.dump_signal is not None:
+        if self._watch is None and (
+                config.hang_timeout_s is not None or config.dump_signal is not None):
             watch = HangWatch(
                 self._write_hang, self._log.not_completed, config.hang_timeout_s,
                 config.dump_signal,
