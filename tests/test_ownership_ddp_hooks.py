@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import pytest
 import torch
@@ -13,8 +14,16 @@ from torch.nn.parallel import DistributedDataParallel
 from commspan import CommSpanMode
 
 
-@pytest.mark.parametrize("hook", ["powerSGD_hook", "batched_powerSGD_hook", "allreduce_hook",
-                                  None])
+def _own_wrapper(hook: Any) -> Any:
+    """A user's hook around another (a closure, named otherwise; no annotations:
+    DDP checks them)."""
+    return lambda state, bucket: hook(state, bucket)
+
+
+@pytest.mark.parametrize("hook", ["powerSGD_hook", "batched_powerSGD_hook",
+                                  "fp16_compress_wrapper(powerSGD_hook)",
+                                  "own_wrapper(batched_powerSGD_hook)",
+                                  "allreduce_hook", None])
 def test_a_ddp_hook_issuing_collectives_from_callbacks_is_warned_of(
     fake_pg: None, caplog: pytest.LogCaptureFixture, hook: str | None
 ) -> None:
@@ -24,6 +33,12 @@ def test_a_ddp_hook_issuing_collectives_from_callbacks_is_warned_of(
     ddp = DistributedDataParallel(torch.nn.Linear(4, 4))
     if hook == "allreduce_hook":
         ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+    elif hook == "fp16_compress_wrapper(powerSGD_hook)":
+        ddp.register_comm_hook(ps.PowerSGDState(process_group=None),
+                               default_hooks.fp16_compress_wrapper(ps.powerSGD_hook))
+    elif hook == "own_wrapper(batched_powerSGD_hook)":
+        ddp.register_comm_hook(ps.PowerSGDState(process_group=None),
+                               _own_wrapper(ps.batched_powerSGD_hook))
     elif hook is not None:
         ddp.register_comm_hook(ps.PowerSGDState(process_group=None), getattr(ps, hook))
     mode = CommSpanMode(aggregator=False)
@@ -32,7 +47,8 @@ def test_a_ddp_hook_issuing_collectives_from_callbacks_is_warned_of(
             with mode.step(i):
                 ddp(torch.ones(2, 4))  # (no backward: the fake group's futures hold nothing)
     warned = [r.getMessage() for r in caplog.records if "Future callbacks" in r.getMessage()]
-    if hook in ("powerSGD_hook", "batched_powerSGD_hook"):
-        assert len(warned) == 1 and f"uses the comm hook {hook}" in warned[0]
+    if hook is not None and "powerSGD" in hook:
+        named = "batched_powerSGD_hook" if "batched" in hook else "powerSGD_hook"
+        assert len(warned) == 1 and f"uses the comm hook {named}" in warned[0]
     else:
         assert warned == []

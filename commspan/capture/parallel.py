@@ -28,6 +28,7 @@ off and the owner falls back to the position):
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import sys
@@ -141,8 +142,8 @@ def _warn_of_chained_hooks(module: Any, fqn: str) -> None:
     """Say, once per DDP module, that its comm hook issues collectives commspan cannot
     see: from callbacks that run on the backend's threads (docs/parallelisms.md)."""
     for hook, _state in getattr(module, "_comm_hooks", ()) or ():
-        name = getattr(hook, "__name__", "")
-        if name in _CHAINED_HOOKS:
+        name = _chained_hook(hook)
+        if name is not None:
             _log.warning(
                 "commspan: DistributedDataParallel %s uses the comm hook %s, which issues "
                 "its all-reduces from Future callbacks on the backend's threads: commspan "
@@ -152,6 +153,26 @@ def _warn_of_chained_hooks(module: Any, fqn: str) -> None:
                 "this job with another comm hook (allreduce_hook, a compression hook) "
                 "(docs/parallelisms.md, DDP)", fqn, name)
             return
+
+
+def _chained_hook(hook: Any, depth: int = 3) -> str | None:
+    """The name of the PowerSGD hook ``hook`` is or wraps (``functools.partial``,
+    ``fp16_compress_wrapper``'s closure), else ``None``."""
+    name = getattr(hook, "__name__", "")
+    if name in _CHAINED_HOOKS:
+        return str(name)
+    if depth <= 0:
+        return None
+    inner = [getattr(hook, "func", None), getattr(hook, "__wrapped__", None)]
+    for cell in getattr(hook, "__closure__", None) or ():
+        with contextlib.suppress(ValueError):  # (an empty cell)
+            inner.append(cell.cell_contents)
+    for h in inner:
+        if callable(h):
+            found = _chained_hook(h, depth - 1)
+            if found is not None:
+                return found
+    return None
 
 
 class ParallelModules:
