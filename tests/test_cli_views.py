@@ -70,6 +70,11 @@ def test_html_timeline_every_embeds_some_steps_and_counts_all(
     assert [s["l"] for s in embedded_data(part)["steps"]] == ["step 0", "step 2"]
     assert len(part) < len(full)
     assert tree_counts(part).counts == tree_counts(full).counts != {}
+    # no multiple of N among the steps selected: the first one still gets its timeline
+    code, _, _ = run_cli(capsys, "html", str(tp), "-o", str(some), "--timeline-every", "2",
+                         "--step", "1")
+    assert code == 0 and [s["l"] for s in embedded_data(some.read_text())["steps"]] == [
+        "step 1"]
     with pytest.raises(SystemExit) as exc:
         run_cli(capsys, "html", str(tp), "-o", str(some), "--timeline-every", "0")
     err = capsys.readouterr().err
@@ -91,6 +96,12 @@ def test_html_check_and_findings_file(
         assert (code, err) == (0, "")
         assert text.rstrip().endswith(", 1 findings")
         assert message.split("`")[0].strip() in out.read_text()
+    # --timeline-every keeps the step a finding names (and the first)
+    step = json.loads(checked)["findings"][0]["step"]
+    code, _, _ = run_cli(capsys, "html", str(divergent), "-o", str(out), "--check",
+                         "--timeline-every", "5")
+    assert code == 0 and [s["s"] for s in embedded_data(out.read_text())["steps"]] == sorted(
+        {0, step})
 
 
 @pytest.mark.parametrize(

@@ -331,11 +331,13 @@ def html(args: argparse.Namespace, reader: Reader) -> Outcome:
         findings = list({json.dumps(f, sort_keys=True, default=str): f
                          for f in findings}.values())
     timeline_steps = None
-    if args.timeline_every > 1:
-        every = args.timeline_every
-        timeline_steps = {step for r in sel.records
-                          if type(step := r.attributes.get(semconv.STEP)) is int
-                          and step % every == 0}
+    if args.timeline_every > 1:  # the multiples of N, the first step, the findings' steps
+        steps = {step for r in sel.records
+                 if type(step := r.attributes.get(semconv.STEP)) is int}
+        timeline_steps = {s for s in steps if s % args.timeline_every == 0}
+        timeline_steps.update(sorted(steps)[:1])
+        timeline_steps.update(f["step"] for f in findings or ()
+                              if isinstance(f, dict) and type(f.get("step")) is int)
     try:
         path = _writing(args.output, lambda: write_html_report(
             sel.records, args.output, findings=findings, title=args.title,

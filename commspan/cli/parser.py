@@ -197,8 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="page title (default: commspan report)")
     html.add_argument("--timeline-every", type=_every, default=1, metavar="N",
                       help="embed the timeline of the steps whose number is a multiple of "
-                           "N only (default 1: every step); the counts and tables still "
-                           "cover every step. Long runs make large pages")
+                           "N, the first step and the steps findings name only (default 1: "
+                           "every step); the counts and tables still cover every step. Long "
+                           "runs make large pages")
     commands["perfetto"].add_argument("-o", "--output", required=True, metavar="PATH",
                                       help="the trace file to write (.json, or .json.gz)")
     commands["stragglers"].add_argument(
