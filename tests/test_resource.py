@@ -6,6 +6,8 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -215,6 +217,19 @@ mode.shutdown()
 """
 
 
+def _without_ranks(script: str, out: Path) -> subprocess.CompletedProcess[str]:
+    """``script`` run with ``out`` in a process of no ``RANK``, ``WORLD_SIZE`` or run id
+    (``mp.spawn``'s); it must exit 0."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "COMMSPAN_RUN_ID",
+                        "TORCHELASTIC_RUN_ID")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)
+    proc = subprocess.run([sys.executable, "-c", script, str(out)], capture_output=True,
+                          text=True, env=env, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
 def test_a_mode_entered_before_the_process_group_learns_its_rank_at_the_next_step(
     tmp_path: Path,
 ) -> None:
@@ -222,16 +237,7 @@ def test_a_mode_entered_before_the_process_group_learns_its_rank_at_the_next_ste
     the group is up, its next step's spans say rank 2 of 4 and go to rank 2's file (they
     went on as rank 0 of 1, into rank 0's file, which every rank of an ``mp.spawn`` job
     then shared); the spans recorded before are said to be guessed, once."""
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "COMMSPAN_RUN_ID",
-                        "TORCHELASTIC_RUN_ID")}
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)
-    proc = subprocess.run([sys.executable, "-c", _ENTERED_BEFORE_THE_GROUP, str(tmp_path)],
-                          capture_output=True, text=True, env=env, timeout=120, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = _without_ranks(_ENTERED_BEFORE_THE_GROUP, tmp_path)
     assert sorted(f.name for f in tmp_path.iterdir()) == [
         "commspan-rank0.jsonl", "commspan-rank2.jsonl"]
     before = list(read_spans(tmp_path / "commspan-rank0.jsonl"))
@@ -275,16 +281,7 @@ def test_a_rank_sampled_in_once_it_learns_its_rank_gets_its_watches(tmp_path: Pa
     world of one); once it knows it is rank 2 it traces, with the hang watchdog (here
     its dump signal) it would have had entered after the group (it had none: a hang
     on that rank left no record)."""
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "COMMSPAN_RUN_ID",
-                        "TORCHELASTIC_RUN_ID")}
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)
-    proc = subprocess.run([sys.executable, "-c", _SAMPLED_BEFORE_THE_GROUP, str(tmp_path)],
-                          capture_output=True, text=True, env=env, timeout=120, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = _without_ranks(_SAMPLED_BEFORE_THE_GROUP, tmp_path)
     assert proc.stdout.split("\n")[:2] == ["handler before: False", "handler after: True"]
     assert "names no rank" not in proc.stderr
     assert sorted(f.name for f in tmp_path.iterdir()) == ["commspan-rank2.jsonl"]
