@@ -519,3 +519,34 @@ def test_a_member_that_fails_its_checksum_gives_no_line(
     report = ReadReport()
     assert list(read_spans(path, strict=False, report=report)) == []
     assert [(s.line, s.kind) for s in report.skipped] == [(1, "damaged")]
+
+
+@pytest.mark.parametrize("form", ["members", "whole"])
+def test_the_digest_writer_numbers_damaged_lines_as_the_readers_do(
+    runs: tuple[Path, Path], tmp_path: Path, form: str
+) -> None:
+    """``commspan digest`` names a damaged line by its decompressed line number, as
+    every reader does: it numbered the members it could decompress (a member that
+    could not be was neither counted nor reported; a file gzipped whole was line 1)."""
+    from commspan.analysis.digest import write_digest
+
+    plain, _packed = runs
+    (src,) = plain.iterdir()
+    lines = src.read_bytes().splitlines(keepends=True)
+    lines.insert(2, b'{"resourceLogs": []}\n')  # line 3: JSON, not a trace request
+    if form == "members":
+        members = [gzip.compress(line, mtime=0) for line in lines]
+        bad = bytearray(members[1])
+        bad[len(bad) // 2] ^= 0xFF  # line 2 cannot be decompressed
+        members[1] = bytes(bad)
+        data = b"".join(members)
+    else:
+        data = gzip.compress(b"".join(lines), mtime=0)
+    path = tmp_path / "r.jsonl.gz"
+    path.write_bytes(data)
+    readers, digest = ReadReport(), ReadReport()
+    list(read_spans(path, strict=False, report=readers))
+    write_digest(path, report=digest)
+    assert [(s.line, s.kind) for s in readers.skipped] == [
+        (s.line, s.kind) for s in digest.skipped]
+    assert (3, "damaged") in [(s.line, s.kind) for s in digest.skipped]

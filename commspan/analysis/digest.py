@@ -589,17 +589,31 @@ def write_digest(path: str | os.PathLike[str], report: ReadReport | None = None)
     with path.open("rb") as fh, tmp.open("wb") as out:
         data = fh.read()
         level = 1 if data[:3] == GZIP_MAGIC else 0
-        for number, (offset, stored, text) in enumerate(_stored_lines(data, level), 1):
+        number = 0  # of the last line read: decompressed lines, as the readers count
+        for offset, stored, text in _stored_lines(data, level):
+            if stored is None:  # a member that cannot be decompressed: one line
+                number += 1
+                if report is not None:
+                    report.skipped.append(SkippedLine(
+                        os.fspath(path), number, "damaged",
+                        f"a compressed line that cannot be decompressed ({text.decode()})"))
+                continue
             records: list[SpanRecord] = []
             line = b""
+            lines = text.split(b"\n")
+            if not lines[-1]:
+                lines.pop()  # (after the last newline)
+            at = number + 1  # the line being parsed
+            number += len(lines)
             try:
-                for line in text.splitlines():
+                for line in lines:
                     if line.strip():
                         records.extend(request_spans(orjson.loads(line)))
+                    at += 1
             except (orjson.JSONDecodeError, *DECODE_ERRORS) as exc:
                 if report is not None:
                     report.skipped.append(SkippedLine(
-                        os.fspath(path), number, "damaged", what_is_wrong(line, exc)))
+                        os.fspath(path), at, "damaged", what_is_wrong(line, exc)))
                 continue
             out.write(digest_line(records, stored, offset, len(records), texts))
             written += 1
@@ -612,9 +626,12 @@ def write_digest(path: str | os.PathLike[str], report: ReadReport | None = None)
     return written
 
 
-def _stored_lines(data: bytes, level: int) -> Iterator[tuple[int, memoryview, bytes]]:
+def _stored_lines(
+    data: bytes, level: int
+) -> Iterator[tuple[int, memoryview | None, bytes]]:
     """``(offset, stored bytes, text)`` of each complete line (plain) or member
-    (compressed) of a JSONL file's bytes."""
+    (compressed) of a JSONL file's bytes; ``(offset, None, zlib's error)`` for a
+    member that cannot be decompressed (one damaged line to the readers)."""
     view = memoryview(data)
     pos, size = 0, len(data)
     while pos < size:
@@ -633,9 +650,9 @@ def _stored_lines(data: bytes, level: int) -> Iterator[tuple[int, memoryview, by
                 chunk = view[at:at + MEMBER_FEED]
                 parts.append(d.decompress(chunk))
                 at += len(chunk)
-        except zlib.error:
-            pass
-        if not d.eof:
+        except zlib.error as exc:
+            yield pos, None, str(exc).encode()
+        if not d.eof:  # (damaged, or cut short by the file's end: torn, no line)
             nxt = data.find(GZIP_MAGIC, pos + 1)
             if nxt < 0:
                 return
