@@ -61,12 +61,14 @@ from commspan.analysis.summary import summary_of
 from commspan.otlpjson.decode import (
     DECODE_ERRORS,
     GZIP_MAGIC,
+    FileWindow,
+    decompress_member,
     read_spans_in,
     request_spans,
     what_is_wrong,
 )
 from commspan.otlpjson.encode import resource_and_scope, span_fields
-from commspan.otlpjson.files import MEMBER_FEED, starts_compressed
+from commspan.otlpjson.files import starts_compressed
 from commspan.otlpjson.records import (
     DEFAULT_MAX_LINE_BYTES,
     ReadReport,
@@ -633,6 +635,7 @@ def _stored_lines(
     (compressed) of a JSONL file's bytes; ``(offset, None, zlib's error)`` for a
     member that cannot be decompressed (one damaged line to the readers)."""
     view = memoryview(data)
+    src = FileWindow.of(data)
     pos, size = 0, len(data)
     while pos < size:
         if not level:
@@ -642,25 +645,19 @@ def _stored_lines(
             yield pos, view[pos:end + 1], data[pos:end + 1]
             pos = end + 1
             continue
-        d = zlib.decompressobj(31)
-        parts = []
-        at = pos
         try:
-            while not d.eof and at < size:  # (bounded input: see MEMBER_FEED)
-                chunk = view[at:at + MEMBER_FEED]
-                parts.append(d.decompress(chunk))
-                at += len(chunk)
+            d, text, end = decompress_member(src, pos, size)
         except zlib.error as exc:
             yield pos, None, str(exc).encode()
-        if not d.eof:  # (damaged, or cut short by the file's end: torn, no line)
-            nxt = data.find(GZIP_MAGIC, pos + 1)
-            if nxt < 0:
-                return
-            pos = nxt
-            continue
-        end = at - len(d.unused_data)
-        yield pos, view[pos:end], b"".join(parts)
-        pos = end
+        else:
+            if d.eof:
+                yield pos, view[pos:end], text
+                pos = end
+                continue
+        # damaged, or cut short by the file's end (torn: no line)
+        pos = data.find(GZIP_MAGIC, pos + 1)
+        if pos < 0:
+            return
 
 
 # ------------------------------------------------------------------ reading

@@ -398,7 +398,7 @@ def _gzip_lines(
     file ends inside it) and reading resumes at the next member, as a damaged line
     of a plain file is skipped; the line numbers count members' lines.
     """
-    src = _Window(fh, start)
+    src = FileWindow(fh, start)
     size = src.size if stop is None else min(stop, src.size)  # (a range's end, perhaps)
     pos, number = start, first - 1
     while pos < size:
@@ -411,15 +411,8 @@ def _gzip_lines(
             else:
                 kind, reason = "damaged", "not a compressed line"
         else:
-            # the whole member, checksum checked, before any of its lines (up to
-            # ``limit`` bytes of it): input in slices, small first (MEMBER_FEED)
-            d = zlib.decompressobj(31)
-            chunk = src.view(pos, MEMBER_FEED)[:min(MEMBER_FEED, size - pos)]
-            try:
-                out = d.decompress(chunk, limit)
-                at = pos + len(chunk) - len(d.unused_data if d.eof else d.unconsumed_tail)
-                if not d.eof:  # a longer member (a file gzipped whole): more input
-                    out, at = _rest_of_member(src, d, out, at, size, limit)
+            try:  # the whole member, checksum checked, before any of its lines
+                d, out, at = decompress_member(src, pos, size, limit)
             except zlib.error as exc:
                 kind = "damaged"
                 reason = f"a compressed line that cannot be decompressed ({exc})"
@@ -444,26 +437,38 @@ def _gzip_lines(
             return
 
 
-def _rest_of_member(
-    src: _Window, d: Any, out: bytes, at: int, size: int, limit: int
-) -> tuple[bytes, int]:
-    """A member's output from ``out`` on, ``d`` given input from byte ``at`` in
-    growing slices, up to its end or ``limit`` bytes of output or the input's end;
-    returns the output and where the input stopped. (zlib raises at a failed checksum
-    only then: the lines are not read before they are checked.)"""
-    parts = [out]
-    got = len(out)
-    feed = MEMBER_FEED
-    while not d.eof and got < limit:
-        feed = min(2 * feed, _STEP)
+def decompress_member(
+    src: FileWindow, pos: int, size: int, limit: int = 0
+) -> tuple[Any, bytes, int]:
+    """Decompress the gzip member at byte ``pos`` of ``src`` (input before ``size``):
+    whole, so that zlib checks its checksum before any of its lines is used, or up to
+    ``limit`` bytes of output (``0``: no bound), or up to the input's end (a member cut
+    short). Input goes in slices that grow from MEMBER_FEED: what follows a member's
+    end in its last slice is copied (``unused_data``), for every member.
+
+    Returns:
+        The decompressor (``eof``: the member is whole; else it goes on from the input
+        returned), the output, and where the input stopped.
+
+    Raises:
+        zlib.error: the member cannot be decompressed (damaged, or its checksum fails).
+    """
+    d = zlib.decompressobj(31)
+    parts = []
+    got = 0
+    at, feed = pos, MEMBER_FEED
+    while True:
         chunk = src.view(at, feed)[:min(feed, size - at)]
         if not chunk:
-            break  # the file ends inside the member
-        out = d.decompress(chunk, limit - got)
+            break  # the input ends inside the member
+        out = d.decompress(chunk, limit - got if limit else 0)
         parts.append(out)
         got += len(out)
         at += len(chunk) - len(d.unused_data if d.eof else d.unconsumed_tail)
-    return b"".join(parts), at
+        if d.eof or (limit and got >= limit):
+            break
+        feed = min(2 * feed, _STEP)
+    return d, b"".join(parts), at
 
 
 def _lines_of(data: bytes) -> list[bytes]:
@@ -482,9 +487,9 @@ def _lines_of(data: bytes) -> list[bytes]:
 _BLOCK = 4 << 20  # bytes read from a file at a time
 
 
-class _Window:
+class FileWindow:
     """The bytes of an open file, read forward a block at a time as its reader moves
-    on, from byte ``start``.
+    on, from byte ``start`` (:meth:`of` bytes already read: those).
 
     Not an ``mmap``: a file cut short while mapped (the exporter trims a line cut
     by a full disk; a user truncates a file being read) kills the process with
@@ -508,6 +513,14 @@ class _Window:
             self._buf = fh.read()
             self.size = start + len(self._buf)
         self._eof = not regular
+
+    @classmethod
+    def of(cls, data: bytes) -> FileWindow:
+        """A window on ``data``, all of it held (no copy)."""
+        window = cls.__new__(cls)
+        window._fh, window._base, window._buf = None, 0, data
+        window.size, window._eof = len(data), True
+        return window
 
     def _load(self, a: int, want: int) -> None:
         """Hold the file from byte ``a`` on: at least ``want`` bytes of it, unless it
@@ -556,7 +569,7 @@ _STEP = 1 << 20
 
 
 def _member_lines(
-    path: Path, src: _Window, pos: int, size: int, d: Any, out: bytes,
+    path: Path, src: FileWindow, pos: int, size: int, d: Any, out: bytes,
     limit: int, reader: LineReader, number: int,
 ) -> Generator[tuple[int, bytes], None, tuple[int, int]]:
     """The lines of a gzip member that goes on past its first ``limit`` bytes, ``out``
