@@ -332,10 +332,8 @@ def html(args: argparse.Namespace, reader: Reader) -> Outcome:
                          for f in findings}.values())
     timeline_steps = None
     if args.timeline_every > 1:  # the multiples of N, the first step, the findings' steps
-        steps = {step for r in sel.records
-                 if type(step := r.attributes.get(semconv.STEP)) is int}
-        timeline_steps = {s for s in steps if s % args.timeline_every == 0}
-        timeline_steps.update(sorted(steps)[:1])
+        timeline_steps = {s for s in sel.steps if s % args.timeline_every == 0}
+        timeline_steps.update(sorted(sel.steps)[:1])
         timeline_steps.update(f["step"] for f in findings or ()
                               if isinstance(f, dict) and type(f.get("step")) is int)
     try:
