@@ -629,3 +629,34 @@ def test_an_attribute_of_the_wrong_type_damages_its_line_in_every_command(
                 assert got["total"] == _raw_collectives(*sorted(clean.iterdir())) > 0
                 got, want = got["collectives"], want["collectives"]
             assert got == want
+
+
+@pytest.mark.parametrize(("key", "value"), [
+    ("traceId", []), ("spanId", {"hex": "ab"}), ("parentSpanId", 7)])
+def test_a_span_id_that_is_no_string_damages_its_line_in_every_command(
+    packed_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], key: str,
+    value: object
+) -> None:
+    """A span id of another JSON type than a string, in the first line of rank 0's
+    file: every command names the file, line and field and skips the line as damaged.
+    It used to end check, stragglers and summary with "TypeError: unhashable type:
+    'list'", naming neither the file nor the line."""
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    for packed in sorted(packed_dir.glob("*.jsonl.gz")):
+        lines = gzip.decompress(packed.read_bytes()).splitlines(keepends=True)
+        name = packed.name.removesuffix(".gz")
+        if "rank0" in name:
+            doc = json.loads(lines[0])
+            doc["resourceSpans"][0]["scopeSpans"][0]["spans"][0][key] = value
+            lines[0] = json.dumps(doc).encode() + b"\n"
+        (damaged / name).write_bytes(b"".join(lines))
+    where = f"ValueError: {damaged / 'commspan-rank0.jsonl'}:1: "
+    for command in ("check", "stragglers", "summary", "table"):
+        extra = ("--rank", "all") if command in ("summary", "table") else ()
+        code, _, err = _cli(capsys, command, str(damaged), *extra)
+        assert code == (2 if command == "check" else 1), (command, err)
+        assert "Traceback" not in err and "TypeError" not in err, err
+        named = [ln for ln in err.splitlines() if ln.startswith(where)]
+        assert len(named) == 1 and f".{key} is {value!r}" in named[0], (command, err)
+        assert "1 damaged line" in err, err

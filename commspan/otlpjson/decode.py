@@ -158,6 +158,17 @@ def check_values(
                 raise BadValue(_bad(key, v, what))
 
 
+_IDS = ("traceId", "spanId", "parentSpanId")
+
+
+def _bad_ids(span: Mapping[str, Any]) -> str:
+    for key in _IDS:
+        v = span.get(key, "")
+        if type(v) is not str:
+            return _bad(key, v, "a hex string")
+    return "the span's ids are hex strings"  # pragma: no cover - called for a bad one
+
+
 def _bad(key: str, value: Any, what: str) -> str:
     return (f"{key} is {value!r:.80}, not {what} as commspan writes it (a file edited, or "
             "written by another program)")
@@ -220,6 +231,9 @@ def walk(
                     for e in s.get("events") or ()
                 ]
                 check_values(attrs, events)
+                if (type(s.get("traceId", "")) is not str or type(s.get("spanId", "")) is not str
+                        or type(s.get("parentSpanId", "")) is not str):
+                    raise BadValue(_bad_ids(s))
                 append((resource, s, attrs, events))
     return out
 
@@ -729,6 +743,9 @@ def _explain(doc: Any) -> str | None:
                 for key in ("startTimeUnixNano", "endTimeUnixNano"):
                     if (bad := number(s.get(key, 0), f"{w3}.{key}")) is not None:
                         return bad
+                for key in _IDS:
+                    if type(v := s.get(key, "")) is not str:
+                        return f"{w3}.{key} is {v!r:.80}, expected a hex string"
                 if (bad := attrs(s.get("attributes"), f"{w3}.attributes")) is not None:
                     return bad
                 status = s.get("status") or {}
