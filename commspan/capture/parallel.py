@@ -16,7 +16,10 @@ off and the owner falls back to the position):
   bucket layout, read after a DDP forward and only when it may have changed
   (first forward, after the rebuild of iteration 1; ``_has_rebuilt_buckets``).
   Never during backward: the reducer holds its lock while it launches a bucket,
-  and reading the layout then deadlocks.
+  and reading the layout then deadlocks. The call makes a ``zeros_like`` of
+  every bucket (as much memory as all the gradients); commspan runs it with the
+  dispatch modes set aside and under :class:`_LayoutOnly`, which answers each
+  ``zeros_like`` with one zero element expanded to the bucket's shape.
 - ``torch._C._current_autograd_node()``: during a bucket's all-reduce, the
   ``AccumulateGrad`` node whose hook launched it; ``.variable`` is the parameter.
 - ``FSDPParamGroup.unshard`` / ``.post_backward`` (code objects) and the
@@ -37,6 +40,7 @@ from collections.abc import Callable, Container, Sequence
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from commspan.capture.pipeline import PipelineWatch
 from commspan.ownership import DdpBucket, FsdpUnit, PipelineTag, lowest_common_module
@@ -56,6 +60,34 @@ except Exception:  # pragma: no cover
     _DDP = None  # type: ignore[assignment,misc]
 
 _current_node = torch._C._current_autograd_node
+_ZEROS_LIKE = torch.ops.aten.zeros_like.default
+
+
+class _LayoutOnly(TorchDispatchMode):
+    """Around ``Reducer._get_zeros_like_grad_buckets()``, of which commspan reads the
+    parameters of each bucket only: its ``zeros_like`` of a bucket returns one zero
+    element expanded to the bucket's shape, dtype and device (no memory per bucket;
+    the real call would hold a copy of every gradient until the buckets are freed)."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is _ZEROS_LIKE and args and type(args[0]) is torch.Tensor:
+            t = args[0]
+            try:
+                return torch.zeros((), dtype=kwargs.get("dtype") or t.dtype,
+                                   device=kwargs.get("device") or t.device).expand(t.shape)
+            except Exception:  # noqa: BLE001 - then as torch does it
+                pass
+        return func(*args, **kwargs)
+
+
+def _grad_buckets(reducer: Any) -> Any:
+    """The reducer's buckets (``GradBucket`` s), without a copy of the gradients and
+    unseen by the dispatch modes (commspan's, and a compat ``CommDebugMode`` listing
+    ops: the call is commspan's, not the model's)."""
+    with _disable_current_modes(), _LayoutOnly():
+        return reducer._get_zeros_like_grad_buckets()
 _STACK_DEPTH = 96  # frames searched above a collective for FSDP's or DDP's own code
 
 
@@ -393,7 +425,7 @@ class ParallelModules:
         _owners_of_dtensor_attributes(module, owners, name_of)
         prefix = name_of(module.module) or state.fqn
         find_unused = bool(getattr(module, "find_unused_parameters", False))
-        grad_buckets = reducer._get_zeros_like_grad_buckets()
+        grad_buckets = _grad_buckets(reducer)
         count = sum(len(b.parameters()) for b in grad_buckets)
         for grad_bucket in grad_buckets:
             params = grad_bucket.parameters()
