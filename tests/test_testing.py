@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -480,3 +482,58 @@ def test_assertion_arguments_of_the_wrong_kind_are_named() -> None:
         assert_counts(cap, "Global", "forward", None)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="src=5 is not valid"):
         assert_placements(cap, "Global", "all_reduce", 5, "R")  # type: ignore[arg-type]
+
+
+_OTHER_RANK = """
+import sys, re, torch
+from opentelemetry.sdk.trace import ReadableSpan
+from commspan import semconv
+from commspan.testing import SpanTree, assert_well_formed, capture, fake_mesh, span_phase
+from commspan.testing import fake_process_group
+from commspan.testing.models import MLP, parallelize_mlp
+
+def rebuilt(span, **changes):
+    fields = dict(name=span.name, context=span.context, parent=span.parent,
+                  attributes=span.attributes, events=span.events,
+                  start_time=span.start_time, end_time=span.end_time)
+    fields.update(changes)
+    return ReadableSpan(**fields)
+
+def fails(spans, rule):
+    try:
+        assert_well_formed(spans)
+    except AssertionError as exc:
+        assert rule in str(exc), exc
+    else:
+        raise SystemExit("not refused: " + rule)
+
+with fake_process_group(world_size=4, rank=int(sys.argv[1])):
+    mlp = parallelize_mlp(MLP(8), fake_mesh(4))
+    with capture() as cap, cap.mode.step(0):
+        mlp(torch.ones(2, 8, requires_grad=True)).sum().backward()
+spans = cap.spans
+tree = SpanTree(spans)
+ranks = [s for s in spans if s.name == semconv.SPAN_RANK]
+assert ranks and all(s.parent is not None and tree.parent(s) is None for s in ranks)
+assert not [s for s in spans if s.name == semconv.SPAN_STEP]
+assert_well_formed(spans)
+fails([s for s in spans if s not in ranks], "every span's parent is a span of its trace")
+forward = next(s for s in spans if span_phase(s) == "forward" and tree.parent(s) in ranks)
+assert [a.name for a in tree.ancestors(forward)] == [semconv.SPAN_RANK]
+broken = [rebuilt(s, end_time=ranks[0].end_time + 1) if s is forward else s for s in spans]
+fails(broken, "a span lies inside its parent's interval")
+print("ok")
+"""
+
+
+def test_assert_well_formed_takes_the_capture_of_a_rank_other_than_0(tmp_path: Path) -> None:
+    """Only rank 0 writes a step's root span; the rank span of any other rank hangs
+    under a span of another process. The capture of rank 3 (the README's
+    ``fake_process_group(world_size=8, rank=3)``) failed "every span's parent is a
+    span of its trace"; the breakages that fail on rank 0 still fail on it. (In a
+    process of its own: this session's fake group is rank 0's.)"""
+    script = tmp_path / "other_rank.py"
+    script.write_text(_OTHER_RANK)
+    done = subprocess.run([sys.executable, str(script), "3"], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

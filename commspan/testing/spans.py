@@ -117,14 +117,21 @@ class SpanTree:
                 self.children[(s.context.trace_id, s.parent.span_id)].append(s)
 
     def parent(self, span: ReadableSpan) -> ReadableSpan | None:
-        """The parent span; ``None`` for a trace root.
+        """The parent span; ``None`` for a trace root, and for the rank span of a
+        rank other than 0 (its parent, the step's root, is rank 0's to write).
 
         Raises:
             KeyError: the parent is not among the spans.
         """
         if span.parent is None:
             return None
-        return self.by_id[(span.context.trace_id, span.parent.span_id)]
+        parent = self.by_id.get((span.context.trace_id, span.parent.span_id))
+        if parent is None:
+            if span.name == semconv.SPAN_RANK and (span.attributes or {}).get(
+                    semconv.RANK, 0) != 0:
+                return None
+            raise KeyError((span.context.trace_id, span.parent.span_id))
+        return parent
 
     def ancestors(self, span: ReadableSpan) -> Iterator[ReadableSpan]:
         """Parent, grandparent, ... up to the trace root."""
@@ -161,7 +168,8 @@ def assert_well_formed(spans: Iterable[ReadableSpan]) -> None:
       a mode still entered);
     - ids are unique; each trace has one root, a ``commspan.step`` or
       ``commspan.session`` span, and every other span's parent is a span of
-      the same trace;
+      the same trace (on a rank other than 0, whose rank spans hang under a
+      root rank 0 writes, the rank spans stand for the root);
     - a span starts before it ends, inside its parent's interval (but the rank
       spans of a step number used again: its root is written at the end of its
       first use), and its events happen while it is open;
@@ -201,6 +209,7 @@ def assert_well_formed(spans: Iterable[ReadableSpan]) -> None:
         (s.context.trace_id, (s.attributes or {}).get(semconv.RANK))
         for s in tree.spans if s.name == semconv.SPAN_RANK)
     roots: Counter[int] = Counter()
+    remote_roots: set[int] = set()  # traces whose root another rank writes
     for span in tree.spans:
         start, end = _times(span)
         if start > end:
@@ -216,6 +225,12 @@ def assert_well_formed(spans: Iterable[ReadableSpan]) -> None:
             continue
         parent = tree.by_id.get((span.context.trace_id, span.parent.span_id))
         if parent is None:
+            if span.name == semconv.SPAN_RANK and (span.attributes or {}).get(
+                    semconv.RANK, 0) != 0:
+                # the step's (or session's) root is rank 0's to write: another
+                # process's span, as the rank span of a step number used again
+                remote_roots.add(span.context.trace_id)
+                continue
             _fail("every span's parent is a span of its trace (parent missing: not "
                   "exported, or the mode not left yet)", span)
             continue
@@ -226,7 +241,7 @@ def assert_well_formed(spans: Iterable[ReadableSpan]) -> None:
         if not (parent_start <= start and end <= parent_end):
             _fail("a span lies inside its parent's interval", span,
                   f"parent {parent.name!r} {parent_start}-{parent_end}, span {start}-{end}")
-    for trace_id in {s.context.trace_id for s in tree.spans} - set(roots):
+    for trace_id in {s.context.trace_id for s in tree.spans} - set(roots) - remote_roots:
         _fail("every trace has its root", next(
             s for s in tree.spans if s.context.trace_id == trace_id))
     for trace_id, n in roots.items():
