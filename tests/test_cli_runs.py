@@ -334,3 +334,32 @@ def test_steps_below_zero_can_be_selected_and_read(
                       "--steps=-2..1": 4 * per_step, "0-1": 2 * per_step}
     code, out, _ = run_cli(capsys, "diff", str(negative_steps), "--step", "-2", "--step", "1")
     assert code == 0 and "no difference" in out
+
+
+def test_the_python_api_reads_one_run_of_a_folder_as_the_command_line_does(
+    two_runs: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``check_run`` and ``stragglers`` of a folder holding two runs check the latest
+    and warn, as ``commspan check`` and ``commspan stragglers`` do, and ``run=`` picks
+    the other; they used to sum both runs without a word."""
+    from commspan.analysis import check_run, stragglers
+
+    for run in (None, "first-run"):
+        more = ("--run", run) if run else ()
+        with caplog.at_level("WARNING", logger="commspan"):
+            caplog.clear()
+            checked = check_run(two_runs, run=run).to_dict()["checked"]
+            late = stragglers(two_runs, run=run).to_dict()["checked"]
+        warned = [r.getMessage() for r in caplog.records]
+        code, out, _ = run_cli(capsys, "check", str(two_runs), "--json", *more)
+        assert code == 0 and json.loads(out)["checked"] == checked
+        code, out, _ = run_cli(capsys, "stragglers", str(two_runs), "--json", *more)
+        assert code == 0 and json.loads(out)["checked"] == late
+        if run is None:
+            assert len(warned) == 2 and all(  # one per call
+                "second-run" in w and "first-run" in w for w in warned), warned
+        else:
+            assert warned == []
+    with pytest.raises(ValueError, match="run='nope' is not valid"):
+        check_run(two_runs, run="nope")

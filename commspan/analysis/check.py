@@ -158,6 +158,7 @@ def check_run(
     strict: bool = True,
     report: ReadReport | None = None,
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+    run: str | None = None,
 ) -> CheckResult:
     """Check the JSONL files of a run for cross-rank consistency.
 
@@ -168,6 +169,9 @@ def check_run(
             handled, as for :func:`~commspan.exporters.read_spans` (``strict=False``
             skips a damaged line, as ``commspan check`` does, and ``report``
             collects what was skipped).
+        run: the run to read when the files hold several: as for
+            :func:`~commspan.analysis.records.load_run` (default: the latest, with
+            a warning; runs are never summed).
 
     Returns:
         The findings and what was checked.
@@ -185,7 +189,7 @@ def check_run(
         ...     print(finding.message)
     """
     return check(load_run(paths, steps=steps, module_spans=False, strict=strict,
-                          report=report, max_line_bytes=max_line_bytes))
+                          report=report, max_line_bytes=max_line_bytes, run=run))
 
 
 def check(run: Run) -> CheckResult:

@@ -371,6 +371,7 @@ def load_run(
     strict: bool = True,
     report: ReadReport | None = None,
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+    run: str | None = None,
 ) -> Run:
     """Read the JSONL files of a run into a :class:`Run`.
 
@@ -378,6 +379,10 @@ def load_run(
         paths: JSONL files written by ``JsonlSpanExporter``, or directories of them.
         steps: keep only these step numbers (traces outside steps are dropped too);
             ``None`` keeps everything.
+        run: the run to read when the files hold several (a job restarted into
+            the same folder): its ``commspan.run_id``, or a prefix naming one run;
+            ``None`` reads the only run, or the latest of several, with a warning
+            naming the others, as the command line does (runs are never summed).
         module_spans: keep the module spans (only the step-time view needs them).
         strict, report, max_line_bytes: how damaged and over-long lines are
             handled, as for :func:`~commspan.exporters.read_spans` (``strict=False``
@@ -390,7 +395,8 @@ def load_run(
         FileNotFoundError: a path does not exist.
         ValueError: no path, an empty directory, a line that is not JSON (names
             file and line), a file that is not OTLP/JSON spans (names the file),
-            or ``steps`` not a collection of ints.
+            ``steps`` not a collection of ints, or ``run`` naming no run of the
+            files (:class:`~commspan.analysis.runs.SelectionError`, listing them).
 
     Example:
         >>> from commspan.analysis.records import load_run
@@ -403,8 +409,16 @@ def load_run(
     if not files:
         raise ValueError("paths is empty; pass at least one JSONL file or directory")
     wanted = _check_steps(steps)
-    return build_run(_read(files, strict, report, max_line_bytes), steps=wanted,
-                     module_spans=module_spans)
+    if run is not None and not isinstance(run, str):
+        raise TypeError(f"run={run!r} is not valid; pass a run id (str), a prefix of one, "
+                        "or None for the latest run")
+    from commspan.analysis.runs import select, shared_run_note
+
+    selection = select(list(_read(files, strict, report, max_line_bytes)), run=run)
+    for note in (selection.note, selection.run and shared_run_note(selection.run)):
+        if note:
+            _log.warning("%s", note)
+    return build_run(selection.records, steps=wanted, module_spans=module_spans)
 
 
 def _read(files: Sequence[Path], strict: bool = True, report: ReadReport | None = None,

@@ -197,6 +197,7 @@ def stragglers(
     strict: bool = True,
     report: ReadReport | None = None,
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+    run: str | None = None,
 ) -> StragglerResult:
     """Read the JSONL files of a run and say who arrives last, and where steps go.
 
@@ -206,6 +207,9 @@ def stragglers(
         strict, report, max_line_bytes: how damaged and over-long lines are
             handled, as for :func:`~commspan.exporters.read_spans` (``strict=False``
             skips a damaged line, as ``commspan stragglers`` does).
+        run: the run to read when the files hold several: as for
+            :func:`~commspan.analysis.records.load_run` (default: the latest, with
+            a warning; runs are never summed).
 
     Returns:
         Straggler rows, per-rank totals, step-time breakdown and counts.
@@ -222,7 +226,7 @@ def stragglers(
         StragglerRow(step=3, fqn='Net.blocks.1', phase='forward', rank=2, times_last=1, ...)
     """
     return analyze(load_run(paths, steps=steps, strict=strict, report=report,
-                            max_line_bytes=max_line_bytes))
+                            max_line_bytes=max_line_bytes, run=run))
 
 
 def analyze(run: Run) -> StragglerResult:
