@@ -10,6 +10,9 @@ PYTHON          ?= python3
 VENV            ?= .venv
 PHOENIX_VENV    ?= .venv-phoenix
 TORCH           ?= torch==2.13.0
+# e.g. TORCH_INDEX=https://download.pytorch.org/whl/cpu: on Linux, PyPI's torch
+# wheel is the CUDA build; empty keeps pip's own index (and its configuration)
+TORCH_INDEX     ?=
 PHOENIX         ?= arize-phoenix==20.26.1
 PIP_FLAGS       ?= --quiet --disable-pip-version-check
 DEMO_ARGS       ?=
@@ -40,7 +43,7 @@ venv: $(PROJECT_STAMP)
 
 $(TORCH_STAMP):
 	@test -x $(VENV)/bin/pip || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install $(PIP_FLAGS) "$(TORCH)"
+	$(PY) -m pip install $(PIP_FLAGS) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH)"
 	@touch $@
 
 $(PROJECT_STAMP): $(TORCH_STAMP) pyproject.toml
