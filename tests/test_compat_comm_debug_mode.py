@@ -524,3 +524,20 @@ def test_a_misspelt_phase_is_a_key_error_not_a_zero_count() -> None:
     with pytest.raises(KeyError, match="'forwards' is neither a phase nor a collective"):
         counts["forwards"]
     assert counts["all_reduce"] == 0 and counts["forward"] == {}
+
+
+def test_a_ddp_module_named_afresh_is_still_a_ddp_module(fake_pg: None) -> None:
+    """Each context names modules afresh (docs/compat.md); a DistributedDataParallel
+    module named again in a later context is still handled as one (its forward end
+    resets the count of its buckets launched), though the registry learnt it before."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(nn.Linear(4, 4))
+    comm_mode = CommDebugMode()
+    for _ in range(2):
+        with comm_mode:
+            ddp(torch.ones(2, 4))  # (no backward: the fake group's futures hold nothing)
+        tracker = comm_mode.mode._tracker
+        assert tracker is not None and tracker._info(ddp).ddp
+    assert list(comm_mode.advanced_module_tracker.module_helper_dict) == [
+        "Global", "DistributedDataParallel", "DistributedDataParallel.module"]

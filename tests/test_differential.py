@@ -933,6 +933,64 @@ def test_module_first_seen_in_backward(fake_pg: None) -> None:
     }
 
 
+class _Block(nn.Module):
+    """A block whose child all-reduces (``a``), then a plain layer (``b``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Sequential(nn.Linear(4, 4), _AllReduce())
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x))
+
+
+def _names_and_counts(cdm: Any, folder: Path) -> dict[str, Any]:
+    """Every result of a context that holds module names, with packets as text."""
+    tracker = cdm.advanced_module_tracker
+    cdm.generate_json_dump(folder / "dump.json", noise_level=0)
+    return {
+        "counts": {fqn: {phase: {str(k): n for k, n in ops.items()} for phase, ops in p.items()}
+                   for fqn, p in cdm.comm_module_counts.items()},
+        "helper": list(tracker.module_helper_dict),
+        "parent_dict": {k: list(v) for k, v in tracker.parent_dict.items()},
+        "parents": {k: sorted(v) for k, v in tracker.module_parents_dict.items()},
+        "table": cdm.generate_comm_debug_tracing_table(noise_level=0),
+        "json": json.loads((folder / "dump.json").read_text()),
+    }
+
+
+def test_a_new_context_names_modules_afresh(fake_pg: None, tmp_path: Path) -> None:
+    """One instance, two contexts: the first calls only the child ``m.a``, the second
+    the whole model. torch names the child ``_Block.a`` in the second; compat kept
+    the first context's ``Sequential`` in every count, dict and report (a KeyError on
+    ``comm_module_counts["_Block.a"]``). Now the second context names modules as a
+    fresh instance does; torch keeps the grandchildren's old names
+    (``Sequential.0``), compat names them as a fresh instance (``_Block.a.0``)."""
+    results = {}
+    for name, cls, first in (("torch", TorchCommDebugMode, True),
+                             ("compat", CompatCommDebugMode, True),
+                             ("fresh", CompatCommDebugMode, False)):
+        torch.manual_seed(0)
+        model, cdm = _Block(), cls()
+        if first:
+            with cdm:
+                model.a(torch.rand(2, 4))
+        with cdm:
+            model(torch.rand(2, 4)).sum().backward()
+        (tmp_path / name).mkdir()
+        results[name] = _names_and_counts(cdm, tmp_path / name)
+    assert results["compat"] == results["fresh"]
+    assert results["compat"]["helper"] == [
+        "Global", "_Block", "_Block.a", "_Block.a.0", "_Block.a.1", "_Block.b"]
+    assert results["torch"]["helper"] == [
+        "Global", "_Block", "_Block.a", "Sequential.0", "Sequential.1", "_Block.b"]
+    # torch's grandchildren renamed as compat names them, everything else is the same
+    by_torch = json.loads(re.sub(r"Sequential\.", "_Block.a.", json.dumps(results["torch"])))
+    by_torch["parents"] = {k: sorted(v) for k, v in by_torch["parents"].items()}
+    assert by_torch == results["compat"]
+
+
 def test_compiled_code_counts_match_torch(tp_mesh: DeviceMesh) -> None:
     """Under torch's CommDebugMode, torch.compile runs frames eagerly (it is not an "infra"
     dispatch mode); compat's mode does the same, so a compiled funcol all_reduce and a

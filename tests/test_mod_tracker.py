@@ -294,3 +294,46 @@ def test_a_user_hook_that_raises_raises_into_the_step_as_with_torch(kind: str) -
     with again:
         torch.nn.Linear(2, 2)(torch.ones(1, 2))
     assert seen == ["Linear"]
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
+        self.b = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x))
+
+
+def test_a_new_context_names_modules_afresh() -> None:
+    """One tracker, two contexts: the first calls only the child ``m.a``, the second
+    the whole model. torch's tracker names the child ``_Block.a`` in the second (and
+    keeps its children's ``Sequential.0``); compat kept ``Sequential`` for the child
+    too. Now each context names modules as a fresh tracker does: the modules torch
+    renames have torch's names, their children a fresh tracker's."""
+    from torch.distributed._tools.mod_tracker import ModTracker as TorchModTracker
+
+    def names(cls: type, first: bool) -> list[tuple[list[str | None], list[str | None]]]:
+        model, tracker = _Block(), cls()
+        fw: list[str | None] = []
+        bw: list[str | None] = []
+        tracker.register_user_hooks(
+            pre_fw_hook=lambda m, i: fw.append(tracker.get_known_fqn(m)),
+            pre_bw_hook=lambda m, g: bw.append(tracker.get_known_fqn(m)))
+        out = []
+        for whole in ([False, True] if first else [True]):
+            with tracker:
+                (model if whole else model.a)(torch.rand(2, 4, requires_grad=True)).sum().backward()
+            out.append((fw[:], sorted(bw)))  # (pre_bw's order differs, docs/compat.md)
+            fw.clear()
+            bw.clear()
+        return out
+
+    ours, by_torch = names(ModTracker, True), names(TorchModTracker, True)
+    assert ours[0] == by_torch[0]  # the first context: Sequential, Sequential.0, ...
+    assert ours[1] == names(ModTracker, False)[0]
+    assert ours[1][0] == ["_Block", "_Block.a", "_Block.a.0", "_Block.a.1", "_Block.b"]
+    assert by_torch[1][0] == ["_Block", "_Block.a", "Sequential.0", "Sequential.1", "_Block.b"]
+    renamed = [[n.replace("Sequential.", "_Block.a.") for n in ns] for ns in by_torch[1]]
+    assert [renamed[0], sorted(renamed[1])] == list(ours[1])

@@ -329,6 +329,8 @@ class ModuleTracker(BackwardNesting):
         # id(module) -> (module ref, name), for compiled graphs' module stacks
         self._by_id: dict[int, tuple[Callable[[], Any], str]] = {}
         self._named = 0  # modules named so far (a version of _known)
+        # DDP modules named before forget_names, learnt by the registry already
+        self._was_ddp: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
         self._by_id_known = -1  # self._named when _by_id was built
         self._calls: list[_Call] = []
         self._handles: list[Any] = []
@@ -446,6 +448,17 @@ class ModuleTracker(BackwardNesting):
         )
 
     # ------------------------------------------------------------ names
+    def forget_names(self) -> None:
+        """Name every module afresh at its next call, as a new tracker would
+        (``commspan.compat``: each context names modules as a new instance does).
+        Between contexts only: open calls keep the names they opened with."""
+        # named again, DDP modules stay DDP modules
+        self._was_ddp.update(m for m, info in self._known.items() if info.ddp)
+        self._known.clear()
+        self._by_id.clear()
+        self._by_id_known = -1
+        self.ran.clear()
+
     def fqn(self, module: torch.nn.Module) -> str | None:
         """The name the tracker knows ``module`` by, or ``None``."""
         info = self._known.get(module)
@@ -501,6 +514,10 @@ class ModuleTracker(BackwardNesting):
         if self.parallel is not None and new:
             for ddp in self.parallel.learn(new, self._on_mesh):
                 known[ddp].ddp = True
+            if self._was_ddp:  # (after forget_names: the registry knows them already)
+                for _, sub in new:
+                    if sub in self._was_ddp:
+                        known[sub].ddp = True
         return known[module]
 
     def open_fqns(self) -> set[str]:

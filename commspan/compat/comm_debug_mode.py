@@ -373,7 +373,8 @@ class CommDebugMode:
         self.comm_counts: dict[Any, int] = OpCounts()
         mode_kwargs.setdefault("run_id", uuid.uuid4().hex)  # (no agreement across ranks)
         self.mode = CommSpanMode(
-            module_observer=_Observer(self), _op_observer=self._on_op, **mode_kwargs
+            module_observer=_Observer(self), _op_observer=self._on_op, _fresh_names=True,
+            **mode_kwargs,
         )
         self.advanced_module_tracker = _CommModeTracker(self.mode)
         ran = self.advanced_module_tracker._ran

@@ -104,7 +104,7 @@ class ModTracker:
         self._depth = 0  # `with` entries inside the active one
         self.mode = CommSpanMode(  # its own run id: entering it talks to no other rank
             aggregator=False, record_params=False, module_observer=_UserHooks(self),
-            run_id=uuid.uuid4().hex,
+            run_id=uuid.uuid4().hex, _fresh_names=True,  # each context names modules anew
         )
 
     def _clear_hooks(self) -> None:

@@ -276,6 +276,7 @@ class CommSpanMode:
         record_gc: bool = True,
         _observer: ModuleObserver | None = None,
         _op_observer: OpCallback | None = None,
+        _fresh_names: bool = False,
     ) -> None:
         self._config = config = mode_config(
             tracer_provider=tracer_provider,
@@ -309,6 +310,9 @@ class CommSpanMode:
         self._traces = TraceOpener()  # lives as long as the mode: session traces number on
         self._groups = ProcessGroups()
         self._op_observer = _op_observer
+        # commspan.compat: each entry names modules as a new mode would (its classes'
+        # contexts start from zero); otherwise names last as long as the mode
+        self._fresh_names = bool(_fresh_names)
         self._processors: list[Callable[[ReadableSpan], None]] = []
         self._recorder: SpanRecorder | None = None
         self._tracker: ModuleTracker | None = None
@@ -453,7 +457,7 @@ class CommSpanMode:
         )
         # One dispatch mode and one tracker for the mode's life: entering
         # again keeps what they learned (module names and attributes, process
-        # groups, per-group sequence numbers).
+        # groups, per-group sequence numbers; module names not with _fresh_names).
         if self._dispatch is None:
             if self._op_observer is None:
                 self._dispatch = CollectiveDispatchMode(
@@ -476,6 +480,8 @@ class CommSpanMode:
             )
         else:
             self._tracker.recorder = self._recorder
+            if self._fresh_names:
+                self._tracker.forget_names()
         self._processors = self._build_processors()
         if self.aggregator is not None:
             self.aggregator.attach_live(self._recorder.live_spans)
