@@ -313,13 +313,13 @@ def test_noise_levels(mesh: DeviceMesh) -> None:
         comm_mode.generate_comm_debug_tracing_table(3)
     with pytest.raises(TypeError, match=r"noise_level='2' is not valid"):
         comm_mode.generate_comm_debug_tracing_table("2")  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="noise_level=1.5"):
-        comm_mode.generate_json_dump("x.json", 1.5)  # type: ignore[arg-type]
-    import numpy as np  # whole numbers of other types are taken, as torch takes them
+    with pytest.raises(ValueError, match=r"noise_level=nan is not valid: NaN .* pass a number"):
+        comm_mode.generate_json_dump("x.json", float("nan"))
+    import numpy as np  # numbers of other types are taken, as torch takes them
 
-    for level in (np.int64(2), 2.0, True):
+    for level, whole in ((np.int64(2), 2), (2.0, 2), (True, 1), (0.5, 1), (1.5, 2), (2.5, 3)):
         assert comm_mode.generate_comm_debug_tracing_table(level) == (  # type: ignore[arg-type]
-            comm_mode.generate_comm_debug_tracing_table(int(level)))
+            comm_mode.generate_comm_debug_tracing_table(whole))
 
 
 def test_entering_the_active_context_again_keeps_its_data(mesh: DeviceMesh) -> None:

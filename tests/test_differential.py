@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fractions
 import functools
 import json
 import os
@@ -21,6 +22,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -807,6 +809,57 @@ def test_compat_reports_equal_torch(
     assert got.tables[level] == want.tables[level]
     assert got.dumps[level] == want.dumps[level]
     assert got.logs[level] == want.logs[level]
+
+
+def _mlp_modes(mesh: DeviceMesh) -> dict[str, Any]:
+    """torch's and compat's CommDebugMode after one TP MLP step (torch's own hook ops dropped)."""
+    out: dict[str, Any] = {}
+    for impl, cls in (("torch", TorchCommDebugMode), ("compat", CompatCommDebugMode)):
+        torch.manual_seed(0)
+        step = REPORT_SCENARIOS["mlp"](mesh)
+        cdm = cls()
+        with without_torch_hook_ops(cdm) if impl == "torch" else contextlib.nullcontext(), cdm:
+            step()
+        out[impl] = cdm
+    return out
+
+
+@pytest.mark.parametrize("level", (0.5, 1.5, 2.5, -0.5, 7.5, float("inf"), float("-inf"),
+                                   np.float32(1.5), fractions.Fraction(5, 2), torch.tensor(0.25)),
+                         ids=str)
+def test_noise_level_that_is_no_whole_number_reads_as_torch_reads_it(
+    level: Any, tp_mesh: DeviceMesh, tmp_path: Path
+) -> None:
+    """torch compares ``noise_level`` with ``> 0``, ``> 1``, ``> 2``: 0.5 acts as 1, 1.5 as
+    2, 2.5 as 3. compat raised TypeError; now it lists what torch lists at that level
+    (levels 1 and 2 byte for byte; level 3 as compat's own level 3, whose op order
+    differs from torch's, docs/compat.md)."""
+    modes = _mlp_modes(tp_mesh)
+    torch_cdm, compat = modes["torch"], modes["compat"]
+    flags = torch_cdm._set_noise_parameters(level)
+    whole = next(n for n in range(4) if torch_cdm._set_noise_parameters(n) == flags)
+    assert compat.generate_comm_debug_tracing_table(level) == \
+        compat.generate_comm_debug_tracing_table(whole)
+    if whole < 3:
+        assert compat.generate_comm_debug_tracing_table(level) == \
+            torch_cdm.generate_comm_debug_tracing_table(level)
+        for impl, cdm in modes.items():
+            cdm.generate_json_dump(tmp_path / f"{impl}.json", noise_level=level)
+            cdm.log_comm_debug_tracing_table_to_file(tmp_path / f"{impl}.txt", level)
+        assert (tmp_path / "compat.json").read_text() == (tmp_path / "torch.json").read_text()
+        assert (tmp_path / "compat.txt").read_text() == (tmp_path / "torch.txt").read_text()
+
+
+@pytest.mark.parametrize("level", ("2", None, 1j, [1], (1,)))
+def test_noise_level_torch_cannot_compare_is_refused(level: Any) -> None:
+    """What torch's comparisons refuse (a string, None, a complex, a list) compat refuses
+    too, with a TypeError that names the parameter, the value and the levels."""
+    with pytest.raises(TypeError):
+        TorchCommDebugMode()._set_noise_parameters(level)
+    comm_mode = CompatCommDebugMode()
+    with pytest.raises(TypeError, match=rf"noise_level={re.escape(repr(level))} is not "
+                                        r"valid; pass a number: 0 \(collectives\)"):
+        comm_mode.generate_comm_debug_tracing_table(level)
 
 
 _OP_ENTRY = re.compile(r"^(\x1b\[1;33m)? *\*\*")  # the log file has no colours

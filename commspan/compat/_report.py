@@ -19,7 +19,6 @@ its ancestors); collectives count for the module and every ancestor.
 from __future__ import annotations
 
 import copy
-import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -42,23 +41,35 @@ _RESET = "\033[0m"
 Record = Mapping[str, Any]
 
 
+_LEVELS = (
+    "0 (collectives), 1 (+ module types, parameters, DTensor ops), 2 (+ other ops), "
+    "3 (+ trivial ops)"
+)
+
+
 def noise_level(value: Any) -> int:
-    """``value`` as a level 0-3: below 0 acts as 0, above 3 as 3, as in torch. Any
-    integer (a NumPy one too) or whole float is taken, as torch takes it.
+    """``value`` as a level 0-3, by torch's comparisons (``> 0``, ``> 1``, ``> 2``):
+    below 0 acts as 0, above 3 as 3, and a fraction as the level above it (0.5 as
+    1, 1.5 as 2, 2.5 as 3). Any real number torch compares so is taken (an int, a
+    float, a NumPy number, ``True``).
 
     Raises:
-        TypeError: ``value`` is not a whole number.
+        TypeError: ``value`` is not a number (a string, ``None``, a complex).
+        ValueError: ``value`` is NaN (torch reads it as 0, every comparison false).
     """
     try:
-        level = operator.index(value)
-    except TypeError:
-        if not (isinstance(value, float) and value.is_integer()):
-            raise TypeError(
-                f"noise_level={value!r} is not valid; pass an int: 0 (collectives), 1 (+ "
-                "module types, parameters, DTensor ops), 2 (+ other ops), 3 (+ trivial ops)"
-            ) from None
-        level = int(value)
-    return min(max(level, 0), 3)
+        level = 3 if value > 2 else 2 if value > 1 else 1 if value > 0 else 0
+        unordered = level == 0 and not value <= 0
+    except (TypeError, ValueError, RuntimeError):  # (an array or tensor of many: ambiguous)
+        raise TypeError(
+            f"noise_level={value!r} is not valid; pass a number: {_LEVELS}"
+        ) from None
+    if unordered:
+        raise ValueError(
+            f"noise_level={value!r} is not valid: NaN is neither above nor at or below 0 "
+            f"(torch takes it as 0); pass a number: {_LEVELS}"
+        )
+    return level
 
 
 def _shown(op: Record, level: int) -> bool:

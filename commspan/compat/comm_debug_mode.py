@@ -507,7 +507,7 @@ class CommDebugMode:
         self.advanced_module_tracker.print_sharding_info()
 
     # ------------------------------------------------------------ reports
-    def generate_comm_debug_tracing_table(self, noise_level: int = 3) -> str:
+    def generate_comm_debug_tracing_table(self, noise_level: float = 3) -> str:
         """The module table in torch's layout.
 
         Args:
@@ -519,7 +519,8 @@ class CommDebugMode:
             The table, with ANSI colours.
 
         Raises:
-            TypeError: ``noise_level`` is not an int.
+            TypeError: ``noise_level`` is not a number.
+            ValueError: ``noise_level`` is NaN.
         """
         level = _report.noise_level(noise_level)
         tracker = self.advanced_module_tracker
@@ -533,12 +534,13 @@ class CommDebugMode:
     generate_module_tracing_table = generate_comm_debug_tracing_table
 
     def log_comm_debug_tracing_table_to_file(
-        self, file_name: str | os.PathLike[str] = "comm_mode_log.txt", noise_level: int = 3
+        self, file_name: str | os.PathLike[str] = "comm_mode_log.txt", noise_level: float = 3
     ) -> None:
         """Write :meth:`generate_comm_debug_tracing_table` without colours to ``file_name``.
 
         Raises:
-            TypeError: ``noise_level`` is not an int.
+            TypeError: ``noise_level`` is not a number.
+            ValueError: ``noise_level`` is NaN.
             OSError: ``file_name`` cannot be written.
         """
         text = _ANSI.sub("", self.generate_comm_debug_tracing_table(noise_level))
@@ -546,7 +548,7 @@ class CommDebugMode:
             fh.write(text)
 
     def generate_json_dump(
-        self, file_name: str | os.PathLike[str] = "comm_mode_log.json", noise_level: int = 3
+        self, file_name: str | os.PathLike[str] = "comm_mode_log.json", noise_level: float = 3
     ) -> None:
         """Write the JSON file torch's browser visualizer reads.
 
@@ -560,7 +562,8 @@ class CommDebugMode:
             noise_level: as for :meth:`generate_comm_debug_tracing_table`.
 
         Raises:
-            TypeError: ``noise_level`` is not an int.
+            TypeError: ``noise_level`` is not a number.
+            ValueError: ``noise_level`` is NaN.
             OSError: ``file_name`` cannot be written.
         """
         level = _report.noise_level(noise_level)
