@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 from _tracing import (
     IN_DIM,
@@ -174,6 +175,43 @@ def test_compiled_tp_module_collectives_still_counted(mesh: DeviceMesh) -> None:
     assert mode.aggregator is not None and eager_mode.aggregator is not None
     assert mode.aggregator.comm_counts() == eager_mode.aggregator.comm_counts()
     assert mode.stats()["internal_errors"] == 0
+
+
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_entering_a_mode_every_step_does_not_recompile_compiled_code(fullgraph: bool) -> None:
+    """torch.compile'd code guards on torch's global forward-hook tables. A mode
+    entered around every step (and a new mode after one exited) used to register new
+    global hooks each time: a recompile per step, eager code past the recompile limit,
+    and FailOnRecompileLimitHit with fullgraph=True. It compiles as often as untraced."""
+    import torch._dynamo
+
+    steps = torch._dynamo.config.recompile_limit + 3
+
+    def compiles(traced: bool) -> int:
+        torch._dynamo.reset()
+        graphs: list[Any] = []
+
+        def backend(gm: Any, example_inputs: Any) -> Any:
+            graphs.append(gm)
+            return gm.forward
+
+        model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+        step = torch.compile(lambda x: model(x).sum(), backend=backend, fullgraph=fullgraph)
+        for i in range(steps):
+            if not traced:
+                step(torch.ones(2, 4) * i).backward()
+                continue
+            mode, _ = traced_mode() if i % 2 else (modes[0], None)  # a new mode, or the same
+            with mode, mode.step(i):
+                step(torch.ones(2, 4) * i).backward()
+            assert mode.stats()["internal_errors"] == 0
+        return len(graphs)
+
+    modes = [traced_mode()[0]]
+    untraced = compiles(False)
+    assert untraced == 1
+    assert compiles(True) == untraced
+    torch._dynamo.reset()
 
 
 def double(module: nn.Module, args: tuple[torch.Tensor], output: torch.Tensor) -> torch.Tensor:

@@ -52,8 +52,9 @@ __all__ = ["ModuleHooks", "ModuleInfo", "ModuleTracker"]
 
 _log = logging.getLogger(__name__)
 _NO_KWARGS: Any = object()  # the forward hook was called without kwargs (after an exception)
+_torch_module = torch.nn.modules.module
 _GLOBAL_WITH_KWARGS: dict[int, bool] = getattr(
-    torch.nn.modules.module, "_global_forward_hooks_with_kwargs", {})
+    _torch_module, "_global_forward_hooks_with_kwargs", {})
 _graph_task_id = graph_task_id
 _get_ident = threading.get_ident
 _FORWARD = Phase.FORWARD
@@ -145,6 +146,110 @@ class _RecursionHeadroom:
 _HEADROOM = _RecursionHeadroom()
 
 
+def _global_pre_fw(module: torch.nn.Module, args: Any) -> None:
+    """commspan's global forward pre-hook: every installed tracker's."""
+    if _is_compiling():  # first: dynamo traces this hook and must see nothing else
+        return
+    for tracker in _GLOBAL_HOOKS.trackers:
+        tracker._pre_fw(module, args)
+
+
+def _global_post_fw(
+    module: torch.nn.Module, args: Any, kwargs: Any, output: Any = _NO_KWARGS
+) -> None:
+    """commspan's global forward hook (``with_kwargs``, ``always_call``): every
+    installed tracker's."""
+    if _is_compiling():
+        return
+    for tracker in _GLOBAL_HOOKS.trackers:
+        tracker._post_fw(module, args, kwargs, output)
+
+
+class _GlobalHooks:
+    """commspan's two global module hooks, one pair per process, shared by the
+    installed trackers (one mode per thread).
+
+    torch.compile'd code guards on torch's global forward-hook tables: on their
+    keys (the hooks' ids) and on the hook functions it traced. Hooks registered
+    anew each time a mode is entered (``with mode:`` around every step) failed
+    those guards at every entry: a recompile per step, then eager code once the
+    recompile limit was hit, or ``FailOnRecompileLimitHit`` with
+    ``fullgraph=True``. So the hooks are two module-level functions, registered
+    the first time a tracker installs; when the last tracker leaves they come
+    out of torch's tables (an untraced step takes torch's hook-free path) and
+    go back in under the same ids when a tracker installs again. Compiled code
+    then sees one of two states, traced or not, as with one long-lived mode.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        renew_after_fork(self, "_lock")
+        self.trackers: tuple[ModuleTracker, ...] = ()
+        """The installed trackers (replaced, never changed in place: the hooks read it
+        without the lock)."""
+        self._ids: tuple[int, int] | None = None  # (pre-hook id, hook id) once registered
+
+    def add(self, tracker: ModuleTracker) -> None:
+        with self._lock:
+            if tracker in self.trackers:
+                return
+            self.trackers = (*self.trackers, tracker)
+            if len(self.trackers) == 1:
+                self._register()
+
+    def discard(self, tracker: ModuleTracker) -> None:
+        with self._lock:
+            if tracker not in self.trackers:
+                return
+            self.trackers = tuple(t for t in self.trackers if t is not tracker)
+            if not self.trackers:
+                self._unregister()
+
+    @staticmethod
+    def _tables() -> tuple[dict[int, Any], ...] | None:
+        tables = tuple(getattr(_torch_module, name, None) for name in (
+            "_global_forward_pre_hooks", "_global_forward_hooks",
+            "_global_forward_hooks_with_kwargs", "_global_forward_hooks_always_called"))
+        return None if any(t is None for t in tables) else tables  # type: ignore[return-value]
+
+    def _register(self) -> None:
+        tables = self._tables()
+        if self._ids is None or tables is None:
+            pre = register_module_forward_pre_hook(_global_pre_fw)
+            # with kwargs: tensors passed by keyword are inputs too (their
+            # gradient ends the module's backward, step 4)
+            post = register_module_forward_hook(
+                _global_post_fw, with_kwargs=True, always_call=True)
+            self._ids = (pre.id, post.id)
+            return
+        pre_hooks, hooks, with_kwargs, always = tables
+        pre_id, post_id = self._ids
+        # the flags first: another thread's module call never sees the hook without them
+        with_kwargs[post_id] = True
+        always[post_id] = True
+        hooks[post_id] = _global_post_fw
+        pre_hooks[pre_id] = _global_pre_fw
+
+    def _unregister(self) -> None:
+        if self._ids is None:
+            return
+        pre_id, post_id = self._ids
+        for name, key in (
+            ("_global_forward_pre_hooks", pre_id),
+            ("_global_forward_hooks", post_id),
+            ("_global_forward_hooks_with_kwargs", post_id),
+            ("_global_forward_hooks_always_called", post_id),
+        ):
+            table = getattr(_torch_module, name, None)
+            if table is not None:
+                table.pop(key, None)
+        if self._tables() is None:  # this torch cannot take them back under their ids
+            self._ids = None
+
+
+_GLOBAL_HOOKS = _GlobalHooks()
+
+
 def _named_modules(root: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """``root.named_modules()`` without recursion (same order), except that a module
     ``torch.compile`` wrapped (``OptimizedModule``) gives its name to the module it
@@ -195,7 +300,7 @@ class _Closer:
         if tracker._local_post_fw(self.call, module, args, kwargs, output, from_copy):
             info = self.call.info
             # (_finish_forward reads the caller of this hook, 2 frames up)
-            tracker._finish_forward(info, module, args, output, kwargs)
+            tracker._finish_forward(info, module, args, output, kwargs, 2)
 
     def __deepcopy__(self, memo: Any) -> _Closer:
         return _INERT_CLOSER
@@ -333,7 +438,7 @@ class ModuleTracker(BackwardNesting):
         self._was_ddp: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
         self._by_id_known = -1  # self._named when _by_id was built
         self._calls: list[_Call] = []
-        self._handles: list[Any] = []
+        self._installed = False
         self._local: list[Any] = []  # per-call closing hooks still registered
         self._stale: list[Any] = []  # closing hooks that ran, removed at the next call
         self._init_backward()
@@ -368,16 +473,13 @@ class ModuleTracker(BackwardNesting):
 
     # ------------------------------------------------------------ install
     def install(self) -> None:
-        """Register the global hooks (idempotent)."""
-        if self._handles:
+        """Register the global hooks (idempotent; the process's pair, shared by
+        every installed tracker and the same at every install: :class:`_GlobalHooks`)."""
+        if self._installed:
             return
         self.owner = _get_ident()
-        self._handles = [
-            register_module_forward_pre_hook(self._pre_fw),
-            # with kwargs: tensors passed by keyword are inputs too (their
-            # gradient ends the module's backward, step 4)
-            register_module_forward_hook(self._post_fw, with_kwargs=True, always_call=True),
-        ]
+        self._installed = True
+        _GLOBAL_HOOKS.add(self)
         if not self._headroom:
             _HEADROOM.acquire()
             self._headroom = True
@@ -391,8 +493,7 @@ class ModuleTracker(BackwardNesting):
         PyTorch's slower hook-handling path; an untraced step should not.
         """
         self.active = False
-        _remove_hooks(self._handles)
-        self._handles = []
+        self._leave_hooks()
         self._release_headroom()
 
     def uninstall(self) -> None:
@@ -401,8 +502,7 @@ class ModuleTracker(BackwardNesting):
         self._release_headroom()
         self._error_mark = None
         self.unwound = None
-        _remove_hooks(self._handles)
-        self._handles = []
+        self._leave_hooks()
         self._drop_closers()
         self._calls.clear()
         self._forget_backward()
@@ -415,6 +515,12 @@ class ModuleTracker(BackwardNesting):
         self._drop_closers()
         self._error_mark = None
         self.unwound = None
+
+    def _leave_hooks(self) -> None:
+        """This tracker's calls come off the global hooks (which leave torch's
+        tables with the last tracker)."""
+        self._installed = False
+        _GLOBAL_HOOKS.discard(self)
 
     def _drop_closers(self) -> None:
         """Remove every closing hook of a call still registered (:class:`_Closer`)."""
@@ -633,10 +739,11 @@ class ModuleTracker(BackwardNesting):
         info = self._known.get(module)
         if info is None or info.local_open:
             return
+        # (_finish_forward reads torch's frame: 3 up, past this and _global_post_fw)
         if output is _NO_KWARGS:
-            self._finish_forward(info, module, args, kwargs, None)
+            self._finish_forward(info, module, args, kwargs, None, 3)
         else:
-            self._finish_forward(info, module, args, output, kwargs)
+            self._finish_forward(info, module, args, output, kwargs, 3)
 
     def _local_post_fw(
         self, call: _Call, module: torch.nn.Module, args: Any, kwargs: Any, output: Any,
@@ -675,7 +782,8 @@ class ModuleTracker(BackwardNesting):
         ``BackwardHook`` next. (Nothing is registered on the module.)"""
         if module._is_full_backward_hook is False:  # old-style hooks: torch refuses both
             return
-        taken = sys._getframe(2).f_locals.get("backward_pre_hooks")
+        # (this function, _pre_fw, _global_pre_fw, then torch's frame)
+        taken = sys._getframe(3).f_locals.get("backward_pre_hooks")
         if type(taken) is list:
             taken.insert(0, functools.partial(self._call_backward_starts, call))
 
@@ -687,8 +795,11 @@ class ModuleTracker(BackwardNesting):
         self._output_grad_ready(call, grad_output, observe=False)
 
     def _finish_forward(
-        self, info: ModuleInfo, module: torch.nn.Module, args: Any, output: Any, kwargs: Any
+        self, info: ModuleInfo, module: torch.nn.Module, args: Any, output: Any, kwargs: Any,
+        up: int,
     ) -> None:
+        """The call's forward ended (``up``: how many frames up torch's frame that ran
+        the hook is, where an exception the forward raised starts)."""
         raised = False  # the forward raised
         try:
             if self.unwound is not None:
@@ -699,9 +810,9 @@ class ModuleTracker(BackwardNesting):
                 return
             call = calls[idx]
             del calls[idx:]
-            # the hook's caller is torch's Module._call_impl (2 frames up); a call whose
+            # the hook's caller is torch's Module._call_impl (``up``); a call whose
             # forward returned and one of whose own forward hooks raised has an output
-            error = (_raised_into(sys._getframe(2))
+            error = (_raised_into(sys._getframe(up))
                      if output is None or _exc_info()[1] is not None else None)
             if error is not None:
                 if isinstance(error, _StopRecomputation):
