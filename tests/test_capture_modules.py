@@ -7,6 +7,7 @@ exporter. Tensor parallelism runs on the fake process group (``mesh`` fixture).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
 import pytest
@@ -325,6 +326,121 @@ def test_another_threads_call_does_not_close_this_calls_span_early() -> None:
     by_id = {s.context.span_id: s for s in spans}
     (lin2,) = [s for s in spans if fqn(s) == "M.lin2"]
     assert lin2.parent is not None and by_id[lin2.parent.span_id].name == "M forward"
+
+
+@pytest.mark.parametrize("raises", [False, True])
+def test_another_thread_calling_the_module_never_fails_because_of_the_trace(
+    raises: bool,
+) -> None:
+    """A module with a forward hook of its own, called by a traced thread and by
+    another thread at once. commspan used to add and remove a closing hook on the
+    module for each traced call, so the other thread's call got the hook without its
+    kwargs (TypeError) or, walking the hooks after its forward raised, "OrderedDict
+    mutated during iteration" instead of its own exception. The module's hook tables
+    are no longer changed per call: the other thread only sees its own outcomes."""
+    import sys
+    import threading
+    import time
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, fail: bool = False) -> torch.Tensor:
+            y = self.lin(x)
+            if fail:
+                raise ValueError("user error")
+            return y
+
+    model = M()
+    model.register_forward_hook(lambda m, a, o: time.sleep(0), always_call=True)  # releases the GIL
+    hooks = dict(model._forward_hooks)
+    outcomes: dict[str, int] = {}
+    stop = threading.Event()
+
+    def other() -> None:
+        while not stop.is_set():
+            try:
+                with torch.no_grad():
+                    model(torch.randn(2, 4), fail=raises)
+                outcome = "ok"
+            except ValueError as e:
+                outcome = "its ValueError" if str(e) == "user error" else repr(e)
+            except Exception as e:
+                outcome = repr(e)
+            outcomes[outcome] = outcomes.get(outcome, 0) + 1
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    thread = threading.Thread(target=other)
+    mode, exporter = traced_mode()
+    try:
+        thread.start()
+        with mode, mode.step(0):
+            for _ in range(300):
+                model(torch.randn(2, 4)).sum().backward()
+    finally:
+        stop.set()
+        thread.join(10)
+        sys.setswitchinterval(interval)
+    assert set(outcomes) == {"its ValueError" if raises else "ok"}
+    assert mode.stats()["internal_errors"] == 0
+    assert dict(model._forward_hooks) == hooks
+    spans = list(exporter.get_finished_spans())
+    assert_well_formed(spans)
+    assert len(named(spans, "M", "forward")) == 300
+
+
+def test_a_hook_registered_during_a_traced_call_of_its_module_can_be_removed() -> None:
+    """While a traced call of a module with hooks of its own runs, its hook tables are
+    copies (with commspan's closing hook): a hook registered then, on that module,
+    is on the module after the call, and its handle removes it."""
+    handles: list[Any] = []
+    seen: list[str] = []
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if not handles:
+                handles.append(self.register_forward_hook(
+                    lambda m, a, o: seen.append("late"), prepend=True))
+            return self.lin(x)
+
+    def run(mode: Any) -> list[str]:
+        handles.clear()
+        seen.clear()
+        model = M()
+        model.register_forward_hook(lambda m, a, o: seen.append("own"))
+        with mode, mode.step(0):
+            model(torch.randn(1, 2))
+            model(torch.randn(1, 2))
+        assert len(model._forward_hooks) == 2 and type(model._forward_hooks) is OrderedDict
+        handles[0].remove()
+        assert len(model._forward_hooks) == 1
+        with mode, mode.step(1):
+            model(torch.randn(1, 2))
+        return list(seen)
+
+    class Untraced:
+        def __enter__(self) -> None:
+            pass
+
+        def __exit__(self, *exc: Any) -> None:
+            pass
+
+        def step(self, i: int) -> Untraced:
+            return self
+
+    expected = run(Untraced())
+    assert expected == ["late", "own", "late", "own", "own"]
+    mode, exporter = traced_mode()
+    assert run(mode) == expected
+    assert mode.stats()["internal_errors"] == 0
+    assert_well_formed(list(exporter.get_finished_spans()))
 
 
 def test_a_model_called_inside_an_except_block_can_be_copied() -> None:

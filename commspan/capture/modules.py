@@ -21,11 +21,14 @@ each traced module call costs, so a model runs as deep traced as untraced.
 
 from __future__ import annotations
 
+import copy
 import functools
+import itertools
 import logging
 import sys
 import threading
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +37,7 @@ from torch.nn.modules.module import (
     register_module_forward_hook,
     register_module_forward_pre_hook,
 )
+from torch.utils.hooks import RemovableHandle
 
 from commspan import semconv
 from commspan._errors import ErrorCounter, describe_error
@@ -53,8 +57,6 @@ __all__ = ["ModuleHooks", "ModuleInfo", "ModuleTracker"]
 _log = logging.getLogger(__name__)
 _NO_KWARGS: Any = object()  # the forward hook was called without kwargs (after an exception)
 _torch_module = torch.nn.modules.module
-_GLOBAL_WITH_KWARGS: dict[int, bool] = getattr(
-    _torch_module, "_global_forward_hooks_with_kwargs", {})
 _graph_task_id = graph_task_id
 _get_ident = threading.get_ident
 _FORWARD = Phase.FORWARD
@@ -280,9 +282,9 @@ ModuleHooks = ModuleObserver
 
 class _Closer:
     """The forward hook that closes one call's frame after the module's own hooks
-    (:meth:`ModuleTracker._close_after_own_hooks`). Copying or pickling a module
-    while one is on it (a call that raised, an interrupt) gives the copy a hook that
-    does nothing, not a copy of the tracker."""
+    (:meth:`ModuleTracker._close_after_own_hooks`). It is only ever in a copy of the
+    module's hook table (:class:`_CallHooks`), which pickles and copies as the
+    module's own table, without it."""
 
     __slots__ = ("tracker", "call")
 
@@ -290,32 +292,117 @@ class _Closer:
         self.tracker = tracker
         self.call = call
 
-    def __call__(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+    def __call__(
+        self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any = _NO_KWARGS
+    ) -> None:
+        # (module, args, output) from another thread's call that read the hook table
+        # before and the kwargs table after this call's tables were put back
+        if output is _NO_KWARGS:
+            return  # not this call's (this call's tables hold both)
         tracker = self.tracker
-        if tracker is None:
-            return
-        # torch runs a successful call's hooks from a copy of the dict, in the inner
-        # function of Module._call_impl; its error path walks the dict itself
-        from_copy = sys._getframe(1).f_code.co_name == "inner"
-        if tracker._local_post_fw(self.call, module, args, kwargs, output, from_copy):
+        if tracker._local_post_fw(self.call, module):
             info = self.call.info
             # (_finish_forward reads the caller of this hook, 2 frames up)
             tracker._finish_forward(info, module, args, output, kwargs, 2)
 
-    def __deepcopy__(self, memo: Any) -> _Closer:
-        return _INERT_CLOSER
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_inert_closer, ())
-
-
-def _inert_closer() -> _Closer:
-    return _INERT_CLOSER
+# the module's tables a forward hook is registered in; the hook table last
+_HOOK_TABLES = ("_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_hooks")
+_TABLES_LOCK = threading.Lock()
+_closer_ids = itertools.count(-1, -1)  # keys of closing hooks: torch's ids are >= 0
 
 
-_INERT_CLOSER: _Closer = _Closer.__new__(_Closer)
-_INERT_CLOSER.tracker = None  # type: ignore[assignment]
-_INERT_CLOSER.call = None  # type: ignore[assignment]
+class _CallHooks(OrderedDict):  # type: ignore[type-arg]
+    """One of a module's forward-hook tables while a traced call of it runs: a copy
+    of the module's own table (``own``) with the call's closing hook (or its flag)
+    added at the end, put in the module's ``__dict__`` in place of it.
+
+    The module's own tables are never changed: another thread calling the same
+    module (untraced, or traced by its own mode) reads them without a lock, and
+    torch's error path walks the hook table itself, so a hook added and removed
+    per call made that call fail (a hook called without its kwargs, "OrderedDict
+    mutated during iteration" instead of the user's exception). What is
+    registered or removed during the call (through a handle) goes to the module's
+    own table too, and the handle is pointed at it; pickling and copying give the
+    own table.
+    """
+
+    def __init__(self, own: dict[int, Any], items: Any) -> None:
+        super().__init__()
+        self.own = own
+        for key, value in items:
+            OrderedDict.__setitem__(self, key, value)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.own[key] = value
+        OrderedDict.__setitem__(self, key, value)
+        handle = sys._getframe(1).f_locals.get("handle")  # torch's register_*_hook
+        if isinstance(handle, RemovableHandle):
+            _point_at_own(handle)
+
+    def __delitem__(self, key: Any) -> None:
+        self.own.pop(key, None)
+        OrderedDict.__delitem__(self, key)
+
+    def move_to_end(self, key: Any, last: bool = True) -> None:
+        if key in self.own:
+            self.own.move_to_end(key, last)  # type: ignore[attr-defined]
+        OrderedDict.move_to_end(self, key, last)
+
+    def __reduce__(self) -> Any:
+        return self.own.__reduce__()
+
+    def __copy__(self) -> Any:
+        return copy.copy(self.own)
+
+    def __deepcopy__(self, memo: Any) -> Any:
+        return copy.deepcopy(self.own, memo)
+
+
+def _own(table: Any) -> Any:
+    return table.own if type(table) is _CallHooks else table
+
+
+def _point_at_own(handle: RemovableHandle) -> None:
+    """A hook registered on a module during a traced call of it: its handle removes
+    it from the module's own tables, not from the call's copies."""
+    try:
+        table = handle.hooks_dict_ref()
+        if type(table) is _CallHooks:
+            handle.hooks_dict_ref = weakref.ref(table.own)
+        handle.extra_dict_ref = tuple(
+            weakref.ref(_own(ref())) if ref() is not None else ref
+            for ref in handle.extra_dict_ref)
+    except Exception:  # pragma: no cover - another torch's handle
+        _log.debug("commspan: could not point a hook handle at its module", exc_info=True)
+
+
+def _add_closer(module: torch.nn.Module, closer: _Closer) -> int:
+    """Put the module's tables, copied, with ``closer`` at the end, in its place;
+    returns the closer's key."""
+    key = next(_closer_ids)
+    state = module.__dict__
+    with _TABLES_LOCK:
+        for name in _HOOK_TABLES:  # flags first: a reader never sees the hook without them
+            table = state[name]
+            new = _CallHooks(_own(table), table.items())
+            OrderedDict.__setitem__(new, key, closer if name == "_forward_hooks" else True)
+            state[name] = new
+    return key
+
+
+def _remove_closer(module: torch.nn.Module, key: int) -> None:
+    """Take the closer ``key`` out of the module's tables (a new copy, or the own
+    table when no other call's closer is left)."""
+    state = module.__dict__
+    with _TABLES_LOCK:
+        for name in reversed(_HOOK_TABLES):  # the hook first
+            table = state.get(name)
+            if type(table) is not _CallHooks or key not in table:
+                continue
+            rest = [(k, v) for k, v in table.items() if k != key]
+            closers = any(type(k) is int and k < 0 for k, _ in rest)
+            state[name] = _CallHooks(table.own, rest) if closers else table.own
 
 
 class ModuleInfo:
@@ -363,15 +450,6 @@ def _without_traceback(error: BaseException) -> BaseException:
     if type(error) is RecursionError:
         return RecursionError(*error.args)
     return error
-
-
-def _remove_hooks(handles: list[Any]) -> None:
-    """Remove hooks; for a global forward hook registered ``with_kwargs``, also
-    its entry in torch's table of such hooks, which the handle leaves behind
-    (torch 2.13): one entry more per traced step otherwise."""
-    for h in handles:
-        h.remove()
-        _GLOBAL_WITH_KWARGS.pop(h.id, None)
 
 
 _exc_info = sys.exc_info
@@ -439,8 +517,7 @@ class ModuleTracker(BackwardNesting):
         self._by_id_known = -1  # self._named when _by_id was built
         self._calls: list[_Call] = []
         self._installed = False
-        self._local: list[Any] = []  # per-call closing hooks still registered
-        self._stale: list[Any] = []  # closing hooks that ran, removed at the next call
+        self._local: list[_Call] = []  # calls whose closing hook is still on their module
         self._init_backward()
         self.active = False
         self._errors = ErrorCounter(
@@ -524,8 +601,12 @@ class ModuleTracker(BackwardNesting):
 
     def _drop_closers(self) -> None:
         """Remove every closing hook of a call still registered (:class:`_Closer`)."""
-        _remove_hooks(self._local + self._stale)
-        self._local, self._stale = [], []
+        local, self._local = self._local, []
+        for call in local:
+            key, call.local = call.local, None
+            module = call.module()
+            if key is not None and module is not None:
+                _remove_closer(module, key)
         for info in list(self._known.values()):
             info.local_open = 0
 
@@ -662,9 +743,6 @@ class ModuleTracker(BackwardNesting):
             call = _Call(info, ref, parent, frame, depth)
             call.task = task
             self._calls.append(call)
-            if self._stale:
-                _remove_hooks(self._stale)
-                self._stale = []
             if module._forward_hooks:
                 self._close_after_own_hooks(module, info, call)
             if module._backward_pre_hooks or module._backward_hooks:
@@ -723,10 +801,12 @@ class ModuleTracker(BackwardNesting):
         hooks): close its frame from a hook registered after them, for this call
         only, so their collectives belong to it. The hook comes off when it has
         run: one left on the module between calls would hold the tracker, and
-        copying, pickling or scripting the model would fail."""
-        call.local = module.register_forward_hook(
-            _Closer(self, call), with_kwargs=True, always_call=True)
-        self._local.append(call.local)
+        copying, pickling or scripting the model would fail. It is added to copies
+        of the module's hook tables put in their place for the call
+        (:class:`_CallHooks`), never to the tables themselves, which another
+        thread may be reading."""
+        call.local = _add_closer(module, _Closer(self, call))
+        self._local.append(call)
         info.local_open += 1
 
     def _post_fw(
@@ -745,16 +825,13 @@ class ModuleTracker(BackwardNesting):
         else:
             self._finish_forward(info, module, args, output, kwargs, 3)
 
-    def _local_post_fw(
-        self, call: _Call, module: torch.nn.Module, args: Any, kwargs: Any, output: Any,
-        from_copy: bool,
-    ) -> bool:
-        """The closing hook of ``call`` ran (``from_copy``: from torch's copy of the
-        module's hooks, where removing it is safe); returns whether to finish it."""
+    def _local_post_fw(self, call: _Call, module: torch.nn.Module) -> bool:
+        """The closing hook of ``call`` ran; returns whether to finish the call (and
+        takes the hook off: torch runs it from a table no longer the module's)."""
         if self._ignores_this_call(module):
             return False  # another thread's call of the module: not this call's end
-        handle = call.local
-        if handle is None:  # ran already (or the tracker was reset)
+        key = call.local
+        if key is None:  # ran already (or the tracker was reset)
             return False
         info = call.info
         idx = self._innermost_call(info)
@@ -763,13 +840,10 @@ class ModuleTracker(BackwardNesting):
         call.local = None
         info.local_open = max(0, info.local_open - 1)
         try:
-            self._local.remove(handle)
+            self._local.remove(call)
         except ValueError:
             pass
-        if from_copy:
-            handle.remove()
-        else:  # torch's error path walks the dict itself: remove it at the next call
-            self._stale.append(handle)
+        _remove_closer(module, key)
         return True
 
     def _watch_backward_hooks(self, module: torch.nn.Module, call: _Call) -> None:
