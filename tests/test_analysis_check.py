@@ -1320,3 +1320,40 @@ def test_a_step_selection_keeps_the_record_of_a_rank_stuck_before_it() -> None:
     (on_a,) = [f for f in result.findings if f.kind == KIND_HANG and f.group == "a"]
     assert "wrote nothing" not in on_a.message
     assert "itself waiting" in on_a.message and on_a.ranks[1]["hang_record"] is not None
+
+
+@pytest.mark.parametrize("reason", [semconv.HANG_REASON_DUMP, semconv.HANG_REASON_SIGNAL])
+def test_a_send_never_waited_on_whose_receive_completed_is_no_hang(reason: str) -> None:
+    """Schema 3, 2 ranks: in each step rank 0 isends to rank 1 in Net.p and never waits
+    on the Work (gloo then never reports it completed: no duration); rank 1's blocking
+    recv completes. A dump (or signal) at the end lists the send issued: the peer
+    completed the matching recv, so the data went across and nothing hangs. A send
+    whose receive did not complete is still reported."""
+    b = SpanBuilder(world=2, schema=3)
+    for step in range(3):
+        b.rank(0, step).coll("send", fqn="Net.p", kind=semconv.KIND_P2P, peer=1)
+        b.rank(1, step).coll("recv", fqn="Net.p", kind=semconv.KIND_P2P, peer=0,
+                             duration_ns=MS)
+
+    def p2p(op: str, peer: int, n: int, state: str) -> dict[str, Any]:
+        return b.event_attrs(op, fqn="Net.p", phase="forward", group=WORLD_GROUP,
+                             ranks=range(2), seq=None, p2p_seq=n, kind=semconv.KIND_P2P,
+                             peer=peer, state=state)
+
+    for r in range(2):
+        b.hang(r, 2, stack=[], reason=reason, collectives=[
+            p2p("send", 1, n, semconv.STATE_ISSUED) if r == 0 else
+            p2p("recv", 0, n, semconv.STATE_COMPLETED) for n in (1, 2, 3)])
+    result = check(build_run(b.spans()))
+    assert result.findings == [] and result.checked["hang_records"] == 2
+    # rank 1's receive #3 not completed (no duration, its record says issued): a hang
+    spans = b.spans()
+    for rec in spans:
+        for _name, attrs in rec.events:
+            if rec.rank == 1 and attrs.get(semconv.P2P_SEQ) == 3:
+                attrs.pop(semconv.COLL_DURATION_NS, None)
+                if semconv.COLL_STATE in attrs:
+                    attrs[semconv.COLL_STATE] = semconv.STATE_ISSUED
+    (f,) = check(build_run(spans)).findings
+    assert (f.kind, f.details["p2p"]) == (KIND_HANG, {"sender": 0, "receiver": 1,
+                                                      "p2p_seq": 3})

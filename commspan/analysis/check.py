@@ -702,9 +702,11 @@ def _superseded_dropped(run: Run, latest: Mapping[int, HangRecord]) -> dict[int,
     to have completed: a record written while a collective was slow (a straggler
     longer than ``hang_timeout_s``, a ``mode.dump()`` during a wait) says nothing of a
     hang once the collective completed. Known completed: the same rank's spans,
-    written later, show it completed; or (a collective, not a point-to-point op) some
-    rank of its group completed it, which none can before every rank took part; or
-    the same rank completed a later collective on the same group. A collective whose
+    written later, show it completed; or (a collective) some rank of its group
+    completed it, which none can before every rank took part; or the same rank
+    completed a later collective on the same group; or (a send or receive numbered
+    per peer) the peer completed the matching receive or send (a send never waited
+    on, whose ``Work`` gloo reports completed only once waited). A collective whose
     op failed is kept: its failure is what the finding reports."""
     done: set[tuple[Any, ...]] = set()
     anywhere: set[tuple[str, int]] = set()  # (group, seq) some rank completed
@@ -734,7 +736,13 @@ def _superseded_dropped(run: Run, latest: Mapping[int, HangRecord]) -> dict[int,
             return False
         if _op_key(rec) in done:
             return True
-        if rec.p2p_seq is not None or rec.seq is None or not rec.group:
+        if rec.p2p_seq is not None:
+            # its peer completed the matching op: the pair's data went across, so this
+            # side is done too (gloo's send says so only once waited on)
+            return (rec.op in _P2P_MATCH and isinstance(rec.peer, int)
+                    and (rec.peer, rec.group, _P2P_MATCH[rec.op], rec.rank,
+                         rec.p2p_seq) in done)
+        if rec.seq is None or not rec.group:
             return False
         return (rec.group, rec.seq) in anywhere or rec.seq < upto.get((rec.rank, rec.group), -1)
 
