@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _analysis_builder import WORLD_GROUP, SpanBuilder
+from _analysis_builder import WORLD_GROUP, SpanBuilder, trace_of
 
 from commspan import semconv
 from commspan.analysis import build_run, check, check_run
@@ -1357,3 +1357,41 @@ def test_a_send_never_waited_on_whose_receive_completed_is_no_hang(reason: str) 
     (f,) = check(build_run(spans)).findings
     assert (f.kind, f.details["p2p"]) == (KIND_HANG, {"sender": 0, "receiver": 1,
                                                       "p2p_seq": 3})
+
+
+def test_a_killed_rank_is_the_root_and_a_rank_whose_own_collective_failed_waits() -> None:
+    """No hang records. Groups B = (2, 3) and the world; each step Net.b all_reduces on
+    B, then Net.w on the world. Rank 3 is killed in step 1 before Net.b: rank 2's B
+    all_reduce fails, so it never reaches Net.w, whose all_reduce fails on ranks 0
+    and 1 (every rank but 3 closes its step with the error). The B finding names rank
+    3 and comes first (root); the world finding says rank 2 was blocked in B's
+    all_reduce (root false). Step 1 is cut short: no missing findings."""
+    b = SpanBuilder(WORLD)
+    B = (2, 3)
+    for r in range(WORLD):
+        s = b.rank(r, 0)
+        if r in B:
+            s.coll("all_reduce", fqn="Net.b", group="2", ranks=B, duration_ns=MS)
+        s.coll("all_reduce", fqn="Net.w", duration_ns=MS)
+    for r in range(3):
+        s = b.rank(r, 1)
+        if r in B:
+            b.clock[r] += 5 * MS  # (issued after ranks 0 and 1's: order is no cause)
+            s.coll("all_reduce", fqn="Net.b", group="2", ranks=B)
+        else:
+            s.coll("all_reduce", fqn="Net.w")
+    spans = b.spans()
+    for rec in spans:  # what the capture writes on the event of an op that raised
+        for _name, attrs in rec.events:
+            if rec.trace_id == trace_of(1):
+                attrs[semconv.COLL_STATE] = semconv.STATE_FAILED
+    result = check(build_run(spans))
+    assert [(f.kind, f.group, f.details.get("root")) for f in result.findings] == [
+        (KIND_HANG, "2", True), (KIND_HANG, WORLD_GROUP, False)]
+    world = result.findings[1]
+    assert world.details["never_issued"] == [2, 3]
+    assert ("rank 2 wrote no record of it and no hang record; its last exported collective "
+            "was `Net.b` forward all_reduce on group 2 (seq 2), in step 1, and it failed: "
+            "it was blocked there") in world.message
+    assert "rank 3 wrote no record of it and no hang record (stopped?)" in world.message
+    assert result.checked["steps_interrupted"] == 1

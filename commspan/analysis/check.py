@@ -221,8 +221,9 @@ def interrupted_traces(run: Run) -> set[str]:
     """Steps some rank never finished, whose spans are incomplete by nature: a rank
     wrote spans of the step but not its rank span, and either a hang record is in the
     step or the rank wrote nothing in a later step (it hung, died, was stopped in it,
-    or is still in it). Comparing them would call the collectives it had not yet
-    reached a mismatch."""
+    or is still in it); or a collective of the step failed on some rank (its op
+    raised: a peer died, a backend timed out). Comparing them would call the
+    collectives it had not yet reached a mismatch."""
     last: dict[int, int] = {}
     for trace, ranks in run.presence.items():
         step = run.trace_steps.get(trace)
@@ -241,6 +242,9 @@ def interrupted_traces(run: Run) -> set[str]:
         present = run.presence.get(h.trace_id, set())
         if any((r, h.trace_id) not in run.rank_steps for r in present):
             out.add(h.trace_id)
+    for rec in run.collectives:
+        if rec.state == semconv.STATE_FAILED and run.trace_steps.get(rec.trace_id) is not None:
+            out.add(rec.trace_id)  # its op raised: the rank's step was cut short there
     return out
 
 
@@ -860,6 +864,8 @@ def _p2p_hang_finding(
         if elsewhere:
             root = False
             text += elsewhere
+        elif _blocked_by_failure(peer, peer_hang, last_any):
+            root = False
         text = text.replace("never issued it", f"never issued the matching {other}", 1)
         parts.append(f"rank {peer} {text}")
     if peer_hang is not None:
@@ -951,12 +957,27 @@ def _unseen(
         return "never issued it and was outside any module", None, None
     if r in last_any:
         last = last_any[r]
+        if last.state == semconv.STATE_FAILED:
+            # its last op raised (a peer died, a backend's timeout): it waited there
+            return ("wrote no record of it and no hang record; its last exported "
+                    f"collective was {last.where()} {_op_words(last)}, in "
+                    f"{_step_words(last.step)}, and it failed: it was blocked there",
+                    last.fqn, last.phase)
         # nothing after its last exported spans: not known to have issued it
         return ("wrote no record of it and no hang record (stopped?); its last "
                 f"exported collective was {last.op} in `{last.fqn}` {last.phase} "
                 f"({_step_words(last.step)})",
                 last.fqn, last.phase)
     return "never issued it and wrote nothing", None, None
+
+
+def _blocked_by_failure(r: int, hang: HangRecord | None,
+                        last_any: Mapping[int, CollectiveRecord]) -> bool:
+    """Rank ``r`` wrote no hang record and its last exported op failed: it was blocked
+    in that op (its peer died, or the backend timed out), as a hang record would
+    have shown it waiting there."""
+    last = last_any.get(r)
+    return hang is None and last is not None and last.state == semconv.STATE_FAILED
 
 
 def _hang_finding(
@@ -1020,6 +1041,8 @@ def _hang_finding(
             if elsewhere:  # it did not get there because it waits in another op
                 text += elsewhere
                 blocked.append(r)
+            elif _blocked_by_failure(r, hang, last_any):  # (which the text says)
+                blocked.append(r)
             never.setdefault(text, []).append(r)
         entry["hang_record"] = hang.reason if hang is not None else None
         if hang is not None:
@@ -1037,7 +1060,8 @@ def _hang_finding(
         if len(who) > 1:
             text = text.replace(" and was ", " and were ", 1).replace(
                 "; it is itself waiting", "; they are themselves waiting", 1).replace(
-                "; its last exported", "; their last exported", 1)
+                "; its last exported", "; their last exported", 1).replace(
+                "it was blocked there", "they were blocked there", 1)
         parts.append(f"{_who(who)} {text}")
     if untraced:
         parts.append(f"{_who(untraced)} {'is' if len(untraced) == 1 else 'are'} not traced "
