@@ -53,6 +53,7 @@ __all__ = [
     "HANG_REASON_TIMEOUT",
     "HANG_STACK_FQNS",
     "HANG_STACK_PHASES",
+    "HANG_STEP_TRACED",
     "HANG_TIMEOUT",
     "HOST_NAME",
     "INSTRUMENTATION_SCOPE",
@@ -347,6 +348,7 @@ HANG_REASON = "commspan.hang.reason"
 HANG_TIMEOUT = "commspan.hang.timeout_s"
 HANG_STACK_FQNS = "commspan.hang.stack.fqns"
 HANG_STACK_PHASES = "commspan.hang.stack.phases"
+HANG_STEP_TRACED = "commspan.hang.step_traced"
 
 HANG_REASON_TIMEOUT = "timeout"
 """``commspan.hang.reason``: a collective did not complete within ``hang_timeout_s``."""
@@ -519,6 +521,9 @@ ATTRIBUTES: dict[str, str] = {
     "module fqns; the rank span's ``Global`` is not listed).",
     HANG_STACK_PHASES: "The phase of each of those spans (array parallel to "
     "``commspan.hang.stack.fqns``).",
+    HANG_STEP_TRACED: "``false`` when the step in progress (``commspan.step``) is one "
+    "``sample=`` leaves out: nothing of it is recorded, so the stack and collectives "
+    "say nothing of where the rank is in it (absent otherwise).",
     GC_GENERATION: "On a ``commspan.gc`` event: the generation the garbage collector "
     "collected, 0 to 2 (2: a full collection, which walks every object of the process).",
     GC_DURATION_NS: "On a ``commspan.gc`` event: how long the collection held the process "

@@ -348,3 +348,29 @@ def test_a_forked_child_gives_the_dump_signal_back(tmp_path: Path) -> None:
         assert _hangs(path) == []
     finally:
         signal.signal(signal.SIGUSR1, previous)
+
+
+def test_a_record_in_a_sampled_out_step_names_it_and_check_says_it_is_unknown(
+    tmp_path: Path,
+) -> None:
+    """sample=2 traces step 0, not step 1. A dump in step 1 (as a signal would, while a
+    rank is stuck there) is stamped step 1, in step 1's trace, and says the step is not
+    traced; it used to claim step 0, and check then called a hung job consistent."""
+    path = tmp_path / "rank0.jsonl"
+    mode = CommSpanMode(exporters=[JsonlSpanExporter(path)], sample=2)
+    with mode:
+        for i in range(2):
+            with mode.step(i):
+                funcol.wait_tensor(funcol.all_reduce(torch.ones(4), "sum", dist.group.WORLD))
+                if i == 1:
+                    mode.dump()
+    mode.shutdown()
+    (hang,) = _hangs(path)
+    step0 = {s.trace_id for s in read_spans(path) if s.name == semconv.SPAN_RANK}
+    assert hang.attributes[semconv.STEP] == 1 and hang.trace_id not in step0
+    assert hang.attributes[semconv.HANG_STEP_TRACED] is False
+    (finding,) = [f for f in check_run(path).findings if f.kind != "missing"]
+    assert (finding.kind, finding.step, list(finding.ranks)) == ("untraced", 1, [0])
+    assert finding.message.startswith(
+        "step 1: rank 0 wrote a hang record (dump) in this step, which `sample=` does not "
+        "trace")

@@ -124,9 +124,10 @@ def generate() -> str:
         (
             f"A `{semconv.SPAN_HANG}` span carries `{semconv.RANK}`, `{semconv.RUN_ID}`, "
             f"`{semconv.STEP}` (inside a step), `{semconv.HANG_REASON}`, "
-            f"`{semconv.HANG_TIMEOUT}` (reason `{semconv.HANG_REASON_TIMEOUT}`) and the open "
+            f"`{semconv.HANG_TIMEOUT}` (reason `{semconv.HANG_REASON_TIMEOUT}`), the open "
             f"span stack as two parallel arrays, `{semconv.HANG_STACK_FQNS}` and "
-            f"`{semconv.HANG_STACK_PHASES}`; no `{semconv.MODULE_FQN}`, so counts ignore it. "
+            f"`{semconv.HANG_STACK_PHASES}`, and `{semconv.HANG_STEP_TRACED}: false` in a "
+            f"step `sample=` leaves out; no `{semconv.MODULE_FQN}`, so counts ignore it. "
             "A rank may write several; readers use its latest. How `commspan check` reads "
             "them: [debugging.md](debugging.md)."
         ),

@@ -23,6 +23,8 @@ Three questions, one function each, all over a :class:`~commspan.analysis.record
   rank 1 is in X forward send to rank 2; rank 2 never issued the matching
   recv": the k-th send from a rank to a peer matches the peer's k-th receive
   from it (``commspan.p2p.seq``).
+- :func:`untraced_findings`: ranks whose latest hang record is in a step that
+  ``sample=`` leaves out, where nothing says what they wait in.
 
 A step that a hang interrupted (a hang record, and a rank without its rank
 span) is left to :func:`hang_findings`: its spans are incomplete by nature.
@@ -65,6 +67,7 @@ __all__ = [
     "KIND_HANG",
     "KIND_MISMATCH",
     "KIND_MISSING",
+    "KIND_UNTRACED",
     "check",
     "check_run",
     "hang_findings",
@@ -72,6 +75,7 @@ __all__ = [
     "missing_findings",
     "p2p_findings",
     "sequence_findings",
+    "untraced_findings",
 ]
 
 KIND_MISMATCH = "mismatch"
@@ -81,6 +85,9 @@ KIND_MISSING = "missing"
 KIND_HANG = "hang"
 """A collective some ranks of a group issued and did not complete (from hang records,
 or events that say its op raised: a backend's timeout, a peer that died)."""
+KIND_UNTRACED = "untraced"
+"""Ranks whose latest hang record is in a step ``sample=`` leaves out: nothing of the
+step was recorded, so where they are in it (waiting, or not) is unknown."""
 
 _NOT_ISSUED = "not issued"
 
@@ -90,7 +97,7 @@ class Finding:
     """One thing ``check`` found.
 
     Attributes:
-        kind: ``mismatch``, ``missing`` or ``hang``.
+        kind: ``mismatch``, ``missing``, ``hang`` or ``untraced``.
         group: process group name (``None`` for a rank missing from a whole step).
         seq: the group's sequence number where it happened (``None`` if not at one).
         step: the step (``None`` outside steps or not at one).
@@ -196,7 +203,7 @@ def check(run: Run) -> CheckResult:
     """Run every check over ``run``; see the module docstring."""
     checked: Counter[str] = Counter()
     interrupted = interrupted_traces(run)
-    hangs = hang_findings(run)
+    hangs = [*hang_findings(run), *untraced_findings(run)]
     others = [
         *missing_findings(run, skip=interrupted),
         *sequence_findings(run, skip=interrupted, checked=checked),
@@ -246,6 +253,36 @@ def interrupted_traces(run: Run) -> set[str]:
         if rec.state == semconv.STATE_FAILED and run.trace_steps.get(rec.trace_id) is not None:
             out.add(rec.trace_id)  # its op raised: the rank's step was cut short there
     return out
+
+
+# ------------------------------------------------------------------ untraced steps
+def untraced_findings(run: Run) -> list[Finding]:
+    """Ranks whose latest hang record was written in a step ``sample=`` leaves out
+    (``commspan.hang.step_traced`` false): one finding per such step. Nothing of the
+    step was recorded (no collective, no module), so the record cannot say whether
+    the rank waits there; a hang in it is not ruled out, nor is it shown."""
+    by_step: dict[str, list[HangRecord]] = defaultdict(list)
+    for h in run.latest_hangs().values():
+        if not h.step_traced:
+            by_step[h.trace_id].append(h)
+    findings = []
+    for trace, records in by_step.items():
+        records.sort(key=lambda h: h.rank)
+        who = [h.rank for h in records]
+        step = records[0].step
+        reasons = sorted({h.reason for h in records})
+        one = len(who) == 1
+        message = (
+            f"{_step_words(step)}: {_who(who)} wrote {'a hang record' if one else 'hang records'}"
+            f" ({', '.join(reasons)}) in this step, which `sample=` does not trace: nothing "
+            f"of it was recorded, so where {'it is' if one else 'they are'} in it is unknown "
+            "(a hang there is neither shown nor ruled out; trace every step to see it)"
+        )
+        ranks = {h.rank: {"op": None, "fqn": None, "phase": None, "seq": None,
+                          "state": "not traced", "hang_record": h.reason} for h in records}
+        findings.append(Finding(KIND_UNTRACED, None, None, step, ranks, message,
+                                {"trace_id": trace}))
+    return findings
 
 
 # ------------------------------------------------------------------ missing ranks

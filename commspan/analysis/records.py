@@ -251,6 +251,8 @@ class HangRecord(NamedTuple):
         time_ns: when it was written (the span's end).
         stack: open module spans, outermost first, as ``(fqn, phase)``.
         collectives: the rank's recent collectives per group, with their state.
+        step_traced: ``False`` when written in a step ``sample=`` leaves out (nothing
+            of the step recorded: the stack and collectives say nothing of it).
     """
 
     rank: int
@@ -260,6 +262,7 @@ class HangRecord(NamedTuple):
     time_ns: int
     stack: tuple[tuple[str, str], ...]
     collectives: tuple[CollectiveRecord, ...]
+    step_traced: bool = True
 
     def innermost(self) -> tuple[str, str] | None:
         """``(fqn, phase)`` of the innermost open module span, if any."""
@@ -706,4 +709,5 @@ def _hang(rank: int, span: SpanRecord, step: int | None) -> HangRecord:
         time_ns=span.end_time,
         stack=stack,
         collectives=tuple(collectives),
+        step_traced=span.attributes.get(semconv.HANG_STEP_TRACED) is not False,
     )

@@ -212,6 +212,10 @@ class CommSpanMode:
             while the training thread is blocked in the collective). ``None``
             (default): no watchdog. Costs one thread waking every
             ``min(hang_timeout_s / 4, 1 s)``; nothing on the training thread.
+            It watches the collectives of traced steps only: in a step
+            ``sample=`` leaves out nothing is recorded, so a hang there writes
+            no record (a dump or ``dump_signal`` does, saying the step is not
+            traced).
         dump_signal: a signal (e.g. ``signal.SIGUSR1``) on which the rank
             writes a ``commspan.hang`` record, also while blocked inside a
             collective. Needs the mode entered on the main thread; the
@@ -334,6 +338,7 @@ class CommSpanMode:
         self._warned = Once()
         self._in_step = False
         self._last_step: int | None = None  # highest step number so far (a repeat
+        self._untraced_step: int | None = None  # the step sample= leaves out, in it
         # shares its trace)
         self._paused = False
         self._popped = False
@@ -648,12 +653,14 @@ class CommSpanMode:
         self._in_step = True
         if not traced:
             self._stats["steps_skipped"] += 1
+            self._untraced_step = index  # a hang record now says so
             try:
                 if self._rank_traced:  # an untraced rank is paused from the start
                     self._pause()
                 yield False
             finally:
                 self._in_step = False
+                self._untraced_step = None
                 self._parallel.pipeline.reset_step()  # ops announced but never seen
                 if self._rank_traced:
                     self._resume()
@@ -894,7 +901,9 @@ class CommSpanMode:
         timeout = self._config.flush_timeout_s if timeout_s is None else seconds(
             "timeout_s", timeout_s, zero=True)
         collectives = self._log.snapshot()
-        rec.emit_hang(rec.hang_span(reason, collectives, self._config.hang_timeout_s),
+        untraced = self._untraced_step
+        rec.emit_hang(rec.hang_span(reason, collectives, self._config.hang_timeout_s,
+                                    untraced_step=untraced),
                       emit_waiting=reason != semconv.HANG_REASON_DUMP)
         self._stats["hang_records"] += 1
         if reason != semconv.HANG_REASON_DUMP:
@@ -903,6 +912,8 @@ class CommSpanMode:
             stuck = waiting[-1] if waiting else None
             _log.warning(
                 "commspan: rank %d wrote a hang record (%s)%s", self._ranks.rank, reason,
+                f" in step {untraced}, which sample= does not trace: where the rank waits "
+                "is not known (trace every step to see it)" if untraced is not None else
                 _describe_stuck(stuck) if stuck is not None else "",
             )
         return self._flush_queues(timeout, wait_if_unhealthy=True)

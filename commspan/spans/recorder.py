@@ -556,6 +556,7 @@ class SpanRecorder:
         reason: str,
         collectives: Sequence[CollectiveTiming],
         timeout_s: float | None = None,
+        untraced_step: int | None = None,
     ) -> ReadableSpan:
         """A ``commspan.hang`` span: what this rank is doing now.
 
@@ -566,11 +567,20 @@ class SpanRecorder:
             collectives: the rank's recent collectives (a
                 :meth:`~commspan.spans.timing.CollectiveLog.snapshot`).
             timeout_s: the hang timeout in force, recorded for reason ``timeout``.
+            untraced_step: the step in progress, when ``sample=`` leaves it out: the
+                record goes in that step's trace, with its number, and says the step
+                is not traced (``commspan.hang.step_traced`` false); without it, it
+                would claim the last traced step.
         """
         now = _now()
         stack = list(self.stack)
-        trace = self.trace or self.last_trace
         attrs: dict[str, Any] = {}
+        if untraced_step is not None and self._traces is not None:
+            trace: Trace | None = Trace(f"step/{untraced_step}", semconv.SPAN_STEP,
+                                        self._traces, {semconv.STEP: untraced_step})
+            attrs[semconv.HANG_STEP_TRACED] = False
+        else:
+            trace = self.trace or self.last_trace
         if trace is not None:
             trace_id = trace.trace_id
             parent = (
