@@ -255,8 +255,9 @@ def test_a_rank_that_waited_late_names_no_straggler_there() -> None:
     """Functional all_reduce in Net.tp: ranks 0, 1, 3 wait for it at once (their wait
     is their duration, ~10 ms); rank 2 works 300 ms before waiting, and waits 1 ms. Its
     duration holds its work: rank 1 (the shortest) is not the last arrival, and no
-    wait is charged there. Had rank 2 been the shortest, its late wait would not
-    matter: its duration is then an upper bound below everyone's."""
+    wait is charged there. Had rank 2 been the shortest (step 1), its late wait would
+    not matter: its duration is then an upper bound below everyone's; the others
+    waited their whole time in wait_tensor for it."""
     b = SpanBuilder(WORLD)
     for r in range(WORLD):
         if r == 2:
@@ -269,7 +270,7 @@ def test_a_rank_that_waited_late_names_no_straggler_there() -> None:
     result = analyze(build_run(b.spans()))
     assert result.checked["late_wait"] == 1 and result.checked["collectives"] == 1
     assert [(row.step, row.rank) for row in result.stragglers] == [(1, 2)]
-    assert result.stragglers[0].wait_ns == 3 * 49 * MS
+    assert result.stragglers[0].wait_ns == 3 * 50 * MS
 
 
 # ------------------------------------------------------------------ bandwidth
@@ -389,3 +390,33 @@ def test_time_outside_steps_is_not_a_step_of_the_mean() -> None:
     assert {t.step for t in result.step_times} == {None, 0, 1}
     totals = totals_by_rank(result.step_times)
     assert {slot["steps"] for slot in totals.values()} == {2}
+
+
+def test_a_late_rank_that_also_waits_late_is_charged_the_others_blocked_time() -> None:
+    """Functional all_reduce in Net.a (as in FSDP2 prefetch, async TP): rank 2 issues it
+    100 ms after the others, then works 60 ms before its wait_tensor (duration 63 ms,
+    wait 0.7 ms); ranks 0, 1, 3 wait at once and are blocked ~105 ms (their wait_ns).
+    Rank 2 is last, and caused ~105 ms per waiting rank, not duration - 63 ms (its own
+    work after issuing subtracted). When the last rank waits at once, a rank that
+    worked before its wait is charged only the time it was blocked."""
+    b = SpanBuilder(WORLD)
+    for step in range(2):
+        for r in range(WORLD):
+            if r == 2:
+                b.rank(r, step).coll(fqn="Net.a", duration_ns=63 * MS, wait_ns=7 * MS // 10)
+            else:
+                d = 105 * MS + r * MS // 2
+                b.rank(r, step).coll(fqn="Net.a", duration_ns=d + MS, wait_ns=d)
+    result = analyze(build_run(b.spans()))
+    assert result.checked["late_wait"] == 0 and result.checked["collectives"] == 2
+    (row, _) = result.stragglers
+    assert (row.fqn, row.rank) == ("Net.a", 2)
+    assert row.max_wait_ns == 105 * MS + 3 * MS // 2
+    assert row.wait_ns == sum(105 * MS + r * MS // 2 for r in (0, 1, 3))
+    # rank 2 waits at once (its duration exact, 5 ms); rank 0 worked 40 of its 105 ms
+    b = SpanBuilder(WORLD)
+    for r in range(WORLD):
+        d, w = (5 * MS, 5 * MS) if r == 2 else (105 * MS, 65 * MS if r == 0 else 100 * MS)
+        b.rank(r, 0).coll(fqn="Net.a", duration_ns=d, wait_ns=w)
+    (row,) = analyze(build_run(b.spans())).stragglers
+    assert row.rank == 2 and row.wait_ns == (65 + 2 * 100) * MS

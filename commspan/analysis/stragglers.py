@@ -6,7 +6,10 @@ Two questions, one analyzer each, over a :class:`~commspan.analysis.records.Run`
   step), the rank that arrived last is the one that waited least: the one
   with the shortest ``commspan.collective.duration_ns``. No clock alignment
   across hosts is needed, only each rank's own durations. The wait it caused
-  is the sum over the other ranks of (their duration - its duration).
+  is the sum over the other ranks of (their duration - its duration), for a
+  functional collective at most their ``commspan.collective.wait_ns`` (the time
+  blocked in ``wait_tensor``); if it waited late itself (its duration holds its
+  own work after issuing), their ``wait_ns``.
   Aggregated per step, module and phase and per rank. The module is the one
   the collective is counted in, as ``commspan summary`` counts it: its owner
   (``commspan.owner.fqn``: the FSDP unit whose parameters a reduce-scatter
@@ -283,6 +286,29 @@ def _waited_late(rec: CollectiveRecord) -> bool:
     return wait is not None and duration is not None and wait * 20 < duration
 
 
+def _waits_for(last: int, match: Mapping[int, CollectiveRecord],
+               durations: Mapping[int, int]) -> list[int]:
+    """The wait rank ``last`` caused each other rank of a matched collective: their
+    duration less its own, at most the time they spent in ``wait_tensor`` (a
+    functional collective's ``wait_ns``: a rank that worked between issuing and
+    waiting was blocked only that long). If ``last`` itself waited late, its duration
+    holds its own work after issuing (an upper bound of its time from arrival to
+    completion, below everyone's: it still arrived last), so the others' time in
+    ``wait_tensor`` is the wait, where known."""
+    d_last = durations[last]
+    late = _waited_late(match[last])
+    waits = []
+    for r, d in durations.items():
+        if r == last:
+            continue
+        blocked = match[r].wait_ns
+        wait = d - d_last
+        if blocked is not None:
+            wait = max(wait, blocked) if late else min(wait, blocked)
+        waits.append(wait)
+    return waits
+
+
 def straggler_report(
     run: Run,
 ) -> tuple[list[StragglerRow], list[RankWaits], dict[str, int]]:
@@ -319,8 +345,7 @@ def straggler_report(
             checked["late_wait"] += 1
             continue
         checked["collectives"] += 1
-        d_last = durations[last]
-        waits = [d - d_last for r, d in durations.items() if r != last]
+        waits = _waits_for(last, match, durations)
         wait = sum(waits)
         rec = match[last]
         key = (rec.step, rec.charged, rec.phase)
