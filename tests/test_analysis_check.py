@@ -1395,3 +1395,40 @@ def test_a_killed_rank_is_the_root_and_a_rank_whose_own_collective_failed_waits(
             "it was blocked there") in world.message
     assert "rank 3 wrote no record of it and no hang record (stopped?)" in world.message
     assert result.checked["steps_interrupted"] == 1
+
+
+def test_findings_carry_the_documented_keys_and_p2p_only_groups_are_counted() -> None:
+    """Hang findings carry their trace_id (a hang is tied to its trace from JSON); a p2p
+    mismatch carries group_ranks, and its message labels the group with its ranks as
+    other findings do; a group that carried only sends and receives is a group checked;
+    a rank that wrote nothing at all is not said to have "never issued" anything."""
+    b = SpanBuilder(world=3, schema=3)
+    for r in range(3):
+        s = b.rank(r, 0)
+        s.coll("all_reduce", fqn="Net.a", ranks=range(3))
+    b.rank(0, 0).coll("send", fqn="Net.p", kind=semconv.KIND_P2P, peer=1, group="1",
+                      ranks=(0, 1))
+    b.rank(1, 0).coll("recv", fqn="Net.p", kind=semconv.KIND_P2P, peer=0, group="1",
+                      ranks=(0, 1), shape=(4,))
+    result = check(build_run(b.spans()))
+    (f,) = result.findings
+    assert f.details["group_ranks"] == [0, 1] and f.details["trace_id"] == trace_of(0)
+    assert f.message.startswith("group 1 (ranks 0, 1), step 0, p2p_seq 1: shape differs")
+    assert result.checked["groups"] == 2
+    # a hang: ranks 0 and 1 in step 1's all_reduce; rank 2 wrote nothing at all
+    for r in (0, 1):
+        b.rank(r, 1, finished=False).coll("all_reduce", fqn="Net.a", ranks=range(3))
+        b.hang(r, 1, stack=[("Net.a", "forward")], collectives=[b.event_attrs(
+            "all_reduce", fqn="Net.a", phase="forward", group=WORLD_GROUP, ranks=range(3),
+            seq=2, state=semconv.STATE_ISSUED)])
+    (hang,) = [f for f in check(build_run(b.spans(ranks=[0, 1]))).findings
+               if f.kind == KIND_HANG]
+    assert hang.details["trace_id"] == trace_of(1)
+    assert hang.message.endswith("rank 2 wrote nothing at all: whether it issued it is unknown")
+    # a p2p hang: rank 0's send #2 on group 1, rank 1 never received it
+    b.hang(0, 1, stack=[("Net.p", "forward")], collectives=[b.event_attrs(
+        "send", fqn="Net.p", phase="forward", group="1", ranks=(0, 1), seq=None, p2p_seq=2,
+        kind=semconv.KIND_P2P, peer=1, state=semconv.STATE_ISSUED)])
+    (p2p,) = [f for f in check(build_run(b.spans())).findings
+              if f.kind == KIND_HANG and "p2p" in f.details]
+    assert p2p.details["trace_id"] == trace_of(1)

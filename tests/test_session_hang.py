@@ -374,3 +374,21 @@ def test_a_record_in_a_sampled_out_step_names_it_and_check_says_it_is_unknown(
     assert finding.message.startswith(
         "step 1: rank 0 wrote a hang record (dump) in this step, which `sample=` does not "
         "trace")
+
+
+def test_the_log_line_numbers_a_send_as_check_does() -> None:
+    """A send's number per peer is ``#N`` in the watchdog's log line, as in check's
+    findings (``seq`` is the group's collective counter)."""
+    from commspan.session.mode import _describe_stuck
+    from commspan.spans.timing import CollectiveTiming
+
+    send = CollectiveTiming({semconv.COLL_OP: "send", semconv.COLL_PEER: 1,
+                             semconv.PG_NAME: "0", semconv.P2P_SEQ: 3,
+                             semconv.MODULE_FQN: "Net.p", semconv.PHASE: "forward"}, "forward")
+    send.issued = time.perf_counter_ns()
+    assert _describe_stuck(send).startswith(": send to rank 1 on group 0 (#3) in `Net.p` forward")
+    ar = CollectiveTiming({semconv.COLL_OP: "all_reduce", semconv.PG_NAME: "0",
+                           semconv.COLL_SEQ: 5, semconv.MODULE_FQN: "Net.a",
+                           semconv.PHASE: "forward"}, "forward")
+    ar.issued = time.perf_counter_ns()
+    assert _describe_stuck(ar).startswith(": all_reduce on group 0 (seq 5) in `Net.a` forward")

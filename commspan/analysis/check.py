@@ -213,7 +213,9 @@ def check(run: Run) -> CheckResult:
     others.sort(key=lambda f: (order.get(f.details.get("trace_id", ""), -1), f.kind))
     counts = {
         "ranks": len(run.expected_ranks()),
-        "groups": checked["groups"],
+        # every group with a collective or a send or receive (sequence_findings
+        # counts those with collectives)
+        "groups": len({rec.group for rec in run.collectives if rec.group}),
         "steps": sum(1 for t in run.traces() if t not in interrupted),
         "collectives": checked["collectives"],
         "p2p": checked["p2p"],
@@ -634,7 +636,8 @@ def _compare_p2p(
     recvs: list[CollectiveRecord],
 ) -> Finding | None:
     step = run.trace_steps.get(trace)
-    where = f"group {group or '?'}, {_step_words(step)}"
+    members = _members([*sends, *recvs])
+    where = f"{_group_label(group or '?', members)}, {_step_words(step)}"
     for i in range(max(len(sends), len(recvs))):
         s = sends[i] if i < len(sends) else None
         r = recvs[i] if i < len(recvs) else None
@@ -674,7 +677,8 @@ def _compare_p2p(
                     "has no matching send"
                 )
                 seq = _num(r)
-        details: dict[str, Any] = {"fields": fields, "src": src, "dst": dst, "trace_id": trace}
+        details: dict[str, Any] = {"group_ranks": list(members), "fields": fields, "src": src,
+                                   "dst": dst, "trace_id": trace}
         first = s if s is not None else r
         if first is not None and first.p2p_seq is not None:  # numbered per peer (schema 3)
             details["p2p"] = {"sender": src, "receiver": dst, "p2p_seq": first.p2p_seq}
@@ -920,6 +924,7 @@ def _p2p_hang_finding(
         "not_traced": untraced,
         "issued_ns": rec.issued_ns,
         "root": root and bool(never),
+        "trace_id": hang.trace_id,
     }
     return Finding(KIND_HANG, rec.group, rec.p2p_seq, hang.step, {r: entry, peer: peer_entry},
                    message, details)
@@ -939,7 +944,8 @@ def _unmatched_p2p_finding(rec: CollectiveRecord, r: int, hang: HangRecord) -> F
     message = (f"{_group_label(rec.group, rec.group_ranks)}, rank {r}{number}: rank "
                f"{r} is in {rec.where()} {what}, not matched with a peer's side")
     details: dict[str, Any] = {"group_ranks": list(rec.group_ranks), "never_issued": [],
-                               "not_traced": [], "issued_ns": rec.issued_ns, "root": False}
+                               "not_traced": [], "issued_ns": rec.issued_ns, "root": False,
+                               "trace_id": hang.trace_id}
     return Finding(KIND_HANG, rec.group, None, hang.step, {r: entry}, message, details)
 
 
@@ -1005,7 +1011,8 @@ def _unseen(
                 f"exported collective was {last.op} in `{last.fqn}` {last.phase} "
                 f"({_step_words(last.step)})",
                 last.fqn, last.phase)
-    return "never issued it and wrote nothing", None, None
+    # no file, or nothing in it: no evidence either way
+    return "wrote nothing at all: whether it issued it is unknown", None, None
 
 
 def _blocked_by_failure(r: int, hang: HangRecord | None,
@@ -1104,6 +1111,9 @@ def _hang_finding(
         parts.append(f"{_who(untraced)} {'is' if len(untraced) == 1 else 'are'} not traced "
                      f"({run.rank_sample}): unknown")
     step = steps.most_common(1)[0][0] if steps else None
+    pending = [rec for rec in issued.values() if rec.state != semconv.STATE_COMPLETED]
+    trace = (min(pending, key=lambda rec: rec.issued_ns).trace_id if pending else
+             next((h.trace_id for h in latest.values()), ""))
     differ = differing_fields(list(issued.values())) if len(issued) > 1 else []
     if differ:
         # the ranks did not issue the same collective there: it can never complete
@@ -1118,6 +1128,7 @@ def _hang_finding(
         # it names a rank that never issued it and waits on nothing else, or ranks
         # that issued different collectives: a cause
         "root": not blocked or bool(differ),
+        "trace_id": trace,
     }
     if differ:
         details["differ"] = differ

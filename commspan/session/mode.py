@@ -1137,16 +1137,16 @@ def _describe_stuck(timing: CollectiveTiming) -> str:
     """``: all_reduce on group 0 (seq 11) in `Net.blocks.2` forward, issued 2.0 s ago``."""
     a = timing.attrs
     waited = (time.perf_counter_ns() - timing.issued) / 1e9
-    if semconv.P2P_SEQ in a:  # ``: send to rank 2 on group 0 (seq 3) ...``
+    if semconv.P2P_SEQ in a:  # ``: send to rank 2 on group 0 (#3) ...``, as check says it
         peer = a.get(semconv.COLL_PEER, "?")
         what = f"{a.get(semconv.COLL_OP)} {'to' if a.get(semconv.COLL_OP) == 'send' else 'from'}" \
                f" rank {peer}"
-        seq = a.get(semconv.P2P_SEQ)
+        number = f"#{a.get(semconv.P2P_SEQ)}"
     else:
-        what, seq = str(a.get(semconv.COLL_OP)), a.get(semconv.COLL_SEQ, "?")
+        what, number = str(a.get(semconv.COLL_OP)), f"seq {a.get(semconv.COLL_SEQ, '?')}"
     return (
         f": {what} on group {a.get(semconv.PG_NAME, '?')} "
-        f"(seq {seq}) in `{a.get(semconv.MODULE_FQN)}` "
+        f"({number}) in `{a.get(semconv.MODULE_FQN)}` "
         f"{a.get(semconv.PHASE)} has not completed after {waited:.1f} s"
     )
 
