@@ -9,6 +9,7 @@ exporter. Tensor parallelism runs on the fake process group (``mesh`` fixture).
 from __future__ import annotations
 
 import gc
+import time
 import weakref
 from collections import Counter
 from typing import Any
@@ -30,7 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import checkpoint
 
 from commspan import semconv
-from commspan.testing import assert_well_formed
+from commspan.testing import assert_well_formed, collective_events
 from commspan.testing import span_fqn as fqn
 from commspan.testing import span_phase as phase
 
@@ -583,3 +584,71 @@ def test_an_output_with_the_id_of_a_freed_input_still_starts_the_backward() -> N
         lost += "_Skips.up" not in backward
     assert collided > 0, "the ids never collided: the test shows nothing"
     assert lost == 0
+
+
+class _SyncGrad(torch.autograd.Function):
+    """The enclosing module's own backward communication: an all_reduce of the
+    gradient, issued from a known place (this Function's backward)."""
+
+    ran_at: list[int] = []
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        _SyncGrad.ran_at.append(time.time_ns())
+        g = g.clone()
+        torch.distributed.all_reduce(g)
+        return g
+
+
+class _IgnoresAnInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, extra: torch.Tensor | None = None,
+                also: torch.Tensor | None = None) -> torch.Tensor:
+        if also is not None:  # used only through .detach(): no gradient either
+            x = x + also.detach()
+        return self.lin(x)  # `extra` is not used
+
+
+class _SyncsAroundIgnorer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = nn.Linear(4, 4)
+        self.a = _IgnoresAnInput()
+        self.out = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
+        h = _SyncGrad.apply(self.pre(x))
+        return self.out(self.a(h, extra, also=self.pre(x)))
+
+
+def test_an_input_that_gets_no_gradient_does_not_keep_the_backward_open(
+        fake_pg: None) -> None:
+    """A module given inputs that require grad but get none from it (one unused, one
+    used only through .detach()) ends its backward when its work is done: the parent's
+    own all_reduce, issued from its Function's backward after the child's backward,
+    is the parent's."""
+    torch.manual_seed(0)
+    model = _SyncsAroundIgnorer()
+    ran_a: list[int] = []  # reference: when the child's last backward node ran
+    model.a.lin.register_full_backward_hook(lambda *_: ran_a.append(time.time_ns()))
+    _SyncGrad.ran_at.clear()
+    mode, exporter = traced_mode()
+    with mode, mode.step(0):
+        extra = torch.randn(4, requires_grad=True)  # a leaf the child ignores
+        model(torch.randn(2, 4), extra).sum().backward()
+    spans = list(exporter.get_finished_spans())
+    assert_well_formed(spans)
+    [sync] = _SyncGrad.ran_at
+    assert ran_a and ran_a[-1] < sync  # the child's backward work was over before it
+    where = [s.name for s in spans for e in collective_events(s)]
+    assert where == ["_SyncsAroundIgnorer backward"]
+    [child] = named(spans, "_SyncsAroundIgnorer.a", "backward")
+    assert child.end_time is not None and child.end_time <= sync
+    assert mode.stats()["internal_errors"] == 0

@@ -14,8 +14,9 @@ comments cite them as (step N):
    (:meth:`BackwardNesting._output_grad_ready`);
 3. its backward frame goes under the backward frame of its nearest forward
    ancestor, closing the frames of non-ancestors opened above that one;
-4. it ends when the gradients of all its inputs are computed
-   (:meth:`BackwardNesting._input_grad_ready`); what is still open when
+4. it ends when the gradients of all its inputs are computed, or when the
+   node of one of them runs (:meth:`BackwardNesting._input_grad_ready`);
+   what is still open when
    autograd finishes the graph task is closed by an engine callback
    (:meth:`BackwardNesting._backward_done`);
 5. a forward that runs while autograd executes is a recompute when
@@ -37,6 +38,7 @@ without ``no_grad``) add no backward spans to the next backward.
 from __future__ import annotations
 
 import functools
+import threading
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -69,6 +71,8 @@ __all__ = ["BackwardNesting", "graph_task_id", "hook_first", "recomputing"]
 _Tensor = torch.Tensor
 # types torch's pytree flattens (registered dataclasses, ...): type -> its NodeDef
 _PYTREE_NODES: dict[type, Any] = _pytree.SUPPORTED_NODES
+
+_get_ident = threading.get_ident
 
 graph_task_id: Callable[[], int] = torch._C._current_graph_task_id
 """The id of the autograd graph task running on this thread, ``-1`` outside autograd."""
@@ -116,6 +120,7 @@ def _restart(call: _Call) -> None:
     call.bw_frame = None
     call.inputs_left = call.inputs
     call.bw_unheard = False
+    call.bw_thread = 0
 
 
 class _Call:
@@ -139,6 +144,7 @@ class _Call:
         "on_graph",
         "on_leaf",
         "bw_unheard",
+        "bw_thread",
         "__weakref__",  # hooks on leaf tensors hold the call weakly
     )
 
@@ -165,6 +171,7 @@ class _Call:
         self.on_graph = False  # a pre-hook on an autograd node holds it
         self.on_leaf = False  # a hook on a leaf tensor watches it (weakly)
         self.bw_unheard = False  # its backward started; the observer not told yet
+        self.bw_thread = 0  # the thread its backward started on (step 4)
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
@@ -374,7 +381,7 @@ class BackwardNesting:
     def _leaf_input_ready(self, ref: Any, grad: Any) -> None:
         call = ref()
         if call is not None:
-            self._input_grad_ready(call, grad)
+            self._input_grad_ready(call, grad, True)
 
     def _leaf_output_ready(self, ref: Any, grad: Any) -> None:
         call = ref()
@@ -512,6 +519,7 @@ class BackwardNesting:
                        observe: bool = True) -> None:
         call.bw_started = True
         call.bw_task = task
+        call.bw_thread = _get_ident()
         info = call.info
         attrs = info.attrs[Phase.BACKWARD].copy()
         attrs[semconv.MODULE_DEPTH] = call.depth
@@ -536,7 +544,9 @@ class BackwardNesting:
         return None
 
     # ------------------------------------------------------------ step 4
-    def _input_grad_ready(self, call: _Call, grad: Any) -> None:
+    def _input_grad_ready(self, call: _Call, grad: Any, leaf: bool = False) -> None:
+        """The gradient of one of the call's inputs is ready (``leaf``: from a hook on
+        a leaf tensor, else from a pre-hook on the input's autograd node)."""
         if call.bw_finished or not self.active:
             return
         try:
@@ -546,8 +556,15 @@ class BackwardNesting:
                 # pass (a retained graph's) and not in this one
                 return
             call.inputs_left -= 1
-            if call.inputs_left > 0:
+            if call.inputs_left > 0 and (
+                    leaf or not call.bw_started or call.bw_thread != _get_ident()):
                 return
+            # (step 4) all its inputs' gradients are ready; or the node of one of
+            # them runs, in the thread its backward started in: that node was made
+            # before the module's forward, and autograd runs the ready node made
+            # last first, so every node of the module's backward has run. An input
+            # that gets no gradient from it (unused, used through .detach()) ends
+            # nothing, and its backward is over anyway.
             self._finish_backward(call, grad)
         except Exception:
             self._errors.record()
