@@ -24,6 +24,7 @@ from opentelemetry.trace import StatusCode
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.nn.modules.module import register_module_full_backward_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
@@ -434,12 +435,27 @@ class _Pair(nn.Module):
         return self.second(self.first(x))
 
 
+def _register_pre_hook(target: nn.Module, hook: Any, how: str) -> Any:
+    """``hook`` as ``target``'s full backward pre-hook: registered on it, or globally
+    (``register_module_full_backward_pre_hook``, for ``target``'s calls only)."""
+    if how == "module":
+        return target.register_full_backward_pre_hook(hook)
+
+    def for_target(module: nn.Module, grad_output: Any) -> Any:
+        return hook(module, grad_output) if module is target else None
+
+    return register_module_full_backward_pre_hook(for_target)
+
+
+@pytest.mark.parametrize("how", ["module", "global"])
 @pytest.mark.parametrize("where", ["child", "top"])
-def test_full_backward_pre_hook_runs_in_the_modules_backward(fake_pg: None, where: str) -> None:
-    """torch runs a module's full backward pre-hook when its backward starts: what the
-    hook issues is in that module's backward span, from the first call under the mode
-    on (the reference: the hook itself, which knows whose it is); commspan's own hook
-    is gone once the mode is left."""
+def test_full_backward_pre_hook_runs_in_the_modules_backward(
+        fake_pg: None, where: str, how: str) -> None:
+    """torch runs a module's full backward pre-hook when its backward starts, one
+    registered on the module and a global one alike: what the hook issues is in that
+    module's backward span, from the first call under the mode on (the reference: the
+    hook itself, which knows whose it is); commspan's own hook is gone once the mode
+    is left."""
     model = _Pair()
     target, name = (model.second, "_Pair.second") if where == "child" else (model, "_Pair")
     issued: list[str] = []
@@ -448,33 +464,41 @@ def test_full_backward_pre_hook_runs_in_the_modules_backward(fake_pg: None, wher
         issued.append(name)
         funcol.all_reduce(grad_output[0], "sum", dist.group.WORLD)
 
-    target.register_full_backward_pre_hook(pre_hook)
+    handle = _register_pre_hook(target, pre_hook, how)
     mode, exporter = traced_mode()
-    with mode:
-        for step in range(2):
-            with mode.step(step):
-                model(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    try:
+        with mode:
+            for step in range(2):
+                with mode.step(step):
+                    model(torch.randn(2, 4, requires_grad=True)).sum().backward()
+        if how == "module":
+            assert list(target._backward_pre_hooks.values()) == [pre_hook]
+    finally:
+        handle.remove()
     spans = list(exporter.get_finished_spans())
     assert_well_formed(spans)
     assert issued == [name, name]
     on = [(fqn(s), phase(s)) for s in spans for e in s.events if e.name == "all_reduce"]
     assert on == [(name, "backward")] * 2
     assert mode.stats()["internal_errors"] == 0
-    assert list(target._backward_pre_hooks.values()) == [pre_hook]
 
 
-def test_exception_in_a_full_backward_pre_hook_is_on_the_modules_backward() -> None:
-    """A full backward pre-hook that raises: the error reaches the caller and its
-    event is on the module's backward span, ERROR."""
+@pytest.mark.parametrize("how", ["module", "global"])
+def test_exception_in_a_full_backward_pre_hook_is_on_the_modules_backward(how: str) -> None:
+    """A full backward pre-hook that raises (registered on the module or globally): the
+    error reaches the caller and its event is on the module's backward span, ERROR."""
 
     def pre_hook(module: nn.Module, grad_output: Any) -> None:
         raise ValueError("bad gradient")
 
     model = _Pair()
-    model.second.register_full_backward_pre_hook(pre_hook)
+    handle = _register_pre_hook(model.second, pre_hook, how)
     mode, exporter = traced_mode()
-    with pytest.raises(ValueError, match="bad gradient"), mode:
-        model(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    try:
+        with pytest.raises(ValueError, match="bad gradient"), mode:
+            model(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    finally:
+        handle.remove()
     spans = list(exporter.get_finished_spans())
     with_event = [(fqn(s), phase(s)) for s in spans for e in s.events
                   if e.name == semconv.EVENT_EXCEPTION]

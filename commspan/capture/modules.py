@@ -57,6 +57,10 @@ __all__ = ["ModuleHooks", "ModuleInfo", "ModuleTracker"]
 _log = logging.getLogger(__name__)
 _NO_KWARGS: Any = object()  # the forward hook was called without kwargs (after an exception)
 _torch_module = torch.nn.modules.module
+# torch's global backward hooks (register_module_full_backward_pre_hook, ...): a
+# module call takes them as it takes its own (the dicts are updated, never replaced)
+_GLOBAL_BW_PRE_HOOKS: dict[int, Any] = torch.nn.modules.module._global_backward_pre_hooks
+_GLOBAL_BW_HOOKS: dict[int, Any] = torch.nn.modules.module._global_backward_hooks
 _graph_task_id = graph_task_id
 _get_ident = threading.get_ident
 _FORWARD = Phase.FORWARD
@@ -745,7 +749,8 @@ class ModuleTracker(BackwardNesting):
             self._calls.append(call)
             if module._forward_hooks:
                 self._close_after_own_hooks(module, info, call)
-            if module._backward_pre_hooks or module._backward_hooks:
+            if (module._backward_pre_hooks or module._backward_hooks
+                    or _GLOBAL_BW_PRE_HOOKS or _GLOBAL_BW_HOOKS):
                 self._watch_backward_hooks(module, call)
             if torch.is_grad_enabled():
                 self._watch_inputs(call, args)
@@ -847,15 +852,17 @@ class ModuleTracker(BackwardNesting):
         return True
 
     def _watch_backward_hooks(self, module: torch.nn.Module, call: _Call) -> None:
-        """The module has backward hooks of its own. torch runs them from autograd
+        """The module has backward hooks of its own, or global ones apply
+        (``register_module_full_backward_pre_hook``). torch runs them from autograd
         nodes it puts around the call's outputs after the forward hooks ran, so a full
         backward pre-hook would run before the nodes commspan's output hooks are on,
         outside the module's backward. The call's backward starts from a pre-hook of
         commspan's put first among the ones torch took for this call: in the list the
         frame that called this hook (torch's ``Module._call_impl``) hands its
         ``BackwardHook`` next. (Nothing is registered on the module.)"""
-        if module._is_full_backward_hook is False:  # old-style hooks: torch refuses both
-            return
+        if module._is_full_backward_hook is False or (
+                torch.nn.modules.module._global_is_full_backward_hook is False):
+            return  # old-style hooks: torch refuses both
         # (this function, _pre_fw, _global_pre_fw, then torch's frame)
         taken = sys._getframe(3).f_locals.get("backward_pre_hooks")
         if type(taken) is list:
