@@ -20,6 +20,7 @@ from _tracing import (
     quiet,
     tp_mlp,
     traced_mode,
+    traces_by_step,
 )
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -461,3 +462,50 @@ def test_a_model_called_inside_an_except_block_can_be_copied() -> None:
             copy.deepcopy(model)
             pickle.dumps(model)
     assert list(model[0]._forward_hooks.values()) == [double]
+
+
+class _Swappable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.body(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_a_submodule_assigned_after_the_first_trace_is_named_by_its_path() -> None:
+    """A submodule assigned after the model was first traced (a new head, a swapped
+    block, one inside a ModuleList) is named by its path in the model, the name
+    torch's own named_modules() gives it then (the reference), in every later step;
+    a module shared under a second name keeps the name it was first seen under."""
+    model = _Swappable()
+    expected: dict[int, set[str]] = {}
+    mode, exporter = traced_mode()
+    with mode:
+        for step in range(5):
+            with mode.step(step):
+                if step == 1:
+                    model.head = nn.Linear(4, 3)  # fine-tuning: a new head
+                if step == 2:
+                    model.body = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+                    model.blocks[1] = nn.Linear(4, 4)
+                if step == 4:
+                    model.blocks[0] = model.body[0]  # shared: first seen as body.0
+                model(torch.randn(2, 4)).sum().backward()
+            expected[step] = {f"_Swappable.{n}" if n else "_Swappable"
+                              for n, m in model.named_modules()
+                              if not isinstance(m, nn.ModuleList)}  # (never called)
+    spans = list(exporter.get_finished_spans())
+    assert_well_formed(spans)
+    for step, trace in traces_by_step(spans).items():
+        seen = {fqn(s) for s in spans if s.context.trace_id == trace
+                and phase(s) in ("forward", "backward")}
+        if step == 4:
+            assert "_Swappable.blocks.0" not in seen  # (named_modules() gives body.0 too)
+        assert seen == expected[step], step
+    assert mode.stats()["internal_errors"] == 0

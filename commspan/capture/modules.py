@@ -280,6 +280,29 @@ def _named_modules(root: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     return out
 
 
+def _path_in(owner: torch.nn.Module, module: torch.nn.Module) -> str | None:
+    """The dotted path of ``module`` among ``owner``'s submodules, looked for among its
+    children and inside the containers among them (``ModuleList``, ``ModuleDict``,
+    which are never called themselves), or ``None``. A module ``torch.compile``
+    wrapped is looked for under the name of the wrapper, as :func:`_named_modules`
+    names it."""
+    todo: list[tuple[str, torch.nn.Module]] = [("", owner)]
+    while todo:
+        prefix, mod = todo.pop(0)
+        for key, child in mod._modules.items():
+            if child is None:
+                continue
+            name = prefix if isinstance(mod, _Compiled) and key == "_orig_mod" else (
+                f"{prefix}.{key}" if prefix else key)
+            if child is module:
+                return name
+            if isinstance(child, _CONTAINERS):
+                todo.append((name, child))
+    return None
+
+
+_CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict)
+
 ModuleHooks = ModuleObserver
 """Former name of :class:`commspan.capture.ModuleObserver`."""
 
@@ -711,6 +734,21 @@ class ModuleTracker(BackwardNesting):
                         known[sub].ddp = True
         return known[module]
 
+    def _first_call_info(self, module: torch.nn.Module) -> ModuleInfo:
+        """A module the tracker has not named is called: if the module calling it
+        holds it (assigned after that model was named: a new head, a swapped block,
+        a LoRA layer), it is named by its path there (``Net.head``), else as a model
+        of its own (its class name). Nothing is renamed: a module keeps the name it
+        was first seen under."""
+        if self._calls:
+            caller = self._calls[-1]
+            owner = caller.module()
+            if owner is not None:
+                path = _path_in(owner, module)
+                if path is not None:
+                    return self._info(module, f"{caller.info.fqn}.{path}")
+        return self._info(module)
+
     def open_fqns(self) -> set[str]:
         """Names of the modules with an open (not finished) frame, plus ``Global``."""
         return {f.fqn for f in self.recorder.stack if not f.finished}
@@ -725,7 +763,9 @@ class ModuleTracker(BackwardNesting):
             if self.unwound is not None:
                 self.close_unwound()
             self._error_mark = None
-            info = self._info(module)
+            info = self._known.get(module)
+            if info is None:
+                info = self._first_call_info(module)
             task = _graph_task_id()
             # in backward: a recompute if checkpointing says so, or if the module
             # already ran forward in this trace (other checkpoint implementations)
