@@ -600,3 +600,57 @@ def test_an_interrupt_while_a_span_is_handed_on_still_exports_it(
             model(torch.ones(1, 2))
     mode.shutdown()
     assert mode.stats()["spans"] == len(exporter.get_finished_spans())
+
+
+class _Interrupted(nn.Module):
+    def __init__(self, error: type[BaseException]) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.error = error
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.lin(x)
+        raise self.error("stop")
+
+
+class _AroundInterrupted(nn.Module):
+    def __init__(self, error: type[BaseException]) -> None:
+        super().__init__()
+        self.a = _Interrupted(error)
+        self.out = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.a(x))
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt, SystemExit])
+def test_a_base_exception_caught_inside_the_step_ends_the_spans_it_crossed_with_error(
+        error: type[BaseException]) -> None:
+    """A KeyboardInterrupt or SystemExit that leaves module calls and is caught by the
+    loop inside the step (no module hook sees it): the spans of the calls it crossed
+    end with ERROR, the others OK. Reference: try/finally around each forward, which
+    records the calls that did not return."""
+    model = _AroundInterrupted(error)
+    returned: dict[str, bool] = {}
+    for name, module in model.named_modules():
+        def forward(*args: Any, _forward: Any = module.forward,
+                    _name: str = f"_AroundInterrupted.{name}".rstrip("."),
+                    **kwargs: Any) -> Any:
+            returned[_name] = False
+            out = _forward(*args, **kwargs)
+            returned[_name] = True
+            return out
+        module.forward = forward  # type: ignore[method-assign]
+    mode, exporter = traced_mode()
+    with mode, mode.step(0):
+        try:
+            model(torch.randn(2, 4))
+        except error:
+            pass  # the loop handles it (saves a checkpoint) and finishes the step
+    spans = {fqn(s): s for s in exporter.get_finished_spans() if phase(s) == "forward"}
+    assert set(spans) == set(returned)
+    for name, ok in returned.items():
+        code = spans[name].status.status_code
+        assert code is (StatusCode.UNSET if ok else StatusCode.ERROR), name
+    assert not returned["_AroundInterrupted.a"] and returned["_AroundInterrupted.a.lin"]
+    assert mode.stats()["internal_errors"] == 0

@@ -480,6 +480,8 @@ def _without_traceback(error: BaseException) -> BaseException:
 
 
 _exc_info = sys.exc_info
+_CALL_IMPL = torch.nn.Module._call_impl.__code__
+_DID_NOT_RETURN = "forward did not return (a BaseException crossed it and was caught)"
 
 
 def _raised_into(caller: Any) -> BaseException | None:
@@ -996,6 +998,23 @@ class ModuleTracker(BackwardNesting):
         if rec.stack:
             rec.add_exception(rec.stack[-1], error)
 
+    def _mark_interrupted(self) -> None:
+        """The trace ends without an error while module calls are open: those whose
+        module is not running now (no ``Module._call_impl`` of it on this thread's
+        stack) never returned; a ``BaseException`` (``KeyboardInterrupt``,
+        ``SystemExit``) crossed them, which no module hook sees, and was caught
+        inside the step. Their frames end with ERROR saying so. (Only at the end of
+        a trace: nothing is looked at per module call.)"""
+        running: set[int] = set()
+        frame: Any = sys._getframe(1)
+        while frame is not None:
+            if frame.f_code is _CALL_IMPL:
+                running.add(id(frame.f_locals.get("self")))
+            frame = frame.f_back
+        for call in self._calls:
+            if id(call.module()) not in running and call.frame.error is None:
+                call.frame.error = _DID_NOT_RETURN
+
     def unwind(self, error: BaseException | None) -> None:
         """The trace is about to end: account for what is still open.
 
@@ -1010,8 +1029,11 @@ class ModuleTracker(BackwardNesting):
             self.close_unwound()
             if error is not None:
                 self._record_exception(error)
-            elif self._tasks:
-                self._abandon_backward()
+            else:
+                if self._calls:
+                    self._mark_interrupted()
+                if self._tasks:
+                    self._abandon_backward()
         except Exception:
             self._errors.record()
         finally:
