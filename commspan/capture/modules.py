@@ -427,6 +427,9 @@ def _remove_closer(module: torch.nn.Module, key: int) -> None:
             table = state.get(name)
             if type(table) is not _CallHooks or key not in table:
                 continue
+            if len(table) == len(table.own) + 1:  # this call's closer is its only one
+                state[name] = table.own
+                continue
             rest = [(k, v) for k, v in table.items() if k != key]
             closers = any(type(k) is int and k < 0 for k, _ in rest)
             state[name] = _CallHooks(table.own, rest) if closers else table.own
