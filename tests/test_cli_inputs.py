@@ -231,6 +231,37 @@ def test_digest_refuses_digests_and_reports_what_it_skipped(
     assert "Traceback" not in err
 
 
+def test_digests_named_by_a_glob_are_left_out_with_one_note(
+    packed_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``summary DIR/*`` after ``commspan digest DIR``: the shell names the digests
+    too; every reading command leaves them out with one note (it read them as JSONL,
+    one damaged line each), and the files' own digests still serve."""
+    folder = tmp_path / "dg"
+    shutil.copytree(packed_dir, folder)
+    assert _cli(capsys, "digest", str(folder))[0] == 0
+    everything = [str(f) for f in sorted(folder.iterdir())]
+    assert sum(f.endswith(".digest") for f in everything) == len(RANKS)
+    _, expected, _ = _cli(capsys, "summary", str(folder), "--rank", "all", "--json")
+    code, out, err = _cli(capsys, "summary", *everything, "--rank", "all", "--json")
+    assert code == 0 and out == expected
+    assert "not a JSON line" not in err and "damaged" not in err
+    assert err.count("commspan: not reading") == 1 and "digests" in err
+    for command in ("table", "check", "stragglers", "html", "perfetto"):
+        more = ["--rank", "all"] if command == "table" else []
+        if command in ("html", "perfetto"):
+            more = ["-o", str(tmp_path / f"out.{command}")]
+        status, _, _ = _cli(capsys, command, str(folder), *more)
+        code, _, err = _cli(capsys, command, *everything, *more)
+        assert code == status, (command, err)
+        assert "not a JSON line" not in err and err.count("commspan: not reading") == 1
+    # only digests named: one error saying what to pass
+    code, out, err = _cli(capsys, "summary", *(f for f in everything if f.endswith(".digest")))
+    assert code == 1 and not out
+    assert err.startswith("ValueError: FILES: all 2 files named are digests, not JSONL files")
+    assert err.count("\n") == 1
+
+
 def test_an_unreadable_directory_says_so(
     packed_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

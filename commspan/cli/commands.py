@@ -71,11 +71,38 @@ class Reader:
             )
         return records
 
-    def files(self, paths: Sequence[str], label: str = "FILES") -> list[Path]:
+    def files(
+        self, paths: Sequence[str], label: str = "FILES", digests: bool = False,
+    ) -> list[Path]:
         """:func:`jsonl_files` of ``paths``; its notes (a decompressed copy skipped)
-        kept once each: a command may list the same files twice (digests, then lines)."""
+        kept once each: a command may list the same files twice (digests, then lines).
+
+        Digests named (``*.digest``: a shell glob such as ``DIR/*`` names them) are
+        left out with one note, unless ``digests`` (``digest`` refuses them itself):
+        a file's digest is read with the file, when the command reads digests. Only
+        digests named: an error.
+        """
+        from commspan.analysis.digest import DIGEST_SUFFIX
+
         notes: list[str] = []
         files = jsonl_files(paths, param=label, notes=notes)
+        if not digests:
+            named = [f for f in files if f.name.endswith(DIGEST_SUFFIX)]
+            if named and len(named) == len(files):
+                what = str(named[0]) if len(named) == 1 else f"all {len(named)} files named"
+                raise ValueError(
+                    f"{label}: {what} {'is a digest' if len(named) == 1 else 'are digests'}, "
+                    "not JSONL files; pass the JSONL files (a file's digest is read with it) "
+                    "or their directory")
+            if named:
+                files = [f for f in files if not f.name.endswith(DIGEST_SUFFIX)]
+                shown = ", ".join(str(f) for f in named[:3])
+                more = f" and {len(named) - 3} more" if len(named) > 3 else ""
+                notes.append(
+                    f"commspan: not reading {shown}{more} as JSONL: "
+                    + ("digests" if len(named) > 1 else "a digest")
+                    + " (a file's digest is read with the file, where the command reads "
+                    "digests)")
         self.notes.extend(n for n in notes if n not in self.notes)
         return files
 
@@ -539,7 +566,7 @@ def digest(args: argparse.Namespace, reader: Reader) -> Outcome:
     """``commspan digest FILES``: write each file's digest (docs/jsonl.md, "Digests")."""
     from commspan.analysis.digest import DIGEST_SUFFIX, write_digest
 
-    files = reader.files(args.files)
+    files = reader.files(args.files, digests=True)
     for path in files:
         if path.name.endswith(DIGEST_SUFFIX):
             raise ValueError(
