@@ -262,6 +262,26 @@ def test_digests_named_by_a_glob_are_left_out_with_one_note(
     assert err.count("\n") == 1
 
 
+def test_a_file_that_is_not_jsonl_is_named_once(
+    packed_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A README given by mistake: one line saying it is not a file commspan wrote,
+    instead of a line per line; the exit status still says lines were lost."""
+    readme = tmp_path / "README.md"
+    readme.write_text("".join(f"line {i} of prose\n\n" for i in range(30)))
+    for command, failed in (("summary", 1), ("check", 2), ("table", 1)):
+        code, out, err = _cli(capsys, command, str(readme))
+        assert code == failed and not out
+        assert f"{readme}:1:" not in err and f"{readme}:3:" not in err
+        assert (f"ValueError: {readme}: none of its 30 lines is an OTLP/JSON trace request "
+                "(line 1: not a JSON line") in err
+        assert "not a file JsonlSpanExporter wrote" in err
+    # beside a good file: named once, the good file read, status 1
+    code, out, err = _cli(capsys, "summary", str(packed_dir), str(readme), "--rank", "all")
+    assert code == 1 and out
+    assert err.count(str(readme)) == 1 and "30 damaged line(s) skipped" in err
+
+
 def test_an_unreadable_directory_says_so(
     packed_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -18,7 +18,8 @@ stderr says so), ``--step N`` or ``--steps A-B``, ``--json`` and
 ``--max-line-mib``. ``docs/cli.md`` describes every command and flag.
 
 Damaged lines (complete lines that are not OTLP/JSON trace requests) are
-skipped: each is named on stderr (``ValueError: FILE:LINE: reason``) and the
+skipped: each is named on stderr (``ValueError: FILE:LINE: reason``; a file
+none of whose lines is one, once: ``FILE: none of its N lines ...``) and the
 exit status says so. A torn last line (no trailing newline: a crash, or a
 file still being written) is named with a warning and does not change the
 status. A line longer than ``--max-line-mib`` ends the reading of its file.
@@ -43,11 +44,17 @@ __all__ = ["main"]
 _MAX_LISTED = 20  # damaged lines named one by one; then a count
 
 
-def _problems(report: Any, args: argparse.Namespace) -> list[str]:
-    """stderr lines for the lines a read skipped: damaged ones (named, up to
-    ``_MAX_LISTED``) and torn last lines (warnings)."""
+def _problems(report: Any, args: argparse.Namespace, not_jsonl: dict[str, int]) -> list[str]:
+    """stderr lines for the lines a read skipped: files none of whose lines is an
+    OTLP/JSON trace request (``not_jsonl``, one line each), damaged lines of the other
+    files (named, up to ``_MAX_LISTED``) and torn last lines (warnings)."""
     out: list[str] = []
     damaged = report.damaged
+    for path, lines in not_jsonl.items():
+        first = next(s for s in damaged if s.path == path)
+        out.append(f"ValueError: {path}: none of its {lines} lines is an OTLP/JSON trace request "
+                   f"(line {first.line}: {first.reason}): not a file JsonlSpanExporter wrote")
+    damaged = [s for s in damaged if s.path not in not_jsonl]
     for s in damaged[:_MAX_LISTED]:
         reason = s.reason
         if s.kind == "too_long":
@@ -147,7 +154,7 @@ def _run(args: argparse.Namespace) -> int:
         outcome, error = None, f"{_type_name(exc)}: {exc}"
     for line in reader.notes:
         _err(line)
-    for line in _problems(reader.report, args):
+    for line in _problems(reader.report, args, reader.not_jsonl):
         _err(line)
     if outcome is None:
         if error is not None:

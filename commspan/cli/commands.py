@@ -52,14 +52,20 @@ class Reader:
         self.args = args
         self.report = ReadReport()
         self.notes: list[str] = []
+        self.not_jsonl: dict[str, int] = {}
+        """Files none of whose lines is an OTLP/JSON trace request -> their lines."""
 
     def read(self, paths: Sequence[str], label: str = "FILES") -> list[SpanRecord]:
         """Every span of ``paths``; an error if none of them is a commspan span."""
         files = self.files(paths, label)
         spans, ours, lines = self.report.spans, self.report.commspan_spans, self.report.lines
         skipped = len(self.report.damaged)
-        records = list(read_spans(*files, strict=False, report=self.report,
-                                  max_line_bytes=self.args.max_line_mib * _MIB))
+        records: list[SpanRecord] = []
+        for f in files:  # (one at a time: a file none of whose lines is read is named)
+            used, damaged = self.report.lines, len(self.report.skipped)
+            records.extend(read_spans(f, strict=False, report=self.report,
+                                      max_line_bytes=self.args.max_line_mib * _MIB))
+            self.check_lines(f, used, damaged)
         if self.report.commspan_spans == ours:
             if len(self.report.damaged) > skipped:
                 raise Damaged
@@ -70,6 +76,15 @@ class Reader:
                 "written by commspan's JsonlSpanExporter"
             )
         return records
+
+    def check_lines(self, path: Path, used: int, skipped: int) -> None:
+        """After ``path`` was read (``used`` lines and ``skipped`` lines skipped in
+        :attr:`report` before it): if none of its lines was an OTLP/JSON trace request,
+        keep it in :attr:`not_jsonl` (stderr names it once, not each line)."""
+        mine = self.report.skipped[skipped:]
+        if (self.report.lines == used and len(mine) > 1  # (one line: FILE:1 says it)
+                and all(s.kind == "damaged" for s in mine)):
+            self.not_jsonl[str(path)] = len(mine)
 
     def files(
         self, paths: Sequence[str], label: str = "FILES", digests: bool = False,
@@ -576,6 +591,7 @@ def digest(args: argparse.Namespace, reader: Reader) -> Outcome:
     report = reader.report
     for path in files:
         before, lines_before = report.commspan_spans, report.lines
+        skipped = len(report.skipped)
         try:
             lines += write_digest(path, report)
         except OSError as exc:
@@ -585,6 +601,7 @@ def digest(args: argparse.Namespace, reader: Reader) -> Outcome:
                          "file, not a pipe")
             raise OSError(
                 f"{path}: cannot write its digest ({exc.strerror or exc}){where}") from None
+        reader.check_lines(path, lines_before, skipped)
         if report.commspan_spans == before and report.lines > lines_before:
             reader.notes.append(f"commspan: {path} holds no commspan span")
     what = f"{len(files)} files" if len(files) > 1 else str(files[0])
