@@ -323,7 +323,8 @@ def test_steps_below_zero_can_be_selected_and_read(
     code, out, _ = run_cli(capsys, "summary", str(negative_steps), "--rank", "all")
     assert code == 0 and "steps: -2..1" in out.splitlines()[0]
     totals = {}
-    for args in (["--step", "-2"], ["--steps=-2--1"], ["--steps=-2..1"], ["--steps", "0-1"]):
+    for args in (["--step", "-2"], ["--steps=-2--1"], ["--steps=-2..1"], ["--steps", "0-1"],
+                 ["--steps", "-2..1"], ["--steps", "-2--1"]):
         code, out, err = run_cli(capsys, "summary", str(negative_steps), "--rank", "all",
                                  "--json", *args)
         assert code == 0, (args, err)
@@ -331,7 +332,8 @@ def test_steps_below_zero_can_be_selected_and_read(
     per_step = totals["-2"]
     assert per_step > 0
     assert totals == {"-2": per_step, "--steps=-2--1": 2 * per_step,
-                      "--steps=-2..1": 4 * per_step, "0-1": 2 * per_step}
+                      "--steps=-2..1": 4 * per_step, "0-1": 2 * per_step,
+                      "-2..1": 4 * per_step, "-2--1": 2 * per_step}  # (no = needed)
     code, out, _ = run_cli(capsys, "diff", str(negative_steps), "--step", "-2", "--step", "1")
     assert code == 0 and "no difference" in out
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import sys
 from collections.abc import Sequence
 
 from commspan import __version__
@@ -124,7 +125,8 @@ def _selection(p: argparse.ArgumentParser, twice: bool) -> None:
     steps.add_argument("--step", action="append", type=_step, metavar="N",
                        help="only step N" + again)
     steps.add_argument("--steps", action="append", type=_steps, metavar="A-B",
-                       help="only steps A to B (both included)" + again)
+                       help="only steps A to B (both included; steps below 0: "
+                            "-2..1)" + again)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--max-line-mib", type=_mib, default=64, metavar="MIB",
                    help="longest line read, in MiB (default 64); a longer line ends the "
@@ -266,7 +268,22 @@ def _command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.A
 def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
     """``parser.parse_args(argv)``, but arguments no command knows (``digest --json``)
     are refused with the command's own usage, which lists its options, not the
-    top-level one argparse would show. Exits with status 2."""
+    top-level one argparse would show. Exits with status 2.
+
+    ``--steps -2..1`` is read as ``--steps=-2..1``: argparse takes a value starting
+    with ``-`` that is not a number for an option, and said only "expected one
+    argument" (``--step -2`` is a number: argparse reads it).
+    """
+    given = list(sys.argv[1:] if argv is None else argv)
+    argv = []
+    while given:
+        arg = given.pop(0)
+        if arg == "--":
+            argv += [arg, *given]
+            break
+        if arg == "--steps" and given and given[0].startswith("-") and _RANGE.match(given[0]):
+            arg = f"--steps={given.pop(0)}"
+        argv.append(arg)
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         _command_parser(parser, args.command).error(
