@@ -88,7 +88,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="seconds after which the step section stops starting new rounds")
     p.add_argument("--optimizer", action="store_true", help="add an SGD step to every step")
     p.add_argument("--memory-steps", type=int, default=None,
-                   help="traced steps of the memory section (default 1000; --quick: 60)")
+                   help="traced steps of the memory section (default "
+                        f"{FULL.memory_steps}; --quick: {QUICK.memory_steps})")
     p.add_argument("--only", default=",".join(SECTIONS),
                    help=f"comma-separated sections to run, of {', '.join(SECTIONS)}")
     p.add_argument("--json", type=Path, default=DEFAULT_JSON,
