@@ -119,3 +119,15 @@ def test_module_doctests(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPa
     module = importlib.import_module(name)
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.failed == 0, f"{result.failed} of {result.attempted} doctests failed in {name}"
+
+
+def test_docs_name_the_current_schema_and_every_phase() -> None:
+    """docs/jsonl.md's example line shows the schema URL files carry now, and
+    docs/api.md names every ``Phase`` (it showed ``schemas/3`` and no ``setup``)."""
+    from commspan.semconv import SCHEMA_URL, Phase
+
+    jsonl = (REPO / "docs" / "jsonl.md").read_text(encoding="utf-8")
+    assert set(re.findall(r"https://commspan\.dev/schemas/\d+", jsonl)) == {SCHEMA_URL}
+    api = (REPO / "docs" / "api.md").read_text(encoding="utf-8")
+    line = next(ln for ln in api.splitlines() if ln.startswith("- `Phase`"))
+    assert all(f"`{p.value}`" in line for p in Phase)
