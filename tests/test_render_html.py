@@ -205,6 +205,34 @@ def test_step_and_timeline_steps(records: list[SpanRecord], tmp_path: Path) -> N
 
 
 @pytest.mark.multiprocess
+def test_the_header_counts_one_rank_in_the_singular(records: list[SpanRecord]) -> None:
+    """A one-rank run's header says "1 rank", not "1 ranks"."""
+    one = html_report([r for r in records if r.rank in (0, None)])
+    assert re.search(r"run <code>[^<]*</code> &middot; 1 rank &middot; ", one)
+    assert f"{RANKS} ranks &middot; " in html_report(records)
+
+
+def test_every_phase_has_a_colour_in_the_legend_dots_and_timeline() -> None:
+    """The legend lists every ``Phase`` (html.py) and each needs its CSS rules: the
+    ``setup`` swatch and dots had none, so they were blank."""
+    from importlib.resources import files
+
+    css = (files("commspan.render") / "assets" / "report.css").read_text(encoding="utf-8")
+    colours = set()
+    for phase in semconv.Phase:
+        p = phase.value
+        rule = re.search(r"\.dot\.ph-" + p + r", \.swatch\.ph-" + p
+                         + r" \{ background: var\(--(\w+)\); \}", css)
+        assert rule and rule.group(1) == p, p
+        assert f"#cs-svg .span.ph-{p} {{ fill: var(--{p}); }}" in css
+        assert f".phase.ph-{p} {{" in css
+        colour = re.search(r"--" + p + r": (#[0-9a-f]{6});", css)
+        assert colour, p
+        colours.add(colour.group(1))
+    assert len(colours) == len(semconv.Phase)  # each its own
+
+
+@pytest.mark.multiprocess
 def test_two_runs_in_one_folder_are_flagged(records: list[SpanRecord]) -> None:
     """Records of two runs make the report say so instead of silently adding them up."""
     other = [

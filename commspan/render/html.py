@@ -309,7 +309,8 @@ def _header(timeline: Timeline, title: str, findings: bool,
     findings_link = "<a href=\"#findings\">Findings</a> " if findings else ""
     return (
         f"<header>\n<h1>{_e(title)}</h1>\n<p class=\"sub\">run {runs} &middot; "
-        f"{len(timeline.ranks)} ranks &middot; {step_text} &middot; "
+        f"{len(timeline.ranks)} rank{'s' if len(timeline.ranks) != 1 else ''} &middot; "
+        f"{step_text} &middot; "
         f"written {now} by commspan {_e(__version__)}</p>\n{warn}"
         f"<nav>{findings_link}<a href=\"#modules\">Modules</a> "
         "<a href=\"#redistributions\">Redistributions</a> <a href=\"#timeline\">Timeline</a>"
