@@ -610,3 +610,22 @@ def test_digests_keep_each_collectives_owner(tmp_path: Path, fake_pg: None) -> N
         f.write_text("\n".join(out) + "\n")
     old = sorted(_through_digests(v1).collectives)
     assert old == sorted(c._replace(owner=None) for c in lines)
+
+
+def test_no_digest_is_offered_only_where_it_does_something(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--no-digest`` is an option of the commands that read digests only; html,
+    perfetto, stragglers and diff (which always read the lines) listed it and
+    ignored it."""
+    from commspan.cli import main
+
+    for command in ("summary", "table", "check", "html", "perfetto", "stragglers", "diff"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        offered = "--no-digest" in capsys.readouterr().out
+        assert offered == (command in ("summary", "table", "check")), command
+    with pytest.raises(SystemExit) as exit_:
+        main(["stragglers", "run", "--no-digest"])
+    assert exit_.value.code == 2
+    assert "unrecognized arguments: --no-digest" in capsys.readouterr().err

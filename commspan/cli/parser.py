@@ -114,9 +114,13 @@ def _every(value: str) -> int:
     return _at_least_one("--timeline-every", value, "a number >= 1 (1: every step)")
 
 
-def _selection(p: argparse.ArgumentParser, twice: bool) -> None:
-    """--run, --step / --steps, --json, --max-line-mib and --no-digest (every command
-    has them)."""
+_DIGESTED = ("summary", "table", "check")
+"""The commands that read digests: the ones taking ``--no-digest``."""
+
+
+def _selection(p: argparse.ArgumentParser, twice: bool, digests: bool) -> None:
+    """--run, --step / --steps, --json, --max-line-mib (every reading command has them)
+    and --no-digest (``digests``: the commands that read digests)."""
     again = " (diff: give it twice, for A then B)" if twice else ""
     p.add_argument("--run", action="append", metavar="ID",
                    help="the run to read when the files hold several (its run id, or the "
@@ -131,6 +135,8 @@ def _selection(p: argparse.ArgumentParser, twice: bool) -> None:
     p.add_argument("--max-line-mib", type=_mib, default=64, metavar="MIB",
                    help="longest line read, in MiB (default 64); a longer line ends the "
                         "reading of its file")
+    if not digests:
+        return
     p.add_argument("--no-digest", action="store_true",
                    help="read the lines even where the files' digests could stand for "
                         "them (summary, table and check read digests otherwise)")
@@ -215,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     _rank_option(diff, "(default: all ranks summed)")
 
     for name, command in commands.items():
-        _selection(command, twice=name == "diff")
+        _selection(command, twice=name == "diff", digests=name in _DIGESTED)
 
     digest = sub.add_parser(
         "digest", epilog=_EPILOG,
