@@ -420,3 +420,17 @@ def test_a_late_rank_that_also_waits_late_is_charged_the_others_blocked_time() -
         b.rank(r, 0).coll(fqn="Net.a", duration_ns=d, wait_ns=w)
     (row,) = analyze(build_run(b.spans())).stragglers
     assert row.rank == 2 and row.wait_ns == (65 + 2 * 100) * MS
+
+
+def test_the_checked_line_counts_collectives_waited_late() -> None:
+    """The text's checked line names the functional collectives waited late when
+    there are some (50 matched of 51 per rank did not add up), and not otherwise."""
+    from commspan.analysis.stragglers import StragglerResult
+
+    checked = {"collectives": 50, "with_wait": 50, "without_duration": 0, "inconsistent": 0}
+    text = format_stragglers(StragglerResult([], [], [], {**checked, "late_wait": 1}))
+    assert text.splitlines()[-1] == (
+        "checked: 50 collectives matched, 50 with a wait, 0 without duration, 1 waited late "
+        "(functional, not matched), 0 in steps whose ranks disagree (see commspan check)")
+    text = format_stragglers(StragglerResult([], [], [], {**checked, "late_wait": 0}))
+    assert "waited late" not in text

@@ -229,7 +229,9 @@ def format_stragglers(result: StragglerResult, *, top: int = 20) -> str:
         f"checked: {checked.get('collectives', 0)} collectives matched, "
         f"{checked.get('with_wait', 0)} with a wait, "
         f"{checked.get('without_duration', 0)} without duration, "
-        f"{checked.get('inconsistent', 0)} in steps whose ranks disagree (see commspan check)"
+        + (f"{checked['late_wait']} waited late (functional, not matched), "
+           if checked.get("late_wait") else "")
+        + f"{checked.get('inconsistent', 0)} in steps whose ranks disagree (see commspan check)"
         + (f", {checked['incomplete']} with group members not recorded"
            if checked.get("incomplete") else "")
     )
