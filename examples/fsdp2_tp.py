@@ -24,6 +24,7 @@ import argparse
 import os
 import socket
 import sys
+import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -41,6 +42,14 @@ from commspan.exporters import JsonlSpanExporter, read_spans  # noqa: E402
 
 WORLD_SIZE = 4
 MESH = (2, 2)  # (dp, tp)
+
+# The root's output is a view: tensor parallelism's output layer hands back its
+# DTensor's local tensor (`to_local()` is a view), and FSDP2 warns once per rank that
+# an in-place op on it (`logits += ...`) would skip its pre-backward hook. This loop
+# uses the logits out of place only (cross_entropy), so the warning does not apply.
+warnings.filterwarnings(
+    "ignore", message=r"FSDP2-wrapped module .* returned a view tensor", category=UserWarning
+)
 
 
 def build(config: Config) -> torch.nn.Module:

@@ -77,6 +77,18 @@ def _unit_sizes(fake_pg: None) -> dict[str, int]:
 
 
 @pytest.mark.multiprocess
+def test_example_prints_no_torch_warning(
+    run: tuple[subprocess.CompletedProcess[str], Path],
+) -> None:
+    """FSDP2's "returned a view tensor" warning (the TP output layer's local tensor is
+    a view; the loop uses it out of place) came four times before the example's
+    output: a new user took the example for broken."""
+    proc, _ = run
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "returned a view tensor" not in proc.stderr
+    assert "Warning" not in proc.stderr, proc.stderr[-4000:]
+
+
 def test_example_runs_and_prints_owners(run: tuple[subprocess.CompletedProcess[str], Path]) -> None:
     """The example exits 0, prints a loss per step, the table and the owner lines."""
     proc, out = run
