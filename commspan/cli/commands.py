@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar, Union
 
 from commspan import semconv
 from commspan.analysis.runs import Selection, SelectionError, StepRange, format_numbers, select
-from commspan.otlpjson.decode import read_spans
+from commspan.otlpjson.decode import read_spans_in
 from commspan.otlpjson.files import jsonl_files
 from commspan.otlpjson.records import ReadReport, SpanRecord
 
@@ -63,8 +63,8 @@ class Reader:
         records: list[SpanRecord] = []
         for f in files:  # (one at a time: a file none of whose lines is read is named)
             used, damaged = self.report.lines, len(self.report.skipped)
-            records.extend(read_spans(f, strict=False, report=self.report,
-                                      max_line_bytes=self.args.max_line_mib * _MIB))
+            records.extend(read_spans_in([f], strict=False, report=self.report,
+                                         max_line_bytes=self.args.max_line_mib * _MIB))
             self.check_lines(f, used, damaged)
         if self.report.commspan_spans == ours:
             if len(self.report.damaged) > skipped:
