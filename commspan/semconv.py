@@ -383,7 +383,12 @@ ATTRIBUTES: dict[str, str] = {
     WORLD_SIZE: "Number of ranks (resource and rank span).",
     SCHEMA: "commspan span schema version (rank span).",
     MODULE_FQN: "Module name: root class name + dotted path, e.g. ``MLPModule.net2``; "
-    "``Global`` on the rank span. Also copied onto every collective event. Two top-level "
+    "``Global`` on the rank span. Also copied onto every collective event. A submodule "
+    "assigned after its model was first named (a new head, a swapped block, a LoRA layer) "
+    "is named by its path in the module that calls it (``Net.head``, ``Net.blocks.3``), "
+    "when it is that module's child or inside a ``ModuleList`` / ``ModuleDict`` child of "
+    "it; a module keeps the name it was first seen under (one shared under two names, the "
+    "first). Two top-level "
     "models of one class called apart (a student and its teacher) share their names, and "
     "their counts add up; call them from one parent module (then ``Parent.student`` and "
     "``Parent.teacher``) to tell them apart. A model class named ``Global`` is not told "
