@@ -711,3 +711,19 @@ def test_a_span_id_that_is_no_string_damages_its_line_in_every_command(
         named = [ln for ln in err.splitlines() if ln.startswith(where)]
         assert len(named) == 1 and f".{key} is {value!r}" in named[0], (command, err)
         assert "1 damaged line" in err, err
+
+
+def test_a_span_id_of_json_null_is_no_id(tmp_path: Path) -> None:
+    """proto3 JSON writes a default field as null: ``"parentSpanId": null`` is a root
+    span (no parent), as an absent or empty one, not a damaged line."""
+    from commspan.exporters import read_spans
+
+    span = {"traceId": "0af7651916cd43dd8448eb211c80319c", "spanId": "b7ad6b7169203331",
+            "parentSpanId": None, "name": "commspan.rank", "kind": 1,
+            "startTimeUnixNano": "1", "endTimeUnixNano": "2"}
+    doc = {"resourceSpans": [{"resource": {"attributes": []},
+                              "scopeSpans": [{"spans": [span]}]}]}
+    path = tmp_path / "a.jsonl"
+    path.write_text(json.dumps(doc) + "\n")
+    (record,) = read_spans(path)
+    assert record.parent_span_id == "" and record.span_id == "b7ad6b7169203331"

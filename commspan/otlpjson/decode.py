@@ -159,12 +159,13 @@ def check_values(
 
 
 _IDS = ("traceId", "spanId", "parentSpanId")
+_ID_TYPES = (str, type(None))  # JSON null: no id (a root span's parent), as absent
 
 
 def _bad_ids(span: Mapping[str, Any]) -> str:
     for key in _IDS:
         v = span.get(key, "")
-        if type(v) is not str:
+        if type(v) not in _ID_TYPES:
             return _bad(key, v, "a hex string")
     return "the span's ids are hex strings"  # pragma: no cover - called for a bad one
 
@@ -231,8 +232,9 @@ def walk(
                     for e in s.get("events") or ()
                 ]
                 check_values(attrs, events)
-                if (type(s.get("traceId", "")) is not str or type(s.get("spanId", "")) is not str
-                        or type(s.get("parentSpanId", "")) is not str):
+                if (type(s.get("traceId", "")) not in _ID_TYPES
+                        or type(s.get("spanId", "")) not in _ID_TYPES
+                        or type(s.get("parentSpanId", "")) not in _ID_TYPES):
                     raise BadValue(_bad_ids(s))
                 append((resource, s, attrs, events))
     return out
@@ -744,7 +746,7 @@ def _explain(doc: Any) -> str | None:
                     if (bad := number(s.get(key, 0), f"{w3}.{key}")) is not None:
                         return bad
                 for key in _IDS:
-                    if type(v := s.get(key, "")) is not str:
+                    if type(v := s.get(key, "")) not in _ID_TYPES:
                         return f"{w3}.{key} is {v!r:.80}, expected a hex string"
                 if (bad := attrs(s.get("attributes"), f"{w3}.attributes")) is not None:
                     return bad
@@ -902,9 +904,9 @@ def _records(doc: dict[str, Any]) -> Iterator[SpanRecord]:
         status = s.get("status") or {}
         yield SpanRecord(
             name=s.get("name", ""),
-            trace_id=s.get("traceId", ""),
-            span_id=s.get("spanId", ""),
-            parent_span_id=s.get("parentSpanId", ""),
+            trace_id=s.get("traceId") or "",
+            span_id=s.get("spanId") or "",
+            parent_span_id=s.get("parentSpanId") or "",
             start_time=int(s.get("startTimeUnixNano", 0)),
             end_time=int(s.get("endTimeUnixNano", 0)),
             attributes=attributes,
