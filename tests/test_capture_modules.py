@@ -25,7 +25,7 @@ from _tracing import (
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from commspan import semconv
+from commspan import CommSpanMode, semconv
 from commspan.testing import assert_well_formed
 from commspan.testing import span_counts as counts
 from commspan.testing import span_fqn as fqn
@@ -509,3 +509,56 @@ def test_a_submodule_assigned_after_the_first_trace_is_named_by_its_path() -> No
             assert "_Swappable.blocks.0" not in seen  # (named_modules() gives body.0 too)
         assert seen == expected[step], step
     assert mode.stats()["internal_errors"] == 0
+
+
+def _hook_changes_mid_call(how: str, traced: bool) -> tuple[list[str], str, int]:
+    """A module with two forward hooks whose forward changes its hook table (``how``)
+    at its first call; called three times. Returns which hooks ran, in order, the
+    type of its hook table after the calls and how many hooks it holds."""
+    ran: list[str] = []
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+            self.h1 = self.register_forward_hook(lambda *_: ran.append("h1"))
+            self.register_forward_hook(lambda *_: ran.append("h2"))
+            self.calls = 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            if self.calls == 1:
+                if how == "handle":
+                    self.h1.remove()
+                elif how == "pop":
+                    self._forward_hooks.pop(self.h1.id)
+                elif how == "clear":
+                    self._forward_hooks.clear()
+                elif how == "add":
+                    self.register_forward_hook(lambda *_: ran.append("h3"))
+            return self.lin(x)
+
+    m = M()
+    mode = CommSpanMode(aggregator=False) if traced else None
+    if mode is not None:
+        with mode, mode.step(0):
+            for _ in range(3):
+                m(torch.ones(1, 2))
+        mode.shutdown()
+    else:
+        for _ in range(3):
+            m(torch.ones(1, 2))
+    return ran, type(m._forward_hooks).__name__, len(m._forward_hooks)
+
+
+@pytest.mark.parametrize("how", ["handle", "pop", "clear", "add"])
+def test_hooks_changed_during_a_traced_call_act_as_untraced(how: str) -> None:
+    """A module's forward removes one of its hooks (by handle, ``pop``), clears them or
+    adds one during a traced call: the hooks that run at that call's end and after,
+    and the module's hook table afterwards, are those of the untraced run. (The
+    call's view of the table was a copy: a removed hook still ran once, a cleared
+    table left the copy on the module, and its copy or pickle brought the hook back.)"""
+    untraced = _hook_changes_mid_call(how, traced=False)
+    traced = _hook_changes_mid_call(how, traced=True)
+    assert traced[0] == untraced[0] and traced[1:] == untraced[1:] == (
+        "OrderedDict", untraced[2])

@@ -340,26 +340,65 @@ _closer_ids = itertools.count(-1, -1)  # keys of closing hooks: torch's ids are 
 
 
 class _CallHooks(OrderedDict):  # type: ignore[type-arg]
-    """One of a module's forward-hook tables while a traced call of it runs: a copy
-    of the module's own table (``own``) with the call's closing hook (or its flag)
-    added at the end, put in the module's ``__dict__`` in place of it.
+    """One of a module's forward-hook tables while a traced call of it runs: a view
+    of the module's own table (``own``) followed by the closing hooks (or their
+    flags) of the calls running now (``closers``, keyed below 0), put in the
+    module's ``__dict__`` in place of the own table.
 
-    The module's own tables are never changed: another thread calling the same
-    module (untraced, or traced by its own mode) reads them without a lock, and
-    torch's error path walks the hook table itself, so a hook added and removed
-    per call made that call fail (a hook called without its kwargs, "OrderedDict
-    mutated during iteration" instead of the user's exception). What is
-    registered or removed during the call (through a handle) goes to the module's
-    own table too, and the handle is pointed at it; pickling and copying give the
-    own table.
+    The module's own tables are never given commspan's hooks: another thread
+    calling the same module (untraced, or traced by its own mode) reads them
+    without a lock, and torch's error path walks the hook table itself, so a hook
+    added and removed per call made that call fail (a hook called without its
+    kwargs, "OrderedDict mutated during iteration" instead of the user's
+    exception). Reads (``items``, ``keys``, ``in``, ``len``, ``[]``, ...) see the
+    own table as it is at that moment, so a hook removed or added during the call
+    (through its handle, ``pop``, ``clear``) counts as it would untraced; writes
+    go to the own table, and the handle of a hook registered during the call is
+    pointed at it. Pickling and copying give the own table. (The OrderedDict's
+    own storage holds a snapshot, for code that reads it below Python.)
     """
 
-    def __init__(self, own: dict[int, Any], items: Any) -> None:
+    def __init__(self, own: dict[int, Any], closers: Any) -> None:
         super().__init__()
         self.own = own
-        for key, value in items:
+        self.closers: dict[int, Any] = dict(closers)
+        for key, value in (*own.items(), *self.closers.items()):
             OrderedDict.__setitem__(self, key, value)
 
+    # ---- reads: the own table now, then the closers
+    def items(self) -> Any:
+        return [*self.own.items(), *self.closers.items()]
+
+    def keys(self) -> Any:
+        return [*self.own, *self.closers]
+
+    def values(self) -> Any:
+        return [*self.own.values(), *self.closers.values()]
+
+    def __iter__(self) -> Any:
+        return iter(self.keys())
+
+    def __reversed__(self) -> Any:
+        return reversed(self.keys())
+
+    def __len__(self) -> int:
+        return len(self.own) + len(self.closers)
+
+    def __contains__(self, key: Any) -> bool:
+        return key in self.own or key in self.closers
+
+    def __getitem__(self, key: Any) -> Any:
+        if key in self.closers:
+            return self.closers[key]
+        return self.own[key]
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        return self[key] if key in self else default
+
+    def __repr__(self) -> str:
+        return f"OrderedDict({self.items()!r})"
+
+    # ---- writes: to the own table (commspan's closers are left alone)
     def __setitem__(self, key: Any, value: Any) -> None:
         self.own[key] = value
         OrderedDict.__setitem__(self, key, value)
@@ -368,8 +407,30 @@ class _CallHooks(OrderedDict):  # type: ignore[type-arg]
             _point_at_own(handle)
 
     def __delitem__(self, key: Any) -> None:
-        self.own.pop(key, None)
-        OrderedDict.__delitem__(self, key)
+        if key in self.closers:
+            del self.closers[key]
+        else:
+            del self.own[key]
+        OrderedDict.pop(self, key, None)
+
+    def pop(self, key: Any, *default: Any) -> Any:
+        if key in self.closers:
+            OrderedDict.pop(self, key, None)
+            return self.closers.pop(key)
+        value = self.own.pop(key, *default)
+        OrderedDict.pop(self, key, None)
+        return value
+
+    def popitem(self, last: bool = True) -> Any:
+        key, value = self.own.popitem(last)  # type: ignore[call-arg]
+        OrderedDict.pop(self, key, None)
+        return key, value
+
+    def clear(self) -> None:
+        self.own.clear()
+        OrderedDict.clear(self)
+        for key, value in self.closers.items():
+            OrderedDict.__setitem__(self, key, value)
 
     def move_to_end(self, key: Any, last: bool = True) -> None:
         if key in self.own:
@@ -412,9 +473,9 @@ def _add_closer(module: torch.nn.Module, closer: _Closer) -> int:
     with _TABLES_LOCK:
         for name in _HOOK_TABLES:  # flags first: a reader never sees the hook without them
             table = state[name]
-            new = _CallHooks(_own(table), table.items())
-            OrderedDict.__setitem__(new, key, closer if name == "_forward_hooks" else True)
-            state[name] = new
+            closers = [*table.closers.items()] if type(table) is _CallHooks else []
+            closers.append((key, closer if name == "_forward_hooks" else True))
+            state[name] = _CallHooks(_own(table), closers)
     return key
 
 
@@ -425,14 +486,13 @@ def _remove_closer(module: torch.nn.Module, key: int) -> None:
     with _TABLES_LOCK:
         for name in reversed(_HOOK_TABLES):  # the hook first
             table = state.get(name)
-            if type(table) is not _CallHooks or key not in table:
+            if type(table) is not _CallHooks or key not in table.closers:
                 continue
-            if len(table) == len(table.own) + 1:  # this call's closer is its only one
+            if len(table.closers) == 1:  # this call's closer is its only one
                 state[name] = table.own
                 continue
-            rest = [(k, v) for k, v in table.items() if k != key]
-            closers = any(type(k) is int and k < 0 for k, _ in rest)
-            state[name] = _CallHooks(table.own, rest) if closers else table.own
+            state[name] = _CallHooks(
+                table.own, [(k, v) for k, v in table.closers.items() if k != key])
 
 
 class ModuleInfo:
