@@ -1432,3 +1432,52 @@ def test_findings_carry_the_documented_keys_and_p2p_only_groups_are_counted() ->
     (p2p,) = [f for f in check(build_run(b.spans())).findings
               if f.kind == KIND_HANG and "p2p" in f.details]
     assert p2p.details["trace_id"] == trace_of(1)
+
+
+def test_a_send_or_receive_that_failed_is_a_hang_finding_not_a_skipped_step() -> None:
+    """Schema 3, 2 ranks, no hang records: each step all_reduces, then rank 0 sends to
+    rank 1. Rank 1 dies in step 1 after its all_reduce, before its recv: rank 0's send
+    #2 raises (its event says failed). The step counts as interrupted (not compared),
+    so the failed send itself must be reported: a hang finding naming the pair, both
+    ranks, the module and the state; rank 1, which wrote nothing after, is the root.
+    A receive from any source that failed is reported too, without a peer to match."""
+    b = SpanBuilder(world=2, schema=3)
+    for step in range(2):
+        for r in range(2):
+            s = b.rank(r, step, finished=step == 0 or r == 0)
+            s.coll("all_reduce", fqn="Net.a", duration_ns=MS)
+            if r == 0:
+                s.coll("send", fqn="Net.p", kind=semconv.KIND_P2P, peer=1,
+                       duration_ns=MS if step == 0 else None)
+            elif step == 0:
+                s.coll("recv", fqn="Net.p", kind=semconv.KIND_P2P, peer=0, duration_ns=MS)
+    spans = b.spans()
+    for rec in spans:  # what the capture writes on the event of an op that raised
+        for name, attrs in rec.events:
+            if name == "send" and attrs.get(semconv.P2P_SEQ) == 2:
+                attrs[semconv.COLL_STATE] = semconv.STATE_FAILED
+    result = check(build_run(spans))
+    (f,) = result.findings
+    assert (f.kind, f.group, f.seq, f.step) == (KIND_HANG, WORLD_GROUP, 2, 1)
+    assert f.details["p2p"] == {"sender": 0, "receiver": 1, "p2p_seq": 2}
+    assert f.details["root"] is True and f.details["trace_id"] == trace_of(1)
+    assert f.ranks[0]["state"] == semconv.STATE_FAILED and f.ranks[0]["fqn"] == "Net.p"
+    assert f.ranks[0]["hang_record"] is None and "stack" not in f.ranks[0]
+    assert f.ranks[1]["op"] is None and f.ranks[1]["last_p2p_seq"] == 1
+    assert f.message == (
+        f"group {WORLD_GROUP} (ranks 0, 1), rank 0 -> rank 1 #2: rank 0 issued send to "
+        "rank 1 in `Net.p` forward and it failed there; rank 1 wrote no record of it and "
+        "no hang record (stopped?); its last exported collective was all_reduce in "
+        "`Net.a` forward (step 1)")
+    assert result.checked["steps_interrupted"] == 1
+    # a receive from any source (no peer, no number) that failed: said as it is
+    for rec in spans:
+        for name, attrs in rec.events:
+            if name == "send" and attrs.get(semconv.P2P_SEQ) == 2:
+                attrs.update({semconv.COLL_OP: "recv", semconv.COLL_STATE:
+                              semconv.STATE_FAILED})
+                del attrs[semconv.COLL_PEER], attrs[semconv.P2P_SEQ]
+    (f,) = check(build_run(spans)).findings
+    assert (f.kind, f.step, f.ranks[0]["state"]) == (KIND_HANG, 1, semconv.STATE_FAILED)
+    assert f.message.endswith("rank 0: rank 0 issued recv from any source in `Net.p` "
+                              "forward and it failed there, not matched with a peer's side")

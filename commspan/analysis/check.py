@@ -692,13 +692,17 @@ def hang_findings(run: Run) -> list[Finding]:
     some rank (``commspan.collective.state`` ``failed`` on its event: a backend's
     timeout, a peer that died): the lowest sequence number some rank issued and had
     not completed, and what every rank of the group was doing; for each
-    send or receive not completed, what its peer did about the matching op. Findings
+    send or receive not completed or failed, what its peer did about the matching op
+    (a step with an op that failed is left out of the comparisons: these findings are
+    what reports it). Findings
     that name a rank waiting on nothing come first (a rank that never issued its part
     because it is itself blocked is rarely the cause)."""
     latest = run.latest_hangs()
     failed = [rec for rec in run.collectives
               if rec.state == semconv.STATE_FAILED and rec.group and not _per_peer(rec)]
-    if not latest and not failed:
+    failed_p2p = [rec for rec in run.collectives
+                  if rec.state == semconv.STATE_FAILED and _per_peer(rec)]
+    if not latest and not failed and not failed_p2p:
         return []
     latest = _superseded_dropped(run, latest)
     from_hangs: dict[str, dict[int, list[CollectiveRecord]]] = defaultdict(
@@ -734,7 +738,7 @@ def hang_findings(run: Run) -> list[Finding]:
         findings.append(
             _hang_finding(run, group, seq, members, per_rank, exported, last_any, latest)
         )
-    findings.extend(_p2p_hang_findings(run, latest, last_any))
+    findings.extend(_p2p_hang_findings(run, latest, last_any, failed_p2p))
     # a rank that is itself stuck waiting is rarely the cause: findings that name a
     # rank that never issued its part and waits on nothing come first
     findings.sort(key=lambda f: (not f.details.get("root", True),
@@ -815,11 +819,14 @@ def _op_key(rec: CollectiveRecord) -> tuple[Any, ...]:
 
 
 def _p2p_hang_findings(
-    run: Run, latest: Mapping[int, HangRecord], last_any: Mapping[int, CollectiveRecord]
+    run: Run, latest: Mapping[int, HangRecord], last_any: Mapping[int, CollectiveRecord],
+    failed: Sequence[CollectiveRecord] = (),
 ) -> list[Finding]:
-    """Each send or receive a hang record shows not completed, against its peer: the
-    matching op there has the same number per peer and direction (``p2p_seq``), so a
-    stalled pipeline stage is named by the stages waiting for it."""
+    """Each send or receive a hang record shows not completed, or whose op raised
+    (``failed``: its peer died, the backend timed out; with or without a record),
+    against its peer: the matching op there has the same number per peer and
+    direction (``p2p_seq``), so a stalled pipeline stage is named by the stages
+    waiting for it."""
     known: dict[int, dict[tuple[str, str, int, int], CollectiveRecord]] = defaultdict(dict)
     for rec in run.collectives:
         if rec.p2p_seq is not None and isinstance(rec.peer, int):
@@ -831,10 +838,15 @@ def _p2p_hang_findings(
                 waiting[h.rank].append(rec)
             if rec.p2p_seq is not None and isinstance(rec.peer, int):
                 known[h.rank][(rec.group, rec.op, rec.peer, rec.p2p_seq)] = rec
+    from_record = {_op_key(w) for recs in waiting.values() for w in recs}
+    for rec in failed:  # its op raised: reported as a hang record's pending op is
+        if _op_key(rec) not in from_record:
+            waiting[rec.rank].append(rec)
     findings = []
-    for r in sorted(latest):
-        hang = latest[r]
-        for rec in waiting.get(r, []):
+    for r in sorted(waiting):
+        for rec in waiting[r]:
+            # the record that shows it pending (none for a failed op only the spans show)
+            hang = latest.get(r) if _op_key(rec) in from_record else None
             if not _per_peer(rec):
                 continue  # a collective, or schema 2: the group's path
             if not isinstance(rec.peer, int) or rec.op not in _P2P_MATCH or (
@@ -865,7 +877,7 @@ _P2P_TO = {"send": "to", "recv": "from"}
 
 
 def _p2p_hang_finding(
-    run: Run, rec: CollectiveRecord, r: int, hang: HangRecord, peer: int,
+    run: Run, rec: CollectiveRecord, r: int, hang: HangRecord | None, peer: int,
     match: CollectiveRecord | None, sender: int, receiver: int,
     latest: Mapping[int, HangRecord],
     known: Mapping[int, Mapping[tuple[str, str, int, int], CollectiveRecord]],
@@ -873,7 +885,7 @@ def _p2p_hang_finding(
 ) -> Finding:
     other = _P2P_MATCH[rec.op]
     entry = _waiting_entry(rec, hang, peer)
-    parts = [f"rank {r} is in {rec.where()} {rec.op} {_P2P_TO[rec.op]} rank {peer}"]
+    parts = [_in_op(r, rec, f"{rec.op} {_P2P_TO[rec.op]} rank {peer}")]
     peer_hang = latest.get(peer)
     peer_entry: dict[str, Any]
     never: list[int] = []
@@ -885,8 +897,7 @@ def _p2p_hang_finding(
         if match.state == semconv.STATE_COMPLETED:
             parts.append(f"rank {peer} completed the matching {other} in {match.where()}")
         else:
-            parts.append(f"rank {peer} is in {match.where()} {other} {_P2P_TO[other]} "
-                         f"rank {r}")
+            parts.append(_in_op(peer, match, f"{other} {_P2P_TO[other]} rank {r}"))
             root = False
     elif peer_hang is None and run.left_out(peer):
         untraced.append(peer)
@@ -924,13 +935,23 @@ def _p2p_hang_finding(
         "not_traced": untraced,
         "issued_ns": rec.issued_ns,
         "root": root and bool(never),
-        "trace_id": hang.trace_id,
+        "trace_id": hang.trace_id if hang is not None else rec.trace_id,
     }
-    return Finding(KIND_HANG, rec.group, rec.p2p_seq, hang.step, {r: entry, peer: peer_entry},
+    step = hang.step if hang is not None else rec.step
+    return Finding(KIND_HANG, rec.group, rec.p2p_seq, step, {r: entry, peer: peer_entry},
                    message, details)
 
 
-def _unmatched_p2p_finding(rec: CollectiveRecord, r: int, hang: HangRecord) -> Finding:
+def _in_op(r: int, rec: CollectiveRecord, what: str) -> str:
+    """``rank 1 is in `Net.p` forward send to rank 2``, or, when its op raised, ``rank
+    1 issued send to rank 2 in `Net.p` forward and it failed there``."""
+    if rec.state == semconv.STATE_FAILED:
+        return f"rank {r} issued {what} in {rec.where()} and it failed there"
+    return f"rank {r} is in {rec.where()} {what}"
+
+
+def _unmatched_p2p_finding(rec: CollectiveRecord, r: int,
+                           hang: HangRecord | None) -> Finding:
     """A send or receive not completed that names no single peer (a receive from any
     source, a batch): no peer's side to match it with; said as it is."""
     entry = _waiting_entry(rec, hang)
@@ -941,22 +962,27 @@ def _unmatched_p2p_finding(rec: CollectiveRecord, r: int, hang: HangRecord) -> F
         entry["peer"] = peers
         what = f"{rec.op} with ranks {_list(peers)}"
     number = f" #{rec.p2p_seq}" if rec.p2p_seq is not None else ""
-    message = (f"{_group_label(rec.group, rec.group_ranks)}, rank {r}{number}: rank "
-               f"{r} is in {rec.where()} {what}, not matched with a peer's side")
+    message = (f"{_group_label(rec.group, rec.group_ranks)}, rank {r}{number}: "
+               f"{_in_op(r, rec, what)}, not matched with a peer's side")
     details: dict[str, Any] = {"group_ranks": list(rec.group_ranks), "never_issued": [],
                                "not_traced": [], "issued_ns": rec.issued_ns, "root": False,
-                               "trace_id": hang.trace_id}
-    return Finding(KIND_HANG, rec.group, None, hang.step, {r: entry}, message, details)
+                               "trace_id": hang.trace_id if hang is not None else rec.trace_id}
+    step = hang.step if hang is not None else rec.step
+    return Finding(KIND_HANG, rec.group, None, step, {r: entry}, message, details)
 
 
-def _waiting_entry(rec: CollectiveRecord, hang: HangRecord,
+def _waiting_entry(rec: CollectiveRecord, hang: HangRecord | None,
                    peer: int | None = None) -> dict[str, Any]:
-    """A rank's entry for the op ``rec`` its hang record shows it waiting in (with
-    ``peer``, the rank at the other end)."""
+    """A rank's entry for the op ``rec`` its hang record shows it waiting in, or that
+    failed (without a record: no ``waited_ns`` nor ``stack``); with ``peer``, the rank
+    at the other end."""
     entry = _entry(rec)
     entry["state"] = rec.state
     if peer is not None:
         entry["peer"] = peer
+    if hang is None:
+        entry["hang_record"] = None
+        return entry
     entry.update(waited_ns=max(0, hang.time_ns - rec.issued_ns), hang_record=hang.reason,
                  stack=_stack(hang))
     return entry
