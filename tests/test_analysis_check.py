@@ -1481,3 +1481,55 @@ def test_a_send_or_receive_that_failed_is_a_hang_finding_not_a_skipped_step() ->
     assert (f.kind, f.step, f.ranks[0]["state"]) == (KIND_HANG, 1, semconv.STATE_FAILED)
     assert f.message.endswith("rank 0: rank 0 issued recv from any source in `Net.p` "
                               "forward and it failed there, not matched with a peer's side")
+
+
+def test_a_receive_is_matched_with_the_send_of_its_own_tag() -> None:
+    """gloo matches a send with a receive by peer and tag. Rank 0 posts irecv(tag=1)
+    (#1) and irecv(tag=2) (#2) from rank 1; rank 1 sends only tag 2 (its send #1),
+    which completes with rank 0's receive #2. Rank 0 waits in receive #1 forever; a
+    dump on both ranks. Rank 1's completed send #1 is not the match of receive #1
+    (another tag): the hang is reported, naming the tag. Untagged ops (tag 0, and
+    files before schema 4) match by number as before; digests keep the tag."""
+    from commspan.analysis.digest import digest_parts, run_from_parts
+
+    b = SpanBuilder(world=2, schema=3)
+    s0 = b.rank(0, 0, finished=False)
+    s0.coll("recv", fqn="Net.p", kind=semconv.KIND_P2P, peer=1)
+    s0.coll("recv", fqn="Net.p", kind=semconv.KIND_P2P, peer=1, duration_ns=MS)
+    b.rank(1, 0).coll("send", fqn="Net.p", kind=semconv.KIND_P2P, peer=0, duration_ns=MS)
+    tags = {(0, 1): 1, (0, 2): 2, (1, 1): 2}  # (rank, p2p_seq) -> tag
+
+    def p2p(r: int, n: int, state: str) -> dict[str, Any]:
+        attrs = b.event_attrs("recv" if r == 0 else "send", fqn="Net.p", phase="forward",
+                              group=WORLD_GROUP, ranks=range(2), seq=None, p2p_seq=n,
+                              kind=semconv.KIND_P2P, peer=1 - r, state=state)
+        attrs[semconv.P2P_TAG] = tags[(r, n)]
+        return attrs
+
+    b.hang(0, 0, stack=[("Net.p", "forward")], reason=semconv.HANG_REASON_DUMP,
+           collectives=[p2p(0, 1, semconv.STATE_ISSUED), p2p(0, 2, semconv.STATE_COMPLETED)])
+    b.hang(1, 0, stack=[], reason=semconv.HANG_REASON_DUMP,
+           collectives=[p2p(1, 1, semconv.STATE_COMPLETED)])
+    spans = b.spans()
+    for rec in spans:
+        for _name, attrs in rec.events:
+            if rec.name != semconv.SPAN_HANG and semconv.P2P_SEQ in attrs:
+                attrs[semconv.P2P_TAG] = tags[(rec.rank or 0, attrs[semconv.P2P_SEQ])]
+    run = build_run(spans)
+    assert sorted(rec.tag for rec in run.collectives) == [1, 2, 2]
+    parts = digest_parts([rec for rec in spans if rec.name != semconv.SPAN_HANG])
+    assert parts is not None
+    assert sorted(run_from_parts(parts).collectives) == sorted(
+        rec for rec in run.collectives)
+    (f,) = check(run).findings
+    assert (f.kind, f.details["p2p"]) == (KIND_HANG, {"sender": 1, "receiver": 0,
+                                                      "p2p_seq": 1})
+    assert f.ranks[0]["tag"] == 1 and f.ranks[1]["op"] is None
+    assert f.message.startswith(
+        f"group {WORLD_GROUP} (ranks 0, 1), rank 1 -> rank 0 #1: rank 0 is in `Net.p` "
+        "forward recv from rank 1 (tag 1); rank 1 never issued the matching send (tag 1)")
+    # the same without tags (tag 0, or an older file): rank 1's send #1 is the match
+    for rec in spans:
+        for _name, attrs in rec.events:
+            attrs.pop(semconv.P2P_TAG, None)
+    assert check(build_run(spans)).findings == []

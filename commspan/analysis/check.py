@@ -434,6 +434,8 @@ def _entry(rec: CollectiveRecord, fields: Iterable[str] = ()) -> dict[str, Any]:
         out["owner"] = rec.owner
     if rec.p2p_seq is not None:
         out["p2p_seq"] = rec.p2p_seq
+    if rec.tag is not None:
+        out["tag"] = rec.tag
     for name in fields:
         if name not in ("op", "count"):  # a count is the step's, not a field of the record
             out[name] = field_value(rec, name)
@@ -754,16 +756,22 @@ def _superseded_dropped(run: Run, latest: Mapping[int, HangRecord]) -> dict[int,
     written later, show it completed; or (a collective) some rank of its group
     completed it, which none can before every rank took part; or the same rank
     completed a later collective on the same group; or (a send or receive numbered
-    per peer) the peer completed the matching receive or send (a send never waited
-    on, whose ``Work`` gloo reports completed only once waited). A collective whose
+    per peer) the peer completed the matching receive or send, the one of the same
+    number and tag (a send never waited on, whose ``Work`` gloo reports completed only
+    once waited; gloo matches by peer and tag). A collective whose
     op failed is kept: its failure is what the finding reports."""
     done: set[tuple[Any, ...]] = set()
+    # (rank, group, op, peer, p2p_seq, tag) of a send or receive completed: gloo
+    # matches by peer and tag, so the peer's op of another tag is not the match
+    done_p2p: set[tuple[Any, ...]] = set()
     anywhere: set[tuple[str, int]] = set()  # (group, seq) some rank completed
     upto: dict[tuple[int, str], int] = {}  # (rank, group) -> highest seq it completed
     last_issued: dict[int, int] = {}
 
     def completed(rec: CollectiveRecord) -> None:
         done.add(_op_key(rec))
+        if rec.p2p_seq is not None:
+            done_p2p.add((*_op_key(rec), rec.tag))
         if rec.p2p_seq is None and rec.seq is not None and rec.group:
             anywhere.add((rec.group, rec.seq))
             key = (rec.rank, rec.group)
@@ -786,11 +794,12 @@ def _superseded_dropped(run: Run, latest: Mapping[int, HangRecord]) -> dict[int,
         if _op_key(rec) in done:
             return True
         if rec.p2p_seq is not None:
-            # its peer completed the matching op: the pair's data went across, so this
-            # side is done too (gloo's send says so only once waited on)
+            # its peer completed the matching op (same number, same tag): the pair's
+            # data went across, so this side is done too (gloo's send says so only
+            # once waited on)
             return (rec.op in _P2P_MATCH and isinstance(rec.peer, int)
                     and (rec.peer, rec.group, _P2P_MATCH[rec.op], rec.rank,
-                         rec.p2p_seq) in done)
+                         rec.p2p_seq, rec.tag) in done_p2p)
         if rec.seq is None or not rec.group:
             return False
         return (rec.group, rec.seq) in anywhere or rec.seq < upto.get((rec.rank, rec.group), -1)
@@ -827,17 +836,18 @@ def _p2p_hang_findings(
     against its peer: the matching op there has the same number per peer and
     direction (``p2p_seq``), so a stalled pipeline stage is named by the stages
     waiting for it."""
-    known: dict[int, dict[tuple[str, str, int, int], CollectiveRecord]] = defaultdict(dict)
+    known: dict[int, dict[tuple[str, str, int, int, int | None], CollectiveRecord]] = \
+        defaultdict(dict)
     for rec in run.collectives:
         if rec.p2p_seq is not None and isinstance(rec.peer, int):
-            known[rec.rank][(rec.group, rec.op, rec.peer, rec.p2p_seq)] = rec
+            known[rec.rank][(rec.group, rec.op, rec.peer, rec.p2p_seq, rec.tag)] = rec
     waiting: dict[int, list[CollectiveRecord]] = defaultdict(list)
     for h in latest.values():
         for rec in h.collectives:
             if rec.state != semconv.STATE_COMPLETED:
                 waiting[h.rank].append(rec)
             if rec.p2p_seq is not None and isinstance(rec.peer, int):
-                known[h.rank][(rec.group, rec.op, rec.peer, rec.p2p_seq)] = rec
+                known[h.rank][(rec.group, rec.op, rec.peer, rec.p2p_seq, rec.tag)] = rec
     from_record = {_op_key(w) for recs in waiting.values() for w in recs}
     for rec in failed:  # its op raised: reported as a hang record's pending op is
         if _op_key(rec) not in from_record:
@@ -855,10 +865,12 @@ def _p2p_hang_findings(
                 continue
             peer = rec.peer
             sender, receiver = p2p_pair(rec.op, r, peer)
-            match = known[peer].get((rec.group, _P2P_MATCH[rec.op], r, rec.p2p_seq))
+            # the matching op: the same number per peer and the same tag
+            match = known[peer].get((rec.group, _P2P_MATCH[rec.op], r, rec.p2p_seq, rec.tag))
             if rec.op == "recv" and any(
                     w.op == "send" and w.peer == r and w.group == rec.group
-                    and w.p2p_seq == rec.p2p_seq for w in waiting.get(peer, ())):
+                    and w.p2p_seq == rec.p2p_seq and w.tag == rec.tag
+                    for w in waiting.get(peer, ())):
                 continue  # both waiting: reported once, from the sender's record
             findings.append(_p2p_hang_finding(
                 run, rec, r, hang, peer, match, sender, receiver, latest, known, last_any))
@@ -880,12 +892,13 @@ def _p2p_hang_finding(
     run: Run, rec: CollectiveRecord, r: int, hang: HangRecord | None, peer: int,
     match: CollectiveRecord | None, sender: int, receiver: int,
     latest: Mapping[int, HangRecord],
-    known: Mapping[int, Mapping[tuple[str, str, int, int], CollectiveRecord]],
+    known: Mapping[int, Mapping[tuple[str, str, int, int, int | None], CollectiveRecord]],
     last_any: Mapping[int, CollectiveRecord],
 ) -> Finding:
     other = _P2P_MATCH[rec.op]
     entry = _waiting_entry(rec, hang, peer)
-    parts = [_in_op(r, rec, f"{rec.op} {_P2P_TO[rec.op]} rank {peer}")]
+    tag = f" (tag {rec.tag})" if rec.tag is not None else ""
+    parts = [_in_op(r, rec, f"{rec.op} {_P2P_TO[rec.op]} rank {peer}{tag}")]
     peer_hang = latest.get(peer)
     peer_entry: dict[str, Any]
     never: list[int] = []
@@ -918,7 +931,7 @@ def _p2p_hang_finding(
             text += elsewhere
         elif _blocked_by_failure(peer, peer_hang, last_any):
             root = False
-        text = text.replace("never issued it", f"never issued the matching {other}", 1)
+        text = text.replace("never issued it", f"never issued the matching {other}{tag}", 1)
         parts.append(f"rank {peer} {text}")
     if peer_hang is not None:
         peer_entry["hang_record"] = peer_hang.reason

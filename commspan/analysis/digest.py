@@ -100,12 +100,15 @@ __all__ = [
 
 DIGEST_SUFFIX = ".digest"
 """Appended to a JSONL file's name to name its digest."""
-DIGEST_VERSION = 2
+DIGEST_VERSION = 3
 """The version written in every digest line (``"digest"``). Readers use versions
 :data:`_READ_VERSIONS` and ignore others (their lines are parsed). Version 2 adds a
-collective's owner to its template, when it is not the module that issued it."""
-_READ_VERSIONS = (1, 2)  # a version-1 template has no owner: None, as from the lines
-                         # when a collective's owner is the module that issued it
+collective's owner to its template, when it is not the module that issued it;
+version 3 a point-to-point op's tag (``commspan.p2p.tag``), when it has one."""
+_READ_VERSIONS = (1, 2, 3)  # a version-1 template has no owner: None, as from the lines
+                            # when a collective's owner is the module that issued it;
+                            # before 3 no tag: None (a tagged op of such a digest is not
+                            # matched with its peer's by check: run commspan digest again)
 _SAMPLE = 64  # bytes at the middle and end of a line whose CRC-32 the digest keeps
 _HEAD = 2048  # and at its start: the resource, whose run id tells two runs' lines apart
 
@@ -343,12 +346,15 @@ class _Part:
         templates: dict[str, int] = {}
         rows = []
         for row in self.coll:
+            tag = row.pop()
             owner = row.pop()
             wait = row.pop()
             seq, issued, duration, p2p_seq = row[2], row[12], row[13], row.pop()
             row[2] = row[12] = row[13] = None
-            if owner is not None:  # (version 2) a 16th field, only where it says more
-                row.append(owner)
+            if owner is not None or tag is not None:  # (version 2) a 16th field, only
+                row.append(owner)                     # where it says more
+            if tag is not None:  # (version 3) a point-to-point op's tag, 17th
+                row.append(tag)
             text = orjson.dumps(row).decode()
             index = templates.setdefault(text, len(templates))
             # a point-to-point op's number per peer (schema 3) comes fifth, a functional
@@ -832,12 +838,12 @@ def run_from_parts(parts: Sequence[DigestPart]) -> Run:
         made = [_template(text, cache) for text in part["tmpls"]]
         append = run.collectives.append
         for row in orjson.loads(part["coll"]):
-            head, fqn, phase, state, owner = made[row[0]]
+            head, fqn, phase, state, owner, tag = made[row[0]]
             group, members, op, kind, dtype, shape, nbytes, reduce_op, peer = head
             append(CollectiveRecord(rank, step, trace, group, members, row[1], op, kind,
                                     dtype, shape, nbytes, reduce_op, peer, fqn, phase, row[2],
                                     row[3], state, row[4] if len(row) > 4 else None,
-                                    row[5] if len(row) > 5 else None, owner))
+                                    row[5] if len(row) > 5 else None, owner, tag))
     run.rank_steps = {
         key: rs._replace(step=run.trace_steps.get(rs.trace_id))
         for key, rs in run.rank_steps.items()
@@ -855,7 +861,8 @@ def _template(text: str, cache: dict[str, tuple[Any, ...]]) -> tuple[Any, ...]:
         head = (group, tuple(ranks), op, kind, dtype,
                 tuple(shape) if shape is not None else None, nbytes, reduce_op,
                 tuple(peer) if isinstance(peer, list) else peer)
-        made = cache[text] = (head, fqn, phase, state, fields[15] if len(fields) > 15 else None)
+        made = cache[text] = (head, fqn, phase, state, fields[15] if len(fields) > 15 else None,
+                              fields[16] if len(fields) > 16 else None)
     return made
 
 

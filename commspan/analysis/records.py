@@ -90,6 +90,8 @@ class CollectiveRecord(NamedTuple):
         owner: the module that owns it (``commspan.owner.fqn``: FSDP's unit, DDP's
             bucket, ...) when that is not :attr:`fqn`, else ``None``; see
             :attr:`charged`.
+        tag: a point-to-point op's tag (``commspan.p2p.tag``) when not 0; ``None``
+            for tag 0 and in files of schema 3 and before, which did not write it.
     """
 
     rank: int
@@ -113,6 +115,7 @@ class CollectiveRecord(NamedTuple):
     p2p_seq: int | None = None
     wait_ns: int | None = None
     owner: str | None = None
+    tag: int | None = None
 
     @property
     def charged(self) -> str:
@@ -686,6 +689,7 @@ def _collective(
         state=state,
         wait_ns=_int(attrs.get(semconv.COLL_WAIT_NS)),
         owner=owner if owner != fqn else None,
+        tag=_int(attrs.get(semconv.P2P_TAG)),
     )
 
 
