@@ -46,8 +46,12 @@ shortest duration waited for only once it had completed
 (``checked["late_wait"]``: its ``commspan.collective.wait_ns`` under a
 twentieth of its duration): that rank did other work between issuing and
 waiting, its duration holds that work, and the others' durations alone
-cannot say whether it arrived last. ``checked`` counts collectives (one per
-group, step and position), point-to-point ops per rank.
+cannot say whether it arrived last. A collective whose last rank itself
+waited late is matched, and counted in ``checked["late_last"]``: its duration
+holds its own work after issuing, so each other rank's duration less its own
+(at most their ``wait_ns``) is a lower bound of the wait it caused, which may be
+up to their time blocked in ``wait_tensor``. ``checked`` counts collectives (one
+per group, step and position), point-to-point ops per rank.
 
 Example:
     >>> from commspan.analysis.stragglers import analyze
@@ -292,11 +296,11 @@ def _waits_for(last: int, match: Mapping[int, CollectiveRecord],
     duration less its own, at most the time they spent in ``wait_tensor`` (a
     functional collective's ``wait_ns``: a rank that worked between issuing and
     waiting was blocked only that long). If ``last`` itself waited late, its duration
-    holds its own work after issuing (an upper bound of its time from arrival to
-    completion, below everyone's: it still arrived last), so the others' time in
-    ``wait_tensor`` is the wait, where known."""
+    holds its own work after issuing, so the same difference is a lower bound (the
+    caused wait may be up to the others' time blocked in ``wait_tensor``, which also
+    holds the collective's own transfer): what is certain is charged
+    (``checked["late_last"]`` counts such collectives)."""
     d_last = durations[last]
-    late = _waited_late(match[last])
     waits = []
     for r, d in durations.items():
         if r == last:
@@ -304,8 +308,8 @@ def _waits_for(last: int, match: Mapping[int, CollectiveRecord],
         blocked = match[r].wait_ns
         wait = d - d_last
         if blocked is not None:
-            wait = max(wait, blocked) if late else min(wait, blocked)
-        waits.append(wait)
+            wait = min(wait, blocked)
+        waits.append(max(0, wait))
     return waits
 
 
@@ -345,6 +349,9 @@ def straggler_report(
             checked["late_wait"] += 1
             continue
         checked["collectives"] += 1
+        if _waited_late(match[last]):
+            # its duration holds its own work: the waits charged are lower bounds
+            checked["late_last"] += 1
         waits = _waits_for(last, match, durations)
         wait = sum(waits)
         rec = match[last]
@@ -399,6 +406,7 @@ def straggler_report(
         "point_to_point": checked["point_to_point"],
         "rooted": checked["rooted"],
         "late_wait": checked["late_wait"],
+        "late_last": checked["late_last"],
     }
     return rows, ranks, counts
 

@@ -231,6 +231,9 @@ def format_stragglers(result: StragglerResult, *, top: int = 20) -> str:
         f"{checked.get('without_duration', 0)} without duration, "
         + (f"{checked['late_wait']} waited late (functional, not matched), "
            if checked.get("late_wait") else "")
+        + (f"{checked['late_last']} whose last rank waited late (their waits are lower "
+           "bounds: up to the others' time blocked in wait_tensor), "
+           if checked.get("late_last") else "")
         + f"{checked.get('inconsistent', 0)} in steps whose ranks disagree (see commspan check)"
         + (f", {checked['incomplete']} with group members not recorded"
            if checked.get("incomplete") else "")
