@@ -488,10 +488,12 @@ def test_hang_with_a_rank_the_sample_left_out_does_not_blame_it() -> None:
     assert f.ranks[3]["state"] == "not traced"
     assert "rank 3 is not traced (ranks 0,1,2): unknown" in f.message
     assert "rank 1 never issued it" in f.message
-    # rank 3 in the sample: it traced, so writing nothing means it stopped
+    # rank 3 in the sample: it traced, so writing nothing means it stopped (whether
+    # it issued the collective is unknown: no record)
     b.resource_extra = {semconv.SAMPLING_RANKS: "ranks 0,1,2,3"}
     hang, missing = sorted(run_check(b).findings, key=lambda f: f.kind)
-    assert hang.details["not_traced"] == [] and 3 in hang.details["never_issued"]
+    assert hang.details["not_traced"] == [] and hang.details["wrote_nothing"] == [3]
+    assert hang.details["never_issued"] == [1] and hang.ranks[3]["state"] == "no record"
     assert missing.kind == KIND_MISSING and list(missing.ranks) == [3]
 
 
@@ -1533,3 +1535,34 @@ def test_a_receive_is_matched_with_the_send_of_its_own_tag() -> None:
         for _name, attrs in rec.events:
             attrs.pop(semconv.P2P_TAG, None)
     assert check(build_run(spans)).findings == []
+
+
+def test_a_rank_that_wrote_nothing_is_no_record_in_json_not_never_issued() -> None:
+    """Ranks 0 and 1 hang in step 1's all_reduce (and rank 0 in a send #1 to rank 2);
+    rank 2 wrote nothing at all (no file), rank 3 wrote step 0 only. Only rank 3 is
+    known not to have issued it: rank 2's state is "no record" and it is listed in
+    wrote_nothing, not never_issued, in the collective's finding and the send's."""
+    b = SpanBuilder(world=4, schema=3)
+    for r in (1, 2, 3):
+        b.rank(r, 0).coll("all_reduce", fqn="Net.a", duration_ns=MS)
+    b.rank(0, 0).coll("all_reduce", fqn="Net.a", duration_ns=MS)
+    for r in (0, 1):
+        b.rank(r, 1, finished=False).coll("all_reduce", fqn="Net.a")
+        events = [b.event_attrs("all_reduce", fqn="Net.a", phase="forward",
+                                group=WORLD_GROUP, ranks=range(4), seq=2,
+                                state=semconv.STATE_ISSUED)]
+        if r == 0:
+            events.insert(0, b.event_attrs(
+                "send", fqn="Net.p", phase="forward", group=WORLD_GROUP, ranks=range(4),
+                seq=None, p2p_seq=1, kind=semconv.KIND_P2P, peer=2,
+                state=semconv.STATE_ISSUED))
+        b.hang(r, 1, stack=[("Net.a", "forward")], collectives=events)
+    findings = check(build_run(b.spans(ranks=[0, 1, 3]))).findings
+    (coll,) = [f for f in findings if f.kind == KIND_HANG and "p2p" not in f.details]
+    assert coll.details["never_issued"] == [3] and coll.details["wrote_nothing"] == [2]
+    assert (coll.ranks[2]["state"], coll.ranks[3]["state"]) == ("no record", "not issued")
+    assert "rank 2 wrote nothing at all: whether it issued it is unknown" in coll.message
+    (send,) = [f for f in findings if f.kind == KIND_HANG and "p2p" in f.details]
+    assert send.details["never_issued"] == [] and send.details["wrote_nothing"] == [2]
+    assert send.ranks[2]["state"] == "no record" and send.details["root"] is True
+    assert json.loads(json.dumps(coll.to_dict()))["ranks"]["2"]["state"] == "no record"

@@ -90,6 +90,7 @@ KIND_UNTRACED = "untraced"
 step was recorded, so where they are in it (waiting, or not) is unknown."""
 
 _NOT_ISSUED = "not issued"
+_NO_RECORD = "no record"  # a rank that wrote nothing at all: whether it issued it is unknown
 
 
 @dataclass(frozen=True)
@@ -902,6 +903,7 @@ def _p2p_hang_finding(
     peer_hang = latest.get(peer)
     peer_entry: dict[str, Any]
     never: list[int] = []
+    nothing: list[int] = []  # (the peer) wrote nothing at all
     untraced: list[int] = []
     root = True
     if match is not None:
@@ -918,11 +920,12 @@ def _p2p_hang_finding(
                       "state": "not traced"}
         parts.append(f"rank {peer} is not traced ({run.rank_sample}): unknown")
     else:
-        never.append(peer)
+        silent = _wrote_nothing(peer, peer_hang, last_any)
+        (nothing if silent else never).append(peer)
         text, fqn, phase = _unseen(peer, peer_hang, last_any)
         issued = [k[3] for k in known.get(peer, {}) if k[:3] == (rec.group, other, r)]
         peer_entry = {"op": None, "fqn": fqn, "phase": phase, "seq": None,
-                      "state": _NOT_ISSUED}
+                      "state": _NO_RECORD if silent else _NOT_ISSUED}
         if issued:
             peer_entry["last_p2p_seq"] = max(issued)
         elsewhere = _waits_in(peer_hang)
@@ -945,9 +948,10 @@ def _p2p_hang_finding(
         "group_ranks": list(rec.group_ranks),
         "p2p": {"sender": sender, "receiver": receiver, "p2p_seq": rec.p2p_seq},
         "never_issued": never,
+        "wrote_nothing": nothing,
         "not_traced": untraced,
         "issued_ns": rec.issued_ns,
-        "root": root and bool(never),
+        "root": root and bool(never or nothing),
         "trace_id": hang.trace_id if hang is not None else rec.trace_id,
     }
     step = hang.step if hang is not None else rec.step
@@ -978,7 +982,8 @@ def _unmatched_p2p_finding(rec: CollectiveRecord, r: int,
     message = (f"{_group_label(rec.group, rec.group_ranks)}, rank {r}{number}: "
                f"{_in_op(r, rec, what)}, not matched with a peer's side")
     details: dict[str, Any] = {"group_ranks": list(rec.group_ranks), "never_issued": [],
-                               "not_traced": [], "issued_ns": rec.issued_ns, "root": False,
+                               "wrote_nothing": [], "not_traced": [],
+                               "issued_ns": rec.issued_ns, "root": False,
                                "trace_id": hang.trace_id if hang is not None else rec.trace_id}
     step = hang.step if hang is not None else rec.step
     return Finding(KIND_HANG, rec.group, None, step, {r: entry}, message, details)
@@ -1054,6 +1059,13 @@ def _unseen(
     return "wrote nothing at all: whether it issued it is unknown", None, None
 
 
+def _wrote_nothing(r: int, hang: HangRecord | None,
+                   last_any: Mapping[int, CollectiveRecord]) -> bool:
+    """Rank ``r`` wrote no hang record and no collective at all (no file, or nothing in
+    it): nothing says whether it issued an op (state ``no record``)."""
+    return hang is None and r not in last_any
+
+
 def _blocked_by_failure(r: int, hang: HangRecord | None,
                         last_any: Mapping[int, CollectiveRecord]) -> bool:
     """Rank ``r`` wrote no hang record and its last exported op failed: it was blocked
@@ -1082,6 +1094,7 @@ def _hang_finding(
     issued_at: list[int] = []
     untraced: list[int] = []
     blocked: list[int] = []  # ranks that never issued it, waiting in another op
+    nothing: list[int] = []  # ranks that wrote nothing at all (in ``never`` for the text)
     issued: dict[int, CollectiveRecord] = {}  # the ranks that issued something at seq
     for r in members:
         hang = latest.get(r)
@@ -1116,7 +1129,11 @@ def _hang_finding(
             before = [rec for s, rec in known.items() if s < seq]
             last = max(before, key=_order_key) if before else None
             text, fqn, phase = _unseen(r, hang, last_any)
-            entry = {"op": None, "fqn": fqn, "phase": phase, "seq": None, "state": _NOT_ISSUED}
+            silent = _wrote_nothing(r, hang, last_any)
+            if silent:
+                nothing.append(r)
+            entry = {"op": None, "fqn": fqn, "phase": phase, "seq": None,
+                     "state": _NO_RECORD if silent else _NOT_ISSUED}
             if last is not None:
                 entry["last_seq"] = last.seq
                 entry["last_op"] = last.op
@@ -1161,7 +1178,9 @@ def _hang_finding(
     message = f"{_group_label(group, members)}, seq {seq}: " + "; ".join(parts)
     details: dict[str, Any] = {
         "group_ranks": list(members),
-        "never_issued": sorted(r for who in never.values() for r in who),
+        "never_issued": sorted(r for who in never.values() for r in who
+                               if r not in nothing),
+        "wrote_nothing": sorted(nothing),
         "not_traced": sorted(untraced),
         "issued_ns": min(issued_at) if issued_at else 0,
         # it names a rank that never issued it and waits on nothing else, or ranks
