@@ -164,11 +164,25 @@ def _global_post_fw(
     module: torch.nn.Module, args: Any, kwargs: Any, output: Any = _NO_KWARGS
 ) -> None:
     """commspan's global forward hook (``with_kwargs``, ``always_call``): every
-    installed tracker's."""
+    installed tracker's end of a forward, inline. It runs in torch's
+    error path too, where a model that ran out of stack has a few frames left: a
+    frame more per tracker made the deepest call's hook fail there, its exception
+    event lost."""
     if _is_compiling():
         return
     for tracker in _GLOBAL_HOOKS.trackers:
-        tracker._post_fw(module, args, kwargs, output)
+        # (module, args, kwargs, output) after a forward; (module, args, output)
+        # when torch runs the always-called global hooks after an exception
+        if tracker._ignores_this_call(module):
+            continue
+        info = tracker._known.get(module)
+        if info is None or info.local_open:
+            continue
+        # (_finish_forward reads torch's frame, 2 up: past this hook)
+        if output is _NO_KWARGS:
+            tracker._finish_forward(info, module, args, kwargs, None, 2)
+        else:
+            tracker._finish_forward(info, module, args, output, kwargs, 2)
 
 
 class _GlobalHooks:
@@ -918,22 +932,6 @@ class ModuleTracker(BackwardNesting):
         call.local = _add_closer(module, _Closer(self, call))
         self._local.append(call)
         info.local_open += 1
-
-    def _post_fw(
-        self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any = _NO_KWARGS
-    ) -> None:
-        # (module, args, kwargs, output) after a forward; (module, args, output)
-        # when torch runs the always-called global hooks after an exception
-        if self._ignores_this_call(module):
-            return
-        info = self._known.get(module)
-        if info is None or info.local_open:
-            return
-        # (_finish_forward reads torch's frame: 3 up, past this and _global_post_fw)
-        if output is _NO_KWARGS:
-            self._finish_forward(info, module, args, kwargs, None, 3)
-        else:
-            self._finish_forward(info, module, args, output, kwargs, 3)
 
     def _local_post_fw(self, call: _Call, module: torch.nn.Module) -> bool:
         """The closing hook of ``call`` ran; returns whether to finish the call (and
