@@ -381,3 +381,21 @@ def test_a_step_cut_short_is_left_out_of_its_side(
     assert cut.steps == 2 and kept > 0
     assert sum(u.total_count for u in cut.usage.values()) == kept
     assert not any(OUTSIDE_STEPS in phase for _, phase, _ in cut.usage)
+
+
+def test_sides_of_other_ranks_are_said_to_sum_other_ranks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], fake_pg: None
+) -> None:
+    """One rank's file against the folder of four: every count differs by the number
+    of ranks summed, which stderr now says (with --rank as the way out); sides of the
+    same ranks, or one rank picked, say nothing."""
+    run = write_run(tmp_path / "run", "r", net_step(), ranks=(0, 1, 2, 3))
+    one = run / "commspan-rank0.jsonl"
+    assert one.exists()
+    code, _, err = run_cli(capsys, "diff", str(one), str(run))
+    assert code == 1
+    assert ("commspan: A holds ranks 0 and B ranks 0-3: each side's counts are summed "
+            "over its own ranks; compare one rank of both with --rank N") in err
+    for argv in ([str(run), str(run)], [str(one), str(run), "--rank", "0"]):
+        code, _, err = run_cli(capsys, "diff", *argv)
+        assert code == 0 and "summed over" not in err, err

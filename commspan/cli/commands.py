@@ -505,6 +505,11 @@ def diff(args: argparse.Namespace, reader: Reader) -> Outcome:
             )
     # divided by the steps that ended: a step cut short is left out (the profile's note)
     a, b = (profile(s.records, rank=rank) for s in sides)
+    if rank is None and set(a.ranks) != set(b.ranks) and a.ranks and b.ranks:
+        reader.notes.append(
+            f"commspan: A holds ranks {format_numbers(a.ranks)} and B ranks "
+            f"{format_numbers(b.ranks)}: each side's counts are summed over its own "
+            "ranks; compare one rank of both with --rank N")
     for name, side in zip("AB", (a, b)):
         note = side.note(f"{name}: " if args.b is not None or args.run else "")
         if note is not None:
