@@ -1566,3 +1566,33 @@ def test_a_rank_that_wrote_nothing_is_no_record_in_json_not_never_issued() -> No
     assert send.details["never_issued"] == [] and send.details["wrote_nothing"] == [2]
     assert send.ranks[2]["state"] == "no record" and send.details["root"] is True
     assert json.loads(json.dumps(coll.to_dict()))["ranks"]["2"]["state"] == "no record"
+
+
+def test_a_rank_that_ended_the_step_without_the_collective_is_said_to_have_skipped_it(
+) -> None:
+    """Rank 2 skipped Net.a's all_reduce in step 1 (an exception it caught), so it
+    issued one collective fewer, ended all three steps, and the others wait for it
+    in step 2's last all_reduce (their hang records). Its files show it ended step 2:
+    the hang finding says it never issued the collective and ended that step without
+    it (it said "stopped?", as of a rank that died); a rank with no span of that
+    step keeps "stopped?"."""
+    b = SpanBuilder(WORLD)
+    for step in range(3):
+        for r in range(WORLD):
+            s = b.rank(r, step, finished=not (step == 2 and r != 2))
+            if not (step == 1 and r == 2):
+                s.coll("all_reduce", fqn="Net.a", duration_ns=MS)
+            if step < 2 or r == 2:
+                s.coll("all_reduce", fqn="Net.w", duration_ns=MS)
+    for r in (0, 1, 3):
+        pending = b.event_attrs("all_reduce", fqn="Net.w", phase="forward", group=WORLD_GROUP,
+                                ranks=range(WORLD), seq=6, state=semconv.STATE_ISSUED)
+        b.hang(r, 2, stack=[("Net", "forward"), ("Net.w", "forward")], collectives=[pending])
+    result = check(build_run(b.spans()))
+    hang = next(f for f in result.findings if f.kind == KIND_HANG)
+    assert (hang.seq, hang.step, hang.details["never_issued"]) == (6, 2, [2])
+    assert ("rank 2 never issued it: it ended step 2 without it (it issued fewer "
+            "collectives than its peers; see the other findings)") in hang.message
+    assert "stopped?" not in hang.message
+    mismatch = [f for f in result.findings if f.kind != KIND_HANG]
+    assert mismatch and mismatch[0].step == 1  # where it skipped one

@@ -922,7 +922,8 @@ def _p2p_hang_finding(
     else:
         silent = _wrote_nothing(peer, peer_hang, last_any)
         (nothing if silent else never).append(peer)
-        text, fqn, phase = _unseen(peer, peer_hang, last_any)
+        text, fqn, phase = _unseen(peer, peer_hang, last_any,
+                                     _ended(run, peer, (rec.trace_id,)))
         issued = [k[3] for k in known.get(peer, {}) if k[:3] == (rec.group, other, r)]
         peer_entry = {"op": None, "fqn": fqn, "phase": phase, "seq": None,
                       "state": _NO_RECORD if silent else _NOT_ISSUED}
@@ -1032,11 +1033,23 @@ def _op_words(rec: CollectiveRecord) -> str:
     return f"{rec.op} on group {rec.group} (seq {rec.seq})"
 
 
+def _ended(run: Run, r: int, traces: Iterable[str]) -> int | None:
+    """The step (of ``traces``, where its peers wait) that rank ``r`` ended, its rank
+    span written: it went past the op without issuing it (it issued fewer
+    collectives than its peers), it did not stop in that step; else ``None``."""
+    for trace in traces:
+        if (r, trace) in run.rank_steps:
+            return run.trace_steps.get(trace)
+    return None
+
+
 def _unseen(
-    r: int, hang: HangRecord | None, last_any: Mapping[int, CollectiveRecord]
+    r: int, hang: HangRecord | None, last_any: Mapping[int, CollectiveRecord],
+    ended: int | None = None,
 ) -> tuple[str, str | None, str | None]:
     """``(text, fqn, phase)``: what is known of rank ``r``, which did not issue an op
-    its peers wait in: where its hang record saw it, else its last exported op."""
+    its peers wait in: where its hang record saw it, else its last exported op (and
+    ``ended``, the step of that op it ended without issuing it, :func:`_ended`)."""
     seen = hang.innermost() if hang is not None else None
     if seen is not None:
         return f"never issued it and was last seen in `{seen[0]}` {seen[1]}", *seen
@@ -1051,6 +1064,12 @@ def _unseen(
                     f"{_step_words(last.step)}, and it failed: it was blocked there",
                     last.fqn, last.phase)
         # nothing after its last exported spans: not known to have issued it
+        if ended is not None:
+            return (f"never issued it: it ended step {ended} without it (it issued "
+                    "fewer collectives than its peers; see the other findings); its "
+                    f"last exported collective was {last.op} in `{last.fqn}` "
+                    f"{last.phase} ({_step_words(last.step)})",
+                    last.fqn, last.phase)
         return ("wrote no record of it and no hang record (stopped?); its last "
                 f"exported collective was {last.op} in `{last.fqn}` {last.phase} "
                 f"({_step_words(last.step)})",
@@ -1096,6 +1115,9 @@ def _hang_finding(
     blocked: list[int] = []  # ranks that never issued it, waiting in another op
     nothing: list[int] = []  # ranks that wrote nothing at all (in ``never`` for the text)
     issued: dict[int, CollectiveRecord] = {}  # the ranks that issued something at seq
+    waited_in = {rec.trace_id for m in members  # the steps where ranks issued it
+                 for rec in (*exported.get((group, m), ()), *per_rank.get(m, ()))
+                 if rec.seq == seq}
     for r in members:
         hang = latest.get(r)
         if hang is None and run.left_out(r):
@@ -1128,7 +1150,7 @@ def _hang_finding(
         else:
             before = [rec for s, rec in known.items() if s < seq]
             last = max(before, key=_order_key) if before else None
-            text, fqn, phase = _unseen(r, hang, last_any)
+            text, fqn, phase = _unseen(r, hang, last_any, _ended(run, r, waited_in))
             silent = _wrote_nothing(r, hang, last_any)
             if silent:
                 nothing.append(r)
