@@ -1596,3 +1596,25 @@ def test_a_rank_that_ended_the_step_without_the_collective_is_said_to_have_skipp
     assert "stopped?" not in hang.message
     mismatch = [f for f in result.findings if f.kind != KIND_HANG]
     assert mismatch and mismatch[0].step == 1  # where it skipped one
+
+
+def test_a_hang_outside_steps_is_not_counted_as_a_step_some_rank_did_not_finish() -> None:
+    """Every step ended; then the ranks hang in a barrier-like all_reduce after the
+    loop, outside steps (rank 1 never issues it). The hang finding is there, and the
+    checked counts say the work outside steps was cut short, not "1 step some rank
+    did not finish" (there was none)."""
+    b = SpanBuilder(WORLD)
+    for r in range(WORLD):
+        b.rank(r, 0).coll("all_reduce", fqn="Net.a", duration_ns=MS)
+    for r in (0, 2, 3):
+        b.rank(r, None, finished=False)
+        pending = b.event_attrs("all_reduce", fqn="Global", phase="forward", group=WORLD_GROUP,
+                                ranks=range(WORLD), seq=2, state=semconv.STATE_ISSUED)
+        b.hang(r, None, stack=[], collectives=[pending])
+    result = check(build_run(b.spans()))
+    assert [f.kind for f in result.findings][:1] == [KIND_HANG]
+    assert result.checked["steps_interrupted"] == 0
+    assert result.checked["outside_interrupted"] == 1
+    text = format_check(result)
+    assert "did not finish (hang" not in text
+    assert "collectives outside steps some rank did not finish not compared" in text

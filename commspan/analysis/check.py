@@ -142,7 +142,9 @@ class CheckResult:
             steps, looked at),
             ``collectives`` (collectives compared), ``p2p`` (sends and receives
             matched), ``p2p_unchecked``, ``hang_records``, ``steps_interrupted``
-            (steps a hang cut short, left out of the comparisons).
+            (steps a hang cut short, left out of the comparisons),
+            ``outside_interrupted`` (the same of traces outside steps: a hang
+            after the loop, in a plain ``with mode:`` block).
     """
 
     findings: list[Finding]
@@ -222,7 +224,9 @@ def check(run: Run) -> CheckResult:
         "p2p": checked["p2p"],
         "p2p_unchecked": checked["p2p_unchecked"],
         "hang_records": len(run.hangs),
-        "steps_interrupted": len(interrupted),
+        # numbered steps; work outside steps some rank did not finish, apart
+        "steps_interrupted": sum(1 for t in interrupted if run.trace_steps.get(t) is not None),
+        "outside_interrupted": sum(1 for t in interrupted if run.trace_steps.get(t) is None),
     }
     return CheckResult([*hangs, *others], counts)
 

@@ -65,6 +65,8 @@ def _checked_line(checked: Mapping[str, int]) -> str:
             f"{_plural(checked['steps_interrupted'], 'step')} some rank did not finish "
             "(hang, crash or stop) not compared"
         )
+    if checked.get("outside_interrupted"):
+        extra.append("collectives outside steps some rank did not finish not compared")
     return line + (f" ({'; '.join(extra)})" if extra else "")
 
 
