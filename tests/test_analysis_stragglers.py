@@ -451,3 +451,19 @@ def test_the_checked_line_counts_collectives_waited_late() -> None:
         "(functional, not matched), 0 in steps whose ranks disagree (see commspan check)")
     text = format_stragglers(StragglerResult([], [], [], {**checked, "late_wait": 0}))
     assert "waited late" not in text
+
+
+def test_ranks_that_number_their_steps_apart_are_not_matched_by_position() -> None:
+    """Rank 0 numbers its steps 1-3, the others 0-2: the trace of step 1 holds rank
+    0's first all_reduce (seq 1) and the others' second (seq 2), not one collective.
+    Those steps are left out as inconsistent (``commspan check`` reports the missing
+    steps); they used to be matched by position, and durations of different
+    collectives named a straggler."""
+    b = SpanBuilder(WORLD)
+    for step in range(3):
+        for r in range(WORLD):
+            b.rank(r, step + 1 if r == 0 else step).coll(
+                "all_reduce", fqn="Net.a", duration_ns=(1 if r == 2 else 30) * MS)
+    rows, _, checked = straggler_report(build_run(b.spans()))
+    assert {row.step for row in rows} <= {0}  # step 0: ranks 1-3, one collective
+    assert checked["inconsistent"] == 2

@@ -251,7 +251,9 @@ def matched_collectives(
     run: Run, checked: Counter[str] | None = None
 ) -> list[dict[int, CollectiveRecord]]:
     """Collectives matched across the ranks of their group: one ``rank -> record`` per
-    collective, by position within (group, step), where the ranks agree on the ops."""
+    collective, by position within (group, step), where the ranks agree on the ops
+    and on their sequence numbers (ranks that number their steps apart put other
+    collectives in the same step: not one collective, not compared)."""
     counts = checked if checked is not None else Counter()
     rooted: set[tuple[str, str, int | None, str]] = set()
     table: dict[tuple[str, str], dict[int, list[CollectiveRecord]]] = defaultdict(
@@ -271,7 +273,10 @@ def matched_collectives(
     for (_group, _trace), per_rank in table.items():
         lists = [sorted(v, key=lambda c: (c.seq or 0, c.issued_ns)) for v in per_rank.values()]
         lengths = {len(v) for v in lists}
-        if len(lengths) != 1 or any(differing_fields(column) for column in zip(*lists)):
+        if len(lengths) != 1 or any(
+                differing_fields(column)
+                or len({c.seq for c in column if c.seq is not None}) > 1
+                for column in zip(*lists)):
             # (check's rule: a column that differs is a mismatch there)
             counts["inconsistent"] += max(lengths)
             continue
