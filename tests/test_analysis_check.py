@@ -1618,3 +1618,29 @@ def test_a_hang_outside_steps_is_not_counted_as_a_step_some_rank_did_not_finish(
     text = format_check(result)
     assert "did not finish (hang" not in text
     assert "collectives outside steps some rank did not finish not compared" in text
+
+
+def test_ranks_hung_in_a_step_are_not_missing_from_the_steps_after_it() -> None:
+    """Ranks 0 and 1 hang in step 1 (their hang records; their step never ends) while
+    rank 2, which takes no part in their group, finishes steps 1 and 2: the hang is
+    found, and no "missing step 2: ranks 0, 1" follows from it (it did). A rank that
+    finished step 1 and is absent from step 2 is still missing."""
+    b = SpanBuilder(WORLD)
+    pair = (0, 1)
+    for r in range(WORLD):
+        s = b.rank(r, 0)
+        if r in pair:
+            s.coll("all_reduce", fqn="Net.a", group="1", ranks=pair, duration_ns=MS)
+    for r in range(WORLD):
+        s = b.rank(r, 1, finished=r not in pair)
+        if r in pair:
+            s.coll("all_reduce", fqn="Net.a", group="1", ranks=pair, duration_ns=MS)
+    for r in pair:
+        pending = b.event_attrs("all_reduce", fqn="Net.b", phase="forward", group="1",
+                                ranks=pair, seq=3, state=semconv.STATE_ISSUED)
+        b.hang(r, 1, stack=[("Net.b", "forward")], collectives=[pending])
+    b.rank(2, 2)  # rank 3 stops after step 1
+    result = check(build_run(b.spans()))
+    missing = [f for f in result.findings if f.kind == KIND_MISSING]
+    assert [f.kind for f in result.findings if f.kind == KIND_HANG]
+    assert [(f.step, list(f.ranks)) for f in missing] == [(2, [3])]

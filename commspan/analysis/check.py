@@ -295,15 +295,27 @@ def untraced_findings(run: Run) -> list[Finding]:
 # ------------------------------------------------------------------ missing ranks
 def missing_findings(run: Run, *, skip: Iterable[str] = ()) -> list[Finding]:
     """Ranks that wrote no span for a step other ranks wrote; one finding per set of
-    missing ranks, listing the steps."""
+    missing ranks, listing the steps. A rank that stopped unfinished in an earlier
+    step of ``skip`` (it hung or died there) is not missing from the later ones."""
     skipped = set(skip)
     expected = run.expected_ranks()
+    # the step each rank stopped in, unfinished (it hung or died there: the hang
+    # findings say so); its absence from the steps after it is no other finding
+    stuck: dict[int, int] = {}
+    for trace in skipped:
+        step = run.trace_steps.get(trace)
+        if step is not None:
+            for r in run.presence.get(trace, ()):
+                if (r, trace) not in run.rank_steps and step < stuck.get(r, step + 1):
+                    stuck[r] = step
     by_missing: dict[tuple[int, ...], list[str]] = defaultdict(list)
     for trace in run.traces():
-        if trace in skipped or run.trace_steps.get(trace) is None:
+        step = run.trace_steps.get(trace)
+        if trace in skipped or step is None:
             continue  # traces outside steps need not exist on every rank
         present = run.presence.get(trace, set())
-        missing = tuple(r for r in expected if r not in present)
+        missing = tuple(r for r in expected
+                        if r not in present and not (r in stuck and step > stuck[r]))
         if missing:
             by_missing[missing].append(trace)
     findings = []
