@@ -9,7 +9,7 @@ Two questions, one analyzer each, over a :class:`~commspan.analysis.records.Run`
   is the sum over the other ranks of (their duration - its duration), for a
   functional collective at most their ``commspan.collective.wait_ns`` (the time
   blocked in ``wait_tensor``); if it waited late itself (its duration holds its
-  own work after issuing), their ``wait_ns``.
+  own work after issuing), that is a lower bound (``checked["late_last"]``).
   Aggregated per step, module and phase and per rank. The module is the one
   the collective is counted in, as ``commspan summary`` counts it: its owner
   (``commspan.owner.fqn``: the FSDP unit whose parameters a reduce-scatter

@@ -59,8 +59,12 @@ _NO_KWARGS: Any = object()  # the forward hook was called without kwargs (after 
 _torch_module = torch.nn.modules.module
 # torch's global backward hooks (register_module_full_backward_pre_hook, ...): a
 # module call takes them as it takes its own (the dicts are updated, never replaced)
-_GLOBAL_BW_PRE_HOOKS: dict[int, Any] = torch.nn.modules.module._global_backward_pre_hooks
-_GLOBAL_BW_HOOKS: dict[int, Any] = torch.nn.modules.module._global_backward_hooks
+_GLOBAL_BW_PRE_HOOKS: dict[int, Any] = _torch_module._global_backward_pre_hooks
+_GLOBAL_BW_HOOKS: dict[int, Any] = _torch_module._global_backward_hooks
+# torch's global forward-hook tables commspan's pair goes in: the pre-hook's, then
+# the hook's and its flags' (with kwargs, always called)
+_GLOBAL_TABLES = ("_global_forward_pre_hooks", "_global_forward_hooks",
+                  "_global_forward_hooks_with_kwargs", "_global_forward_hooks_always_called")
 _graph_task_id = graph_task_id
 _get_ident = threading.get_ident
 _FORWARD = Phase.FORWARD
@@ -227,9 +231,7 @@ class _GlobalHooks:
 
     @staticmethod
     def _tables() -> tuple[dict[int, Any], ...] | None:
-        tables = tuple(getattr(_torch_module, name, None) for name in (
-            "_global_forward_pre_hooks", "_global_forward_hooks",
-            "_global_forward_hooks_with_kwargs", "_global_forward_hooks_always_called"))
+        tables = tuple(getattr(_torch_module, name, None) for name in _GLOBAL_TABLES)
         return None if any(t is None for t in tables) else tables  # type: ignore[return-value]
 
     def _register(self) -> None:
@@ -254,12 +256,7 @@ class _GlobalHooks:
         if self._ids is None:
             return
         pre_id, post_id = self._ids
-        for name, key in (
-            ("_global_forward_pre_hooks", pre_id),
-            ("_global_forward_hooks", post_id),
-            ("_global_forward_hooks_with_kwargs", post_id),
-            ("_global_forward_hooks_always_called", post_id),
-        ):
+        for name, key in zip(_GLOBAL_TABLES, (pre_id, post_id, post_id, post_id)):
             table = getattr(_torch_module, name, None)
             if table is not None:
                 table.pop(key, None)
@@ -323,7 +320,7 @@ ModuleHooks = ModuleObserver
 
 class _Closer:
     """The forward hook that closes one call's frame after the module's own hooks
-    (:meth:`ModuleTracker._close_after_own_hooks`). It is only ever in a copy of the
+    (:meth:`ModuleTracker._close_after_own_hooks`). It is only ever in a view of the
     module's hook table (:class:`_CallHooks`), which pickles and copies as the
     module's own table, without it."""
 
@@ -467,7 +464,7 @@ def _own(table: Any) -> Any:
 
 def _point_at_own(handle: RemovableHandle) -> None:
     """A hook registered on a module during a traced call of it: its handle removes
-    it from the module's own tables, not from the call's copies."""
+    it from the module's own tables, not from the call's views."""
     try:
         table = handle.hooks_dict_ref()
         if type(table) is _CallHooks:
@@ -480,8 +477,8 @@ def _point_at_own(handle: RemovableHandle) -> None:
 
 
 def _add_closer(module: torch.nn.Module, closer: _Closer) -> int:
-    """Put the module's tables, copied, with ``closer`` at the end, in its place;
-    returns the closer's key."""
+    """Put views of the module's tables, with ``closer`` after the closers already
+    there, in their place; returns the closer's key."""
     key = next(_closer_ids)
     state = module.__dict__
     with _TABLES_LOCK:
@@ -494,7 +491,7 @@ def _add_closer(module: torch.nn.Module, closer: _Closer) -> int:
 
 
 def _remove_closer(module: torch.nn.Module, key: int) -> None:
-    """Take the closer ``key`` out of the module's tables (a new copy, or the own
+    """Take the closer ``key`` out of the module's tables (a new view, or the own
     table when no other call's closer is left)."""
     state = module.__dict__
     with _TABLES_LOCK:
@@ -925,7 +922,7 @@ class ModuleTracker(BackwardNesting):
         hooks): close its frame from a hook registered after them, for this call
         only, so their collectives belong to it. The hook comes off when it has
         run: one left on the module between calls would hold the tracker, and
-        copying, pickling or scripting the model would fail. It is added to copies
+        copying, pickling or scripting the model would fail. It is added to views
         of the module's hook tables put in their place for the call
         (:class:`_CallHooks`), never to the tables themselves, which another
         thread may be reading."""
@@ -964,7 +961,7 @@ class ModuleTracker(BackwardNesting):
         frame that called this hook (torch's ``Module._call_impl``) hands its
         ``BackwardHook`` next. (Nothing is registered on the module.)"""
         if module._is_full_backward_hook is False or (
-                torch.nn.modules.module._global_is_full_backward_hook is False):
+                _torch_module._global_is_full_backward_hook is False):
             return  # old-style hooks: torch refuses both
         # (this function, _pre_fw, _global_pre_fw, then torch's frame)
         taken = sys._getframe(3).f_locals.get("backward_pre_hooks")

@@ -338,8 +338,8 @@ class CommSpanMode:
         self._warned = Once()
         self._in_step = False
         self._last_step: int | None = None  # highest step number so far (a repeat
-        self._untraced_step: int | None = None  # the step sample= leaves out, in it
         # shares its trace)
+        self._untraced_step: int | None = None  # the step sample= leaves out, in it
         self._paused = False
         self._popped = False
         self._ranks = Ranks(0, 0, 1)

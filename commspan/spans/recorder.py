@@ -576,8 +576,7 @@ class SpanRecorder:
         stack = list(self.stack)
         attrs: dict[str, Any] = {}
         if untraced_step is not None and self._traces is not None:
-            trace: Trace | None = Trace(f"step/{untraced_step}", semconv.SPAN_STEP,
-                                        self._traces, {semconv.STEP: untraced_step})
+            trace: Trace | None = self._traces.step_trace(untraced_step)
             attrs[semconv.HANG_STEP_TRACED] = False
         else:
             trace = self.trace or self.last_trace

@@ -117,10 +117,16 @@ class TraceOpener:
         """The trace of step ``index``. A step number used again shares the trace of
         its first use and its root, which is written once, at the end of the first
         use (a second one had the same span id)."""
-        trace = Trace(f"step/{index}", semconv.SPAN_STEP, self, {semconv.STEP: index})
+        trace = self.step_trace(index)
         if trace.writes_root and not self._rooted.add(index):
             trace.writes_root = False
         return trace
+
+    def step_trace(self, index: int) -> Trace:
+        """The trace of step ``index``, as every rank derives it, without :meth:`step`'s
+        account of the roots written (a hang record in a step ``sample=`` leaves out
+        goes in it, and the step has no root)."""
+        return Trace(f"step/{index}", semconv.SPAN_STEP, self, {semconv.STEP: index})
 
     def session(self) -> Trace:
         """A new trace for activity outside any step."""

@@ -127,8 +127,7 @@ class SpanTree:
             return None
         parent = self.by_id.get((span.context.trace_id, span.parent.span_id))
         if parent is None:
-            if span.name == semconv.SPAN_RANK and (span.attributes or {}).get(
-                    semconv.RANK, 0) != 0:
+            if _root_elsewhere(span):
                 return None
             raise KeyError((span.context.trace_id, span.parent.span_id))
         return parent
@@ -147,6 +146,13 @@ class SpanTree:
     def rank_spans(self) -> list[ReadableSpan]:
         """The ``commspan.rank`` spans (one per trace and rank)."""
         return [s for s in self.spans if s.name == semconv.SPAN_RANK]
+
+
+def _root_elsewhere(span: ReadableSpan) -> bool:
+    """``span`` is the rank span of a rank other than 0, whose parent, the step's (or
+    session's) root, rank 0 writes: its parent is not among one process's spans."""
+    return span.name == semconv.SPAN_RANK and (span.attributes or {}).get(
+        semconv.RANK, 0) != 0
 
 
 def _fail(rule: str, span: ReadableSpan, *more: str) -> None:
@@ -225,10 +231,7 @@ def assert_well_formed(spans: Iterable[ReadableSpan]) -> None:
             continue
         parent = tree.by_id.get((span.context.trace_id, span.parent.span_id))
         if parent is None:
-            if span.name == semconv.SPAN_RANK and (span.attributes or {}).get(
-                    semconv.RANK, 0) != 0:
-                # the step's (or session's) root is rank 0's to write: another
-                # process's span, as the rank span of a step number used again
+            if _root_elsewhere(span):  # another process's span
                 remote_roots.add(span.context.trace_id)
                 continue
             _fail("every span's parent is a span of its trace (parent missing: not "
