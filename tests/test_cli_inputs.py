@@ -260,6 +260,11 @@ def test_digests_named_by_a_glob_are_left_out_with_one_note(
     assert code == 1 and not out
     assert err.startswith("ValueError: FILES: all 2 files named are digests, not JSONL files")
     assert err.count("\n") == 1
+    one = next(f for f in everything if f.endswith(".digest"))
+    code, out, err = _cli(capsys, "summary", one)
+    assert code == 1 and not out
+    assert err == f"ValueError: FILES: {one} is a digest, not a JSONL file; pass the JSONL " \
+                  "files (a file's digest is read with it) or their directory\n"
 
 
 def test_a_file_that_is_not_jsonl_is_named_once(

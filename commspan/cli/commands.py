@@ -104,11 +104,12 @@ class Reader:
         if not digests:
             named = [f for f in files if f.name.endswith(DIGEST_SUFFIX)]
             if named and len(named) == len(files):
-                what = str(named[0]) if len(named) == 1 else f"all {len(named)} files named"
+                one = len(named) == 1
+                what = (f"{named[0]} is a digest, not a JSONL file" if one else
+                        f"all {len(named)} files named are digests, not JSONL files")
                 raise ValueError(
-                    f"{label}: {what} {'is a digest' if len(named) == 1 else 'are digests'}, "
-                    "not JSONL files; pass the JSONL files (a file's digest is read with it) "
-                    "or their directory")
+                    f"{label}: {what}; pass the JSONL files (a file's digest is read with "
+                    "it) or their directory")
             if named:
                 files = [f for f in files if not f.name.endswith(DIGEST_SUFFIX)]
                 shown = ", ".join(str(f) for f in named[:3])
