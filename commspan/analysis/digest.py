@@ -101,14 +101,13 @@ __all__ = [
 DIGEST_SUFFIX = ".digest"
 """Appended to a JSONL file's name to name its digest."""
 DIGEST_VERSION = 3
-"""The version written in every digest line (``"digest"``). Readers use versions
-:data:`_READ_VERSIONS` and ignore others (their lines are parsed). Version 2 adds a
-collective's owner to its template, when it is not the module that issued it;
-version 3 a point-to-point op's tag (``commspan.p2p.tag``), when it has one."""
-_READ_VERSIONS = (1, 2, 3)  # a version-1 template has no owner: None, as from the lines
-                            # when a collective's owner is the module that issued it;
-                            # before 3 no tag: None (a tagged op of such a digest is not
-                            # matched with its peer's by check: run commspan digest again)
+"""The version written in every digest line (``"digest"``). Readers use lines of
+this version only and parse the JSONL lines of any other: version 1 had no
+collective's owner (the module that owns a collective issued by another, as FSDP2's
+unit does), version 2 no point-to-point tag (``commspan.p2p.tag``), and answers read
+from them would differ from the lines' (an owner charged to the issuer, a tagged send
+not matched with its receive). ``commspan digest DIR`` rewrites a run's digests."""
+_READ_VERSIONS = (DIGEST_VERSION,)
 _SAMPLE = 64  # bytes at the middle and end of a line whose CRC-32 the digest keeps
 _HEAD = 2048  # and at its start: the resource, whose run id tells two runs' lines apart
 
