@@ -265,6 +265,57 @@ def test_checkpoint_recompute_stays_recompute(fake_pg: None, use_reentrant: bool
     assert ("_Checkpointed.block", "recompute") in {(fqn(s), phase(s)) for s in spans}
 
 
+class _CheckpointsItsOwnCode(nn.Module):
+    """Checkpoints a method of its own (no module call inside) that issues an
+    all_reduce; the method marks itself running (the test's own record)."""
+
+    def __init__(self, use_reentrant: bool, marks: list[str]) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.use_reentrant = use_reentrant
+        self.marks = marks
+
+    def reduce(self, h: torch.Tensor) -> torch.Tensor:
+        self.marks.append("reduce")
+        try:
+            return funcol.all_reduce(h, "sum", dist.group.WORLD).relu()
+        finally:
+            self.marks.remove("reduce")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.reduce, self.lin(x), use_reentrant=self.use_reentrant)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_a_checkpointed_functions_own_collective_is_a_recompute(
+        fake_pg: None, use_reentrant: bool) -> None:
+    """A collective that checkpointing re-runs with no module call around it (a
+    checkpointed method's own all_reduce) is a recompute of the module that ran it,
+    not backward work; the all_reduce that autograd runs for its gradient stays
+    backward. (It was charged to backward.)"""
+    marks: list[str] = []
+    log = _Log(marks)
+    mode, exporter = traced_mode()
+    model = _CheckpointsItsOwnCode(use_reentrant, marks)
+    with mode, log:
+        model(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    spans = list(exporter.get_finished_spans())
+    assert_well_formed(spans)
+    # reference: the test's own record of which all_reduces the method issued
+    rerun = sum(1 for op, running, seen in log.seen
+                if op == "all_reduce" and running and "reduce" in seen)
+    forward = sum(1 for op, running, seen in log.seen
+                  if op == "all_reduce" and not running and "reduce" in seen)
+    gradient = sum(1 for op, running, seen in log.seen
+                   if op == "all_reduce" and running and "reduce" not in seen)
+    assert (forward, rerun) == (1, 1)
+    name = "_CheckpointsItsOwnCode"
+    assert _counts(mode, name, "forward") == {"all_reduce": forward}
+    assert _counts(mode, name, "recompute") == {"all_reduce": rerun}
+    assert _counts(mode, name, "backward") == ({"all_reduce": gradient} if gradient else {})
+    assert _counts(mode, "Global", "recompute") == {"all_reduce": rerun}
+
+
 def test_recomputing_probe() -> None:
     """recomputing() itself: no outside autograd and in a gradient hook; yes inside
     both kinds of checkpoint's recompute."""

@@ -60,35 +60,45 @@ def phase_now(
     in_autograd: bool,
     *,
     module_call: bool = False,
-    recomputing: bool = True,
+    recomputing: bool | None = None,
 ) -> Phase:
     """The phase of the work starting now.
 
     - A module call (``module_call=True``) is a forward; while autograd is
       executing it is a *recompute* when activation checkpointing re-runs the
-      forward (``recomputing``), and *backward* work otherwise (a module called
-      from a gradient hook): docs/design.md, "How backward nesting is
-      inferred", step 5.
+      forward (``recomputing``, yes unless told), and *backward* work otherwise
+      (a module called from a gradient hook): docs/design.md, "How backward
+      nesting is inferred", step 5.
     - A collective belongs to the phase of the innermost open module span;
       outside every module span (the rank span, ``innermost=None``) it is
       *backward* while autograd executes (a gradient hook's all_reduce) and
-      *forward* otherwise (the loss, the optimizer step).
+      *forward* otherwise (the loss, the optimizer step). Issued while
+      checkpointing re-runs a forward (``recomputing``) with no span of that
+      recompute open (a checkpointed function's own collective, in the backward
+      span that needed its activations, or in the rank span), it is *recompute*.
 
     Args:
         innermost: phase of the innermost open module span, ``None`` if none is open.
         in_autograd: autograd is executing a graph on this thread.
         module_call: the work is a module call starting (not a collective).
-        recomputing: for a module call while autograd executes, whether
-            activation checkpointing is re-running the forward (the capture
-            layer tells: :func:`commspan.capture.backward.recomputing`).
+        recomputing: while autograd executes, whether activation checkpointing
+            is re-running a forward (the capture layer tells:
+            :func:`commspan.capture.backward.recomputing`); ``None``: not asked
+            (yes for a module call, no for a collective).
 
     Returns:
         The :class:`~commspan.semconv.Phase`.
+
+    Example:
+        >>> phase_now(Phase.BACKWARD, in_autograd=True, recomputing=True)
+        <Phase.RECOMPUTE: 'recompute'>
     """
     if module_call:
         if not in_autograd:
             return _FORWARD
-        return _RECOMPUTE if recomputing else _BACKWARD
+        return _BACKWARD if recomputing is False else _RECOMPUTE
+    if in_autograd and recomputing and innermost in (None, _BACKWARD):
+        return _RECOMPUTE
     if innermost is not None:
         return innermost
     return _BACKWARD if in_autograd else _FORWARD
@@ -118,13 +128,17 @@ class Ownership(NamedTuple):
 class OwnershipRule(Protocol):
     """Decides the owner of a collective from the innermost open span."""
 
-    def owner(self, fqn: str, phase: Phase | None, in_autograd: bool) -> Ownership:
+    def owner(self, fqn: str, phase: Phase | None, in_autograd: bool,
+              recomputing: bool = False) -> Ownership:
         """The owner of a collective issued now.
 
         Args:
             fqn: name of the innermost open span's module (``Global`` for the rank span).
             phase: that span's phase, ``None`` for the rank span.
             in_autograd: autograd is executing a graph on this thread.
+            recomputing: activation checkpointing is re-running a forward (asked
+                only when autograd executes and no forward or recompute span is
+                open: :func:`phase_now`).
         """
         ...
 

@@ -31,9 +31,10 @@ class InnermostModule:
     """The innermost open span's module owns the collective; :func:`phase_now`
     gives its phase."""
 
-    def owner(self, fqn: str, phase: Phase | None, in_autograd: bool) -> Ownership:
+    def owner(self, fqn: str, phase: Phase | None, in_autograd: bool,
+              recomputing: bool = False) -> Ownership:
         """See :meth:`commspan.ownership.OwnershipRule.owner`."""
-        return Ownership(fqn, phase_now(phase, in_autograd))
+        return Ownership(fqn, phase_now(phase, in_autograd, recomputing=recomputing))
 
 
 def counts_for(span_fqn: str, span_phase: Phase | None, owner_fqn: str, phase: str) -> bool:

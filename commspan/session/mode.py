@@ -35,7 +35,7 @@ from commspan._errors import ErrorCounter, Once, seconds, whole_number
 from commspan._fork import renew_after_fork
 from commspan.analysis.counts import Aggregator
 from commspan.capture import ModuleObserver
-from commspan.capture.backward import graph_task_id
+from commspan.capture.backward import graph_task_id, recomputing
 from commspan.capture.collectives import CollectiveInfo
 from commspan.capture.dispatch import (
     CollectiveDispatchMode,
@@ -67,6 +67,9 @@ __all__ = ["CommSpanMode", "Sampler"]
 
 _log = logging.getLogger(__name__)
 _graph_task_id = graph_task_id
+_OUTSIDE_RECOMPUTE = (None, Phase.BACKWARD)
+"""Phases of the innermost span in which a collective that autograd runs while
+checkpointing re-runs a forward is that recompute's (no recompute span is open)."""
 
 
 def _version() -> str:
@@ -816,7 +819,11 @@ class CommSpanMode:
             owner = self._compiled_owner(dispatch, in_autograd)
         counted: tuple[str, ...] = ()
         if owner is None:
-            owner = self._ownership.owner(top.fqn, top.phase, in_autograd)
+            # a checkpointed function's own collective, re-run with no recompute span
+            # open: in the backward span that needed its activations, or the rank span
+            owner = self._ownership.owner(
+                top.fqn, top.phase, in_autograd,
+                in_autograd and top.phase in _OUTSIDE_RECOMPUTE and recomputing())
         else:
             if owner.kind:
                 attrs[semconv.OWNER_KIND] = owner.kind

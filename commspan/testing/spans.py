@@ -185,7 +185,9 @@ def assert_well_formed(spans: Iterable[ReadableSpan]) -> None:
       ``torch.autograd.grad`` in a forward, when the running module is neither
       the backward's module nor one enclosing it), a recompute span under a
       backward or recompute span with a backward span above it;
-    - a collective event carries the module and phase of the span it is on.
+    - a collective event carries the module and phase of the span it is on,
+      but one a checkpointed function re-runs outside every recomputed module
+      (in the backward span that needed its activations) is ``recompute``.
 
     The checks are explicit (``python -O`` keeps them).
 
@@ -291,7 +293,10 @@ def _check_module_span(tree: SpanTree, span: ReadableSpan) -> None:
                   f"under {getattr(ancestor, 'name', None)!r}")
     for event in collective_events(span):
         attrs = event.attributes or {}
-        if attrs.get(semconv.PHASE) != phase or attrs.get(semconv.MODULE_FQN) != fqn:
-            _fail("a collective event carries its span's module and phase", span,
+        served = attrs.get(semconv.PHASE)
+        if (served != phase and not (served == "recompute" and phase == "backward")) or (
+                attrs.get(semconv.MODULE_FQN) != fqn):
+            _fail("a collective event carries its span's module and phase (or recompute "
+                  "on a backward span)", span,
                   f"event {event.name!r}: {attrs.get(semconv.MODULE_FQN)!r} "
                   f"{attrs.get(semconv.PHASE)!r}")
