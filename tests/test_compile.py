@@ -12,6 +12,7 @@ all_reduce, an all_gather's a reduce_scatter).
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -256,7 +257,7 @@ def test_a_compiled_region_left_by_an_exception_does_not_outlive_its_step(
             dispatch.operators.append(type("Enter", (), {"tag": "enter"})())
             dispatch._handle_fx_nn_module_stack([], {str(id(net.mlp)): ("L['self'].mlp", MLP)},
                                                 None)
-            assert dispatch.compiled_module() == (id(net.mlp), True)  # as in a region
+            assert dispatch.compiled_module() == (id(net.mlp), True, "mlp")  # as in a region
         with cap.mode.step(1):
             assert dispatch.compiled_module() is None
             net.attn(torch.randn(4, DIM))
@@ -418,6 +419,56 @@ def test_a_compiled_child_is_named_as_the_module_it_wraps(fake_pg: None) -> None
     assert got == +expected
     names = {s.attributes.get(semconv.MODULE_FQN) for s in cap.spans}
     assert "_Holder.mlp" in names and not any("_orig_mod" in str(n) for n in names)
+    assert cap.mode.stats()["internal_errors"] == 0
+
+
+class _Blocks(torch.nn.Module):
+    """Blocks of one class, each possibly compiled on its own (torchtitan's
+    ``model.layers[i] = torch.compile(block)``): dynamo runs one graph for all."""
+
+    def __init__(self, compiled: bool, copies: bool = False) -> None:
+        super().__init__()
+        blocks: list[torch.nn.Module] = [Net() for _ in range(3)]
+        if compiled:
+            blocks = [torch.compile(b, backend="aot_eager") for b in blocks]
+        if copies:  # a compiled block that ran, deep-copied: its graph is shared too
+            blocks[0](torch.randn(4, DIM)).sum().backward()
+            blocks[1:] = [copy.deepcopy(blocks[0]) for _ in blocks[1:]]
+        self.blocks = torch.nn.ModuleList(blocks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+@pytest.mark.parametrize("copies", [False, True], ids=["compiled-each", "deep-copied"])
+def test_blocks_compiled_one_by_one_own_their_collectives(fake_pg: None, copies: bool) -> None:
+    """Three blocks of one class, each ``torch.compile``d (aot_eager): every block's
+    submodules own their own collectives, as torch's CommDebugMode counts them on
+    the uncompiled model. (All were charged to the first block's submodules: the
+    graph names the modules it was traced on.)"""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    x = torch.randn(4, DIM, requires_grad=True)
+    torch_cdm = CommDebugMode()
+    with torch_cdm:
+        _Blocks(compiled=False)(x).sum().backward()
+    expected: Counter[tuple[str, str]] = Counter()
+    for fqn, phases in torch_cdm.comm_module_counts.items():
+        if fqn.count(".") == 3:  # _Blocks.blocks.<i>.<attn|mlp>: the leaves
+            for phase in ("forward", "backward"):
+                expected[(fqn, phase)] += sum(phases.get(phase, {}).values())
+    assert len(expected) == 12, torch_cdm.comm_module_counts
+
+    torch._dynamo.reset()
+    model = _Blocks(compiled=True, copies=copies)
+    with capture() as cap:
+        with cap.mode.step(0):
+            model(x).sum().backward()
+    got = Counter((e[semconv.OWNER_FQN], e[semconv.PHASE]) for e in _events(cap))
+    assert got == expected
+    assert {e[semconv.OWNER_SOURCE] for e in _events(cap)} == {"compile"}
     assert cap.mode.stats()["internal_errors"] == 0
 
 

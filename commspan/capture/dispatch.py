@@ -19,6 +19,7 @@ and :mod:`commspan.ownership` reads them when a collective is issued.
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import threading
 import time
@@ -42,7 +43,9 @@ from commspan.capture.dtensor import placements_str
 from commspan.capture.groups import ProcessGroups
 from commspan.spans.timing import CollectiveTiming
 
-__all__ = ["MAX_LABELS", "CollectiveDispatchMode", "OpRecordingDispatchMode", "describe"]
+__all__ = [
+    "MAX_LABELS", "CollectiveDispatchMode", "OpRecordingDispatchMode", "describe", "module_path",
+]
 
 _log = logging.getLogger(__name__)
 _Tensor = torch.Tensor
@@ -216,17 +219,27 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
         self, base: Any, nn_module_stack: Any, fwd_nn_module_stack: Any
     ) -> None:
         """The module stack of the compiled graph's next node: its innermost module
-        (by identity), and whether the node is forward or backward."""
+        (by identity, and its path in the compiled frame), and whether the node is
+        forward or backward."""
         try:
             stack = nn_module_stack or fwd_nn_module_stack
-            self._tls.compiled = (next(reversed(stack)), bool(nn_module_stack)) if stack \
-                else None
+            if stack:
+                key = next(reversed(stack))
+                self._tls.compiled = (key, bool(nn_module_stack), stack[key])
+            else:
+                self._tls.compiled = None
         except Exception:
             self._errors.record(message="could not read a compiled graph's module stack")
 
-    def compiled_module(self) -> tuple[int, bool] | None:
+    def compiled_module(self) -> tuple[int, bool, str | None] | None:
         """In a compiled region run by torch's DebugInterpreter (aot_eager): the ``id``
-        of the module the running node belongs to, and whether it is forward; else None."""
+        of the module the running node belongs to in the module the graph was traced
+        on, whether the node is forward, and that module's dotted path under the
+        compiled frame's module (``attn.proj``; ``None`` if not read); else None.
+
+        Dynamo runs one graph for every module of a class (the parameters are its
+        inputs): for another module than the one it traced, the ``id`` is of the
+        traced module's submodule, the path is the running module's."""
         found = getattr(self._tls, "compiled", None)
         if found is None:
             return None
@@ -234,7 +247,7 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
         try:
             if type(key) is str and "@" in key:  # "<id>@1": the module's second call
                 key = key.split("@", 1)[0]
-            return int(key), found[1]
+            return int(key), found[1], module_path(found[2])
         except (TypeError, ValueError):  # a key that is not a module id: unknown
             return None
 
@@ -743,6 +756,44 @@ class _NoTracker:
 
 
 _NO_TRACKER = _NoTracker()
+
+
+_PATH_ROOT = re.compile(r"L\['self'\]")
+_PATH_STEP = re.compile(  # ._modules['x'] | .x | [0] | ['x']
+    r"\._modules\['([^'\]]+)'\]|\.([A-Za-z_][A-Za-z0-9_]*)|\[(\d+)\]|\['([^'\]]+)'\]")
+
+
+def module_path(entry: Any) -> str | None:
+    """The dotted path of a compiled graph node's module under the module whose
+    ``forward`` was compiled (the frame's ``self``), from an ``nn_module_stack``
+    entry (``("L['self'].layers[0].attn", Attention)`` -> ``layers.0.attn``;
+    ``""`` for that module itself); ``None`` for another root (a global, another
+    argument) or a path of another form.
+
+    Example:
+        >>> module_path(("L['self']._modules['mlp'].fc", object))
+        'mlp.fc'
+        >>> module_path(("G['model'].fc", object)), module_path(("L['other'].fc", object))
+        (None, None)
+    """
+    try:
+        path = entry[0]
+    except (TypeError, IndexError, KeyError):
+        return None
+    if type(path) is not str:
+        return None
+    root = _PATH_ROOT.match(path)
+    if root is None:
+        return None
+    parts: list[str] = []
+    pos = root.end()
+    while pos < len(path):
+        step = _PATH_STEP.match(path, pos)
+        if step is None:
+            return None
+        parts.append(next(g for g in step.groups() if g is not None))
+        pos = step.end()
+    return ".".join(parts)
 
 
 class _RegionLog:

@@ -618,6 +618,8 @@ class ModuleTracker(BackwardNesting):
         # DDP modules named before forget_names, learnt by the registry already
         self._was_ddp: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
         self._by_id_known = -1  # self._named when _by_id was built
+        self._names: set[str] = set()  # names of the modules named, for compiled graphs
+        self._names_known = -1  # self._named when _names was built
         self._calls: list[_Call] = []
         self._installed = False
         self._local: list[_Call] = []  # calls whose closing hook is still on their module
@@ -747,6 +749,7 @@ class ModuleTracker(BackwardNesting):
         self._known.clear()
         self._by_id.clear()
         self._by_id_known = -1
+        self._names_known = -1
         self.ran.clear()
 
     def fqn(self, module: torch.nn.Module) -> str | None:
@@ -770,6 +773,13 @@ class ModuleTracker(BackwardNesting):
         if hit is None or hit[0]() is None:
             return None
         return hit[1]
+
+    def knows_name(self, fqn: str) -> bool:
+        """Whether a module the tracker has named is called ``fqn``."""
+        if self._names_known != self._named:
+            self._names = {info.fqn for info in list(self._known.values())}
+            self._names_known = self._named
+        return fqn in self._names
 
     def _tag_spans(self, tags: dict[str, Any] | None) -> None:
         self.span_tags = tags

@@ -816,7 +816,7 @@ class CommSpanMode:
                             self._open_fqns, tensor)
             owner = resolve(issued, parallel, self._rules)
         if owner is None and dispatch is not None:
-            owner = self._compiled_owner(dispatch, in_autograd)
+            owner = self._compiled_owner(dispatch, in_autograd, top.fqn)
         counted: tuple[str, ...] = ()
         if owner is None:
             # a checkpointed function's own collective, re-run with no recompute span
@@ -846,13 +846,27 @@ class CommSpanMode:
         self._log.add(timing)
         return timing
 
-    def _compiled_owner(self, dispatch: Any, in_autograd: bool) -> Ownership | None:
+    def _compiled_owner(self, dispatch: Any, in_autograd: bool, span: str) -> Ownership | None:
         """In a compiled region run node by node (aot_eager): the submodule of the
-        graph node issuing the collective, and its pass."""
+        graph node issuing the collective, and its pass.
+
+        Dynamo runs the graph it traced on one module for every module of that
+        class (torch.compile on each block: one graph), and the graph names the
+        modules of the one it traced. A node whose module is not inside the span
+        open now (the compiled module's) is found by its path under that span's
+        module instead (``Net.layers.1`` + ``attn``), when a module of that name
+        exists."""
         compiled = dispatch.compiled_module()
-        if compiled is None or self._tracker is None:
+        tracker = self._tracker
+        if compiled is None or tracker is None:
             return None
-        fqn = self._tracker.fqn_of_id(compiled[0])
+        fqn = tracker.fqn_of_id(compiled[0])
+        path = compiled[2]
+        if path is not None and span != semconv.GLOBAL_FQN and (
+                fqn is None or (fqn != span and not fqn.startswith(span + "."))):
+            here = f"{span}.{path}" if path else span
+            if tracker.knows_name(here):
+                fqn = here
         if fqn is None:
             return None
         phase = Phase.FORWARD if compiled[1] and not in_autograd else (
