@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
 
 from commspan import semconv
 from commspan.testing import capture
@@ -337,6 +338,51 @@ def test_compiled_code_running_under_the_mode_never_compiles_the_mode(
         run()
     assert compiled_for(code) != []
     torch._dynamo.reset()
+
+
+class _CheckpointsNet(torch.nn.Module):
+    def __init__(self, use_reentrant: bool, in_place: bool) -> None:
+        super().__init__()
+        self.net = Net()
+        if in_place:
+            self.net.compile(backend="eager")
+        self.use_reentrant = use_reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.net, x, use_reentrant=self.use_reentrant)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_a_module_compiled_in_place_recomputes_in_phase_recompute(
+        fake_pg: None, use_reentrant: bool) -> None:
+    """``net.compile()`` (no span of its own) under activation checkpointing: the
+    collectives its re-run issues are phase recompute, as many as the uncompiled
+    model issues inside ``net``'s forward while autograd runs (the test's own mode
+    and a forward-hook flag); they were counted as backward."""
+    torch.manual_seed(0)
+    eager = _CheckpointsNet(use_reentrant, in_place=False)
+    inside: list[bool] = []
+    eager.net.register_forward_pre_hook(lambda m, a: inside.append(True) and None)
+    eager.net.register_forward_hook(lambda m, a, o: inside.pop() and None, always_call=True)
+    rerun: Counter[str] = Counter()
+
+    class Rerun(_Reference):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if func.namespace == "_c10d_functional" and func._opname in _OPS and inside \
+                    and torch._C._current_graph_task_id() != -1:
+                rerun[_CANONICAL.get(func._opname, func._opname)] += 1
+            return func(*args, **(kwargs or {}))
+
+    with Rerun():
+        eager(torch.randn(4, DIM, requires_grad=True)).sum().backward()
+    assert rerun["all_reduce"] >= 1, rerun
+
+    torch._dynamo.reset()
+    model = _CheckpointsNet(use_reentrant, in_place=True)
+    with capture() as cap:
+        with cap.mode.step(0):
+            model(torch.randn(4, DIM, requires_grad=True)).sum().backward()
+    assert cap.aggregator.module_counts()["_CheckpointsNet"]["recompute"] == dict(rerun)
 
 
 def test_a_submodule_called_twice_keeps_its_owner(fake_pg: None) -> None:
