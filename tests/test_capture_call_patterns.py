@@ -266,21 +266,24 @@ def test_checkpoint_recompute_stays_recompute(fake_pg: None, use_reentrant: bool
 
 
 class _CheckpointsItsOwnCode(nn.Module):
-    """Checkpoints a method of its own (no module call inside) that issues an
-    all_reduce; the method marks itself running (the test's own record)."""
+    """Checkpoints a method of its own that issues an all_reduce (no module call
+    around it), then calls a child; the method marks itself running (the test's
+    own record). A non-reentrant recompute starts in the child's backward."""
 
     def __init__(self, use_reentrant: bool, marks: list[str]) -> None:
         super().__init__()
         self.lin = nn.Linear(4, 4)
+        self.child = nn.Linear(4, 4)
         self.use_reentrant = use_reentrant
         self.marks = marks
 
     def reduce(self, h: torch.Tensor) -> torch.Tensor:
         self.marks.append("reduce")
         try:
-            return funcol.all_reduce(h, "sum", dist.group.WORLD).relu()
+            reduced = funcol.all_reduce(h, "sum", dist.group.WORLD).relu()
         finally:
             self.marks.remove("reduce")
+        return self.child(reduced)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return checkpoint(self.reduce, self.lin(x), use_reentrant=self.use_reentrant)
@@ -290,9 +293,10 @@ class _CheckpointsItsOwnCode(nn.Module):
 def test_a_checkpointed_functions_own_collective_is_a_recompute(
         fake_pg: None, use_reentrant: bool) -> None:
     """A collective that checkpointing re-runs with no module call around it (a
-    checkpointed method's own all_reduce) is a recompute of the module that ran it,
-    not backward work; the all_reduce that autograd runs for its gradient stays
-    backward. (It was charged to backward.)"""
+    checkpointed method's own all_reduce) is a recompute of the module whose method
+    it is, not backward work, nor the child's whose backward needed it; the
+    all_reduce that autograd runs for its gradient stays backward. (It was charged
+    to backward, of the span open then.)"""
     marks: list[str] = []
     log = _Log(marks)
     mode, exporter = traced_mode()
@@ -314,6 +318,8 @@ def test_a_checkpointed_functions_own_collective_is_a_recompute(
     assert _counts(mode, name, "recompute") == {"all_reduce": rerun}
     assert _counts(mode, name, "backward") == ({"all_reduce": gradient} if gradient else {})
     assert _counts(mode, "Global", "recompute") == {"all_reduce": rerun}
+    assert _counts(mode, f"{name}.child", "recompute") == {}
+    assert _counts(mode, f"{name}.child", "backward") == {}
 
 
 def test_recomputing_probe() -> None:

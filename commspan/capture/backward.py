@@ -38,6 +38,7 @@ without ``no_grad``) add no backward spans to the next backward.
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 import weakref
 from collections import deque
@@ -66,7 +67,7 @@ _RUNNING = (Phase.FORWARD, Phase.RECOMPUTE)
 if TYPE_CHECKING:
     from commspan.capture.modules import ModuleInfo
 
-__all__ = ["BackwardNesting", "graph_task_id", "hook_first", "recomputing"]
+__all__ = ["BackwardNesting", "graph_task_id", "hook_first", "recomputing", "recomputing_module"]
 
 _Tensor = torch.Tensor
 # types torch's pytree flattens (registered dataclasses, ...): type -> its NodeDef
@@ -111,6 +112,47 @@ def recomputing() -> bool:
         return hooks is not None and "recomputation" in getattr(hooks[0], "__qualname__", "")
     except Exception:  # pragma: no cover - a probe that changed shape
         return True
+
+
+try:
+    import torch.utils.checkpoint as _checkpoint_module
+
+    _CHECKPOINT_FILE: str | None = _checkpoint_module.__file__
+except Exception:  # pragma: no cover - depends on the torch build
+    _CHECKPOINT_FILE = None
+_Module = torch.nn.Module
+_RECOMPUTE_FRAMES = 64
+"""Python frames looked through, from a collective up to checkpointing's own code."""
+
+
+def recomputing_module() -> Any:
+    """The module whose code checkpointing is re-running now, outside every module
+    call (a checkpointed method, ``checkpoint(self.attn_core, h)``): the innermost
+    ``self`` that is an ``nn.Module`` among the Python frames between the caller and
+    ``torch.utils.checkpoint``'s code that re-runs the function; ``None`` if there
+    is none (a free function; no such frame within :data:`_RECOMPUTE_FRAMES`).
+    Looked up only for a collective issued while recomputing with no recompute
+    span open.
+
+    Example:
+        >>> recomputing_module() is None  # not inside a recompute
+        True
+    """
+    if _CHECKPOINT_FILE is None:  # pragma: no cover - depends on the torch build
+        return None
+    frame: Any = sys._getframe(1)
+    for _ in range(_RECOMPUTE_FRAMES):
+        if frame is None:
+            return None
+        code = frame.f_code
+        if code.co_filename == _CHECKPOINT_FILE:
+            return None  # checkpointing's own frame: the function it re-runs is below
+        if "self" in code.co_varnames or "self" in code.co_freevars:
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, _Module):
+                return owner
+        frame = frame.f_back
+    return None
 
 
 def _restart(call: _Call) -> None:

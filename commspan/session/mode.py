@@ -35,7 +35,7 @@ from commspan._errors import ErrorCounter, Once, seconds, whole_number
 from commspan._fork import renew_after_fork
 from commspan.analysis.counts import Aggregator
 from commspan.capture import ModuleObserver
-from commspan.capture.backward import graph_task_id, recomputing
+from commspan.capture.backward import graph_task_id, recomputing, recomputing_module
 from commspan.capture.collectives import CollectiveInfo
 from commspan.capture.dispatch import (
     CollectiveDispatchMode,
@@ -821,9 +821,16 @@ class CommSpanMode:
         if owner is None:
             # a checkpointed function's own collective, re-run with no recompute span
             # open: in the backward span that needed its activations, or the rank span
-            owner = self._ownership.owner(
-                top.fqn, top.phase, in_autograd,
-                in_autograd and top.phase in _OUTSIDE_RECOMPUTE and recomputing())
+            rerun = in_autograd and top.phase in _OUTSIDE_RECOMPUTE and recomputing()
+            owner = self._ownership.owner(top.fqn, top.phase, in_autograd, rerun)
+            if rerun and tracker is not None:
+                # owned by the module whose method it is (the one whose forward ran
+                # it), not by the backward span that needed the activations
+                module = recomputing_module()
+                name = tracker.fqn(module) if module is not None else None
+                if name is not None and name != owner.fqn:
+                    owner = owner._replace(fqn=name)
+                    counted = counted_names(name, tracker.ran)
         else:
             if owner.kind:
                 attrs[semconv.OWNER_KIND] = owner.kind
