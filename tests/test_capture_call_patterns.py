@@ -322,6 +322,41 @@ def test_a_checkpointed_functions_own_collective_is_a_recompute(
     assert _counts(mode, f"{name}.child", "backward") == {}
 
 
+class _ReduceInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return funcol.all_reduce(grad, "sum", dist.group.WORLD)
+
+
+class _BackwardReducer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(_ReduceInBackward.apply(x))
+
+
+def test_backward_collectives_stay_backward_without_the_recompute_probes(
+        fake_pg: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A torch build without the probes recomputing() reads (or with one that fails)
+    cannot tell a recompute: a module call is then taken for one, as before the probes,
+    but a collective a module's backward issues stays backward (asked with
+    unknown=False it was not: every backward collective became a recompute's)."""
+    import commspan.capture.backward as backward_mod
+
+    monkeypatch.setattr(backward_mod, "_current_node", None)
+    mode, _ = traced_mode()
+    with mode:
+        _BackwardReducer()(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    assert _counts(mode, "_BackwardReducer", "backward") == {"all_reduce": 1}
+    assert _counts(mode, "Global", "recompute") == {}
+
+
 def test_recomputing_probe() -> None:
     """recomputing() itself: no outside autograd and in a gradient hook; yes inside
     both kinds of checkpoint's recompute."""

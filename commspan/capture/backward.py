@@ -86,7 +86,7 @@ except AttributeError:  # pragma: no cover - depends on the torch build
     _current_node = _top_saved_hooks = None
 
 
-def recomputing() -> bool:
+def recomputing(unknown: bool = True) -> bool:
     """Whether a module called now, while autograd executes, is activation
     checkpointing re-running a forward (step 5).
 
@@ -96,22 +96,25 @@ def recomputing() -> bool:
     included) recomputes a saved tensor (torch's recomputation hooks are the
     innermost saved-tensor hooks). No otherwise: a module called from a
     gradient hook does backward work. A torch build without the two probes
-    answers yes, as commspan did before it could tell.
+    (or a probe that fails) answers ``unknown``: yes for a module call, as
+    commspan did before it could tell; a collective outside every recomputed
+    module asks with ``unknown=False``, so that such a build does not call every
+    collective of a backward span a recompute's.
 
     Example:
         >>> recomputing()  # no autograd running here: nothing is recomputed
         False
     """
     if _current_node is None or _top_saved_hooks is None:
-        return True
+        return unknown
     try:
         node = _current_node()
         if node is not None and "Checkpoint" in type(node).__name__:
             return True
         hooks = _top_saved_hooks(True)
         return hooks is not None and "recomputation" in getattr(hooks[0], "__qualname__", "")
-    except Exception:  # pragma: no cover - a probe that changed shape
-        return True
+    except Exception:  # a probe that changed shape
+        return unknown
 
 
 try:

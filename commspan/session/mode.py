@@ -821,7 +821,7 @@ class CommSpanMode:
         if owner is None:
             # a checkpointed function's own collective, re-run with no recompute span
             # open: in the backward span that needed its activations, or the rank span
-            rerun = in_autograd and top.phase in _OUTSIDE_RECOMPUTE and recomputing()
+            rerun = in_autograd and top.phase in _OUTSIDE_RECOMPUTE and recomputing(False)
             owner = self._ownership.owner(top.fqn, top.phase, in_autograd, rerun)
             if rerun and tracker is not None:
                 # owned by the module whose method it is (the one whose forward ran
