@@ -309,3 +309,38 @@ def test_module_counts_are_sums_over_spans(run: Run) -> None:
             expected.setdefault(fqn, {}).setdefault(phase, {})[op] = n
     got = {k: v for k, v in agg.module_counts().items() if k != semconv.GLOBAL_FQN}
     assert got == expected
+
+
+def test_aggregator_counts_spans_of_the_same_keys_and_of_new_ones(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The aggregator reads a span's count attributes by the plan of its attribute keys
+    (kept per tuple of keys): spans with the same keys and other values add up, a span
+    without a per-phase total is not folded, and a full plan cache starts over; every
+    sum is checked against the attributes added up here."""
+    from commspan.analysis import counts as counts_mod
+
+    monkeypatch.setattr(counts_mod, "_MAX_PLANS", 2)
+    monkeypatch.setattr(counts_mod, "_PLANS", {})
+    agg = counts_mod.Aggregator()
+    fw, bw = semconv.Phase.FORWARD, semconv.Phase.BACKWARD
+    total = f"{semconv.COUNT_PREFIX}{{}}.{semconv.COUNT_TOTAL}"
+    spans = [
+        {semconv.MODULE_FQN: "M.a", semconv.count_key(fw, "all_reduce"): 2,
+         total.format("forward"): 2},
+        {semconv.MODULE_FQN: "M.a", semconv.count_key(fw, "all_reduce"): 3,
+         total.format("forward"): 3},
+        {semconv.MODULE_FQN: "M.b", semconv.MODULE_DEPTH: 2,
+         semconv.count_key(bw, "all_gather"): 1, semconv.count_key(fw, "all_reduce"): 4,
+         total.format("backward"): 1, total.format("forward"): 4},
+        {semconv.MODULE_FQN: "M.c", semconv.count_key(fw, "all_reduce"): 7},  # no total
+        {semconv.MODULE_FQN: "M.a", semconv.count_key(fw, "all_reduce"): 1,
+         total.format("forward"): 1},
+    ]
+    for i, attrs in enumerate(spans):
+        agg.on_end(ReadableSpan(name=f"s{i}", attributes=attrs, start_time=i + 1))
+    assert agg.module_counts() == {
+        "M.a": {"forward": {"all_reduce": 6}},
+        "M.b": {"backward": {"all_gather": 1}, "forward": {"all_reduce": 4}},
+    }
+    assert len(counts_mod._PLANS) <= 2

@@ -151,8 +151,19 @@ class Aggregator(SpanProcessor):
         start: int,
         events: Iterable[tuple[str, Mapping[str, Any]]],
     ) -> None:
-        if _has_counts(attrs):
-            _fold_counts(self._counts, fqn, attrs)
+        keys = tuple(attrs)  # the plan of the span's count attributes (see _count_plan)
+        plan = _PLANS.get(keys, _NO_PLAN)
+        if plan is _NO_PLAN:
+            plan = _count_plan(keys)
+        if plan:  # (inline: one frame less per span)
+            per_module = self._counts.get(fqn)
+            if per_module is None:
+                per_module = self._counts[fqn] = {}
+            for name, phase, count_op in plan:
+                per_op = per_module.get(phase)
+                if per_op is None:
+                    per_op = per_module[phase] = {}
+                per_op[count_op] = per_op.get(count_op, 0) + int(attrs[name])
         if fqn == semconv.GLOBAL_FQN:
             self._seen_global = True
         else:
@@ -206,7 +217,8 @@ class Aggregator(SpanProcessor):
             rec.depth = int(attrs.get(semconv.MODULE_DEPTH, 1) or 1)
         elif rec.params:
             return
-        rec.params.update(_params(attrs))
+        if attrs.get(semconv.PARAM_NAMES):
+            rec.params.update(_params(attrs))
 
     # ------------------------------------------------------------ queries
     def _snapshot(self) -> tuple[Counts, dict[str, ModuleRecord]]:
@@ -673,30 +685,26 @@ def _decode_document(doc: dict[str, Any]) -> tuple[int, list[_Add]]:
 _TOTAL_KEYS = tuple(
     f"{semconv.COUNT_PREFIX}{p.value}.{semconv.COUNT_TOTAL}" for p in semconv.Phase
 )
-_PARSED: dict[str, tuple[str, str] | None] = {}
+_CountPlan = tuple[tuple[str, str, str], ...]
+_PLANS: dict[tuple[str, ...], _CountPlan] = {}
+"""The count attributes among a span's attribute keys (in their order), as
+``(key, phase, op)``, by the tuple of those keys: module spans of a run have a
+few such tuples, so a span's counts are read without parsing every key. Empty
+when no per-phase total is among them (such a span's counts are not folded)."""
+_MAX_PLANS = 4096
+_NO_PLAN: Any = object()
 
 
-def _has_counts(attrs: Mapping[str, Any]) -> bool:
-    for key in _TOTAL_KEYS:
-        if key in attrs:
-            return True
-    return False
-
-
-def _fold_counts(counts: Counts, fqn: str, attrs: Mapping[str, Any]) -> None:
-    per_module = None
-    for key, value in attrs.items():
-        try:
-            parsed = _PARSED[key]
-        except KeyError:
-            parsed = _PARSED[key] = semconv.parse_count_key(key)
-        if parsed is None:
-            continue
-        phase, op = parsed
-        if per_module is None:
-            per_module = counts.setdefault(fqn, {})
-        slot = per_module.setdefault(phase, {})
-        slot[op] = slot.get(op, 0) + int(value)
+def _count_plan(keys: tuple[str, ...]) -> _CountPlan:
+    """The plan of :data:`_PLANS` for a tuple of attribute keys (made and kept)."""
+    plan: _CountPlan = ()
+    if any(key in keys for key in _TOTAL_KEYS):
+        parsed = ((key, semconv.parse_count_key(key)) for key in keys)
+        plan = tuple((key, *p) for key, p in parsed if p is not None)
+    if len(_PLANS) >= _MAX_PLANS:
+        _PLANS.clear()
+    _PLANS[keys] = plan
+    return plan
 
 
 def _rank_of(span: ReadableSpan) -> int | None:
