@@ -67,6 +67,7 @@ _GLOBAL_TABLES = ("_global_forward_pre_hooks", "_global_forward_hooks",
                   "_global_forward_hooks_with_kwargs", "_global_forward_hooks_always_called")
 _graph_task_id = graph_task_id
 _get_ident = threading.get_ident
+_ref = weakref.ref
 _FORWARD = Phase.FORWARD
 
 # Frames the hooks themselves may use on top of a module call (span building,
@@ -177,9 +178,9 @@ def _global_post_fw(
     for tracker in _GLOBAL_HOOKS.trackers:
         # (module, args, kwargs, output) after a forward; (module, args, output)
         # when torch runs the always-called global hooks after an exception
-        if tracker._ignores_this_call(module):
+        if tracker._ignores_eager_call(module):  # (not compiling: asked above)
             continue
-        info = tracker._known.get(module)
+        info = tracker._known_by_ref.get(_ref(module))  # (_known.get, without its frame)
         if info is None or info.local_open:
             continue
         # (_finish_forward reads torch's frame, 2 up: past this hook)
@@ -612,6 +613,8 @@ class ModuleTracker(BackwardNesting):
         self._known: weakref.WeakKeyDictionary[torch.nn.Module, ModuleInfo] = (
             weakref.WeakKeyDictionary()
         )
+        # the dictionary under it (weak reference -> info), read by the hooks
+        self._known_by_ref: dict[Any, ModuleInfo] = self._known.data  # type: ignore[attr-defined]
         # id(module) -> (module ref, name), for compiled graphs' module stacks
         self._by_id: dict[int, tuple[Callable[[], Any], str]] = {}
         self._named = 0  # modules named so far (a version of _known)
@@ -712,8 +715,9 @@ class ModuleTracker(BackwardNesting):
             module = call.module()
             if key is not None and module is not None:
                 _remove_closer(module, key)
-        for info in list(self._known.values()):
-            info.local_open = 0
+            # (a module's open calls with a closing hook are all in _local: those
+            # are the only infos whose count is not 0)
+            call.info.local_open = 0
 
     def _innermost_call(self, info: ModuleInfo) -> int:
         """Index in ``_calls`` of the module's innermost open call, or -1."""
@@ -732,9 +736,13 @@ class ModuleTracker(BackwardNesting):
         """Not tracking, a call on a thread the tracker does not follow, or
         inside a torch.compile'd region (but the call of ``torch.compile(m)``'s
         wrapper itself: the compiled module's span)."""
+        return _is_compiling() or self._ignores_eager_call(module)
+
+    def _ignores_eager_call(self, module: torch.nn.Module | None) -> bool:
+        """:meth:`_ignores_this_call` for a caller that knows Dynamo is not tracing
+        (the global hooks, which ask first)."""
         return (
-            _is_compiling()
-            or not self.active
+            not self.active
             or (_get_ident() != self.owner and not self._follows())
             or (_in_compiled() and not isinstance(module, _Compiled))
         )
@@ -842,14 +850,15 @@ class ModuleTracker(BackwardNesting):
     # ------------------------------------------------------------ forward
     def _pre_fw(self, module: torch.nn.Module, args: Any) -> None:
         """A module call starts: open its frame (steps below), watch its inputs
-        for backward, tell the observer."""
-        if self._ignores_this_call(module):
+        for backward, tell the observer. (Called by the global pre-hook once it has
+        found that Dynamo is not tracing.)"""
+        if self._ignores_eager_call(module):
             return
         try:
             if self.unwound is not None:
                 self.close_unwound()
             self._error_mark = None
-            info = self._known.get(module)
+            info = self._known_by_ref.get(_ref(module))
             if info is None:
                 info = self._first_call_info(module)
             task = _graph_task_id()
