@@ -45,3 +45,39 @@ def test_more_than_128_collectives_in_one_call(fake_pg: None) -> None:
     assert mode.aggregator is not None
     assert mode.aggregator.comm_counts() == {"all_reduce": n}
     assert mode.aggregator.collectives(fqn="_Chatty")[0].count == n
+
+
+def test_frame_contexts_are_the_sdk_s_own() -> None:
+    """A module frame's context (made without SpanContext's constructor when the
+    installed OpenTelemetry lays it out as the recorder expects) equals the one the
+    constructor makes from the same ids: valid in a trace, and the fallback when the
+    layout is not known gives the same."""
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.trace import SpanContext, TraceFlags
+
+    from commspan.spans import recorder as recorder_mod
+    from commspan.spans.recorder import SpanRecorder
+    from commspan.spans.traces import TraceOpener
+
+    def contexts(fast: bool) -> list[tuple[SpanContext, SpanContext]]:
+        old = recorder_mod._FAST_CONTEXT
+        recorder_mod._FAST_CONTEXT = fast
+        try:
+            spans: list = []
+            rec = SpanRecorder(spans.append, Resource({}), "test", traces=TraceOpener())
+            rec.ensure_trace()
+            frames = [rec.push("M", semconv.Phase.FORWARD, {}),
+                      rec.push("M.a", semconv.Phase.FORWARD, {})]
+            rec.end()
+            return [(f.context, SpanContext(f.context.trace_id, f.span_id, False,
+                                            TraceFlags(TraceFlags.SAMPLED)))
+                    for f in frames]
+        finally:
+            recorder_mod._FAST_CONTEXT = old
+
+    assert recorder_mod._FAST_CONTEXT  # this OpenTelemetry: the fast path runs
+    for fast in (True, False):
+        for made, expected in contexts(fast):
+            assert made == expected and type(made) is SpanContext
+            assert made.is_valid and made.trace_flags.sampled and not made.is_remote
+            assert made.trace_state == expected.trace_state

@@ -59,6 +59,28 @@ __all__ = ["SpanRecorder", "SpanSink"]
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _UNSET = Status(StatusCode.UNSET)
 _now = time.time_ns
+_tuple_new = tuple.__new__
+_TRACE_ID_MAX = 2**128 - 1
+
+
+def _context_parts_match() -> bool:
+    """Whether a ``SpanContext`` is the tuple ``(trace_id, span_id, is_remote, flags,
+    state, is_valid)``, as this OpenTelemetry's is: a frame's context is then made
+    as that tuple, without ``SpanContext.__new__``'s Python frame re-checking ids
+    the recorder made valid. (Another layout: the constructor, as before.)"""
+    try:
+        made = SpanContext(1, 2, False, _SAMPLED)
+        return bool(
+            _tuple_new(SpanContext, (1, 2, False, _SAMPLED, made.trace_state, True)) == made
+            and made.is_valid and not SpanContext(0, 2, False, _SAMPLED).is_valid
+            and len(made) == 6 and made[5] is True
+        )
+    except Exception:  # pragma: no cover - another OpenTelemetry
+        return False
+
+
+_FAST_CONTEXT = _context_parts_match()
+_TRACE_STATE = SpanContext(1, 2, False, _SAMPLED).trace_state
 
 
 SpanSink = Callable[[ReadableSpan], None]
@@ -97,6 +119,7 @@ class SpanRecorder:
         self._traces = traces
         self.stack: list[Frame] = []
         self.trace_id = 0
+        self._trace_valid = False  # whether trace_id is a valid OpenTelemetry trace id
         self.trace: Trace | None = None
         self.root: Frame | None = None
         self.last_trace: Trace | None = None
@@ -123,6 +146,7 @@ class SpanRecorder:
             self.end()
         self.trace = self.last_trace = trace
         self.trace_id = trace_id = trace.trace_id
+        self._trace_valid = 0 < trace_id <= _TRACE_ID_MAX
         span_id = self._new_id()
         root = Frame(
             span_id,
@@ -235,10 +259,13 @@ class SpanRecorder:
             if idx >= 0 and idx + 1 < len(stack):
                 self._close_from(idx + 1, None, _now())
         parent = stack[-1] if stack else None
-        span_id = self._new_id()
+        span_id = self._rng.getrandbits(64) or 1  # (_new_id, inline)
         frame = Frame(
             span_id,
-            SpanContext(self.trace_id, span_id, False, _SAMPLED),
+            # (span_id is valid: the context is valid when the trace id is)
+            _tuple_new(SpanContext, (self.trace_id, span_id, False, _SAMPLED, _TRACE_STATE,
+                                     self._trace_valid))
+            if _FAST_CONTEXT else SpanContext(self.trace_id, span_id, False, _SAMPLED),
             fqn,
             phase,
             name or semconv.module_span_name(fqn, phase),
@@ -273,7 +300,13 @@ class SpanRecorder:
         """
         if frame.closed:
             return
-        idx = _index(self.stack, frame)
+        stack = self.stack
+        if stack and stack[-1] is frame:  # the usual case: nothing above it
+            if error is not None and frame.error is None:
+                frame.error = self.describe(error)
+            self._close_top(_now())
+            return
+        idx = _index(stack, frame)
         if idx < 0:
             return
         self._close_from(idx, self.describe(error), _now())
@@ -355,18 +388,30 @@ class SpanRecorder:
                 if fqn in seen:
                     continue
                 frame_phase = frame.phase
-                # the same phase always counts; another phase asks the rule
+                # the same phase always counts; another phase asks the rule (a Phase
+                # is a str: it equals its value, without the Enum's property)
                 if (
                     frame_phase is not None
-                    and frame_phase.value != phase
+                    and frame_phase != phase
                     and not counts_for(fqn, frame_phase, owner, phase)
                 ):
                     continue
                 seen.add(fqn)
                 counts = frame.counts
                 counts[key] = counts.get(key, 0) + 1
-                if nbytes or timing is not None:
-                    _roll_up(frame, phase, nbytes, timing)
+                if nbytes or timing is not None:  # (_roll_up, inline)
+                    if nbytes:
+                        sizes = frame.nbytes
+                        if sizes is None:
+                            frame.nbytes = {phase: nbytes}
+                        else:
+                            sizes[phase] = sizes.get(phase, 0) + nbytes
+                    if timing is not None:
+                        timings = frame.timings
+                        if timings is None:
+                            frame.timings = [timing]
+                        else:
+                            timings.append(timing)
                     top_counts = top_counts or frame is top
         if timing is not None and not top_counts:  # its span still waits for it
             if top.own is None:
@@ -516,7 +561,10 @@ class SpanRecorder:
                 attrs[semconv.count_key(phase, op)] = n
                 totals[phase] = totals.get(phase, 0) + n
             for phase, n in totals.items():
-                attrs[f"{semconv.COUNT_PREFIX}{phase}.{semconv.COUNT_TOTAL}"] = n
+                key = _TOTAL_KEYS.get(phase)
+                if key is None:
+                    key = f"{semconv.COUNT_PREFIX}{phase}.{semconv.COUNT_TOTAL}"
+                attrs[key] = n
         if frame.self_count:
             attrs[semconv.SELF_COUNT] = frame.self_count
         if frame.nbytes:
@@ -646,6 +694,10 @@ class SpanRecorder:
                 self._emit_lock.release()
         else:
             self._sink(span)
+
+
+_TOTAL_KEYS = {p.value: f"{semconv.COUNT_PREFIX}{p.value}.{semconv.COUNT_TOTAL}"
+               for p in Phase}
 
 
 def _roll_up(frame: Frame, phase: str, nbytes: Any, timing: CollectiveTiming | None) -> None:
