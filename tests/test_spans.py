@@ -344,3 +344,30 @@ def test_aggregator_counts_spans_of_the_same_keys_and_of_new_ones(
         "M.b": {"backward": {"all_gather": 1}, "forward": {"all_reduce": 4}},
     }
     assert len(counts_mod._PLANS) <= 2
+
+
+def test_aggregator_reads_spans_without_the_sdk_s_stored_fields() -> None:
+    """A span that is not the SDK's (only the ReadableSpan properties) counts as the
+    SDK's span with the same content does."""
+    from opentelemetry.sdk.trace import Event
+
+    from commspan.analysis.counts import Aggregator
+
+    total = f"{semconv.COUNT_PREFIX}forward.{semconv.COUNT_TOTAL}"
+    attrs = {semconv.MODULE_FQN: "M.a", semconv.MODULE_TYPE: "Linear",
+             semconv.count_key(semconv.Phase.FORWARD, "all_reduce"): 1, total: 1}
+    events = (Event("all_reduce", {semconv.COLL_OP: "all_reduce", semconv.PHASE: "forward",
+                                   semconv.TENSOR_BYTES: 64}, 5),)
+    sdk = ReadableSpan(name="M.a forward", attributes=attrs, events=events, start_time=3)
+
+    class Plain:
+        def __init__(self) -> None:
+            self.attributes, self.events, self.start_time = attrs, events, 3
+            self.resource = None
+
+    got = []
+    for span in (sdk, Plain()):
+        agg = Aggregator()
+        agg.on_end(span)  # type: ignore[arg-type]
+        got.append((agg.module_counts(), agg.collectives(), agg.modules()))
+    assert got[0] == got[1] and got[0][0] == {"M.a": {"forward": {"all_reduce": 1}}}

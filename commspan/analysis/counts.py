@@ -100,7 +100,10 @@ class Aggregator(SpanProcessor):
 
     def on_end(self, span: ReadableSpan) -> None:
         """Fold one finished span into the counts."""
-        attrs = span.attributes
+        try:  # an SDK span's stored fields: its properties wrap them anew at each read
+            attrs, span_events, start = span._attributes, span._events, span._start_time
+        except AttributeError:
+            attrs, span_events, start = span.attributes, span.events, span.start_time
         if not attrs:
             return
         fqn = attrs.get(semconv.MODULE_FQN)
@@ -108,10 +111,9 @@ class Aggregator(SpanProcessor):
             return
         if self._rank is not None and _rank_of(span) not in (None, self._rank):
             return
-        span_events = span.events
         events = [(e.name, e.attributes or {}) for e in span_events] if span_events else ()
         with self._lock:
-            self._add(str(fqn), attrs, span.start_time or 0, events)
+            self._add(str(fqn), attrs, start or 0, events)
 
     def shutdown(self) -> None:
         """Nothing to release."""
