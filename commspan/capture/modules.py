@@ -347,6 +347,8 @@ class _Closer:
 
 # the module's tables a forward hook is registered in; the hook table last
 _HOOK_TABLES = ("_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_hooks")
+_HOOK_TABLES_HOOK_FIRST = tuple(reversed(_HOOK_TABLES))
+_od_set = OrderedDict.__setitem__
 _TABLES_LOCK = threading.Lock()
 _closer_ids = itertools.count(-1, -1)  # keys of closing hooks: torch's ids are >= 0
 
@@ -375,7 +377,7 @@ class _CallHooks(OrderedDict):  # type: ignore[type-arg]
         self.own = own
         self.closers: dict[int, Any] = dict(closers)
         for key, value in (*own.items(), *self.closers.items()):
-            OrderedDict.__setitem__(self, key, value)
+            _od_set(self, key, value)
 
     # ---- reads: the own table now, then the closers
     def items(self) -> Any:
@@ -482,12 +484,15 @@ def _add_closer(module: torch.nn.Module, closer: _Closer) -> int:
     there, in their place; returns the closer's key."""
     key = next(_closer_ids)
     state = module.__dict__
+    flag = ((key, True),)
     with _TABLES_LOCK:
-        for name in _HOOK_TABLES:  # flags first: a reader never sees the hook without them
+        for name, entry in zip(_HOOK_TABLES, (flag, flag, ((key, closer),))):
+            # (flags first: a reader never sees the hook without them)
             table = state[name]
-            closers = [*table.closers.items()] if type(table) is _CallHooks else []
-            closers.append((key, closer if name == "_forward_hooks" else True))
-            state[name] = _CallHooks(_own(table), closers)
+            if type(table) is _CallHooks:  # another call of the module runs: its closers first
+                state[name] = _CallHooks(table.own, (*table.closers.items(), *entry))
+            else:
+                state[name] = _CallHooks(table, entry)
     return key
 
 
@@ -496,15 +501,17 @@ def _remove_closer(module: torch.nn.Module, key: int) -> None:
     table when no other call's closer is left)."""
     state = module.__dict__
     with _TABLES_LOCK:
-        for name in reversed(_HOOK_TABLES):  # the hook first
+        for name in _HOOK_TABLES_HOOK_FIRST:  # the hook first
             table = state.get(name)
-            if type(table) is not _CallHooks or key not in table.closers:
+            if type(table) is not _CallHooks:
                 continue
-            if len(table.closers) == 1:  # this call's closer is its only one
+            closers = table.closers
+            if key not in closers:
+                continue
+            if len(closers) == 1:  # this call's closer is its only one
                 state[name] = table.own
                 continue
-            state[name] = _CallHooks(
-                table.own, [(k, v) for k, v in table.closers.items() if k != key])
+            state[name] = _CallHooks(table.own, [(k, v) for k, v in closers.items() if k != key])
 
 
 class ModuleInfo:
