@@ -337,10 +337,9 @@ class BackwardNesting:
             return
         if versions:
             ref = weakref.ref
-            if call.input_ids:
-                call.input_ids.update({id(t): (t._version, ref(t)) for t in tensors})
-            else:
-                call.input_ids = {id(t): (t._version, ref(t)) for t in tensors}
+            ids = call.input_ids
+            for t in tensors:  # (a loop, not a comprehension: no frame of its own)
+                ids[id(t)] = (t._version, ref(t))
         call.inputs += len(tensors)
         call.inputs_left += len(tensors)
         self._hook(call, tensors, self._input_grad_ready, self._leaf_input_ready)
@@ -353,13 +352,24 @@ class BackwardNesting:
             # has no backward in this module; its gradient belongs to whoever
             # made it. One modified in place (ReLU(inplace=True)) does: its
             # version moved. (The same object: a new tensor may have the id of an
-            # input freed meanwhile.)
-            tensors = [t for t in tensors if not _handed_back(ids.get(id(t)), t)]
+            # input freed meanwhile.) Loops, not comprehensions (frames of their own),
+            # where the usual case (none) builds nothing.
+            for t in tensors:
+                seen = ids.get(id(t))
+                if seen is not None and _handed_back(seen, t):
+                    tensors = [t for t in tensors if not _handed_back(ids.get(id(t)), t)]
+                    break
             ids.clear()
         if not tensors:
             return
-        hooked = [t for t in tensors if t.grad_fn is not None and t._backward_hooks]
-        if hooked:
+        hooked = None
+        for t in tensors:
+            if t.grad_fn is not None and t._backward_hooks:
+                if hooked is None:
+                    hooked = [t]
+                else:
+                    hooked.append(t)
+        if hooked is not None:
             # (step 2) gradient hooks other code put on the output (the module's own
             # forward hooks: FSDP2's re-gather of a unit's parameters) run before the
             # node's pre-hooks: the backward starts from a hook on the tensor, put
