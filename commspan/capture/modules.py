@@ -869,15 +869,19 @@ class ModuleTracker(BackwardNesting):
             if info is None:
                 info = self._first_call_info(module)
             task = _graph_task_id()
-            # in backward: a recompute if checkpointing says so, or if the module
-            # already ran forward in this trace (other checkpoint implementations)
-            phase = phase_now(None, task != -1, module_call=True, recomputing=task != -1 and (
-                recomputing() or info.fw_trace == self.recorder.trace_id))
-            if task == -1 and self._tasks:
-                self._abandon_backward()
-            parent = self._calls[-1] if self._calls else None
-            if parent is None and task == -1 and self._leaf_calls:
-                self._new_top_level_forward(info)
+            calls = self._calls
+            parent = calls[-1] if calls else None
+            if task == -1:  # outside autograd: a forward (phase_now's rule, inline)
+                phase = _FORWARD
+                if self._tasks:
+                    self._abandon_backward()
+                if parent is None and self._leaf_calls:
+                    self._new_top_level_forward(info)
+            else:
+                # in backward: a recompute if checkpointing says so, or if the module
+                # already ran forward in this trace (other checkpoint implementations)
+                phase = phase_now(None, True, module_call=True, recomputing=(
+                    recomputing() or info.fw_trace == self.recorder.trace_id))
             depth = self._call_depth(info, phase, parent)
             attrs = self._call_attributes(module, info, phase, depth)
             frame = self.recorder.push(info.fqn, phase, attrs, task, name=info.names[phase])
@@ -888,7 +892,7 @@ class ModuleTracker(BackwardNesting):
                 ref = info.ref = weakref.ref(module)
             call = _Call(info, ref, parent, frame, depth)
             call.task = task
-            self._calls.append(call)
+            calls.append(call)
             if module._forward_hooks:
                 self._close_after_own_hooks(module, info, call)
             if (module._backward_pre_hooks or module._backward_hooks
