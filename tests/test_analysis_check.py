@@ -796,6 +796,37 @@ def test_a_rank_that_skipped_a_collective_while_blocked_elsewhere_says_so() -> N
         "waiting in `Net.stage` forward recv from rank 2 (#1)")
 
 
+def test_ranks_that_wait_for_each_other_on_two_groups_are_the_root() -> None:
+    """A subgroup only some of its ranks entered: rank 0 waits in the all_reduce of
+    group "sub" (ranks 0, 1), which rank 1 skipped; rank 1 went on and waits in its
+    next all_reduce on group "tp" (ranks 0, 1), which rank 0 never reaches; rank 2
+    waits on group "dp" (ranks 0, 2) for rank 0, the first to block. By construction
+    the cycle (sub, tp) is the cause and dp a consequence: the two findings of the
+    cycle come first, each naming the deadlock, though every missing rank waits in
+    another op (which alone makes a finding no cause) and dp's was issued first."""
+    b = SpanBuilder(world=3)
+    fwd = ("Net", "forward")
+    b.hang(2, 1, stack=[], time_ns=10_000_000, times=[1_000], collectives=[
+        b.event_attrs("all_reduce", fqn="Global", phase="forward", group="dp",
+                      ranks=(0, 2), seq=1, state=semconv.STATE_ISSUED)])
+    b.hang(0, 1, stack=[fwd, ("Net.sub", "forward")], time_ns=10_000_000, times=[2_000],
+           collectives=[b.event_attrs("all_reduce", fqn="Net.sub", phase="forward",
+                                      group="sub", ranks=(0, 1), seq=1,
+                                      state=semconv.STATE_ISSUED)])
+    b.hang(1, 2, stack=[fwd, ("Net.tp", "forward")], time_ns=10_000_000, times=[3_000],
+           collectives=[b.event_attrs("all_reduce", fqn="Net.tp", phase="forward",
+                                      group="tp", ranks=(0, 1), seq=1,
+                                      state=semconv.STATE_ISSUED)])
+    findings = run_check(b).findings
+    assert [f.group for f in findings] == ["sub", "tp", "dp"]
+    for f in findings[:2]:
+        assert f.details["root"] is True
+        assert f.details["deadlock"] == {"groups": ["sub", "tp"], "ranks": [0, 1]}
+        assert f.message.endswith(
+            "; a deadlock: ranks 0, 1 wait for each other on groups sub, tp")
+    assert findings[2].details["root"] is False and "deadlock" not in findings[2].details
+
+
 def test_point_to_point_numbers_survive_digests() -> None:
     """Digests keep a point-to-point op's number per peer: the run read from them has
     the collectives the lines give."""

@@ -757,12 +757,77 @@ def hang_findings(run: Run) -> list[Finding]:
         findings.append(
             _hang_finding(run, group, seq, members, per_rank, exported, last_any, latest)
         )
+    findings = _deadlocks(findings, latest, last_any)
     findings.extend(_p2p_hang_findings(run, latest, last_any, failed_p2p))
     # a rank that is itself stuck waiting is rarely the cause: findings that name a
     # rank that never issued its part and waits on nothing come first
     findings.sort(key=lambda f: (not f.details.get("root", True),
                                  f.details.get("issued_ns", 0)))
     return findings
+
+
+def _blocked_in(r: int, hang: HangRecord | None,
+                last_any: Mapping[int, CollectiveRecord]) -> str | None:
+    """The group of the op rank ``r`` is blocked in: the oldest one its hang record
+    shows not completed, else its last exported op when that failed (as
+    :func:`_waits_in` and :func:`_blocked_by_failure` say it); ``None`` when it is
+    blocked in none."""
+    stuck = [c for c in (hang.collectives if hang is not None else ())
+             if c.state != semconv.STATE_COMPLETED]
+    if stuck:
+        return min(stuck, key=lambda c: c.issued_ns).group or None
+    if _blocked_by_failure(r, hang, last_any):
+        return last_any[r].group or None
+    return None
+
+
+def _deadlocks(findings: list[Finding], latest: Mapping[int, HangRecord],
+               last_any: Mapping[int, CollectiveRecord]) -> list[Finding]:
+    """Mark the collectives' hang findings that wait on each other in a cycle: the
+    ranks that never issued a group's op are blocked in another group's, whose missing
+    ranks are blocked, in the end, in the first (a subgroup only some of its ranks
+    entered, two groups entered in another order). Each such finding names a rank
+    that waits in another op, which alone would make it no cause (``root`` false) and
+    list it after the findings it waits for; in a cycle nothing else is the cause:
+    they are the root (``root`` true, a ``deadlock`` key with the cycle's groups and
+    ranks) and say so, and come first."""
+    by_group = {f.group: i for i, f in enumerate(findings)}
+    edges: dict[int, set[int]] = {}
+    for i, f in enumerate(findings):
+        targets = set()
+        for r in f.details.get("never_issued", ()):
+            group = _blocked_in(r, latest.get(r), last_any)
+            if group is not None and group in by_group and group != f.group:
+                targets.add(by_group[group])
+        edges[i] = targets
+
+    def reach(i: int) -> set[int]:
+        seen: set[int] = set()
+        todo = list(edges[i])
+        while todo:
+            j = todo.pop()
+            if j not in seen:
+                seen.add(j)
+                todo.extend(edges[j])
+        return seen
+
+    reached = {i: reach(i) for i in edges}
+    in_cycle = [i for i in edges if i in reached[i]]
+    if not in_cycle:
+        return findings
+    out = list(findings)
+    for i in in_cycle:
+        cycle = sorted(j for j in reached[i] if i in reached[j])
+        groups = [findings[j].group for j in cycle]
+        ranks = sorted({r for j in cycle for r in findings[j].details["never_issued"]})
+        f = findings[i]
+        details = dict(f.details)
+        details.update(root=True, deadlock={"groups": groups, "ranks": ranks})
+        out[i] = dataclasses.replace(
+            f, details=details,
+            message=f"{f.message}; a deadlock: ranks {_list(ranks)} wait for each other "
+                    f"on groups {', '.join(str(g) for g in groups)}")
+    return out
 
 
 def _superseded_dropped(run: Run, latest: Mapping[int, HangRecord]) -> dict[int, HangRecord]:
