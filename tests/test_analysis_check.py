@@ -151,6 +151,33 @@ def test_extra_collective_at_the_end_of_a_step_is_a_count_mismatch() -> None:
     assert "ranks 1-3 issued nothing more in the step" in f.message
 
 
+def test_a_count_mismatch_names_the_module_that_issued_one_more() -> None:
+    """Rank 1 issues one all_reduce more in `Net.a`, the first of three modules that each
+    all-reduce the same tensor. Matched by position, the sequences part only at the end
+    of the step (`Net.c`'s); by construction the extra one is `Net.a`'s, and the
+    finding says so: the module and phase whose counts differ, with each rank's."""
+    b = SpanBuilder(world=2)
+    for step in range(2):
+        for r in range(2):
+            s = b.rank(r, step)
+            for fqn in ("Net.a", "Net.b", "Net.c"):
+                s.coll("all_reduce", fqn=fqn)
+                if (r, step, fqn) == (1, 0, "Net.a"):
+                    s.coll("all_reduce", fqn=fqn)
+    (f,) = run_check(b).findings
+    assert (f.kind, f.step, f.details["fields"]) == (KIND_MISMATCH, 0, ["count"])
+    assert f.details["count_by_module"] == [
+        {"fqn": "Net.a", "phase": "forward", "counts": {0: 1, 1: 2}}]
+    assert f.message == (
+        "group 0 (ranks 0, 1), step 0, seq 4: count differs: rank 0 issued nothing more "
+        "in the step; rank 1 issued all_reduce in `Net.c` forward; the counts differ in "
+        "`Net.a` forward (rank 0: 1, rank 1: 2)")
+    # the JSON form's keys are strings (orjson, which the HTML report embeds findings
+    # with, refuses int keys)
+    assert f.to_dict()["count_by_module"] == [
+        {"fqn": "Net.a", "phase": "forward", "counts": {"0": 1, "1": 2}}]
+
+
 def test_count_mismatch_entry_of_the_issuing_rank_is_plain_data() -> None:
     """In a count mismatch the rank that issued the extra collective is described by that
     collective alone (a "count" is no field of it): the finding's JSON form serialises."""

@@ -119,7 +119,8 @@ class Finding:
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form: ``kind``, ``group``, ``seq``, ``step``, ``ranks`` (keys are
-        rank numbers as strings), ``message``, then ``details``."""
+        rank numbers as strings), ``message``, then ``details`` (the ``counts`` of
+        ``count_by_module`` keyed by rank numbers as strings too)."""
         out: dict[str, Any] = {
             "kind": self.kind,
             "group": self.group,
@@ -129,6 +130,10 @@ class Finding:
             "message": self.message,
         }
         out.update(self.details)
+        if "count_by_module" in out:
+            out["count_by_module"] = [
+                {**entry, "counts": {str(r): n for r, n in entry["counts"].items()}}
+                for entry in out["count_by_module"]]
         return out
 
 
@@ -517,16 +522,49 @@ def _compare(
         for text, who in _grouped(at, fields).items():
             parts.append(f"{_who(who)} {text}")
         message = f"{label}, {where}, seq {seq}: {_differ(fields)}: " + "; ".join(parts)
-        return Finding(
-            KIND_MISMATCH,
-            group,
-            seq,
-            step,
-            ranks,
-            message,
-            {"group_ranks": list(members), "fields": fields, "trace_id": trace},
-        )
+        details: dict[str, Any] = {"group_ranks": list(members), "fields": fields,
+                                   "trace_id": trace}
+        if "count" in fields:
+            by_module = _counts_by_module(per_rank)
+            details["count_by_module"] = by_module
+            message += _count_by_module_words(by_module)
+        return Finding(KIND_MISMATCH, group, seq, step, ranks, message, details)
     return None
+
+
+def _counts_by_module(per_rank: Mapping[int, Sequence[CollectiveRecord]]) -> list[dict[str, Any]]:
+    """Where the ranks' counts of a step differ, per module and phase that issued them
+    (in the order first issued): ``[{"fqn", "phase", "counts": {rank: n}}]``. Matching
+    by position says only that some rank issued more; an extra collective early in the
+    step shifts every later one, so the position where the sequences part is at the
+    step's end, while the module that issued one more (or fewer) is where it was."""
+    tallies = {r: Counter((rec.fqn, rec.phase) for rec in recs) for r, recs in per_rank.items()}
+    keys = list(dict.fromkeys((rec.fqn, rec.phase)
+                              for recs in per_rank.values()
+                              for rec in sorted(recs, key=_order_key)))
+    out = []
+    for fqn, phase in keys:
+        counts = {r: tallies[r][(fqn, phase)] for r in sorted(per_rank)}
+        if len(set(counts.values())) > 1:
+            out.append({"fqn": fqn, "phase": phase, "counts": counts})
+    return out
+
+
+def _count_by_module_words(by_module: Sequence[Mapping[str, Any]], shown: int = 3) -> str:
+    """``; the counts differ in `Net.a` forward (rank 2: 1, rank 3: 2)``."""
+    if not by_module:
+        return ""
+    texts = []
+    for entry in by_module[:shown]:
+        groups: dict[int, list[int]] = {}
+        for r, n in entry["counts"].items():
+            groups.setdefault(n, []).append(r)
+        each = ", ".join(f"{_who(who)}: {n}" for n, who in groups.items())
+        module = f"`{entry['fqn']}` {entry['phase']}" if entry["fqn"] else "no module"
+        texts.append(f"{module} ({each})")
+    more = len(by_module) - shown
+    tail = f" and {more} more" if more > 0 else ""
+    return "; the counts differ in " + ", ".join(texts) + tail
 
 
 def _describe(rec: CollectiveRecord, fields: Iterable[str]) -> str:
