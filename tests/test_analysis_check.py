@@ -1656,6 +1656,30 @@ def test_a_rank_that_ended_the_step_without_the_collective_is_said_to_have_skipp
     assert mismatch and mismatch[0].step == 1  # where it skipped one
 
 
+def test_a_rank_that_left_the_step_early_is_not_referred_to_findings_that_are_not_there(
+) -> None:
+    """Rank 1 raised in step 1 after `Net.a`'s all_reduce (its step ended, by the
+    exception); rank 0 waits in `Net.b`'s (its hang record). The step is not compared
+    (a rank did not finish it), so no mismatch finding names where rank 1 went its own
+    way: the hang finding says it left the step early, not "see the other findings"."""
+    b = SpanBuilder(world=2)
+    for step in range(2):
+        for r in range(2):
+            s = b.rank(r, step, finished=not (step == 1 and r == 0))
+            s.coll("all_reduce", fqn="Net.a", duration_ns=MS)
+            if step == 0:
+                s.coll("all_reduce", fqn="Net.b", duration_ns=MS)
+    pending = b.event_attrs("all_reduce", fqn="Net.b", phase="forward", group=WORLD_GROUP,
+                            ranks=(0, 1), seq=4, state=semconv.STATE_ISSUED)
+    b.hang(0, 1, stack=[("Net", "forward"), ("Net.b", "forward")], collectives=[pending])
+    result = check(build_run(b.spans()))
+    (hang,) = result.findings
+    assert (hang.kind, hang.step, hang.details["never_issued"]) == (KIND_HANG, 1, [1])
+    assert ("rank 1 never issued it: it ended step 1 without it (it left the step early, "
+            "by an exception say, or skipped collectives its peers issued)") in hang.message
+    assert "see the other findings" not in hang.message
+
+
 def test_a_hang_outside_steps_is_not_counted_as_a_step_some_rank_did_not_finish() -> None:
     """Every step ended; then the ranks hang in a barrier-like all_reduce after the
     loop, outside steps (rank 1 never issues it). The hang finding is there, and the

@@ -211,12 +211,13 @@ def check(run: Run) -> CheckResult:
     """Run every check over ``run``; see the module docstring."""
     checked: Counter[str] = Counter()
     interrupted = interrupted_traces(run)
-    hangs = [*hang_findings(run), *untraced_findings(run)]
     others = [
         *missing_findings(run, skip=interrupted),
         *sequence_findings(run, skip=interrupted, checked=checked),
         *p2p_findings(run, skip=interrupted, checked=checked),
     ]
+    diverged = {f.group for f in others if f.group is not None}
+    hangs = [*hang_findings(run, diverged=diverged), *untraced_findings(run)]
     order = {t: i for i, t in enumerate(run.traces())}
     others.sort(key=lambda f: (order.get(f.details.get("trace_id", ""), -1), f.kind))
     counts = {
@@ -744,7 +745,7 @@ def _compare_p2p(
 
 
 # ------------------------------------------------------------------ hangs
-def hang_findings(run: Run) -> list[Finding]:
+def hang_findings(run: Run, *, diverged: Iterable[str] | None = None) -> list[Finding]:
     """For each group a hang record shows stuck, or where a collective's op raised on
     some rank (``commspan.collective.state`` ``failed`` on its event: a backend's
     timeout, a peer that died): the lowest sequence number some rank issued and had
@@ -753,7 +754,11 @@ def hang_findings(run: Run) -> list[Finding]:
     (a step with an op that failed is left out of the comparisons: these findings are
     what reports it). Findings
     that name a rank waiting on nothing come first (a rank that never issued its part
-    because it is itself blocked is rarely the cause)."""
+    because it is itself blocked is rarely the cause).
+
+    ``diverged``: the groups :func:`check`'s other findings name (a mismatch in an
+    earlier step), which a rank that ended the step without the op is referred to;
+    ``None``: not known, and it is referred to them as if there were some."""
     latest = run.latest_hangs()
     failed = [rec for rec in run.collectives
               if rec.state == semconv.STATE_FAILED and rec.group and not _per_peer(rec)]
@@ -793,7 +798,8 @@ def hang_findings(run: Run) -> list[Finding]:
             sorted(per_rank)
         )
         findings.append(
-            _hang_finding(run, group, seq, members, per_rank, exported, last_any, latest)
+            _hang_finding(run, group, seq, members, per_rank, exported, last_any, latest,
+                          diverged=None if diverged is None else group in set(diverged))
         )
     findings = _deadlocks(findings, latest, last_any)
     findings.extend(_p2p_hang_findings(run, latest, last_any, failed_p2p))
@@ -1165,6 +1171,7 @@ def _ended(run: Run, r: int, traces: Iterable[str]) -> int | None:
 def _unseen(
     r: int, hang: HangRecord | None, last_any: Mapping[int, CollectiveRecord],
     ended: int | None = None,
+    diverged: bool | None = None,
 ) -> tuple[str, str | None, str | None]:
     """``(text, fqn, phase)``: what is known of rank ``r``, which did not issue an op
     its peers wait in: where its hang record saw it, else its last exported op (and
@@ -1184,8 +1191,11 @@ def _unseen(
                     last.fqn, last.phase)
         # nothing after its last exported spans: not known to have issued it
         if ended is not None:
-            return (f"never issued it: it ended step {ended} without it (it issued "
-                    "fewer collectives than its peers; see the other findings); its "
+            why = ("it issued fewer collectives than its peers; see the other findings"
+                   if diverged is not False else
+                   "it left the step early, by an exception say, or skipped collectives "
+                   "its peers issued")
+            return (f"never issued it: it ended step {ended} without it ({why}); its "
                     f"last exported collective was {last.op} in `{last.fqn}` "
                     f"{last.phase} ({_step_words(last.step)})",
                     last.fqn, last.phase)
@@ -1222,6 +1232,7 @@ def _hang_finding(
     exported: Mapping[tuple[str, int], list[CollectiveRecord]],
     last_any: Mapping[int, CollectiveRecord],
     latest: Mapping[int, HangRecord],
+    diverged: bool | None = None,
 ) -> Finding:
     ranks: dict[int, dict[str, Any]] = {}
     inside: dict[str, list[int]] = {}
@@ -1269,7 +1280,8 @@ def _hang_finding(
         else:
             before = [rec for s, rec in known.items() if s < seq]
             last = max(before, key=_order_key) if before else None
-            text, fqn, phase = _unseen(r, hang, last_any, _ended(run, r, waited_in))
+            text, fqn, phase = _unseen(r, hang, last_any, _ended(run, r, waited_in),
+                                       diverged=diverged)
             silent = _wrote_nothing(r, hang, last_any)
             if silent:
                 nothing.append(r)
