@@ -365,3 +365,31 @@ def test_the_python_api_reads_one_run_of_a_folder_as_the_command_line_does(
             assert warned == []
     with pytest.raises(ValueError, match="run='nope' is not valid"):
         check_run(two_runs, run="nope")
+
+
+def test_show_groups_names_the_mesh_dimension_of_a_group_a_mesh_made(
+    fake_pg: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A plain `dist.all_reduce` on the group of a 2-D mesh's `tp` dimension (as a
+    training loop all-reduces over `mesh["tp"].get_group()`): `--show groups` names the
+    dimension as the mesh does (`mesh.get_group("tp")` is that group), as
+    `--by-mesh-dim` does; it said only the group's name and ranks."""
+    import torch
+    import torch.distributed as dist
+
+    from commspan.testing import fake_mesh
+
+    mesh = fake_mesh((2, 2), names=("dp", "tp"))
+    tp_group = mesh.get_group("tp")
+
+    def step(rank: int, index: int) -> None:
+        dist.all_reduce(torch.ones(4), group=tp_group)
+
+    write_run(tmp_path, "mesh-run", step, steps=(0,), ranks=(0,))
+    code, out, _ = run_cli(capsys, "summary", str(tmp_path), "--show", "groups")
+    assert code == 0
+    ranks = dist.get_process_group_ranks(tp_group)
+    label = f"{tp_group.group_name} (mesh dim tp, ranks {ranks[0]}-{ranks[-1]})"
+    assert [line.split()[2:-1] for line in out.splitlines()[2:3]] == [label.split()]
+    code, out, _ = run_cli(capsys, "table", str(tmp_path), "--by-mesh-dim")
+    assert code == 0 and out.splitlines()[1].split()[0] == "tp"

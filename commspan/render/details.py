@@ -47,7 +47,9 @@ def _group(row: Issued) -> str:
     if not row.group:
         return "group ?"
     bits = []
-    if row.mesh_dim is not None:
+    if row.mesh_dim_name:  # as --by-mesh-dim and diff name it; known without the index
+        bits.append(f"mesh dim {row.mesh_dim_name}")  # for a group a mesh made
+    elif row.mesh_dim is not None:
         bits.append(f"mesh dim {row.mesh_dim}")
     if row.group_ranks:
         bits.append(f"ranks {format_numbers(row.group_ranks)}")
