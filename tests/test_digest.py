@@ -633,3 +633,57 @@ def test_no_digest_is_offered_only_where_it_does_something(
         main(["stragglers", "run", "--no-digest"])
     assert exit_.value.code == 2
     assert "unrecognized arguments: --no-digest" in capsys.readouterr().err
+
+
+def _fail_a_collective(run: Path, rank: int, step: int) -> None:
+    """Mark the first collective event of ``rank``'s module spans in ``step`` failed
+    (``commspan.collective.state``), as when its op raised: a peer died there."""
+    f = run / f"commspan-rank{rank}.jsonl"
+    lines, done = [], False
+    for line in f.read_bytes().splitlines():
+        doc = json.loads(line)
+        for rs in doc["resourceSpans"]:
+            for ss in rs["scopeSpans"]:
+                for sp in ss["spans"]:
+                    keys = {a["key"] for a in sp["attributes"]}
+                    for ev in sp.get("events", ()):
+                        if (not done and semconv.MODULE_FQN in keys
+                                and any(a["key"] == semconv.COLL_OP for a in ev["attributes"])
+                                and sp["traceId"] == _trace_of_step(run, step)):
+                            ev["attributes"].append({"key": semconv.COLL_STATE, "value": {
+                                "stringValue": semconv.STATE_FAILED}})
+                            done = True
+        lines.append(json.dumps(doc, separators=(",", ":")).encode())
+    assert done
+    f.write_bytes(b"\n".join(lines) + b"\n")
+
+
+def _trace_of_step(run: Path, step: int) -> str:
+    from commspan.exporters import read_spans
+
+    return next(s.trace_id for s in read_spans(run) if s.name == semconv.SPAN_RANK
+                and s.attributes.get(semconv.STEP) == step)
+
+
+def test_a_ranks_last_step_is_cut_short_when_a_peers_collective_failed_in_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], fake_pg: None
+) -> None:
+    """Rank 1 died in step 2, its last: its module spans of the step were written, its
+    rank span never was; rank 0's collective of that step failed (its peer died).
+    The step was taken for one still running (a rank's last step may be), so neither
+    summary nor diff named it, and the counts of rank 1 silently left its collectives
+    out of Global and counted them in the modules that finished. A failed collective
+    in the step says the job broke there: it is cut short, from the lines and from
+    the digests alike, whichever rank is selected."""
+    plain = _without_digests(_traced(tmp_path / "run"), tmp_path / "plain")
+    _lose_a_rank_span(plain, rank=1, step=2)
+    _fail_a_collective(plain, rank=0, step=2)
+    digested = _with_digests(plain, tmp_path / "digested")
+    for folder in (plain, digested):
+        for rank in ("1", "all"):
+            code, out, err = run_cli(capsys, "summary", str(folder), "--rank", rank, "--json")
+            assert json.loads(out)["partial"] == [{"rank": 1, "step": 2}], (folder, rank)
+            assert "step 2 of rank 1 was cut short" in err
+    code, out, err = run_cli(capsys, "diff", str(plain), "--steps", "0-1", "--steps", "0-2")
+    assert code == 0 and "step 2 of rank 1 was cut short" in err
+    _same_answers(capsys, digested, plain)

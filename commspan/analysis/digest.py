@@ -971,12 +971,17 @@ def summarize_parts(
     present: set[tuple[int, str]] = set()
     trace_step: dict[str, int] = {}  # (any rank's span of the trace may say its step)
     latest: dict[int, tuple[int, str]] = {}
+    failed: set[str] = set()  # traces where some rank's collective failed
+    cache: dict[str, tuple[Any, ...]] = {}
     for part in parts:
+        if part["trace"] not in failed and any(
+                _template(text, cache)[3] == semconv.STATE_FAILED for text in part["tmpls"]):
+            failed.add(part["trace"])
+        if part["step"] is not None:
+            trace_step.setdefault(part["trace"], part["step"])
         if rank is not None and part["rank"] != rank:
             continue
         count += part["spans"]
-        if part["step"] is not None:
-            trace_step.setdefault(part["trace"], part["step"])
         traces.add(part["trace"])
         ranks.add(part["rank"])
         key = (part["rank"], part["trace"])
@@ -990,10 +995,10 @@ def summarize_parts(
         if part["present"] and part["commspan_spans"]:
             present.add(key)
     # a trace's spans may span lines: cut short when no line of it holds its rank span
-    # and the rank wrote later traces (digests hold no hang record: lines that have
-    # one are read as spans)
+    # and a collective of it failed on some rank or the rank wrote later traces
+    # (digests hold no hang record: lines that have one are read as spans)
     partial = [(r, trace_step.get(t)) for r, t in present
-               if (r, t) not in rooted and latest[r][1] != t]
+               if (r, t) not in rooted and (t in failed or latest[r][1] != t)]
     steps.update(step for _, step in partial if step is not None)
     return summary_of(agg, count, traces, ranks, steps, partial)
 

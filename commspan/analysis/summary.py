@@ -39,10 +39,10 @@ def summarize(
         "total", "partial"}``; ranks and steps sorted, phases in phase order, ops
         sorted. ``partial`` lists the ``{"rank", "step"}`` of traces cut short: a
         rank wrote module spans of the trace but never its ``commspan.rank`` span,
-        and a hang record names the trace or the rank wrote later ones (its last
-        trace may still be running); ``step`` is ``None`` when no span of the
-        trace says it. ``total`` and ``collectives`` come from the rank spans, so
-        they leave those out.
+        and a hang record names the trace, a collective of it failed on some rank,
+        or the rank wrote later ones (else its last trace may still be running);
+        ``step`` is ``None`` when no span of the trace says it. ``total`` and
+        ``collectives`` come from the rank spans, so they leave those out.
     """
     count = 0
     ranks: set[int] = set()
@@ -50,6 +50,7 @@ def summarize(
     traces: set[str] = set()
     unfinished = _Unfinished()
     for span in spans:
+        unfinished.see(span)  # (a collective of any rank that failed cuts a step short)
         if rank is not None and span.rank != rank:
             continue
         count += 1
@@ -60,6 +61,9 @@ def summarize(
         if step is not None:
             steps.add(step)
     partial = [(r, s) for r, _, s in unfinished.cut_short()]
+    # a step cut short is one of the rank's steps, though only another rank's span of
+    # it may say its number (as the digests' summary has it)
+    steps.update(s for _, s in partial if s is not None)
     return summary_of(aggregator, count, traces, ranks, steps, partial)
 
 
@@ -73,6 +77,7 @@ def cut_short(spans: Iterable[SpanRecord]) -> list[tuple[int | None, str, int | 
     """
     unfinished = _Unfinished()
     for span in spans:
+        unfinished.see(span)
         unfinished.add(span)
     return unfinished.cut_short()
 
@@ -86,7 +91,20 @@ class _Unfinished:
         self.rooted: set[tuple[int | None, str]] = set()
         self.modules: set[tuple[int | None, str]] = set()
         self.hung: set[tuple[int | None, str]] = set()
+        self.failed: set[str] = set()  # traces where some rank's collective failed
         self.latest: dict[int | None, tuple[int, str]] = {}  # rank -> (start, trace) of its last
+
+    def see(self, span: SpanRecord) -> None:
+        """Note a span of any rank: the step of its trace (a step, rank or hang span
+        says it), and whether a collective of its trace failed."""
+        if span.name in _STEP_NAMES:
+            step = span.attributes.get(semconv.STEP)
+            if isinstance(step, int) and not isinstance(step, bool):
+                self.trace_step.setdefault(span.trace_id, step)
+        if span.events and span.trace_id not in self.failed and any(
+                attrs.get(semconv.COLL_STATE) == semconv.STATE_FAILED
+                for _, attrs in span.events):
+            self.failed.add(span.trace_id)
 
     def add(self, span: SpanRecord) -> int | None:
         """Note one span; returns the step it names (a step, rank or hang span's)."""
@@ -108,13 +126,16 @@ class _Unfinished:
         return None
 
     def cut_short(self) -> list[tuple[int | None, str, int | None]]:
-        """A trace without its rank span was cut short when a hang record names it, or
-        when the rank wrote a later trace; its last trace may still be running (files
-        of a job in progress), so that one is not."""
+        """A trace without its rank span was cut short when a hang record names it,
+        when a collective of it failed on some rank (its op raised: a peer died, a
+        backend timed out; the job broke there), or when the rank wrote a later
+        trace; otherwise its last trace may still be running (files of a job in
+        progress), so that one is not."""
         out = []
         for rank, trace in self.modules - self.rooted:
             last = self.latest.get(rank)
-            if (rank, trace) in self.hung or (last is not None and last[1] != trace):
+            if (rank, trace) in self.hung or trace in self.failed or (
+                    last is not None and last[1] != trace):
                 out.append((rank, trace, self.trace_step.get(trace)))
         return sorted(out, key=lambda p: (p[0] is None, p[0] or 0, p[1]))
 
