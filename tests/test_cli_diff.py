@@ -399,3 +399,60 @@ def test_sides_of_other_ranks_are_said_to_sum_other_ranks(
     for argv in ([str(run), str(run)], [str(one), str(run), "--rank", "0"]):
         code, _, err = run_cli(capsys, "diff", *argv)
         assert code == 0 and "summed over" not in err, err
+
+
+def test_a_side_whose_every_step_was_cut_short_is_an_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], fake_pg: None
+) -> None:
+    """`diff DIR --step 0 --step 1` where rank 1's rank span of step 1 is lost (it went
+    on to step 2: step 1 was cut short on it): B's only step is left out, so B is
+    empty. diff compared it as a side with no collective ("5 removed"), said "counts
+    per step over the 1 step(s) left" (there were none) and exited 1; it is an error
+    naming the side and the step (status 2, nothing on stdout). With a step that
+    ended beside it, the cut step is left out as before."""
+    run = write_run(tmp_path / "run", "r", net_step(), steps=(0, 1, 2), ranks=(0, 1))
+    _lose_rank_span(run / "commspan-rank1.jsonl", step=1)
+    code, out, err = run_cli(capsys, "diff", str(run), "--step", "0", "--step", "1")
+    assert (code, out) == (2, "")
+    assert err.startswith("ValueError: B: every step selected was cut short (step 1 of "
+                          "rank 1: "), err
+    code, out, err = run_cli(capsys, "diff", str(run), "--steps", "0-0", "--steps", "1-2")
+    assert code == 0 and "step 1 of rank 1 was cut short" in err, (out, err)
+
+
+def test_a_step_cut_short_is_named_when_it_alone_is_selected(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], fake_pg: None
+) -> None:
+    """Rank 1's rank span of step 1 is lost and it went on to step 2: step 1 was cut
+    short on it. Selected alone (`--step 1`), the records kept no longer showed that
+    rank 1 went on, so step 1 passed for a last step still running: `summary --rank 1
+    --step 1` said `total 0` with no word, and `diff --step 0 --step 1` compared rank
+    1's partial step as a whole one. Read from the lines and from digests alike."""
+    from commspan.analysis.digest import write_digest
+
+    run = write_run(tmp_path / "run", "r", net_step(), steps=(0, 1, 2), ranks=(0, 1))
+    _lose_rank_span(run / "commspan-rank1.jsonl", step=1)
+    digested = tmp_path / "digested"
+    digested.mkdir()
+    for f in run.glob("*.jsonl"):
+        (digested / f.name).write_bytes(f.read_bytes())
+        write_digest(digested / f.name)
+    for folder in (run, digested):
+        code, out, err = run_cli(capsys, "summary", str(folder), "--rank", "1", "--step", "1",
+                                 "--json")
+        assert json.loads(out)["partial"] == [{"rank": 1, "step": 1}], folder
+        assert "step 1 of rank 1 was cut short" in err
+    code, out, err = run_cli(capsys, "diff", str(run), "--step", "0", "--step", "1")
+    assert (code, out) == (2, "") and "B: every step selected was cut short" in err
+
+
+def _lose_rank_span(path: Path, step: int) -> None:
+    """Remove the ``commspan.rank`` span of ``step`` from a rank's file."""
+    mark = {"key": "commspan.step", "value": {"intValue": str(step)}}
+    docs = [json.loads(line) for line in path.read_bytes().splitlines()]
+    for doc in docs:
+        for rs in doc["resourceSpans"]:
+            for ss in rs["scopeSpans"]:
+                ss["spans"] = [s for s in ss["spans"] if not (
+                    s["name"] == "commspan.rank" and mark in s["attributes"])]
+    path.write_bytes(b"".join(json.dumps(d).encode() + b"\n" for d in docs))

@@ -24,7 +24,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any, NamedTuple
@@ -204,7 +204,8 @@ def _per_step(total: int, steps: int) -> float:
 
 
 def profile(
-    records: Iterable[SpanRecord], *, rank: int | None = None, steps: int | None = None
+    records: Iterable[SpanRecord], *, rank: int | None = None, steps: int | None = None,
+    last_traces: Mapping[int | None, str] | None = None,
 ) -> Profile:
     """Reduce span records to the per-step collectives of each module, phase and op.
 
@@ -223,19 +224,27 @@ def profile(
         The :class:`Profile`.
 
     Raises:
-        ValueError: ``steps`` is not a positive int.
+        ValueError: ``steps`` is not a positive int, or every numbered step of the
+            records was cut short (nothing whole to compare).
     """
     records = list(records)
     # a step cut short (a hang; no rank span) is left out, on every rank: its collectives
     # are neither a whole step nor outside the steps
-    cut = cut_short(records)
+    cut = cut_short(records, last_traces)
     left_out = {trace for _, trace, _ in cut}
-    records = [r for r in records if r.trace_id not in left_out]
     numbered = {
         r.trace_id for r in records
         if r.name in (semconv.SPAN_RANK, semconv.SPAN_STEP)
         and isinstance(r.attributes.get(semconv.STEP), int)
     }
+    if numbered and numbered <= left_out:
+        which = cut_short_steps((r, s) for r, _, s in cut)
+        raise ValueError(
+            f"every step selected was cut short ({which}: no commspan.rank span written, "
+            "a hang or a process stopped mid-step): no whole step is left to compare; "
+            "select steps that ended")
+    numbered -= left_out
+    records = [r for r in records if r.trace_id not in left_out]
     if steps is None:
         steps = max(1, len(numbered))
     elif not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import os
 import zlib
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -54,6 +54,7 @@ from commspan.analysis.runs import (
     StepRange,
     choose,
     commspan_runs,
+    last_traces_of,
     runs_of,
     writer_of,
 )
@@ -942,6 +943,7 @@ class PartSelection(NamedTuple):
     runs: tuple[RunInfo, ...]
     steps: tuple[int, ...]
     note: str | None = None
+    last_traces: Mapping[int | None, str] | None = None
 
 
 def select_parts(
@@ -953,16 +955,20 @@ def select_parts(
         return PartSelection([], None, (), ())
     chosen, kept_steps, note = choose(runs, run, steps)
     kept = [p for p in parts if p["run"] == chosen.run_id] if len(runs) > 1 else list(parts)
+    last_traces = None
     if steps is not None:
+        last_traces = last_traces_of((p["rank"], p["start"], p["trace"]) for p in kept)
         traces = {t for t, s in _trace_steps(kept).items() if s in steps}
         kept = [p for p in kept if p["trace"] in traces]
-    return PartSelection(kept, chosen, runs, kept_steps, note)
+    return PartSelection(kept, chosen, runs, kept_steps, note, last_traces)
 
 
 def summarize_parts(
-    agg: Aggregator, parts: Sequence[DigestPart], rank: int | None
+    agg: Aggregator, parts: Sequence[DigestPart], rank: int | None,
+    last_traces: Mapping[int | None, str] | None = None,
 ) -> dict[str, Any]:
-    """:func:`~commspan.analysis.summary.summarize` of the spans the parts stand for."""
+    """:func:`~commspan.analysis.summary.summarize` of the spans the parts stand for
+    (``last_traces``: as :attr:`PartSelection.last_traces`)."""
     count = 0
     ranks: set[int] = set()
     steps: set[int] = set()
@@ -997,8 +1003,10 @@ def summarize_parts(
     # a trace's spans may span lines: cut short when no line of it holds its rank span
     # and a collective of it failed on some rank or the rank wrote later traces
     # (digests hold no hang record: lines that have one are read as spans)
+    last_of = ({r: t for r, (_, t) in latest.items()} if last_traces is None
+               else last_traces)
     partial = [(r, trace_step.get(t)) for r, t in present
-               if (r, t) not in rooted and (t in failed or latest[r][1] != t)]
+               if (r, t) not in rooted and (t in failed or last_of.get(r, t) != t)]
     steps.update(step for _, step in partial if step is not None)
     return summary_of(agg, count, traces, ranks, steps, partial)
 

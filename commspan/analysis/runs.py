@@ -126,6 +126,11 @@ class Selection:
         steps: the step numbers kept (of the chosen run).
         note: a sentence saying which run was chosen among several when none
             was asked for (``None`` otherwise); the caller shows it.
+        last_traces: with a step selection, each rank's last trace in the whole run
+            (by start), which the records kept no longer show: a step whose rank span
+            a rank never wrote was cut short when that rank went on to a later one
+            (``summarize``, ``cut_short``, ``diff.profile`` take it); ``None``
+            without one (the records show it).
     """
 
     records: list[SpanRecord]
@@ -133,6 +138,7 @@ class Selection:
     runs: tuple[RunInfo, ...]
     steps: tuple[int, ...]
     note: str | None = None
+    last_traces: Mapping[int | None, str] | None = None
 
 
 def _run_of(rec: SpanRecord) -> str:
@@ -268,12 +274,30 @@ def select(
     chosen, kept_steps, note = choose(runs, run, steps)
     note = _others_note(every, runs, note)
     kept = [r for r in records if _run_of(r) == chosen.run_id] if len(every) > 1 else records
+    last_traces = None
     if steps is not None:
+        last_traces = last_traces_of((r.rank, r.start_time, r.trace_id) for r in kept)
         trace_steps = _trace_steps(kept)
         traces = {t for t, s in trace_steps.items() if s in steps}
         selected = [r for r in kept if r.trace_id in traces]
         kept = selected + _earlier_hangs(kept, selected, trace_steps, kept_steps)
-    return Selection(kept, chosen, runs, kept_steps, note)
+    return Selection(kept, chosen, runs, kept_steps, note, last_traces)
+
+
+def last_traces_of(spans: Iterable[tuple[int | None, int, str]]) -> dict[int | None, str]:
+    """Each rank's last trace, the one of its latest-starting span, from ``(rank, start,
+    trace id)`` of spans.
+
+    Example:
+        >>> last_traces_of([(0, 5, "a"), (0, 9, "b"), (1, 3, "a")])
+        {0: 'b', 1: 'a'}
+    """
+    latest: dict[int | None, tuple[int, str]] = {}
+    for rank, start, trace in spans:
+        last = latest.get(rank)
+        if last is None or start > last[0]:
+            latest[rank] = (start, trace)
+    return {rank: trace for rank, (_, trace) in latest.items()}
 
 
 def _earlier_hangs(records: Sequence[SpanRecord], selected: Sequence[SpanRecord],

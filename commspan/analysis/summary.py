@@ -11,7 +11,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from commspan import semconv
@@ -25,7 +25,8 @@ _STEP_NAMES = frozenset({semconv.SPAN_RANK, semconv.SPAN_STEP, semconv.SPAN_HANG
 
 
 def summarize(
-    aggregator: Aggregator, spans: Iterable[SpanRecord], rank: int | None = None
+    aggregator: Aggregator, spans: Iterable[SpanRecord], rank: int | None = None,
+    last_traces: Mapping[int | None, str] | None = None,
 ) -> dict[str, Any]:
     """The summary of a run from its counts and its span records.
 
@@ -60,16 +61,20 @@ def summarize(
         step = unfinished.add(span)
         if step is not None:
             steps.add(step)
-    partial = [(r, s) for r, _, s in unfinished.cut_short()]
+    partial = [(r, s) for r, _, s in unfinished.cut_short(last_traces)]
     # a step cut short is one of the rank's steps, though only another rank's span of
     # it may say its number (as the digests' summary has it)
     steps.update(s for _, s in partial if s is not None)
     return summary_of(aggregator, count, traces, ranks, steps, partial)
 
 
-def cut_short(spans: Iterable[SpanRecord]) -> list[tuple[int | None, str, int | None]]:
+def cut_short(
+    spans: Iterable[SpanRecord], last_traces: Mapping[int | None, str] | None = None,
+) -> list[tuple[int | None, str, int | None]]:
     """The ``(rank, trace id, step)`` of the traces cut short, as :func:`summarize`'s
     ``partial`` finds them (``step`` ``None`` when no span of the trace says it).
+    ``last_traces``: each rank's last trace in the whole run, when ``spans`` are some
+    steps of it (:attr:`~commspan.analysis.runs.Selection.last_traces`).
 
     Example:
         >>> cut_short([])
@@ -79,7 +84,7 @@ def cut_short(spans: Iterable[SpanRecord]) -> list[tuple[int | None, str, int | 
     for span in spans:
         unfinished.see(span)
         unfinished.add(span)
-    return unfinished.cut_short()
+    return unfinished.cut_short(last_traces)
 
 
 class _Unfinished:
@@ -125,17 +130,23 @@ class _Unfinished:
             self.modules.add((span.rank, span.trace_id))
         return None
 
-    def cut_short(self) -> list[tuple[int | None, str, int | None]]:
+    def cut_short(self, last_traces: Mapping[int | None, str] | None = None,
+                  ) -> list[tuple[int | None, str, int | None]]:
         """A trace without its rank span was cut short when a hang record names it,
         when a collective of it failed on some rank (its op raised: a peer died, a
         backend timed out; the job broke there), or when the rank wrote a later
         trace; otherwise its last trace may still be running (files of a job in
-        progress), so that one is not."""
+        progress), so that one is not. ``last_traces``: each rank's last trace in the
+        whole run, when the spans noted are some steps of it."""
         out = []
         for rank, trace in self.modules - self.rooted:
-            last = self.latest.get(rank)
+            if last_traces is not None:
+                last_trace = last_traces.get(rank)
+            else:
+                latest = self.latest.get(rank)
+                last_trace = latest[1] if latest is not None else None
             if (rank, trace) in self.hung or trace in self.failed or (
-                    last is not None and last[1] != trace):
+                    last_trace is not None and last_trace != trace):
                 out.append((rank, trace, self.trace_step.get(trace)))
         return sorted(out, key=lambda p: (p[0] is None, p[0] or 0, p[1]))
 

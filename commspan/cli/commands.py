@@ -228,12 +228,12 @@ def table(args: argparse.Namespace, reader: Reader) -> Outcome:
     if fast is not None:
         rank = _rank_filter(args.rank, fast)
         agg = aggregate_parts(fast.parts, rank)
-        partial = summarize_parts(agg, fast.parts, rank)["partial"]
+        partial = summarize_parts(agg, fast.parts, rank, fast.last_traces)["partial"]
     else:
         sel = reader.load(args.files)
         rank = _rank_filter(args.rank, sel)
         agg = Aggregator.from_records(sel.records, rank="all" if rank is None else rank)
-        partial = summarize(agg, sel.records, rank)["partial"]
+        partial = summarize(agg, sel.records, rank, sel.last_traces)["partial"]
     note = partial_note(partial)
     if note is not None:
         reader.notes.append(note)
@@ -286,13 +286,13 @@ def summary(args: argparse.Namespace, reader: Reader) -> Outcome:
         sel = fast
         rank = _rank_filter(args.rank, fast)
         agg = aggregate_parts(fast.parts, rank)
-        data = summarize_parts(agg, fast.parts, rank)
+        data = summarize_parts(agg, fast.parts, rank, fast.last_traces)
         rows: list[Issued] = []
     else:
         sel = slow = reader.load(args.files)
         rank = _rank_filter(args.rank, slow)
         agg = Aggregator.from_records(slow.records, rank="all" if rank is None else rank)
-        data = summarize(agg, slow.records, rank)
+        data = summarize(agg, slow.records, rank, slow.last_traces)
         rows = []
         if args.show:
             # the collectives of the traces whose rank spans were written: those the
@@ -505,7 +505,13 @@ def diff(args: argparse.Namespace, reader: Reader) -> Outcome:
                 f"(ranks: {format_numbers(r for r in _ranks(sel) if r is not None)})"
             )
     # divided by the steps that ended: a step cut short is left out (the profile's note)
-    a, b = (profile(s.records, rank=rank) for s in sides)
+    profiles = []
+    for name, sel in zip("AB", sides):
+        try:
+            profiles.append(profile(sel.records, rank=rank, last_traces=sel.last_traces))
+        except ValueError as exc:
+            raise ValueError(f"{name}: {exc}") from None
+    a, b = profiles
     if rank is None and set(a.ranks) != set(b.ranks) and a.ranks and b.ranks:
         reader.notes.append(
             f"commspan: A holds ranks {format_numbers(a.ranks)} and B ranks "
