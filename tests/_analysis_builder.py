@@ -43,6 +43,7 @@ class _Span:
     attrs: dict[str, Any]
     events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     times: list[int] = field(default_factory=list)
+    status: tuple[int, str] = (0, "")  # (OTLP status code, message)
 
 
 class RankStepBuilder:
@@ -92,6 +93,38 @@ class RankStepBuilder:
         self.root.end = max(self.root.end, end)
         return span.span_id
 
+    def raised(self, message: str, fqn: str | None = None, phase: str = "forward") -> None:
+        """An exception left the step: the rank span's status ERROR with ``message``
+        (``"ValueError: bad"``), its ``exception`` event on a span of module ``fqn``
+        (on the rank span for ``None``), as commspan records one."""
+        now = self._tick()
+        kind, _, text = message.partition(": ")
+        event = {semconv.EXCEPTION_TYPE: kind, semconv.EXCEPTION_MESSAGE: text}
+        span = self.root
+        if fqn is not None:
+            span = self._module_span(fqn, phase, now)
+        span.events.append((semconv.EVENT_EXCEPTION, event))
+        span.times.append(now)
+        self.root.status = (2, message)
+
+    def _module_span(self, fqn: str, phase: str, t: int) -> _Span:
+        """The rank's span of module ``fqn`` in ``phase`` this step (made at ``t``)."""
+        key = (fqn, phase)
+        span = self._modules.get(key)
+        if span is None:
+            span = _Span(
+                semconv.module_span_name(fqn, semconv.Phase(phase)),
+                self.trace_id,
+                self.b.new_id(),
+                self.root.span_id,
+                t,
+                t,
+                {semconv.MODULE_FQN: fqn, semconv.PHASE: phase},
+            )
+            self._modules[key] = span
+            self.b.add(self.rank, span)
+        return span
+
     def set_times(self, start: int, end: int) -> None:
         """Set the rank span's start and end (ns)."""
         self.root.start, self.root.end = start, end
@@ -134,20 +167,7 @@ class RankStepBuilder:
         if owner is not None:
             attrs[semconv.OWNER_FQN] = owner
         t = self._tick()
-        key = (fqn, phase)
-        span = self._modules.get(key)
-        if span is None:
-            span = _Span(
-                semconv.module_span_name(fqn, semconv.Phase(phase)),
-                self.trace_id,
-                self.b.new_id(),
-                self.root.span_id,
-                t,
-                t,
-                {semconv.MODULE_FQN: fqn, semconv.PHASE: phase},
-            )
-            self._modules[key] = span
-            self.b.add(self.rank, span)
+        span = self._module_span(fqn, phase, t)
         span.events.append((op, attrs))
         span.times.append(t)
         span.end = t + 500
@@ -303,6 +323,8 @@ class SpanBuilder:
                     attributes=dict(s.attrs),
                     events=list(s.events),
                     event_times=list(s.times),
+                    status_code=s.status[0],
+                    status_message=s.status[1],
                     rank=rank,
                     resource={semconv.RANK: rank, semconv.WORLD_SIZE: self.world,
                               **self.resource_extra},

@@ -1680,6 +1680,126 @@ def test_a_rank_that_left_the_step_early_is_not_referred_to_findings_that_are_no
     assert "see the other findings" not in hang.message
 
 
+def test_a_hang_names_the_error_that_took_a_rank_out_of_the_step() -> None:
+    """As above, but rank 1's step ended on an error raised in `Net.b` forward (its rank
+    span's ERROR status and the exception event, as commspan records them): the hang
+    finding says so, where it was raised, and --json's entry for rank 1 carries it; the
+    rank is 'not issued', not 'no record'. One that raised in its first step before any
+    collective is named too (it was 'wrote nothing at all')."""
+    for first_step in (False, True):
+        b = SpanBuilder(world=2)
+        steps = [0] if first_step else [0, 1]
+        last = steps[-1]
+        for step in steps:
+            for r in range(2):
+                s = b.rank(r, step, finished=not (step == last and r == 0))
+                if not (first_step and r == 1):
+                    s.coll("all_reduce", fqn="Net.a", duration_ns=MS)
+                if step < last:
+                    s.coll("all_reduce", fqn="Net.b", duration_ns=MS)
+                if step == last and r == 1:
+                    s.raised("ValueError: bad shape 7", "Net.b")
+        pending = b.event_attrs("all_reduce", fqn="Net.b", phase="forward",
+                                group=WORLD_GROUP, ranks=(0, 1), seq=2 if first_step else 4,
+                                state=semconv.STATE_ISSUED)
+        b.hang(0, last, stack=[("Net", "forward"), ("Net.b", "forward")],
+               collectives=[pending])
+        result = check(build_run(b.spans()))
+        hang = next(f for f in result.findings if f.kind == KIND_HANG)
+        assert hang.details["never_issued"] == [1], hang.message
+        assert (f"rank 1 never issued it: it left step {last} on an error, ValueError: bad "
+                "shape 7, raised in `Net.b` forward") in hang.message
+        entry = hang.ranks[1]
+        assert entry["error"] == {"message": "ValueError: bad shape 7", "fqn": "Net.b",
+                                  "phase": "forward"}
+        assert (entry["fqn"], entry["phase"], entry["state"]) == ("Net.b", "forward",
+                                                                  "not issued")
+        assert "error: ValueError: bad shape 7 in `Net.b` forward" in format_check(result)
+
+
+def test_a_count_mismatch_names_the_error_a_rank_left_the_step_on(
+        tmp_path: Path, fake_pg: None) -> None:
+    """Four ranks traced by commspan (fake process group); in step 1 rank 1's `Net.b`
+    raises (the test's own ValueError) before its all_reduce, and in step 2 its loss
+    raises outside every module. `check` from the lines and from the digests alike names
+    the error and where it was raised in the count mismatch, and each rank entry has
+    it."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from torch import nn
+
+    from commspan import CommSpanMode
+    from commspan.cli import main
+    from commspan.exporters.jsonl import JsonlSpanExporter
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.boom = False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.boom:
+                raise ValueError("bad shape 7")
+            return funcol.all_reduce(self.lin(x), "sum", dist.group.WORLD).wait()
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = Block(), Block()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(self.a(x))
+
+    run = tmp_path / "run"
+    run.mkdir()
+    for rank in range(4):
+        mode = CommSpanMode(exporters=[JsonlSpanExporter(run / f"commspan-rank{rank}.jsonl")],
+                            run_id="raise", resource_attributes={"commspan.rank": rank})
+        net = Net()
+        with mode:
+            for step in range(3):
+                net.b.boom = rank == 1 and step == 1
+                try:
+                    with mode.step(step):
+                        out = net(torch.ones(2, 4))
+                        if rank == 1 and step == 2:
+                            raise RuntimeError("loss is nan")
+                        funcol.all_reduce(out.sum(), "sum", dist.group.WORLD).wait()
+                except (ValueError, RuntimeError):
+                    pass
+        mode.shutdown()
+    expected = {1: ("ValueError: bad shape 7", "Net.b", "forward",
+                    "raised in `Net.b` forward"),
+                2: ("RuntimeError: loss is nan", None, None, "raised outside every module")}
+    assert main(["digest", str(run)]) == 0
+    from commspan.analysis.digest import load_parts, run_from_parts
+    from commspan.analysis.records import load_run
+
+    parts = load_parts(sorted(run.glob("*.jsonl")))
+    assert parts is not None  # the digests are read, and say what the lines say:
+    from_digests = run_from_parts(parts).rank_steps
+    from_lines = load_run(run).rank_steps
+    assert from_digests == from_lines
+    assert sorted((rs.step, rs.error, rs.error_fqn, rs.error_phase)
+                  for rs in from_lines.values() if rs.error) == [
+        (step, message, fqn, phase) for step, (message, fqn, phase, _) in expected.items()]
+    for flags in ([], ["--no-digest"]):
+        for step, (message, fqn, phase, words) in expected.items():
+            # (one finding per group: step 2's is step 1's later step unless alone)
+            code = subprocess.run([sys.executable, "-m", "commspan", "check", "--json",
+                                   "--step", str(step), *flags, str(run)],
+                                  capture_output=True, text=True, check=False)
+            assert code.returncode == 1, code.stderr
+            (finding,) = json.loads(code.stdout)["findings"]
+            assert finding["step"] == step, code.stdout
+            assert finding["ranks"]["1"]["error"] == {"message": message, "fqn": fqn,
+                                                      "phase": phase}, flags
+            assert f"it left it on an error, {message}, {words}" in finding["message"]
+            assert [r for r, e in finding["ranks"].items() if "error" in e] == ["1"]
+
+
 def test_a_hang_outside_steps_is_not_counted_as_a_step_some_rank_did_not_finish() -> None:
     """Every step ended; then the ranks hang in a barrier-like all_reduce after the
     loop, outside steps (rank 1 never issues it). The hang finding is there, and the

@@ -592,7 +592,7 @@ def test_digests_keep_each_collectives_owner(tmp_path: Path, fake_pg: None) -> N
     assert sorted(_through_digests(v2).collectives) == lines
     digests = [json.loads(x.rsplit(" ", 1)[0]) for f in v2.glob("*.digest")
                for x in f.read_text().splitlines()]
-    assert {d["digest"] for d in digests} == {digest_mod.DIGEST_VERSION} == {3}
+    assert {d["digest"] for d in digests} == {digest_mod.DIGEST_VERSION} == {4}
     # a version-1 digest: the same without the owners in its templates
     v1 = tmp_path / "v1"
     v1.mkdir()

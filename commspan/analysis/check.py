@@ -52,6 +52,7 @@ from commspan import semconv
 from commspan.analysis.records import (
     CollectiveRecord,
     HangRecord,
+    RankStep,
     Run,
     RunPaths,
     differing_fields,
@@ -482,20 +483,27 @@ def _compare(
     step = run.trace_steps.get(trace)
     where = _step_words(step)
     label = _group_label(group, members)
+    # ranks whose step an exception left (its rank span's error): why they issued less
+    errors = {r: ended for r in per_rank
+              if (ended := run.rank_steps.get((r, trace))) is not None
+              and ended.error is not None}
     empty = [r for r, recs in per_rank.items() if not recs]
     if empty and len(empty) < len(per_rank):
         issuing = {r: recs for r, recs in per_rank.items() if recs}
         ranks: dict[int, dict[str, Any]] = {r: _entry(recs[0]) for r, recs in issuing.items()}
         for r in empty:
             ranks[r] = _absent(_last_before(run, r, group, trace))
+        _add_errors(ranks, errors)
         firsts = [recs[0] for recs in issuing.values()]
         head = firsts[0]
         counts = sorted({len(v) for v in issuing.values()})
         seq = _common([f.seq for f in firsts])
+        left = "".join(f"; {_who([r])} left the step on an error, {_error_words(e)}"
+                       for r, e in sorted(errors.items()) if r in empty)
         message = (
             f"{label}, {where}: {_who(empty)} issued no collective on the group; "
             f"{_who(sorted(issuing))} issued {_list(counts)}, the first {head.op} in "
-            f"{head.where()} (seq {seq})"
+            f"{head.where()} (seq {seq}){left}"
         )
         return Finding(
             KIND_MISSING,
@@ -518,9 +526,10 @@ def _compare(
         ranks = {}
         for r, rec in at.items():
             ranks[r] = _entry(rec, fields) if rec is not None else _absent(per_rank[r][-1])
+        _add_errors(ranks, errors)
         seq = _common([rec.seq for rec in present])
         parts = []
-        for text, who in _grouped(at, fields).items():
+        for text, who in _grouped(at, fields, errors).items():
             parts.append(f"{_who(who)} {text}")
         message = f"{label}, {where}, seq {seq}: {_differ(fields)}: " + "; ".join(parts)
         details: dict[str, Any] = {"group_ranks": list(members), "fields": fields,
@@ -584,11 +593,18 @@ def _describe(rec: CollectiveRecord, fields: Iterable[str]) -> str:
 
 
 def _grouped(
-    at: Mapping[int, CollectiveRecord | None], fields: Sequence[str]
+    at: Mapping[int, CollectiveRecord | None], fields: Sequence[str],
+    errors: Mapping[int, RankStep] | None = None,
 ) -> dict[str, list[int]]:
     out: dict[str, list[int]] = {}
     for r, rec in sorted(at.items()):
-        text = _describe(rec, fields) if rec is not None else "issued nothing more in the step"
+        if rec is not None:
+            text = _describe(rec, fields)
+        elif errors and r in errors:
+            text = f"issued nothing more in the step: it left it on an error, " \
+                   f"{_error_words(errors[r])}"
+        else:
+            text = "issued nothing more in the step"
         out.setdefault(text, []).append(r)
     return out
 
@@ -1045,13 +1061,16 @@ def _p2p_hang_finding(
                       "state": "not traced"}
         parts.append(f"rank {peer} is not traced ({run.rank_sample}): unknown")
     else:
-        silent = _wrote_nothing(peer, peer_hang, last_any)
+        ended = _ended(run, peer, (rec.trace_id,))
+        silent = _wrote_nothing(peer, peer_hang, last_any, ended)
         (nothing if silent else never).append(peer)
-        text, fqn, phase = _unseen(peer, peer_hang, last_any,
-                                     _ended(run, peer, (rec.trace_id,)))
+        text, fqn, phase = _unseen(peer, peer_hang, last_any, ended)
         issued = [k[3] for k in known.get(peer, {}) if k[:3] == (rec.group, other, r)]
         peer_entry = {"op": None, "fqn": fqn, "phase": phase, "seq": None,
                       "state": _NO_RECORD if silent else _NOT_ISSUED}
+        error = _error_entry(ended)
+        if error is not None:
+            peer_entry["error"] = error
         if issued:
             peer_entry["last_p2p_seq"] = max(issued)
         elsewhere = _waits_in(peer_hang)
@@ -1158,29 +1177,64 @@ def _op_words(rec: CollectiveRecord) -> str:
     return f"{rec.op} on group {rec.group} (seq {rec.seq})"
 
 
-def _ended(run: Run, r: int, traces: Iterable[str]) -> int | None:
-    """The step (of ``traces``, where its peers wait) that rank ``r`` ended, its rank
-    span written: it went past the op without issuing it (it issued fewer
-    collectives than its peers), it did not stop in that step; else ``None``."""
+def _ended(run: Run, r: int, traces: Iterable[str]) -> RankStep | None:
+    """The rank span of the step (of ``traces``, where its peers wait) that rank ``r``
+    ended, its rank span written: it went past the op without issuing it (it issued
+    fewer collectives than its peers, or an exception left the step: the span's
+    ``error``), it did not stop in that step; else ``None``."""
     for trace in traces:
-        if (r, trace) in run.rank_steps:
-            return run.trace_steps.get(trace)
+        ended = run.rank_steps.get((r, trace))
+        if ended is not None:
+            return ended
     return None
+
+
+def _error_words(ended: RankStep) -> str:
+    """``"ValueError: bad shape, raised in `Net.block` forward"``."""
+    where = (f"`{ended.error_fqn}` {ended.error_phase}" if ended.error_fqn is not None
+             else "outside every module")
+    return f"{ended.error}, raised {'in ' if ended.error_fqn is not None else ''}{where}"
+
+
+def _add_errors(ranks: dict[int, dict[str, Any]], errors: Mapping[int, RankStep]) -> None:
+    """Give the rank entries of ranks an exception took out of the step its ``error``."""
+    for r, ended in errors.items():
+        entry = _error_entry(ended)
+        if r in ranks and entry is not None:
+            ranks[r]["error"] = entry
+
+
+def _error_entry(ended: RankStep | None) -> dict[str, Any] | None:
+    """A rank entry's ``error``: the exception that left the step, and where."""
+    if ended is None or ended.error is None:
+        return None
+    return {"message": ended.error, "fqn": ended.error_fqn, "phase": ended.error_phase}
 
 
 def _unseen(
     r: int, hang: HangRecord | None, last_any: Mapping[int, CollectiveRecord],
-    ended: int | None = None,
+    ended: RankStep | None = None,
     diverged: bool | None = None,
 ) -> tuple[str, str | None, str | None]:
     """``(text, fqn, phase)``: what is known of rank ``r``, which did not issue an op
     its peers wait in: where its hang record saw it, else its last exported op (and
-    ``ended``, the step of that op it ended without issuing it, :func:`_ended`)."""
+    ``ended``, the rank span of the step it ended without issuing it, :func:`_ended`:
+    with an error, the exception that left the step and where it was raised)."""
     seen = hang.innermost() if hang is not None else None
     if seen is not None:
         return f"never issued it and was last seen in `{seen[0]}` {seen[1]}", *seen
     if hang is not None:
         return "never issued it and was outside any module", None, None
+    if ended is not None and ended.error is not None:
+        # an exception left the step (the rank span's ERROR): that is why
+        last_words = ""
+        if r in last_any:
+            last = last_any[r]
+            last_words = (f"; its last exported collective was {last.op} in `{last.fqn}` "
+                          f"{last.phase} ({_step_words(last.step)})")
+        return (f"never issued it: it left {_step_words(ended.step)} on an error, "
+                f"{_error_words(ended)}{last_words}",
+                ended.error_fqn, ended.error_phase)
     if r in last_any:
         last = last_any[r]
         if last.state == semconv.STATE_FAILED:
@@ -1195,7 +1249,7 @@ def _unseen(
                    if diverged is not False else
                    "it left the step early, by an exception say, or skipped collectives "
                    "its peers issued")
-            return (f"never issued it: it ended step {ended} without it ({why}); its "
+            return (f"never issued it: it ended step {ended.step} without it ({why}); its "
                     f"last exported collective was {last.op} in `{last.fqn}` "
                     f"{last.phase} ({_step_words(last.step)})",
                     last.fqn, last.phase)
@@ -1208,10 +1262,12 @@ def _unseen(
 
 
 def _wrote_nothing(r: int, hang: HangRecord | None,
-                   last_any: Mapping[int, CollectiveRecord]) -> bool:
-    """Rank ``r`` wrote no hang record and no collective at all (no file, or nothing in
-    it): nothing says whether it issued an op (state ``no record``)."""
-    return hang is None and r not in last_any
+                   last_any: Mapping[int, CollectiveRecord],
+                   ended: RankStep | None = None) -> bool:
+    """Rank ``r`` wrote no hang record, no collective at all (no file, or nothing in
+    it) and no error leaving the step: nothing says whether it issued an op (state
+    ``no record``)."""
+    return hang is None and r not in last_any and (ended is None or ended.error is None)
 
 
 def _blocked_by_failure(r: int, hang: HangRecord | None,
@@ -1280,13 +1336,16 @@ def _hang_finding(
         else:
             before = [rec for s, rec in known.items() if s < seq]
             last = max(before, key=_order_key) if before else None
-            text, fqn, phase = _unseen(r, hang, last_any, _ended(run, r, waited_in),
-                                       diverged=diverged)
-            silent = _wrote_nothing(r, hang, last_any)
+            ended = _ended(run, r, waited_in)
+            text, fqn, phase = _unseen(r, hang, last_any, ended, diverged=diverged)
+            silent = _wrote_nothing(r, hang, last_any, ended)
             if silent:
                 nothing.append(r)
             entry = {"op": None, "fqn": fqn, "phase": phase, "seq": None,
                      "state": _NO_RECORD if silent else _NOT_ISSUED}
+            error = _error_entry(ended)
+            if error is not None:
+                entry["error"] = error
             if last is not None:
                 entry["last_seq"] = last.seq
                 entry["last_op"] = last.op

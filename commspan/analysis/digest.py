@@ -42,11 +42,13 @@ import orjson
 from commspan import semconv
 from commspan.analysis.counts import Aggregator
 from commspan.analysis.records import (
+    _STATUS_ERROR,
     MAX_WORLD_SIZE,
     CollectiveRecord,
     RankStep,
     Run,
     _collective,
+    _raised_where,
     _times,
 )
 from commspan.analysis.runs import (
@@ -101,13 +103,14 @@ __all__ = [
 
 DIGEST_SUFFIX = ".digest"
 """Appended to a JSONL file's name to name its digest."""
-DIGEST_VERSION = 3
+DIGEST_VERSION = 4
 """The version written in every digest line (``"digest"``). Readers use lines of
 this version only and parse the JSONL lines of any other: version 1 had no
 collective's owner (the module that owns a collective issued by another, as FSDP2's
 unit does), version 2 no point-to-point tag (``commspan.p2p.tag``), and answers read
 from them would differ from the lines' (an owner charged to the issuer, a tagged send
-not matched with its receive). ``commspan digest DIR`` rewrites a run's digests."""
+not matched with its receive), version 3 no rank's error (the rank span's ERROR
+status and where it was raised). ``commspan digest DIR`` rewrites a run's digests."""
 _READ_VERSIONS = (DIGEST_VERSION,)
 _SAMPLE = 64  # bytes at the middle and end of a line whose CRC-32 the digest keeps
 _HEAD = 2048  # and at its start: the resource, whose run id tells two runs' lines apart
@@ -252,6 +255,9 @@ def _digest_parts(records: Iterable[SpanRecord]) -> list[DigestPart] | None:
     resources: dict[int, tuple[str, int | None, str | None, str | None]] = {}
     span_step, span_rank, span_hang = semconv.SPAN_STEP, semconv.SPAN_RANK, semconv.SPAN_HANG
     fqn_key, step_key, op_key = semconv.MODULE_FQN, semconv.STEP, semconv.COLL_OP
+    exception = semconv.EVENT_EXCEPTION
+    # part -> (time, fqn, phase) of its latest exception event (where an error was raised)
+    raised: dict[tuple[str, int, str], tuple[int, str | None, str | None]] = {}
     for rec in records:
         rank = rec.rank
         name = rec.name
@@ -299,6 +305,8 @@ def _digest_parts(records: Iterable[SpanRecord]) -> list[DigestPart] | None:
             if name == span_step:
                 continue
             part.rank_step = [rec.span_id, start, rec.end_time, step]
+            if rec.status_code == _STATUS_ERROR:  # (version 4) its error, fifth
+                part.rank_step.append(rec.status_message or "error")
         part.present += 1
         if part.present_start is None or start < part.present_start:
             part.present_start = start
@@ -313,6 +321,12 @@ def _digest_parts(records: Iterable[SpanRecord]) -> list[DigestPart] | None:
                     c = _collective(rank, None, rec.trace_id, t, ev)
                     if c is not None:
                         part.coll.append(list(c[3:]))
+                elif _name == exception and (key not in raised or t >= raised[key][0]):
+                    raised[key] = (t, *_raised_where(name, attrs))
+    for key, (_t, where_fqn, where_phase) in raised.items():
+        rank_step = parts[key].rank_step
+        if rank_step is not None and len(rank_step) == 5:  # (version 4) where, 6th, 7th
+            rank_step += [where_fqn, where_phase]
     return [part.done() for part in parts.values()]
 
 
@@ -830,7 +844,10 @@ def run_from_parts(parts: Sequence[DigestPart]) -> Run:
             run.trace_start[trace] = part["present_start"]
         if part["rank_step"] is not None:
             span_id, s, e = part["rank_step"][:3]
-            run.rank_steps[(rank, trace)] = RankStep(rank, None, trace, span_id, s, e)
+            error = part["rank_step"][4:7]
+            run.rank_steps[(rank, trace)] = RankStep(
+                rank, None, trace, span_id, s, e, (),
+                *(error if len(error) == 3 else (*error, None, None)))
     cache: dict[str, tuple[Any, ...]] = {}
     for part in parts:
         trace, rank = part["trace"], part["rank"]

@@ -47,6 +47,7 @@ __all__ = [
 ]
 
 _log = logging.getLogger(__name__)
+_STATUS_ERROR = 2  # OTLP status code ERROR
 
 MAX_WORLD_SIZE = 1 << 20
 """A ``commspan.world_size`` above this is a damaged value, not a job: it is
@@ -183,6 +184,11 @@ class RankStep(NamedTuple):
     shares the earlier step's trace: the rank span of each use after the first is
     in ``repeats`` as ``(span_id, start_ns, end_ns)``, and :attr:`duration_ns`
     adds them up.
+
+    A rank span that ended with status ERROR (an exception left the step) has its
+    text in ``error`` (``"ValueError: bad shape"``), and ``error_fqn`` and
+    ``error_phase`` say where it was raised: the span of the step's last
+    ``exception`` event (``None`` for one raised outside every module).
     """
 
     rank: int
@@ -192,6 +198,9 @@ class RankStep(NamedTuple):
     start_ns: int
     end_ns: int
     repeats: tuple[tuple[str, int, int], ...] = ()
+    error: str | None = None
+    error_fqn: str | None = None
+    error_phase: str | None = None
 
     @property
     def duration_ns(self) -> int:
@@ -486,6 +495,9 @@ def build_run(
     pending: list[tuple[int, str, int, dict[str, Any], str | None]] = []
     hang_spans: list[tuple[int, SpanRecord]] = []
     gc_pending: list[tuple[int, str, int, dict[str, Any]]] = []
+    errors: dict[tuple[int, str], str] = {}  # (rank, trace) -> its rank span's error
+    # (rank, trace) -> (time, fqn, phase) of its latest exception event
+    raised: dict[tuple[int, str], tuple[int, str | None, str | None]] = {}
     for span in spans:
         rank = record_rank(span)
         world = span.resource.get(semconv.WORLD_SIZE, span.attributes.get(semconv.WORLD_SIZE))
@@ -515,6 +527,8 @@ def build_run(
         if span.name == semconv.SPAN_RANK:
             key = (rank, span.trace_id)
             seen = run.rank_steps.get(key)
+            if span.status_code == _STATUS_ERROR:
+                errors[key] = span.status_message or "error"
             if seen is None:
                 run.rank_steps[key] = RankStep(
                     rank, None, span.trace_id, span.span_id, span.start_time, span.end_time
@@ -548,6 +562,10 @@ def build_run(
                 pending.append((rank, span.trace_id, t, attrs, name))
             elif name == semconv.EVENT_GC:
                 gc_pending.append((rank, span.trace_id, t, attrs))
+            elif name == semconv.EVENT_EXCEPTION:
+                key = (rank, span.trace_id)
+                if key not in raised or t >= raised[key][0]:
+                    raised[key] = (t, *_raised_where(span.name, span.attributes))
     for rank, trace_id, t, attrs, _name in pending:
         rec = _collective(rank, run.trace_steps.get(trace_id), trace_id, t, attrs)
         if rec is not None:
@@ -562,6 +580,10 @@ def build_run(
             run.skipped["garbage-collection events without a duration"] += 1
             continue
         run.gc_pauses.append(GcRecord(rank, run.trace_steps.get(trace_id), trace_id, t, *pause))
+    for key, error in errors.items():
+        where = raised.get(key, (0, None, None))
+        run.rank_steps[key] = run.rank_steps[key]._replace(
+            error=error, error_fqn=where[1], error_phase=where[2])
     run.rank_steps = {
         key: rs._replace(step=run.trace_steps.get(rs.trace_id))
         for key, rs in run.rank_steps.items()
@@ -571,6 +593,15 @@ def build_run(
     if run.skipped:
         _log.info("commspan: records skipped while reading the run: %s", dict(run.skipped))
     return run
+
+
+def _raised_where(name: str, attrs: Mapping[str, Any]) -> tuple[str | None, str | None]:
+    """``(fqn, phase)`` of the span an ``exception`` event is on: a module span's module
+    and phase, ``(None, None)`` for the rank or step span (raised outside every
+    module)."""
+    if name in (semconv.SPAN_RANK, semconv.SPAN_STEP):
+        return None, None
+    return _str(attrs.get(semconv.MODULE_FQN)), _str(attrs.get(semconv.PHASE))
 
 
 def _times(span: SpanRecord) -> Iterator[int]:

@@ -95,6 +95,10 @@ def _rank_line(rank: int, entry: Mapping[str, Any]) -> str:
                 f"last: {value.get('op')} in `{value.get('fqn')}` {value.get('phase')} "
                 f"{number}".rstrip()
             )
+        elif key == "error" and isinstance(value, Mapping):
+            where = (f" in `{value.get('fqn')}` {value.get('phase')}"
+                     if value.get("fqn") is not None else "")
+            bits.append(f"error: {value.get('message')}{where}")
         elif key == "shape" and isinstance(value, list):
             bits.append(f"shape [{', '.join(map(str, value))}]")
         else:
