@@ -37,7 +37,7 @@ from commspan.testing import assert_counts
 
 def test_counts(commspan_fake_pg, commspan_capture):
     assert commspan_capture.mode.active
-    Reduce()(torch.ones(2))
+    torch.nn.Linear(2, 2)(Reduce()(torch.ones(1, 2))).sum().backward()
     assert_counts(commspan_capture, "Reduce", "forward", {"all_reduce": 1})
     commspan_capture.assert_no_comm("backward")
 """)

@@ -160,7 +160,6 @@ def test_assert_no_comm_scopes_to_a_module(tp_cap: CommCapture) -> None:
     """Scoped to a module and phase, only that subtree and phase must be silent."""
     assert_no_comm(tp_cap, "forward", fqn="MLP.net1")
     assert_no_comm(tp_cap, "backward", fqn="MLP.net2")
-    assert_no_comm(tp_cap, "recompute")
 
 
 def test_assert_no_comm_failure_lists_issuers(tp_cap: CommCapture) -> None:
@@ -261,6 +260,105 @@ def test_known_silent_modules_and_global_pass(plain_cap: CommCapture) -> None:
     with pytest.raises(AssertionError, match=r"no module named 'MLP' ran \(modules that ran: "
                        r"none\)"):
         assert_no_comm(empty, fqn="MLP")
+
+
+class _Frozen(torch.nn.Module):
+    """A TP MLP beside a frozen Linear on the input: the frozen one has no backward."""
+
+    def __init__(self, mesh: torch.distributed.device_mesh.DeviceMesh) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.frozen = torch.nn.Linear(8, 8).requires_grad_(False)
+        self.mlp = parallelize_mlp(MLP(), mesh)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.frozen(x))
+
+
+def _torch_phases(model: torch.nn.Module, run: Any) -> dict[str, set[str]]:
+    """The phases each module ran in as torch's own ModTracker sees them (its hooks,
+    not commspan's): forward pre-hooks and backward pre-hooks."""
+    from torch.distributed._tools.mod_tracker import ModTracker
+
+    seen: dict[str, set[str]] = {}
+    tracker = ModTracker()
+    tracker.register_user_hooks(
+        pre_fw_hook=lambda mod, _i: seen.setdefault(tracker.get_known_fqn(mod), set()).add(
+            "forward"),
+        pre_bw_hook=lambda mod, _g: seen.setdefault(tracker.get_known_fqn(mod), set()).add(
+            "backward"),
+    )
+    with tracker:
+        run(model)
+    return seen
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_module_phases_match_torch_mod_tracker(
+    backward: bool, mesh: torch.distributed.device_mesh.DeviceMesh, tmp_path: Path
+) -> None:
+    """Aggregator.module_phases() names the phases each module ran in as torch's
+    ModTracker sees them (a frozen module and a forward without backward run no
+    backward), live inside the mode, after it, and read back from JSONL lines and
+    digests."""
+    model = _Frozen(mesh)
+
+    def run(m: torch.nn.Module) -> None:
+        out = m(torch.randn(4, 8))
+        if backward:
+            out.sum().backward()
+
+    want = {k: sorted(v, key=["forward", "backward"].index)
+            for k, v in _torch_phases(model, run).items()}
+    assert ("backward" in want["_Frozen.mlp.net1"]) is backward
+    assert want["_Frozen.frozen"] == ["forward"]
+    live: dict[str, list[str]] = {}
+    with capture(exporters=[JsonlSpanExporter(tmp_path / "run.jsonl", digest=True)]) as cap:
+        run(model)
+        live = cap.aggregator.module_phases()
+    assert live == want
+    assert cap.aggregator.module_phases() == want
+    assert Aggregator.from_jsonl(tmp_path / "run.jsonl").module_phases() == want  # digest
+    (tmp_path / "run.jsonl.digest").unlink()
+    assert Aggregator.from_jsonl(tmp_path / "run.jsonl").module_phases() == want  # lines
+
+
+def test_assertions_refuse_a_phase_that_never_ran(
+    mesh: torch.distributed.device_mesh.DeviceMesh
+) -> None:
+    """An assertion about a phase the module (or, for Global, every module) never ran
+    in could not fail: a test that forgot loss.backward() would pass. It fails instead,
+    naming the phases the module ran in; after a backward pass the same assertions
+    pass or fail on what was issued."""
+    model = _Frozen(mesh)
+    with capture() as cap:
+        model(torch.randn(4, 8, requires_grad=True))  # no backward
+    with pytest.raises(AssertionError, match=r"expected no collectives inside 'Global': no "
+                       r"module ran in backward .*run the backward pass inside the capture"):
+        assert_no_comm(cap, "backward")
+    with pytest.raises(AssertionError, match=r"'_Frozen\.mlp\.net1' never ran in backward in "
+                       r"what was recorded \(it ran in forward\)"):
+        assert_no_comm(cap, "backward", fqn="_Frozen.mlp.net1")
+    for expected in ({}, {"all_reduce": 0}, {"all_reduce": 1}):
+        with pytest.raises(AssertionError, match=r"collectives of '_Frozen\.mlp\.net2' in "
+                           r"backward: '_Frozen\.mlp\.net2' never ran in backward"):
+            assert_counts(cap, "_Frozen.mlp.net2", "backward", expected)
+    with pytest.raises(AssertionError, match="no module ran in recompute .*checkpoint"):
+        assert_no_comm(cap, "recompute")
+    assert_no_comm(cap, "forward", fqn="_Frozen.mlp.net1")  # it ran there: absence shown
+    assert_no_comm(cap, None, fqn="_Frozen.mlp.net1")
+
+    with capture() as cap:
+        model(torch.randn(4, 8)).sum().backward()
+    assert_no_comm(cap, "backward", fqn="_Frozen.mlp.net2")
+    # (its input, the frozen Linear's output, needs no gradient: no all_reduce of one)
+    assert_counts(cap, "_Frozen.mlp.net1", "backward", {})
+    with pytest.raises(AssertionError, match=r"'_Frozen\.frozen' never ran in backward .*a "
+                       r"module none of whose outputs needed a gradient has no backward"):
+        assert_no_comm(cap, "backward", fqn="_Frozen.frozen")
+    with capture() as empty:  # code outside every module: nothing to tell the phases by
+        torch.ones(2).sum()
+    assert_no_comm(empty, "backward")
 
 
 def test_unknown_name_error_lists_a_bounded_number_of_modules() -> None:

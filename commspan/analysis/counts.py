@@ -130,6 +130,7 @@ class Aggregator(SpanProcessor):
         self._summaries: dict[tuple[str, str, str, str, str], list[int]] = {}
         # (owner, mesh dimension, phase, op) -> [count, bytes]
         self._by_dim: dict[tuple[str, str, str, str], list[int]] = {}
+        self._phases: dict[str, set[str]] = {}  # module fqn -> phases it ran in
         self._seen_global = False
 
     def attach_live(self, live: LiveView | None) -> None:
@@ -170,6 +171,9 @@ class Aggregator(SpanProcessor):
             self._seen_global = True
         else:
             self._note_module(fqn, attrs, start)
+            phase = attrs.get(semconv.PHASE)
+            if phase:
+                self._phases.setdefault(fqn, set()).add(str(phase))
         for _name, ev in events:
             op = ev.get(semconv.COLL_OP)
             if op is None:
@@ -196,6 +200,7 @@ class Aggregator(SpanProcessor):
         issued (an event's ``commspan.owner.credit_fqns``)."""
         for name in fqns:
             fqn = str(name)
+            self._phases.setdefault(fqn, set()).add(phase)
             slot = self._counts.setdefault(fqn, {}).setdefault(phase, {})
             slot[op] = slot.get(op, 0) + 1
             if fqn not in self._modules:  # e.g. a DDP module before its first forward
@@ -279,6 +284,31 @@ class Aggregator(SpanProcessor):
         """Module names in the order they first ran."""
         _, modules = self._snapshot()
         return [m.fqn for m in sorted(modules.values(), key=lambda m: m.first_seen)]
+
+    def module_phases(self) -> dict[str, list[str]]:
+        """``{module fqn: [phases]}``: the phases each module ran in (its spans' phases,
+        and the phases of collectives credited to it), in phase order, whether or not
+        it issued collectives there; ``Global`` is not listed.
+
+        Example:
+            >>> from commspan import Aggregator
+            >>> Aggregator().module_phases()
+            {}
+
+            After ``model(x)`` without a backward pass, ``agg.module_phases()["MLP"]``
+            is ``["forward"]``.
+        """
+        with self._lock:
+            ran = {fqn: set(phases) for fqn, phases in self._phases.items()}
+        if self._live is not None:
+            for span in self._live():
+                if span.fqn != semconv.GLOBAL_FQN:
+                    phase = span.attributes.get(semconv.PHASE)
+                    if phase:
+                        ran.setdefault(span.fqn, set()).add(str(phase))
+                for credited, phase, _op in span.credits:
+                    ran.setdefault(credited, set()).add(phase)
+        return {fqn: sorted(phases, key=_phase_rank) for fqn, phases in ran.items()}
 
     def parameter_info(self) -> dict[str, dict[str, dict[str, str]]]:
         """``{module fqn: {param: {"shape": "16x10", "placements": "S(0)"}}}``."""
@@ -625,6 +655,7 @@ _SPAN_KEYS = frozenset(
         semconv.PARAM_NAMES,
         semconv.PARAM_PLACEMENTS,
         semconv.PARAM_SHAPES,
+        semconv.PHASE,
     }
 )
 _EVENT_KEYS = frozenset(

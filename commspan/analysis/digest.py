@@ -183,7 +183,7 @@ def _hashable(v: Any) -> Any:
 
 _AGG_SPAN_KEYS = frozenset({
     semconv.MODULE_TYPE, semconv.MODULE_DEPTH, semconv.PARAM_NAMES, semconv.PARAM_PLACEMENTS,
-    semconv.PARAM_SHAPES,
+    semconv.PARAM_SHAPES, semconv.PHASE,
 })
 _AGG_EVENT_KEYS = frozenset({
     semconv.COLL_OP, semconv.OWNER_CREDIT, semconv.PHASE, semconv.OWNER_FQN,
@@ -397,6 +397,7 @@ def _agg_state(agg: Aggregator) -> str:
         "summaries": [[*k, *v] for k, v in agg._summaries.items()],
         "by_dim": [[*k, *v] for k, v in agg._by_dim.items()],
         "global": agg._seen_global,
+        "phases": {fqn: sorted(phases) for fqn, phases in agg._phases.items()},
     }).decode()
 
 
@@ -512,6 +513,8 @@ def _merge_agg(agg: Aggregator, state: dict[str, Any], times: int, first: int) -
                 sums[1] += row[-1] * times
     if state["global"]:
         agg._seen_global = True
+    for fqn, phases in state.get("phases", {}).items():  # (digests written before: none)
+        agg._phases.setdefault(fqn, set()).update(phases)
 
 
 class DigestTexts:

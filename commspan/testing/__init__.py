@@ -28,6 +28,10 @@ the ``assert_*`` helpers (the expectation names something that did not happen)
 and a ``ValueError`` in :meth:`CommCapture.counts` (a query with a bad
 argument); both messages list the closest names that did run. A module that ran
 but issued no collectives is known: asserting that it is silent passes.
+Phases are checked too: ``assert_counts`` and ``assert_no_comm`` with a phase fail
+when the module never ran in it (or, for ``Global``, when modules ran but none in
+it): a test that forgot ``loss.backward()``, or ran it outside the capture, fails
+instead of asserting on a backward pass that never happened.
 
 Also here: :func:`assert_matches_golden` (a model's communication kept in a
 reviewable golden file, :mod:`commspan.testing.golden`) and
@@ -274,8 +278,9 @@ def assert_counts(
 
     Raises:
         AssertionError: the counts differ (the message shows both and the module
-            table), or no module named ``fqn`` ran (the message lists the
-            closest names that did).
+            table), no module named ``fqn`` ran (the message lists the
+            closest names that did), or it never ran in ``phase`` (for ``Global``:
+            modules ran, none in ``phase``), whatever ``expected`` says.
         ValueError: ``phase`` is not a phase or a count is negative.
         TypeError: ``fqn`` is not a str.
 
@@ -296,6 +301,8 @@ def assert_counts(
             raise ValueError(f"expected[{op!r}]={n!r} is not valid; counts are ints >= 0")
     want = {op: n for op, n in expected.items() if n}
     _assert_known(aggregator, fqn, f"collectives of {fqn!r} in {ph}")
+    assert ph is not None
+    _assert_phase_ran(aggregator, fqn, ph, f"collectives of {fqn!r} in {ph}")
     got = _counts(aggregator, fqn, ph)
     if got == want:
         return
@@ -319,12 +326,16 @@ def assert_no_comm(
         agg: an :class:`~commspan.Aggregator`, a ``CommSpanMode`` or a :class:`CommCapture`.
         phase: the phase to check; ``None`` checks every phase.
         fqn: a module whose subtree must be silent; ``None`` means the whole rank.
-            It must have run (a module that ran without collectives passes).
+            It must have run, in ``phase`` when one is given (a module that ran
+            without collectives passes).
 
     Raises:
         AssertionError: some collective was issued (the message lists them and
-            shows the module table), or no module named ``fqn`` ran (the
-            message lists the closest names that did).
+            shows the module table), no module named ``fqn`` ran (the
+            message lists the closest names that did), or it never ran in
+            ``phase`` (for the whole rank: modules ran, none in ``phase``; a
+            forward without backward, a model without activation checkpointing
+            asked about ``recompute``).
         ValueError: ``phase`` is not a phase.
         TypeError: ``fqn`` is not a str.
 
@@ -340,6 +351,8 @@ def assert_no_comm(
     where = fqn if fqn is not None else semconv.GLOBAL_FQN
     _assert_traced(agg, f"expected no collectives inside {where!r}", every_step=True)
     _assert_known(aggregator, where, f"expected no collectives inside {where!r}")
+    if ph is not None:
+        _assert_phase_ran(aggregator, where, ph, f"expected no collectives inside {where!r}")
     got = _counts(aggregator, where, ph)
     if not got:
         return
@@ -457,6 +470,38 @@ def _assert_traced(agg: AggregatorLike, what: str, *, every_step: bool) -> None:
             + ("no step was recorded to assert on" if not traced else
                "collectives in those steps were not seen")
             + " (drop sample= from capture() or the commspan marker)")
+
+
+def _assert_phase_ran(aggregator: Aggregator, fqn: str, phase: str, what: str) -> None:
+    """Refuse to assert on a phase that never ran: a module (or, for ``Global``, every
+    module) with no span in ``phase`` issued nothing there, whatever the code would do
+    (a test that forgot ``loss.backward()``, or called it outside the capture)."""
+    ran = aggregator.module_phases()
+    if not ran:
+        return  # no module ran (code outside modules), or phases not known (old digests)
+    if fqn == semconv.GLOBAL_FQN:
+        if any(phase in phases for phases in ran.values()) or aggregator.comm_counts(phase):
+            return
+        raise AssertionError(
+            f"{what}: no module ran in {phase} in what was recorded, so no collective of "
+            f"it could be seen ({_phase_hint(phase)})\n{_table(aggregator)}")
+    phases = ran.get(fqn, [])
+    if phase in phases:
+        return
+    raise AssertionError(
+        f"{what}: {fqn!r} never ran in {phase} in what was recorded (it ran in "
+        f"{', '.join(phases) or 'no phase of its own'}), so no collective of it could be "
+        f"seen there ({_phase_hint(phase)})\n{_table(aggregator)}")
+
+
+def _phase_hint(phase: str) -> str:
+    if phase == semconv.Phase.BACKWARD.value:
+        return ("run the backward pass inside the capture, e.g. model(x).sum().backward(); "
+                "a module none of whose outputs needed a gradient has no backward")
+    if phase == semconv.Phase.RECOMPUTE.value:
+        return ("recompute runs in the backward pass of activation-checkpointed modules: "
+                "checkpoint the module and run the backward pass inside the capture")
+    return f"run the code that does the {phase} inside the capture"
 
 
 def _check_phase(phase: Any, *, allow_none: bool) -> str | None:
