@@ -361,6 +361,21 @@ def test_assertions_refuse_a_phase_that_never_ran(
     assert_no_comm(empty, "backward")
 
 
+def test_assertions_refuse_a_mode_never_entered() -> None:
+    """commspan_mode / fresh_mode give a mode the test must enter; one never entered
+    recorded nothing, so an assertion of absence on it fails instead of passing."""
+    with fresh_mode() as mode:
+        torch.nn.Linear(2, 2)(torch.ones(1, 2))  # forgot `with mode:`
+        with pytest.raises(AssertionError, match=r"expected no collectives inside 'Global': "
+                           r"this CommSpanMode was never entered, .*`with mode:`"):
+            assert_no_comm(mode, phase=None)
+        with pytest.raises(AssertionError, match="never entered"):
+            assert_counts(mode, "Global", "forward", {})
+        with mode:
+            torch.nn.Linear(2, 2)(torch.ones(1, 2))
+        assert_no_comm(mode, phase=None)
+
+
 def test_unknown_name_error_lists_a_bounded_number_of_modules() -> None:
     """With many modules the error lists the first 20 and says how many more ran."""
     model = torch.nn.Sequential(*[torch.nn.ReLU() for _ in range(30)])

@@ -377,3 +377,39 @@ def test_a_module_name_with_a_line_break_round_trips(
         net.d["c\nd"](torch.ones(2))
     with pytest.raises(AssertionError, match="count=2"):
         assert_matches_golden(more, path)
+
+
+@pytest.mark.parametrize("update", [False, True])
+def test_a_capture_that_recorded_nothing_is_refused(
+    update: bool, tmp_path: Path, fake_pg: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A mode never entered (the commspan_mode fixture without ``with``) and a capture
+    whose rank ``ranks=`` leaves out recorded nothing: comparing would pass on a file of
+    "(no collectives)", and an update would write one; both are refused, the file left
+    unwritten."""
+    import torch.distributed as dist
+
+    from commspan.testing import fresh_mode
+
+    class Sync(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            dist.all_reduce(x)
+            return x
+
+    empty = tmp_path / "empty.txt"
+    with capture() as nothing:
+        pass
+    empty.write_text(golden_text(nothing))
+    if update:
+        monkeypatch.setenv("COMMSPAN_UPDATE_GOLDEN", "1")
+    with fresh_mode() as mode:
+        Sync()(torch.ones(2))  # forgot `with mode:`
+        with pytest.raises(AssertionError, match=r"golden file '.*empty\.txt': this "
+                           r"CommSpanMode was never entered"):
+            assert_matches_golden(mode, empty)
+    with capture(ranks=[1]) as untraced:
+        Sync()(torch.ones(2))
+    with pytest.raises(AssertionError, match=r"golden file '.*new\.txt': this rank \(0\) is "
+                       r"not traced"):
+        assert_matches_golden(untraced, tmp_path / "new.txt")
+    assert not (tmp_path / "new.txt").exists()

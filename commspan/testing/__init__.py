@@ -457,6 +457,11 @@ def _assert_traced(agg: AggregatorLike, what: str, *, every_step: bool) -> None:
     mode = agg.mode if isinstance(agg, CommCapture) else agg
     if not isinstance(mode, CommSpanMode):
         return  # an Aggregator: what it was fed is all there is
+    if mode.resource is None:  # (set on the first entry)
+        raise AssertionError(
+            f"{what}: this CommSpanMode was never entered, so nothing was recorded to "
+            "assert on (run the code under `with mode:`; the commspan_mode fixture is "
+            "not entered for the test, commspan_capture is)")
     if not mode._rank_traced:
         raise AssertionError(
             f"{what}: this rank ({mode.rank}) is not traced: ranks= leaves it out, so "

@@ -236,8 +236,10 @@ def assert_matches_golden(
 
     Raises:
         AssertionError: the recorded text differs from the file (the message is
-            a unified diff, golden file first), or the file does not exist (the
-            message says how to create it).
+            a unified diff, golden file first), the file does not exist (the
+            message says how to create it), or ``capture`` recorded nothing to
+            compare: a mode never entered, a rank ``ranks=`` leaves out, every
+            step sampled out (in update mode too: it would write an empty file).
         ValueError: no module named ``fqn`` ran (the message lists the closest names).
         TypeError: ``path`` is not a path.
 
@@ -247,6 +249,9 @@ def assert_matches_golden(
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path={path!r} is not valid; pass the golden file's path (str or Path)")
     target = Path(path)
+    from commspan.testing import _assert_traced
+
+    _assert_traced(capture, f"golden file {str(target)!r}", every_step=False)
     text = golden_text(capture, bytes=bytes, placements=placements, fqn=fqn, groups=groups)
     try:
         kept: str | None = target.read_text(encoding="utf-8").replace("\r\n", "\n")
