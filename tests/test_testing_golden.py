@@ -413,3 +413,26 @@ def test_a_capture_that_recorded_nothing_is_refused(
                        r"not traced"):
         assert_matches_golden(untraced, tmp_path / "new.txt")
     assert not (tmp_path / "new.txt").exists()
+
+
+def test_update_variable_serves_each_pytest_session_of_a_process(
+    pytester: pytest.Pytester, fake_pg: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With COMMSPAN_UPDATE_GOLDEN=1, pytest run again in one process (an IDE, a
+    notebook) after the model changed rewrites the file: the text the first run gave it
+    is not taken for a second test sharing the file."""
+    monkeypatch.setenv("COMMSPAN_UPDATE_GOLDEN", "1")
+    golden = pytester.path / "golden" / "reduce.txt"
+    for n in (1, 2):
+        pytester.makepyfile(test_golden=_GOLDEN_TEST.format(n=n))
+        pytester.runpytest_inprocess("-p", "no:cacheprovider").assert_outcomes(passed=1)
+        assert golden.read_text().splitlines()[3:] == [f"Reduce forward all_reduce count={n}"]
+    pytester.makepyfile(test_golden=_GOLDEN_TEST.format(n=2) + """
+def test_reduce_once(commspan_fake_pg, commspan_capture):
+    Reduce()(torch.ones(2))
+    torch.distributed.all_reduce(torch.ones(2))  # one more, outside the module
+    assert_matches_golden(commspan_capture, GOLDEN)
+""")
+    shared = pytester.runpytest_inprocess("-p", "no:cacheprovider")  # (two tests, one file)
+    shared.assert_outcomes(passed=1, failed=1)
+    shared.stdout.fnmatch_lines(["*was given another text earlier in this run*"])

@@ -87,11 +87,18 @@ def update_golden() -> Iterator[list[Path]]:
     global _written
     previous = _written
     _written = []
-    _given.clear()
+    _new_run()
     try:
         yield _written
     finally:
         _written = previous
+
+
+def _new_run() -> None:
+    """Start a new run: forget the text each golden file was given so far in update mode
+    (what tells two tests sharing one file apart from a later run of the same test).
+    commspan's pytest plugin calls it when a test session starts."""
+    _given.clear()
 
 
 _OFF = frozenset({"", "0", "false", "no", "off"})

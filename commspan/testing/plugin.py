@@ -32,6 +32,7 @@ commspan itself is imported only when a fixture or the option is used.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Generator, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -77,6 +78,15 @@ def pytest_configure(config: pytest.Config) -> None:
 
         updating = update_golden()
         config.stash[_GOLDEN] = (updating, updating.__enter__())
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """A new run for golden files: forget the texts an earlier session of this process
+    gave them (``COMMSPAN_UPDATE_GOLDEN=1``: pytest run twice in one process would take
+    the second run's new text for a second test sharing the file)."""
+    golden = sys.modules.get("commspan.testing.golden")  # (not imported: nothing to forget)
+    if golden is not None:
+        golden._new_run()
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
