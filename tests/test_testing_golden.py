@@ -436,3 +436,24 @@ def test_reduce_once(commspan_fake_pg, commspan_capture):
     shared = pytester.runpytest_inprocess("-p", "no:cacheprovider")  # (two tests, one file)
     shared.assert_outcomes(passed=1, failed=1)
     shared.stdout.fnmatch_lines(["*was given another text earlier in this run*"])
+
+
+@pytest.mark.parametrize("update", [False, True])
+def test_a_golden_file_that_is_not_text_is_named_or_rewritten(
+    update: bool, tp_cap: CommCapture, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A golden file that is not UTF-8 (saved as UTF-16, damaged) fails naming the file,
+    its line and the fix, instead of a UnicodeDecodeError naming neither; update mode
+    rewrites it (it raised there too). A directory for path is a ValueError naming it."""
+    path = tmp_path / "g.txt"
+    path.write_bytes("\n".join([*HEADER, *LINES]).encode("utf-8").replace(b"net2", b"net\xb2"))
+    if update:
+        monkeypatch.setenv("COMMSPAN_UPDATE_GOLDEN", "1")
+        assert_matches_golden(tp_cap, path)
+        assert path.read_text(encoding="utf-8") == golden_text(tp_cap)
+    else:
+        with pytest.raises(AssertionError, match=r"golden file '.*g\.txt': line 5 \(byte \d+\) "
+                           r"is not UTF-8 text .*--commspan-update-golden"):
+            assert_matches_golden(tp_cap, path)
+    with pytest.raises(ValueError, match=r"path='.*' is not valid: it is a directory"):
+        assert_matches_golden(tp_cap, tmp_path)

@@ -243,11 +243,13 @@ def assert_matches_golden(
 
     Raises:
         AssertionError: the recorded text differs from the file (the message is
-            a unified diff, golden file first), the file does not exist (the
-            message says how to create it), or ``capture`` recorded nothing to
+            a unified diff, golden file first), the file does not exist or is
+            not UTF-8 text (the message names the line and says how to rewrite
+            it), or ``capture`` recorded nothing to
             compare: a mode never entered, a rank ``ranks=`` leaves out, every
             step sampled out (in update mode too: it would write an empty file).
-        ValueError: no module named ``fqn`` ran (the message lists the closest names).
+        ValueError: no module named ``fqn`` ran (the message lists the closest names),
+            or ``path`` is a directory.
         TypeError: ``path`` is not a path.
 
     Example:
@@ -260,10 +262,20 @@ def assert_matches_golden(
 
     _assert_traced(capture, f"golden file {str(target)!r}", every_step=False)
     text = golden_text(capture, bytes=bytes, placements=placements, fqn=fqn, groups=groups)
+    if target.is_dir():
+        raise ValueError(f"path={str(target)!r} is not valid: it is a directory; pass the "
+                         "golden file's path, e.g. golden/tp_mlp.txt")
+    unreadable = ""  # why a file that exists cannot be compared (not UTF-8 text)
     try:
         kept: str | None = target.read_text(encoding="utf-8").replace("\r\n", "\n")
     except FileNotFoundError:
         kept = None
+    except UnicodeDecodeError as exc:
+        kept = None
+        data = exc.object[:exc.start]
+        line = data.count(b"\n") + 1
+        unreadable = (f"line {line} (byte {exc.start}) is not UTF-8 text "
+                      f"({exc.reason}: {exc.object[exc.start:exc.start + 4]!r})")
     if kept and not kept.endswith("\n"):  # an editor that drops the last newline
         kept += "\n"
     if _updating():
@@ -284,6 +296,13 @@ def assert_matches_golden(
             if _written is not None and target not in _written:
                 _written.append(target)
         return
+    if unreadable:
+        raise AssertionError(
+            f"golden file {str(target)!r}: {unreadable}, so it cannot be compared (a binary "
+            "or damaged file, or one saved in another encoding); rewrite it by running the "
+            "test with `pytest --commspan-update-golden` (or COMMSPAN_UPDATE_GOLDEN=1), "
+            f"then review and commit it. It would hold:\n{text}"
+        )
     if kept is None:
         raise AssertionError(
             f"golden file {str(target)!r} does not exist; create it by running the test with "
