@@ -75,6 +75,30 @@ def test_left_by_the_test(commspan_fake_pg, commspan_capture):
     result.assert_outcomes(passed=3)
 
 
+def test_fake_pg_parametrized_indirectly_takes_each_size(pytester: pytest.Pytester) -> None:
+    """parametrize("commspan_fake_pg", [...], indirect=True) runs the test at each world
+    size (or dict of arguments), over the marker's; it ran every case at 4 ranks."""
+    result = _run(pytester, """
+import pytest
+import torch.distributed as dist
+
+@pytest.mark.commspan_fake_pg(world_size=4, rank=1)
+@pytest.mark.parametrize("commspan_fake_pg,want", [
+    (2, (2, 1)), (8, (8, 1)), ({"world_size": 8, "rank": 5}, (8, 5)), ({}, (4, 1)),
+], indirect=["commspan_fake_pg"])
+def test_sizes(commspan_fake_pg, want):
+    assert (dist.get_world_size(), dist.get_rank()) == want == (commspan_fake_pg.size(),
+                                                                 dist.get_rank())
+
+@pytest.mark.parametrize("commspan_fake_pg", ["8"], indirect=True)
+def test_bad(commspan_fake_pg):
+    pass
+""", subprocess=True)
+    result.assert_outcomes(passed=4, errors=1)
+    result.stdout.fnmatch_lines(["*commspan_fake_pg parameter '8' is not valid; pass a world "
+                                 "size (int) or a dict*"])
+
+
 def test_failed_test_reports_module_table(pytester: pytest.Pytester) -> None:
     """A failing test that used commspan_capture gets a "commspan modules" report section."""
     result = _run(pytester, """

@@ -14,7 +14,11 @@ there. Fixtures:
 * ``commspan_fake_pg``: torch's fake process group as the default group for
   the test (:func:`commspan.testing.fake_process_group`), 4 ranks of which
   this process is rank 0 unless ``@pytest.mark.commspan_fake_pg(world_size=8,
-  rank=3)`` says otherwise; yields the world group.
+  rank=3)`` says otherwise; yields the world group. To run a test at several
+  sizes, parametrize the fixture itself:
+  ``@pytest.mark.parametrize("commspan_fake_pg", [2, 4, 8], indirect=True)``
+  (a world size, or a dict of arguments such as ``{"world_size": 8, "rank": 3}``;
+  it overrides the marker's).
 
 The first two take ``CommSpanMode`` arguments from a marker::
 
@@ -162,15 +166,31 @@ def _fake_pg_first(request: pytest.FixtureRequest) -> None:
 @pytest.fixture
 def commspan_fake_pg(request: pytest.FixtureRequest) -> Iterator[Any]:
     """torch's fake process group for the test (4 ranks, this process rank 0, unless the
-    ``commspan_fake_pg`` marker says otherwise); destroyed after the test."""
+    ``commspan_fake_pg`` marker or an indirect parameter says otherwise: a world size or
+    a dict of :func:`~commspan.testing.fake_process_group` arguments); destroyed after
+    the test."""
     from commspan.testing import fake_process_group
 
-    args: tuple[Any, ...] = ()
     kwargs: dict[str, Any] = {}
     for marker in reversed(list(request.node.iter_markers(_PG_MARKER))):  # closest wins
-        args = marker.args or args
+        if len(marker.args) > 2:
+            raise TypeError(f"@pytest.mark.{_PG_MARKER}{marker.args!r}: pass world_size and "
+                            "rank, e.g. @pytest.mark.commspan_fake_pg(world_size=8, rank=3)")
+        kwargs.update(zip(("world_size", "rank"), marker.args))
         kwargs.update(marker.kwargs)
-    with fake_process_group(*args, **kwargs) as group:
+    if hasattr(request, "param"):  # parametrize("commspan_fake_pg", [2, 8], indirect=True)
+        param = request.param
+        if isinstance(param, int) and not isinstance(param, bool):
+            kwargs["world_size"] = param
+        elif isinstance(param, dict):
+            kwargs.update(param)
+        else:
+            raise TypeError(
+                f"commspan_fake_pg parameter {param!r} is not valid; pass a world size "
+                "(int) or a dict of fake_process_group arguments, e.g. "
+                "parametrize('commspan_fake_pg', [2, {'world_size': 8, 'rank': 3}], "
+                "indirect=True)")
+    with fake_process_group(**kwargs) as group:
         yield group
 
 
