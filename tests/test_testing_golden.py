@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -93,6 +94,40 @@ def test_groups_name_the_mesh_dimension_so_another_one_differs(
     with pytest.raises(AssertionError,
                        match=r"\+MLPModule.net2 forward all_reduce group=rows"):
         assert_matches_golden(caps["rows"], path, groups=True)
+
+
+def test_groups_outside_a_mesh_are_named_by_their_ranks(fake_pg: None) -> None:
+    """A process group outside every mesh is written by its global ranks (as torch's
+    get_process_group_ranks gives them), so the text is the same whatever groups the
+    process made before; torch's name for it (a number in creation order) made it
+    ``group=group 5`` run alone and ``group=group 8`` after another test's groups.
+    Two groups of the same ranks share a line, their counts summed."""
+    import torch.distributed as dist
+
+    class Sync(torch.nn.Module):
+        def forward(self, x: torch.Tensor, *groups: Any) -> torch.Tensor:
+            for group in groups:
+                dist.all_reduce(x, group=group)
+            return x
+
+    texts = []
+    for earlier in (0, 3):
+        for _ in range(earlier):  # another test's groups, made before this one's
+            dist.new_group([0, 1, 2])
+        pair, again, evens = dist.new_group([0, 1]), dist.new_group([0, 1]), dist.new_group(
+            [0, 2])
+        with capture() as cap:
+            Sync()(torch.ones(2), pair, again, evens, dist.group.WORLD)
+        texts.append(golden_text(cap, groups=True))
+    assert texts[0] == texts[1]
+    assert [dist.get_process_group_ranks(g) for g in (pair, evens, dist.group.WORLD)] == [
+        [0, 1], [0, 2], [0, 1, 2, 3]]
+    assert texts[0].splitlines()[3:] == [
+        "Sync forward all_reduce count=4",
+        "Sync forward all_reduce group=ranks 0,2 count=1",
+        "Sync forward all_reduce group=ranks 0-1 count=2",
+        "Sync forward all_reduce group=ranks 0-3 count=1",
+    ]
 
 
 def test_a_file_without_its_last_newline_still_matches(

@@ -131,6 +131,8 @@ class Aggregator(SpanProcessor):
         # (owner, mesh dimension, phase, op) -> [count, bytes]
         self._by_dim: dict[tuple[str, str, str, str], list[int]] = {}
         self._phases: dict[str, set[str]] = {}  # module fqn -> phases it ran in
+        # "group <name>" (a group outside every mesh) -> its global ranks, when known
+        self._group_ranks: dict[str, tuple[int, ...]] = {}
         self._seen_global = False
 
     def attach_live(self, live: LiveView | None) -> None:
@@ -192,6 +194,7 @@ class Aggregator(SpanProcessor):
             slot = self._by_dim.get(dim_key)
             if slot is None:
                 slot = self._by_dim[dim_key] = [0, 0]
+                _note_group(self._group_ranks, dim_key[1], ev)
             slot[0] += 1
             slot[1] += nbytes
 
@@ -408,6 +411,25 @@ class Aggregator(SpanProcessor):
                     op, {"count": 0, "bytes": 0})
                 slot["count"] += count
                 slot["bytes"] += nbytes
+        return out
+
+    def group_ranks(self) -> dict[str, tuple[int, ...]]:
+        """``{"group <name>": ranks}``: the global ranks of each process group outside
+        every mesh that :meth:`mesh_dim_counts` names by its name (torch numbers groups
+        in the order a process creates them, so the name depends on what ran before;
+        the ranks do not). Known from spans given to the aggregator live, not from
+        files (which the readers do not read the ranks of).
+
+        Example:
+            >>> from commspan import Aggregator
+            >>> Aggregator().group_ranks()
+            {}
+        """
+        with self._lock:
+            out = dict(self._group_ranks)
+        if self._live is not None:
+            for _key, ev, _nbytes in _collectives_of(self._live()):
+                _note_group(out, mesh_dim_of(ev), ev)
         return out
 
     def to_dict(self) -> dict[str, Any]:
@@ -673,6 +695,19 @@ _EVENT_KEYS = frozenset(
         semconv.PG_NAME,
     }
 )
+
+
+def _note_group(known: dict[str, tuple[int, ...]], dim: str, ev: Mapping[str, Any]) -> None:
+    """Keep the ranks of the group ``dim`` names when it is a group outside every mesh
+    (``group <name>``) and the event carries them."""
+    if dim in known or not dim.startswith("group "):
+        return
+    ranks = ev.get(semconv.PG_RANKS)
+    if ranks:
+        try:
+            known[dim] = tuple(int(r) for r in ranks)
+        except (TypeError, ValueError):  # not a list of ranks: the name it is
+            pass
 
 
 def mesh_dim_of(event: Mapping[str, Any]) -> str:

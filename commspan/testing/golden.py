@@ -134,7 +134,11 @@ def golden_text(
         fqn: only this module and the modules inside it.
         groups: a line per mesh dimension (or process group outside a mesh) each
             module's collectives ran on (``group=tp count=2``): the same collectives
-            on another dimension of the mesh are then a difference.
+            on another dimension of the mesh are then a difference. A group outside
+            every mesh is written by its global ranks (``group=ranks 0-3``), the same
+            whatever groups the process made before (torch's name for it, a number,
+            is not); an aggregator read from files knows the name only
+            (``group=group 1``).
 
     Raises:
         ValueError: no module named ``fqn`` ran (the message lists the closest
@@ -169,17 +173,23 @@ def golden_text(
             text += f" placements={where}"
         lines[(natural_key(name), 1, _PHASES.get(phase, 9), phase, op, where)] = text
     if groups:
+        group_ranks = agg.group_ranks()
         for phase in _PHASES:
             for name, dims in agg.mesh_dim_counts(phase, subtree=False).items():
                 if not inside(name):
                     continue
+                by_label: dict[tuple[str, str], list[int]] = {}
                 for dim, ops in dims.items():
+                    label = _group_label(dim, group_ranks)  # (two groups, one label: summed)
                     for op, usage in ops.items():
-                        text = (f"{_shown(name)} {phase} {op} group={dim} "
-                                f"count={usage['count']}")
-                        if bytes:
-                            text += f" bytes={usage['bytes']}"
-                        lines[(natural_key(name), 2, _PHASES[phase], phase, op, dim)] = text
+                        slot = by_label.setdefault((op, label), [0, 0])
+                        slot[0] += usage["count"]
+                        slot[1] += usage["bytes"]
+                for (op, label), (count, nbytes) in by_label.items():
+                    text = f"{_shown(name)} {phase} {op} group={label} count={count}"
+                    if bytes:
+                        text += f" bytes={nbytes}"
+                    lines[(natural_key(name), 2, _PHASES[phase], phase, op, label)] = text
     if placements:
         for name, params in agg.parameter_info().items():
             if not inside(name):
@@ -199,6 +209,25 @@ def golden_text(
     ]
     body = [lines[k] for k in sorted(lines)] or ["# (no collectives)"]
     return "\n".join(header + body) + "\n"
+
+
+def _group_label(dim: str, group_ranks: dict[str, tuple[int, ...]]) -> str:
+    """A mesh dimension as it is named; a group outside every mesh by its ranks
+    (``ranks 0-3``, ``ranks 0,2``), not its name, which torch numbers in the order
+    the process created its groups (another test run before gives another number)."""
+    ranks = group_ranks.get(dim)
+    if not ranks:
+        return dim
+    runs: list[str] = []
+    start = prev = ranks[0]
+    for r in (*ranks[1:], None):
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        runs.append(str(start) if start == prev else f"{start}-{prev}")
+        if r is not None:
+            start = prev = r
+    return "ranks " + ",".join(runs)
 
 
 _LINE_BREAKS = frozenset("\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029")  # (str.splitlines)
