@@ -200,3 +200,18 @@ def test_fixture(commspan_capture):
 """)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--strict-markers")
     result.assert_outcomes(passed=1)
+
+
+def test_plugin_loads_by_its_entry_point_name_without_autoload(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As the README says: with PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 the fixtures are missing
+    until ``-p commspan`` loads the plugin by its entry point's name."""
+    pytester.makepyfile(test_fresh="""
+def test_fixture(commspan_capture):
+    assert commspan_capture.mode.active
+""")
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
+    pytester.runpytest_subprocess("-p", "no:cacheprovider").assert_outcomes(errors=1)
+    pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "commspan").assert_outcomes(
+        passed=1)

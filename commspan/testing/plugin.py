@@ -32,6 +32,11 @@ writes the golden files instead of comparing them; the files written are
 listed at the end of the run.
 
 commspan itself is imported only when a fixture or the option is used.
+
+The entry point is named ``commspan``: ``-p no:commspan`` disables the plugin, and
+with ``PYTEST_DISABLE_PLUGIN_AUTOLOAD=1`` ``-p commspan`` loads it. Naming this
+module as well (``-p commspan.testing.plugin``, ``pytest_plugins``) while the entry
+point loads it makes pytest stop ("Plugin already registered under a different name").
 """
 
 from __future__ import annotations
