@@ -376,6 +376,39 @@ def test_assertions_refuse_a_mode_never_entered() -> None:
         assert_no_comm(mode, phase=None)
 
 
+def test_assertions_take_torch_comm_debug_mode_keys(tp_mlp: MLP) -> None:
+    """A test ported from torch's CommDebugMode passes its counts, keyed by torch's op
+    packets, to assert_counts as they are (they raised TypeError sorting packets and
+    names together); a name that is not a collective is a ValueError with the closest
+    names, not an expectation that fails or passes for lack of that op."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    x = torch.randn(4, 8, requires_grad=True)
+    torch_mode = CommDebugMode()
+    with torch_mode:
+        tp_mlp(x).sum().backward()
+    with capture() as cap:
+        tp_mlp(x).sum().backward()
+    for fqn in ("MLP.net1", "MLP.net2", "Global"):
+        for phase in ("forward", "backward"):
+            torch_counts = torch_mode.comm_module_counts[fqn][phase]
+            assert all(not isinstance(k, str) for k in torch_counts)  # packets
+            assert_counts(cap, fqn, phase, torch_counts)
+    assert_counts(cap, "MLP.net2", "forward", {"c10d.allreduce_": 0, "_c10d_functional."
+                                               "all_reduce.default": 1})
+    assert_placements(cap, "MLP.net2", torch.ops.c10d_functional.all_reduce, "P(sum)", "R")
+    with pytest.raises(AssertionError, match=r"expected \{'all_reduce': 2\}, got "
+                       r"\{'all_reduce': 1\}"):
+        assert_counts(cap, "MLP.net2", "forward", {torch.ops.c10d_functional.all_reduce: 1,
+                                                   torch.ops.c10d.allreduce_: 1})
+    with pytest.raises(ValueError, match=r"expected key 'allreduce' is not valid: not a "
+                       r"collective commspan knows; did you mean 'all_reduce'"):
+        assert_counts(cap, "MLP.net2", "forward", {"allreduce": 0})
+    with pytest.raises(ValueError, match=r"op=<OpOverloadPacket\(op='aten.mm'\)> is not "
+                       "valid"):
+        assert_placements(cap, "MLP.net2", torch.ops.aten.mm, "P(sum)", "R")
+
+
 def test_unknown_name_error_lists_a_bounded_number_of_modules() -> None:
     """With many modules the error lists the first 20 and says how many more ran."""
     model = torch.nn.Sequential(*[torch.nn.ReLU() for _ in range(30)])

@@ -274,14 +274,18 @@ def assert_counts(
         agg: an :class:`~commspan.Aggregator`, a ``CommSpanMode`` or a :class:`CommCapture`.
         fqn: module name, e.g. ``"MLP.net2"``, or ``"Global"`` for the whole rank.
         phase: ``"forward"``, ``"backward"`` or ``"recompute"``.
-        expected: ``{op: count}``, e.g. ``{"all_reduce": 1}``.
+        expected: ``{op: count}``, e.g. ``{"all_reduce": 1}``; an op is its
+            canonical name or torch's packet or overload of it (the keys of torch's
+            CommDebugMode, ``{c10d_functional.all_reduce: 1}``; several of one op
+            add up).
 
     Raises:
         AssertionError: the counts differ (the message shows both and the module
             table), no module named ``fqn`` ran (the message lists the
             closest names that did), or it never ran in ``phase`` (for ``Global``:
             modules ran, none in ``phase``), whatever ``expected`` says.
-        ValueError: ``phase`` is not a phase or a count is negative.
+        ValueError: ``phase`` is not a phase, a count is negative, or an op is not
+            a collective (the message suggests the closest names).
         TypeError: ``fqn`` is not a str.
 
     Example:
@@ -296,10 +300,13 @@ def assert_counts(
         raise TypeError(f"expected={expected!r} is not valid; pass {{op: count}}, e.g. "
                         "{'all_reduce': 1} ({} for none)")
     _assert_traced(agg, f"collectives of {fqn!r} in {ph}", every_step=False)
+    want: dict[str, int] = {}
     for op, n in expected.items():
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise ValueError(f"expected[{op!r}]={n!r} is not valid; counts are ints >= 0")
-    want = {op: n for op, n in expected.items() if n}
+        name = _op_name(op, f"expected key {op!r}")
+        if n:  # (torch's packets of one op, c10d and functional, add up as commspan's do)
+            want[name] = want.get(name, 0) + n
     _assert_known(aggregator, fqn, f"collectives of {fqn!r} in {ph}")
     assert ph is not None
     _assert_phase_ran(aggregator, fqn, ph, f"collectives of {fqn!r} in {ph}")
@@ -388,7 +395,7 @@ def assert_placements(
     Args:
         agg: an :class:`~commspan.Aggregator`, a ``CommSpanMode`` or a :class:`CommCapture`.
         fqn: the issuing module, e.g. ``"MLP.net2"``.
-        op: canonical op name, e.g. ``"all_reduce"``.
+        op: canonical op name, e.g. ``"all_reduce"`` (or torch's packet of it).
         src: placements before the redistribution, e.g. ``"P(sum)"`` or ``[Partial()]``.
         dst: placements after it, e.g. ``"R"`` or ``[Replicate()]``.
         phase: only collectives of this phase; ``None`` for every phase.
@@ -398,7 +405,7 @@ def assert_placements(
             them had other placements (the message lists what was seen and
             shows the module table), or no module named ``fqn`` ran (the
             message lists the closest names that did).
-        ValueError: ``phase`` is not a phase.
+        ValueError: ``phase`` is not a phase, or ``op`` is not a collective.
         TypeError: ``fqn`` is not a str.
 
     Example:
@@ -411,6 +418,7 @@ def assert_placements(
             raise TypeError(f"{name}={value!r} is not valid; pass placements as a str "
                             "('P(sum)', 'S(0),R') or a sequence of DTensor placements")
     want = (_placements(src), _placements(dst))
+    op = _op_name(op, f"op={op!r}")
     _assert_traced(agg, f"{op} of {fqn!r}", every_step=False)
     _assert_known(aggregator, fqn, f"{op} of {fqn!r}")
     seen: list[CollectiveSummary] = aggregator.collectives(fqn=fqn, phase=ph, op=op)
@@ -507,6 +515,26 @@ def _phase_hint(phase: str) -> str:
         return ("recompute runs in the backward pass of activation-checkpointed modules: "
                 "checkpoint the module and run the backward pass inside the capture")
     return f"run the code that does the {phase} inside the capture"
+
+
+def _op_name(op: Any, what: str) -> str:
+    """The canonical name of ``op``: a canonical name (``"all_reduce"``), or torch's
+    spelling of it, as a torch op packet or overload (``c10d_functional.all_reduce``,
+    the keys of torch's CommDebugMode) or its name (``"c10d.allreduce_"``)."""
+    from commspan.capture.collectives import canonical_name, canonical_names
+
+    name = canonical_name(op)
+    if name is None and isinstance(op, str):
+        name = canonical_name(op.removeprefix("torch.ops."))
+    if name is not None:
+        return name
+    known = canonical_names()
+    close = difflib.get_close_matches(str(op).rsplit(".", 1)[-1].strip("_"), known, n=2)
+    hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
+    raise ValueError(
+        f"{what} is not valid: not a collective commspan knows; {hint}use a canonical op "
+        f"name ({', '.join(known)}) or a torch op packet such as "
+        "torch.ops.c10d_functional.all_reduce")
 
 
 def _check_phase(phase: Any, *, allow_none: bool) -> str | None:
