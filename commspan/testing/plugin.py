@@ -93,7 +93,8 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     """A new run for golden files: forget the texts an earlier session of this process
     gave them (``COMMSPAN_UPDATE_GOLDEN=1``: pytest run twice in one process would take
     the second run's new text for a second test sharing the file)."""
-    golden = sys.modules.get("commspan.testing.golden")  # (not imported: nothing to forget)
+    # commspan.testing.golden, if imported (not imported: nothing to forget)
+    golden = sys.modules.get(__name__.rpartition(".")[0] + ".golden")
     if golden is not None:
         golden._new_run()
 
