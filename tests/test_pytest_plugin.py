@@ -99,6 +99,31 @@ def test_bad(commspan_fake_pg):
                                  "size (int) or a dict*"])
 
 
+def test_mode_fixtures_parametrized_indirectly_take_each_case(pytester: pytest.Pytester) -> None:
+    """parametrize("commspan_capture" / "commspan_mode", [{...}], indirect=True) gives
+    each case's CommSpanMode arguments, over the marker's; they were ignored."""
+    result = _run(pytester, """
+import pytest
+
+@pytest.mark.commspan(run_id="marker")
+@pytest.mark.parametrize("commspan_capture,want", [({"run_id": "a"}, "a"), ({}, "marker")],
+                         indirect=["commspan_capture"])
+def test_capture(commspan_capture, want):
+    assert commspan_capture.mode.run_id == want
+
+@pytest.mark.parametrize("commspan_mode", [{"run_id": "b"}], indirect=True)
+def test_mode(commspan_mode):
+    with commspan_mode:
+        assert commspan_mode.run_id == "b"
+
+@pytest.mark.parametrize("commspan_mode", [False], indirect=True)
+def test_bad(commspan_mode):
+    pass
+""")
+    result.assert_outcomes(passed=3, errors=1)
+    result.stdout.fnmatch_lines(["*commspan_mode parameter False is not valid; pass a dict*"])
+
+
 def test_failed_test_reports_module_table(pytester: pytest.Pytester) -> None:
     """A failing test that used commspan_capture gets a "commspan modules" report section."""
     result = _run(pytester, """

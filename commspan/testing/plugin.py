@@ -20,7 +20,8 @@ there. Fixtures:
   (a world size, or a dict of arguments such as ``{"world_size": 8, "rank": 3}``;
   it overrides the marker's).
 
-The first two take ``CommSpanMode`` arguments from a marker::
+The first two take ``CommSpanMode`` arguments from a marker (or, parametrized
+indirectly, from a dict per case, over the marker's)::
 
     @pytest.mark.commspan(record_params=False)
     def test_tp_forward(commspan_capture):
@@ -133,6 +134,13 @@ def _mode_kwargs(request: pytest.FixtureRequest) -> dict[str, Any]:
                 "by keyword, e.g. @pytest.mark.commspan(record_params=False)"
             )
         kwargs.update(marker.kwargs)
+    if hasattr(request, "param"):  # parametrize("commspan_capture", [{...}], indirect=True)
+        if not isinstance(request.param, dict):
+            raise TypeError(
+                f"{request.fixturename} parameter {request.param!r} is not valid; pass a "
+                "dict of CommSpanMode arguments, e.g. parametrize('commspan_capture', "
+                "[{'record_params': False}], indirect=True)")
+        kwargs.update(request.param)
     return kwargs
 
 
