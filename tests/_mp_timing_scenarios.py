@@ -8,6 +8,9 @@
 - ``straggler``: :class:`Straggler` for :data:`STEPS` steps: rank
   :data:`SLOW_RANK` sleeps :data:`SLOW_S` in ``Straggler.slow`` before its
   all_reduce.
+- ``mesh_straggler``: :class:`MeshStraggler` for :data:`STEPS` steps: a 2 x 2
+  mesh where rank :data:`SLOW_RANK` sleeps in ``tp`` and its tp peer is late at
+  ``dp`` for having waited;
 - ``gc_straggler``: :class:`GcStraggler` for :data:`STEPS` steps: rank
   :data:`GC_RANK`, which holds :data:`BALLAST` extra objects, runs a full garbage
   collection in ``GcStraggler.collect`` before its all_reduce; each rank writes
@@ -152,6 +155,40 @@ class Straggler(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.slow(self.fast(x))
+
+
+# ---------------------------------------------------------------- mesh straggler
+class OnGroup(torch.nn.Module):
+    """all_reduce on ``group``; rank ``slow`` (if any) first sleeps SLOW_S."""
+
+    def __init__(self, group: object, slow: int | None = None) -> None:
+        super().__init__()
+        self.group, self.slow = group, slow
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if dist.get_rank() == self.slow:
+            time.sleep(SLOW_S)
+        t = x.clone()
+        dist.all_reduce(t, group=self.group)
+        return t
+
+
+class MeshStraggler(torch.nn.Module):
+    """A 2 x 2 mesh of 4 ranks: tensor-parallel pairs (0, 1), (2, 3) and data-parallel
+    pairs (0, 2), (1, 3). Rank SLOW_RANK sleeps SLOW_S in ``tp`` before its pair's
+    all_reduce; then every rank all_reduces with its ``dp`` pair. SLOW_RANK's tp peer
+    arrives at ``dp`` late only for having waited for SLOW_RANK."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        rank = dist.get_rank()
+        tp_pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        dp_pairs = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        self.tp = OnGroup(tp_pairs[rank // 2], slow=SLOW_RANK)
+        self.dp = OnGroup(dp_pairs[rank % 2])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dp(self.tp(x))
 
 
 # ---------------------------------------------------------------- late wait
@@ -319,6 +356,8 @@ def main(argv: list[str]) -> int:
             _run(out, "straggler", Straggler())
             dist.barrier()
             _run(out, "late_wait", LateWait())
+            dist.barrier()
+            _run(out, "mesh_straggler", MeshStraggler())
             dist.barrier()
             _gc_straggler(out)
             dist.barrier()

@@ -178,6 +178,38 @@ def test_slow_rank_makes_the_others_wait_and_stragglers_names_it(main_run: Path)
     assert result.ranks[0].rank == SLOW_RANK
 
 
+def test_a_rank_late_for_having_waited_on_another_group_passes_the_wait_on(
+        main_run: Path) -> None:
+    """2 x 2 mesh: rank 2 sleeps in `MeshStraggler.tp` (the test's own program), which
+    makes its tp peer, rank 3, wait there and arrive late at its dp all_reduce with
+    rank 1. Both rank 2 and rank 3 make a dp peer wait about the sleep; rank 3's wait
+    is passed on (it had waited as long for rank 2), so rank 2 comes first, in the rows
+    and per rank, and rank 3's own lateness is small. (Sorted by the wait alone, rank
+    3's dp row tied with rank 2's.)"""
+    from _mp_timing_scenarios import SLOW_RANK, SLOW_S, STEPS
+
+    peer = SLOW_RANK ^ 1  # its tp peer
+    sleep_ns = SLOW_S * 1e9
+    result = stragglers(main_run / "mesh_straggler")
+    rows = [r for r in result.stragglers if r.wait_ns > 0.5 * sleep_ns]
+    # the reference: who slept, where, and who had to wait for whom
+    assert {(r.step, r.fqn, r.rank) for r in rows} == {
+        *((s, "MeshStraggler.tp", SLOW_RANK) for s in range(STEPS)),
+        *((s, "MeshStraggler.dp", SLOW_RANK) for s in range(STEPS)),
+        *((s, "MeshStraggler.dp", peer) for s in range(STEPS)),
+    }
+    for r in rows:
+        if r.rank == peer:
+            assert r.passed_on_ns > 0.5 * sleep_ns, r
+            assert r.wait_ns - r.passed_on_ns < 0.5 * sleep_ns, r
+        else:
+            assert r.passed_on_ns < 0.5 * sleep_ns, r
+    assert {r.rank for r in rows[:2 * STEPS]} == {SLOW_RANK}, rows
+    assert result.ranks[0].rank == SLOW_RANK, result.ranks
+    by_rank = {w.rank: w for w in result.ranks}
+    assert by_rank[peer].wait_ns - by_rank[peer].passed_on_ns < 0.5 * sleep_ns * STEPS
+
+
 def test_a_rank_that_waits_late_is_not_taken_for_one_that_arrived_early(
     main_run: Path,
 ) -> None:

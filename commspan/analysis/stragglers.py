@@ -10,7 +10,12 @@ Two questions, one analyzer each, over a :class:`~commspan.analysis.records.Run`
   functional collective at most their ``commspan.collective.wait_ns`` (the time
   blocked in ``wait_tensor``); if it waited late itself (its duration holds its
   own work after issuing), that is a lower bound (``checked["late_last"]``).
-  Aggregated per step, module and phase and per rank. The module is the one
+  Aggregated per step, module and phase and per rank, sorted by the rank's own
+  lateness: the wait it caused less the part it passed on, having itself waited
+  that long for other ranks at collectives of other groups since the ranks last
+  met on this group (``passed_on_ns``: a rank of a 2-D mesh late at its
+  data-parallel collective for having waited for a slow tensor-parallel peer
+  comes after that peer). The module is the one
   the collective is counted in, as ``commspan summary`` counts it: its owner
   (``commspan.owner.fqn``: the FSDP unit whose parameters a reduce-scatter
   moves, the module holding a DDP bucket), else the module that issued it.
@@ -62,7 +67,7 @@ Example:
 
 from __future__ import annotations
 
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -111,6 +116,15 @@ class StragglerRow(NamedTuple):
         gc_ns: the garbage collector's time on that rank between its previous
             collective (or the start of its step) and each of these, summed: how
             much of its lateness the collector explains (0 when none ran).
+        passed_on_ns: the part of ``wait_ns`` it passed on: it had itself waited
+            that long for other ranks, at collectives of other groups since these
+            ranks last met on this group (or since its step started, before the
+            group's first collective) (an estimate: each other rank's wait,
+            at most the last rank's own waits there less that rank's own). A
+            rank of a 2-D mesh held up on its tensor-parallel group by a slow
+            peer arrives late at its data-parallel collective without being slow
+            itself: ``wait_ns - passed_on_ns`` is its own lateness, by which rows
+            are sorted.
     """
 
     step: int | None
@@ -124,6 +138,7 @@ class StragglerRow(NamedTuple):
     groups: tuple[str, ...]
     seqs: tuple[int, ...]
     gc_ns: int = 0
+    passed_on_ns: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form (lists for the tuples)."""
@@ -134,13 +149,15 @@ class StragglerRow(NamedTuple):
 
 
 class RankWaits(NamedTuple):
-    """One rank over the whole run: how often it arrived last, the wait it caused, and
-    its garbage collector's time over the run (``gc_ns``)."""
+    """One rank over the whole run: how often it arrived last, the wait it caused, its
+    garbage collector's time over the run (``gc_ns``), and the part of the wait it
+    passed on (``passed_on_ns``, :attr:`StragglerRow.passed_on_ns`)."""
 
     rank: int
     times_last: int
     wait_ns: int
     gc_ns: int = 0
+    passed_on_ns: int = 0
 
 
 class StepTime(NamedTuple):
@@ -296,7 +313,7 @@ def _waited_late(rec: CollectiveRecord) -> bool:
 
 
 def _waits_for(last: int, match: Mapping[int, CollectiveRecord],
-               durations: Mapping[int, int]) -> list[int]:
+               durations: Mapping[int, int]) -> dict[int, int]:
     """The wait rank ``last`` caused each other rank of a matched collective: their
     duration less its own, at most the time they spent in ``wait_tensor`` (a
     functional collective's ``wait_ns``: a rank that worked between issuing and
@@ -306,7 +323,7 @@ def _waits_for(last: int, match: Mapping[int, CollectiveRecord],
     holds the collective's own transfer): what is certain is charged
     (``checked["late_last"]`` counts such collectives)."""
     d_last = durations[last]
-    waits = []
+    waits = {}
     for r, d in durations.items():
         if r == last:
             continue
@@ -314,7 +331,7 @@ def _waits_for(last: int, match: Mapping[int, CollectiveRecord],
         wait = d - d_last
         if blocked is not None:
             wait = min(wait, blocked)
-        waits.append(max(0, wait))
+        waits[r] = max(0, wait)
     return waits
 
 
@@ -330,8 +347,9 @@ def straggler_report(
     checked: Counter[str] = Counter()
     per_key: dict[tuple[int | None, str, str], int] = Counter()
     acc: dict[tuple[int | None, str, str, int], dict[str, Any]] = {}
-    per_rank: dict[int, list[int]] = defaultdict(lambda: [0, 0])
+    per_rank: dict[int, list[int]] = defaultdict(lambda: [0, 0, 0])
     gc_before = _GcBefore(run)
+    timed: list[tuple[dict[int, CollectiveRecord], int, dict[int, int]]] = []
     for match in matched_collectives(run, checked):
         members = next(iter(match.values())).group_ranks
         if members and len(match) < len(members):
@@ -357,27 +375,37 @@ def straggler_report(
         if _waited_late(match[last]):
             # its duration holds its own work: the waits charged are lower bounds
             checked["late_last"] += 1
-        waits = _waits_for(last, match, durations)
-        wait = sum(waits)
+        timed.append((match, last, _waits_for(last, match, durations)))
+    waited_before = _WaitedBefore(run, timed)
+    for match, last, waits in timed:
+        wait = sum(waits.values())
         rec = match[last]
         key = (rec.step, rec.charged, rec.phase)
         per_key[key] += 1
         if wait <= 0:
             continue
         checked["with_wait"] += 1
+        # what the last rank passed on: its own waits on other groups since these ranks
+        # last met on this group, beyond each other rank's own
+        own_waits = waited_before(rec)
+        passed = sum(min(w, max(0, own_waits - waited_before(match[r])))
+                     for r, w in waits.items() if w > 0) if own_waits else 0
         slot = acc.setdefault(
             (*key, last),
-            {"times": 0, "wait": 0, "max": 0, "groups": set(), "seqs": [], "gc": 0},
+            {"times": 0, "wait": 0, "max": 0, "groups": set(), "seqs": [], "gc": 0,
+             "passed": 0},
         )
         slot["times"] += 1
         slot["wait"] += wait
+        slot["passed"] += passed
         slot["gc"] += gc_before(rec)
-        slot["max"] = max(slot["max"], max(waits))
+        slot["max"] = max(slot["max"], max(waits.values()))
         slot["groups"].add(rec.group)
         if rec.seq is not None:
             slot["seqs"].append(rec.seq)
         per_rank[last][0] += 1
         per_rank[last][1] += wait
+        per_rank[last][2] += passed
     rows = [
         StragglerRow(
             step,
@@ -391,16 +419,20 @@ def straggler_report(
             tuple(sorted(s["groups"])),
             tuple(sorted(s["seqs"])),
             s["gc"],
+            s["passed"],
         )
         for (step, fqn, phase, rank), s in acc.items()
     ]
-    rows.sort(key=lambda r: (-r.wait_ns, _step_key(r.step), r.fqn, r.phase, r.rank))
+    # the rank's own lateness first: a rank late only for having waited for another
+    # (on another group) comes after the one it waited for
+    rows.sort(key=lambda r: (-(r.wait_ns - r.passed_on_ns), -r.wait_ns, _step_key(r.step),
+                             r.fqn, r.phase, r.rank))
     gc_total: Counter[int] = Counter()
     for g in run.gc_pauses:
         gc_total[g.rank] += g.duration_ns
     ranks = sorted(
-        (RankWaits(r, n, w, gc_total[r]) for r, (n, w) in per_rank.items()),
-        key=lambda x: (-x.wait_ns, x.rank),
+        (RankWaits(r, n, w, gc_total[r], passed) for r, (n, w, passed) in per_rank.items()),
+        key=lambda x: (-(x.wait_ns - x.passed_on_ns), -x.wait_ns, x.rank),
     )
     counts = {
         "collectives": checked["collectives"],
@@ -453,6 +485,48 @@ class _GcBefore:
         return sum(
             max(0, min(end, rec.issued_ns) - max(start, since)) for start, end in pauses
         )
+
+
+class _WaitedBefore:
+    """A rank's own waits (at matched collectives, as the wait its last rank caused it)
+    at collectives of other groups, issued between its previous collective of a
+    collective's group (in any step: where the group's ranks last met; for the
+    group's first, the start of the rank's step) and that collective."""
+
+    def __init__(
+        self, run: Run, timed: Iterable[tuple[dict[int, CollectiveRecord], int, dict[int, int]]]
+    ) -> None:
+        waited: dict[int, list[tuple[int, str, int]]] = defaultdict(list)
+        for match, _last, waits in timed:
+            for r, w in waits.items():
+                if w > 0:
+                    waited[r].append((match[r].issued_ns, match[r].group, w))
+        self._waited = {r: sorted(v) for r, v in waited.items()}
+        self._times = {r: [t for t, _, _ in v] for r, v in self._waited.items()}
+        issued: dict[tuple[int, str], list[int]] = defaultdict(list)
+        if self._waited:
+            for c in run.collectives:
+                if c.rank in self._waited and c.group:
+                    issued[(c.rank, c.group)].append(c.issued_ns)
+        self._issued = {k: sorted(v) for k, v in issued.items()}
+        self._starts = {k: rs.start_ns for k, rs in run.rank_steps.items()}
+
+    def __call__(self, rec: CollectiveRecord) -> int:
+        entries = self._waited.get(rec.rank)
+        if not entries:
+            return 0
+        times = self._issued.get((rec.rank, rec.group), [])
+        i = bisect_left(times, rec.issued_ns)
+        if i > 0:
+            since = times[i - 1]
+        else:  # the group's first collective: since its step started
+            start = self._starts.get((rec.rank, rec.trace_id))
+            if start is None:
+                return 0
+            since = start - 1
+        at = self._times[rec.rank]
+        lo, hi = bisect_right(at, since), bisect_left(at, rec.issued_ns)
+        return sum(w for _, group, w in entries[lo:hi] if group != rec.group)
 
 
 # ------------------------------------------------------------------ step breakdown

@@ -180,10 +180,11 @@ def format_stragglers(result: StragglerResult, *, top: int = 20) -> str:
         lines.append(_why_nothing_matched(checked))
     else:
         lines.append(
-            "Last to arrive (the rank that waited least; wait = time the others waited for it)"
+            "Last to arrive (the rank that waited least; wait = time the others waited for "
+            "it; passed on = the part it had itself waited for others on other groups)"
         )
-        header = ("step", "module", "phase", "rank", "last/of", "wait", "max wait",
-                  "gc before")
+        header = ("step", "module", "phase", "rank", "last/of", "wait", "passed on",
+                  "max wait", "gc before")
         rows: list[tuple[str, ...]] = [
             (
                 "-" if r.step is None else str(r.step),
@@ -192,6 +193,7 @@ def format_stragglers(result: StragglerResult, *, top: int = 20) -> str:
                 str(r.rank),
                 f"{r.times_last}/{r.collectives}",
                 format_duration(r.wait_ns),
+                format_duration(r.passed_on_ns) if r.passed_on_ns else "-",
                 format_duration(r.max_wait_ns),
                 format_duration(r.gc_ns) if r.gc_ns else "-",
             )
@@ -206,6 +208,8 @@ def format_stragglers(result: StragglerResult, *, top: int = 20) -> str:
                 + "; ".join(
                     f"rank {w.rank} last {_plural(w.times_last, 'time')}, "
                     f"caused {format_duration(w.wait_ns)} of waiting"
+                    + (f" ({format_duration(w.passed_on_ns)} passed on)"
+                       if w.passed_on_ns else "")
                     + (f", {format_duration(w.gc_ns)} in garbage collection" if w.gc_ns else "")
                     for w in result.ranks
                 )
