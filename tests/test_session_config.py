@@ -123,11 +123,17 @@ def test_otlp_timeout_is_checked_when_the_exporter_is_made(value: Any) -> None:
         otlp_exporter(endpoint="http://127.0.0.1:4318/v1/traces", timeout_s=value)
 
 
-def test_ranks_naming_no_rank_of_the_world_warn(caplog: pytest.LogCaptureFixture) -> None:
+def test_ranks_naming_no_rank_of_the_world_warn(
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     """Ranks past the world's last: nothing traces, and the log says why. (The world
-    is one process, or the fake process group another test left initialized.)"""
+    is the fake process group another test left initialized, or, run alone, rank 0 of
+    one process, as the launcher's ``RANK`` and ``WORLD_SIZE`` say: a guessed world
+    warns nothing.)"""
     import torch.distributed as dist
 
+    if not dist.is_initialized():
+        monkeypatch.setenv("RANK", "0")
+        monkeypatch.setenv("WORLD_SIZE", "1")
     world = dist.get_world_size() if dist.is_initialized() else 1
     mode = CommSpanMode(ranks=[world, world + 3])
     with caplog.at_level("WARNING", logger="commspan"), mode:
