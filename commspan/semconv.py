@@ -399,7 +399,8 @@ ATTRIBUTES: dict[str, str] = {
            "onto every event.",
     PARAM_NAMES: "Names of the module's direct parameters (forward spans).",
     PARAM_PLACEMENTS: "DTensor placements of those parameters, e.g. ``S(0)``; "
-    "empty string for a plain tensor (forward spans).",
+    "empty string for a plain tensor (forward spans). A parameter FSDP2 manages is "
+    "described by the sharded DTensor FSDP2 keeps, also while its unit has it gathered.",
     PARAM_SHAPES: "Global shapes of those parameters, e.g. ``16x10`` (forward spans).",
     COUNT_PREFIX + "<phase>.<op>": "Collectives of that phase and op inside the span's "
     "subtree (int).",

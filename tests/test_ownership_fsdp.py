@@ -587,3 +587,46 @@ def test_an_unshard_issued_from_a_backward_hook_serves_the_backward(fake_pg: Non
     run = _run(setup=_unshard_by_hand)
     seen = _check(run)
     assert not [a for a in seen if a[semconv.PHASE] == "recompute"]
+
+
+def test_parameters_fsdp2_manages_are_described_as_it_keeps_them(fake_pg: None) -> None:
+    """FSDP2 registers a unit's gathered (plain) parameters while the unit runs: the
+    root unit's own `norm` ran gathered, and was described `local` with the gathered
+    shape, where the child units' parameters (described before their own gather) said
+    S(0). Every parameter is now described by the sharded form FSDP2 keeps, in every
+    step: the reference is torch's own DTensor parameters after the step."""
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    class MLP(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = torch.nn.LayerNorm(16)
+            self.up = torch.nn.Linear(16, 64)
+            self.down = torch.nn.Linear(64, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.down(F.relu(self.up(self.norm(x))))
+
+    def words(p: Any) -> str:  # the test's own rendering of a placement
+        return f"S({p.dim})" if type(p).__name__ == "Shard" else type(p).__name__[0]
+
+    torch.manual_seed(0)
+    model = MLP()
+    mesh = init_device_mesh("cpu", (4,))
+    fully_shard(model.up, mesh=mesh)
+    fully_shard(model.down, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    for _ in range(2):
+        with capture() as cap:
+            model(torch.randn(4, 16)).sum().backward()
+        expected = {
+            f"{type(model).__name__}.{name}": {pname: {"shape": "x".join(map(str, p.shape)),
+                                    "placements": ", ".join(map(words, p.placements))}
+                            for pname, p in module.named_parameters(recurse=False)}
+            for name, module in model.named_children()
+        }
+        assert all(isinstance(p, torch.distributed.tensor.DTensor)
+                   for p in model.parameters())
+        assert cap.aggregator.parameter_info() == expected

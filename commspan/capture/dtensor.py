@@ -66,11 +66,16 @@ def _one(p: Any) -> str:
 
 
 def param_summary(
-    module: torch.nn.Module, on_mesh: Callable[[Any], None] | None = None
+    module: torch.nn.Module,
+    on_mesh: Callable[[Any], None] | None = None,
+    sharded: Callable[[torch.nn.Module, str], Any] | None = None,
 ) -> dict[str, Any]:
     """Span attributes describing ``module``'s direct parameters (empty if none).
 
-    ``on_mesh`` is called with the DeviceMesh of each DTensor parameter.
+    ``on_mesh`` is called with the DeviceMesh of each DTensor parameter. ``sharded``
+    gives the sharded form of a parameter FSDP2 manages (``None`` for others): FSDP2
+    registers the gathered parameter while a unit runs, and a parameter is described
+    as it is kept, whether or not its unit has gathered it.
     """
     names: list[str] = []
     placements: list[str] = []
@@ -78,6 +83,10 @@ def param_summary(
     for name, param in module._parameters.items():
         if param is None:
             continue
+        if sharded is not None:
+            kept = sharded(module, name)
+            if kept is not None:
+                param = kept
         names.append(name)
         # a DTensor parameter is itself a DTensor (``param.data`` would detach it
         # through the dispatcher)

@@ -939,7 +939,11 @@ class ModuleTracker(BackwardNesting):
         if self.record_params and phase is _FORWARD:
             ids = tuple(map(id, module._parameters.values()))
             if info.params is None or ids != info.param_ids:
-                info.params = param_summary(module, self._on_mesh)
+                parallel = self.parallel
+                info.params = param_summary(
+                    module, self._on_mesh,
+                    parallel.sharded_param if parallel is not None
+                    and parallel.manages_params else None)
                 info.param_ids = ids
             if info.params:
                 attrs.update(info.params)

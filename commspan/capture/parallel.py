@@ -224,6 +224,10 @@ class ParallelModules:
         self._buckets: dict[int, tuple[Callable[[], Any], DdpBucket, _DdpState]] = {}
         self._group_codes: frozenset[Any] | None = None
         self._init_code = _ddp_init_code()
+        # (id(module), parameter name) -> (module ref, FSDP2's FSDPParam ref): the
+        # parameters FSDP2 manages, described by their sharded form
+        self._fsdp_params: dict[tuple[int, str], tuple[Callable[[], Any],
+                                                       Callable[[], Any]]] = {}
         self.pipeline = PipelineWatch()
         """The pipeline stages ``mode.watch_pipeline()`` was given."""
 
@@ -378,11 +382,51 @@ class ParallelModules:
             same[:] = [u for u in same if u.fqn != fqn]
             same.append(unit)
             self._fsdp_modules[id(module)] = (weakref.ref(module), unit)
+            self._learn_fsdp_params(module)
             if on_mesh is not None:
                 meshes = {id(m): m for m in (getattr(p, "device_mesh", None) for p in params)
                           if m is not None}
                 for mesh in meshes.values():
                     on_mesh(mesh)
+
+    def _learn_fsdp_params(self, unit: Any) -> None:
+        """Note each parameter an FSDP2 unit manages, by its module and name (FSDP2
+        registers the unsharded parameter in place of the sharded one while it is
+        gathered: :meth:`sharded_param` gives the sharded one back)."""
+        try:
+            state = unit._get_fsdp_state()
+            groups = getattr(state, "_fsdp_param_groups", None)
+            if groups is None:  # torch before 2.9: one group per unit
+                group = getattr(state, "_fsdp_param_group", None)
+                groups = [group] if group is not None else []
+            for group in groups:
+                for fsdp_param in group.fsdp_params:
+                    info = fsdp_param._module_info
+                    ref = weakref.ref(fsdp_param)
+                    for module, name in ((info.module, info.param_name),
+                                         *zip(info.shared_modules, info.shared_param_names)):
+                        self._fsdp_params[(id(module), name)] = (weakref.ref(module), ref)
+        except Exception:
+            _log.debug("commspan: FSDP2's parameters could not be read", exc_info=True)
+
+    def sharded_param(self, module: Any, name: str) -> Any:
+        """The sharded parameter (a DTensor) FSDP2 keeps for ``module``'s parameter
+        ``name``, or ``None`` when FSDP2 does not manage it.
+
+        Example:
+            >>> ParallelModules().sharded_param(object(), "weight") is None
+            True
+        """
+        hit = self._fsdp_params.get((id(module), name))
+        if hit is None or hit[0]() is not module:
+            return None
+        fsdp_param = hit[1]()
+        return getattr(fsdp_param, "sharded_param", None) if fsdp_param is not None else None
+
+    @property
+    def manages_params(self) -> bool:
+        """Whether some module's parameters are FSDP2's (:meth:`sharded_param`)."""
+        return bool(self._fsdp_params)
 
     def _unit_of(self, module: Any) -> FsdpUnit | None:
         hit = self._fsdp_modules.get(id(module))
