@@ -442,6 +442,12 @@ def test_a_step_cut_short_is_named_when_it_alone_is_selected(
                                  "--json")
         assert json.loads(out)["partial"] == [{"rank": 1, "step": 1}], folder
         assert "step 1 of rank 1 was cut short" in err
+        # the report says so too (it said the step had not ended when read)
+        page = tmp_path / f"{folder.name}.html"
+        code, out, err = run_cli(capsys, "html", str(folder), "--step", "1", "-o", str(page))
+        assert code == 0, err
+        note = page.read_text()
+        assert "Step 1 of rank 1 was cut short" in note and "had not ended" not in note
     code, out, err = run_cli(capsys, "diff", str(run), "--step", "0", "--step", "1")
     assert (code, out) == (2, "") and "B: every step selected was cut short" in err
 

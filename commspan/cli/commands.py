@@ -382,7 +382,7 @@ def html(args: argparse.Namespace, reader: Reader) -> Outcome:
     try:
         path = _writing(args.output, lambda: write_html_report(
             sel.records, args.output, findings=findings, title=args.title,
-            timeline_steps=timeline_steps), "report.html")
+            timeline_steps=timeline_steps, last_traces=sel.last_traces), "report.html")
     except TypeError as exc:
         if args.findings is None or not str(exc).startswith("findings"):
             raise  # not about the findings: not to be blamed on --findings

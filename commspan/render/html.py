@@ -73,6 +73,7 @@ def html_report(
     findings: Iterable[Mapping[str, Any]] | Mapping[str, Any] | None = None,
     title: str | None = None,
     timeline_steps: Iterable[int] | None = None,
+    last_traces: Mapping[int | None, str] | None = None,
 ) -> str:
     """Build the HTML report of a run.
 
@@ -88,6 +89,10 @@ def html_report(
         title: page title; default ``commspan report``.
         timeline_steps: the step numbers whose timeline is embedded (default
             all): limits the file size of long runs.
+        last_traces: each rank's last trace id in the whole run, when ``source``
+            holds some steps of it (``commspan html --steps``): a step a rank did
+            not end is then said cut short, not still running, if the rank went
+            on to a later one.
 
     Returns:
         The HTML document.
@@ -107,7 +112,8 @@ def html_report(
     found = _findings(findings)
     embedded = _embedded_steps(timeline, timeline_steps)
     first = _first_step(timeline, embedded, step)
-    return _page(records, timeline, found, embedded, first, title or "commspan report")
+    return _page(records, timeline, found, embedded, first, title or "commspan report",
+                 last_traces)
 
 
 def write_html_report(
@@ -118,6 +124,7 @@ def write_html_report(
     findings: Iterable[Mapping[str, Any]] | Mapping[str, Any] | None = None,
     title: str | None = None,
     timeline_steps: Iterable[int] | None = None,
+    last_traces: Mapping[int | None, str] | None = None,
 ) -> Path:
     """Write the HTML report of a run to ``out_path`` (see :func:`html_report`).
 
@@ -138,7 +145,8 @@ def write_html_report(
     if not isinstance(out_path, (str, os.PathLike)):
         raise TypeError(f"out_path={out_path!r} is not valid; pass a file path (str or Path)")
     page = html_report(
-        source, step=step, findings=findings, title=title, timeline_steps=timeline_steps
+        source, step=step, findings=findings, title=title, timeline_steps=timeline_steps,
+        last_traces=last_traces,
     )
     path = Path(out_path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -210,6 +218,7 @@ def _page(
     embedded: list[int],
     first: int,
     title: str,
+    last_traces: Mapping[int | None, str] | None = None,
 ) -> str:
     ranks = list(timeline.ranks)
     tree = _merged_tree(records, ranks)
@@ -229,7 +238,7 @@ def _page(
         f"<title>{_e(title)}</title>\n<style>\n{_asset('report.css')}</style>\n</head>\n<body>\n",
         _header(timeline, title, findings is not None, records),
         _summary(timeline, ranks),
-        _unfinished_note(timeline, records),
+        _unfinished_note(timeline, records, last_traces),
     ]
     if findings is not None:
         parts.append(_findings_section(findings, timeline, embedded))
@@ -357,12 +366,13 @@ def _summary(timeline: Timeline, ranks: list[int]) -> str:
     return f"<section id=\"summary\" class=\"cards\">{body}</section>\n"
 
 
-def _unfinished_note(timeline: Timeline, records: list[SpanRecord]) -> str:
+def _unfinished_note(timeline: Timeline, records: list[SpanRecord],
+                     last_traces: Mapping[int | None, str] | None = None) -> str:
     """What ``commspan summary`` says on stderr of the steps cut short (and of a last step
     still running), on the page; ``""`` when every step ended."""
     if not timeline.unfinished:
         return ""
-    cut = {(0 if r is None else r, trace) for r, trace, _ in cut_short(records)}
+    cut = {(0 if r is None else r, trace) for r, trace, _ in cut_short(records, last_traces)}
     gone: list[tuple[int | None, int | None]] = []
     running: list[tuple[int | None, int | None]] = []
     for window, rank in timeline.unfinished:
