@@ -322,6 +322,88 @@ def test_a_checkpointed_functions_own_collective_is_a_recompute(
     assert _counts(mode, f"{name}.child", "backward") == {}
 
 
+
+class _Core(nn.Module):
+    """A child whose method the parent checkpoints directly (not a module call)."""
+
+    def __init__(self, marks: list[str]) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.marks = marks
+
+    def core(self, h: torch.Tensor) -> torch.Tensor:
+        self.marks.append("core")
+        try:
+            return funcol.all_reduce(h, "sum", dist.group.WORLD).relu()
+        finally:
+            self.marks.remove("core")
+
+
+class _ChecksAChildsMethod(nn.Module):
+    """Checkpoints a method of its child (``checkpoint(self.attn.core, h)``), then
+    calls another child; its module-call stack is the test's own record."""
+
+    def __init__(self, use_reentrant: bool, marks: list[str]) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.attn = _Core(marks)
+        self.child = nn.Linear(4, 4)
+        self.use_reentrant = use_reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = checkpoint(self.attn.core, self.lin(x), use_reentrant=self.use_reentrant)
+        return self.child(h)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_a_checkpointed_childs_method_is_recomputed_where_it_ran_forward(
+        fake_pg: None, use_reentrant: bool) -> None:
+    """``checkpoint(self.attn.core, h)``: the child's method runs inside the parent's
+    forward with no call of the child, so its forward all_reduce is the parent's (the
+    innermost module call open, by the test's own hooks); its re-run is the parent's
+    recompute too. It was charged to the child, which never ran forward: a recompute
+    count on a module without the forward it re-runs."""
+    marks: list[str] = []
+    log = _Log(marks)
+    model = _ChecksAChildsMethod(use_reentrant, marks)
+    calls: list[str] = []
+    names = {m: n for n, m in model.named_modules()}
+    owners: list[str] = []  # innermost module call open at each forward all_reduce
+
+    def pre(m: nn.Module, args: Any) -> None:
+        calls.append(names[m])
+
+    def post(m: nn.Module, args: Any, out: Any) -> None:
+        calls.pop()
+
+    handles = [m.register_forward_pre_hook(pre) for m in model.modules()]
+    handles += [m.register_forward_hook(post) for m in model.modules()]
+
+    class _Owner(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            if func._opname == "all_reduce" and torch._C._current_graph_task_id() == -1:
+                owners.append(calls[-1])
+            return func(*args, **(kwargs or {}))
+
+    mode, exporter = traced_mode()
+    try:
+        with mode, log, _Owner():
+            model(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    finally:
+        for h in handles:
+            h.remove()
+    assert_well_formed(list(exporter.get_finished_spans()))
+    rerun = sum(1 for op, running, seen in log.seen
+                if op == "all_reduce" and running and "core" in seen)
+    assert owners == [""] and rerun == 1  # the root module's call: the parent
+    name = "_ChecksAChildsMethod"
+    assert _counts(mode, name, "forward") == {"all_reduce": 1}
+    assert _counts(mode, name, "recompute") == {"all_reduce": rerun}
+    assert _counts(mode, f"{name}.attn", "forward") == {}
+    assert _counts(mode, f"{name}.attn", "recompute") == {}
+    assert _counts(mode, f"{name}.child", "recompute") == {}
+
 class _ReduceInBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:

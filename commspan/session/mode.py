@@ -72,6 +72,24 @@ _OUTSIDE_RECOMPUTE = (None, Phase.BACKWARD)
 checkpointing re-runs a forward is that recompute's (no recompute span is open)."""
 
 
+def _enclosing_span(stack: list[Any], fqn: str) -> str:
+    """The module of the innermost open span (the rank span aside) that is ``fqn`` or
+    encloses it by name, else ``fqn``: the span a checkpointed method of module
+    ``fqn`` ran in forward (a child's method called directly runs in its parent's
+    span, which is open again while the backward it needs runs).
+
+    Example:
+        >>> class F: fqn = "Net.block"
+        >>> _enclosing_span([F()], "Net.block.attn"), _enclosing_span([], "Net.x")
+        ('Net.block', 'Net.x')
+    """
+    for frame in reversed(stack):
+        span = frame.fqn
+        if span == fqn or (fqn.startswith(span) and fqn[len(span):len(span) + 1] == "."):
+            return span if span != semconv.GLOBAL_FQN else fqn
+    return fqn
+
+
 def _version() -> str:
     from commspan import __version__
 
@@ -824,10 +842,13 @@ class CommSpanMode:
             rerun = in_autograd and top.phase in _OUTSIDE_RECOMPUTE and recomputing(False)
             owner = self._ownership.owner(top.fqn, top.phase, in_autograd, rerun)
             if rerun and tracker is not None:
-                # owned by the module whose method it is (the one whose forward ran
-                # it), not by the backward span that needed the activations
+                # owned by the module whose forward ran it (as in forward: the
+                # innermost open span around the method's module, whose method it is
+                # or a child's), not by the backward span that needed the activations
                 module = recomputing_module()
                 name = tracker.fqn(module) if module is not None else None
+                if name is not None:
+                    name = _enclosing_span(rec.stack, name)
                 if name is not None and name != owner.fqn:
                     owner = owner._replace(fqn=name)
                     counted = counted_names(name, tracker.ran)
