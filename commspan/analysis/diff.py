@@ -240,9 +240,11 @@ def profile(
     if numbered and numbered <= left_out:
         which = cut_short_steps((r, s) for r, _, s in cut)
         raise ValueError(
-            f"every step selected was cut short ({which}: no commspan.rank span written, "
-            "a hang or a process stopped mid-step): no whole step is left to compare; "
-            "select steps that ended")
+            f"every step {'selected ' if last_traces is not None else ''}was cut short "
+            f"({which}: no commspan.rank span written, a hang or a process stopped "
+            "mid-step): no whole step is left to compare; "
+            + ("select steps that ended" if last_traces is not None else
+               "compare a run with a step that ended"))
     numbered -= left_out
     records = [r for r in records if r.trace_id not in left_out]
     if steps is None:
