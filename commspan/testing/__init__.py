@@ -31,7 +31,10 @@ but issued no collectives is known: asserting that it is silent passes.
 Phases are checked too: ``assert_counts`` and ``assert_no_comm`` with a phase fail
 when the module never ran in it (or, for ``Global``, when modules ran but none in
 it): a test that forgot ``loss.backward()``, or ran it outside the capture, fails
-instead of asserting on a backward pass that never happened.
+instead of asserting on a backward pass that never happened. What is not caught:
+``assert_no_comm(cap)`` with neither a module nor a phase on a capture in which
+nothing ran at all (the model called after the ``with`` block), since code
+outside every module may issue no collectives; name the module or the phase.
 
 Also here: :func:`assert_matches_golden` (a model's communication kept in a
 reviewable golden file, :mod:`commspan.testing.golden`) and
