@@ -34,7 +34,7 @@ it): a test that forgot ``loss.backward()``, or ran it outside the capture, fail
 instead of asserting on a backward pass that never happened. What is not caught:
 ``assert_no_comm(cap)`` with neither a module nor a phase on a capture in which
 nothing ran at all (the model called after the ``with`` block), since code
-outside every module may issue no collectives; name the module or the phase.
+outside every module may issue no collectives; name the module.
 
 Also here: :func:`assert_matches_golden` (a model's communication kept in a
 reviewable golden file, :mod:`commspan.testing.golden`) and
