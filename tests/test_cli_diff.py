@@ -462,3 +462,38 @@ def _lose_rank_span(path: Path, step: int) -> None:
                 ss["spans"] = [s for s in ss["spans"] if not (
                     s["name"] == "commspan.rank" and mark in s["attributes"])]
     path.write_bytes(b"".join(json.dumps(d).encode() + b"\n" for d in docs))
+
+
+def test_a_side_whose_only_step_hung_on_every_rank_is_an_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], fake_pg: None
+) -> None:
+    """Every rank wrote a hang record in step 2 and no rank or step span of it (the
+    job hung there, as `examples/hang_and_straggler.py --only hang` leaves it):
+    `diff DIR --step 0 --step 2` compared step 0 with an empty side ("3 removed", exit
+    1), for no span of step 2 but the hang records says it is a step. It is the error
+    docs/cli.md shows for that command (status 2, nothing on stdout)."""
+    from commspan import CommSpanMode
+    from commspan.exporters import JsonlSpanExporter
+
+    run = tmp_path / "run"
+    step_fn = net_step()
+    for rank in (0, 1):
+        mode = CommSpanMode(
+            exporters=[JsonlSpanExporter(run / f"commspan-rank{rank}.jsonl")],
+            run_id="hung", resource_attributes={"commspan.rank": rank})
+        with mode:
+            for step in (0, 1, 2):
+                with mode.step(step):
+                    step_fn(rank, step)
+                    if step == 2:
+                        mode.dump()  # the hang record, naming step 2
+        mode.shutdown()
+    hung = tmp_path / "hung"
+    _without_step_ends(run, hung, 2)
+    code, out, err = run_cli(capsys, "diff", str(hung), "--step", "0", "--step", "2")
+    assert (code, out) == (2, ""), (out, err)
+    assert err.startswith("ValueError: B: every step selected was cut short (step 2 of "
+                          "ranks 0-1: "), err
+    # a step that ended beside it: the hung step is left out, as before
+    code, out, err = run_cli(capsys, "diff", str(hung), "--steps", "0-0", "--steps", "1-2")
+    assert code == 0 and "step 2 of ranks 0-1 was cut short" in err, (out, err)
