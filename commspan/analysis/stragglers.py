@@ -190,8 +190,9 @@ class StragglerResult:
     """What :func:`analyze` found.
 
     Attributes:
-        stragglers: rows per step, module, phase and last rank, most wait first.
-        ranks: per rank, over the run, most wait first.
+        stragglers: rows per step, module, phase and last rank, by the last
+            rank's own lateness (``wait_ns - passed_on_ns``), then wait, first.
+        ranks: per rank, over the run, in the same order.
         step_times: per rank and step, in rank then step order.
         checked: ``collectives`` (matched across ranks), ``with_wait`` (a last
             rank that made the others wait), ``without_duration``,
@@ -341,8 +342,9 @@ def straggler_report(
     """Who arrived last at each matched collective and the wait it caused.
 
     Returns:
-        Rows per (step, module, phase, last rank), most wait first; per-rank
-        totals, most wait first; counts of what was looked at.
+        Rows per (step, module, phase, last rank) and per-rank totals, by own
+        lateness (wait less the part passed on), then wait, first; counts of what
+        was looked at.
     """
     checked: Counter[str] = Counter()
     per_key: dict[tuple[int | None, str, str], int] = Counter()

@@ -167,8 +167,9 @@ def _why_nothing_matched(checked: Mapping[str, int]) -> str:
 
 
 def format_stragglers(result: StragglerResult, *, top: int = 20) -> str:
-    """The result of ``commspan stragglers`` as text: the rows with the most wait, the
-    per-rank totals and the per-rank step time.
+    """The result of ``commspan stragglers`` as text: the first rows (by the last
+    rank's own lateness: the wait it caused less the part passed on), the per-rank
+    totals and the per-rank step time.
 
     Args:
         result: what :func:`commspan.analysis.stragglers` returned.
