@@ -687,3 +687,42 @@ def test_a_ranks_last_step_is_cut_short_when_a_peers_collective_failed_in_it(
     code, out, err = run_cli(capsys, "diff", str(plain), "--steps", "0-1", "--steps", "0-2")
     assert code == 0 and "step 2 of rank 1 was cut short" in err
     _same_answers(capsys, digested, plain)
+
+
+def test_a_live_digest_keeps_the_error_a_step_ended_on(tmp_path: Path) -> None:
+    """`JsonlSpanExporter(digest=True)` wrote the rank span of a step an exception left
+    without its error (the SDK spans' status was never read), so `check` from live
+    digests could not name the exception the lines name. The error, and the module
+    and phase where it was raised, are now in the live digest as in one written by
+    `commspan digest` afterwards; compared with the spans' own status, read back
+    from the lines by read_spans."""
+    from commspan.analysis.digest import load_parts, run_from_parts
+    from commspan.exporters import read_spans
+
+    class Boom(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise ValueError("bad shape 7")
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.b = Boom()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(x)
+
+    path = tmp_path / "rank0.jsonl"
+    mode = CommSpanMode(exporters=[JsonlSpanExporter(path, digest=True)], run_id="r",
+                        resource_attributes={"commspan.rank": 0})
+    with mode, pytest.raises(ValueError), mode.step(0):
+        Net()(torch.ones(2))
+    mode.shutdown()
+    (rank_span,) = [s for s in read_spans(path) if s.name == semconv.SPAN_RANK]
+    assert (rank_span.status_code, rank_span.status_message) == (2, "ValueError: bad shape 7")
+    live = run_from_parts(load_parts([path]) or [])
+    write_digest(path)
+    rebuilt = run_from_parts(load_parts([path]) or [])
+    for run in (live, rebuilt):
+        (step,) = run.rank_steps.values()
+        assert (step.error, step.error_fqn, step.error_phase) == (
+            "ValueError: bad shape 7", "Net.b", "forward")

@@ -148,7 +148,7 @@ def span_records(spans: Sequence[Any]) -> list[SpanRecord]:
     out = []
     resources: dict[int, dict[str, Any]] = {}
     for span in spans:
-        ctx, parent, name, _, start, end, attrs, events, _, _ = span_fields(span)
+        ctx, parent, name, _, start, end, attrs, events, _, status = span_fields(span)
         resource = resource_and_scope(span)[0]
         res = resources.get(id(resource))
         if res is None:
@@ -166,6 +166,9 @@ def span_records(spans: Sequence[Any]) -> list[SpanRecord]:
                 event_times=[e.timestamp for e in events] if events else [],
                 rank=rank_value(res.get(semconv.RANK)),
                 resource=res,
+                # the status as the line holds it (a rank span's error, digest version 4)
+                status_code=status.status_code.value if status is not None else 0,
+                status_message=(status.description or "") if status is not None else "",
             )
         )
     return out
