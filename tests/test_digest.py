@@ -726,3 +726,48 @@ def test_a_live_digest_keeps_the_error_a_step_ended_on(tmp_path: Path) -> None:
         (step,) = run.rank_steps.values()
         assert (step.error, step.error_fqn, step.error_phase) == (
             "ValueError: bad shape 7", "Net.b", "forward")
+
+
+def test_where_an_error_was_raised_is_read_from_another_line_of_the_digest(
+        tmp_path: Path) -> None:
+    """The exception event (on the span of the module that raised) and the rank span it
+    ended go out in different lines when the step catches the error, flushes (or
+    cleans up long enough for the export thread to write) and raises again: read from
+    the digest (live, or rebuilt by `commspan digest`), the module and phase were
+    lost ("raised outside every module") while the lines named them. Lines give the
+    reference."""
+    from commspan.analysis.digest import load_parts, run_from_parts
+    from commspan.analysis.records import load_run
+
+    class Boom(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise ValueError("bad shape 7")
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.b = Boom()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(x)
+
+    path = tmp_path / "rank0.jsonl"
+    mode = CommSpanMode(exporters=[JsonlSpanExporter(path, digest=True)], run_id="r",
+                        resource_attributes={"commspan.rank": 0})
+    with mode, pytest.raises(ValueError), mode.step(0):
+        try:
+            Net()(torch.ones(2))
+        except ValueError:
+            assert mode.flush(10)  # the module spans written: a line of their own
+            raise
+    mode.shutdown()
+    assert len(path.read_bytes().splitlines()) >= 2
+    lines = load_run(path).rank_steps
+    (step,) = lines.values()
+    assert (step.error, step.error_fqn, step.error_phase) == (
+        "ValueError: bad shape 7", "Net.b", "forward")
+    live = run_from_parts(load_parts([path]) or [])
+    write_digest(path)
+    rebuilt = run_from_parts(load_parts([path]) or [])
+    for run in (live, rebuilt):
+        assert run.rank_steps == lines
