@@ -259,6 +259,8 @@ def _digest_parts(records: Iterable[SpanRecord]) -> list[DigestPart] | None:
     span_step, span_rank, span_hang = semconv.SPAN_STEP, semconv.SPAN_RANK, semconv.SPAN_HANG
     fqn_key, step_key, op_key = semconv.MODULE_FQN, semconv.STEP, semconv.COLL_OP
     exception = semconv.EVENT_EXCEPTION
+    # part -> (time, fqn, phase) of its latest exception event (where an error was raised)
+    raised: dict[tuple[str, int, str], tuple[int, str | None, str | None]] = {}
     for rec in records:
         rank = rec.rank
         name = rec.name
@@ -322,10 +324,12 @@ def _digest_parts(records: Iterable[SpanRecord]) -> list[DigestPart] | None:
                     c = _collective(rank, None, rec.trace_id, t, ev)
                     if c is not None:
                         part.coll.append(list(c[3:]))
-                elif _name == exception and (part.raised is None or t >= part.raised[0]):
-                    # (version 4) where its latest error was raised: the rank span that
-                    # the error ended may be in another line (read_parts joins them)
-                    part.raised = [t, *_raised_where(name, attrs)]
+                elif _name == exception and (key not in raised or t >= raised[key][0]):
+                    raised[key] = (t, *_raised_where(name, attrs))
+    for key, (_t, where_fqn, where_phase) in raised.items():
+        rank_step = parts[key].rank_step
+        if rank_step is not None and len(rank_step) == 5:  # (version 4) where, 6th, 7th
+            rank_step += [where_fqn, where_phase]
     return [part.done() for part in parts.values()]
 
 
@@ -334,7 +338,7 @@ class _Part:
 
     __slots__ = ("run", "rank", "trace", "world_size", "sample", "writer", "spans",
                  "present", "commspan_spans", "start", "end", "present_start", "step",
-                 "rank_step", "aggs", "first", "coll", "raised")
+                 "rank_step", "aggs", "first", "coll")
 
     def __init__(self, run: str, rank: int, trace: str, start: int, end: int) -> None:
         self.run, self.rank, self.trace = run, rank, trace
@@ -349,7 +353,6 @@ class _Part:
         self.aggs: list[str] = []
         self.first: list[int] = []
         self.coll: list[list[Any]] = []
-        self.raised: list[Any] | None = None  # [time, fqn, phase] of its latest exception
 
     def done(self) -> DigestPart:
         part = {name: getattr(self, name) for name in self.__slots__}
@@ -829,8 +832,6 @@ def run_from_parts(parts: Sequence[DigestPart]) -> Run:
     stand for, as :func:`~commspan.analysis.records.build_run` would build it from
     their spans."""
     run = Run()
-    # (rank, trace) -> [time, fqn, phase] of the latest exception event of its parts
-    raised: dict[tuple[int, str], list[Any]] = {}
     for part in parts:
         world = part["world_size"]
         if world:
@@ -849,16 +850,10 @@ def run_from_parts(parts: Sequence[DigestPart]) -> Run:
             run.trace_start[trace] = part["present_start"]
         if part["rank_step"] is not None:
             span_id, s, e = part["rank_step"][:3]
-            error = part["rank_step"][4] if len(part["rank_step"]) > 4 else None
-            run.rank_steps[(rank, trace)] = RankStep(rank, None, trace, span_id, s, e, (), error)
-        where = part.get("raised")
-        if where is not None and (
-                (rank, trace) not in raised or where[0] >= raised[(rank, trace)][0]):
-            raised[(rank, trace)] = where
-    for key, (_t, fqn, phase) in raised.items():  # an error and where it was raised,
-        ended = run.rank_steps.get(key)           # from any line of the trace
-        if ended is not None and ended.error is not None:
-            run.rank_steps[key] = ended._replace(error_fqn=fqn, error_phase=phase)
+            error = part["rank_step"][4:7]
+            run.rank_steps[(rank, trace)] = RankStep(
+                rank, None, trace, span_id, s, e, (),
+                *(error if len(error) == 3 else (*error, None, None)))
     cache: dict[str, tuple[Any, ...]] = {}
     for part in parts:
         trace, rank = part["trace"], part["rank"]
