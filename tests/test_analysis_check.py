@@ -1800,6 +1800,76 @@ def test_a_count_mismatch_names_the_error_a_rank_left_the_step_on(
             assert [r for r, e in finding["ranks"].items() if "error" in e] == ["1"]
 
 
+def test_a_step_retried_under_its_number_is_not_named_left_on_its_first_error(
+        tmp_path: Path, fake_pg: None) -> None:
+    """Rank 1's step 1 raises (the test's own ValueError in `Net.b`), is caught and run
+    again under the same number, and finishes. The rank did not leave the step on an
+    error: RankStep.error is None from the lines and from the digests alike (the lines
+    kept the first use's error; the digests the last use's). When the retry is the
+    one that raises, both name its error."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from torch import nn
+
+    from commspan import CommSpanMode
+    from commspan.analysis.digest import load_parts, run_from_parts
+    from commspan.analysis.records import load_run
+    from commspan.cli import main
+    from commspan.exporters.jsonl import JsonlSpanExporter
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.boom = False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.boom:
+                raise ValueError("transient")
+            return funcol.all_reduce(self.lin(x), "sum", dist.group.WORLD).wait()
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = Block(), Block()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(self.a(x))
+
+    for raises_last in (False, True):
+        run = tmp_path / f"run{int(raises_last)}"
+        run.mkdir()
+        for rank in range(2):
+            mode = CommSpanMode(
+                exporters=[JsonlSpanExporter(run / f"commspan-rank{rank}.jsonl")],
+                run_id="retry", resource_attributes={"commspan.rank": rank})
+            net = Net()
+            uses = [(0, False), (1, False)]
+            if rank == 1:  # step 1 run twice, one of the two raising
+                uses = [(0, False), (1, not raises_last), (1, raises_last)]
+            with mode:
+                for step, boom in uses:
+                    net.b.boom = boom
+                    try:
+                        with mode.step(step):
+                            out = net(torch.ones(2, 4))
+                            funcol.all_reduce(out.sum(), "sum", dist.group.WORLD).wait()
+                    except ValueError:
+                        pass
+            mode.shutdown()
+        assert main(["digest", str(run)]) == 0
+        from_lines = load_run(run).rank_steps
+        parts = load_parts(sorted(run.glob("*.jsonl")))
+        assert parts is not None
+        from_digests = run_from_parts(parts).rank_steps
+        want = ("ValueError: transient", "Net.b", "forward") if raises_last else (None,) * 3
+        for rank_steps in (from_lines, from_digests):
+            (retried,) = [rs for (r, _), rs in rank_steps.items() if r == 1 and rs.step == 1]
+            assert (retried.error, retried.error_fqn, retried.error_phase) == want
+            assert [rs for rs in rank_steps.values() if rs is not retried and rs.error] == []
+
+
 def test_a_hang_outside_steps_is_not_counted_as_a_step_some_rank_did_not_finish() -> None:
     """Every step ended; then the ranks hang in a barrier-like all_reduce after the
     loop, outside steps (rank 1 never issues it). The hang finding is there, and the

@@ -307,9 +307,11 @@ def _digest_parts(records: Iterable[SpanRecord]) -> list[DigestPart] | None:
                 part.step = step
             if name == span_step:
                 continue
-            part.rank_step = [rec.span_id, start, rec.end_time, step]
-            if rec.status_code == _STATUS_ERROR:  # (version 4) its error, fifth
-                part.rank_step.append(rec.status_message or "error")
+            # of a step number used again, the use that ended last (RankStep.error)
+            if part.rank_step is None or rec.end_time >= part.rank_step[2]:
+                part.rank_step = [rec.span_id, start, rec.end_time, step]
+                if rec.status_code == _STATUS_ERROR:  # (version 4) its error, fifth
+                    part.rank_step.append(rec.status_message or "error")
         part.present += 1
         if part.present_start is None or start < part.present_start:
             part.present_start = start
@@ -326,10 +328,11 @@ def _digest_parts(records: Iterable[SpanRecord]) -> list[DigestPart] | None:
                         part.coll.append(list(c[3:]))
                 elif _name == exception and (key not in raised or t >= raised[key][0]):
                     raised[key] = (t, *_raised_where(name, attrs))
-    for key, (_t, where_fqn, where_phase) in raised.items():
+    for key, (t, where_fqn, where_phase) in raised.items():
         rank_step = parts[key].rank_step
         if rank_step is not None and len(rank_step) == 5:  # (version 4) where, 6th, 7th
-            rank_step += [where_fqn, where_phase]
+            # (not the exception events of an earlier use of the step number)
+            rank_step += [where_fqn, where_phase] if t >= rank_step[1] else [None, None]
     return [part.done() for part in parts.values()]
 
 

@@ -188,7 +188,9 @@ class RankStep(NamedTuple):
     A rank span that ended with status ERROR (an exception left the step) has its
     text in ``error`` (``"ValueError: bad shape"``), and ``error_fqn`` and
     ``error_phase`` say where it was raised: the span of the step's last
-    ``exception`` event (``None`` for one raised outside every module).
+    ``exception`` event (``None`` for one raised outside every module). Of a step
+    number used again, the use that ended last says: a step that raised, was caught
+    and run again to its end has no ``error``.
     """
 
     rank: int
@@ -495,7 +497,9 @@ def build_run(
     pending: list[tuple[int, str, int, dict[str, Any], str | None]] = []
     hang_spans: list[tuple[int, SpanRecord]] = []
     gc_pending: list[tuple[int, str, int, dict[str, Any]]] = []
-    errors: dict[tuple[int, str], str] = {}  # (rank, trace) -> its rank span's error
+    # (rank, trace) -> (end, start, error or None) of its rank span that ended last: a
+    # step number used again is left on an error only if its last use was
+    errors: dict[tuple[int, str], tuple[int, int, str | None]] = {}
     # (rank, trace) -> (time, fqn, phase) of its latest exception event
     raised: dict[tuple[int, str], tuple[int, str | None, str | None]] = {}
     for span in spans:
@@ -527,8 +531,11 @@ def build_run(
         if span.name == semconv.SPAN_RANK:
             key = (rank, span.trace_id)
             seen = run.rank_steps.get(key)
-            if span.status_code == _STATUS_ERROR:
-                errors[key] = span.status_message or "error"
+            last_use = errors.get(key)
+            if last_use is None or span.end_time >= last_use[0]:
+                errors[key] = (span.end_time, span.start_time,
+                               span.status_message or "error"
+                               if span.status_code == _STATUS_ERROR else None)
             if seen is None:
                 run.rank_steps[key] = RankStep(
                     rank, None, span.trace_id, span.span_id, span.start_time, span.end_time
@@ -580,8 +587,12 @@ def build_run(
             run.skipped["garbage-collection events without a duration"] += 1
             continue
         run.gc_pauses.append(GcRecord(rank, run.trace_steps.get(trace_id), trace_id, t, *pause))
-    for key, error in errors.items():
+    for key, (_end, start, error) in errors.items():
+        if error is None:
+            continue
         where = raised.get(key, (0, None, None))
+        if where[0] < start:  # (the exception events of an earlier use)
+            where = (0, None, None)
         run.rank_steps[key] = run.rank_steps[key]._replace(
             error=error, error_fqn=where[1], error_phase=where[2])
     run.rank_steps = {
