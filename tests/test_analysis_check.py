@@ -1870,6 +1870,74 @@ def test_a_step_retried_under_its_number_is_not_named_left_on_its_first_error(
             assert [rs for rs in rank_steps.values() if rs is not retried and rs.error] == []
 
 
+def test_where_an_error_was_raised_is_read_from_digests_when_a_step_spans_lines(
+        tmp_path: Path, fake_pg: None) -> None:
+    """Rank 1's `Net.b` raises in step 1 (the test's own ValueError) and the step's spans
+    go out in two JSONL lines (a flush inside the step, as a step longer than the export
+    delay has): the module span with the exception event in one, the rank span in the
+    next. The digests say where it was raised, `Net.b` forward, as the lines do (they
+    said outside every module: each digest line looked at its own spans only)."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from torch import nn
+
+    from commspan import CommSpanMode
+    from commspan.analysis.digest import load_parts, run_from_parts
+    from commspan.analysis.records import load_run
+    from commspan.cli import main
+    from commspan.exporters.jsonl import JsonlSpanExporter
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.boom = False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.boom:
+                raise ValueError("bad shape 7")
+            return funcol.all_reduce(self.lin(x), "sum", dist.group.WORLD).wait()
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = Block(), Block()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(self.a(x))
+
+    run = tmp_path / "run"
+    run.mkdir()
+    for rank in range(2):
+        path = run / f"commspan-rank{rank}.jsonl"
+        mode = CommSpanMode(exporters=[JsonlSpanExporter(path)], run_id="split",
+                            resource_attributes={"commspan.rank": rank})
+        net = Net()
+        with mode:
+            for step in range(2):
+                net.b.boom = rank == 1 and step == 1
+                try:
+                    with mode.step(step):
+                        try:
+                            out = net(torch.ones(2, 4))
+                            funcol.all_reduce(out.sum(), "sum", dist.group.WORLD).wait()
+                        finally:
+                            assert mode.flush()
+                except ValueError:
+                    pass
+        mode.shutdown()
+    lines = (run / "commspan-rank1.jsonl").read_text().splitlines()
+    assert len(lines) >= 4  # each step's spans in two lines
+    assert main(["digest", str(run)]) == 0
+    parts = load_parts(sorted(run.glob("*.jsonl")))
+    assert parts is not None
+    for rank_steps in (load_run(run).rank_steps, run_from_parts(parts).rank_steps):
+        assert sorted((rs.rank, rs.step, rs.error, rs.error_fqn, rs.error_phase)
+                      for rs in rank_steps.values() if rs.error) == [
+            (1, 1, "ValueError: bad shape 7", "Net.b", "forward")]
+
+
 def test_a_hang_outside_steps_is_not_counted_as_a_step_some_rank_did_not_finish() -> None:
     """Every step ended; then the ranks hang in a barrier-like all_reduce after the
     loop, outside steps (rank 1 never issues it). The hang finding is there, and the

@@ -237,10 +237,13 @@ def digest_parts(records: Iterable[SpanRecord]) -> list[DigestPart] | None:
     ``commspan_spans``, ``start``/``end`` (earliest start and latest end of every
     span), ``present_start`` (earliest start of the spans counted in ``present``),
     ``step`` (from a step, rank or hang span), ``rank_step`` (the rank span's
-    ``[span_id, start, end, step]``), ``aggs`` (what each commspan span adds to an
-    :class:`Aggregator`, as JSON text: :func:`_agg_state`) with ``first`` (when each
-    started, after ``start``), and the collectives: ``tmpls`` (what stays the same
-    step after step, as JSON text) and ``coll`` (JSON text of ``[template index,
+    ``[span_id, start, end, step]``, its status message fifth when ERROR; of a step
+    number used again, the use that ended last), ``raised`` (``[time, fqn, phase]``
+    of the part's latest ``exception`` event, or ``None``), ``aggs`` (what each
+    commspan span adds to an :class:`Aggregator`, as JSON text: :func:`_agg_state`)
+    with ``first`` (when each started, after ``start``), and the collectives:
+    ``tmpls`` (what stays the same step after step, as JSON text) and ``coll``
+    (JSON text of ``[template index,
     seq, issued_ns, duration_ns]`` rows, with ``p2p_seq`` fifth for a point-to-point
     op numbered per peer, and ``wait_ns`` sixth when recorded, ``p2p_seq`` then
     ``null`` for a collective).
@@ -259,8 +262,6 @@ def _digest_parts(records: Iterable[SpanRecord]) -> list[DigestPart] | None:
     span_step, span_rank, span_hang = semconv.SPAN_STEP, semconv.SPAN_RANK, semconv.SPAN_HANG
     fqn_key, step_key, op_key = semconv.MODULE_FQN, semconv.STEP, semconv.COLL_OP
     exception = semconv.EVENT_EXCEPTION
-    # part -> (time, fqn, phase) of its latest exception event (where an error was raised)
-    raised: dict[tuple[str, int, str], tuple[int, str | None, str | None]] = {}
     for rec in records:
         rank = rec.rank
         name = rec.name
@@ -326,13 +327,10 @@ def _digest_parts(records: Iterable[SpanRecord]) -> list[DigestPart] | None:
                     c = _collective(rank, None, rec.trace_id, t, ev)
                     if c is not None:
                         part.coll.append(list(c[3:]))
-                elif _name == exception and (key not in raised or t >= raised[key][0]):
-                    raised[key] = (t, *_raised_where(name, attrs))
-    for key, (t, where_fqn, where_phase) in raised.items():
-        rank_step = parts[key].rank_step
-        if rank_step is not None and len(rank_step) == 5:  # (version 4) where, 6th, 7th
-            # (not the exception events of an earlier use of the step number)
-            rank_step += [where_fqn, where_phase] if t >= rank_step[1] else [None, None]
+                elif _name == exception and (part.raised is None or t >= part.raised[0]):
+                    # (version 4) where an error was raised: the part's latest; the
+                    # rank span may be in another line's part (run_from_parts)
+                    part.raised = [t, *_raised_where(name, attrs)]
     return [part.done() for part in parts.values()]
 
 
@@ -341,7 +339,7 @@ class _Part:
 
     __slots__ = ("run", "rank", "trace", "world_size", "sample", "writer", "spans",
                  "present", "commspan_spans", "start", "end", "present_start", "step",
-                 "rank_step", "aggs", "first", "coll")
+                 "rank_step", "raised", "aggs", "first", "coll")
 
     def __init__(self, run: str, rank: int, trace: str, start: int, end: int) -> None:
         self.run, self.rank, self.trace = run, rank, trace
@@ -353,6 +351,7 @@ class _Part:
         self.present_start: int | None = None
         self.step: int | None = None
         self.rank_step: list[Any] | None = None
+        self.raised: list[Any] | None = None
         self.aggs: list[str] = []
         self.first: list[int] = []
         self.coll: list[list[Any]] = []
@@ -818,7 +817,7 @@ def read_digest(path: str | os.PathLike[str]) -> FileDigest | None:
 
 _PART_KEYS = frozenset({
     "run", "rank", "trace", "world_size", "sample", "spans", "present", "commspan_spans",
-    "start", "end", "present_start", "step", "rank_step", "aggs", "coll", "tmpls",
+    "start", "end", "present_start", "step", "rank_step", "raised", "aggs", "coll", "tmpls",
 })
 
 
@@ -835,6 +834,8 @@ def run_from_parts(parts: Sequence[DigestPart]) -> Run:
     stand for, as :func:`~commspan.analysis.records.build_run` would build it from
     their spans."""
     run = Run()
+    # (rank, trace) -> [time, fqn, phase] of its latest exception event, over its parts
+    raised: dict[tuple[int, str], list[Any]] = {}
     for part in parts:
         world = part["world_size"]
         if world:
@@ -851,12 +852,21 @@ def run_from_parts(parts: Sequence[DigestPart]) -> Run:
         start = run.trace_start.get(trace)
         if start is None or part["present_start"] < start:
             run.trace_start[trace] = part["present_start"]
+        if part["raised"] is not None:
+            seen = raised.get((rank, trace))
+            if seen is None or part["raised"][0] >= seen[0]:
+                raised[(rank, trace)] = part["raised"]
         if part["rank_step"] is not None:
             span_id, s, e = part["rank_step"][:3]
-            error = part["rank_step"][4:7]
-            run.rank_steps[(rank, trace)] = RankStep(
-                rank, None, trace, span_id, s, e, (),
-                *(error if len(error) == 3 else (*error, None, None)))
+            seen_step = run.rank_steps.get((rank, trace))
+            if seen_step is None or e >= seen_step.end_ns:  # the use that ended last
+                run.rank_steps[(rank, trace)] = RankStep(
+                    rank, None, trace, span_id, s, e, (), *part["rank_step"][4:5])
+    for key, rs in run.rank_steps.items():
+        where = raised.get(key)
+        # where it was raised: the latest exception event of the use (as build_run)
+        if rs.error is not None and where is not None and where[0] >= rs.start_ns:
+            run.rank_steps[key] = rs._replace(error_fqn=where[1], error_phase=where[2])
     cache: dict[str, tuple[Any, ...]] = {}
     for part in parts:
         trace, rank = part["trace"], part["rank"]
