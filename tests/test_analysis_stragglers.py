@@ -467,3 +467,83 @@ def test_ranks_that_number_their_steps_apart_are_not_matched_by_position() -> No
     rows, _, checked = straggler_report(build_run(b.spans()))
     assert {row.step for row in rows} <= {0}  # step 0: ranks 1-3, one collective
     assert checked["inconsistent"] == 2
+
+
+def _otlp_value(v: object) -> dict[str, object]:
+    if isinstance(v, bool):
+        return {"boolValue": v}
+    if isinstance(v, int):
+        return {"intValue": str(v)}
+    if isinstance(v, (list, tuple)):
+        return {"arrayValue": {"values": [_otlp_value(x) for x in v]}}
+    return {"stringValue": str(v)}
+
+
+def _write_otlp(out: Path, spans: list) -> None:  # type: ignore[type-arg]
+    """The builder's span records as OTLP/JSON lines, one file per rank."""
+    out.mkdir()
+    for rank in sorted({s.rank for s in spans}):
+        lines = []
+        for s in (s for s in spans if s.rank == rank):
+            span = {
+                "traceId": s.trace_id, "spanId": s.span_id, "parentSpanId": s.parent_span_id,
+                "name": s.name, "startTimeUnixNano": str(s.start_time),
+                "endTimeUnixNano": str(s.end_time),
+                "attributes": [{"key": k, "value": _otlp_value(v)}
+                               for k, v in s.attributes.items()],
+                "events": [{"name": n, "timeUnixNano": str(t),
+                            "attributes": [{"key": k, "value": _otlp_value(v)}
+                                           for k, v in a.items()]}
+                           for (n, a), t in zip(s.events, s.event_times)],
+            }
+            resource = {"attributes": [{"key": k, "value": _otlp_value(v)}
+                                       for k, v in s.resource.items()]}
+            lines.append(json.dumps({"resourceSpans": [
+                {"resource": resource, "scopeSpans": [{"spans": [span]}]}]}))
+        (out / f"commspan-rank{rank}.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def test_a_wait_passed_on_from_the_step_before_is_seen_with_a_step_selected(
+        tmp_path: Path) -> None:
+    """2 x 2 mesh (tp groups (0, 1), (2, 3); dp groups (0, 2), (1, 3)): each step a dp
+    all_reduce, then a tp all_reduce (a gradient norm, say) at which rank 3 waits 200 ms
+    for rank 2; so, from the next step on, rank 3 (and rank 2) come late to their dp
+    all_reduce. Rank 3's wait at step 2's dp was passed on (it had waited that long at
+    tp since the dp ranks last met, in step 1): the same with --step 2 as over every
+    step (the selection left step 1's waits out: nothing passed on, rank 3 tied with
+    rank 2 again)."""
+    tp = {0: ("tp0", (0, 1)), 1: ("tp0", (0, 1)), 2: ("tp1", (2, 3)), 3: ("tp1", (2, 3))}
+    dp = {0: ("dp0", (0, 2)), 2: ("dp0", (0, 2)), 1: ("dp1", (1, 3)), 3: ("dp1", (1, 3))}
+    b = SpanBuilder(WORLD)
+    for step in range(3):
+        for r in range(WORLD):
+            s = b.rank(r, step)
+            late = step > 0 and r in (2, 3)  # the others wait ~200 ms at dp for them
+            g, members = dp[r]
+            s.coll("all_reduce", fqn="Net.dp", group=g, ranks=members,
+                   duration_ns=MS if late or step == 0 else 201 * MS)
+            g, members = tp[r]
+            s.coll("all_reduce", fqn="Net.tp", group=g, ranks=members,
+                   duration_ns=200 * MS if r == 3 else MS)
+    _write_otlp(tmp_path / "run", b.spans())
+
+    def dp_rows(result: object) -> dict[int, tuple[int, int]]:
+        return {r.rank: (r.wait_ns, r.passed_on_ns)
+                for r in result.stragglers  # type: ignore[attr-defined]
+                if r.step == 2 and r.fqn == "Net.dp"}
+
+    whole = dp_rows(stragglers(tmp_path / "run"))
+    # the reference: rank 3 waited 200 ms at tp before step 2's dp, rank 2 did not
+    assert whole == {2: (200 * MS, 0), 3: (200 * MS, 199 * MS)}
+    assert dp_rows(stragglers(tmp_path / "run", steps=[2])) == whole
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "commspan", "stragglers", "--json",
+                          "--step", "2", str(tmp_path / "run")],
+                         capture_output=True, text=True, check=True).stdout
+    rows = {r["rank"]: (r["wait_ns"], r["passed_on_ns"])
+            for r in json.loads(out)["stragglers"] if r["fqn"] == "Net.dp"}
+    assert rows == whole
+    ranks = [w["rank"] for w in json.loads(out)["ranks"]]
+    assert ranks[0] == 2, ranks  # the slow rank first, its tp peer after it

@@ -422,10 +422,25 @@ def load_run(
         ...
         FileNotFoundError: paths: 'no-such-dir' does not exist
     """
+    wanted = _check_steps(steps)
+    records = _load_records(paths, strict=strict, report=report,
+                           max_line_bytes=max_line_bytes, run=run)
+    return build_run(records, steps=wanted, module_spans=module_spans)
+
+
+def _load_records(
+    paths: RunPaths,
+    *,
+    strict: bool = True,
+    report: ReadReport | None = None,
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+    run: str | None = None,
+) -> list[SpanRecord]:
+    """The span records of one run of the JSONL files (:func:`load_run` builds its
+    :class:`Run` of them); the arguments and errors are :func:`load_run`'s."""
     files = jsonl_files(paths)
     if not files:
         raise ValueError("paths is empty; pass at least one JSONL file or directory")
-    wanted = _check_steps(steps)
     if run is not None and not isinstance(run, str):
         raise TypeError(f"run={run!r} is not valid; pass a run id (str), a prefix of one, "
                         "or None for the latest run")
@@ -435,7 +450,7 @@ def load_run(
     for note in (selection.note, selection.run and shared_run_note(selection.run)):
         if note:
             _log.warning("%s", note)
-    return build_run(selection.records, steps=wanted, module_spans=module_spans)
+    return selection.records
 
 
 def _read(files: Sequence[Path], strict: bool = True, report: ReadReport | None = None,

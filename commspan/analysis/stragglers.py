@@ -78,6 +78,9 @@ from commspan.analysis.records import (
     CollectiveRecord,
     Run,
     RunPaths,
+    _check_steps,
+    _load_records,
+    build_run,
     differing_fields,
     load_run,
 )
@@ -190,8 +193,8 @@ class StragglerResult:
     """What :func:`analyze` found.
 
     Attributes:
-        stragglers: rows per step, module, phase and last rank, by the last
-            rank's own lateness (``wait_ns - passed_on_ns``), then wait, first.
+        stragglers: rows per step, module, phase and last rank, the rank's own
+            lateness first (``wait_ns - passed_on_ns``), then the wait.
         ranks: per rank, over the run, in the same order.
         step_times: per rank and step, in rank then step order.
         checked: ``collectives`` (matched across ranks), ``with_wait`` (a last
@@ -250,13 +253,21 @@ def stragglers(
         >>> result.stragglers[0]  # doctest: +SKIP
         StragglerRow(step=3, fqn='Net.blocks.1', phase='forward', rank=2, times_last=1, ...)
     """
-    return analyze(load_run(paths, steps=steps, strict=strict, report=report,
-                            max_line_bytes=max_line_bytes, run=run))
+    if steps is None:
+        return analyze(load_run(paths, strict=strict, report=report,
+                                max_line_bytes=max_line_bytes, run=run))
+    _check_steps(steps)
+    records = _load_records(paths, strict=strict, report=report,
+                           max_line_bytes=max_line_bytes, run=run)
+    # the steps selected, with the whole run for the waits passed on from before them
+    return analyze(build_run(records, steps=steps), context=build_run(records))
 
 
-def analyze(run: Run) -> StragglerResult:
-    """:func:`straggler_report` and :func:`step_breakdown` of ``run`` in one result."""
-    rows, ranks, checked = straggler_report(run)
+def analyze(run: Run, context: Run | None = None) -> StragglerResult:
+    """:func:`straggler_report` and :func:`step_breakdown` of ``run`` in one result
+    (``context``: the whole run when ``run`` holds some of its steps, as for
+    :func:`straggler_report`)."""
+    rows, ranks, checked = straggler_report(run, context)
     return StragglerResult(rows, ranks, step_breakdown(run), checked)
 
 
@@ -337,48 +348,29 @@ def _waits_for(last: int, match: Mapping[int, CollectiveRecord],
 
 
 def straggler_report(
-    run: Run,
+    run: Run, context: Run | None = None,
 ) -> tuple[list[StragglerRow], list[RankWaits], dict[str, int]]:
     """Who arrived last at each matched collective and the wait it caused.
 
+    Args:
+        run: the run (or the steps of it) to report on.
+        context: the whole run, when ``run`` holds some of its steps only: the waits
+            a rank passed on (``passed_on_ns``) go back to where the group's ranks
+            last met, which can be in a step before those selected.
+
     Returns:
-        Rows per (step, module, phase, last rank) and per-rank totals, by own
-        lateness (wait less the part passed on), then wait, first; counts of what
-        was looked at.
+        Rows per (step, module, phase, last rank), the rank's own lateness first
+        (``wait_ns - passed_on_ns``), then the wait; per-rank totals, in the same
+        order; counts of what was looked at.
     """
     checked: Counter[str] = Counter()
     per_key: dict[tuple[int | None, str, str], int] = Counter()
     acc: dict[tuple[int | None, str, str, int], dict[str, Any]] = {}
     per_rank: dict[int, list[int]] = defaultdict(lambda: [0, 0, 0])
     gc_before = _GcBefore(run)
-    timed: list[tuple[dict[int, CollectiveRecord], int, dict[int, int]]] = []
-    for match in matched_collectives(run, checked):
-        members = next(iter(match.values())).group_ranks
-        if members and len(match) < len(members):
-            # (one rank's record alone too: the others' files are missing)
-            checked["incomplete"] += 1
-            continue
-        if len(match) < 2:
-            continue  # a group of one
-        durations: dict[int, int] = {}
-        for r, c in match.items():
-            if c.duration_ns is not None:
-                durations[r] = c.duration_ns
-        if len(durations) < len(match):
-            checked["without_duration"] += 1
-            continue
-        last = min(sorted(durations), key=durations.__getitem__)  # ties: lowest rank
-        if any(_waited_late(c) for r, c in match.items() if r != last):
-            # another rank waited for it only once it had completed: that rank's
-            # duration holds its own work and may hide its being last
-            checked["late_wait"] += 1
-            continue
-        checked["collectives"] += 1
-        if _waited_late(match[last]):
-            # its duration holds its own work: the waits charged are lower bounds
-            checked["late_last"] += 1
-        timed.append((match, last, _waits_for(last, match, durations)))
-    waited_before = _WaitedBefore(run, timed)
+    timed = _timed(run, checked)
+    waited_before = (_WaitedBefore(context, _timed(context, Counter()))
+                     if context is not None else _WaitedBefore(run, timed))
     for match, last, waits in timed:
         wait = sum(waits.values())
         rec = match[last]
@@ -452,6 +444,42 @@ def straggler_report(
 
 def _step_key(step: int | None) -> tuple[bool, int]:
     return (step is None, step if step is not None else 0)
+
+
+def _timed(
+    run: Run, checked: Counter[str]
+) -> list[tuple[dict[int, CollectiveRecord], int, dict[int, int]]]:
+    """The matched collectives of ``run`` whose ranks' durations say who came last:
+    ``(match, last rank, the wait it caused each other rank)`` (``checked`` counts
+    what was left out, and why)."""
+    timed: list[tuple[dict[int, CollectiveRecord], int, dict[int, int]]] = []
+    for match in matched_collectives(run, checked):
+        members = next(iter(match.values())).group_ranks
+        if members and len(match) < len(members):
+            # (one rank's record alone too: the others' files are missing)
+            checked["incomplete"] += 1
+            continue
+        if len(match) < 2:
+            continue  # a group of one
+        durations: dict[int, int] = {}
+        for r, c in match.items():
+            if c.duration_ns is not None:
+                durations[r] = c.duration_ns
+        if len(durations) < len(match):
+            checked["without_duration"] += 1
+            continue
+        last = min(sorted(durations), key=durations.__getitem__)  # ties: lowest rank
+        if any(_waited_late(c) for r, c in match.items() if r != last):
+            # another rank waited for it only once it had completed: that rank's
+            # duration holds its own work and may hide its being last
+            checked["late_wait"] += 1
+            continue
+        checked["collectives"] += 1
+        if _waited_late(match[last]):
+            # its duration holds its own work: the waits charged are lower bounds
+            checked["late_last"] += 1
+        timed.append((match, last, _waits_for(last, match, durations)))
+    return timed
 
 
 class _GcBefore:

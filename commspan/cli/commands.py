@@ -469,8 +469,17 @@ def stragglers(args: argparse.Namespace, reader: Reader) -> Outcome:
     from commspan.analysis.stragglers import analyze
     from commspan.render.findings import format_stragglers
 
-    sel = reader.load(args.files)
-    result = analyze(build_run(sel.records))
+    records = reader.read(args.files)
+    steps, option = _steps_of(args, 0)
+    sel = reader.select(records, _first(args.run), steps, option)
+    context = None
+    if steps is not None and sel.run is not None:
+        # the whole run too: a wait passed on goes back to where the group's ranks last
+        # met, which can be in a step before those selected
+        from commspan.analysis.runs import select
+
+        context = build_run(select(records, run=sel.run.run_id).records)
+    result = analyze(build_run(sel.records), context)
     if args.json:
         data = result.to_dict()
         data["run"] = sel.run.run_id if sel.run else None
