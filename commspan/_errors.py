@@ -43,8 +43,8 @@ _FURTHER = " (further errors are counted, not logged)"
 
 
 def describe_error(error: BaseException | None, message: bool = True) -> str | None:
-    """``"ValueError: boom"`` (``"ValueError"`` without ``message``); ``None``
-    for no error.
+    """``"ValueError: boom"`` (``"ValueError"`` without ``message``, or for an
+    exception whose text is empty: ``KeyboardInterrupt()``); ``None`` for no error.
 
     Frames keep this string, never the exception (its traceback would keep the
     step's tensors and autograd graph alive).
@@ -53,7 +53,8 @@ def describe_error(error: BaseException | None, message: bool = True) -> str | N
         return None
     if not message:
         return type(error).__name__
-    return f"{type(error).__name__}: {error_message(error)}"
+    text = error_message(error)
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 def error_message(error: BaseException) -> str:

@@ -277,6 +277,28 @@ def test_record_exception_messages_must_be_a_bool() -> None:
         CommSpanMode(record_exception_messages="no")  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, ValueError], ids=lambda e: e.__name__)
+def test_an_exception_without_a_message_is_described_by_its_type(
+        exc: type[BaseException]) -> None:
+    """A Ctrl-C (``KeyboardInterrupt()``, no text) or a bare ``raise ValueError``: the
+    spans it crosses end ERROR described ``"KeyboardInterrupt"``, as its type, not
+    ``"KeyboardInterrupt: "`` (which `commspan check` showed as ``it left it on an
+    error, KeyboardInterrupt: , raised in ...``)."""
+
+    class Raiser(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise exc()
+
+    mode, exporter = traced_mode()
+    with pytest.raises(exc), mode, mode.step(0):
+        Raiser()(torch.randn(1, 2))
+    spans = by_name(exporter)
+    for name in ("Raiser forward", semconv.SPAN_RANK):
+        assert spans[name].status.status_code is StatusCode.ERROR
+        assert spans[name].status.description == exc.__name__, name
+    assert exception_events(spans)["Raiser forward"][semconv.EXCEPTION_MESSAGE] == ""
+
+
 def test_unprintable_exception_keeps_its_type() -> None:
     """An exception whose ``str()`` raises is still recorded, by type."""
 
