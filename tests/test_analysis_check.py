@@ -1717,21 +1717,14 @@ def test_a_hang_names_the_error_that_took_a_rank_out_of_the_step() -> None:
         assert "error: ValueError: bad shape 7 in `Net.b` forward" in format_check(result)
 
 
-def test_a_count_mismatch_names_the_error_a_rank_left_the_step_on(
-        tmp_path: Path, fake_pg: None) -> None:
-    """Four ranks traced by commspan (fake process group); in step 1 rank 1's `Net.b`
-    raises (the test's own ValueError) before its all_reduce, and in step 2 its loss
-    raises outside every module. `check` from the lines and from the digests alike names
-    the error and where it was raised in the count mismatch, and each rank entry has
-    it."""
+def _raising_net(message: str = "bad shape 7") -> Any:
+    """``Net`` of two ``Block``s (``Net.a``, ``Net.b``), each a linear and an all_reduce;
+    a block whose ``boom`` is set raises the test's own ``ValueError(message)`` before
+    its all_reduce."""
     import torch
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
     from torch import nn
-
-    from commspan import CommSpanMode
-    from commspan.cli import main
-    from commspan.exporters.jsonl import JsonlSpanExporter
 
     class Block(nn.Module):
         def __init__(self) -> None:
@@ -1741,7 +1734,7 @@ def test_a_count_mismatch_names_the_error_a_rank_left_the_step_on(
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             if self.boom:
-                raise ValueError("bad shape 7")
+                raise ValueError(message)
             return funcol.all_reduce(self.lin(x), "sum", dist.group.WORLD).wait()
 
     class Net(nn.Module):
@@ -1752,12 +1745,30 @@ def test_a_count_mismatch_names_the_error_a_rank_left_the_step_on(
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.b(self.a(x))
 
+    return Net()
+
+
+def test_a_count_mismatch_names_the_error_a_rank_left_the_step_on(
+        tmp_path: Path, fake_pg: None) -> None:
+    """Four ranks traced by commspan (fake process group); in step 1 rank 1's `Net.b`
+    raises (the test's own ValueError) before its all_reduce, and in step 2 its loss
+    raises outside every module. `check` from the lines and from the digests alike names
+    the error and where it was raised in the count mismatch, and each rank entry has
+    it."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    from commspan import CommSpanMode
+    from commspan.cli import main
+    from commspan.exporters.jsonl import JsonlSpanExporter
+
     run = tmp_path / "run"
     run.mkdir()
     for rank in range(4):
         mode = CommSpanMode(exporters=[JsonlSpanExporter(run / f"commspan-rank{rank}.jsonl")],
                             run_id="raise", resource_attributes={"commspan.rank": rank})
-        net = Net()
+        net = _raising_net()
         with mode:
             for step in range(3):
                 net.b.boom = rank == 1 and step == 1
@@ -1810,32 +1821,12 @@ def test_a_step_retried_under_its_number_is_not_named_left_on_its_first_error(
     import torch
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
-    from torch import nn
 
     from commspan import CommSpanMode
     from commspan.analysis.digest import load_parts, run_from_parts
     from commspan.analysis.records import load_run
     from commspan.cli import main
     from commspan.exporters.jsonl import JsonlSpanExporter
-
-    class Block(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = nn.Linear(4, 4)
-            self.boom = False
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            if self.boom:
-                raise ValueError("transient")
-            return funcol.all_reduce(self.lin(x), "sum", dist.group.WORLD).wait()
-
-    class Net(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.a, self.b = Block(), Block()
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.b(self.a(x))
 
     for raises_last in (False, True):
         run = tmp_path / f"run{int(raises_last)}"
@@ -1844,7 +1835,7 @@ def test_a_step_retried_under_its_number_is_not_named_left_on_its_first_error(
             mode = CommSpanMode(
                 exporters=[JsonlSpanExporter(run / f"commspan-rank{rank}.jsonl")],
                 run_id="retry", resource_attributes={"commspan.rank": rank})
-            net = Net()
+            net = _raising_net("transient")
             uses = [(0, False), (1, False)]
             if rank == 1:  # step 1 run twice, one of the two raising
                 uses = [(0, False), (1, not raises_last), (1, raises_last)]
@@ -1880,7 +1871,6 @@ def test_where_an_error_was_raised_is_read_from_digests_when_a_step_spans_lines(
     import torch
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
-    from torch import nn
 
     from commspan import CommSpanMode
     from commspan.analysis.digest import load_parts, run_from_parts
@@ -1888,32 +1878,13 @@ def test_where_an_error_was_raised_is_read_from_digests_when_a_step_spans_lines(
     from commspan.cli import main
     from commspan.exporters.jsonl import JsonlSpanExporter
 
-    class Block(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = nn.Linear(4, 4)
-            self.boom = False
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            if self.boom:
-                raise ValueError("bad shape 7")
-            return funcol.all_reduce(self.lin(x), "sum", dist.group.WORLD).wait()
-
-    class Net(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.a, self.b = Block(), Block()
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.b(self.a(x))
-
     run = tmp_path / "run"
     run.mkdir()
     for rank in range(2):
         path = run / f"commspan-rank{rank}.jsonl"
         mode = CommSpanMode(exporters=[JsonlSpanExporter(path)], run_id="split",
                             resource_attributes={"commspan.rank": rank})
-        net = Net()
+        net = _raising_net()
         with mode:
             for step in range(2):
                 net.b.boom = rank == 1 and step == 1
