@@ -70,7 +70,7 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 from commspan import semconv
@@ -79,6 +79,7 @@ from commspan.analysis.records import (
     Run,
     RunPaths,
     _check_steps,
+    _keep_steps,
     _load_records,
     build_run,
     differing_fields,
@@ -256,11 +257,15 @@ def stragglers(
     if steps is None:
         return analyze(load_run(paths, strict=strict, report=report,
                                 max_line_bytes=max_line_bytes, run=run))
-    _check_steps(steps)
+    wanted = _check_steps(steps)
     records = _load_records(paths, strict=strict, report=report,
                            max_line_bytes=max_line_bytes, run=run)
-    # the steps selected, with the whole run for the waits passed on from before them
-    return analyze(build_run(records, steps=steps), context=build_run(records))
+    # the steps selected, with the whole run for the waits passed on from before them:
+    # the run built once, the selection a copy of it cut to the steps (as build_run's)
+    whole = build_run(records)
+    selected = replace(whole)
+    _keep_steps(selected, wanted or frozenset())
+    return analyze(selected, context=whole)
 
 
 def analyze(run: Run, context: Run | None = None) -> StragglerResult:
