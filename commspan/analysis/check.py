@@ -1068,9 +1068,7 @@ def _p2p_hang_finding(
         issued = [k[3] for k in known.get(peer, {}) if k[:3] == (rec.group, other, r)]
         peer_entry = {"op": None, "fqn": fqn, "phase": phase, "seq": None,
                       "state": _NO_RECORD if silent else _NOT_ISSUED}
-        error = _error_entry(ended)
-        if error is not None:
-            peer_entry["error"] = error
+        _note_error(peer_entry, ended)
         if issued:
             peer_entry["last_p2p_seq"] = max(issued)
         elsewhere = _waits_in(peer_hang)
@@ -1199,16 +1197,16 @@ def _error_words(ended: RankStep) -> str:
 def _add_errors(ranks: dict[int, dict[str, Any]], errors: Mapping[int, RankStep]) -> None:
     """Give the rank entries of ranks an exception took out of the step its ``error``."""
     for r, ended in errors.items():
-        entry = _error_entry(ended)
-        if r in ranks and entry is not None:
-            ranks[r]["error"] = entry
+        if r in ranks:
+            _note_error(ranks[r], ended)
 
 
-def _error_entry(ended: RankStep | None) -> dict[str, Any] | None:
-    """A rank entry's ``error``: the exception that left the step, and where."""
-    if ended is None or ended.error is None:
-        return None
-    return {"message": ended.error, "fqn": ended.error_fqn, "phase": ended.error_phase}
+def _note_error(entry: dict[str, Any], ended: RankStep | None) -> None:
+    """Give a rank's entry its ``error`` when an exception left its step (``ended``,
+    :func:`_ended`): the exception and where it was raised."""
+    if ended is not None and ended.error is not None:
+        entry["error"] = {"message": ended.error, "fqn": ended.error_fqn,
+                          "phase": ended.error_phase}
 
 
 def _unseen(
@@ -1229,9 +1227,7 @@ def _unseen(
         # an exception left the step (the rank span's ERROR): that is why
         last_words = ""
         if r in last_any:
-            last = last_any[r]
-            last_words = (f"; its last exported collective was {last.op} in `{last.fqn}` "
-                          f"{last.phase} ({_step_words(last.step)})")
+            last_words = f"; its {_last_exported(last_any[r])}"
         return (f"never issued it: it left {_step_words(ended.step)} on an error, "
                 f"{_error_words(ended)}{last_words}",
                 ended.error_fqn, ended.error_phase)
@@ -1250,15 +1246,17 @@ def _unseen(
                    "it left the step early, by an exception say, or skipped collectives "
                    "its peers issued")
             return (f"never issued it: it ended step {ended.step} without it ({why}); its "
-                    f"last exported collective was {last.op} in `{last.fqn}` "
-                    f"{last.phase} ({_step_words(last.step)})",
-                    last.fqn, last.phase)
-        return ("wrote no record of it and no hang record (stopped?); its last "
-                f"exported collective was {last.op} in `{last.fqn}` {last.phase} "
-                f"({_step_words(last.step)})",
-                last.fqn, last.phase)
+                    f"{_last_exported(last)}", last.fqn, last.phase)
+        return ("wrote no record of it and no hang record (stopped?); its "
+                f"{_last_exported(last)}", last.fqn, last.phase)
     # no file, or nothing in it: no evidence either way
     return "wrote nothing at all: whether it issued it is unknown", None, None
+
+
+def _last_exported(last: CollectiveRecord) -> str:
+    """``last exported collective was all_reduce in `Net.a` forward (step 1)``."""
+    return (f"last exported collective was {last.op} in `{last.fqn}` {last.phase} "
+            f"({_step_words(last.step)})")
 
 
 def _wrote_nothing(r: int, hang: HangRecord | None,
@@ -1343,9 +1341,7 @@ def _hang_finding(
                 nothing.append(r)
             entry = {"op": None, "fqn": fqn, "phase": phase, "seq": None,
                      "state": _NO_RECORD if silent else _NOT_ISSUED}
-            error = _error_entry(ended)
-            if error is not None:
-                entry["error"] = error
+            _note_error(entry, ended)
             if last is not None:
                 entry["last_seq"] = last.seq
                 entry["last_op"] = last.op
