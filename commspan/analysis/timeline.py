@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Union
 
 from commspan import semconv
-from commspan.analysis.records import gc_event_fields, p2p_pair
+from commspan.analysis.records import _STATUS_ERROR, gc_event_fields, p2p_pair
 from commspan.otlpjson.decode import read_spans
 from commspan.otlpjson.files import jsonl_files
 from commspan.otlpjson.records import SpanRecord, record_rank
@@ -413,9 +413,6 @@ def build_timeline(records: Iterable[SpanRecord]) -> Timeline:
         {r: processes[r] for r in ranks if r in processes}, tuple(pauses),
         tuple(sorted((index_of[t], r) for t, r in extents if (t, r) not in rank_extent)),
     )
-
-
-_STATUS_ERROR = 2  # OTLP StatusCode ERROR
 
 
 def _stuck(
