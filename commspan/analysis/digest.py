@@ -518,7 +518,7 @@ def _merge_agg(agg: Aggregator, state: dict[str, Any], times: int, first: int) -
                 sums[1] += row[-1] * times
     if state["global"]:
         agg._seen_global = True
-    for fqn, phases in state.get("phases", {}).items():  # (digests written before: none)
+    for fqn, phases in state.get("phases", {}).items():  # (every version-4 digest has it)
         agg._phases.setdefault(fqn, set()).update(phases)
 
 
