@@ -592,7 +592,7 @@ def test_digests_keep_each_collectives_owner(tmp_path: Path, fake_pg: None) -> N
     assert sorted(_through_digests(v2).collectives) == lines
     digests = [json.loads(x.rsplit(" ", 1)[0]) for f in v2.glob("*.digest")
                for x in f.read_text().splitlines()]
-    assert {d["digest"] for d in digests} == {digest_mod.DIGEST_VERSION} == {4}
+    assert {d["digest"] for d in digests} == {digest_mod.DIGEST_VERSION} == {5}
     # a version-1 digest: the same without the owners in its templates
     v1 = tmp_path / "v1"
     v1.mkdir()
@@ -726,3 +726,95 @@ def test_a_live_digest_keeps_the_error_a_step_ended_on(tmp_path: Path) -> None:
         (step,) = run.rank_steps.values()
         assert (step.error, step.error_fqn, step.error_phase) == (
             "ValueError: bad shape 7", "Net.b", "forward")
+
+
+def _retried_run(out: Path, *, flush_each_use: bool, hang: bool) -> Path:
+    """4 ranks (fake process group), steps 0-3 of a two-block net, each block a linear
+    and an all_reduce. Rank 1's step 1 raises (the test's own ValueError in block `b`),
+    is caught and run again under the same number, and finishes; its step 2 raises and
+    is not run again (a failed step). With ``flush_each_use`` every use of a step goes
+    out in its own JSONL line; with ``hang``, rank 0 writes a hang record
+    (``mode.dump()``) in step 3."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            self.boom = False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.boom:
+                raise ValueError("transient")
+            return funcol.all_reduce(self.lin(x), "sum", dist.group.WORLD).wait()
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = Block(), Block()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(self.a(x))
+
+    out.mkdir(parents=True, exist_ok=True)
+    for rank in range(4):
+        mode = CommSpanMode(
+            exporters=[JsonlSpanExporter(out / f"commspan-rank{rank}.jsonl", digest=True)],
+            run_id="retried", resource_attributes={"commspan.rank": rank})
+        net = Net()
+        uses = [(0, False), (1, False), (2, False), (3, False)]
+        if rank == 1:
+            uses = [(0, False), (1, True), (1, False), (2, True), (3, False)]
+        with mode:
+            for step, boom in uses:
+                net.b.boom = boom
+                try:
+                    with mode.step(step):
+                        net(torch.ones(2, 4)).sum().backward()
+                        if hang and rank == 0 and step == 3:
+                            mode.dump()
+                except ValueError:
+                    pass
+                if flush_each_use:
+                    assert mode.flush()
+        mode.shutdown()
+    return out
+
+
+@pytest.mark.parametrize("flush_each_use", [False, True])
+def test_a_retried_step_a_failed_step_and_a_hang_answer_the_same_from_digests(
+    flush_each_use: bool, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    fake_pg: None,
+) -> None:
+    """A step number used twice (rank 1's step 1: raised, caught and run again), a step
+    left on an error (its step 2) and, in a second run, a hang record: the rank steps
+    read through the digests are the lines' (the spans of every use of a step, in
+    ``RankStep.repeats``, and its duration: digests kept the use that ended last only),
+    and every command's output, ``--json`` included, is the same from the digests
+    (live, and written by ``commspan digest``) as from the lines."""
+    from commspan.analysis.digest import load_parts, run_from_parts
+    from commspan.analysis.records import load_run
+
+    for hang in (False, True):
+        run = _retried_run(tmp_path / f"run{int(hang)}", flush_each_use=flush_each_use,
+                           hang=hang)
+        plain = _without_digests(run, tmp_path / f"plain{int(hang)}")
+        from_lines = load_run(plain, module_spans=False).rank_steps
+        (retried,) = [rs for (r, _), rs in from_lines.items() if r == 1 and rs.step == 1]
+        assert len(retried.repeats) == 1 and retried.error is None  # (the reference)
+        (failed,) = [rs for (r, _), rs in from_lines.items() if r == 1 and rs.step == 2]
+        assert failed.error == "ValueError: transient" and failed.repeats == ()
+        rebuilt = _with_digests(plain, tmp_path / f"rebuilt{int(hang)}")
+        for digested in (run, rebuilt):
+            if not hang:  # (a line holding a hang record has no digest)
+                parts = load_parts(sorted(digested.glob("*.jsonl")))
+                assert parts is not None
+                assert run_from_parts(parts).rank_steps == from_lines
+            _same_answers(capsys, digested, plain)
+            for cmd in (["check", "--json"], ["summary", "--rank", "all", "--json"],
+                        ["table", "--rank", "1", "--json"]):
+                answers = [run_cli(capsys, cmd[0], str(folder), *cmd[1:])
+                           for folder in (digested, plain)]
+                assert answers[0][0] == answers[1][0]
+                assert json.loads(answers[0][1]) == json.loads(answers[1][1]), cmd

@@ -103,14 +103,16 @@ __all__ = [
 
 DIGEST_SUFFIX = ".digest"
 """Appended to a JSONL file's name to name its digest."""
-DIGEST_VERSION = 4
+DIGEST_VERSION = 5
 """The version written in every digest line (``"digest"``). Readers use lines of
 this version only and parse the JSONL lines of any other: version 1 had no
 collective's owner (the module that owns a collective issued by another, as FSDP2's
 unit does), version 2 no point-to-point tag (``commspan.p2p.tag``), and answers read
 from them would differ from the lines' (an owner charged to the issuer, a tagged send
 not matched with its receive), version 3 no rank's error (the rank span's ERROR
-status and where it was raised). ``commspan digest DIR`` rewrites a run's digests."""
+status and where it was raised), version 4 only the rank span that ended last of a
+step number used again (``RankStep.repeats``, its start and duration). ``commspan
+digest DIR`` rewrites a run's digests."""
 _READ_VERSIONS = (DIGEST_VERSION,)
 _SAMPLE = 64  # bytes at the middle and end of a line whose CRC-32 the digest keeps
 _HEAD = 2048  # and at its start: the resource, whose run id tells two runs' lines apart
@@ -238,7 +240,9 @@ def digest_parts(records: Iterable[SpanRecord]) -> list[DigestPart] | None:
     span), ``present_start`` (earliest start of the spans counted in ``present``),
     ``step`` (from a step, rank or hang span), ``rank_step`` (the rank span's
     ``[span_id, start, end, step]``, its status message fifth when ERROR; of a step
-    number used again, the use that ended last), ``raised`` (``[time, fqn, phase]``
+    number used again, the use that ended last), ``repeats`` (``[span_id, start,
+    end]`` of the part's other rank spans: the other uses of a step number used
+    again), ``raised`` (``[time, fqn, phase]``
     of the part's latest ``exception`` event, or ``None``), ``aggs`` (what each
     commspan span adds to an :class:`Aggregator`, as JSON text: :func:`_agg_state`)
     with ``first`` (when each started, after ``start``), and the collectives:
@@ -308,11 +312,16 @@ def _digest_parts(records: Iterable[SpanRecord]) -> list[DigestPart] | None:
                 part.step = step
             if name == span_step:
                 continue
-            # of a step number used again, the use that ended last (RankStep.error)
+            # of a step number used again, the use that ended last (RankStep.error); the
+            # others in ``repeats`` (version 5: RankStep.repeats, its duration)
             if part.rank_step is None or rec.end_time >= part.rank_step[2]:
+                if part.rank_step is not None:
+                    part.repeats.append(part.rank_step[:3])
                 part.rank_step = [rec.span_id, start, rec.end_time, step]
                 if rec.status_code == _STATUS_ERROR:  # (version 4) its error, fifth
                     part.rank_step.append(rec.status_message or "error")
+            else:
+                part.repeats.append([rec.span_id, start, rec.end_time])
         part.present += 1
         if part.present_start is None or start < part.present_start:
             part.present_start = start
@@ -339,7 +348,7 @@ class _Part:
 
     __slots__ = ("run", "rank", "trace", "world_size", "sample", "writer", "spans",
                  "present", "commspan_spans", "start", "end", "present_start", "step",
-                 "rank_step", "raised", "aggs", "first", "coll")
+                 "rank_step", "repeats", "raised", "aggs", "first", "coll")
 
     def __init__(self, run: str, rank: int, trace: str, start: int, end: int) -> None:
         self.run, self.rank, self.trace = run, rank, trace
@@ -351,6 +360,7 @@ class _Part:
         self.present_start: int | None = None
         self.step: int | None = None
         self.rank_step: list[Any] | None = None
+        self.repeats: list[list[Any]] = []
         self.raised: list[Any] | None = None
         self.aggs: list[str] = []
         self.first: list[int] = []
@@ -817,7 +827,8 @@ def read_digest(path: str | os.PathLike[str]) -> FileDigest | None:
 
 _PART_KEYS = frozenset({
     "run", "rank", "trace", "world_size", "sample", "spans", "present", "commspan_spans",
-    "start", "end", "present_start", "step", "rank_step", "raised", "aggs", "coll", "tmpls",
+    "start", "end", "present_start", "step", "rank_step", "repeats", "raised", "aggs", "coll",
+    "tmpls",
 })
 
 
@@ -836,6 +847,10 @@ def run_from_parts(parts: Sequence[DigestPart]) -> Run:
     run = Run()
     # (rank, trace) -> [time, fqn, phase] of its latest exception event, over its parts
     raised: dict[tuple[int, str], list[Any]] = {}
+    # (rank, trace) -> (span id, start, end) of every rank span (a step number used again
+    # has several), and the start of the one that ended last (where its error is)
+    uses: dict[tuple[int, str], list[tuple[str, int, int]]] = {}
+    last_start: dict[tuple[int, str], int] = {}
     for part in parts:
         world = part["world_size"]
         if world:
@@ -857,16 +872,25 @@ def run_from_parts(parts: Sequence[DigestPart]) -> Run:
             if seen is None or part["raised"][0] >= seen[0]:
                 raised[(rank, trace)] = part["raised"]
         if part["rank_step"] is not None:
+            key = (rank, trace)
             span_id, s, e = part["rank_step"][:3]
-            seen_step = run.rank_steps.get((rank, trace))
+            uses.setdefault(key, []).extend(
+                [(span_id, s, e), *((u[0], u[1], u[2]) for u in part["repeats"])])
+            seen_step = run.rank_steps.get(key)
             if seen_step is None or e >= seen_step.end_ns:  # the use that ended last
-                run.rank_steps[(rank, trace)] = RankStep(
+                run.rank_steps[key] = RankStep(
                     rank, None, trace, span_id, s, e, (), *part["rank_step"][4:5])
+                last_start[key] = s
     for key, rs in run.rank_steps.items():
         where = raised.get(key)
         # where it was raised: the latest exception event of the use (as build_run)
-        if rs.error is not None and where is not None and where[0] >= rs.start_ns:
-            run.rank_steps[key] = rs._replace(error_fqn=where[1], error_phase=where[2])
+        if rs.error is not None and where is not None and where[0] >= last_start[key]:
+            rs = rs._replace(error_fqn=where[1], error_phase=where[2])
+        # the first use's span, the others in repeats by start (as build_run)
+        first, *later = sorted(uses[key], key=lambda u: (u[1], u[2], u[0]))
+        run.rank_steps[key] = rs._replace(
+            span_id=first[0], start_ns=first[1], end_ns=first[2],
+            repeats=tuple(sorted(later, key=lambda u: u[1])))
     cache: dict[str, tuple[Any, ...]] = {}
     for part in parts:
         trace, rank = part["trace"], part["rank"]
