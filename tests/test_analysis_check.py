@@ -1711,7 +1711,7 @@ def test_a_hang_names_the_error_that_took_a_rank_out_of_the_step() -> None:
                 "shape 7, raised in `Net.b` forward") in hang.message
         entry = hang.ranks[1]
         assert entry["error"] == {"message": "ValueError: bad shape 7", "fqn": "Net.b",
-                                  "phase": "forward"}
+                                  "phase": "forward", "step": last}
         assert (entry["fqn"], entry["phase"], entry["state"]) == ("Net.b", "forward",
                                                                   "not issued")
         assert "error: ValueError: bad shape 7 in `Net.b` forward" in format_check(result)
@@ -1806,9 +1806,214 @@ def test_a_count_mismatch_names_the_error_a_rank_left_the_step_on(
             (finding,) = json.loads(code.stdout)["findings"]
             assert finding["step"] == step, code.stdout
             assert finding["ranks"]["1"]["error"] == {"message": message, "fqn": fqn,
-                                                      "phase": phase}, flags
+                                                      "phase": phase, "step": step}, flags
             assert f"it left it on an error, {message}, {words}" in finding["message"]
             assert [r for r, e in finding["ranks"].items() if "error" in e] == ["1"]
+
+
+def _cut_at_hang(path: Path, step: int | None = None,
+                 keep: tuple[str, ...] | None = None) -> None:
+    """Leave in a rank's file what a rank that hung at its hang record (``mode.dump()``)
+    wrote: the spans of that trace still open then (the module spans it was in, its
+    rank and step span) are dropped, as a hung process never ends them. With ``step``
+    and ``keep`` (a rank that died, no hang record): of that step's trace, only the
+    spans of the modules ``keep`` names are left."""
+    docs = [json.loads(line) for line in path.read_bytes().splitlines()]
+    spans = [span for doc in docs for rs in doc["resourceSpans"] for ss in rs["scopeSpans"]
+             for span in ss["spans"]]
+
+    def attrs(span: dict[str, Any]) -> dict[str, Any]:
+        return {a["key"]: next(iter(a["value"].values())) for a in span.get("attributes", [])}
+
+    if keep is None:
+        hangs = [(s["traceId"], int(s["startTimeUnixNano"])) for s in spans
+                 if s["name"] == semconv.SPAN_HANG]
+        assert len(hangs) == 1, path
+        trace, at = hangs[0]
+
+        def dropped(span: dict[str, Any]) -> bool:
+            return (span["traceId"] == trace and span["name"] != semconv.SPAN_HANG
+                    and int(span["endTimeUnixNano"]) > at)
+    else:
+        (trace,) = {s["traceId"] for s in spans
+                    if attrs(s).get(semconv.STEP) in (step, str(step))}
+
+        def dropped(span: dict[str, Any]) -> bool:
+            return span["traceId"] == trace and attrs(span).get(semconv.MODULE_FQN) not in keep
+    for doc in docs:
+        for rs in doc["resourceSpans"]:
+            for ss in rs["scopeSpans"]:
+                ss["spans"] = [span for span in ss["spans"] if not dropped(span)]
+    path.write_bytes(b"".join(json.dumps(d).encode() + b"\n" for d in docs))
+
+
+def _erring_run(out: Path, plan: dict[int, dict[int, str]], steps: int = 3) -> Path:
+    """4 ranks of ``Net`` (blocks ``a``, ``b``: a linear and an all_reduce each) traced by
+    commspan under the fake process group. ``plan[rank][step]`` says what the rank does
+    differently in that step: ``"raise_b"`` (its `Net.b` raises the test's own
+    ValueError before its all_reduce, caught by the loop), ``"raise_after"`` (a
+    RuntimeError outside every module after the net ran, caught), ``"hang_b"`` (its
+    `Net.b` issues its all_reduce and the rank hangs waiting there: a hang record, and
+    the rank writes nothing more), ``"hang_a"`` (it hangs in `Net.a` before its
+    all_reduce, waiting on something else), ``"die_b"`` (it dies in `Net.b` before its
+    all_reduce: no hang record, nothing more)."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from torch import nn
+
+    from commspan import CommSpanMode
+    from commspan.exporters.jsonl import JsonlSpanExporter
+
+    class Stop(BaseException):
+        """The rank hangs or dies here: nothing after it is traced."""
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.what = ""
+            self.mode: Any = None
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.what == "raise":
+                raise ValueError("transient")
+            if self.what == "hang_before":
+                self.mode.dump()
+                raise Stop
+            if self.what == "die_before":
+                raise Stop
+            out = funcol.all_reduce(self.lin(x), "sum", dist.group.WORLD)
+            if self.what == "hang_in":
+                self.mode.dump()  # (its all_reduce issued, not completed)
+                raise Stop
+            return out.wait()
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = Block(), Block()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(self.a(x))
+
+    blocks = {"raise_b": ("b", "raise"), "hang_b": ("b", "hang_in"),
+              "hang_a": ("a", "hang_before"), "die_b": ("b", "die_before")}
+    out.mkdir()
+    for rank in range(4):
+        path = out / f"commspan-rank{rank}.jsonl"
+        mode = CommSpanMode(exporters=[JsonlSpanExporter(path)], run_id="erring",
+                            resource_attributes={"commspan.rank": rank})
+        net = Net()
+        net.a.mode = net.b.mode = mode
+        stopped = False
+        with mode:
+            for step in range(steps):
+                what = plan.get(rank, {}).get(step, "")
+                net.a.what = net.b.what = ""
+                if what in blocks:
+                    getattr(net, blocks[what][0]).what = blocks[what][1]
+                try:
+                    with mode.step(step):
+                        net(torch.ones(2, 4))
+                        if what == "raise_after":
+                            raise RuntimeError("loss is nan")
+                except (ValueError, RuntimeError):
+                    pass
+                except Stop:
+                    stopped = True
+                    break
+        mode.shutdown()
+        if stopped and what != "die_b":
+            _cut_at_hang(path)
+        elif stopped:  # died in `Net.b`: only `Net.a`'s spans of the step were ended
+            _cut_at_hang(path, step=step, keep=("Net.a", "Net.a.lin"))
+    return out
+
+
+def test_a_hang_names_the_error_a_rank_left_an_earlier_step_on(
+        tmp_path: Path, fake_pg: None) -> None:
+    """Records written by commspan (fake process group, hang records from mode.dump()):
+
+    - rank 1's `Net.b` raises in step 1 (its all_reduce skipped), the loop goes on, and
+      in step 2 its collectives pair with its peers' one place late: ranks 0, 2, 3
+      wait in step 2's last all_reduce (seq 6), which rank 1, its step 2 ended, never
+      issued. The finding named no error (the step it ended was step 2, without one);
+      it names step 1's, where it was raised, and rank 1's entry has it, with its step.
+    - the same error, then rank 1 hangs in step 2's `Net.a` waiting on something else
+      (its hang record) while ranks 0, 2, 3 wait in step 1's `Net.b` all_reduce: the
+      message said only where it was last seen; it names the error too.
+    - rank 1 raised in step 0 after every collective of the step (its loss), then ran
+      step 1 in step with its peers, and dies in step 2's `Net.b`: that old error is
+      not named (its last collective the peers issued at the same place came after).
+    """
+    ran = {
+        "shifted": _erring_run(tmp_path / "shifted", {
+            1: {1: "raise_b"}, 0: {2: "hang_b"}, 2: {2: "hang_b"}, 3: {2: "hang_b"}}),
+        "hung_after": _erring_run(tmp_path / "hung_after", {
+            1: {1: "raise_b", 2: "hang_a"}, 0: {1: "hang_b"}, 2: {1: "hang_b"},
+            3: {1: "hang_b"}}),
+        "old_error": _erring_run(tmp_path / "old_error", {
+            1: {0: "raise_after", 2: "die_b"}, 0: {2: "hang_b"}, 2: {2: "hang_b"},
+            3: {2: "hang_b"}}),
+    }
+    error = {"message": "ValueError: transient", "fqn": "Net.b", "phase": "forward",
+             "step": 1}
+    words = "it left step 1 on an error, ValueError: transient, raised in `Net.b` forward"
+    expected = {  # (seq, step, rank 1's words before the error's)
+        "shifted": (6, 2, "rank 1 never issued it: it ended step 2 without it"),
+        "hung_after": (4, 1, "rank 1 never issued it and was last seen in `Net.a` forward"),
+        "old_error": (6, 2, "rank 1 wrote no record of it and no hang record (stopped?)"),
+    }
+    for name, run in ran.items():
+        result = check_run(run)
+        (hang,) = [f for f in result.findings if f.kind == KIND_HANG]
+        seq, step, said = expected[name]
+        assert (hang.seq, hang.step, hang.details["never_issued"]) == (seq, step, [1]), (
+            name, hang.message)
+        assert said in hang.message, (name, hang.message)
+        if name == "old_error":
+            assert "error" not in hang.ranks[1] and "on an error" not in hang.message
+            assert "loss is nan" not in format_check(result)
+            continue
+        assert hang.ranks[1]["error"] == error, name
+        assert words in hang.message, (name, hang.message)
+        assert "error: ValueError: transient in `Net.b` forward (step 1)" in format_check(
+            result), name
+
+
+def test_a_p2p_hang_names_the_error_the_peer_left_an_earlier_step_on() -> None:
+    """Rank 0 sends to rank 1 once a step (their numbers per peer: #1 in step 0, ...).
+    Rank 1's step 1 ended on an error raised in `Net.stage` forward before its receive,
+    so its receive #2 came in step 2, where it ended; rank 0 waits in step 2's send #3
+    (its hang record). The finding names the error of step 1; when rank 1 instead
+    raised in step 0 after its receive #1 and then received #2 in step 1 as its peer
+    sent it, that old error is not named."""
+    for old in (False, True):
+        b = SpanBuilder(world=2, schema=3)
+        for step in range(3):
+            for r in range(2):
+                s = b.rank(r, step, finished=not (r == 0 and step == 2))
+                skips = r == 1 and step == 1 and not old
+                if not skips and not (r == 1 and old and step == 2):
+                    s.coll("send" if r == 0 else "recv", fqn="Net.stage",
+                           kind=semconv.KIND_P2P, peer=1 - r, ranks=range(2))
+                if r == 1 and step == (0 if old else 1):
+                    s.raised("ValueError: transient", None if old else "Net.stage")
+        b.hang(0, 2, stack=[("Net", "forward"), ("Net.stage", "forward")], collectives=[
+            b.event_attrs("send", fqn="Net.stage", phase="forward", group=WORLD_GROUP,
+                          ranks=range(2), seq=None, p2p_seq=3, kind=semconv.KIND_P2P,
+                          peer=1, state=semconv.STATE_ISSUED)])
+        (f,) = [f for f in check(build_run(b.spans())).findings if f.kind == KIND_HANG]
+        assert f.details["p2p"] == {"sender": 0, "receiver": 1, "p2p_seq": 3}, f.message
+        assert "rank 1 never issued the matching recv" in f.message, f.message
+        if old:
+            assert "error" not in f.ranks[1] and "on an error" not in f.message, f.message
+            continue
+        assert ("it left step 1 on an error, ValueError: transient, raised in `Net.stage` "
+                "forward") in f.message, f.message
+        assert f.ranks[1]["error"] == {"message": "ValueError: transient",
+                                       "fqn": "Net.stage", "phase": "forward", "step": 1}
 
 
 def test_a_step_retried_under_its_number_is_not_named_left_on_its_first_error(

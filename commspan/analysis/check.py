@@ -792,6 +792,7 @@ def hang_findings(run: Run, *, diverged: Iterable[str] | None = None) -> list[Fi
                 from_hangs[rec.group][h.rank].append(rec)
     for rec in failed:  # its op raised (a backend's timeout), with or without a record
         from_hangs[rec.group][rec.rank].append(rec)
+    errors = _errors_by_rank(run)
     exported: dict[tuple[str, int], list[CollectiveRecord]] = defaultdict(list)
     last_any: dict[int, CollectiveRecord] = {}
     for rec in run.collectives:
@@ -815,10 +816,11 @@ def hang_findings(run: Run, *, diverged: Iterable[str] | None = None) -> list[Fi
         )
         findings.append(
             _hang_finding(run, group, seq, members, per_rank, exported, last_any, latest,
-                          diverged=None if diverged is None else group in set(diverged))
+                          diverged=None if diverged is None else group in set(diverged),
+                          errors=errors)
         )
     findings = _deadlocks(findings, latest, last_any)
-    findings.extend(_p2p_hang_findings(run, latest, last_any, failed_p2p))
+    findings.extend(_p2p_hang_findings(run, latest, last_any, failed_p2p, errors))
     # a rank that is itself stuck waiting is rarely the cause: findings that name a
     # rank that never issued its part and waits on nothing come first
     findings.sort(key=lambda f: (not f.details.get("root", True),
@@ -972,6 +974,7 @@ def _op_key(rec: CollectiveRecord) -> tuple[Any, ...]:
 def _p2p_hang_findings(
     run: Run, latest: Mapping[int, HangRecord], last_any: Mapping[int, CollectiveRecord],
     failed: Sequence[CollectiveRecord] = (),
+    errors: Mapping[int, Sequence[tuple[int, RankStep]]] | None = None,
 ) -> list[Finding]:
     """Each send or receive a hang record shows not completed, or whose op raised
     (``failed``: its peer died, the backend timed out; with or without a record),
@@ -1015,7 +1018,8 @@ def _p2p_hang_findings(
                     for w in waiting.get(peer, ())):
                 continue  # both waiting: reported once, from the sender's record
             findings.append(_p2p_hang_finding(
-                run, rec, r, hang, peer, match, sender, receiver, latest, known, last_any))
+                run, rec, r, hang, peer, match, sender, receiver, latest, known, last_any,
+                errors if errors is not None else {}))
     return findings
 
 
@@ -1036,6 +1040,7 @@ def _p2p_hang_finding(
     latest: Mapping[int, HangRecord],
     known: Mapping[int, Mapping[tuple[str, str, int, int, int | None], CollectiveRecord]],
     last_any: Mapping[int, CollectiveRecord],
+    errors: Mapping[int, Sequence[tuple[int, RankStep]]],
 ) -> Finding:
     other = _P2P_MATCH[rec.op]
     entry = _waiting_entry(rec, hang, peer)
@@ -1062,13 +1067,24 @@ def _p2p_hang_finding(
         parts.append(f"rank {peer} is not traced ({run.rank_sample}): unknown")
     else:
         ended = _ended(run, peer, (rec.trace_id,))
-        silent = _wrote_nothing(peer, peer_hang, last_any, ended)
+        earlier = None
+        if (ended is None or ended.error is None) and errors.get(peer):
+            # an earlier step's error, since the peer's last op with r in step with r's
+            mine = {k[3]: m for k, m in known.get(peer, {}).items()
+                    if k[:3] == (rec.group, other, r) and m.rank == peer}
+            theirs = {k[3]: m.step for k, m in known.get(r, {}).items()
+                      if k[:3] == (rec.group, rec.op, peer)}
+            firsts = [st for st in theirs.values() if st is not None]
+            earlier = _earlier_error(errors[peer], mine, theirs,
+                                     rec.p2p_seq if rec.p2p_seq is not None else 0,
+                                     min(firsts) if firsts else rec.step)
+        silent = _wrote_nothing(peer, peer_hang, last_any, earlier or ended)
         (nothing if silent else never).append(peer)
-        text, fqn, phase = _unseen(peer, peer_hang, last_any, ended)
+        text, fqn, phase = _unseen(peer, peer_hang, last_any, ended, earlier=earlier)
         issued = [k[3] for k in known.get(peer, {}) if k[:3] == (rec.group, other, r)]
         peer_entry = {"op": None, "fqn": fqn, "phase": phase, "seq": None,
                       "state": _NO_RECORD if silent else _NOT_ISSUED}
-        _note_error(peer_entry, ended)
+        _note_error(peer_entry, earlier or ended)
         if issued:
             peer_entry["last_p2p_seq"] = max(issued)
         elsewhere = _waits_in(peer_hang)
@@ -1203,21 +1219,102 @@ def _add_errors(ranks: dict[int, dict[str, Any]], errors: Mapping[int, RankStep]
 
 def _note_error(entry: dict[str, Any], ended: RankStep | None) -> None:
     """Give a rank's entry its ``error`` when an exception left its step (``ended``,
-    :func:`_ended`): the exception and where it was raised."""
+    :func:`_ended`, or an earlier step's, :func:`_earlier_error`): the exception,
+    where it was raised and the step."""
     if ended is not None and ended.error is not None:
         entry["error"] = {"message": ended.error, "fqn": ended.error_fqn,
-                          "phase": ended.error_phase}
+                          "phase": ended.error_phase, "step": ended.step}
+
+
+def _errors_by_rank(run: Run) -> dict[int, list[tuple[int, RankStep]]]:
+    """Each rank's steps an exception left, as ``(when, rank step)``, ``when`` the end
+    of the use that raised (of a step number used again, the one that ended last)."""
+    out: dict[int, list[tuple[int, RankStep]]] = defaultdict(list)
+    for (r, _), rs in run.rank_steps.items():
+        if rs.error is not None:
+            out[r].append((max([rs.end_ns, *(end for _, _, end in rs.repeats)]), rs))
+    return out
+
+
+def _earlier_error(
+    errors: Sequence[tuple[int, RankStep]], mine: Mapping[int, CollectiveRecord],
+    theirs: Mapping[int, int | None], number: int, first_step: int | None,
+) -> RankStep | None:
+    """The latest error that left a step of a rank that never issued op ``number`` (a
+    group's seq, or the number per peer of a send or receive) its peers wait in, when
+    it may be why: raised after the rank's last op numbered below ``number`` that it
+    issued in the same step as its peers (``mine``: its ops by number; ``theirs``:
+    the step its peers issued each number in), and before the first it issued in
+    another step (from there it went its own way: it had skipped ops). An error
+    before that last op in step is not named: the rank was still in step with its
+    peers after it. Without any op in step, errors of the step ``first_step`` (its
+    peers' first op there) and later."""
+    if not errors:
+        return None
+    since: int | None = None
+    until: int | None = None
+    for n in sorted(k for k in mine if k < number):
+        rec, peers = mine[n], theirs.get(n)
+        if rec.step is None or peers is None:
+            continue  # (outside steps, or no peer's record of it: nothing to compare)
+        if rec.step == peers:
+            since = rec.issued_ns
+        else:
+            until = rec.issued_ns
+            break
+    best: tuple[int, RankStep] | None = None
+    for when, rs in errors:
+        if since is None and (rs.step is None or first_step is None or rs.step < first_step):
+            continue
+        if (since is not None and when <= since) or (until is not None and when > until):
+            continue
+        if best is None or when > best[0]:
+            best = (when, rs)
+    return best[1] if best is not None else None
+
+
+def _peer_steps(records: Iterable[tuple[int, CollectiveRecord]],
+                r: int) -> dict[int, int | None]:
+    """Number -> the step most ranks other than ``r`` issued the op of that number in,
+    from ``(number, record)`` pairs."""
+    seen: dict[int, Counter[int]] = defaultdict(Counter)
+    for n, rec in records:
+        if rec.rank != r and rec.step is not None:
+            seen[n][rec.step] += 1
+    return {n: steps.most_common(1)[0][0] for n, steps in seen.items()}
+
+
+def _left_words(rs: RankStep) -> str:
+    """``it left step 1 on an error, ValueError: bad shape, raised in `Net.b` forward``."""
+    return f"it left {_step_words(rs.step)} on an error, {_error_words(rs)}"
 
 
 def _unseen(
     r: int, hang: HangRecord | None, last_any: Mapping[int, CollectiveRecord],
     ended: RankStep | None = None,
     diverged: bool | None = None,
+    earlier: RankStep | None = None,
 ) -> tuple[str, str | None, str | None]:
     """``(text, fqn, phase)``: what is known of rank ``r``, which did not issue an op
     its peers wait in: where its hang record saw it, else its last exported op (and
     ``ended``, the rank span of the step it ended without issuing it, :func:`_ended`:
-    with an error, the exception that left the step and where it was raised)."""
+    with an error, the exception that left the step and where it was raised). An
+    error that left an earlier step and may be why (``earlier``,
+    :func:`_earlier_error`), or that left the step of a rank with a hang record, is
+    said after it."""
+    text, fqn, phase = _unseen_words(r, hang, last_any, ended, diverged)
+    error = ended if ended is not None and ended.error is not None else earlier
+    if error is not None and (hang is not None or error is not ended):
+        if hang is None and r not in last_any and ended is None:
+            text = "never issued it; no collective of its was exported"  # (wrote no op)
+        text += f"; {_left_words(error)}"
+    return text, fqn, phase
+
+
+def _unseen_words(
+    r: int, hang: HangRecord | None, last_any: Mapping[int, CollectiveRecord],
+    ended: RankStep | None, diverged: bool | None,
+) -> tuple[str, str | None, str | None]:
     seen = hang.innermost() if hang is not None else None
     if seen is not None:
         return f"never issued it and was last seen in `{seen[0]}` {seen[1]}", *seen
@@ -1287,6 +1384,7 @@ def _hang_finding(
     last_any: Mapping[int, CollectiveRecord],
     latest: Mapping[int, HangRecord],
     diverged: bool | None = None,
+    errors: Mapping[int, Sequence[tuple[int, RankStep]]] | None = None,
 ) -> Finding:
     ranks: dict[int, dict[str, Any]] = {}
     inside: dict[str, list[int]] = {}
@@ -1302,6 +1400,8 @@ def _hang_finding(
     waited_in = {rec.trace_id for m in members  # the steps where ranks issued it
                  for rec in (*exported.get((group, m), ()), *per_rank.get(m, ()))
                  if rec.seq == seq}
+    group_ops: list[tuple[int, CollectiveRecord]] | None = None
+    errors = errors if errors is not None else {}
     for r in members:
         hang = latest.get(r)
         if hang is None and run.left_out(r):
@@ -1335,13 +1435,24 @@ def _hang_finding(
             before = [rec for s, rec in known.items() if s < seq]
             last = max(before, key=_order_key) if before else None
             ended = _ended(run, r, waited_in)
-            text, fqn, phase = _unseen(r, hang, last_any, ended, diverged=diverged)
-            silent = _wrote_nothing(r, hang, last_any, ended)
+            earlier = None
+            if (ended is None or ended.error is None) and errors.get(r):
+                if group_ops is None:  # (seq, record) of every member's op on the group
+                    group_ops = [(rec.seq, rec) for m in members for rec in (
+                        *exported.get((group, m), ()), *per_rank.get(m, ()))
+                        if rec.seq is not None]
+                theirs = _peer_steps(group_ops, r)
+                firsts = [theirs[n] for n in sorted(theirs)[:1]]
+                earlier = _earlier_error(errors[r], known, theirs, seq,
+                                         firsts[0] if firsts else None)
+            text, fqn, phase = _unseen(r, hang, last_any, ended, diverged=diverged,
+                                       earlier=earlier)
+            silent = _wrote_nothing(r, hang, last_any, earlier or ended)
             if silent:
                 nothing.append(r)
             entry = {"op": None, "fqn": fqn, "phase": phase, "seq": None,
                      "state": _NO_RECORD if silent else _NOT_ISSUED}
-            _note_error(entry, ended)
+            _note_error(entry, earlier or ended)
             if last is not None:
                 entry["last_seq"] = last.seq
                 entry["last_op"] = last.op

@@ -98,7 +98,8 @@ def _rank_line(rank: int, entry: Mapping[str, Any]) -> str:
         elif key == "error" and isinstance(value, Mapping):
             where = (f" in `{value.get('fqn')}` {value.get('phase')}"
                      if value.get("fqn") is not None else "")
-            bits.append(f"error: {value.get('message')}{where}")
+            step = f" (step {value['step']})" if value.get("step") is not None else ""
+            bits.append(f"error: {value.get('message')}{where}{step}")
         elif key == "shape" and isinstance(value, list):
             bits.append(f"shape [{', '.join(map(str, value))}]")
         else:
