@@ -80,3 +80,37 @@ def status(dom: str) -> dict[str, str]:
     found = re.search(r"<output id=\"cs-status\"([^>]*)>", dom)
     assert found, "no status element"
     return dict(re.findall(r'([\w-]+)="([^"]*)"', found.group(1)))
+
+
+class TreeNesting(HTMLParser):
+    """``levels[fqn]``: how many ``<details>`` of the module tree hold each module's row
+    (as the document nests its elements, which a browser's parser may change), and
+    ``depths[fqn]``: the nesting depth a row shown flat says (``data-depth``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.levels: dict[str, int] = {}
+        self.depths: dict[str, int] = {}
+        self._open = 0
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        a = dict(attrs)
+        fqn = a.get("data-fqn")
+        if fqn is not None and tag in ("details", "div"):
+            assert fqn not in self.levels, f"{fqn} twice"
+            self.levels[fqn] = self._open
+            if a.get("data-depth") is not None:
+                self.depths[fqn] = int(a["data-depth"] or 0)
+        if tag == "details":
+            self._open += 1
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "details":
+            self._open -= 1
+
+
+def tree_nesting(page: str) -> TreeNesting:
+    """The nesting of the module tree of a report page (as written, or as dumped)."""
+    parser = TreeNesting()
+    parser.feed(page)
+    return parser

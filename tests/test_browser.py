@@ -242,3 +242,84 @@ def test_hovering_a_collective_lights_it_on_every_rank_whatever_its_group_name(
     assert res["errors"] == []
     assert res["tips"] == marks > 0
     assert res["lit"] == [2] * marks  # this collective, on each of the 2 ranks
+
+
+TREE_PROBE = """<script>
+window.treeErrors = [];
+window.addEventListener("error", function (e) { window.treeErrors.push(String(e.message)); });
+setTimeout(function () {
+  document.querySelector('button[data-tree="open"]').click();
+  var all = document.querySelectorAll("#modules details"), open = 0;
+  Array.prototype.forEach.call(all, function (d) { if (d.open) open++; });
+  var rows = document.querySelectorAll("#modules [data-fqn]");
+  var last = rows[rows.length - 1].getBoundingClientRect();
+  var out = document.createElement("pre");
+  out.id = "tree-result";
+  out.textContent = JSON.stringify({errors: window.treeErrors, details: all.length,
+    open: open, rows: rows.length, width: last.width, height: last.height});
+  document.body.appendChild(out);
+}, 300);
+</script></body>"""
+
+
+def test_a_model_1000_modules_deep_keeps_its_tree_in_chromium(
+    chromium: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`commspan html` of a model 1000 modules deep (nn.Sequential in nn.Sequential ...):
+    the CLI writes the page, and Chromium keeps the module tree as the page nests it
+    (its HTML parser nests at most 512 elements: the modules past about 500 levels were
+    moved side by side, each row under the wrong module). Rows past the nesting the
+    page keeps are listed in order, flat, each saying its depth (checked against the
+    module names: `Sequential.0.0` is 3 deep); 'expand all' opens every module without
+    a script error, and the deepest row is laid out."""
+    import json
+    import re
+    import sys
+
+    import torch
+    from _report_dom import tree_nesting
+    from torch import nn
+
+    from commspan import CommSpanMode
+    from commspan.cli import main
+    from commspan.exporters import JsonlSpanExporter
+
+    depth = 1000
+    run = tmp_path / "run"
+    model: nn.Module = nn.Linear(2, 2)
+    for _ in range(depth - 1):
+        model = nn.Sequential(model)
+    before = sys.getrecursionlimit()
+    sys.setrecursionlimit(8 * depth)  # the model itself needs it, traced or not
+    try:
+        mode = CommSpanMode(exporters=[JsonlSpanExporter(run)])
+        with mode, mode.step(0):
+            model(torch.randn(1, 2, requires_grad=True)).sum().backward()
+        mode.shutdown()
+    finally:
+        sys.setrecursionlimit(before)
+    page = tmp_path / "deep.html"
+    assert main(["html", str(run), "-o", str(page)]) == 0
+    assert "Traceback" not in capsys.readouterr().err
+    written = tree_nesting(page.read_text("utf-8"))
+    names = ["Global"] + ["Sequential" + ".0" * i for i in range(depth)]
+    assert sorted(written.levels) == sorted(names)
+    # each flat row's depth is its module's: Global 0, Sequential 1, Sequential.0 2, ...
+    assert written.depths and all(d == names.index(f) for f, d in written.depths.items())
+    assert max(written.levels.values()) < 100  # (the parsers' limits are 200 and more)
+    for fqn, level in written.levels.items():  # nested to the limit, flat after it
+        assert fqn in written.depths or level == names.index(fqn), fqn
+
+    page.write_text(page.read_text("utf-8").replace("</body>", TREE_PROBE), "utf-8")
+    dom = run_chromium(chromium, page.as_uri(), tmp_path / "profile",
+                       "--virtual-time-budget=5000", "--dump-dom").stdout
+    shown = tree_nesting(dom.split('<pre id="tree-result">', 1)[0])
+    assert shown.levels == written.levels  # the browser kept the page's nesting
+    assert shown.depths == written.depths
+    found = re.search(r'<pre id="tree-result">([^<]*)</pre>', dom)
+    assert found, dom[-2000:]
+    res = json.loads(found.group(1).replace("&quot;", '"').replace("&amp;", "&"))
+    assert res["errors"] == []
+    assert res["open"] == res["details"] > 0 and res["rows"] == depth + 1
+    assert res["width"] > 0 and res["height"] > 0
+    assert status(dom)["data-step"] == "step 0"

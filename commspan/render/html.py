@@ -62,6 +62,11 @@ _log = logging.getLogger(__name__)
 _PHASES = [p.value for p in semconv.Phase]
 _TICK_NS = 100  # timeline data: times in units of 0.1 us
 _OPEN_DEPTH = 2  # tree levels open when the page loads
+_NESTED_DEPTH = 64
+"""Tree levels written as nested ``<details>``; the modules deeper than that are listed
+flat, in tree order, inside their ancestor at this depth, each saying its depth.
+Browsers keep a bounded nesting: Chromium's HTML parser moves elements nested past
+512 out to the side, Firefox lays out at most about 200 levels of boxes."""
 _CSP = "default-src 'none'; style-src 'unsafe-inline'; script-src 'unsafe-inline'"
 FINDING_KEYS = ("kind", "group", "seq", "step", "ranks", "message")
 
@@ -588,7 +593,9 @@ def _modules_section(root: _Node, ctx: _Context) -> str:
 
 def _tree_html(root: _Node, ctx: _Context, out: list[str]) -> None:
     """The module tree as nested ``<details>``, without recursion (a model thousands of
-    modules deep stays under Python's recursion limit)."""
+    modules deep stays under Python's recursion limit); past :data:`_NESTED_DEPTH`
+    levels, the rows follow each other in tree order, flat (a browser would move them
+    out of their parents anyway), each saying its depth."""
     todo: list[tuple[_Node, int] | None] = [(root, 0)]
     while todo:
         item = todo.pop()
@@ -596,13 +603,17 @@ def _tree_html(root: _Node, ctx: _Context, out: list[str]) -> None:
             out.append("</details>\n")
             continue
         node, depth = item
-        if _node_html(node, depth, ctx, out):
+        flat = depth > _NESTED_DEPTH
+        if _node_html(node, depth, ctx, out, flat=flat):
             todo.append(None)  # closes its <details> after its children
-            todo.extend((child, depth + 1) for child in reversed(node.children))
+        todo.extend((child, depth + 1) for child in reversed(node.children))
 
 
-def _node_html(node: _Node, depth: int, ctx: _Context, out: list[str]) -> bool:
-    """One module's row; ``True`` if it opened a ``<details>`` its children go in."""
+def _node_html(node: _Node, depth: int, ctx: _Context, out: list[str], *,
+               flat: bool = False) -> bool:
+    """One module's row; ``True`` if it opened a ``<details>`` its children go in (a
+    ``flat`` row, past the nesting the page keeps, closes its own and says its depth;
+    its children follow it)."""
     chips = []
     for phase in sorted(node.counts, key=_phase_order):
         ops = " ".join(
@@ -617,12 +628,21 @@ def _node_html(node: _Node, depth: int, ctx: _Context, out: list[str]) -> bool:
     mtype = f" <span class=\"type\">{_e(node.type)}</span>" if node.type else ""
     line = f"<span class=\"fqn\">{_e(node.fqn)}</span>{mtype} {''.join(chips)}"
     body = _node_body(node, ctx)
-    if not node.children and not body:
-        out.append(f"<div class=\"leaf\" data-fqn=\"{_e(node.fqn)}\">{line}</div>\n")
+    where = f"data-fqn=\"{_e(node.fqn)}\""
+    if flat:  # (the depth, as the nesting would have shown it)
+        line = (f"<span class=\"depth\" title=\"nesting depth: the rows this deep are "
+                f"listed flat, in tree order\">depth {depth}</span> {line}")
+        where += f" data-depth=\"{depth}\""
+    if (not node.children or flat) and not body:
+        cls = "leaf flat" if flat else "leaf"
+        out.append(f"<div class=\"{cls}\" {where}>{line}</div>\n")
         return False
     is_open = " open" if depth < _OPEN_DEPTH else ""
-    out.append(f"<details{is_open} data-fqn=\"{_e(node.fqn)}\"><summary>{line}</summary>\n{body}")
-    return True
+    cls = " class=\"flat\"" if flat else ""
+    out.append(f"<details{is_open}{cls} {where}><summary>{line}</summary>\n{body}")
+    if flat:
+        out.append("</details>\n")
+    return not flat
 
 
 def _node_body(node: _Node, ctx: _Context) -> str:
