@@ -296,8 +296,15 @@ _CANONICAL: dict[Any, str] | None = None
 def canonical_name(op: Any) -> str | None:
     """Canonical collective name of an op overload or packet, or ``None`` if not one.
 
-    Also accepts a canonical name or an overload name string
-    (``"_c10d_functional.all_reduce.default"``).
+    Also accepts a canonical name, or the name of a packet or overload as a string
+    (``"_c10d_functional.all_reduce.default"``, ``"torch.ops.c10d.allreduce_"``): a
+    name in commspan's table resolves whether the installed torch has that op or not
+    (ops come and go between torch versions; a name written on one must mean the same
+    on another).
+
+    Example:
+        >>> canonical_name("c10d_functional.all_reduce_.default")  # (not in torch 2.13)
+        'all_reduce'
     """
     global _CANONICAL
     if _CANONICAL is None:
@@ -309,9 +316,22 @@ def canonical_name(op: Any) -> str | None:
             names[info.name] = info.name
         _CANONICAL = names
     try:
-        return _CANONICAL.get(op)
+        found = _CANONICAL.get(op)
     except TypeError:
         return None
+    if found is None and isinstance(op, str):
+        return _named(op)
+    return found
+
+
+def _named(text: str) -> str | None:
+    """The canonical name of an op named ``ns.name`` or ``ns.name.overload`` (after an
+    optional ``torch.ops.``) in the table, whatever torch is installed."""
+    parts = text.removeprefix("torch.ops.").split(".")
+    if len(parts) not in (2, 3):
+        return None
+    hit = _TABLE.get((parts[0], parts[1]))
+    return hit[0] if hit is not None else None
 
 
 _LOADED = False

@@ -280,7 +280,8 @@ def assert_counts(
         expected: ``{op: count}``, e.g. ``{"all_reduce": 1}``; an op is its
             canonical name or torch's packet or overload of it (the keys of torch's
             CommDebugMode, ``{c10d_functional.all_reduce: 1}``; several of one op
-            add up).
+            add up), or its name as a string (``"c10d.allreduce_"``), which means the
+            same on every torch version, whether it has that op or not.
 
     Raises:
         AssertionError: the counts differ (the message shows both and the module
@@ -523,7 +524,10 @@ def _phase_hint(phase: str) -> str:
 def _op_name(op: Any, what: str) -> str:
     """The canonical name of ``op``: a canonical name (``"all_reduce"``), or torch's
     spelling of it, as a torch op packet or overload (``c10d_functional.all_reduce``,
-    the keys of torch's CommDebugMode) or its name (``"c10d.allreduce_"``)."""
+    the keys of torch's CommDebugMode) or its name (``"c10d.allreduce_"``: commspan's
+    table says what it is, whether the installed torch has that op or not)."""
+    import torch
+
     from commspan.capture.collectives import canonical_name, canonical_names
 
     name = canonical_name(op)
@@ -535,8 +539,9 @@ def _op_name(op: Any, what: str) -> str:
     close = difflib.get_close_matches(str(op).rsplit(".", 1)[-1].strip("_"), known, n=2)
     hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
     raise ValueError(
-        f"{what} is not valid: not a collective commspan knows; {hint}use a canonical op "
-        f"name ({', '.join(known)}) or a torch op packet such as "
+        f"{what} is not valid: not a collective commspan knows (torch {torch.__version__} "
+        f"installed); {hint}use a canonical op name ({', '.join(known)}), which holds on "
+        "every torch version, or a torch op packet such as "
         "torch.ops.c10d_functional.all_reduce")
 
 
