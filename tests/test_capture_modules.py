@@ -562,3 +562,107 @@ def test_hooks_changed_during_a_traced_call_act_as_untraced(how: str) -> None:
     traced = _hook_changes_mid_call(how, traced=True)
     assert traced[0] == untraced[0] and traced[1:] == untraced[1:] == (
         "OrderedDict", untraced[2])
+
+
+def _hooks_changed_between_calls(mode: CommSpanMode | None) -> tuple[list[str], int]:
+    """A module with forward hooks of its own, called three times after each change
+    of its hook tables made between calls (register, prepend, always-called, with
+    kwargs, remove, replace a hook under its id, reorder, replace or clear a table,
+    a forward that raises, one that registers a hook and removes it). Returns the
+    hooks that ran, in order, each with what it was called with and the tables as
+    it saw them, and how many times the hook issuing an all_reduce ran."""
+    import torch.distributed as dist
+
+    ran: list[str] = []
+    reduced = [0]
+    lin = nn.Linear(2, 2)
+    fail = [False]
+    original_forward = lin.forward
+
+    during = [False]  # the next call's forward registers a hook and removes it
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if fail[0]:
+            raise ValueError("forward failed")
+        if during[0]:
+            lin.register_forward_hook(hook("x")).remove()
+        return original_forward(x)
+
+    lin.forward = forward  # type: ignore[method-assign]
+
+    def stored(table: Any) -> list[str]:
+        """The hooks or flags the table holds as code below Python reads it (its
+        OrderedDict storage), without commspan's closers (their ids are below 0)."""
+        return [getattr(v, "label", str(v)) for k, v in OrderedDict.items(table) if k >= 0]
+
+    def hook(name: str) -> Any:
+        def run(*args: Any) -> None:
+            # (3 arguments: (m, args, out); 4: with kwargs)
+            ran.append(f"{name}/{len(args)}")
+            if not during[0]:  # (that call's view has the hook: a copy below Python)
+                ran.append(f"{stored(lin._forward_hooks)} "
+                           f"{stored(lin._forward_hooks_with_kwargs)} "
+                           f"{stored(lin._forward_hooks_always_called)}")
+        run.label = name  # type: ignore[attr-defined]
+        return run
+
+    def reducing(m: nn.Module, args: Any, out: torch.Tensor) -> None:
+        ran.append("reduce")
+        reduced[0] += 1
+        dist.all_reduce(out.detach().clone())
+
+    reducing.label = "reduce"  # type: ignore[attr-defined]
+    handles: dict[str, Any] = {}
+    changes: list[Any] = [
+        lambda: handles.update(a=lin.register_forward_hook(hook("a"))),
+        lambda: handles.update(r=lin.register_forward_hook(reducing)),
+        lambda: handles.update(b=lin.register_forward_hook(hook("b"), with_kwargs=True)),
+        lambda: handles.update(c=lin.register_forward_hook(hook("c"), prepend=True)),
+        lambda: handles.update(d=lin.register_forward_hook(hook("d"), always_call=True)),
+        lambda: handles["b"].remove(),
+        lambda: lin._forward_hooks.__setitem__(handles["a"].id, hook("a2")),
+        lambda: lin._forward_hooks.move_to_end(handles["a"].id),
+        lambda: lin._forward_hooks_with_kwargs.__setitem__(handles["a"].id, True),
+        lambda: lin._forward_hooks_always_called.pop(handles["d"].id),
+        lambda: fail.__setitem__(0, True),
+        lambda: (fail.__setitem__(0, False), lin._forward_hooks_always_called.__setitem__(
+            handles["d"].id, True)),
+        lambda: setattr(lin, "_forward_hooks", OrderedDict(reversed(lin._forward_hooks.items()))),
+        lambda: lin._forward_hooks.clear(),
+        lambda: handles.update(e=lin.register_forward_hook(hook("e"))),
+        lambda: during.__setitem__(0, True),
+    ]
+
+    def calls() -> None:
+        for change in changes:
+            change()
+            ran.append("|")
+            for _ in range(3):
+                try:
+                    lin(torch.ones(1, 2))
+                except ValueError:
+                    ran.append("raised")
+                during[0] = False
+
+    if mode is None:
+        calls()
+    else:
+        with mode, mode.step(0):
+            calls()
+    return ran, reduced[0]
+
+
+def test_hooks_changed_between_traced_calls_run_as_untraced(fake_pg: None) -> None:
+    """commspan keeps a module's views of its hook tables from one call to the next:
+    hooks changed between calls in every way torch allows (and by writing to the
+    tables) run as untraced, in torch's order, with the same arguments, the tables
+    hold what they hold untraced (also as read below Python), and the all_reduce
+    one of the hooks issues is the module's at each call."""
+    untraced, reduced = _hooks_changed_between_calls(None)
+    assert reduced > 0 and "raised" in untraced
+    mode = CommSpanMode()
+    traced, traced_reduced = _hooks_changed_between_calls(mode)
+    mode.shutdown()
+    assert traced == untraced and traced_reduced == reduced
+    assert mode.aggregator.module_counts()["Linear"]["forward"] == {"all_reduce": reduced}
+    assert mode.stats()["internal_errors"] == 0

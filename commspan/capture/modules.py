@@ -376,6 +376,7 @@ class _CallHooks(OrderedDict):  # type: ignore[type-arg]
         super().__init__()
         self.own = own
         self.closers: dict[int, Any] = dict(closers)
+        self.dirty = False  # written to since built (not reused then: _ModuleViews)
         for key, value in (*own.items(), *self.closers.items()):
             _od_set(self, key, value)
 
@@ -414,6 +415,7 @@ class _CallHooks(OrderedDict):  # type: ignore[type-arg]
 
     # ---- writes: to the own table (commspan's closers are left alone)
     def __setitem__(self, key: Any, value: Any) -> None:
+        self.dirty = True
         self.own[key] = value
         OrderedDict.__setitem__(self, key, value)
         handle = sys._getframe(1).f_locals.get("handle")  # torch's register_*_hook
@@ -421,6 +423,7 @@ class _CallHooks(OrderedDict):  # type: ignore[type-arg]
             _point_at_own(handle)
 
     def __delitem__(self, key: Any) -> None:
+        self.dirty = True
         if key in self.closers:
             del self.closers[key]
         else:
@@ -428,6 +431,7 @@ class _CallHooks(OrderedDict):  # type: ignore[type-arg]
         OrderedDict.pop(self, key, None)
 
     def pop(self, key: Any, *default: Any) -> Any:
+        self.dirty = True
         if key in self.closers:
             OrderedDict.pop(self, key, None)
             return self.closers.pop(key)
@@ -436,17 +440,20 @@ class _CallHooks(OrderedDict):  # type: ignore[type-arg]
         return value
 
     def popitem(self, last: bool = True) -> Any:
+        self.dirty = True
         key, value = self.own.popitem(last)  # type: ignore[call-arg]
         OrderedDict.pop(self, key, None)
         return key, value
 
     def clear(self) -> None:
+        self.dirty = True
         self.own.clear()
         OrderedDict.clear(self)
         for key, value in self.closers.items():
             OrderedDict.__setitem__(self, key, value)
 
     def move_to_end(self, key: Any, last: bool = True) -> None:
+        self.dirty = True
         if key in self.own:
             self.own.move_to_end(key, last)  # type: ignore[attr-defined]
         OrderedDict.move_to_end(self, key, last)
@@ -514,6 +521,97 @@ def _remove_closer(module: torch.nn.Module, key: int) -> None:
             state[name] = _CallHooks(table.own, [(k, v) for k, v in closers.items() if k != key])
 
 
+def _idle_closer(module: torch.nn.Module, args: Any, kwargs: Any, output: Any = None) -> None:
+    """What a module's kept views (:class:`_ModuleViews`) hold in place of a closer
+    between its calls (not the last call's closer: that would keep the call)."""
+
+
+class _ModuleViews:
+    """One module's views of its three forward-hook tables with one closer of this
+    tracker's (:class:`_CallHooks`), kept between its calls and put in place again at
+    the next (only the closer is swapped), instead of views built and taken down per
+    call. They are put back only while they still show the module's tables as they
+    are: the same table objects with the same items (``snap``, taken when the views
+    were built), and nothing written through a view since (``dirty``); otherwise the
+    views are built anew. A call of the module while another one's views are in
+    place (the module called inside itself, or from another thread) takes views of
+    its own (:func:`_add_closer`)."""
+
+    __slots__ = ("key", "kw", "always", "hooks", "snap")
+
+    def __init__(self, state: dict[str, Any], key: int) -> None:
+        self.key = key
+        kw = state["_forward_hooks_with_kwargs"]
+        always = state["_forward_hooks_always_called"]
+        hooks = state["_forward_hooks"]
+        # (the hooks by identity: a user's object's == may do anything)
+        self.snap = (tuple(kw.items()), tuple(always.items()), tuple(hooks),
+                     tuple(map(id, hooks.values())))
+        flag = ((key, True),)
+        self.kw = _CallHooks(kw, flag)
+        self.always = _CallHooks(always, flag)
+        self.hooks = _CallHooks(hooks, ((key, _idle_closer),))
+
+    def put(self, state: dict[str, Any], closer: _Closer) -> bool:
+        """Put the views in place with ``closer`` (under ``_TABLES_LOCK``), if they
+        still show the module's own tables; returns whether they were put."""
+        kw, always, hooks = self.kw, self.always, self.hooks
+        own_kw = state["_forward_hooks_with_kwargs"]
+        own_always = state["_forward_hooks_always_called"]
+        own_hooks = state["_forward_hooks"]
+        if (own_kw is not kw.own or own_always is not always.own or own_hooks is not hooks.own
+                or kw.dirty or always.dirty or hooks.dirty
+                or self.snap != (tuple(own_kw.items()), tuple(own_always.items()),
+                                 tuple(own_hooks), tuple(map(id, own_hooks.values())))):
+            return False
+        key = self.key
+        hooks.closers[key] = closer
+        _od_set(hooks, key, closer)  # (in place: after the own table's hooks)
+        # (flags first: a reader never sees the hook without them)
+        state["_forward_hooks_with_kwargs"] = kw
+        state["_forward_hooks_always_called"] = always
+        state["_forward_hooks"] = hooks
+        return True
+
+    def take(self, state: dict[str, Any]) -> bool:
+        """Put the module's own tables back in place of the views (under
+        ``_TABLES_LOCK``), if the views are what is in place; returns whether they
+        were."""
+        hooks, always, kw = self.hooks, self.always, self.kw
+        try:
+            if (state["_forward_hooks"] is not hooks
+                    or state["_forward_hooks_always_called"] is not always
+                    or state["_forward_hooks_with_kwargs"] is not kw):
+                return False
+        except KeyError:  # (a table taken off the module)
+            return False
+        state["_forward_hooks"] = hooks.own  # (the hook first)
+        state["_forward_hooks_always_called"] = always.own
+        state["_forward_hooks_with_kwargs"] = kw.own
+        key = self.key
+        hooks.closers[key] = _idle_closer
+        _od_set(hooks, key, _idle_closer)
+        return True
+
+
+def _put_closer(module: torch.nn.Module, info: ModuleInfo, closer: _Closer) -> int:
+    """:func:`_add_closer` through the module's kept views (:class:`_ModuleViews`),
+    made or made anew when its own tables are in place; returns the closer's key."""
+    state = module.__dict__
+    with _TABLES_LOCK:
+        views = info.views
+        if views is not None and views.put(state, closer):
+            return views.key
+        if (type(state.get("_forward_hooks")) is not _CallHooks
+                and type(state.get("_forward_hooks_with_kwargs")) is not _CallHooks
+                and type(state.get("_forward_hooks_always_called")) is not _CallHooks):
+            views = info.views = _ModuleViews(
+                state, next(_closer_ids) if views is None else views.key)
+            if views.put(state, closer):
+                return views.key
+    return _add_closer(module, closer)  # another call's views are in place
+
+
 class ModuleInfo:
     """What the tracker knows of one module: its name, type and the attributes
     its spans start from (built once, copied per call)."""
@@ -530,6 +628,7 @@ class ModuleInfo:
         "ref",
         "ddp",
         "fw_trace",
+        "views",
     )
 
     def __init__(self, fqn: str, mtype: str) -> None:
@@ -551,6 +650,7 @@ class ModuleInfo:
         self.depth = 0  # nesting depth at the module's first forward
         self.ref: Any = None  # weakref.ref to the module, made once
         self.fw_trace: Any = None  # trace id of its last forward (a recompute re-runs it)
+        self.views: _ModuleViews | None = None  # its hook tables' views, kept between calls
 
 
 def _without_traceback(error: BaseException) -> BaseException:
@@ -725,6 +825,7 @@ class ModuleTracker(BackwardNesting):
             # (a module's open calls with a closing hook are all in _local: those
             # are the only infos whose count is not 0)
             call.info.local_open = 0
+            call.info.views = None  # (may hold the call's closer)
 
     def _innermost_call(self, info: ModuleInfo) -> int:
         """Index in ``_calls`` of the module's innermost open call, or -1."""
@@ -959,8 +1060,9 @@ class ModuleTracker(BackwardNesting):
         copying, pickling or scripting the model would fail. It is added to views
         of the module's hook tables put in their place for the call
         (:class:`_CallHooks`), never to the tables themselves, which another
-        thread may be reading."""
-        call.local = _add_closer(module, _Closer(self, call))
+        thread may be reading; the views are kept for the module's next call
+        while its tables stay as they are (:class:`_ModuleViews`)."""
+        call.local = _put_closer(module, info, _Closer(self, call))
         self._local.append(call)
         info.local_open += 1
 
@@ -982,6 +1084,12 @@ class ModuleTracker(BackwardNesting):
             self._local.remove(call)
         except ValueError:
             pass
+        views = info.views
+        if views is not None and key == views.key:
+            with _TABLES_LOCK:
+                if views.take(module.__dict__):
+                    return True
+            info.views = None  # (another call's views were put over them: drop them)
         _remove_closer(module, key)
         return True
 
