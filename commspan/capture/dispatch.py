@@ -291,17 +291,20 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
     ) -> Any:
         if _dynamo_callback() is not None:  # compiled code runs this op: Dynamo off
             return self._dispatch_without_dynamo(func, types, args, kwargs)
-        info = self._table.get(id(func))  # OpOverload.__hash__ is a Python call
         if types:
             if types[0] is _DTensor or _defers(types):  # (DTensor,): the usual case
-                # DTensor runs first: its local ops (collectives included) come back here
+                # DTensor runs first: its local ops (collectives included) come back
+                # here (so the op table is not read for it)
                 if REDISTRIBUTE_HOOK:
                     self._tls.op = func
                 return NotImplemented
+            info = self._table.get(id(func))  # OpOverload.__hash__ is a Python call
             if info is _WAIT:  # on a lazy output, the usual case
                 return self._wait(func, args, kwargs)
             if self._lazy is not None and _has(types, self._lazy):
                 return self._on_lazy(func, args, kwargs or {}, info)
+        else:
+            info = self._table.get(id(func))
         if info is not None:
             if info is _WAIT:
                 return self._wait(func, args, kwargs)
