@@ -555,11 +555,12 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
             stack = tls.stack = []
         try:  # learn the mesh now: a redistribution without collectives names it too
             learned = False
-            for spec in (src, dst):
-                mesh = getattr(spec, "mesh", None)
-                if mesh is not None:
-                    self.groups.add_mesh(mesh)
-                    learned = True
+            if type(src) is not tuple or type(dst) is not tuple:  # (placements: no mesh)
+                for spec in (src, dst):
+                    mesh = getattr(spec, "mesh", None)
+                    if mesh is not None:
+                        self.groups.add_mesh(mesh)
+                        learned = True
             if not learned:
                 # an explicit redistribution (redistribute(), full_tensor()) passes
                 # placements only; torch's caller (redistribute_local_tensor) holds the mesh
