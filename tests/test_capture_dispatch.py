@@ -1,11 +1,12 @@
 """capture/dispatch.py: commspan's dispatch mode nested with torch's CommDebugMode,
-either way round."""
+either way round; how it calls a c10d op."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
+import torch
 from _tracing import (
     mlp_step,
     tp_mlp,
@@ -129,3 +130,37 @@ def test_sampled_out_steps_number_nothing_under_a_mode_pushed_later(fake_pg: Non
     alone = seqs(False)
     assert len(alone) == 2
     assert seqs(True) == alone
+
+
+def test_a_c10d_op_is_called_as_its_overload_would_call_it(fake_pg: None) -> None:
+    """A c10d op's overload (``TorchBindOpOverload``) dispatches in Python when an
+    argument is a ``FakeScriptObject``, else runs its C++ op: commspan calls the C++
+    op directly (without the overload's search of every argument) exactly when
+    torch's own check would, for the process group and reduce op, real or fake,
+    alone or in a list."""
+    import torch.distributed as dist
+    from torch._library.fake_class_registry import FakeScriptObject
+    from torch._ops import _must_dispatch_in_python
+
+    from commspan.capture.collectives import build_overload_table
+    from commspan.capture.dispatch import _torchbind_call
+
+    op = torch.ops.c10d.allreduce_.default
+    info = build_overload_table()[op]
+    group = dist.distributed_c10d._get_default_group()
+    reduce_op = dist.ReduceOp.SUM
+    fake = FakeScriptObject(object(), "c10d.ProcessGroup", None)
+    tensors = [torch.ones(2)]
+    cases = [
+        (tensors, group, reduce_op, None, False, -1),
+        (tensors, fake, reduce_op, None, False, -1),
+        (tensors, group, fake, None, False, -1),
+        (tensors, [group, fake], reduce_op, None, False, -1),
+        (tensors, group),
+    ]
+    for args in cases:
+        call = _torchbind_call(op, info, args, {})
+        assert (call is op) == _must_dispatch_in_python(args, {}), args
+        assert call is op or call is op._op
+    # keyword arguments: the overload's own call
+    assert _torchbind_call(op, info, (tensors,), {"process_group": group}) is op

@@ -139,6 +139,8 @@ class CollectiveInfo:
         split_in_index / split_out_index: positions of the input and output
             split sizes of an ``all_to_all_single`` (``-1`` when absent).
         tag_index: position of a point-to-point op's ``tag`` (``-1`` when absent).
+        script_indices: positions of the arguments whose schema type is a TorchBind
+            class (``c10d`` ops' process group and reduce op), or holds one.
     """
 
     name: str
@@ -157,6 +159,7 @@ class CollectiveInfo:
     split_in_index: int = -1
     split_out_index: int = -1
     tag_index: int = -1
+    script_indices: tuple[int, ...] = ()
 
 
 def canonical_names() -> list[str]:
@@ -218,6 +221,8 @@ def _info(overload: Any, canonical: str, kind: str) -> CollectiveInfo:
         split_in_index=_index(names, _SPLIT_IN_ARGS),
         split_out_index=_index(names, _SPLIT_OUT_ARGS),
         tag_index=_index(names, ("tag",)) if kind == semconv.KIND_P2P else -1,
+        script_indices=tuple(i for i, a in enumerate(overload._schema.arguments)
+                             if "__torch__.torch.classes." in str(a.type)),
     )
 
 

@@ -50,6 +50,13 @@ __all__ = [
 _log = logging.getLogger(__name__)
 _Tensor = torch.Tensor
 _OpOverload: Any = torch._ops.OpOverload  # subclasses (TorchBindOpOverload) excluded
+# a c10d op's overload: its __call__ looks for a FakeScriptObject in every argument
+_TorchBindOpOverload: Any = getattr(torch._ops, "TorchBindOpOverload", None)
+_contains_fake_script_object: Any = getattr(torch._ops, "_contains_fake_script_object", None)
+try:
+    from torch._library.fake_class_registry import FakeScriptObject as _FakeScriptObject
+except ImportError:  # pragma: no cover - another torch: its overloads' own call
+    _contains_fake_script_object = None
 _ScriptObject = torch.ScriptObject
 try:  # a c10d op's Work, as returned to the dispatch mode
     _unbox: Any = torch._C._distributed_c10d.Work.unbox  # type: ignore[attr-defined]
@@ -472,6 +479,8 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
         finally:
             tls.p2p_tensor = None
         if timing is None:
+            if info.script_indices:  # a c10d op
+                return _torchbind_call(func, info, args, kwargs)(*args, **kwargs)
             return func(*args, **kwargs)
         completions = self.completions
         if completions.cuda or completions.polled:
@@ -485,7 +494,10 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
             started = None
             timing.issued = _perf()
         try:
-            out = func(*args, **kwargs)
+            if info.script_indices:  # a c10d op
+                out = _torchbind_call(func, info, args, kwargs)(*args, **kwargs)
+            else:
+                out = func(*args, **kwargs)
         except BaseException:
             completions.give_up(timing, failed=True)  # the op raised: it never completes
             raise
@@ -722,6 +734,26 @@ def _has(types: Any, cls: type) -> bool:
         if issubclass(t, cls):
             return True
     return False
+
+
+def _torchbind_call(func: Any, info: CollectiveInfo, args: Any, kwargs: Any) -> Any:
+    """What to call to run a c10d op's overload (a ``TorchBindOpOverload``) as its
+    ``__call__`` would: its C++ op, without ``__call__``'s search of every argument
+    and list item for a ``FakeScriptObject`` (a Python frame each), when none of the
+    arguments whose schema type is a TorchBind class holds one; else the overload
+    (torch's own check and call)."""
+    if kwargs or type(func) is not _TorchBindOpOverload or _contains_fake_script_object is None:
+        return func
+    for index in info.script_indices:
+        if index < len(args):
+            value = args[index]
+            if isinstance(value, _FakeScriptObject) or (
+                    isinstance(value, _CONTAINERS) and _contains_fake_script_object(value)):
+                return func
+    return func._op
+
+
+_CONTAINERS = (list, tuple, dict)
 
 
 def _arg(info: CollectiveInfo, args: Any, kwargs: Any, index: int) -> Any:
