@@ -76,6 +76,7 @@ __all__ = [
     "OWNER_KIND_GRADIENT_RECV",
     "OWNER_KIND_GRADIENT_SEND",
     "OWNER_KIND_INIT_SYNC",
+    "OWNER_KIND_REDISTRIBUTE_GRAD",
     "OWNER_KIND_REDUCE_GRAD",
     "OWNER_KIND_STAGE_SETUP",
     "OWNER_KIND_UNSHARD",
@@ -313,6 +314,11 @@ OWNER_KIND_REDUCE_GRAD = "reduce_grad"
 """``commspan.owner.kind``: FSDP2 reduce-scatter of a unit's gradients."""
 OWNER_KIND_ALL_REDUCE = "all_reduce"
 """``commspan.owner.kind``: HSDP all-reduce of a unit's gradient shard across replicas."""
+OWNER_KIND_REDISTRIBUTE_GRAD = "redistribute_grad"
+"""``commspan.owner.kind``: FSDP2 over tensor parallelism: a gradient of the unit brought
+to its parameter's placement over the other mesh dimensions while FSDP collects the
+unit's gradients for their reduction (a sequence-parallel norm's partial gradient
+all-reduced over ``tp``)."""
 OWNER_KIND_BUCKET = "bucket"
 """``commspan.owner.kind``: DDP all-reduce of one gradient bucket (or a comm hook's
 collective for it)."""
@@ -476,8 +482,8 @@ ATTRIBUTES: dict[str, str] = {
     OWNER_SOURCE: "What decided the owner: ``position``, ``fsdp``, ``ddp``, ``pipeline`` or "
     "``compile`` (the submodule a compiled graph's node belongs to, ``aot_eager``).",
     OWNER_KIND: "What the collective does for its owner (FSDP: ``unshard``, ``reduce_grad``, "
-    "``all_reduce``; DDP: ``bucket``, ``unused_map``, ``init_sync``, ``forward_sync``; "
-    "pipeline: ``activation_send``, ``activation_recv``, ``gradient_send``, "
+    "``all_reduce``, ``redistribute_grad``; DDP: ``bucket``, ``unused_map``, ``init_sync``, "
+    "``forward_sync``; pipeline: ``activation_send``, ``activation_recv``, ``gradient_send``, "
     "``gradient_recv``, ``stage_setup``); absent for ``position``.",
     OWNER_PREFETCH: "FSDP unshard: issued ahead of its unit's use by another unit's hook "
     "(implicit backward prefetch, or ``set_modules_to_*_prefetch``) (bool).",
@@ -486,7 +492,8 @@ ATTRIBUTES: dict[str, str] = {
     "gradients, or the DDP bucket's (int).",
     OWNER_BYTES: "Bytes of the owner's data the collective carries: the whole (padded) "
     "unit for an FSDP all-gather (its output) or reduce-scatter (its input), the unit's "
-    "shard for HSDP's all-reduce, the bucket for DDP (int). Over the wire each rank "
+    "shard for HSDP's all-reduce, the gradient for ``redistribute_grad``, the bucket for DDP "
+    "(int). Over the wire each rank "
     "sends about this x (n-1)/n (all-gather, reduce-scatter) or x 2(n-1)/n (all-reduce).",
     OWNER_CREDIT: "Modules the collective counts for (its owner and the modules enclosing "
     "it by name) that had no open span when it was issued, so that no span's count "

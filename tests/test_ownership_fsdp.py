@@ -528,6 +528,117 @@ def test_a_collective_from_fsdps_final_callback_is_not_the_embeddings() -> None:
     assert cap.counts("FSDP_EmbedNormOut.tok", "backward") == {}
 
 
+class _NormBlock(torch.nn.Module):
+    """A torchtitan block in small: a sequence-parallel norm, then a tensor-parallel MLP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.RMSNorm(8)
+        self.up = torch.nn.Linear(8, 16, bias=False)  # as torchtitan's: no biases
+        self.down = torch.nn.Linear(16, 8, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class _NormNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([_NormBlock(), _NormBlock()])
+        self.norm = torch.nn.LayerNorm(8)
+        self.head = torch.nn.Linear(8, 4, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def test_a_tensor_parallel_gradient_all_reduce_in_fsdps_post_backward_is_its_units() -> None:
+    """FSDP2 over tensor parallelism, as torchtitan shards a model: the norms are
+    sequence-parallel, so their parameters are replicated over ``tp`` and their
+    gradients are partial sums. FSDP2's post-backward all-reduces each such gradient
+    over ``tp`` while it collects its unit's gradients for the reduce-scatter (with
+    gradient accumulation, once per optimizer step, not per microbatch). Each is its
+    unit's: the blocks' norms' their block's, the final norm's the root's, wherever
+    FSDP's hook happened to run (after a block's backward span ended; for the root, in
+    FSDP's final callback, outside every module). Reference: the parameters replicated
+    over ``tp`` in each unit (their placements and local sizes), one all-reduce each of
+    the gradient's size; the test's own dispatch mode sees those all-reduces."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from commspan.testing import fake_mesh, fake_process_group
+
+    class Sizes(TorchDispatchMode):  # the tp all-reduces' input bytes, in backward
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[int] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if any(issubclass(t, DTensor) for t in types):
+                return NotImplemented  # DTensor first: its collectives come back here
+            if func._opname == "all_reduce":
+                self.seen.append(args[0].numel() * args[0].element_size())
+            return func(*args, **(kwargs or {}))
+
+    with fake_process_group(world_size=4):
+        mesh = fake_mesh((2, 2), names=("dp", "tp"))
+        torch.manual_seed(0)
+        model = _NormNet()
+        tp = mesh["tp"]
+        parallelize_module(model, tp, {
+            "norm": SequenceParallel(),
+            "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())})
+        for block in model.blocks:
+            parallelize_module(block, tp, {
+                "norm": SequenceParallel(), "up": ColwiseParallel(input_layouts=Shard(1)),
+                "down": RowwiseParallel(output_layouts=Shard(1))})
+        # reference: each unit's own parameters replicated over tp, by local bytes
+        blocks = {id(p) for block in model.blocks for p in block.parameters()}
+
+        def replicated(params: Any) -> list[int]:
+            return sorted(p.to_local().numel() * 4 for p in params
+                          if p.placements == (Replicate(),))
+
+        expected = {f"FSDP_NormNet.blocks.{i}": replicated(block.parameters())
+                    for i, block in enumerate(model.blocks)}
+        expected["FSDP_NormNet"] = replicated(
+            p for p in model.parameters() if id(p) not in blocks)
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        sizes = Sizes()
+        with capture() as cap:
+            for step in range(STEPS):
+                with cap.mode.step(step), sizes:
+                    for micro in range(2):  # gradient accumulation: sync on the last
+                        model.set_requires_gradient_sync(micro == 1)
+                        model(torch.randn(2, 4, 8)).sum().backward()
+    assert sorted(sizes.seen) == sorted(STEPS * sum(expected.values(), [])), sizes.seen
+    owned: dict[str, list[int]] = {}
+    for span in cap.spans:
+        for event in span.events:
+            attrs = event.attributes
+            if attrs.get(semconv.COLL_OP) == "all_reduce":
+                assert attrs[semconv.PHASE] == "backward", dict(attrs)
+                owned.setdefault(str(attrs[semconv.OWNER_FQN]), []).append(
+                    int(attrs[semconv.TENSOR_BYTES]))
+    assert {fqn: sorted(b) for fqn, b in owned.items()} == {
+        fqn: sorted(STEPS * b) for fqn, b in expected.items()}
+    for fqn, b in expected.items():  # the unit's own row counts them (and Global's)
+        own = cap.counts(fqn, "backward").get("all_reduce", 0)
+        inner = sum(len(v) for k, v in expected.items() if k.startswith(fqn + "."))
+        assert own == STEPS * (len(b) + inner), (fqn, own)
+
+
 def test_a_units_gradient_reduction_counts_its_trainable_parameters() -> None:
     """Fine-tuning: a unit's first layer is frozen. Its all-gathers move every
     parameter; its reduce-scatter only the trainable ones' gradients, and says so in

@@ -7,6 +7,10 @@ which the dispatch mode keeps on a per-thread stack
 - ``FSDP::all_gather (<unit>)`` around the all-gather of a unit's parameters
   (unshard), ``FSDP::post_backward_reduce (<unit>)`` around the gradient
   reduce-scatter and, for HSDP, the all-reduce across replicas;
+- ``FSDP::post_backward_reshard (<unit>)`` / ``FSDP::post_backward_accumulate
+  (<unit>)`` around FSDP collecting the unit's gradients for that reduction, where
+  DTensor brings a tensor-parallel partial gradient to its parameter's placement
+  (a sequence-parallel norm's: an all-reduce over ``tp``);
 - ``FSDP::forward_prefetch for <unit>`` / ``FSDP::backward_prefetch for <unit>``
   around an unshard another unit's hook issues ahead of time;
 - ``FSDP::pre_forward (<unit>)``, ``FSDP::pre_backward (<unit>)``: the hook that
@@ -42,7 +46,12 @@ _PREFIX = "FSDP::"
 _UNIT_LABEL = re.compile(r"^FSDP::(?P<what>[a-z_]+)(?: \((?P<unit>.*?)\))?(?: \[pg=\d+\])?$")
 _PREFETCH_LABEL = re.compile(r"^FSDP::(?P<pass>forward|backward)_prefetch for (?P<unit>.*)$")
 _KINDS = {"all_gather": semconv.OWNER_KIND_UNSHARD,
-          "post_backward_reduce": semconv.OWNER_KIND_REDUCE_GRAD}
+          "post_backward_reduce": semconv.OWNER_KIND_REDUCE_GRAD,
+          # where FSDP collects (and accumulates) the unit's gradients for the reduction:
+          # with tensor parallelism, DTensor brings a partial gradient to its
+          # parameter's placement there (an all-reduce over tp)
+          "post_backward_reshard": semconv.OWNER_KIND_REDISTRIBUTE_GRAD,
+          "post_backward_accumulate": semconv.OWNER_KIND_REDISTRIBUTE_GRAD}
 
 
 class FsdpLabel(NamedTuple):
@@ -50,7 +59,7 @@ class FsdpLabel(NamedTuple):
 
     Attributes:
         unit: the unit's path relative to its FSDP root (``""``: the root).
-        kind: ``unshard`` or ``reduce_grad``.
+        kind: ``unshard``, ``reduce_grad`` or ``redistribute_grad``.
         prefetch: ``"forward"`` / ``"backward"`` when another unit's hook
             prefetches it for that pass, else ``None``.
         hook: the innermost FSDP hook label around it (``pre_forward``,
@@ -118,14 +127,19 @@ class FsdpUnits:
             if unit is None:
                 return None
             members.append(unit)
+        if label.kind == semconv.OWNER_KIND_REDISTRIBUTE_GRAD:
+            # one gradient of the unit, not the unit: its bytes are the collective's
+            one: dict[str, Any] = {
+                semconv.OWNER_BYTES: int(issued.attributes.get(semconv.TENSOR_BYTES, 0) or 0)}
+            if len(members) > 1:
+                one[semconv.FSDP_UNIT_MODULES] = tuple(m.fqn for m in members)
+            return Ownership(_owner(members), Phase.BACKWARD, semconv.SOURCE_FSDP,
+                             label.kind, one)
         reduces = label.kind == semconv.OWNER_KIND_REDUCE_GRAD
         # a gradient reduction moves the gradients of the trainable parameters only
         counted = [m.trainable if reduces and m.trainable >= 0 else m.params for m in members]
-        if len(members) == 1:
-            owner, params = members[0].fqn, counted[0]
-        else:
-            owner = lowest_common_module([m.fqn for m in members])
-            params = sum(counted)
+        owner = _owner(members)
+        params = counted[0] if len(members) == 1 else sum(counted)
         op = issued.op
         attrs = issued.attributes
         moved = int(attrs.get(semconv.TENSOR_BYTES, 0) or 0)
@@ -157,6 +171,14 @@ class FsdpUnits:
         if len(members) > 1:
             extra[semconv.FSDP_UNIT_MODULES] = tuple(m.fqn for m in members)
         return Ownership(owner, phase, semconv.SOURCE_FSDP, kind, extra)
+
+
+def _owner(members: list[FsdpUnit]) -> str:
+    """The module owning a unit's collectives: the unit's, or for one unit of several
+    modules the lowest module holding them all."""
+    if len(members) == 1:
+        return members[0].fqn
+    return lowest_common_module([m.fqn for m in members])
 
 
 def _resolve(relative: str, facts: ParallelFacts) -> FsdpUnit | None:
