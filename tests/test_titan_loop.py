@@ -258,3 +258,19 @@ def test_commands_read_the_run(ok: Titan, scenario: str, tmp_path: Path) -> None
     steps = "\n".join(outputs["stragglers"].split("Step time per rank")[1].splitlines()[2:6])
     assert [line.split()[:2] for line in steps.splitlines()] == [
         [str(r), str(len(TRAIN_STEPS) + 1)] for r in range(WORLD)], steps
+
+
+def test_compiled_blocks_collectives_carry_no_placements(ok: Titan) -> None:
+    """The blocks' tensor-parallel collectives are DTensor redistributions in the eager
+    run (their events name the placements) and plain functional collectives of the
+    compiled graph in the compiled run (owned by the submodule of their graph node, no
+    placements), as docs/parallelisms.md says."""
+    for scenario, compiled in (("eager", False), ("compiled", True)):
+        blocks = [attrs for _, attrs in _events(ok.run_dir(scenario) / "rank0.jsonl")
+                  if str(attrs[semconv.OWNER_FQN]).startswith(f"{ROOT}.layers.")
+                  and attrs.get(semconv.MESH_DIM_NAME) == "tp"
+                  and attrs.get(semconv.OWNER_SOURCE) != "fsdp"]
+        assert blocks
+        sources = {a[semconv.OWNER_SOURCE] for a in blocks}
+        assert sources == ({"compile"} if compiled else {"position"}), (scenario, sources)
+        assert all((semconv.REDIST_SRC in a) != compiled for a in blocks), scenario
