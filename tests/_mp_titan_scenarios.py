@@ -6,7 +6,8 @@ Transformer on a 2 x 2 (``dp``, ``tp``) mesh, parallelized as torchtitan does:
 tensor parallelism with sequence-parallel norms and a loss-parallel output,
 selective activation checkpointing of each block (``checkpoint_wrapper``), each
 block compiled in place (``aot_eager``, scenario ``compiled`` only), then FSDP2
-on ``dp`` (the last block and the root not resharded after forward). Each
+on ``dp`` with torchtitan's units (the embeddings; the final norm and the output
+as one unit; each block; the root). Each
 training step accumulates gradients over two microbatches (FSDP2 syncs on the
 last only), clips the gradient norm over the DTensor parameters, steps AdamW
 (``foreach``) and an lr scheduler; after the first step an evaluation step runs
@@ -159,9 +160,11 @@ def build(mesh: Any, compiled: bool, facts: dict[str, Any] | None = None) -> nn.
         })
         block.attention.n_heads //= tp.size()
     if facts is not None:  # before FSDP2: units' padded sizes, params replicated over tp
-        in_blocks = {id(p) for b in model.layers.values() for p in b.parameters()}
+        # by the module owning their collectives: [norm, output] is one unit, the
+        # root's own (the lowest module holding both), which has no parameters left
         units = {f"layers.{n}": list(b.parameters()) for n, b in model.layers.items()}
-        units[""] = [p for p in model.parameters() if id(p) not in in_blocks]
+        units["tok_embeddings"] = list(model.tok_embeddings.parameters())
+        units[""] = [*model.norm.parameters(), *model.output.parameters()]
         shard = dp.size()
         facts["unit_padded_elements"] = {
             name: sum(math.ceil(p.to_local().shape[0] / shard) * shard
@@ -178,9 +181,13 @@ def build(mesh: Any, compiled: bool, facts: dict[str, Any] | None = None) -> nn.
         if compiled:
             block.compile(backend="aot_eager", fullgraph=True)
         model.layers.register_module(name, block)
-    for i, block in enumerate(model.layers.values()):
-        fully_shard(block, mesh=dp, reshard_after_forward=i < LAYERS - 1)
-    fully_shard(model, mesh=dp, reshard_after_forward=False)
+    # torchtitan's units: the embeddings, the norm and output together (not resharded
+    # after forward: FSDP would prefetch them at once), each block, the root
+    fully_shard(model.tok_embeddings, mesh=dp)
+    fully_shard([model.norm, model.output], mesh=dp, reshard_after_forward=False)
+    for block in model.layers.values():
+        fully_shard(block, mesh=dp)
+    fully_shard(model, mesh=dp)
     return model
 
 
