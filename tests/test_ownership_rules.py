@@ -163,6 +163,23 @@ def test_fsdp_gradient_reduction_kinds() -> None:
     assert (ar.kind, ar.phase) == ("all_reduce", Phase.BACKWARD)
 
 
+@pytest.mark.parametrize("label", ["post_backward_reshard", "post_backward_accumulate"])
+def test_fsdp_gradient_redistribution_is_the_units(label: str) -> None:
+    """Where FSDP collects (or accumulates) a unit's gradients, DTensor may redistribute
+    a tensor-parallel partial gradient: the unit's, in backward, with the gradient's
+    bytes, the root's too (FSDP's final callback, no unit suffix)."""
+    rule, facts = FsdpUnits(), Facts(UNITS)
+    block = rule.owner(_issued("all_reduce", (f"FSDP::{label} (blocks.0)",),
+                               in_autograd=True), facts)
+    root = rule.owner(_issued("all_reduce", ("FSDP::root_post_backward_callback",
+                                             f"FSDP::{label}"), in_autograd=True), facts)
+    assert block is not None and root is not None
+    assert (block.fqn, block.phase, block.source, block.kind, block.attributes) == (
+        "FSDPNet.blocks.0", Phase.BACKWARD, "fsdp", "redistribute_grad",
+        {semconv.OWNER_BYTES: 40})
+    assert (root.fqn, root.kind) == ("FSDPNet", "redistribute_grad")
+
+
 def test_fsdp_same_relative_name_asks_the_stack() -> None:
     """Two FSDP roots both named "": the parameter group on the stack decides; if it
     names neither, the rule gives up (the position owns it)."""
