@@ -20,7 +20,8 @@ commspan (``plain``), under ``CommSpanMode`` exporting JSONL to
 ``OUT_DIR/<scenario>/run/``, and (eager only) under a dispatch mode of this
 file's own that logs every collective with the loop's own label of where it is
 (``setup``, ``forward``, ``backward``, ``clip``, ``optim``, ``eval``, ``ckpt``),
-the forward-hook stack of the blocks, its process group and input bytes. It
+the block whose forward or backward runs (the blocks' own hooks), its process
+group and input bytes. It
 writes ``OUT_DIR/<scenario>/rank<r>.result.json``: the losses, gradient norms,
 evaluation losses and a digest of the final parameters of each run, the Python
 warnings each run raised, ``mode.stats()``, that log, and facts of the model
@@ -206,7 +207,7 @@ def _value(t: torch.Tensor) -> float:
 def train(mesh: Any, compiled: bool, mode: CommSpanMode | None, ckpt: Path,
           where: Callable[[str], None], stack: list[str]) -> dict[str, Any]:
     """The loop; ``where`` is told what the loop does next, ``stack`` holds the names of
-    the blocks whose forward runs (their own hooks)."""
+    the blocks whose forward or backward runs (their own hooks)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.tensor import DTensor
@@ -220,6 +221,8 @@ def train(mesh: Any, compiled: bool, mode: CommSpanMode | None, ckpt: Path,
         for name, block in model.layers.items():
             block.register_forward_pre_hook(_enter(stack, f"layers.{name}"))
             block.register_forward_hook(_leave(stack))
+            block.register_full_backward_pre_hook(_enter(stack, f"layers.{name}"))
+            block.register_full_backward_hook(_leave(stack))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     out: dict[str, Any] = {"loss": [], "norm": [], "eval": []}
@@ -304,8 +307,9 @@ _NOT = {"wait_tensor", "_wrap_tensor_autograd"}
 
 
 class Reference(TorchDispatchMode):
-    """Every collective: the loop's label, the block whose forward runs, whether autograd
-    runs, op, the group's ranks and the input bytes (``scatter``: its output's)."""
+    """Every collective: the loop's label, the block whose forward or backward runs,
+    whether autograd runs, op, the group's ranks and the input bytes (``scatter``: its
+    output's)."""
 
     def __init__(self, stack: list[str]) -> None:
         super().__init__()

@@ -11,7 +11,7 @@ compiled in place (``aot_eager``) as torchtitan does. The references never use
 commspan's attribution: the same loop run without commspan (losses, gradient
 norms, final parameters, warnings, Dynamo's graph counts) and under a dispatch
 mode of the scenario file's own that logs every collective with the loop's own
-label of what it is doing, the block whose forward runs (its own hooks), the
+label of what it is doing, the block whose forward or backward runs (its own hooks), the
 process group and the input bytes; FSDP2 unit sizes and the parameters
 replicated over ``tp`` from the model before sharding. The commands read the
 run directory as a user would.
@@ -184,8 +184,9 @@ def test_every_collective_matches_the_reference(ok: Titan, rank: int) -> None:
             assert (attrs[semconv.OWNER_FQN], phase) == (semconv.GLOBAL_FQN, "forward"), what
         if where == "eval":
             assert phase == "forward", what
-        if where in ("forward", "eval") and block is not None and not in_autograd:
-            # in a block's forward: that block's (an FSDP prefetch: the next unit's)
+        if block is not None:
+            # in a block's forward or backward (its own hooks say): that block's,
+            # recomputed or not (FSDP's: a unit's, by its label)
             owner = attrs[semconv.OWNER_FQN]
             if attrs.get(semconv.OWNER_SOURCE) == "fsdp":
                 assert owner in UNITS, what
