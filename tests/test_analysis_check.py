@@ -2016,6 +2016,49 @@ def test_a_p2p_hang_names_the_error_the_peer_left_an_earlier_step_on() -> None:
                                        "fqn": "Net.stage", "phase": "forward", "step": 1}
 
 
+def test_a_hang_does_not_name_an_error_after_which_the_rank_issued_all_of_its_step(
+) -> None:
+    """Rank 1's step 0 raised after both of its collectives (an error of its own, caught,
+    as a loss check would raise), so it skipped none: it issued every op its peer
+    issued in step 0. It then went on and hangs in a later step before that step's
+    first all_reduce, waiting on something else (its hang record, in `Net.a`), while
+    rank 0 waits in that all_reduce. The error was named as what may be why, although
+    the rank was in step with its peer after it; it is not (the next step, or step 10
+    when ``sample=`` traced steps 0 and 10 only; a receive, for a send and receive).
+    A rank that wrote nothing after the error (it died of it) still has it named."""
+    for later, p2p, died in ((1, False, False), (10, False, False), (1, True, False),
+                             (1, False, True)):
+        b = SpanBuilder(world=2, schema=3)
+        kind = semconv.KIND_P2P if p2p else semconv.KIND_COLLECTIVE
+        for step in (0, later):
+            for r in range(2):
+                s = b.rank(r, step, finished=step == 0)
+                ops = (["send" if r == 0 else "recv"] if p2p
+                       else ["all_reduce", "all_reduce"])
+                for op in ops if step == 0 or r == 0 else ():
+                    s.coll(op, fqn="Net.a", kind=kind, peer=1 - r if p2p else None,
+                           ranks=range(2))
+                if step == 0 and r == 1:
+                    s.raised("RuntimeError: loss is nan", None)  # (after its ops)
+        b.hang(0, later, stack=[("Net", "forward"), ("Net.a", "forward")], collectives=[
+            b.event_attrs("send" if p2p else "all_reduce", fqn="Net.a", phase="forward",
+                          group=WORLD_GROUP, ranks=range(2), kind=kind,
+                          seq=None if p2p else 3, p2p_seq=2 if p2p else None,
+                          peer=1 if p2p else None, state=semconv.STATE_ISSUED)])
+        if not died:
+            b.hang(1, later, stack=[("Net", "forward"), ("Net.a", "forward")],
+                   collectives=[])
+        (f,) = [f for f in check(build_run(b.spans())).findings if f.kind == KIND_HANG]
+        case = (later, p2p, died, f.message)
+        assert f.step == later and f.details["never_issued"] == [1], case
+        if died:
+            assert f.ranks[1]["error"]["step"] == 0, case
+            assert "it left step 0 on an error, RuntimeError: loss is nan" in f.message, case
+            continue
+        assert "last seen in `Net.a` forward" in f.message, case
+        assert "error" not in f.ranks[1] and "on an error" not in f.message, case
+
+
 def test_a_step_retried_under_its_number_is_not_named_left_on_its_first_error(
         tmp_path: Path, fake_pg: None) -> None:
     """Rank 1's step 1 raises (the test's own ValueError in `Net.b`), is caught and run

@@ -1077,7 +1077,8 @@ def _p2p_hang_finding(
             firsts = [st for st in theirs.values() if st is not None]
             earlier = _earlier_error(errors[peer], mine, theirs,
                                      rec.p2p_seq if rec.p2p_seq is not None else 0,
-                                     min(firsts) if firsts else rec.step)
+                                     min(firsts) if firsts else rec.step,
+                                     _seen_ns(run, peer, peer_hang, last_any))
         silent = _wrote_nothing(peer, peer_hang, last_any, earlier or ended)
         (nothing if silent else never).append(peer)
         text, fqn, phase = _unseen(peer, peer_hang, last_any, ended, earlier=earlier)
@@ -1239,6 +1240,7 @@ def _errors_by_rank(run: Run) -> dict[int, list[tuple[int, RankStep]]]:
 def _earlier_error(
     errors: Sequence[tuple[int, RankStep]], mine: Mapping[int, CollectiveRecord],
     theirs: Mapping[int, int | None], number: int, first_step: int | None,
+    seen_ns: int | None = None,
 ) -> RankStep | None:
     """The latest error that left a step of a rank that never issued op ``number`` (a
     group's seq, or the number per peer of a send or receive) its peers wait in, when
@@ -1247,30 +1249,54 @@ def _earlier_error(
     the step its peers issued each number in), and before the first it issued in
     another step (from there it went its own way: it had skipped ops). An error
     before that last op in step is not named: the rank was still in step with its
-    peers after it. Without any op in step, errors of the step ``first_step`` (its
-    peers' first op there) and later."""
+    peers after it; nor one of a step before the one its peers issued their next op
+    in, when the rank was seen after it (``seen_ns``: its latest hang record, op or
+    step start): it had issued every op of its step and went on. Without any op in
+    step, errors of the step ``first_step`` (its peers' first op there) and later."""
     if not errors:
         return None
     since: int | None = None
+    since_n: int | None = None
     until: int | None = None
     for n in sorted(k for k in mine if k < number):
         rec, peers = mine[n], theirs.get(n)
         if rec.step is None or peers is None:
             continue  # (outside steps, or no peer's record of it: nothing to compare)
         if rec.step == peers:
-            since = rec.issued_ns
+            since, since_n = rec.issued_ns, n
         else:
             until = rec.issued_ns
             break
+    # the step of the peers' first op after the rank's last one in step with them
+    after = [n for n in theirs if since_n is not None and since_n < n <= number
+             and theirs[n] is not None]
+    next_step = theirs[min(after)] if after else None
     best: tuple[int, RankStep] | None = None
     for when, rs in errors:
         if since is None and (rs.step is None or first_step is None or rs.step < first_step):
             continue
         if (since is not None and when <= since) or (until is not None and when > until):
             continue
+        if (next_step is not None and rs.step is not None and rs.step < next_step
+                and seen_ns is not None and seen_ns > when):
+            continue  # it issued all of the error's step's ops, then went on
         if best is None or when > best[0]:
             best = (when, rs)
     return best[1] if best is not None else None
+
+
+def _seen_ns(run: Run, r: int, hang: HangRecord | None,
+             last_any: Mapping[int, CollectiveRecord]) -> int | None:
+    """When rank ``r`` was last seen: its hang record, its latest op or the start of
+    its latest step span (``None``: never)."""
+    times = [rs.start_ns for (rank, _), rs in run.rank_steps.items() if rank == r]
+    times += [s for (rank, _), rs in run.rank_steps.items() if rank == r
+              for _, s, _ in rs.repeats]
+    if hang is not None:
+        times.append(hang.time_ns)
+    if r in last_any:
+        times.append(last_any[r].issued_ns)
+    return max(times, default=None)
 
 
 def _peer_steps(records: Iterable[tuple[int, CollectiveRecord]],
@@ -1444,7 +1470,8 @@ def _hang_finding(
                 theirs = _peer_steps(group_ops, r)
                 firsts = [theirs[n] for n in sorted(theirs)[:1]]
                 earlier = _earlier_error(errors[r], known, theirs, seq,
-                                         firsts[0] if firsts else None)
+                                         firsts[0] if firsts else None,
+                                         _seen_ns(run, r, hang, last_any))
             text, fqn, phase = _unseen(r, hang, last_any, ended, diverged=diverged,
                                        earlier=earlier)
             silent = _wrote_nothing(r, hang, last_any, earlier or ended)
