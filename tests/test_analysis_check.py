@@ -2059,6 +2059,36 @@ def test_a_hang_does_not_name_an_error_after_which_the_rank_issued_all_of_its_st
         assert "error" not in f.ranks[1] and "on an error" not in f.message, case
 
 
+def test_a_hang_does_not_name_an_error_raised_after_the_rank_ended_the_step() -> None:
+    """Rank 0 waits in step 1's all_reduce (its hang record); rank 1 ended step 1 without
+    it and no error (its rank span, status OK), then raised in step 2 in `Net.c` (a
+    collective on a group of its own). That error came after rank 1 left the step its
+    peer waits in, so it cannot be why; it was named (as for a send its peer never
+    received, below)."""
+    for p2p in (False, True):
+        b = SpanBuilder(world=2, schema=3)
+        kind = semconv.KIND_P2P if p2p else semconv.KIND_COLLECTIVE
+        for step in range(3):
+            for r in range(2):
+                s = b.rank(r, step, finished=not (r == 0 and step == 1))
+                op = ("send" if r == 0 else "recv") if p2p else "all_reduce"
+                if step == 0 or (step == 1 and r == 0):
+                    s.coll(op, fqn="Net.a", kind=kind, peer=1 - r if p2p else None,
+                           ranks=range(2))
+                elif step == 2 and r == 1:
+                    s.coll("all_reduce", fqn="Net.c", group="7", ranks=[1])
+                    s.raised("ValueError: later", "Net.c")
+        b.hang(0, 1, stack=[("Net", "forward"), ("Net.a", "forward")], collectives=[
+            b.event_attrs("send" if p2p else "all_reduce", fqn="Net.a", phase="forward",
+                          group=WORLD_GROUP, ranks=range(2), kind=kind,
+                          seq=None if p2p else 2, p2p_seq=2 if p2p else None,
+                          peer=1 if p2p else None, state=semconv.STATE_ISSUED)])
+        (f,) = [f for f in check(build_run(b.spans())).findings if f.kind == KIND_HANG]
+        assert f.step == 1 and f.details["never_issued"] == [1], f.message
+        assert "it ended step 1 without it" in f.message, f.message
+        assert "error" not in f.ranks[1] and "ValueError" not in f.message, f.message
+
+
 def test_a_step_retried_under_its_number_is_not_named_left_on_its_first_error(
         tmp_path: Path, fake_pg: None) -> None:
     """Rank 1's step 1 raises (the test's own ValueError in `Net.b`), is caught and run

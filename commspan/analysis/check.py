@@ -1078,7 +1078,8 @@ def _p2p_hang_finding(
             earlier = _earlier_error(errors[peer], mine, theirs,
                                      rec.p2p_seq if rec.p2p_seq is not None else 0,
                                      min(firsts) if firsts else rec.step,
-                                     _seen_ns(run, peer, peer_hang, last_any))
+                                     _seen_ns(run, peer, peer_hang, last_any),
+                                     _left_ns(ended))
         silent = _wrote_nothing(peer, peer_hang, last_any, earlier or ended)
         (nothing if silent else never).append(peer)
         text, fqn, phase = _unseen(peer, peer_hang, last_any, ended, earlier=earlier)
@@ -1240,7 +1241,7 @@ def _errors_by_rank(run: Run) -> dict[int, list[tuple[int, RankStep]]]:
 def _earlier_error(
     errors: Sequence[tuple[int, RankStep]], mine: Mapping[int, CollectiveRecord],
     theirs: Mapping[int, int | None], number: int, first_step: int | None,
-    seen_ns: int | None = None,
+    seen_ns: int | None = None, left_ns: int | None = None,
 ) -> RankStep | None:
     """The latest error that left a step of a rank that never issued op ``number`` (a
     group's seq, or the number per peer of a send or receive) its peers wait in, when
@@ -1252,7 +1253,9 @@ def _earlier_error(
     peers after it; nor one of a step before the one its peers issued their next op
     in, when the rank was seen after it (``seen_ns``: its latest hang record, op or
     step start): it had issued every op of its step and went on. Without any op in
-    step, errors of the step ``first_step`` (its peers' first op there) and later."""
+    step, errors of the step ``first_step`` (its peers' first op there) and later. An
+    error after ``left_ns`` (when the rank ended the step its peers wait in) came
+    after it went past the op: it is not why."""
     if not errors:
         return None
     since: int | None = None
@@ -1277,12 +1280,22 @@ def _earlier_error(
             continue
         if (since is not None and when <= since) or (until is not None and when > until):
             continue
+        if left_ns is not None and when > left_ns:
+            continue  # (raised after it ended the step its peers wait in)
         if (next_step is not None and rs.step is not None and rs.step < next_step
                 and seen_ns is not None and seen_ns > when):
             continue  # it issued all of the error's step's ops, then went on
         if best is None or when > best[0]:
             best = (when, rs)
     return best[1] if best is not None else None
+
+
+def _left_ns(ended: RankStep | None) -> int | None:
+    """When a rank ended the step ``ended`` (of a step number used again, its last use);
+    ``None`` for no step."""
+    if ended is None:
+        return None
+    return max([ended.end_ns, *(end for _, _, end in ended.repeats)])
 
 
 def _seen_ns(run: Run, r: int, hang: HangRecord | None,
@@ -1471,7 +1484,8 @@ def _hang_finding(
                 firsts = [theirs[n] for n in sorted(theirs)[:1]]
                 earlier = _earlier_error(errors[r], known, theirs, seq,
                                          firsts[0] if firsts else None,
-                                         _seen_ns(run, r, hang, last_any))
+                                         _seen_ns(run, r, hang, last_any),
+                                         _left_ns(ended))
             text, fqn, phase = _unseen(r, hang, last_any, ended, diverged=diverged,
                                        earlier=earlier)
             silent = _wrote_nothing(r, hang, last_any, earlier or ended)
