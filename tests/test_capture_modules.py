@@ -666,3 +666,60 @@ def test_hooks_changed_between_traced_calls_run_as_untraced(fake_pg: None) -> No
     assert traced == untraced and traced_reduced == reduced
     assert mode.aggregator.module_counts()["Linear"]["forward"] == {"all_reduce": reduced}
     assert mode.stats()["internal_errors"] == 0
+
+
+def test_a_traced_model_whose_hooks_hold_it_is_freed_while_the_mode_lives() -> None:
+    """A module's forward hook that refers to the model (a bound method, an FSDP2
+    state): once the model is deleted, nothing commspan keeps between calls holds
+    it, while the mode lives and after it shut down (the module's kept views of its
+    hook tables held the hook, so the model, for the life of the mode)."""
+    import gc
+    import weakref
+
+    class Hooked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+            self.lin.register_forward_hook(self.hook)  # (bound: refers to the model)
+            self.register_forward_hook(lambda mod, args, out: self.hook(mod, args, out))
+
+        def hook(self, mod: nn.Module, args: Any, out: Any) -> Any:
+            return out + 1
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x)
+
+    mode = CommSpanMode(aggregator=False)
+    model = Hooked()
+    with mode:
+        for step in range(2):
+            with mode.step(step):
+                model(torch.ones(1, 2))
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None, "the model outlived its last reference while the mode lives"
+    mode.shutdown()
+
+
+def test_an_fsdp2_model_is_freed_while_the_mode_lives(fake_pg: None) -> None:
+    """FSDP2's forward hooks hold its state, which holds the module: a traced
+    ``fully_shard`` model is freed once deleted, while the mode lives."""
+    import gc
+    import weakref
+
+    from torch.distributed.fsdp import fully_shard
+
+    mode = CommSpanMode(aggregator=False)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    fully_shard(model[0])
+    fully_shard(model)
+    with mode:
+        for step in range(2):
+            with mode.step(step):
+                model(torch.ones(2, 4)).sum().backward()
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None, "the model outlived its last reference while the mode lives"
+    mode.shutdown()

@@ -521,19 +521,18 @@ def _remove_closer(module: torch.nn.Module, key: int) -> None:
             state[name] = _CallHooks(table.own, [(k, v) for k, v in closers.items() if k != key])
 
 
-def _idle_closer(module: torch.nn.Module, args: Any, kwargs: Any, output: Any = None) -> None:
-    """What a module's kept views (:class:`_ModuleViews`) hold in place of a closer
-    between its calls (not the last call's closer: that would keep the call)."""
-
-
 class _ModuleViews:
-    """One module's views of its three forward-hook tables with one closer of this
-    tracker's (:class:`_CallHooks`), kept between its calls and put in place again at
-    the next (only the closer is swapped), instead of views built and taken down per
-    call. They are put back only while they still show the module's tables as they
+    """One module's views of its two forward-hook flag tables (``with_kwargs``,
+    ``always_called``) with the flags of one closer of this tracker's
+    (:class:`_CallHooks`), kept between its calls and put in place again at the
+    next, instead of views built and taken down per call; the view of its hook
+    table is built per call (``hooks``, the call's while it runs): kept, it would
+    hold the module's hooks, and a hook that refers to the module (a bound method,
+    an FSDP2 state) would keep the module alive as long as the tracker. The flag
+    views are put back only while they still show the module's flag tables as they
     are: the same table objects with the same items (``snap``, taken when the views
-    were built), and nothing written through a view since (``dirty``); otherwise the
-    views are built anew. A call of the module while another one's views are in
+    were built), and nothing written through a view since (``dirty``); otherwise
+    they are built anew. A call of the module while another one's views are in
     place (the module called inside itself, or from another thread) takes views of
     its own (:func:`_add_closer`)."""
 
@@ -543,30 +542,24 @@ class _ModuleViews:
         self.key = key
         kw = state["_forward_hooks_with_kwargs"]
         always = state["_forward_hooks_always_called"]
-        hooks = state["_forward_hooks"]
-        # (the hooks by identity: a user's object's == may do anything)
-        self.snap = (tuple(kw.items()), tuple(always.items()), tuple(hooks),
-                     tuple(map(id, hooks.values())))
+        self.snap = (tuple(kw.items()), tuple(always.items()))
         flag = ((key, True),)
         self.kw = _CallHooks(kw, flag)
         self.always = _CallHooks(always, flag)
-        self.hooks = _CallHooks(hooks, ((key, _idle_closer),))
+        self.hooks: _CallHooks | None = None
 
     def put(self, state: dict[str, Any], closer: _Closer) -> bool:
         """Put the views in place with ``closer`` (under ``_TABLES_LOCK``), if they
         still show the module's own tables; returns whether they were put."""
-        kw, always, hooks = self.kw, self.always, self.hooks
+        kw, always = self.kw, self.always
         own_kw = state["_forward_hooks_with_kwargs"]
         own_always = state["_forward_hooks_always_called"]
         own_hooks = state["_forward_hooks"]
-        if (own_kw is not kw.own or own_always is not always.own or own_hooks is not hooks.own
-                or kw.dirty or always.dirty or hooks.dirty
-                or self.snap != (tuple(own_kw.items()), tuple(own_always.items()),
-                                 tuple(own_hooks), tuple(map(id, own_hooks.values())))):
+        if (own_kw is not kw.own or own_always is not always.own
+                or type(own_hooks) is _CallHooks or kw.dirty or always.dirty
+                or self.snap != (tuple(own_kw.items()), tuple(own_always.items()))):
             return False
-        key = self.key
-        hooks.closers[key] = closer
-        _od_set(hooks, key, closer)  # (in place: after the own table's hooks)
+        hooks = self.hooks = _CallHooks(own_hooks, ((self.key, closer),))
         # (flags first: a reader never sees the hook without them)
         state["_forward_hooks_with_kwargs"] = kw
         state["_forward_hooks_always_called"] = always
@@ -579,7 +572,7 @@ class _ModuleViews:
         were."""
         hooks, always, kw = self.hooks, self.always, self.kw
         try:
-            if (state["_forward_hooks"] is not hooks
+            if (hooks is None or state["_forward_hooks"] is not hooks
                     or state["_forward_hooks_always_called"] is not always
                     or state["_forward_hooks_with_kwargs"] is not kw):
                 return False
@@ -588,9 +581,7 @@ class _ModuleViews:
         state["_forward_hooks"] = hooks.own  # (the hook first)
         state["_forward_hooks_always_called"] = always.own
         state["_forward_hooks_with_kwargs"] = kw.own
-        key = self.key
-        hooks.closers[key] = _idle_closer
-        _od_set(hooks, key, _idle_closer)
+        self.hooks = None  # (holds the module's hooks and the call's closer)
         return True
 
 
@@ -650,7 +641,7 @@ class ModuleInfo:
         self.depth = 0  # nesting depth at the module's first forward
         self.ref: Any = None  # weakref.ref to the module, made once
         self.fw_trace: Any = None  # trace id of its last forward (a recompute re-runs it)
-        self.views: _ModuleViews | None = None  # its hook tables' views, kept between calls
+        self.views: _ModuleViews | None = None  # its flag tables' views, kept between calls
 
 
 def _without_traceback(error: BaseException) -> BaseException:
@@ -1060,8 +1051,9 @@ class ModuleTracker(BackwardNesting):
         copying, pickling or scripting the model would fail. It is added to views
         of the module's hook tables put in their place for the call
         (:class:`_CallHooks`), never to the tables themselves, which another
-        thread may be reading; the views are kept for the module's next call
-        while its tables stay as they are (:class:`_ModuleViews`)."""
+        thread may be reading; the views of its two flag tables are kept for the
+        module's next call while those tables stay as they are, the hook table's is
+        built per call (:class:`_ModuleViews`)."""
         call.local = _put_closer(module, info, _Closer(self, call))
         self._local.append(call)
         info.local_open += 1
