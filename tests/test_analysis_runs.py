@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import pytest
 
 from commspan import semconv
@@ -94,3 +97,81 @@ def test_format_numbers() -> None:
     assert format_numbers([]) == "-"
     assert format_numbers([5, 3, 4, 3]) == "3-5"
     assert format_numbers((0, 2, 3, 9)) == "0,2-3,9"
+
+
+def test_load_run_holds_one_lines_spans_at_a_time(
+    fake_pg: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """load_run builds the run as it reads: no more span records are alive at once
+    than one line of the file holds (it kept every span of the run in a list, some
+    24 times the size of a compressed file), and the run is the one build_run makes
+    of all the spans at once; its collectives are the all_reduces the model issued,
+    counted here."""
+    import gc
+    import json
+    import weakref
+
+    import torch
+    import torch.distributed as dist
+
+    import commspan.analysis.records as records_module
+    from commspan import CommSpanMode
+    from commspan.analysis import build_run, load_run
+    from commspan.exporters import JsonlSpanExporter, read_spans
+
+    issued = 0
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            nonlocal issued
+            y = self.lin(x)
+            dist.all_reduce(y)
+            issued += 1
+            return y
+
+    path = tmp_path / "rank0.jsonl"
+    net = Net()
+    for run_id in ("first", "second"):  # two runs: the second (latest) is read
+        mode = CommSpanMode(run_id=run_id, exporters=[JsonlSpanExporter(path)])
+        with mode:
+            for step in range(6):
+                with mode.step(step):
+                    net(torch.randn(2, 4))
+                mode.flush()  # a line (at least) per step
+        mode.shutdown()
+        if run_id == "first":
+            issued = 0
+    lines = path.read_text().splitlines()
+    per_line = [sum(len(ss["spans"]) for rs in json.loads(line)["resourceSpans"]
+                    for ss in rs["scopeSpans"]) for line in lines]
+    assert len(lines) >= 12
+
+    alive = 0
+    most = 0
+
+    def gone() -> None:
+        nonlocal alive
+        alive -= 1
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        nonlocal alive, most
+        for rec in read_spans(*args, **kwargs):
+            alive += 1
+            most = max(most, alive)
+            weakref.finalize(rec, gone)
+            yield rec
+            gc.collect()
+
+    monkeypatch.setattr(records_module, "read_spans", counted)
+    run = load_run(path)
+    assert most <= max(per_line) + 1, (most, per_line)
+    monkeypatch.undo()
+    whole = build_run(r for r in read_spans(path) if r.resource.get(semconv.RUN_ID) == "second")
+    assert run.collectives == whole.collectives
+    assert (run.rank_steps, run.module_spans, run.trace_steps) == (
+        whole.rank_steps, whole.module_spans, whole.trace_steps)
+    assert len(run.collectives) == issued == 6

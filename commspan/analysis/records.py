@@ -423,34 +423,31 @@ def load_run(
         FileNotFoundError: paths: 'no-such-dir' does not exist
     """
     wanted = _check_steps(steps)
-    records = _load_records(paths, strict=strict, report=report,
-                           max_line_bytes=max_line_bytes, run=run)
-    return build_run(records, steps=wanted, module_spans=module_spans)
-
-
-def _load_records(
-    paths: RunPaths,
-    *,
-    strict: bool = True,
-    report: ReadReport | None = None,
-    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
-    run: str | None = None,
-) -> list[SpanRecord]:
-    """The span records of one run of the JSONL files (:func:`load_run` builds its
-    :class:`Run` of them); the arguments and errors are :func:`load_run`'s."""
     files = jsonl_files(paths)
     if not files:
         raise ValueError("paths is empty; pass at least one JSONL file or directory")
     if run is not None and not isinstance(run, str):
         raise TypeError(f"run={run!r} is not valid; pass a run id (str), a prefix of one, "
                         "or None for the latest run")
-    from commspan.analysis.runs import select, shared_run_note
+    from commspan.analysis.runs import RunTally, shared_run_note
 
-    selection = select(list(_read(files, strict, report, max_line_bytes)), run=run)
-    for note in (selection.note, selection.run and shared_run_note(selection.run)):
-        if note:
-            _log.warning("%s", note)
-    return selection.records
+    # One pass, a Run built per run of the files as their spans are read (a span
+    # record lives as long as its line): the run chosen is known at the end only.
+    builders: dict[str, _RunBuilder] = {}
+    tally = RunTally()
+    for span in _read(files, strict, report, max_line_bytes):
+        run_id = tally.add(span)
+        builder = builders.get(run_id)
+        if builder is None:
+            builder = builders[run_id] = _RunBuilder(module_spans)
+        builder.add(span)
+    chosen, note = tally.choose(run)
+    for text in (note, chosen and shared_run_note(chosen)):
+        if text:
+            _log.warning("%s", text)
+    if chosen is None:
+        return build_run([])
+    return builders[chosen.run_id].finish(wanted)
 
 
 def _read(files: Sequence[Path], strict: bool = True, report: ReadReport | None = None,
@@ -508,16 +505,42 @@ def build_run(
         The run's records.
     """
     wanted = _check_steps(steps)
-    run = Run()
-    pending: list[tuple[int, str, int, dict[str, Any], str | None]] = []
-    hang_spans: list[tuple[int, SpanRecord]] = []
-    gc_pending: list[tuple[int, str, int, dict[str, Any]]] = []
-    # (rank, trace) -> (end, start, error or None) of its rank span that ended last: a
-    # step number used again is left on an error only if its last use was
-    errors: dict[tuple[int, str], tuple[int, int, str | None]] = {}
-    # (rank, trace) -> (time, fqn, phase) of its latest exception event
-    raised: dict[tuple[int, str], tuple[int, str | None, str | None]] = {}
+    builder = _RunBuilder(module_spans)
     for span in spans:
+        builder.add(span)
+    return builder.finish(wanted)
+
+
+class _RunBuilder:
+    """:func:`build_run` one span at a time (:func:`load_run` feeds one per run of the
+    files as it reads them, holding no span record longer than its line).
+
+    The texts and tuples the records repeat (trace ids, module names, a group's
+    ranks, shapes) are kept once each: a thousand-rank run repeats them millions of
+    times."""
+
+    def __init__(self, module_spans: bool = True) -> None:
+        self.module_spans = module_spans
+        self.run = Run()
+        self.pending: list[CollectiveRecord] = []
+        self.hang_spans: list[tuple[int, SpanRecord]] = []
+        self.gc_pending: list[tuple[int, str, int, dict[str, Any]]] = []
+        # (rank, trace) -> (end, start, error or None) of its rank span that ended
+        # last: a step number used again is left on an error only if its last use was
+        self.errors: dict[tuple[int, str], tuple[int, int, str | None]] = {}
+        # (rank, trace) -> (time, fqn, phase) of its latest exception event
+        self.raised: dict[tuple[int, str], tuple[int, str | None, str | None]] = {}
+        self.shared: dict[Any, Any] = {}
+
+    def _one(self, value: _T) -> _T:
+        """``value``, or the equal one kept before."""
+        try:
+            return self.shared.setdefault(value, value)
+        except TypeError:  # (unhashable: a damaged shape of lists)
+            return value
+
+    def add(self, span: SpanRecord) -> None:
+        run = self.run
         rank = record_rank(span)
         world = span.resource.get(semconv.WORLD_SIZE, span.attributes.get(semconv.WORLD_SIZE))
         if isinstance(world, int) and 0 < world <= MAX_WORLD_SIZE:
@@ -526,34 +549,35 @@ def build_run(
         if sample:
             run.rank_sample = str(sample)
         step = span.attributes.get(semconv.STEP)
+        trace_id = self._one(span.trace_id)
         if span.name in (semconv.SPAN_STEP, semconv.SPAN_RANK, semconv.SPAN_HANG) and isinstance(
             step, int
         ):
-            run.trace_steps[span.trace_id] = step
+            run.trace_steps[trace_id] = step
         if rank is None:
             run.skipped["spans without a rank"] += 1
-            continue
+            return
         run.ranks.add(rank)
         if span.name == semconv.SPAN_STEP:
-            continue  # written by rank 0 for all ranks: says nothing of rank 0 itself
-        run.presence.setdefault(span.trace_id, set()).add(rank)
-        start = run.trace_start.get(span.trace_id)
+            return  # written by rank 0 for all ranks: says nothing of rank 0 itself
+        run.presence.setdefault(trace_id, set()).add(rank)
+        start = run.trace_start.get(trace_id)
         if start is None or span.start_time < start:
-            run.trace_start[span.trace_id] = span.start_time
+            run.trace_start[trace_id] = span.start_time
         if span.name == semconv.SPAN_HANG:
-            hang_spans.append((rank, span))
-            continue
+            self.hang_spans.append((rank, span))
+            return
         if span.name == semconv.SPAN_RANK:
-            key = (rank, span.trace_id)
+            key = (rank, trace_id)
             seen = run.rank_steps.get(key)
-            last_use = errors.get(key)
+            last_use = self.errors.get(key)
             if last_use is None or span.end_time >= last_use[0]:
-                errors[key] = (span.end_time, span.start_time,
-                               span.status_message or "error"
-                               if span.status_code == _STATUS_ERROR else None)
+                self.errors[key] = (span.end_time, span.start_time,
+                                    span.status_message or "error"
+                                    if span.status_code == _STATUS_ERROR else None)
             if seen is None:
                 run.rank_steps[key] = RankStep(
-                    rank, None, span.trace_id, span.span_id, span.start_time, span.end_time
+                    rank, None, trace_id, span.span_id, span.start_time, span.end_time
                 )
             else:  # the step number used again: the same trace (RankStep.repeats)
                 first, later = sorted(
@@ -566,59 +590,68 @@ def build_run(
         else:
             fqn = span.attributes.get(semconv.MODULE_FQN)
             phase = span.attributes.get(semconv.PHASE)
-            if module_spans and isinstance(fqn, str) and isinstance(phase, str):
+            if self.module_spans and isinstance(fqn, str) and isinstance(phase, str):
                 run.module_spans.append(
                     ModuleSpan(
                         rank,
-                        span.trace_id,
+                        trace_id,
                         span.span_id,
                         span.parent_span_id,
-                        fqn,
-                        phase,
+                        self._one(fqn),
+                        self._one(phase),
                         span.start_time,
                         span.end_time,
                     )
                 )
         for (name, attrs), t in zip(span.events, _times(span)):
             if semconv.COLL_OP in attrs:
-                pending.append((rank, span.trace_id, t, attrs, name))
+                # (the step is its trace's, known once every span is read)
+                rec = _collective(rank, None, trace_id, t, attrs, self._one)
+                if rec is None:
+                    run.skipped["collective events without an op name"] += 1
+                else:
+                    self.pending.append(rec)
             elif name == semconv.EVENT_GC:
-                gc_pending.append((rank, span.trace_id, t, attrs))
+                self.gc_pending.append((rank, trace_id, t, attrs))
             elif name == semconv.EVENT_EXCEPTION:
-                key = (rank, span.trace_id)
-                if key not in raised or t >= raised[key][0]:
-                    raised[key] = (t, *_raised_where(span.name, span.attributes))
-    for rank, trace_id, t, attrs, _name in pending:
-        rec = _collective(rank, run.trace_steps.get(trace_id), trace_id, t, attrs)
-        if rec is not None:
-            run.collectives.append(rec)
-        else:
-            run.skipped["collective events without an op name"] += 1
-    for rank, span in hang_spans:
-        run.hangs.append(_hang(rank, span, run.trace_steps.get(span.trace_id)))
-    for rank, trace_id, t, attrs in gc_pending:
-        pause = gc_event_fields(attrs)
-        if pause is None:
-            run.skipped["garbage-collection events without a duration"] += 1
-            continue
-        run.gc_pauses.append(GcRecord(rank, run.trace_steps.get(trace_id), trace_id, t, *pause))
-    for key, (_end, start, error) in errors.items():
-        if error is None:
-            continue
-        where = raised.get(key, (0, None, None))
-        if where[0] < start:  # (the exception events of an earlier use)
-            where = (0, None, None)
-        run.rank_steps[key] = run.rank_steps[key]._replace(
-            error=error, error_fqn=where[1], error_phase=where[2])
-    run.rank_steps = {
-        key: rs._replace(step=run.trace_steps.get(rs.trace_id))
-        for key, rs in run.rank_steps.items()
-    }
-    if wanted is not None:
-        _keep_steps(run, wanted)
-    if run.skipped:
-        _log.info("commspan: records skipped while reading the run: %s", dict(run.skipped))
-    return run
+                key = (rank, trace_id)
+                if key not in self.raised or t >= self.raised[key][0]:
+                    self.raised[key] = (t, *_raised_where(span.name, span.attributes))
+
+    def finish(self, wanted: frozenset[int] | None = None) -> Run:
+        """The :class:`Run` of the spans added (once)."""
+        run = self.run
+        steps_of = run.trace_steps
+        make = tuple.__new__
+        run.collectives = [make(CollectiveRecord, (rec[0], steps_of[rec.trace_id], *rec[2:]))
+                           if rec.trace_id in steps_of else rec for rec in self.pending]
+        self.pending = []
+        for rank, span in self.hang_spans:
+            run.hangs.append(_hang(rank, span, run.trace_steps.get(span.trace_id)))
+        for rank, trace_id, t, attrs in self.gc_pending:
+            pause = gc_event_fields(attrs)
+            if pause is None:
+                run.skipped["garbage-collection events without a duration"] += 1
+                continue
+            run.gc_pauses.append(GcRecord(rank, run.trace_steps.get(trace_id), trace_id, t,
+                                          *pause))
+        for key, (_end, start, error) in self.errors.items():
+            if error is None:
+                continue
+            where = self.raised.get(key, (0, None, None))
+            if where[0] < start:  # (the exception events of an earlier use)
+                where = (0, None, None)
+            run.rank_steps[key] = run.rank_steps[key]._replace(
+                error=error, error_fqn=where[1], error_phase=where[2])
+        run.rank_steps = {
+            key: rs._replace(step=run.trace_steps.get(rs.trace_id))
+            for key, rs in run.rank_steps.items()
+        }
+        if wanted is not None:
+            _keep_steps(run, wanted)
+        if run.skipped:
+            _log.info("commspan: records skipped while reading the run: %s", dict(run.skipped))
+        return run
 
 
 def _raised_where(name: str, attrs: Mapping[str, Any]) -> tuple[str | None, str | None]:
@@ -702,9 +735,16 @@ def _str(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def _itself(value: _T) -> _T:
+    return value
+
+
 def _collective(
-    rank: int, step: int | None, trace_id: str, issued: int, attrs: dict[str, Any]
+    rank: int, step: int | None, trace_id: str, issued: int, attrs: dict[str, Any],
+    one: Callable[[Any], Any] = _itself,
 ) -> CollectiveRecord | None:
+    """The record of a collective event (``None`` without an op name); ``one`` gives
+    the object kept for each text and tuple (:meth:`_RunBuilder._one`)."""
     op = _str(attrs.get(semconv.COLL_OP))
     if op is None:
         return None
@@ -726,26 +766,26 @@ def _collective(
         rank=rank,
         step=step,
         trace_id=trace_id,
-        group=_str(attrs.get(semconv.PG_NAME)) or "",
-        group_ranks=tuple(r for r in ranks if isinstance(r, int))
+        group=one(_str(attrs.get(semconv.PG_NAME)) or ""),
+        group_ranks=one(tuple(r for r in ranks if isinstance(r, int)))
         if isinstance(ranks, list)
         else (),
         seq=_int(attrs.get(semconv.COLL_SEQ)),
         p2p_seq=_int(attrs.get(semconv.P2P_SEQ)),
-        op=op,
+        op=one(op),
         kind=_str(attrs.get(semconv.COLL_KIND)) or semconv.KIND_COLLECTIVE,
-        dtype=_str(attrs.get(semconv.TENSOR_DTYPE)),
-        shape=tuple(shape) if isinstance(shape, list) else None,
+        dtype=one(_str(attrs.get(semconv.TENSOR_DTYPE))),
+        shape=one(tuple(shape)) if isinstance(shape, list) else None,
         nbytes=_int(attrs.get(semconv.TENSOR_BYTES)),
         reduce_op=_str(attrs.get(semconv.COLL_REDUCE_OP)),
         peer=peer,
-        fqn=fqn,
-        phase=phase,
+        fqn=one(fqn),
+        phase=one(phase),
         issued_ns=issued,
         duration_ns=duration,
         state=state,
         wait_ns=_int(attrs.get(semconv.COLL_WAIT_NS)),
-        owner=owner if owner != fqn else None,
+        owner=one(owner) if owner is not None and owner != fqn else None,
         tag=_int(attrs.get(semconv.P2P_TAG)),
     )
 

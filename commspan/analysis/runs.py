@@ -32,6 +32,7 @@ from commspan.otlpjson.records import SpanRecord
 
 __all__ = [
     "RunInfo",
+    "RunTally",
     "Selection",
     "SelectionError",
     "StepRange",
@@ -183,6 +184,62 @@ def list_runs(records: Sequence[SpanRecord]) -> list[RunInfo]:
         rows.append((_run_of(rec), _rank_of(rec), trace_steps.get(rec.trace_id), 1,
                      rec.start_time, rec.end_time, writer))
     return runs_of(rows)
+
+
+class RunTally:
+    """:func:`list_runs` and :func:`select`'s choice of run, one span at a time,
+    holding none: what :func:`~commspan.analysis.records.load_run` needs to build
+    the runs of files as it reads them and keep one.
+
+    Example:
+        >>> RunTally().choose(None)
+        (None, None)
+    """
+
+    def __init__(self) -> None:
+        # (run, rank, trace, writer) -> [spans, start, end]
+        self._rows: dict[tuple[str, int | None, str, str | None], list[int]] = {}
+        self._steps: dict[str, int] = {}
+        self._resource: Any = None
+        self._writer: str | None = None
+
+    def add(self, rec: SpanRecord) -> str:
+        """Count ``rec``; returns its run id (``""`` for none)."""
+        run = _run_of(rec)
+        if rec.name in _STEP_SPANS:
+            step = rec.attributes.get(semconv.STEP)
+            if isinstance(step, int) and not isinstance(step, bool):
+                self._steps.setdefault(rec.trace_id, step)
+        if rec.resource is not self._resource:  # (the spans of a line share theirs)
+            self._resource, self._writer = rec.resource, writer_of(rec.resource)
+        key = (run, _rank_of(rec), rec.trace_id, self._writer)
+        row = self._rows.get(key)
+        if row is None:
+            self._rows[key] = [1, rec.start_time, rec.end_time]
+        else:
+            row[0] += 1
+            row[1] = min(row[1], rec.start_time)
+            row[2] = max(row[2], rec.end_time)
+        return run
+
+    def runs(self) -> list[RunInfo]:
+        """:func:`list_runs` of the spans added."""
+        return runs_of((run, rank, self._steps.get(trace), n, start, end, writer)
+                       for (run, rank, trace, writer), (n, start, end) in self._rows.items())
+
+    def choose(self, run: str | None) -> tuple[RunInfo | None, str | None]:
+        """The run :func:`select` would keep (``None`` when no span was added) and
+        its note.
+
+        Raises:
+            SelectionError: as :func:`select`.
+        """
+        every = tuple(self.runs())
+        runs = commspan_runs(every)
+        if not runs:
+            return None, None
+        chosen, _, note = choose(runs, run, None)
+        return chosen, _others_note(every, runs, note)
 
 
 def writer_of(resource: Any) -> str | None:

@@ -80,8 +80,6 @@ from commspan.analysis.records import (
     RunPaths,
     _check_steps,
     _keep_steps,
-    _load_records,
-    build_run,
     differing_fields,
     load_run,
 )
@@ -258,11 +256,10 @@ def stragglers(
         return analyze(load_run(paths, strict=strict, report=report,
                                 max_line_bytes=max_line_bytes, run=run))
     wanted = _check_steps(steps)
-    records = _load_records(paths, strict=strict, report=report,
-                           max_line_bytes=max_line_bytes, run=run)
     # the steps selected, with the whole run for the waits passed on from before them:
     # the run built once, the selection a copy of it cut to the steps (as build_run's)
-    whole = build_run(records)
+    whole = load_run(paths, strict=strict, report=report, max_line_bytes=max_line_bytes,
+                     run=run)
     selected = replace(whole)
     _keep_steps(selected, wanted or frozenset())
     return analyze(selected, context=whole)
