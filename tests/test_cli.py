@@ -92,8 +92,8 @@ def test_summary_text_and_json(run_dir: Path, capsys: pytest.CaptureFixture[str]
     code, out, _ = _cli(capsys, "summary", str(run_dir), "--rank", "all")
     assert code == 0
     lines = out.splitlines()
-    assert lines[0].split() == ["spans:", lines[0].split()[1], "traces:", "2",
-                                "ranks:", "0-1", "steps:", "0-1"]
+    assert lines[0].split() == ["spans:", lines[0].split()[1], "traces:", "2",  # (world 4)
+                                "ranks:", "0-1", "of", "4", "steps:", "0-1"]
     assert lines[1].split() == ["phase", "op", "count"]
     assert lines[2].split() == ["forward", "all_reduce", str(2 * STEPS)]
     assert lines[-1].split() == ["total", str(2 * STEPS)]

@@ -8,6 +8,7 @@ turn, writing that rank's file).
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -156,3 +157,44 @@ def test_an_empty_step_set_says_so_and_numpy_fractions_of_any_width_work(
     for share in (np.float32(0.5), np.float64(0.5), 0.5):
         chosen = [r for r in range(8) if rank_sample(share).traces(r, 8)]
         assert chosen == [0, 2, 4, 6], share
+
+
+@pytest.mark.parametrize("digest", [False, True])
+def test_counts_over_a_rank_sample_say_they_cover_the_traced_ranks_only(
+    fake_pg: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str], digest: bool,
+) -> None:
+    """ranks=0.5 of 4: summary's total is the all_reduces of ranks 0 and 2 (counted
+    here, 2 steps each), and it says so: ``ranks: 0,2 of 4 (traced: fraction 0.5)``
+    and, in JSON, ``world_size`` and ``rank_sample``; every reading command says on
+    stderr that what it shows covers those ranks only (it read as the whole job)."""
+    from commspan.cli import main
+
+    modes = _play(tmp_path, 4, 0.5, monkeypatch)
+    traced = [rank for rank, (_, on) in enumerate(modes) if any(on)]
+    assert traced == [0, 2]
+    if digest:
+        assert main(["digest", str(tmp_path)]) == 0
+    capsys.readouterr()
+    assert main(["summary", str(tmp_path), "--rank", "all"]) == 0
+    out, err = capsys.readouterr()
+    assert out.splitlines()[0].split("   ")[2] == "ranks: 0,2 of 4 (traced: fraction 0.5)"
+    assert out.splitlines()[-1].split() == ["total", str(2 * len(traced))]
+    covers = "ranks 0,2 of 4 traced (rank sample: fraction 0.5): what follows covers those"
+    assert covers in err
+    assert main(["summary", str(tmp_path), "--rank", "all", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert (data["world_size"], data["rank_sample"], data["total"]) == (4, "fraction 0.5", 4)
+    assert (data["runs"][0]["world_size"], data["runs"][0]["rank_sample"]) == (
+        4, "fraction 0.5")
+    for command in (["check"], ["stragglers"], ["table", "--rank", "all"]):
+        main([*command, str(tmp_path)])
+        assert covers in capsys.readouterr().err, command
+    # every rank traced: nothing of the kind
+    for f in tmp_path.iterdir():
+        f.unlink()
+    _play(tmp_path, 4, None, monkeypatch)
+    assert main(["summary", str(tmp_path), "--rank", "all"]) == 0
+    out, err = capsys.readouterr()
+    assert out.splitlines()[0].split("   ")[2] == "ranks: 0-3"
+    assert "traced" not in err

@@ -980,7 +980,8 @@ def list_part_runs(parts: Sequence[DigestPart]) -> list[RunInfo]:
     trace_steps = _trace_steps(parts)
     return runs_of(
         (p["run"], p["rank"], trace_steps.get(p["trace"]), p["spans"], p["start"], p["end"],
-         p.get("writer"))  # (not in digests written before it was)
+         p.get("writer"),  # (not in digests written before it was)
+         p["sample"], p["world_size"])
         for p in parts
     )
 

@@ -40,6 +40,7 @@ __all__ = [
     "commspan_runs",
     "format_numbers",
     "list_runs",
+    "resource_facts",
     "runs_of",
     "select",
     "writer_of",
@@ -76,6 +77,9 @@ class RunInfo(NamedTuple):
             rank's spans of it: more than 1 when two jobs ran under one run id (a
             fixed ``COMMSPAN_RUN_ID`` or ``run_id=``), whose steps readers then add
             up; 1 when not known.
+        sample: how the ranks that traced were chosen, when not all did
+            (``commspan.sampling.ranks``: ``CommSpanMode(ranks=...)``), else ``None``.
+        world_size: the job's number of ranks, when its resources say.
     """
 
     run_id: str
@@ -85,6 +89,18 @@ class RunInfo(NamedTuple):
     start_ns: int
     end_ns: int
     writers: int = 1
+    sample: str | None = None
+    world_size: int | None = None
+
+    def coverage(self) -> str | None:
+        """What a count over this run covers, when it is not every rank of the job:
+        ``"ranks 0,2 of 4 traced (rank sample: fraction 0.5)"``; ``None`` when every
+        rank traced (or nothing says otherwise)."""
+        if not self.sample:
+            return None
+        of = f" of {self.world_size}" if self.world_size else ""
+        return (f"ranks {format_numbers(self.ranks)}{of} traced (rank sample: "
+                f"{self.sample})")
 
     def describe(self) -> str:
         """``"cli-test (ranks 0-1, steps 0-4)"``: the run for messages."""
@@ -92,7 +108,8 @@ class RunInfo(NamedTuple):
         return f"{name} (ranks {format_numbers(self.ranks)}, steps {format_numbers(self.steps)})"
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON form: ``run_id``, ``ranks``, ``steps``, ``spans``, ``start_ns``, ``end_ns``."""
+        """JSON form: ``run_id``, ``ranks``, ``steps``, ``spans``, ``start_ns``, ``end_ns``,
+        ``world_size`` and ``rank_sample`` (``null`` when not known / not sampled)."""
         return {
             "run_id": self.run_id,
             "ranks": list(self.ranks),
@@ -100,6 +117,8 @@ class RunInfo(NamedTuple):
             "spans": self.spans,
             "start_ns": self.start_ns,
             "end_ns": self.end_ns,
+            "world_size": self.world_size,
+            "rank_sample": self.sample,
         }
 
 
@@ -175,15 +194,27 @@ def list_runs(records: Sequence[SpanRecord]) -> list[RunInfo]:
         []
     """
     trace_steps = _trace_steps(records)
-    writers: dict[int, str | None] = {}  # id(resource) -> its writer
+    # id(resource) -> its writer, rank sample and world size
+    said: dict[int, tuple[str | None, str | None, int | None]] = {}
     rows = []
     for rec in records:
-        writer = writers.get(id(rec.resource), "")
-        if writer == "":
-            writer = writers[id(rec.resource)] = writer_of(rec.resource)
+        about = said.get(id(rec.resource))
+        if about is None:
+            about = said[id(rec.resource)] = resource_facts(rec.resource)
         rows.append((_run_of(rec), _rank_of(rec), trace_steps.get(rec.trace_id), 1,
-                     rec.start_time, rec.end_time, writer))
+                     rec.start_time, rec.end_time, *about))
     return runs_of(rows)
+
+
+def resource_facts(resource: Any) -> tuple[str | None, str | None, int | None]:
+    """What a resource says of its run: the writer (:func:`writer_of`), how the ranks
+    that trace were chosen (``commspan.sampling.ranks``) and the world size."""
+    from commspan.analysis.records import MAX_WORLD_SIZE
+
+    sample = resource.get(semconv.SAMPLING_RANKS)
+    world = resource.get(semconv.WORLD_SIZE)
+    return (writer_of(resource), str(sample) if sample else None,
+            world if type(world) is int and 0 < world <= MAX_WORLD_SIZE else None)
 
 
 class RunTally:
@@ -197,11 +228,11 @@ class RunTally:
     """
 
     def __init__(self) -> None:
-        # (run, rank, trace, writer) -> [spans, start, end]
-        self._rows: dict[tuple[str, int | None, str, str | None], list[int]] = {}
+        # (run, rank, trace, writer, sample, world) -> [spans, start, end]
+        self._rows: dict[tuple[Any, ...], list[int]] = {}
         self._steps: dict[str, int] = {}
         self._resource: Any = None
-        self._writer: str | None = None
+        self._facts: tuple[str | None, str | None, int | None] = (None, None, None)
 
     def add(self, rec: SpanRecord) -> str:
         """Count ``rec``; returns its run id (``""`` for none)."""
@@ -211,8 +242,8 @@ class RunTally:
             if isinstance(step, int) and not isinstance(step, bool):
                 self._steps.setdefault(rec.trace_id, step)
         if rec.resource is not self._resource:  # (the spans of a line share theirs)
-            self._resource, self._writer = rec.resource, writer_of(rec.resource)
-        key = (run, _rank_of(rec), rec.trace_id, self._writer)
+            self._resource, self._facts = rec.resource, resource_facts(rec.resource)
+        key = (run, _rank_of(rec), rec.trace_id, *self._facts)
         row = self._rows.get(key)
         if row is None:
             self._rows[key] = [1, rec.start_time, rec.end_time]
@@ -224,8 +255,8 @@ class RunTally:
 
     def runs(self) -> list[RunInfo]:
         """:func:`list_runs` of the spans added."""
-        return runs_of((run, rank, self._steps.get(trace), n, start, end, writer)
-                       for (run, rank, trace, writer), (n, start, end) in self._rows.items())
+        return runs_of((run, rank, self._steps.get(trace), n, start, end, *facts)
+                       for (run, rank, trace, *facts), (n, start, end) in self._rows.items())
 
     def choose(self, run: str | None) -> tuple[RunInfo | None, str | None]:
         """The run :func:`select` would keep (``None`` when no span was added) and
@@ -253,14 +284,17 @@ def writer_of(resource: Any) -> str | None:
 def runs_of(
     rows: Iterable[tuple[Any, ...]],
 ) -> list[RunInfo]:
-    """The runs of ``(run id, rank, step, spans, start, end[, writer])`` rows, in the
-    order they started; rows of one run add their spans and ranks and widen its
-    times (``writer``: :func:`writer_of` the row's resource, or ``None``)."""
-    acc: dict[str, list[Any]] = {}  # run -> [ranks, steps, spans, start, end, writers]
+    """The runs of ``(run id, rank, step, spans, start, end[, writer[, sample[,
+    world]]])`` rows, in the order they started; rows of one run add their spans and
+    ranks and widen its times (``writer``: :func:`writer_of` the row's resource, or
+    ``None``; ``sample`` and ``world``: its ``commspan.sampling.ranks`` and world
+    size, or ``None``)."""
+    # run -> [ranks, steps, spans, start, end, writers, sample, world]
+    acc: dict[str, list[Any]] = {}
     for run, rank, step, spans, start, end, *more in rows:
         slot = acc.get(run)
         if slot is None:
-            slot = acc[run] = [set(), set(), 0, start, end, {}]
+            slot = acc[run] = [set(), set(), 0, start, end, {}, None, None]
         if rank is not None:
             slot[0].add(rank)
             if more and more[0] is not None:
@@ -270,9 +304,13 @@ def runs_of(
         slot[2] += spans
         slot[3] = min(slot[3], start)
         slot[4] = max(slot[4], end)
+        if len(more) > 1 and more[1]:
+            slot[6] = more[1]
+        if len(more) > 2 and more[2]:
+            slot[7] = max(slot[7] or 0, more[2])
     runs = [
         RunInfo(run, tuple(sorted(s[0])), tuple(sorted(s[1])), s[2], s[3], s[4],
-                max((len(w) for w in s[5].values()), default=1))
+                max((len(w) for w in s[5].values()), default=1), s[6], s[7])
         for run, s in acc.items()
     ]
     runs.sort(key=lambda r: (r.start_ns, r.run_id))

@@ -140,6 +140,10 @@ class Reader:
         if sel.note:
             more = " (--run ID picks another)" if len(sel.runs) > 1 else ""
             self.notes.append(f"commspan: {label}{sel.note}{more}")
+        covers = sel.run.coverage() if sel.run else None
+        if covers:  # (counts over a rank sample are not the job's)
+            self.notes.append(f"commspan: {label}{covers}: what follows covers those "
+                              "ranks only; the others ran untraced")
         return sel
 
     def load(self, paths: Sequence[str]) -> Selection:
@@ -306,6 +310,9 @@ def summary(args: argparse.Namespace, reader: Reader) -> Outcome:
         reader.notes.append(note)
     data["run"] = sel.run.run_id if sel.run else None
     data["runs"] = [r.to_dict() for r in sel.runs]
+    # what the counts cover: the job's size, and the rule of a rank sample
+    data["world_size"] = sel.run.world_size if sel.run else None
+    data["rank_sample"] = sel.run.sample if sel.run else None
     if args.show:
         data["issued"] = [r.to_dict() for r in rows]
     if args.json:

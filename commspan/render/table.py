@@ -109,9 +109,15 @@ def summary_table(summary: dict[str, Any]) -> str:
     Args:
         summary: :func:`commspan.analysis.summary.summarize`'s result.
     """
+    ranks = span_list(summary["ranks"])
+    world = summary.get("world_size")
+    if world and len(summary["ranks"]) != world:  # (a rank sample, a rank lost)
+        ranks += f" of {world}"
+    if summary.get("rank_sample"):
+        ranks += f" (traced: {summary['rank_sample']})"
     lines = [
         (f"spans: {summary['spans']}   traces: {summary['traces']}   "
-         f"ranks: {span_list(summary['ranks'])}   steps: {span_list(summary['steps'])}"),
+         f"ranks: {ranks}   steps: {span_list(summary['steps'])}"),
     ]
     rows = [(ph, op, n) for ph, ops in summary["collectives"].items() for op, n in ops.items()]
     width = max([len("backward")] + [len(op) for _, op, _ in rows])
