@@ -419,9 +419,10 @@ ATTRIBUTES: dict[str, str] = {
     "Collectives overlap each other and compute, so this is time spent waiting on "
     "collectives summed per collective, not a share of the span's duration.",
     SAMPLING_RANKS: "Resource: how the ranks that trace were chosen, when not all do "
-    "(``CommSpanMode(ranks=...)``), e.g. ``fraction 0.125``, ``one per tp group``, "
-    "``ranks 0,8``; ``commspan check`` then expects the ranks that wrote spans and, for "
-    "given ranks, those it names.",
+    "(``CommSpanMode(ranks=...)``), e.g. ``ranks 0,8``, ``fraction 0.25 (ranks 0,4)``, "
+    "``one per tp group (ranks 0,8)`` (a fraction and one per group list the ranks they "
+    "chose in the job's world); ``commspan check`` then expects the ranks that wrote spans "
+    "and those it names.",
     COLL_OP: "Canonical op name (also the event name), e.g. ``all_reduce``.",
     COLL_OVERLOAD: "Full op overload, e.g. ``_c10d_functional.all_reduce.default``.",
     COLL_KIND: "``collective`` or ``p2p`` (send/recv).",

@@ -184,9 +184,10 @@ def test_counts_over_a_rank_sample_say_they_cover_the_traced_ranks_only(
     assert covers in err
     assert main(["summary", str(tmp_path), "--rank", "all", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert (data["world_size"], data["rank_sample"], data["total"]) == (4, "fraction 0.5", 4)
+    assert (data["world_size"], data["rank_sample"], data["total"]) == (
+        4, "fraction 0.5 (ranks 0,2)", 4)
     assert (data["runs"][0]["world_size"], data["runs"][0]["rank_sample"]) == (
-        4, "fraction 0.5")
+        4, "fraction 0.5 (ranks 0,2)")
     for command in (["check"], ["stragglers"], ["table", "--rank", "all"]):
         main([*command, str(tmp_path)])
         assert covers in capsys.readouterr().err, command
@@ -198,3 +199,28 @@ def test_counts_over_a_rank_sample_say_they_cover_the_traced_ranks_only(
     out, err = capsys.readouterr()
     assert out.splitlines()[0].split("   ")[2] == "ranks: 0-3"
     assert "traced" not in err
+
+
+@pytest.mark.parametrize("rule", ["fraction", "one_per_group"])
+def test_a_rank_a_fraction_or_one_per_group_chose_that_wrote_nothing_is_missing(
+    fake_pg: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rule: str,
+) -> None:
+    """ranks=0.5 of 4 (ranks 0, 2) or one per dp group of a (dp 2, tp 2) mesh (ranks 0,
+    1), and the second traced rank's file lost: check reports it missing (it said
+    "consistent": only a sample of given ranks named its ranks), and not the ranks
+    the rule left out. The traced ranks' resources name the ranks with the rule."""
+    if rule == "fraction":
+        ranks: Any = 0.5
+    else:
+        ranks = RankSample.one_per_group(fake_mesh((2, 2), names=("dp", "tp")), "dp")
+    modes = _play(tmp_path, 4, ranks, monkeypatch)
+    traced = [rank for rank, (_, on) in enumerate(modes) if any(on)]
+    assert traced == ([0, 2] if rule == "fraction" else [0, 1])
+    lost = traced[1]
+    (tmp_path / f"rank{lost}.jsonl").unlink()
+    spans = list(read_spans(*sorted(tmp_path.glob("*.jsonl"))))
+    (finding,) = check(build_run(spans)).findings
+    assert finding.kind == "missing" and list(finding.ranks) == [lost]
+    words = {s.resource.get(semconv.SAMPLING_RANKS) for s in spans}
+    assert words == {"fraction 0.5 (ranks 0,2)" if rule == "fraction"
+                     else "one per dp group (ranks 0-1)"}

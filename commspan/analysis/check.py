@@ -1064,7 +1064,7 @@ def _p2p_hang_finding(
         untraced.append(peer)
         peer_entry = {"op": None, "fqn": None, "phase": None, "seq": None,
                       "state": "not traced"}
-        parts.append(f"rank {peer} is not traced ({run.rank_sample}): unknown")
+        parts.append(f"rank {peer} is not traced ({run.sample_rule}): unknown")
     else:
         ended = _ended(run, peer, (rec.trace_id,))
         earlier = None
@@ -1525,7 +1525,7 @@ def _hang_finding(
         parts.append(f"{_who(who)} {text}")
     if untraced:
         parts.append(f"{_who(untraced)} {'is' if len(untraced) == 1 else 'are'} not traced "
-                     f"({run.rank_sample}): unknown")
+                     f"({run.sample_rule}): unknown")
     step = steps.most_common(1)[0][0] if steps else None
     pending = [rec for rec in issued.values() if rec.state != semconv.STATE_COMPLETED]
     trace = (min(pending, key=lambda rec: rec.issued_ns).trace_id if pending else

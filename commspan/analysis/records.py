@@ -337,16 +337,19 @@ class Run:
             and rank not in self.listed_ranks()
 
     def listed_ranks(self) -> frozenset[int]:
-        """The ranks a sample of given ranks names (``commspan.sampling.ranks`` is
-        ``"ranks 0,1,2"``): they trace, so one that wrote nothing stopped. Empty for
-        the other kinds of sample (a fraction, one per group) and without one."""
-        sample = self.rank_sample
-        if not sample or not sample.startswith("ranks "):
-            return frozenset()
-        try:
-            return frozenset(int(r) for r in sample[len("ranks "):].split(","))
-        except ValueError:
-            return frozenset()
+        """The ranks the sample says trace: those of a sample of given ranks
+        (``commspan.sampling.ranks`` is ``"ranks 0,1,2"``), or those a fraction or
+        one per group chose (``"fraction 0.5 (ranks 0,2)"``); a rank of them that
+        wrote nothing stopped. Empty when the sample does not name them (files
+        written before it did) and without one."""
+        return sampled_ranks(self.rank_sample)
+
+    @property
+    def sample_rule(self) -> str | None:
+        """:attr:`rank_sample` without the ranks a fraction or one per group chose
+        (``"fraction 0.5"``), for messages."""
+        return sample_rule(self.rank_sample)
+
 
     def traces(self) -> list[str]:
         """Trace ids in the order the run went through them: steps by number (the
@@ -375,6 +378,44 @@ class Run:
                 latest[h.rank] = h
         return latest
 
+
+def sample_rule(sample: str | None) -> str | None:
+    """``"fraction 0.5 (ranks 0,2)"`` -> ``"fraction 0.5"``: the rule of a rank sample
+    (``commspan.sampling.ranks``) without the ranks it chose.
+
+    Example:
+        >>> sample_rule("one per tp group (ranks 0,8)"), sample_rule("ranks 0,2")
+        ('one per tp group', 'ranks 0,2')
+    """
+    if sample and sample.endswith(")") and " (ranks " in sample:
+        return sample[:sample.rindex(" (ranks ")]
+    return sample
+
+
+def sampled_ranks(sample: str | None) -> frozenset[int]:
+    """The ranks a rank sample (``commspan.sampling.ranks``) says trace, when it names
+    them (:meth:`Run.listed_ranks`); empty otherwise.
+
+    Example:
+        >>> sorted(sampled_ranks("fraction 0.5 (ranks 0,2-3)"))
+        [0, 2, 3]
+    """
+    if not sample:
+        return frozenset()
+    if sample.startswith("ranks "):
+        text = sample[len("ranks "):]
+    elif sample.endswith(")") and " (ranks " in sample:
+        text = sample[sample.rindex(" (ranks ") + len(" (ranks "):-1]
+    else:
+        return frozenset()
+    ranks: set[int] = set()
+    try:
+        for part in text.split(","):
+            first, dash, last = part.partition("-")
+            ranks.update(range(int(first), int(last) + 1) if dash else (int(first),))
+    except ValueError:
+        return frozenset()
+    return frozenset(ranks)
 
 def _step_key(step: int | None) -> tuple[bool, int]:
     return (step is None, step if step is not None else 0)

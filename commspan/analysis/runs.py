@@ -98,9 +98,11 @@ class RunInfo(NamedTuple):
         rank traced (or nothing says otherwise)."""
         if not self.sample:
             return None
+        from commspan.analysis.records import sample_rule
+
         of = f" of {self.world_size}" if self.world_size else ""
         return (f"ranks {format_numbers(self.ranks)}{of} traced (rank sample: "
-                f"{self.sample})")
+                f"{sample_rule(self.sample)})")
 
     def describe(self) -> str:
         """``"cli-test (ranks 0-1, steps 0-4)"``: the run for messages."""

@@ -114,7 +114,9 @@ def summary_table(summary: dict[str, Any]) -> str:
     if world and len(summary["ranks"]) != world:  # (a rank sample, a rank lost)
         ranks += f" of {world}"
     if summary.get("rank_sample"):
-        ranks += f" (traced: {summary['rank_sample']})"
+        from commspan.analysis.records import sample_rule
+
+        ranks += f" (traced: {sample_rule(summary['rank_sample'])})"
     lines = [
         (f"spans: {summary['spans']}   traces: {summary['traces']}   "
          f"ranks: {ranks}   steps: {span_list(summary['steps'])}"),

@@ -437,7 +437,8 @@ class CommSpanMode:
         if self.resource is None or self._resource_key != key:
             extra = dict(config.resource_attributes)
             if config.ranks.description != "all":
-                extra.setdefault(semconv.SAMPLING_RANKS, config.ranks.description)
+                extra.setdefault(semconv.SAMPLING_RANKS,
+                                 config.ranks.describe(ranks.world_size))
             self.resource = build_resource(ranks, self.run_id, config.tracer_provider, extra)
             self._resource_key = key
         self._traces.identify(self.run_id, ranks.rank, ranks.world_size)

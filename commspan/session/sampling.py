@@ -38,9 +38,28 @@ class RankSample:
         description: the rule in words, written into traced ranks' resources.
     """
 
-    def __init__(self, choose: Callable[[int, int], bool], description: str) -> None:
+    def __init__(self, choose: Callable[[int, int], bool], description: str,
+                 lists_ranks: bool = False) -> None:
         self._choose = choose
         self.description = description
+        self._lists_ranks = lists_ranks or description == "all"
+
+    def describe(self, world_size: int) -> str:
+        """What a traced rank's resource says (``commspan.sampling.ranks``): the rule,
+        and, for a rule that does not name its ranks itself (a fraction, one per
+        group), the ranks it chooses in a world of ``world_size``: ``"fraction 0.5
+        (ranks 0,2)"``. A reader then knows which ranks traced, so one that wrote
+        nothing stopped.
+
+        Example:
+            >>> RankSample.fraction(0.25).describe(16)
+            'fraction 0.25 (ranks 0,4,8,12)'
+        """
+        if self._lists_ranks:
+            return self.description
+        from commspan.analysis.runs import format_numbers
+
+        return f"{self.description} (ranks {format_numbers(self.chosen(world_size))})"
 
     def traces(self, rank: int, world_size: int) -> bool:
         """Whether ``rank`` of ``world_size`` ranks traces."""
@@ -75,7 +94,7 @@ class RankSample:
             raise ValueError("ranks is empty; pass at least one rank (or None for all)")
         frozen = frozenset(chosen)
         return cls(lambda rank, world: rank in frozen,
-                   "ranks " + ",".join(str(r) for r in sorted(frozen)))
+                   "ranks " + ",".join(str(r) for r in sorted(frozen)), lists_ranks=True)
 
     @classmethod
     def fraction(cls, share: float) -> RankSample:
