@@ -224,3 +224,23 @@ def test_a_rank_a_fraction_or_one_per_group_chose_that_wrote_nothing_is_missing(
     words = {s.resource.get(semconv.SAMPLING_RANKS) for s in spans}
     assert words == {"fraction 0.5 (ranks 0,2)" if rule == "fraction"
                      else "one per dp group (ranks 0-1)"}
+
+
+def test_the_html_report_of_a_rank_sample_says_it_covers_the_traced_ranks_only(
+    fake_pg: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The page is read away from the command's stderr: its header says which ranks of
+    the job traced (it said "2 ranks", and its counts read as the whole job's)."""
+    from commspan.cli import main
+
+    out = tmp_path / "run"
+    _play(out, 4, 0.5, monkeypatch)
+    assert main(["html", str(out), "-o", str(tmp_path / "report.html")]) == 0
+    page = (tmp_path / "report.html").read_text()
+    assert ("Ranks 0,2 of 4 traced (rank sample: fraction 0.5): the counts, bytes and "
+            "timeline below cover those ranks only.") in page
+    for f in out.iterdir():
+        f.unlink()
+    _play(out, 4, None, monkeypatch)
+    assert main(["html", str(out), "-o", str(tmp_path / "report.html")]) == 0
+    assert "traced (rank sample" not in (tmp_path / "report.html").read_text()
