@@ -405,6 +405,56 @@ def test_a_rank_a_sample_of_given_ranks_names_is_expected() -> None:
     assert run_check(b, ranks=[0]).ok
 
 
+@pytest.mark.parametrize("later", ["completed_with_it", "not_timed", "without_it"])
+def test_a_rank_whose_file_ends_mid_step_while_the_others_went_on_with_it(later: str) -> None:
+    """Rank 1's file ends inside step 2 (killed while its last lines were written:
+    no rank span, nothing after), while ranks 0, 2, 3 went on to step 3 and completed
+    an all_reduce there on the world group, rank 1 among its members: rank 1 did not
+    stop in step 2, its records of step 3 are lost, and it is missing from step 3 (the
+    run read "consistent", step 3 compared without it). Without that evidence (the
+    collectives not timed, or on a group without rank 1) it may have stopped in step 2,
+    and is not missing from the steps after (the hang findings' business)."""
+    b = SpanBuilder(WORLD)
+    for step in range(4):
+        for r in range(WORLD):
+            if r == 1 and step == 3:
+                continue
+            s = b.rank(r, step, finished=not (r == 1 and step == 2))
+            if step < 3 or later == "completed_with_it":
+                s.coll("all_reduce", fqn="Net.a", duration_ns=MS)
+            elif later == "not_timed":
+                s.coll("all_reduce", fqn="Net.a")
+            elif r in SUB_RANKS:
+                s.coll("all_reduce", fqn="Net.head", group=SUBGROUP, ranks=SUB_RANKS,
+                       duration_ns=MS)
+    result = run_check(b)
+    assert result.checked["steps_interrupted"] == 1  # step 2: not compared
+    if later != "completed_with_it":
+        assert result.ok, [f.message for f in result.findings]
+        return
+    (f,) = result.findings
+    assert f.kind == KIND_MISSING and f.details["steps"] == [3] and list(f.ranks) == [1]
+    assert f.ranks[1]["last_step"] == 2
+    assert f.message == "step 3: rank 1 wrote no span (ranks 0, 2, 3 did)"
+
+
+def test_ranks_that_did_a_missing_ranks_steps_are_those_that_wrote_them() -> None:
+    """Ranks 0 and 2 wrote nothing after step 1; rank 1's file ends inside step 2
+    (stopped, no evidence otherwise); rank 3 went on to step 3: the finding for step 3
+    says rank 3 did it (it said "ranks 1, 3 did", rank 1 having written nothing of
+    it)."""
+    b = SpanBuilder(WORLD)
+    for step in range(4):
+        for r in range(WORLD):
+            if (r in (0, 2) and step >= 2) or (r == 1 and step == 3):
+                continue
+            b.rank(r, step, finished=not (r == 1 and step == 2)).coll(
+                "all_reduce", fqn="Net.a")
+    missing = [f for f in run_check(b).findings if f.kind == KIND_MISSING]
+    assert [(f.details["steps"], sorted(f.ranks)) for f in missing] == [([3], [0, 2])]
+    assert missing[0].message == "step 3: ranks 0, 2 wrote no span (rank 3 did)"
+
+
 def test_a_world_size_beyond_any_job_is_ignored() -> None:
     """A damaged ``commspan.world_size`` (10**20 ran out of memory) is not a job: the
     check expects the ranks that wrote spans (it built range(world_size) and ran out of

@@ -303,7 +303,9 @@ def untraced_findings(run: Run) -> list[Finding]:
 def missing_findings(run: Run, *, skip: Iterable[str] = ()) -> list[Finding]:
     """Ranks that wrote no span for a step other ranks wrote; one finding per set of
     missing ranks, listing the steps. A rank that stopped unfinished in an earlier
-    step of ``skip`` (it hung or died there) is not missing from the later ones."""
+    step of ``skip`` (it hung or died there) is not missing from the later ones,
+    unless another rank completed a collective with it in one (it was there: its
+    records of that step were lost, a file cut by a kill while it was written)."""
     skipped = set(skip)
     expected = run.expected_ranks()
     # the step each rank stopped in, unfinished (it hung or died there: the hang
@@ -315,6 +317,7 @@ def missing_findings(run: Run, *, skip: Iterable[str] = ()) -> list[Finding]:
             for r in run.presence.get(trace, ()):
                 if (r, trace) not in run.rank_steps and step < stuck.get(r, step + 1):
                     stuck[r] = step
+    alive = _seen_alive(run, stuck)
     by_missing: dict[tuple[int, ...], list[str]] = defaultdict(list)
     for trace in run.traces():
         step = run.trace_steps.get(trace)
@@ -322,13 +325,17 @@ def missing_findings(run: Run, *, skip: Iterable[str] = ()) -> list[Finding]:
             continue  # traces outside steps need not exist on every rank
         present = run.presence.get(trace, set())
         missing = tuple(r for r in expected
-                        if r not in present and not (r in stuck and step > stuck[r]))
+                        if r not in present and not (r in stuck and step > stuck[r]
+                                                     and (r, trace) not in alive))
         if missing:
             by_missing[missing].append(trace)
     findings = []
     for missing, traces in by_missing.items():
         steps = [s for s in (run.trace_steps[t] for t in traces) if s is not None]
-        others = sorted(set(expected) - set(missing))
+        # the ranks that wrote these steps (not every rank not missing: one that
+        # stopped in an earlier step wrote none of them)
+        wrote = [run.presence.get(t, set()) for t in traces]
+        others = sorted(set.intersection(*wrote) or set.union(*wrote))
         ranks: dict[int, dict[str, Any]] = {}
         for r in missing:
             before = [
@@ -360,6 +367,27 @@ def missing_findings(run: Run, *, skip: Iterable[str] = ()) -> list[Finding]:
             )
         )
     return findings
+
+
+def _seen_alive(run: Run, stuck: Mapping[int, int]) -> set[tuple[int, str]]:
+    """``(rank, trace)`` of the ranks of ``stuck`` (rank -> the step it stopped in,
+    unfinished) that another rank completed a collective with in a later step: the
+    rank was there, whatever its file says."""
+    if not stuck:
+        return set()
+    first = min(stuck.values())
+    members: dict[tuple[int, ...], frozenset[int]] = {}
+    alive: set[tuple[int, str]] = set()
+    for rec in run.collectives:
+        if rec.state != semconv.STATE_COMPLETED or rec.step is None or rec.step <= first:
+            continue
+        group = members.get(rec.group_ranks)
+        if group is None:
+            group = members[rec.group_ranks] = frozenset(rec.group_ranks)
+        for r, step in stuck.items():
+            if rec.step > step and r != rec.rank and r in group:
+                alive.add((r, rec.trace_id))
+    return alive
 
 
 # ------------------------------------------------------------------ collective sequences
