@@ -732,3 +732,65 @@ def test_a_span_id_of_json_null_is_no_id(tmp_path: Path) -> None:
     path.write_text(json.dumps(doc) + "\n")
     (record,) = read_spans(path)
     assert record.parent_span_id == "" and record.span_id == "b7ad6b7169203331"
+
+
+@pytest.mark.parametrize("digest", [False, True])
+def test_a_rank_whose_spans_end_early_is_named_with_the_steps_it_leaves_out(
+    tmp_path: Path, fake_pg: None, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str], digest: bool,
+) -> None:
+    """Rank 1's file keeps steps 0-1 of 4 (its last lines lost: killed while they were
+    written): summary's total is the all_reduces of the lines left (counted here), and
+    summary, table and diff say that rank 1's spans end at step 1 and steps 2-3 leave
+    it out (the total read as four steps of two ranks, diff's per-step counts as a
+    changed program)."""
+    import torch.distributed as dist
+
+    from commspan.capture.ranks import Ranks
+    from commspan.session import mode as mode_module
+
+    issued = {0: 0, 1: 0}
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.lin(x)
+            dist.all_reduce(y)
+            return y
+
+    run = tmp_path / "run"
+    for rank in (0, 1):
+        monkeypatch.setattr(mode_module, "process_ranks", lambda r=rank: Ranks(r, r, 2))
+        mode = CommSpanMode(run_id="early", exporters=[JsonlSpanExporter(run / f"r{rank}.jsonl")])
+        with mode:
+            for step in range(4):
+                with mode.step(step):
+                    Net()(torch.randn(2, 4))
+                mode.flush()
+                if rank == 1 and step == 1:  # what its file will keep
+                    kept = (run / "r1.jsonl").stat().st_size
+                if rank == 0 or step <= 1:
+                    issued[rank] += 1
+        mode.shutdown()
+    whole = tmp_path / "whole"
+    shutil.copytree(run, whole)
+    os.truncate(run / "r1.jsonl", kept)
+    if digest:
+        assert main(["digest", str(run)]) == 0
+    capsys.readouterr()
+    note = ("rank 1's spans end at step 1, the other ranks' at step 3 (a rank that stopped, "
+            "or whose file was cut or is still being written): the counts of steps 2-3 "
+            "leave those ranks out")
+    assert main(["summary", str(run), "--rank", "all", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["total"] == issued[0] + issued[1] == 6
+    assert note in err
+    assert main(["table", str(run), "--rank", "all"]) == 0
+    assert note in capsys.readouterr().err
+    assert main(["diff", str(run), str(whole)]) == 1
+    assert f"A: {note}" in capsys.readouterr().err
+    assert main(["summary", str(whole), "--rank", "all"]) == 0
+    assert "spans end at" not in capsys.readouterr().err

@@ -185,6 +185,52 @@ def partial_note(partial: list[dict[str, Any]]) -> str | None:
             "where each rank was, when a hang record was written)")
 
 
+def last_steps(items: Iterable[tuple[int | None, str, int | None]]) -> dict[int, int]:
+    """Each rank's last step, from ``(rank, trace, step)`` of its spans (or digest
+    parts; ``step`` ``None`` when that one does not say its trace's, another may)."""
+    trace_step: dict[str, int] = {}
+    seen: set[tuple[int, str]] = set()
+    for rank, trace, step in items:
+        if step is not None:
+            trace_step.setdefault(trace, step)
+        if rank is not None:
+            seen.add((rank, trace))
+    last: dict[int, int] = {}
+    for rank, trace in seen:
+        step = trace_step.get(trace)
+        if step is not None and step > last.get(rank, step - 1):
+            last[rank] = step
+    return last
+
+
+def ends_note(last: Mapping[int, int]) -> str | None:
+    """The stderr note when some ranks' spans end at an earlier step than the others'
+    (``last``: :func:`last_steps`): the counts of the steps after leave them out.
+
+    Example:
+        >>> ends_note({0: 4, 1: 2, 2: 4})[:62]
+        "commspan: rank 1's spans end at step 2, the other ranks' at st"
+    """
+    if not last:
+        return None
+    end = max(last.values())
+    early: dict[int, list[int]] = {}
+    for rank, step in sorted(last.items()):
+        if step < end:
+            early.setdefault(step, []).append(rank)
+    if not early:
+        return None
+    parts = []
+    for step, ranks in sorted(early.items()):
+        who = f"rank {ranks[0]}'s" if len(ranks) == 1 else f"ranks {format_numbers(ranks)}'"
+        parts.append(f"{who} spans end at step {step}")
+    after = min(early) + 1
+    steps = f"step {end}" if after == end else f"steps {format_numbers(range(after, end + 1))}"
+    return (f"commspan: {'; '.join(parts)}, the other ranks' at step {end} (a rank that "
+            "stopped, or whose file was cut or is still being written): the counts of "
+            f"{steps} leave those ranks out")
+
+
 def cut_short_steps(partial: Iterable[tuple[int | None, int | None]]) -> str:
     """``(rank, step)`` pairs of traces cut short in words, by step.
 

@@ -212,6 +212,22 @@ def _rank_filter(rank: int | str | None, sel: Selection | PartSelection) -> int 
     return rank if isinstance(rank, int) else None
 
 
+def _ends_note(sel: Selection | PartSelection) -> str | None:
+    """:func:`~commspan.analysis.summary.ends_note` of the selection: ranks whose spans
+    end at an earlier step than the others' (the counts of the steps after leave
+    them out)."""
+    from commspan.analysis.digest import PartSelection
+    from commspan.analysis.summary import ends_note, last_steps
+
+    if isinstance(sel, PartSelection):
+        return ends_note(last_steps((p["rank"], p["trace"], p["step"]) for p in sel.parts))
+    named = (semconv.SPAN_STEP, semconv.SPAN_RANK, semconv.SPAN_HANG)
+    return ends_note(last_steps(
+        (r.rank, r.trace_id, r.attributes.get(semconv.STEP) if r.name in named
+         and type(r.attributes.get(semconv.STEP)) is int else None)
+        for r in sel.records))
+
+
 def _json(data: Any) -> str:
     from commspan.render.table import tree_json
 
@@ -241,6 +257,9 @@ def table(args: argparse.Namespace, reader: Reader) -> Outcome:
     note = partial_note(partial)
     if note is not None:
         reader.notes.append(note)
+    ends = _ends_note(fast if fast is not None else sel) if rank is None else None
+    if ends is not None:
+        reader.notes.append(ends)
     if args.by_mesh_dim:
         return _mesh_dim_view(agg, args.json)
     tree = agg.to_dict()
@@ -308,6 +327,9 @@ def summary(args: argparse.Namespace, reader: Reader) -> Outcome:
     note = partial_note(data["partial"])
     if note is not None:
         reader.notes.append(note)
+    ends = _ends_note(sel) if rank is None else None
+    if ends is not None:
+        reader.notes.append(ends)
     data["run"] = sel.run.run_id if sel.run else None
     data["runs"] = [r.to_dict() for r in sel.runs]
     # what the counts cover: the job's size, and the rule of a rank sample
@@ -533,10 +555,14 @@ def diff(args: argparse.Namespace, reader: Reader) -> Outcome:
             f"commspan: A holds ranks {format_numbers(a.ranks)} and B ranks "
             f"{format_numbers(b.ranks)}: each side's counts are summed over its own "
             "ranks; compare one rank of both with --rank N")
-    for name, side in zip("AB", (a, b)):
+    for name, side, sel in zip("AB", (a, b), sides):
         note = side.note(f"{name}: " if args.b is not None or args.run else "")
         if note is not None:
             reader.notes.append(note)
+        ends = _ends_note(sel) if rank is None else None
+        if ends is not None:
+            label = f"{name}: " if args.b is not None or args.run else ""
+            reader.notes.append(ends.replace("commspan: ", f"commspan: {label}", 1))
     result = compare(a, b)
     status = 0 if result.equal else 1
     if args.json:
