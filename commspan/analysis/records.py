@@ -350,7 +350,6 @@ class Run:
         (``"fraction 0.5"``), for messages."""
         return sample_rule(self.rank_sample)
 
-
     def traces(self) -> list[str]:
         """Trace ids in the order the run went through them: steps by number (the
         ranks' clocks need not agree: ordering by the earliest span, a skewed rank
@@ -416,6 +415,7 @@ def sampled_ranks(sample: str | None) -> frozenset[int]:
     except ValueError:
         return frozenset()
     return frozenset(ranks)
+
 
 def _step_key(step: int | None) -> tuple[bool, int]:
     return (step is None, step if step is not None else 0)
