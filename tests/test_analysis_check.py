@@ -2225,6 +2225,8 @@ def test_where_an_error_was_raised_is_read_from_digests_when_a_step_spans_lines(
                             assert mode.flush()
                 except ValueError:
                     pass
+                # the rank span in a line of its own, not with the next step's spans
+                assert mode.flush()
         mode.shutdown()
     lines = (run / "commspan-rank1.jsonl").read_text().splitlines()
     assert len(lines) >= 4  # each step's spans in two lines
