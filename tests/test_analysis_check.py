@@ -128,6 +128,20 @@ def test_extra_all_reduce_on_one_rank_is_reported_where_it_was_issued() -> None:
         "all_gather_into_tensor [4] in `Net.blocks.1` forward; rank 2 issued all_reduce [16] "
         "in `Net.blocks.1` forward"
     )
+def test_traces_outside_steps_are_counted_apart_from_the_steps() -> None:
+    """A set-up (or checkpoint) collective outside every step, then 3 steps: `checked`
+    counts 3 steps and 1 trace outside steps (it said '4 steps' while `summary` says
+    'steps: 0-2'), and the text line says both."""
+    b = build(steps=3)
+    for r in range(WORLD):
+        b.rank(r, None).coll(**program(r)[0])
+    result = run_check(b)
+    assert result.ok, [f.message for f in result.findings]
+    assert (result.checked["steps"], result.checked["outside_steps"]) == (3, 1)
+    assert format_check(result).startswith(
+        "consistent: checked 4 ranks, 2 groups, 3 steps (and 1 trace outside steps), ")
+
+
 
 
 def test_extra_collective_at_the_end_of_a_step_is_a_count_mismatch() -> None:

@@ -144,8 +144,9 @@ class CheckResult:
 
     Attributes:
         findings: hangs first, then the others in step order.
-        checked: counts: ``ranks``, ``groups``, ``steps`` (steps, and traces outside
-            steps, looked at),
+        checked: counts: ``ranks``, ``groups``, ``steps`` (numbered steps looked
+            at), ``outside_steps`` (traces outside steps looked at: a plain
+            ``with mode:`` block, set-up, a checkpoint save),
             ``collectives`` (collectives compared), ``p2p`` (sends and receives
             matched), ``p2p_unchecked``, ``hang_records``, ``steps_interrupted``
             (steps a hang cut short, left out of the comparisons),
@@ -226,7 +227,11 @@ def check(run: Run) -> CheckResult:
         # every group with a collective or a send or receive (sequence_findings
         # counts those with collectives)
         "groups": len({rec.group for rec in run.collectives if rec.group}),
-        "steps": sum(1 for t in run.traces() if t not in interrupted),
+        "steps": sum(1 for t in run.traces()
+                     if t not in interrupted and run.trace_steps.get(t) is not None),
+        # traces outside steps (a plain ``with mode:`` block, setup, checkpoints)
+        "outside_steps": sum(1 for t in run.traces()
+                             if t not in interrupted and run.trace_steps.get(t) is None),
         "collectives": checked["collectives"],
         "p2p": checked["p2p"],
         "p2p_unchecked": checked["p2p_unchecked"],

@@ -51,8 +51,10 @@ def _checked_line(checked: Mapping[str, int]) -> str:
     line = (
         f"checked {_plural(checked.get('ranks', 0), 'rank')}, "
         f"{_plural(checked.get('groups', 0), 'group')}, "
-        f"{_plural(checked.get('steps', 0), 'step')}, "
-        f"{_plural(checked.get('collectives', 0), 'collective')}, "
+        f"{_plural(checked.get('steps', 0), 'step')}"
+        + (f" (and {_plural(checked['outside_steps'], 'trace')} outside steps)"
+           if checked.get("outside_steps") else "")
+        + f", {_plural(checked.get('collectives', 0), 'collective')}, "
         f"{checked.get('p2p', 0)} p2p ops"
     )
     extra = []
