@@ -493,7 +493,8 @@ ATTRIBUTES: dict[str, str] = {
     "gradients, or the DDP bucket's (int).",
     OWNER_BYTES: "Bytes of the owner's data the collective carries: the whole (padded) "
     "unit for an FSDP all-gather (its output) or reduce-scatter (its input), the unit's "
-    "shard for HSDP's all-reduce, the gradient for ``redistribute_grad``, the bucket for DDP "
+    "shard for HSDP's all-reduce, the gradient for ``redistribute_grad`` (an all-gather's "
+    "output, a sharded gradient gathered), the bucket for DDP "
     "(int). Over the wire each rank "
     "sends about this x (n-1)/n (all-gather, reduce-scatter) or x 2(n-1)/n (all-reduce).",
     OWNER_CREDIT: "Modules the collective counts for (its owner and the modules enclosing "

@@ -639,6 +639,56 @@ def test_a_tensor_parallel_gradient_all_reduce_in_fsdps_post_backward_is_its_uni
         assert own == STEPS * (len(b) + inner), (fqn, own)
 
 
+class _ScaledBlock(torch.nn.Module):
+    """A tensor-parallel MLP whose hidden activation (sharded over ``tp`` on its last
+    dim) is scaled by a parameter replicated over ``tp``: DTensor gives that parameter
+    a gradient sharded over ``tp``, which FSDP2 all-gathers to its placement while it
+    collects the unit's gradients."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(8, 16, bias=False)
+        self.scale = torch.nn.Parameter(torch.ones(16))
+        self.down = torch.nn.Linear(16, 8, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor, Shard
+
+        h = DTensor.from_local(self.up(x), self.scale.device_mesh, [Shard(2)])
+        return x + self.down((h * self.scale).to_local())
+
+
+def test_a_tensor_parallel_gradient_gathered_in_fsdps_post_backward_carries_its_bytes() -> None:
+    """A redistribute_grad all-gather's owner bytes are the gradient's (its output, as an
+    unshard's are), not one rank's shard of it. Reference: the parameter's size."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    from commspan.testing import fake_mesh, fake_process_group
+
+    with fake_process_group(world_size=4):
+        mesh = fake_mesh((2, 2), names=("dp", "tp"))
+        torch.manual_seed(0)
+        model = _ScaledBlock()
+        tp = mesh["tp"]
+        parallelize_module(model, tp, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        model.scale = torch.nn.Parameter(distribute_tensor(model.scale.data, tp, [Replicate()]))
+        gradient = model.scale.to_local().numel() * 4  # the whole gradient, on every rank
+        fully_shard(model, mesh=mesh["dp"])
+        with capture() as cap, cap.mode.step(0):
+            model(torch.randn(2, 4, 8)).sum().backward()
+    gathers = [e.attributes for s in cap.spans for e in s.events
+               if e.attributes.get(semconv.OWNER_KIND) == "redistribute_grad"]
+    assert [(a[semconv.COLL_OP], a[semconv.OWNER_FQN], a[semconv.PHASE]) for a in gathers] == [
+        ("all_gather_into_tensor", "FSDP_ScaledBlock", "backward")], gathers
+    assert gathers[0][semconv.OWNER_BYTES] == gradient, gathers
+
+
 def test_a_units_gradient_reduction_counts_its_trainable_parameters() -> None:
     """Fine-tuning: a unit's first layer is frozen. Its all-gathers move every
     parameter; its reduce-scatter only the trainable ones' gradients, and says so in

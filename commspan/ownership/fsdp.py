@@ -129,8 +129,12 @@ class FsdpUnits:
             members.append(unit)
         if label.kind == semconv.OWNER_KIND_REDISTRIBUTE_GRAD:
             # one gradient of the unit, not the unit: its bytes are the collective's
-            one: dict[str, Any] = {
-                semconv.OWNER_BYTES: int(issued.attributes.get(semconv.TENSOR_BYTES, 0) or 0)}
+            # input, or for an all-gather of a sharded gradient its output (every
+            # rank's shard), as for an unshard
+            grad = int(issued.attributes.get(semconv.TENSOR_BYTES, 0) or 0)
+            if issued.op.startswith("all_gather"):
+                grad *= int(issued.attributes.get(semconv.PG_SIZE, 1) or 1)
+            one: dict[str, Any] = {semconv.OWNER_BYTES: grad}
             if len(members) > 1:
                 one[semconv.FSDP_UNIT_MODULES] = tuple(m.fqn for m in members)
             return Ownership(_owner(members), Phase.BACKWARD, semconv.SOURCE_FSDP,
