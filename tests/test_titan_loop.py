@@ -206,8 +206,9 @@ def test_fsdp_units_and_their_gradient_syncs(ok: Titan, rank: int) -> None:
     """Each FSDP2 unit gathers its padded parameters and reduce-scatters its gradients
     once per optimizer step (gradient accumulation: not on the first microbatch); the
     all-reduce over tp of each gradient replicated over tp (the sequence-parallel
-    norms') is its unit's, once per step. Reference: the unit sizes and placements of
-    the model before FSDP2, the reduce-scatters the reference mode saw per step."""
+    norms') is its unit's, once per step; each carries its unit's or gradient's bytes
+    (``commspan.owner.bytes``). Reference: the unit sizes and placements of the model
+    before FSDP2, the reduce-scatters the reference mode saw per step."""
     facts = ok.result("eager", rank)["facts"]
     padded = {_unit(k): v for k, v in facts["unit_padded_elements"].items()}
     replicated = {_unit(k): v for k, v in facts["tp_replicated_bytes"].items()}
@@ -221,10 +222,12 @@ def test_fsdp_units_and_their_gradient_syncs(ok: Titan, rank: int) -> None:
             assert attrs[semconv.OWNER_BYTES] == padded[unit] * 4, (unit, attrs)
         elif kind == "reduce_grad":
             assert nbytes == padded[unit] * 4 and where == "backward", (unit, where)
+            assert attrs[semconv.OWNER_BYTES] == nbytes, (unit, attrs)
             scatters[(step, unit)] += 1
         else:
             assert kind == "redistribute_grad" and attrs[semconv.PHASE] == "backward"
-            syncs[unit].append(nbytes)
+            assert attrs[semconv.OWNER_BYTES] == nbytes, (unit, attrs)
+            syncs[unit].append(attrs[semconv.OWNER_BYTES])
     assert scatters == {(s, u): 1 for s in TRAIN_STEPS for u in UNITS}
     assert {u: sorted(b) for u, b in syncs.items()} == {
         u: sorted(b * len(TRAIN_STEPS)) for u, b in replicated.items() if b}
