@@ -279,3 +279,20 @@ def test_compiled_blocks_collectives_carry_no_placements(ok: Titan) -> None:
         sources = {a[semconv.OWNER_SOURCE] for a in blocks}
         assert sources == ({"compile"} if compiled else {"position"}), (scenario, sources)
         assert all((semconv.REDIST_SRC in a) != compiled for a in blocks), scenario
+
+
+@pytest.mark.parametrize("rank", range(WORLD))
+def test_compiled_blocks_gradient_syncs_are_the_eager_ones(ok: Titan, rank: int) -> None:
+    """FSDP2's gradient work runs outside the compiled blocks: the compiled run's
+    reduce-scatters and redistribute_grad all-reduces (the blocks' norms' gradients,
+    made by the compiled backward) are the eager run's, with their units, bytes and
+    phase (the eager ones are checked against the reference above)."""
+    syncs = {}
+    for scenario in SCENARIOS:
+        syncs[scenario] = Counter(
+            (a[semconv.OWNER_FQN], a[semconv.OWNER_KIND], a[semconv.COLL_OP],
+             a[semconv.OWNER_BYTES], a[semconv.PHASE])
+            for _, a in _events(ok.run_dir(scenario) / f"rank{rank}.jsonl")
+            if a.get(semconv.OWNER_KIND) in ("reduce_grad", "redistribute_grad"))
+    assert syncs["compiled"] == syncs["eager"], syncs
+    assert any(key[1] == "redistribute_grad" for key in syncs["eager"])
