@@ -11,10 +11,8 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +20,7 @@ from typing import Any
 
 import pytest
 from _analysis_builder import WORLD_GROUP, SpanBuilder, trace_of
+from _spawn import run_ranks
 
 from commspan import semconv
 from commspan.analysis import build_run, check, check_run
@@ -1012,45 +1011,11 @@ class GlooRun:
         )
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def gloo_run(tmp_path_factory: pytest.TempPathFactory) -> GlooRun:
     """Spawn 4 gloo ranks once for every scenario; kill them all if one fails or hangs."""
     root = tmp_path_factory.mktemp("check")
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("COMMSPAN_RUN_ID", "TORCHELASTIC_RUN_ID")}
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
-               WORLD_SIZE=str(WORLD), OMP_NUM_THREADS="1")
-    tests_dir = str(Path(__file__).parent)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [tests_dir, env.get("PYTHONPATH")]))
-    logs = [root / f"rank{r}.log" for r in range(WORLD)]
-    procs = []
-    for r in range(WORLD):
-        with logs[r].open("w") as log:
-            procs.append(subprocess.Popen(
-                [sys.executable, str(SCRIPT), str(root)],
-                env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
-                stdout=log, stderr=subprocess.STDOUT,
-            ))
-    deadline = time.monotonic() + 150
-    try:
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            if any(p.poll() not in (None, 0) for p in procs):
-                time.sleep(2)  # the others are likely blocked: let them fail or be killed
-                break
-            time.sleep(0.1)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    run = GlooRun(root, [p.returncode for p in procs],
-                  [log.read_text(errors="replace") for log in logs])
+    run = GlooRun(root, *run_ranks(SCRIPT, [str(root)], root, WORLD, timeout_s=150))
     if any(rc != 0 for rc in run.returncodes):
         pytest.fail(f"ranks failed:\n{run.failure()}")
     return run

@@ -9,10 +9,6 @@ rank and scenario plus its in-process results. The tests read those files.
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -20,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _spawn import run_ranks
 
 from commspan import Aggregator, semconv
 from commspan.exporters import SpanRecord, read_spans
@@ -60,56 +57,16 @@ class MpRun:
         return list(read_spans(self.root / scenario / f"trace-rank{rank}.jsonl"))
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def mp_run(tmp_path_factory: pytest.TempPathFactory) -> MpRun:
     """Spawn the 4 ranks once; wait for all (killing the rest if one fails or time runs out)."""
     root = tmp_path_factory.mktemp("mp")
-    port = _free_port()
-    base = {
-        k: v for k, v in os.environ.items() if k not in ("COMMSPAN_RUN_ID", "TORCHELASTIC_RUN_ID")
-    }
-    base.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(WORLD), OMP_NUM_THREADS="1"
-    )
-    procs = []
-    logs = [root / f"rank{r}.log" for r in range(WORLD)]
     t0 = time.monotonic()
-    for r in range(WORLD):
-        env = dict(base, RANK=str(r), LOCAL_RANK=str(r))
-        with logs[r].open("w") as log:
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, str(SCRIPT), str(root)],
-                    env=env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                )
-            )
-    deadline = t0 + 150
-    try:
-        while any(p.poll() is None for p in procs):
-            if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs):
-                break
-            time.sleep(0.1)
-        # a failed rank leaves the others blocked in a collective: give them a moment
-        end = min(deadline, time.monotonic() + 5)
-        while any(p.poll() is None for p in procs) and time.monotonic() < end:
-            time.sleep(0.1)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    returncodes, logs = run_ranks(SCRIPT, [str(root)], root, WORLD, timeout_s=150)
     return MpRun(
         root,
-        [p.returncode for p in procs],
-        [log.read_text(errors="replace") for log in logs],
+        returncodes,
+        logs,
         time.monotonic() - t0,
     )
 

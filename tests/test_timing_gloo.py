@@ -8,11 +8,8 @@ the hang, which the test stops itself after the hang records are on disk.
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -20,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from _spawn import spawn
 
 from commspan import semconv
 from commspan.analysis import check_run, stragglers
@@ -52,27 +50,9 @@ class Job:
             p.wait()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _spawn(root: Path, what: str) -> Job:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("COMMSPAN_RUN_ID", "TORCHELASTIC_RUN_ID")}
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
-               WORLD_SIZE=str(WORLD), OMP_NUM_THREADS="1")
     logs = [root / f"{what}-rank{r}.log" for r in range(WORLD)]
-    procs = []
-    for r in range(WORLD):
-        with logs[r].open("w") as log:
-            procs.append(subprocess.Popen(
-                [sys.executable, str(SCRIPT), str(root), what],
-                env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
-                stdout=log, stderr=subprocess.STDOUT,
-            ))
-    return Job(root, procs, logs)
+    return Job(root, spawn(SCRIPT, [str(root), what], logs), logs)
 
 
 def _wait(predicate: Callable[[], bool], timeout_s: float) -> bool:

@@ -20,17 +20,15 @@ run directory as a user would.
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
-import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+from _spawn import run_ranks
 
 from commspan import semconv
 from commspan.exporters import read_spans
@@ -64,44 +62,11 @@ class Titan:
         return self.root / scenario / "run"
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def titan(tmp_path_factory: pytest.TempPathFactory) -> Titan:
     """Spawn the ranks once; wait for all (killing the rest if one fails or time runs out)."""
     root = tmp_path_factory.mktemp("titan")
-    base = {k: v for k, v in os.environ.items()
-            if k not in ("COMMSPAN_RUN_ID", "TORCHELASTIC_RUN_ID")}
-    base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(WORLD),
-                OMP_NUM_THREADS="1")
-    logs = [root / f"rank{r}.log" for r in range(WORLD)]
-    procs = []
-    for r in range(WORLD):
-        with logs[r].open("w") as log:
-            procs.append(subprocess.Popen(
-                [sys.executable, str(SCRIPT), str(root)],
-                env=dict(base, RANK=str(r), LOCAL_RANK=str(r)),
-                stdout=log, stderr=subprocess.STDOUT))
-    deadline = time.monotonic() + 480
-    try:
-        while any(p.poll() is None for p in procs):
-            if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs):
-                break
-            time.sleep(0.1)
-        end = min(deadline, time.monotonic() + 5)
-        while any(p.poll() is None for p in procs) and time.monotonic() < end:
-            time.sleep(0.1)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return Titan(root, [p.returncode for p in procs],
-                 [log.read_text(errors="replace") for log in logs])
+    return Titan(root, *run_ranks(SCRIPT, [str(root)], root, WORLD, timeout_s=480))
 
 
 @pytest.fixture()
