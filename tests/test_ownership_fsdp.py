@@ -104,11 +104,14 @@ def _run(
     ac: bool = False,
     root: bool = True,
     grouped: bool = False,
+    wrapped: bool = False,
     setup: Callable[[Net], None] | None = None,
 ) -> Run:
     """Shard ``Net`` (both blocks, and the root unless ``root=False``), train 2 steps.
     ``grouped``: blocks.1 and head are one unit (``fully_shard([blocks.1, head])``),
-    which the lowest module holding both, the root, owns."""
+    which the lowest module holding both, the root, owns. ``wrapped``: each block in
+    a ``checkpoint_wrapper``, the wrapper sharded (as torchtitan does), named as the
+    block (torch's ``state_dict`` names, which the reference's are)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -131,6 +134,13 @@ def _run(
     units = _units(roots, shard)
     assert len({u.padded for u in units.values()}) == len(units), "sizes must tell units apart"
     ran = [n for n, m in model.named_modules() if not isinstance(m, torch.nn.ModuleList)]
+    if wrapped:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            checkpoint_wrapper,
+        )
+
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = checkpoint_wrapper(block)
     fully_shard(model.blocks[0], mesh=mesh, reshard_after_forward=reshard)
     if grouped:
         fully_shard([model.blocks[1], model.head], mesh=mesh, reshard_after_forward=reshard)
@@ -247,8 +257,10 @@ def _check(run: Run) -> list[dict[str, Any]]:
         {"ac": True},
         {"root": False},
         {"grouped": True},
+        {"wrapped": True},
     ],
-    ids=["default", "no-reshard", "reshard-2", "hsdp", "checkpointed", "two-roots", "grouped"],
+    ids=["default", "no-reshard", "reshard-2", "hsdp", "checkpointed", "two-roots", "grouped",
+         "checkpoint-wrapper"],
 )
 def test_fsdp_collectives_owned_by_their_unit(fake_pg: None, config: dict[str, Any]) -> None:
     """Each all-gather, reduce-scatter and HSDP all-reduce names the unit whose
@@ -271,6 +283,10 @@ def test_fsdp_collectives_owned_by_their_unit(fake_pg: None, config: dict[str, A
             ("FSDPNet.blocks.1", "FSDPNet.head")}
     else:
         assert grouped == []
+    if config.get("wrapped"):  # the spans are the unwrapped model's modules, by its names
+        assert {s.attributes[semconv.MODULE_FQN] for s in run.cap.spans
+                if semconv.MODULE_FQN in s.attributes} == {
+            *run.modules, semconv.GLOBAL_FQN}
     if config.get("reshard") is False:
         assert backward_gathers == []  # nothing was resharded after forward
     else:

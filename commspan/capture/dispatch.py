@@ -795,7 +795,9 @@ _NO_TRACKER = _NoTracker()
 
 
 _PATH_ROOT = re.compile(r"L\['self'\]")
-_PATH_STEP = re.compile(  # ._modules['x'] | .x | [0] | ['x']
+_PATH_STEP = re.compile(  # .__dict__['_modules']['x'] (a module with a __getattr__ of
+    # its own: checkpoint_wrapper's) | ._modules['x'] | .x | [0] | ['x']
+    r"\.__dict__\['_modules'\]\['([^'\]]+)'\]|"
     r"\._modules\['([^'\]]+)'\]|\.([A-Za-z_][A-Za-z0-9_]*)|\[(\d+)\]|\['([^'\]]+)'\]")
 
 
@@ -809,6 +811,8 @@ def module_path(entry: Any) -> str | None:
     Example:
         >>> module_path(("L['self']._modules['mlp'].fc", object))
         'mlp.fc'
+        >>> module_path(("L['self'].__dict__['_modules']['block'].fc", object))
+        'block.fc'
         >>> module_path(("G['model'].fc", object)), module_path(("L['other'].fc", object))
         (None, None)
     """

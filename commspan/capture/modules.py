@@ -96,6 +96,40 @@ try:  # torch.compile(module) wraps the module: the wrapper's call is the compil
 except Exception:  # pragma: no cover - depends on the torch build
     _Compiled = ()
 
+_Activation: Any
+try:  # checkpoint_wrapper / offload_wrapper (torchtitan's activation checkpointing)
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        ActivationWrapper as _Activation,
+    )
+except Exception:  # pragma: no cover - depends on the torch build
+    _Activation = ()
+
+# the child a wrapper holds its module under, for the wrappers that give their name
+# to the module they wrap (torch.compile's; with commspan's names, not torch's
+# (``commspan.compat``), activation checkpointing's too)
+_COMPILED_KEY = "_orig_mod"
+_ACTIVATION_KEY = "_checkpoint_wrapped_module"
+
+
+def _wrapped_key(mod: torch.nn.Module, torch_names: bool) -> str | None:
+    """The child key under which ``mod``, a wrapper named as the module it wraps,
+    holds that module; ``None`` for any other module."""
+    if isinstance(mod, _Compiled):
+        return _COMPILED_KEY
+    if not torch_names and isinstance(mod, _Activation):
+        return _ACTIVATION_KEY
+    return None
+
+
+def _unwrapped(mod: torch.nn.Module, torch_names: bool) -> torch.nn.Module:
+    """The module a chain of such wrappers wraps (``mod`` if it is none)."""
+    key = _wrapped_key(mod, torch_names)
+    while key is not None:
+        mod = mod._modules[key]  # type: ignore[assignment]
+        key = _wrapped_key(mod, torch_names)
+    return mod
+
+
 # True while dynamo traces: a hook it traces (``model.compile()`` compiles the
 # module's ``_call_impl``, global hooks included) must return before anything
 # dynamo cannot trace, or it breaks the user's graph at every module
@@ -268,10 +302,14 @@ class _GlobalHooks:
 _GLOBAL_HOOKS = _GlobalHooks()
 
 
-def _named_modules(root: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """``root.named_modules()`` without recursion (same order), except that a module
-    ``torch.compile`` wrapped (``OptimizedModule``) gives its name to the module it
-    wraps: ``blocks.0``, not ``blocks.0._orig_mod`` (the wrapper comes first)."""
+def _named_modules(root: torch.nn.Module,
+                   torch_names: bool = False) -> list[tuple[str, torch.nn.Module]]:
+    """``root.named_modules()`` without recursion (same order), except that a wrapper
+    that gives its name to the module it wraps (``torch.compile``'s
+    ``OptimizedModule``; activation checkpointing's ``checkpoint_wrapper`` and
+    ``offload_wrapper`` unless ``torch_names``) does: ``blocks.0``, not
+    ``blocks.0._orig_mod`` or ``blocks.0._checkpoint_wrapped_module`` (the wrapper
+    comes first, under the same name), as torch's ``state_dict`` names them."""
     out: list[tuple[str, torch.nn.Module]] = []
     seen: set[int] = set()
     todo: list[tuple[str, torch.nn.Module]] = [("", root)]
@@ -281,10 +319,9 @@ def _named_modules(root: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
             continue
         seen.add(id(mod))
         out.append((name, mod))
-        compiled = isinstance(mod, _Compiled)
+        wrapped = _wrapped_key(mod, torch_names)
         children = [
-            (name if compiled and key == "_orig_mod" else f"{name}.{key}" if name else key,
-             child)
+            (name if key == wrapped else f"{name}.{key}" if name else key, child)
             for key, child in mod._modules.items()
             if child is not None
         ]
@@ -292,23 +329,25 @@ def _named_modules(root: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     return out
 
 
-def _path_in(owner: torch.nn.Module, module: torch.nn.Module) -> str | None:
+def _path_in(owner: torch.nn.Module, module: torch.nn.Module,
+             torch_names: bool = False) -> str | None:
     """The dotted path of ``module`` among ``owner``'s submodules, looked for among its
     children and inside the containers among them (``ModuleList``, ``ModuleDict``,
-    which are never called themselves), or ``None``. A module ``torch.compile``
-    wrapped is looked for under the name of the wrapper, as :func:`_named_modules`
-    names it."""
+    which are never called themselves) and the activation-checkpointing wrappers
+    (whose calls have no span), or ``None``. A wrapped module is looked for under the
+    name of its wrapper, as :func:`_named_modules` names it."""
     todo: list[tuple[str, torch.nn.Module]] = [("", owner)]
     while todo:
         prefix, mod = todo.pop(0)
+        wrapped = _wrapped_key(mod, torch_names)
         for key, child in mod._modules.items():
             if child is None:
                 continue
-            name = prefix if isinstance(mod, _Compiled) and key == "_orig_mod" else (
-                f"{prefix}.{key}" if prefix else key)
+            name = prefix if key == wrapped else f"{prefix}.{key}" if prefix else key
             if child is module:
                 return name
-            if isinstance(child, _CONTAINERS):
+            if isinstance(child, _CONTAINERS) or (
+                    not torch_names and isinstance(child, _Activation)):
                 todo.append((name, child))
     return None
 
@@ -682,6 +721,9 @@ class ModuleTracker(BackwardNesting):
             DTensor parameters (shared with the dispatch mode).
         parallel: the registry of FSDP2 units and DDP modules to teach the
             module trees the tracker names (read by the ownership rules).
+        torch_names: name modules by torch's paths through activation-checkpointing
+            wrappers, as torch's trackers do (``commspan.compat``): see
+            :attr:`torch_names`.
     """
 
     def __init__(
@@ -691,6 +733,7 @@ class ModuleTracker(BackwardNesting):
         record_params: bool = True,
         groups: ProcessGroups | None = None,
         parallel: ParallelModules | None = None,
+        torch_names: bool = False,
     ) -> None:
         self.recorder = recorder
         self.parallel = parallel
@@ -713,6 +756,16 @@ class ModuleTracker(BackwardNesting):
         )
         # the dictionary under it (weak reference -> info), read by the hooks
         self._known_by_ref: dict[Any, ModuleInfo] = self._known.data  # type: ignore[attr-defined]
+        # activation-checkpointing wrappers -> the wrapped module's info: not in
+        # _known, so their calls open no span (the wrapped module's does)
+        self._wrappers: weakref.WeakKeyDictionary[torch.nn.Module, ModuleInfo] = (
+            weakref.WeakKeyDictionary()
+        )
+        self.torch_names = torch_names
+        """Name modules by torch's paths through activation-checkpointing wrappers
+        (``layers.0._checkpoint_wrapped_module``; ``commspan.compat``, as torch's
+        trackers), each wrapper's call its own span; else a wrapper's name is the
+        wrapped module's, whose call is the only span."""
         # id(module) -> (module ref, name), for compiled graphs' module stacks
         self._by_id: dict[int, tuple[Callable[[], Any], str]] = {}
         self._named = 0  # modules named so far (a version of _known)
@@ -854,6 +907,7 @@ class ModuleTracker(BackwardNesting):
         # named again, DDP modules stay DDP modules
         self._was_ddp.update(m for m, info in self._known.items() if info.ddp)
         self._known.clear()
+        self._wrappers.clear()
         self._by_id.clear()
         self._by_id_known = -1
         self._names_known = -1
@@ -862,6 +916,8 @@ class ModuleTracker(BackwardNesting):
     def fqn(self, module: torch.nn.Module) -> str | None:
         """The name the tracker knows ``module`` by, or ``None``."""
         info = self._known.get(module)
+        if info is None and self._wrappers:
+            info = self._wrappers.get(module)
         return info.fqn if info is not None else None
 
     def fqn_of_id(self, ident: int) -> str | None:
@@ -901,22 +957,31 @@ class ModuleTracker(BackwardNesting):
         if info is not None:
             return info
         known = self._known
-        if isinstance(module, _Compiled):  # torch.compile(m): named, and spanned, as m
-            info = known[module] = self._info(module._orig_mod, root)
-            return info
-        root = root or type(module).__name__
+        torch_names = self.torch_names
+        wrappers = self._wrappers
+        if wrappers and module in wrappers:
+            return wrappers[module]
+        inner = _unwrapped(module, torch_names)
+        root = root or type(inner).__name__
         new: list[tuple[str, torch.nn.Module]] = []
-        wrappers = []
-        for name, sub in _named_modules(module):
-            if sub not in known:
+        wrapping = []
+        for name, sub in _named_modules(module, torch_names):
+            if sub not in known and sub not in wrappers:
                 fqn = f"{root}.{name}" if name else root
-                if isinstance(sub, _Compiled):  # named, and spanned, as the module it wraps
-                    wrappers.append(sub)
+                if _wrapped_key(sub, torch_names) is not None:
+                    wrapping.append(sub)  # named, and spanned, as the module it wraps
                 else:
                     known[sub] = ModuleInfo(fqn, type(sub).__name__)
                 new.append((fqn, sub))  # a wrapper too: FSDP may shard it
-        for wrapper in wrappers:
-            known[wrapper] = known[wrapper._orig_mod]
+        for wrapper in wrapping:
+            info = known[_unwrapped(wrapper, torch_names)]
+            if isinstance(wrapper, _Compiled):
+                # torch.compile(m): its call is m's span (m's own runs compiled)
+                known[wrapper] = info
+            else:
+                # activation checkpointing: the wrapped module's call is the span
+                # (the wrapper's has none): only it re-runs in a recompute
+                wrappers[wrapper] = info
         self._named += len(new)
         if self.parallel is not None and new:
             for ddp in self.parallel.learn(new, self._on_mesh):
@@ -925,22 +990,28 @@ class ModuleTracker(BackwardNesting):
                 for _, sub in new:
                     if sub in self._was_ddp:
                         known[sub].ddp = True
-        return known[module]
+        return known[module] if module in known else wrappers[module]
 
-    def _first_call_info(self, module: torch.nn.Module) -> ModuleInfo:
+    def _first_call_info(self, module: torch.nn.Module) -> ModuleInfo | None:
         """A module the tracker has not named is called: if the module calling it
         holds it (assigned after that model was named: a new head, a swapped block,
         a LoRA layer), it is named by its path there (``Net.head``), else as a model
         of its own (its class name). Nothing is renamed: a module keeps the name it
-        was first seen under."""
+        was first seen under. ``None`` for an activation-checkpointing wrapper (named
+        as the module it wraps, whose call is the span; its own call has none)."""
+        wrappers = self._wrappers
+        if wrappers and module in wrappers:
+            return None
         if self._calls:
             caller = self._calls[-1]
             owner = caller.module()
             if owner is not None:
-                path = _path_in(owner, module)
+                path = _path_in(owner, module, self.torch_names)
                 if path is not None:
-                    return self._info(module, f"{caller.info.fqn}.{path}")
-        return self._info(module)
+                    info = self._info(module, f"{caller.info.fqn}.{path}")
+                    return None if module in wrappers else info
+        info = self._info(module)
+        return None if module in wrappers else info
 
     def open_fqns(self) -> set[str]:
         """Names of the modules with an open (not finished) frame, plus ``Global``."""
@@ -960,6 +1031,8 @@ class ModuleTracker(BackwardNesting):
             info = self._known_by_ref.get(_ref(module))
             if info is None:
                 info = self._first_call_info(module)
+                if info is None:  # an activation-checkpointing wrapper: no span
+                    return
             task = _graph_task_id()
             calls = self._calls
             parent = calls[-1] if calls else None

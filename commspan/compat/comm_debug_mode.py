@@ -374,6 +374,7 @@ class CommDebugMode:
         mode_kwargs.setdefault("run_id", uuid.uuid4().hex)  # (no agreement across ranks)
         self.mode = CommSpanMode(
             module_observer=_Observer(self), _op_observer=self._on_op, _fresh_names=True,
+            _torch_names=True,  # torch's names inside activation-checkpointing wrappers
             **mode_kwargs,
         )
         self.advanced_module_tracker = _CommModeTracker(self.mode)

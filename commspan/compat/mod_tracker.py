@@ -105,6 +105,7 @@ class ModTracker:
         self.mode = CommSpanMode(  # its own run id: entering it talks to no other rank
             aggregator=False, record_params=False, module_observer=_UserHooks(self),
             run_id=uuid.uuid4().hex, _fresh_names=True,  # each context names modules anew
+            _torch_names=True,  # torch's names inside activation-checkpointing wrappers
         )
 
     def _clear_hooks(self) -> None:

@@ -193,6 +193,12 @@ def _resolve(relative: str, facts: ParallelFacts) -> FsdpUnit | None:
         # (``layers.0._orig_mod``); commspan gives the wrapped module the wrapper's name
         relative = ".".join(p for p in relative.split(".") if p != "_orig_mod")
     candidates = facts.fsdp_units(relative)
+    if not candidates and "_checkpoint_wrapped_module" in relative:
+        # likewise inside an activation-checkpointing wrapper
+        # (``layers.0._checkpoint_wrapped_module.attn``), unless commspan names by
+        # torch's paths there (``commspan.compat``): then the first lookup found it
+        candidates = facts.fsdp_units(".".join(
+            p for p in relative.split(".") if p != "_checkpoint_wrapped_module"))
     if len(candidates) == 1:
         return candidates[0]
     if candidates:

@@ -302,6 +302,7 @@ class CommSpanMode:
         _observer: ModuleObserver | None = None,
         _op_observer: OpCallback | None = None,
         _fresh_names: bool = False,
+        _torch_names: bool = False,
     ) -> None:
         self._config = config = mode_config(
             tracer_provider=tracer_provider,
@@ -338,6 +339,9 @@ class CommSpanMode:
         # commspan.compat: each entry names modules as a new mode would (its classes'
         # contexts start from zero); otherwise names last as long as the mode
         self._fresh_names = bool(_fresh_names)
+        # commspan.compat: modules inside activation-checkpointing wrappers named by
+        # torch's paths (``layers.0._checkpoint_wrapped_module``), as torch's trackers
+        self._torch_names = bool(_torch_names)
         self._processors: list[Callable[[ReadableSpan], None]] = []
         self._recorder: SpanRecorder | None = None
         self._tracker: ModuleTracker | None = None
@@ -504,6 +508,7 @@ class CommSpanMode:
                 record_params=config.record_params,
                 groups=self._groups,
                 parallel=self._parallel,
+                torch_names=self._torch_names,
             )
         else:
             self._tracker.recorder = self._recorder
@@ -891,6 +896,10 @@ class CommSpanMode:
             return None
         fqn = tracker.fqn_of_id(compiled[0])
         path = compiled[2]
+        if path and not tracker.torch_names and "_checkpoint_wrapped_module" in path:
+            # a compiled activation-checkpointing wrapper (torchtitan's block): the
+            # modules it wraps are named as under the wrapper
+            path = ".".join(p for p in path.split(".") if p != "_checkpoint_wrapped_module")
         if path is not None and span != semconv.GLOBAL_FQN and (
                 fqn is None or (fqn != span and not fqn.startswith(span + "."))):
             here = f"{span}.{path}" if path else span
