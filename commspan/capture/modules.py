@@ -47,7 +47,7 @@ from commspan.capture.backward import BackwardNesting, _Call, graph_task_id, rec
 from commspan.capture.dtensor import param_summary
 from commspan.capture.groups import ProcessGroups
 from commspan.capture.parallel import ParallelModules
-from commspan.ownership import phase_now
+from commspan.ownership import ACTIVATION_KEY, COMPILED_KEY, phase_now
 from commspan.semconv import Phase
 from commspan.spans.frames import Frame
 from commspan.spans.recorder import SpanRecorder
@@ -104,20 +104,14 @@ try:  # checkpoint_wrapper / offload_wrapper (torchtitan's activation checkpoint
 except Exception:  # pragma: no cover - depends on the torch build
     _Activation = ()
 
-# the child a wrapper holds its module under, for the wrappers that give their name
-# to the module they wrap (torch.compile's; with commspan's names, not torch's
-# (``commspan.compat``), activation checkpointing's too)
-_COMPILED_KEY = "_orig_mod"
-_ACTIVATION_KEY = "_checkpoint_wrapped_module"
-
 
 def _wrapped_key(mod: torch.nn.Module, torch_names: bool) -> str | None:
     """The child key under which ``mod``, a wrapper named as the module it wraps,
     holds that module; ``None`` for any other module."""
     if isinstance(mod, _Compiled):
-        return _COMPILED_KEY
+        return COMPILED_KEY
     if not torch_names and isinstance(mod, _Activation):
-        return _ACTIVATION_KEY
+        return ACTIVATION_KEY
     return None
 
 

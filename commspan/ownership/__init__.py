@@ -49,6 +49,7 @@ __all__ = [
     "counted_names",
     "lowest_common_module",
     "phase_now",
+    "without_wrapper",
     "resolve",
 ]
 
@@ -306,6 +307,26 @@ def resolve(
         if owner is not None:
             return owner
     return None
+
+
+COMPILED_KEY = "_orig_mod"
+"""The child under which ``torch.compile``'s wrapper (``OptimizedModule``) holds its
+module."""
+ACTIVATION_KEY = "_checkpoint_wrapped_module"
+"""The child under which activation checkpointing's ``checkpoint_wrapper`` and
+``offload_wrapper`` hold their module."""
+
+
+def without_wrapper(path: str, key: str) -> str:
+    """The dotted ``path`` without the parts ``key`` (a wrapper's child,
+    :data:`COMPILED_KEY` or :data:`ACTIVATION_KEY`): torch's path of a module inside a
+    wrapper, named as commspan names it (the wrapped module takes the wrapper's name).
+
+    Example:
+        >>> without_wrapper("layers.0._checkpoint_wrapped_module.attn", ACTIVATION_KEY)
+        'layers.0.attn'
+    """
+    return ".".join(p for p in path.split(".") if p != key)
 
 
 def lowest_common_module(paths: Sequence[str]) -> str:

@@ -36,7 +36,16 @@ from functools import lru_cache
 from typing import Any, NamedTuple
 
 from commspan import semconv
-from commspan.ownership import FsdpUnit, Issued, Ownership, ParallelFacts, lowest_common_module
+from commspan.ownership import (
+    ACTIVATION_KEY,
+    COMPILED_KEY,
+    FsdpUnit,
+    Issued,
+    Ownership,
+    ParallelFacts,
+    lowest_common_module,
+    without_wrapper,
+)
 from commspan.semconv import Phase
 
 __all__ = ["FsdpLabel", "FsdpUnits", "parse_labels"]
@@ -188,17 +197,16 @@ def _owner(members: list[FsdpUnit]) -> str:
 def _resolve(relative: str, facts: ParallelFacts) -> FsdpUnit | None:
     """The unit at ``relative`` (its path from its FSDP root); with several FSDP
     roots, the one whose parameter group is on the stack."""
-    if "_orig_mod" in relative:
+    if COMPILED_KEY in relative:
         # FSDP names a unit inside a torch.compile'd module by torch's path
         # (``layers.0._orig_mod``); commspan gives the wrapped module the wrapper's name
-        relative = ".".join(p for p in relative.split(".") if p != "_orig_mod")
+        relative = without_wrapper(relative, COMPILED_KEY)
     candidates = facts.fsdp_units(relative)
-    if not candidates and "_checkpoint_wrapped_module" in relative:
+    if not candidates and ACTIVATION_KEY in relative:
         # likewise inside an activation-checkpointing wrapper
         # (``layers.0._checkpoint_wrapped_module.attn``), unless commspan names by
         # torch's paths there (``commspan.compat``): then the first lookup found it
-        candidates = facts.fsdp_units(".".join(
-            p for p in relative.split(".") if p != "_checkpoint_wrapped_module"))
+        candidates = facts.fsdp_units(without_wrapper(relative, ACTIVATION_KEY))
     if len(candidates) == 1:
         return candidates[0]
     if candidates:

@@ -48,7 +48,15 @@ from commspan.capture.modules import ModuleTracker
 from commspan.capture.parallel import ParallelModules
 from commspan.capture.ranks import Ranks, process_ranks, ranks_known
 from commspan.exporters.queue import ExportQueue
-from commspan.ownership import CollectiveRule, Issued, Ownership, counted_names, resolve
+from commspan.ownership import (
+    ACTIVATION_KEY,
+    CollectiveRule,
+    Issued,
+    Ownership,
+    counted_names,
+    resolve,
+    without_wrapper,
+)
 from commspan.ownership.ddp import DdpModules
 from commspan.ownership.fsdp import FsdpUnits
 from commspan.ownership.innermost import InnermostModule
@@ -896,10 +904,10 @@ class CommSpanMode:
             return None
         fqn = tracker.fqn_of_id(compiled[0])
         path = compiled[2]
-        if path and not tracker.torch_names and "_checkpoint_wrapped_module" in path:
+        if path and not tracker.torch_names and ACTIVATION_KEY in path:
             # a compiled activation-checkpointing wrapper (torchtitan's block): the
             # modules it wraps are named as under the wrapper
-            path = ".".join(p for p in path.split(".") if p != "_checkpoint_wrapped_module")
+            path = without_wrapper(path, ACTIVATION_KEY)
         if path is not None and span != semconv.GLOBAL_FQN and (
                 fqn is None or (fqn != span and not fqn.startswith(span + "."))):
             here = f"{span}.{path}" if path else span
