@@ -1112,7 +1112,7 @@ def _p2p_hang_finding(
                                      rec.p2p_seq if rec.p2p_seq is not None else 0,
                                      min(firsts) if firsts else rec.step,
                                      _seen_ns(run, peer, peer_hang, last_any),
-                                     _left_ns(ended))
+                                     None if ended is None else _left_ns(ended))
         silent = _wrote_nothing(peer, peer_hang, last_any, earlier or ended)
         (nothing if silent else never).append(peer)
         text, fqn, phase = _unseen(peer, peer_hang, last_any, ended, earlier=earlier)
@@ -1267,7 +1267,7 @@ def _errors_by_rank(run: Run) -> dict[int, list[tuple[int, RankStep]]]:
     out: dict[int, list[tuple[int, RankStep]]] = defaultdict(list)
     for (r, _), rs in run.rank_steps.items():
         if rs.error is not None:
-            out[r].append((max([rs.end_ns, *(end for _, _, end in rs.repeats)]), rs))
+            out[r].append((_left_ns(rs), rs))
     return out
 
 
@@ -1323,11 +1323,9 @@ def _earlier_error(
     return best[1] if best is not None else None
 
 
-def _left_ns(ended: RankStep | None) -> int | None:
-    """When a rank ended the step ``ended`` (of a step number used again, its last use);
-    ``None`` for no step."""
-    if ended is None:
-        return None
+def _left_ns(ended: RankStep) -> int:
+    """When a rank ended the step ``ended`` (of a step number used again, its last
+    use)."""
     return max([ended.end_ns, *(end for _, _, end in ended.repeats)])
 
 
@@ -1518,7 +1516,7 @@ def _hang_finding(
                 earlier = _earlier_error(errors[r], known, theirs, seq,
                                          firsts[0] if firsts else None,
                                          _seen_ns(run, r, hang, last_any),
-                                         _left_ns(ended))
+                                         None if ended is None else _left_ns(ended))
             text, fqn, phase = _unseen(r, hang, last_any, ended, diverged=diverged,
                                        earlier=earlier)
             silent = _wrote_nothing(r, hang, last_any, earlier or ended)

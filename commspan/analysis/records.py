@@ -386,9 +386,16 @@ def sample_rule(sample: str | None) -> str | None:
         >>> sample_rule("one per tp group (ranks 0,8)"), sample_rule("ranks 0,2")
         ('one per tp group', 'ranks 0,2')
     """
-    if sample and sample.endswith(")") and " (ranks " in sample:
-        return sample[:sample.rindex(" (ranks ")]
-    return sample
+    return _split_sample(sample)[0] if sample else sample
+
+
+def _split_sample(sample: str) -> tuple[str, str | None]:
+    """``"fraction 0.5 (ranks 0,2)"`` -> ``("fraction 0.5", "0,2")``: a rank sample's
+    rule and the ranks it chose, when it lists them after the rule (``None`` if not)."""
+    if sample.endswith(")") and " (ranks " in sample:
+        cut = sample.rindex(" (ranks ")
+        return sample[:cut], sample[cut + len(" (ranks "):-1]
+    return sample, None
 
 
 def sampled_ranks(sample: str | None) -> frozenset[int]:
@@ -401,11 +408,8 @@ def sampled_ranks(sample: str | None) -> frozenset[int]:
     """
     if not sample:
         return frozenset()
-    if sample.startswith("ranks "):
-        text = sample[len("ranks "):]
-    elif sample.endswith(")") and " (ranks " in sample:
-        text = sample[sample.rindex(" (ranks ") + len(" (ranks "):-1]
-    else:
+    text = sample[len("ranks "):] if sample.startswith("ranks ") else _split_sample(sample)[1]
+    if text is None:
         return frozenset()
     ranks: set[int] = set()
     try:
