@@ -195,17 +195,10 @@ def list_runs(records: Sequence[SpanRecord]) -> list[RunInfo]:
         >>> list_runs([])
         []
     """
-    trace_steps = _trace_steps(records)
-    # id(resource) -> its writer, rank sample and world size
-    said: dict[int, tuple[str | None, str | None, int | None]] = {}
-    rows = []
+    tally = RunTally()
     for rec in records:
-        about = said.get(id(rec.resource))
-        if about is None:
-            about = said[id(rec.resource)] = resource_facts(rec.resource)
-        rows.append((_run_of(rec), _rank_of(rec), trace_steps.get(rec.trace_id), 1,
-                     rec.start_time, rec.end_time, *about))
-    return runs_of(rows)
+        tally.add(rec)
+    return tally.runs()
 
 
 def resource_facts(resource: Any) -> tuple[str | None, str | None, int | None]:
