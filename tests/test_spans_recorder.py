@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from _tracing import (
     attrs,
@@ -81,3 +83,69 @@ def test_frame_contexts_are_the_sdk_s_own() -> None:
             assert made == expected and type(made) is SpanContext
             assert made.is_valid and made.trace_flags.sampled and not made.is_remote
             assert made.trace_state == expected.trace_state
+
+
+class _Raises(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise ValueError("boom")
+
+
+def test_spans_built_without_the_sdk_constructors_are_the_constructors(
+        fake_pg: None, monkeypatch: Any) -> None:
+    """The recorder sets a span's and its events' fields directly (no constructor
+    frames): each span of a step with collectives, an exception event and an error
+    status holds exactly what ``ReadableSpan(...)`` and ``Event(...)`` make of the same
+    frame, field for field and in the same order."""
+    from opentelemetry.sdk.trace import Event, ReadableSpan
+
+    from commspan.spans import recorder as recorder_mod
+    from commspan.spans.recorder import SpanRecorder
+
+    assert recorder_mod._FAST_SPAN  # this OpenTelemetry: the fast path runs
+    built = SpanRecorder._build
+    compared: list[str] = []
+
+    def fields(obj: Any) -> list[tuple[str, Any]]:
+        # (the events compared one by one below; the timing held for export aside)
+        # (a status made for each span: its code and text)
+        return [(k, len(v) if k == "_events" else (v.status_code, v.description)
+                 if k == "_status" else v)
+                for k, v in vars(obj).items() if not k.startswith("_commspan")]
+
+    def build(self: SpanRecorder, frame: Any) -> ReadableSpan:
+        fast = built(self, frame)
+        slow = self._build_slowly(frame, frame.attrs)
+        assert type(fast) is ReadableSpan
+        assert fields(fast) == fields(slow)
+        assert [(type(e), fields(e)) for e in fast.events] == [
+            (Event, fields(e)) for e in slow.events]
+        compared.append(fast.name)
+        return fast
+
+    monkeypatch.setattr(SpanRecorder, "_build", build)
+    mode, exporter = traced_mode()
+    with mode:
+        _Chatty(2)(torch.randn(3))
+        try:
+            _Raises()(torch.randn(3))
+        except ValueError:
+            pass
+    spans = list(exporter.get_finished_spans())
+    assert "_Chatty forward" in compared and "_Raises forward" in compared
+    raised = named(spans, "_Raises", "forward")[0]
+    assert not raised.status.is_ok and [e.name for e in raised.events] == ["exception"]
+    assert len(collective_events(named(spans, "_Chatty", "forward")[0])) == 2
+
+
+def test_spans_built_by_the_constructors_with_another_sdk_layout(
+        fake_pg: None, monkeypatch: Any) -> None:
+    """An OpenTelemetry whose span is laid out otherwise: the constructors build it."""
+    from commspan.spans import recorder as recorder_mod
+
+    monkeypatch.setattr(recorder_mod, "_FAST_SPAN", False)
+    mode, exporter = traced_mode()
+    with mode:
+        _Chatty(2)(torch.randn(3))
+    span = named(list(exporter.get_finished_spans()), "_Chatty", "forward")[0]
+    assert len(collective_events(span)) == 2
+    assert counts(span) == {("forward", "all_reduce"): 2}
