@@ -158,16 +158,18 @@ def test_load_run_holds_one_lines_spans_at_a_time(
         nonlocal alive
         alive -= 1
 
+    from commspan.otlpjson.decode import read_spans_in
+
     def counted(*args: Any, **kwargs: Any) -> Any:
         nonlocal alive, most
-        for rec in read_spans(*args, **kwargs):
+        for rec in read_spans_in(*args, **kwargs):
             alive += 1
             most = max(most, alive)
             weakref.finalize(rec, gone)
             yield rec
             gc.collect()
 
-    monkeypatch.setattr(records_module, "read_spans", counted)
+    monkeypatch.setattr(records_module, "read_spans_in", counted)
     run = load_run(path)
     assert most <= max(per_line) + 1, (most, per_line)
     monkeypatch.undo()

@@ -25,6 +25,10 @@ Three questions, one function each, all over a :class:`~commspan.analysis.record
   from it (``commspan.p2p.seq``).
 - :func:`untraced_findings`: ranks whose latest hang record is in a step that
   ``sample=`` leaves out, where nothing says what they wait in.
+- :func:`unread_findings`: steps of a rank that a damaged line of its file may
+  have held collectives of (:attr:`Run.unread`); that rank is left out of their
+  comparisons (its collectives there are unknown, not different) and of the
+  missing ranks.
 
 A step that a hang interrupted (a hang record, and a rank without its rank
 span) is left to :func:`hang_findings`: its spans are incomplete by nature.
@@ -68,6 +72,7 @@ __all__ = [
     "KIND_HANG",
     "KIND_MISMATCH",
     "KIND_MISSING",
+    "KIND_UNREAD",
     "KIND_UNTRACED",
     "check",
     "check_run",
@@ -76,6 +81,7 @@ __all__ = [
     "missing_findings",
     "p2p_findings",
     "sequence_findings",
+    "unread_findings",
     "untraced_findings",
 ]
 
@@ -90,6 +96,10 @@ KIND_UNTRACED = "untraced"
 """Ranks whose latest hang record is in a step ``sample=`` leaves out: nothing of the
 step was recorded, so where they are in it (waiting, or not) is unknown."""
 
+KIND_UNREAD = "unread"
+"""A rank's collectives of a step are unknown: a damaged line of its file may have held
+some of them (:mod:`commspan.analysis.unread`); the step was compared without that rank."""
+
 _NOT_ISSUED = "not issued"
 _NO_RECORD = "no record"  # a rank that wrote nothing at all: whether it issued it is unknown
 
@@ -99,7 +109,7 @@ class Finding:
     """One thing ``check`` found.
 
     Attributes:
-        kind: ``mismatch``, ``missing``, ``hang`` or ``untraced``.
+        kind: ``mismatch``, ``missing``, ``hang``, ``untraced`` or ``unread``.
         group: process group name (``None`` for a rank missing from a whole step).
         seq: the group's sequence number where it happened (``None`` if not at one).
         step: the step (``None`` outside steps or not at one).
@@ -151,7 +161,9 @@ class CheckResult:
             matched), ``p2p_unchecked``, ``hang_records``, ``steps_interrupted``
             (steps a hang cut short, left out of the comparisons),
             ``outside_interrupted`` (the same of traces outside steps: a hang
-            after the loop, in a plain ``with mode:`` block).
+            after the loop, in a plain ``with mode:`` block), ``unread`` (steps of
+            a rank left out because a damaged line may have held their
+            collectives, :func:`unread_findings`).
     """
 
     findings: list[Finding]
@@ -217,6 +229,7 @@ def check(run: Run) -> CheckResult:
         *missing_findings(run, skip=interrupted),
         *sequence_findings(run, skip=interrupted, checked=checked),
         *p2p_findings(run, skip=interrupted, checked=checked),
+        *unread_findings(run),
     ]
     diverged = {f.group for f in others if f.group is not None}
     hangs = [*hang_findings(run, diverged=diverged), *untraced_findings(run)]
@@ -239,6 +252,8 @@ def check(run: Run) -> CheckResult:
         # numbered steps; work outside steps some rank did not finish, apart
         "steps_interrupted": sum(1 for t in interrupted if run.trace_steps.get(t) is not None),
         "outside_interrupted": sum(1 for t in interrupted if run.trace_steps.get(t) is None),
+        # (rank, step) pairs a damaged line may have held collectives of: not compared
+        "unread": len(run.unread),
     }
     return CheckResult([*hangs, *others], counts)
 
@@ -261,7 +276,8 @@ def interrupted_traces(run: Run) -> set[str]:
     for trace, ranks in run.presence.items():
         step = run.trace_steps.get(trace)
         if step is not None and any(
-            (r, trace) not in run.rank_steps and last.get(r) == step for r in ranks
+            (r, trace) not in run.rank_steps and last.get(r) == step
+            and (r, trace) not in run.unread for r in ranks
         ):
             out.add(trace)
     for h in run.hangs:
@@ -304,6 +320,38 @@ def untraced_findings(run: Run) -> list[Finding]:
     return findings
 
 
+# ------------------------------------------------------------------ damaged lines
+def unread_findings(run: Run) -> list[Finding]:
+    """One finding per damaged line that may have held collectives of a rank
+    (:attr:`Run.unread`): the steps it may have held, not compared for that rank (the
+    other ranks of those steps are, with each other), and why the line was not read."""
+    by_line: dict[tuple[str, int], list[Any]] = defaultdict(list)
+    for u in run.unread.values():
+        by_line[(u.path, u.line)].append(u)
+    order = {t: i for i, t in enumerate(run.traces())}
+    findings = []
+    for (path, line), items in by_line.items():
+        items.sort(key=lambda u: order.get(u.trace_id, -1))
+        first = items[0]
+        steps = [u.step for u in items]
+        numbered = [s for s in steps if s is not None]
+        what = ", ".join(
+            ([_step_words(numbered[0]) if len(numbered) == 1 else f"steps {_list(numbered)}"]
+             if numbered else [])
+            + (["work outside steps"] if len(numbered) < len(steps) else []))
+        message = (
+            f"rank {first.rank}, {what}: not compared: {path}:{line} is damaged "
+            f"({first.reason}); it may have held collectives of rank {first.rank} there, "
+            "which are unknown (the other ranks were compared with each other)")
+        ranks = {first.rank: {"op": None, "fqn": None, "phase": None, "seq": None,
+                              "state": "unread"}}
+        findings.append(Finding(
+            KIND_UNREAD, None, None, first.step, ranks, message,
+            {"steps": steps, "file": path, "line": line, "reason": first.reason,
+             "trace_id": first.trace_id}))
+    return findings
+
+
 # ------------------------------------------------------------------ missing ranks
 def missing_findings(run: Run, *, skip: Iterable[str] = ()) -> list[Finding]:
     """Ranks that wrote no span for a step other ranks wrote; one finding per set of
@@ -330,8 +378,8 @@ def missing_findings(run: Run, *, skip: Iterable[str] = ()) -> list[Finding]:
             continue  # traces outside steps need not exist on every rank
         present = run.presence.get(trace, set())
         missing = tuple(r for r in expected
-                        if r not in present and not (r in stuck and step > stuck[r]
-                                                     and (r, trace) not in alive))
+                        if r not in present and (r, trace) not in run.unread
+                        and not (r in stuck and step > stuck[r] and (r, trace) not in alive))
         if missing:
             by_missing[missing].append(trace)
     findings = []
@@ -445,7 +493,7 @@ def sequence_findings(
                 per_rank = {
                     r: sorted(by_trace[trace].get(r, []), key=_order_key)
                     for r in members
-                    if r in present
+                    if r in present and (r, trace) not in run.unread
                 }
                 counts["collectives"] += sum(len(v) for v in per_rank.values())
                 yield trace, _compare(run, group, members, trace, per_rank)
@@ -705,7 +753,8 @@ def p2p_findings(
             traces = set(sends[key]) | set(recvs[key])
             for trace in sorted(traces, key=lambda t: order.get(t, -1)):
                 present = run.presence.get(trace, set())
-                if trace in skipped or src not in present or dst not in present:
+                if trace in skipped or src not in present or dst not in present \
+                        or (src, trace) in run.unread or (dst, trace) in run.unread:
                     continue
                 s = sorted(sends[key].get(trace, []), key=_order_key)
                 r = sorted(recvs[key].get(trace, []), key=_order_key)

@@ -26,7 +26,12 @@ from pathlib import Path
 from typing import Any, NamedTuple, TypeVar, Union
 
 from commspan import semconv
-from commspan.otlpjson.decode import DEFAULT_MAX_LINE_BYTES, ReadReport, read_spans
+from commspan.otlpjson.decode import (
+    DEFAULT_MAX_LINE_BYTES,
+    LineReader,
+    ReadReport,
+    read_spans_in,
+)
 from commspan.otlpjson.files import jsonl_files
 from commspan.otlpjson.records import SpanRecord, record_rank
 
@@ -39,6 +44,7 @@ __all__ = [
     "RankStep",
     "Run",
     "RunPaths",
+    "Unread",
     "build_run",
     "gc_event_fields",
     "latest_before",
@@ -177,6 +183,28 @@ def p2p_pair(op: str, rank: int, peer: int) -> tuple[int, int]:
     return (rank, peer) if op == "send" else (peer, rank)
 
 
+class Unread(NamedTuple):
+    """A step of one rank that a damaged line may have held part of.
+
+    Attributes:
+        rank: the rank whose file holds the line.
+        trace_id: the step's trace.
+        step: its step number (``None`` outside steps).
+        path: the file.
+        line: the damaged line's number (from 1).
+        reason: why it could not be read.
+        run_id: the run of the lines around it.
+    """
+
+    rank: int
+    trace_id: str
+    step: int | None
+    path: str
+    line: int
+    reason: str
+    run_id: str
+
+
 class RankStep(NamedTuple):
     """One rank's span of one trace (``commspan.rank``).
 
@@ -301,6 +329,9 @@ class Run:
             when not all ranks traced.
         ranks: every rank that wrote a span.
         skipped: counts of what could not be used (spans without a rank, ...).
+        unread: ``(rank, trace_id) ->`` the damaged line that may have held some of
+            that rank's collectives of that trace (:mod:`commspan.analysis.unread`):
+            what the rank issued there is unknown, ``check`` does not compare it.
     """
 
     collectives: list[CollectiveRecord] = field(default_factory=list)
@@ -315,6 +346,7 @@ class Run:
     ranks: set[int] = field(default_factory=set)
     skipped: Counter[str] = field(default_factory=Counter)
     rank_sample: str | None = None
+    unread: dict[tuple[int, str], Unread] = field(default_factory=dict)
 
     def expected_ranks(self) -> list[int]:
         """Ranks that should have written spans: ``range(world_size)`` and every rank
@@ -475,12 +507,16 @@ def load_run(
         raise TypeError(f"run={run!r} is not valid; pass a run id (str), a prefix of one, "
                         "or None for the latest run")
     from commspan.analysis.runs import RunTally, shared_run_note
+    from commspan.analysis.unread import LineTally
 
     # One pass, a Run built per run of the files as their spans are read (a span
     # record lives as long as its line): the run chosen is known at the end only.
     builders: dict[str, _RunBuilder] = {}
     tally = RunTally()
-    for span in _read(files, strict, report, max_line_bytes):
+    lines = LineTally()  # where a damaged line lies: the steps it may have held
+    read = report if report is not None else ReadReport()
+    before = len(read.skipped)
+    for span in _read(files, strict, read, max_line_bytes, lines.add):
         run_id = tally.add(span)
         builder = builders.get(run_id)
         if builder is None:
@@ -490,19 +526,28 @@ def load_run(
     for text in (note, chosen and shared_run_note(chosen)):
         if text:
             _log.warning("%s", text)
+    if report is None:  # (skipped lines are logged when no report collects them)
+        logger = LineReader(strict, None, max_line_bytes, False)
+        for s in read.skipped[before:]:
+            logger.skip(Path(s.path), s.line, s.kind, s.reason)
     if chosen is None:
         return build_run([])
-    return builders[chosen.run_id].finish(wanted)
+    built = builders[chosen.run_id].finish(wanted)
+    built.unread = {(u.rank, u.trace_id): u for u in lines.locate(read.skipped[before:])
+                    if u.run_id == chosen.run_id and u.trace_id in built.presence}
+    return built
 
 
 def _read(files: Sequence[Path], strict: bool = True, report: ReadReport | None = None,
-          max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> Iterator[SpanRecord]:
+          max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+          on_line: Callable[[Path, int, Sequence[SpanRecord]], None] | None = None,
+          ) -> Iterator[SpanRecord]:
     """The spans of ``files``; a file of JSON that is not OTLP spans is a ValueError
     naming it (read_spans names file and line for lines that are not JSON)."""
     for f in files:
         try:
-            yield from read_spans(f, strict=strict, report=report,
-                                  max_line_bytes=max_line_bytes)
+            yield from read_spans_in([f], strict=strict, report=report,
+                                     max_line_bytes=max_line_bytes, on_line=on_line)
         except ValueError as exc:
             if str(exc).startswith(str(f)):
                 raise
@@ -750,6 +795,7 @@ def _keep_steps(run: Run, wanted: frozenset[int]) -> None:
     run.hangs = kept
     run.gc_pauses = [g for g in run.gc_pauses if g.trace_id in keep]
     run.presence = {t: r for t, r in run.presence.items() if t in keep}
+    run.unread = {k: u for k, u in run.unread.items() if u.trace_id in keep}
     run.trace_start = {t: s for t, s in run.trace_start.items() if t in keep}
 
 

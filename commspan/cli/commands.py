@@ -17,7 +17,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar, Union
 
 from commspan import semconv
+from commspan.analysis.records import Unread
 from commspan.analysis.runs import Selection, SelectionError, StepRange, format_numbers, select
+from commspan.analysis.unread import LineTally, unread_note
 from commspan.otlpjson.decode import read_spans_in
 from commspan.otlpjson.files import jsonl_files
 from commspan.otlpjson.records import ReadReport, SpanRecord
@@ -54,6 +56,10 @@ class Reader:
         self.notes: list[str] = []
         self.not_jsonl: dict[str, int] = {}
         """Files none of whose lines is an OTLP/JSON trace request -> their lines."""
+        self.lines = LineTally()
+        """Where each rank's steps are in the lines read: which a damaged line may have
+        held (:meth:`unread`)."""
+        self._located: list[Unread] | None = None
 
     def read(self, paths: Sequence[str], label: str = "FILES") -> list[SpanRecord]:
         """Every span of ``paths``; an error if none of them is a commspan span."""
@@ -64,7 +70,8 @@ class Reader:
         for f in files:  # (one at a time: a file none of whose lines is read is named)
             used, damaged = self.report.lines, len(self.report.skipped)
             records.extend(read_spans_in([f], strict=False, report=self.report,
-                                         max_line_bytes=self.args.max_line_mib * _MIB))
+                                         max_line_bytes=self.args.max_line_mib * _MIB,
+                                         on_line=self.lines.add))
             self.check_lines(f, used, damaged)
         if self.report.commspan_spans == ours:
             if len(self.report.damaged) > skipped:
@@ -144,7 +151,20 @@ class Reader:
         if covers:  # (counts over a rank sample are not the job's)
             self.notes.append(f"commspan: {label}{covers}: what follows covers those "
                               "ranks only; the others ran untraced")
+        if isinstance(sel, Selection) and self.args.command != "check":  # (check: findings)
+            self.notes.extend(unread_note(self.unread(sel), label))
         return sel
+
+    def unread(self, sel: Selection) -> list[Unread]:
+        """The steps of a rank of ``sel`` that damaged lines read so far may have held
+        collectives of (:mod:`commspan.analysis.unread`)."""
+        if not self.report.damaged or sel.run is None:
+            return []
+        if self._located is None:
+            self._located = self.lines.locate(self.report.skipped)
+        traces = {r.trace_id for r in sel.records}
+        return [u for u in self._located
+                if u.run_id == sel.run.run_id and u.trace_id in traces]
 
     def load(self, paths: Sequence[str]) -> Selection:
         """Read ``paths`` and select with the command's ``--run`` and ``--step(s)``."""
@@ -162,6 +182,10 @@ class Reader:
         parts = load_parts(files, read, self.args.max_line_mib * _MIB)
         if parts is None or not any(p["commspan_spans"] for p in parts):
             return None  # (no commspan span: load() says so)
+        if read.damaged:
+            # the steps a damaged line may have held are found among the lines around
+            # it (rank spans, their counts): read the lines, which say which they are
+            return None
         steps, option = _steps_of(self.args, 0)
         if steps is not None and len({p.get("table") is None for p in parts}) > 1:
             # lines a digest stands for mixed with lines parsed here (a damaged or
@@ -397,7 +421,9 @@ def html(args: argparse.Namespace, reader: Reader) -> Outcome:
     if args.check:
         from commspan.analysis import build_run, check
 
-        found = check(build_run(sel.records, module_spans=False)).to_dict()["findings"]
+        run = build_run(sel.records, module_spans=False)
+        run.unread = {(u.rank, u.trace_id): u for u in reader.unread(sel)}
+        found = check(run).to_dict()["findings"]
         findings = (findings or []) + found
     if findings:  # --findings FILE and --check may name the same finding
         findings = list({json.dumps(f, sort_keys=True, default=str): f
@@ -483,7 +509,9 @@ def check(args: argparse.Namespace, reader: Reader) -> Outcome:
         result = run_check(run_from_parts(fast.parts))
     else:
         sel = slow = reader.load(args.files)
-        result = run_check(build_run(slow.records, module_spans=False))
+        run = build_run(slow.records, module_spans=False)
+        run.unread = {(u.rank, u.trace_id): u for u in reader.unread(slow)}
+        result = run_check(run)
     status = 0 if result.ok else 1
     if args.json:
         data = result.to_dict()

@@ -22,7 +22,15 @@ import math
 import os
 import stat
 import zlib
-from collections.abc import Container, Generator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import (
+    Callable,
+    Container,
+    Generator,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from pathlib import Path
 from typing import Any
 
@@ -289,6 +297,8 @@ class LineReader:
             for number, raw in _named_errors(path, lines):
                 complete = raw[-1:] == b"\n"
                 if raw.isspace():  # (no copy, unlike strip())
+                    if complete:  # (the exporter never writes one: a line's bytes lost)
+                        self.skip(path, number, "damaged", _EMPTY)
                     continue
                 try:
                     if self.pause_gc:
@@ -336,6 +346,8 @@ class LineReader:
         self.skip(path, number, "damaged", _reason(doc, exc))
 
 
+_EMPTY = ("an empty line, not an OTLP/JSON trace request (JsonlSpanExporter never writes "
+          "one: the bytes of a line lost or overwritten)")
 _TORN = "no trailing newline: a write cut short by a crash, or a file still being written"
 _GZ_TORN = ("the file ends inside this compressed line: a write cut short by a crash, "
             "or a file still being written")
@@ -830,7 +842,7 @@ def read_spans(
 
     A last line without a trailing newline is a torn write (a crash, or a
     file still being written): it is skipped with a warning, in any mode. A
-    complete line that is not an OTLP/JSON trace request (not JSON, ``null``,
+    complete line that is not an OTLP/JSON trace request (empty, not JSON, ``null``,
     a list, wrong types inside) is damaged: with ``strict=True`` (the
     default) it raises ``ValueError`` naming file and line; with
     ``strict=False`` it is skipped and every complete line around it is read.
@@ -869,10 +881,13 @@ def read_spans_in(
     report: ReadReport | None = None,
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
     regions: Mapping[str, Sequence[tuple[int, int, int]]] | None = None,
+    on_line: Callable[[Path, int, Sequence[SpanRecord]], None] | None = None,
 ) -> Iterator[SpanRecord]:
     """:func:`read_spans` of parts of files: ``regions`` maps a path (as given) to the
     ``(start, stop, lines not read before it)`` byte ranges to read of it (each
-    starting at a line); a path absent from it is read whole."""
+    starting at a line); a path absent from it is read whole. ``on_line(path, line
+    number, records)`` is called for each line read, before its records are yielded
+    (where a damaged line lies among the others: :mod:`commspan.analysis.unread`)."""
     reader = LineReader(strict, report, max_line_bytes, True)
     for path, number, doc in reader.documents(paths, regions):
         try:
@@ -880,6 +895,8 @@ def read_spans_in(
         except DECODE_ERRORS as exc:
             reader.bad_request(path, number, doc, exc)
             continue
+        if on_line is not None:
+            on_line(path, number, records)
         if report is not None:
             report.lines += 1
             report.spans += len(records)

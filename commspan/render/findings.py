@@ -69,6 +69,9 @@ def _checked_line(checked: Mapping[str, int]) -> str:
         )
     if checked.get("outside_interrupted"):
         extra.append("collectives outside steps some rank did not finish not compared")
+    if checked.get("unread"):
+        extra.append(f"{_plural(checked['unread'], 'step')} of a rank left out: a damaged line "
+                     "may have held its collectives")
     return line + (f" ({'; '.join(extra)})" if extra else "")
 
 

@@ -1,0 +1,283 @@
+"""A damaged line in the middle of one rank's file: what it held is unknown, not different.
+
+Runs written by a traced model on the fake process group (4 ranks, steps 0-3, one
+forward and one backward all_reduce per step, rank 2 issuing one more in step 3: a
+real divergence), then rewritten one span per line, as an export queue that sends
+small batches writes a step over several lines. One line of rank 1's step 1 is then
+damaged in several ways; the findings are compared with those of the same files
+undamaged, and the damaged step and line with those we damaged.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from _cli_runs import net_step, run_cli, session_dir, write_run
+
+DAMAGED_RANK, DAMAGED_STEP = 1, 1
+DIVERGENT = (2, 3)  # (rank, step) issuing one more all_reduce
+
+DAMAGE: dict[str, Callable[[bytes], bytes]] = {
+    "truncated": lambda line: line[: len(line) // 2] + b"\n",
+    "garbage": lambda line: b"\x00\xff\x1b[31m garbage \xfe\n",
+    "empty": lambda line: b"\n",
+    "wrong shape": lambda line: b'{"resourceSpans": {"spans": 3}}\n',
+}
+
+
+def _relined(path: Path, per_step: bool) -> None:
+    """Rewrite a file one span per line, or one step per line (each line a whole
+    OTLP/JSON request with the spans' resource and scope), keeping the spans' order:
+    the exporter's lines depend on when its thread woke up."""
+    out: list[bytes] = []
+    last = None
+    for raw in path.read_bytes().splitlines():
+        doc = orjson.loads(raw)
+        for rs in doc["resourceSpans"]:
+            for ss in rs["scopeSpans"]:
+                for span in ss["spans"]:
+                    if per_step and span["traceId"] == last:
+                        line = orjson.loads(out[-1])
+                        line["resourceSpans"][0]["scopeSpans"][0]["spans"].append(span)
+                        out[-1] = orjson.dumps(line)
+                    else:
+                        out.append(orjson.dumps({"resourceSpans": [
+                            {**rs, "scopeSpans": [{**ss, "spans": [span]}]}]}))
+                    last = span["traceId"]
+    path.write_bytes(b"\n".join(out) + b"\n")
+
+
+def _spans(raw: bytes) -> list[dict[str, Any]]:
+    doc = orjson.loads(raw)
+    return [s for rs in doc["resourceSpans"] for ss in rs["scopeSpans"] for s in ss["spans"]]
+
+
+def _attr(span: dict[str, Any], key: str) -> Any:
+    for a in span.get("attributes", ()):
+        if a["key"] == key:
+            return next(iter(a["value"].values()))
+    return None
+
+
+def _line_of(path: Path, step: int, holding: Callable[[dict[str, Any]], bool]) -> int:
+    """The number (from 1) of the first line of ``path`` with a span of ``step`` that
+    ``holding`` accepts (the step's trace: that of its ``commspan.rank`` span)."""
+    lines = path.read_bytes().splitlines()
+    trace = next(s["traceId"] for raw in lines for s in _spans(raw)
+                 if s["name"] == "commspan.rank" and int(_attr(s, "commspan.step")) == step)
+    return next(i for i, raw in enumerate(lines, 1)
+                if any(s["traceId"] == trace and holding(s) for s in _spans(raw)))
+
+
+def _has_collective(span: dict[str, Any]) -> bool:
+    return any(_attr(e, "commspan.collective.op") for e in span.get("events", ()))
+
+
+def _damage(src: Path, dst: Path, how: str, line: int | None = None) -> tuple[Path, int]:
+    """``src`` copied to ``dst`` with one line of rank 1's file damaged ``how``: by
+    default the first holding a collective of step 1 (a forward all_reduce)."""
+    for f in src.glob("*.jsonl"):
+        shutil.copy(f, dst / f.name)
+    path = dst / f"commspan-rank{DAMAGED_RANK}.jsonl"
+    if line is None:
+        line = _line_of(path, DAMAGED_STEP, _has_collective)
+    lines = path.read_bytes().splitlines(keepends=True)
+    lines[line - 1] = DAMAGE[how](lines[line - 1])
+    path.write_bytes(b"".join(lines))
+    return path, line
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory: pytest.TempPathFactory, fake_pg: None) -> Path:
+    """The run as the exporter wrote it."""
+    return session_dir(tmp_path_factory, "damaged-written", lambda out: write_run(
+        out, "damaged", net_step(extra_on=DIVERGENT), steps=range(4)))
+
+
+def _relined_dir(tmp_path_factory: pytest.TempPathFactory, written: Path, name: str,
+                 per_step: bool) -> Path:
+    def build(out: Path) -> None:
+        for f in written.glob("*.jsonl"):
+            shutil.copy(f, out / f.name)
+            _relined(out / f.name, per_step)
+
+    return session_dir(tmp_path_factory, name, build)
+
+
+@pytest.fixture(scope="module")
+def split(tmp_path_factory: pytest.TempPathFactory, written: Path) -> Path:
+    """The spans one per line: a step spread over several lines."""
+    return _relined_dir(tmp_path_factory, written, "damaged-split", per_step=False)
+
+
+@pytest.fixture(scope="module")
+def batched(tmp_path_factory: pytest.TempPathFactory, written: Path) -> Path:
+    """The spans one step per line."""
+    return _relined_dir(tmp_path_factory, written, "damaged-batched", per_step=True)
+
+
+def _check(capsys: pytest.CaptureFixture[str], path: Path, *more: str
+           ) -> tuple[int, dict[str, Any], str]:
+    code, out, err = run_cli(capsys, "check", str(path), "--json", *more)
+    return code, json.loads(out), err
+
+
+def _others(data: dict[str, Any]) -> list[dict[str, Any]]:
+    return [f for f in data["findings"] if f["kind"] != "unread"]
+
+
+def _assert_unread(data: dict[str, Any], path: Path, line: int, steps: list[int]) -> None:
+    unread = [f for f in data["findings"] if f["kind"] == "unread"]
+    assert len(unread) == 1, data["findings"]
+    (finding,) = unread
+    assert finding["ranks"] == {str(DAMAGED_RANK): {
+        "op": None, "fqn": None, "phase": None, "seq": None, "state": "unread"}}
+    assert (finding["step"], finding["steps"]) == (steps[0], steps)
+    assert (finding["file"], finding["line"]) == (str(path), line)
+    assert finding["reason"] and finding["group"] is None
+    assert finding["message"].startswith(
+        f"rank {DAMAGED_RANK}, step {steps[0]}: not compared: {path}:{line} is damaged (")
+    assert data["checked"]["unread"] == len(steps)
+
+
+def test_the_undamaged_run_finds_only_the_real_divergence(
+    split: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The reference: rank 2's extra all_reduce in step 3, nothing else."""
+    code, data, err = _check(capsys, split)
+    assert (code, err) == (1, "")
+    assert [(f["kind"], f["step"]) for f in data["findings"]] == [("mismatch", 3)]
+    assert data["findings"][0]["ranks"]["2"]["fqn"] == "Net"
+    assert data["checked"]["unread"] == 0
+
+
+@pytest.mark.parametrize("how", sorted(DAMAGE))
+def test_a_damaged_line_leaves_its_rank_out_of_its_step_only(
+    split: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], how: str
+) -> None:
+    """A damaged line holding one of rank 1's step-1 collectives: no finding blames rank
+    1 for it; one ``unread`` finding names rank 1, step 1, the file and line; every other
+    finding (the real divergence in step 3) is the undamaged run's; exit 2 (damaged
+    input), the line named on stderr."""
+    _, reference, _ = _check(capsys, split)
+    path, line = _damage(split, tmp_path, how)
+    code, data, err = _check(capsys, tmp_path)
+    assert code == 2
+    assert _others(data) == _others(reference)
+    _assert_unread(data, path, line, [DAMAGED_STEP])
+    # rank 1's 2 collectives of step 1 are left out of the comparison, nothing else
+    assert data["checked"]["collectives"] == reference["checked"]["collectives"] - 2
+    assert {k: v for k, v in data["checked"].items() if k not in ("collectives", "unread")} \
+        == {k: v for k, v in reference["checked"].items() if k not in ("collectives", "unread")}
+    assert f"ValueError: {path}:{line}: " in err
+    # the text names it too, and the same from Python (check_run, strict=False)
+    code, out, _ = run_cli(capsys, "check", str(tmp_path))
+    assert code == 2 and out.startswith(f"unread    rank 1, step 1: not compared: {path}:{line}")
+    from commspan.analysis import check_run
+    from commspan.exporters import ReadReport
+
+    report = ReadReport()
+    result = check_run(tmp_path, strict=False, report=report)
+    assert result.to_dict()["findings"] == data["findings"]
+    assert [(s.path, s.line) for s in report.damaged] == [(str(path), line)]
+
+
+def test_a_line_of_module_spans_only_costs_no_comparison(
+    split: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A damaged line holding a module span without collectives (`Net.block` forward): the
+    rank span's counts show every collective of the step was read, so everything is
+    compared as in the undamaged run; exit 2 all the same (a line was lost)."""
+    _, reference, _ = _check(capsys, split)
+    line = _line_of(split / "commspan-rank1.jsonl", DAMAGED_STEP,
+                    lambda s: s["name"] == "Net.block forward")
+    _damage(split, tmp_path, "garbage", line)
+    code, data, _ = _check(capsys, tmp_path)
+    assert code == 2 and data == reference
+
+
+def test_a_lost_line_holding_a_whole_step(
+    batched: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A line per step: rank 1's step 1 lost whole is unread, not
+    'rank 1 wrote no span'; steps 0 and 2 around it are whole (their rank spans count
+    what was read) and compared."""
+    _, reference, _ = _check(capsys, batched)
+    line = _line_of(batched / "commspan-rank1.jsonl", DAMAGED_STEP, _has_collective)
+    path, _ = _damage(batched, tmp_path, "truncated", line)
+    code, data, _ = _check(capsys, tmp_path)
+    assert code == 2
+    assert _others(data) == _others(reference)
+    _assert_unread(data, path, line, [DAMAGED_STEP])
+
+
+def test_digests_read_the_lines_around_a_damaged_line(
+    split: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With digests: a damaged span line (no digest line for it) gives the findings the
+    lines give; a damaged digest line (its span line intact) is read from the span line:
+    the undamaged run's findings, exit 1."""
+    _, reference, _ = _check(capsys, split)
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    path, line = _damage(split, damaged, "truncated")
+    _, lines_only, _ = _check(capsys, damaged, "--no-digest")
+    assert run_cli(capsys, "digest", str(damaged))[0] == 1  # (a damaged line skipped)
+    code, data, _ = _check(capsys, damaged)
+    assert code == 2 and data == lines_only
+    _assert_unread(data, path, line, [DAMAGED_STEP])
+
+    intact = tmp_path / "digest-damaged"
+    intact.mkdir()
+    for f in split.glob("*.jsonl"):
+        shutil.copy(f, intact / f.name)
+    assert run_cli(capsys, "digest", str(intact))[0] == 0
+    digest = intact / "commspan-rank1.jsonl.digest"
+    digest_lines = digest.read_bytes().splitlines(keepends=True)
+    digest_lines[8] = b"{oops\n"
+    digest.write_bytes(b"".join(digest_lines))
+    code, data, err = _check(capsys, intact)
+    assert (code, data, err) == (1, reference, "")
+
+
+@pytest.mark.parametrize(
+    ("command", "status"),
+    [(["summary", "--rank", "all"], 1), (["table", "--rank", "all"], 1),
+     (["stragglers"], 1), (["diff"], 2)])
+def test_the_other_commands_name_the_line_and_the_short_step(
+    split: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], command: list[str],
+    status: int,
+) -> None:
+    """summary, table, stragglers and diff: no traceback, the damaged line named, and a
+    line saying rank 1's counts of step 1 may be short; their status says lines were
+    lost."""
+    path, line = _damage(split, tmp_path, "garbage")
+    argv = [command[0], str(split), str(tmp_path)] if command == ["diff"] \
+        else [*command, str(tmp_path)]
+    code, out, err = run_cli(capsys, *argv)
+    assert code == status and out and "Traceback" not in err
+    label = "B: " if command == ["diff"] else ""
+    assert (f"commspan: {label}{path}:{line} is damaged: rank 1's collectives of step 1 may "
+            "be missing from what follows") in err
+    assert f"ValueError: {path}:{line}: " in err
+
+
+def test_html_check_lists_the_unread_step(
+    split: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``html --check``: the report lists the real divergence and the unread step, not a
+    mismatch of rank 1 in step 1."""
+    damaged = tmp_path / "run"
+    damaged.mkdir()
+    _damage(split, damaged, "garbage")
+    report = tmp_path / "report.html"
+    code, _, err = run_cli(capsys, "html", str(damaged), "-o", str(report), "--check")
+    assert code == 1 and "Traceback" not in err
+    assert sorted(re.findall(r'data-kind="(\w+)"', report.read_text())) == ["mismatch", "unread"]
