@@ -598,3 +598,33 @@ def test_read_spans_takes_a_directory(tmp_path: Path) -> None:
     assert [s.name for s in read_spans(tmp_path / "run")] == ["s"]
     with pytest.raises(FileNotFoundError, match="holds no"):
         list(read_spans(tmp_path))
+
+
+@pytest.mark.usefixtures("fake_pg")
+def test_rank_absent_from_the_files_raises(tmp_path: Path) -> None:
+    """rank=N of a rank the files hold no span of (a typo, a rank the sample left out)
+    raised nothing and gave an empty aggregator, whose assert_no_comm passed; it is a
+    ValueError naming the ranks the files hold, as `commspan table --rank N` says, for
+    the lines, the digests and from_records alike."""
+    from _cli_runs import net_step, write_run
+
+    from commspan.analysis.digest import write_digest
+    from commspan.testing import assert_no_comm
+
+    out = write_run(tmp_path / "run", "two-ranks", net_step(), ranks=(0, 2))
+    issued = {0: 0, 2: 0}  # the reference: each rank's collective events, as written
+    for r in read_spans(out):
+        issued[r.rank] += sum(semconv.COLL_OP in attrs for _, attrs in r.events)
+    assert issued[0] == issued[2] > 0
+    for rank in (0, 2):
+        assert Aggregator.from_jsonl(out, rank=rank).comm_counts() == {"all_reduce": issued[0]}
+    for rank in (1, 5):
+        with pytest.raises(ValueError, match=rf"rank={rank} is not valid: .*ranks: 0, 2"):
+            Aggregator.from_jsonl(out, rank=rank)
+        with pytest.raises(ValueError, match=rf"rank={rank} is not valid: .*ranks: 0, 2"):
+            Aggregator.from_records(read_spans(out), rank=rank)
+    for path in sorted(out.glob("*.jsonl")):
+        write_digest(path)
+    with pytest.raises(ValueError, match=r"rank=1 is not valid: .*ranks: 0, 2"):
+        assert_no_comm(Aggregator.from_jsonl(out, rank=1), None)
+    assert Aggregator.from_jsonl(out, rank=2).comm_counts() == {"all_reduce": issued[2]}

@@ -495,6 +495,7 @@ class Aggregator(SpanProcessor):
 
         Raises:
             ValueError: no path given; several ranks found and ``rank=None``, or
+                ``rank=N`` and the files hold spans of other ranks only, or
                 several runs and ``run=None``; a damaged or over-long line and
                 ``strict`` (naming file and line).
             FileNotFoundError: a path does not exist, or a directory holds no
@@ -568,6 +569,7 @@ class Aggregator(SpanProcessor):
                 f"rank=None but the files hold spans of ranks {sorted(ranks, key=str)}; "
                 "pass rank=<n> for one rank or rank='all' to sum them"
             )
+        _check_rank_present(rank, ranks, "files")
         return agg
 
     @classmethod
@@ -581,7 +583,8 @@ class Aggregator(SpanProcessor):
             rank: as for :meth:`from_jsonl`.
 
         Raises:
-            ValueError: ``rank`` is not valid, or several ranks found and ``rank=None``.
+            ValueError: ``rank`` is not valid, several ranks found and ``rank=None``,
+                or ``rank=N`` and the records hold spans of other ranks only.
 
         Example:
             >>> Aggregator.from_records([]).module_counts()
@@ -604,10 +607,27 @@ class Aggregator(SpanProcessor):
                 f"rank=None but the records hold spans of ranks {sorted(ranks, key=str)}; "
                 "pass rank=<n> for one rank or rank='all' to sum them"
             )
+        _check_rank_present(rank, ranks, "records")
         return agg
 
 
 # ------------------------------------------------------------------ helpers
+def _check_rank_present(rank: int | str | None, ranks: set[Any], what: str) -> None:
+    """Refuse ``rank=N`` when the spans read are of other ranks only: counting it would
+    give an empty aggregator, whose tables and assertions of absence pass whatever
+    ran (``commspan table --rank N`` refuses it too)."""
+    if isinstance(rank, int) and ranks and rank not in ranks:
+        raise ValueError(
+            f"rank={rank!r} is not valid: the {what} hold no span of that rank (ranks: "
+            f"{', '.join(map(str, sorted(ranks, key=_rank_key)))}); pass one of them, or "
+            "rank='all' to sum them"
+        )
+
+
+def _rank_key(rank: Any) -> tuple[bool, int, str]:
+    return (not isinstance(rank, int), rank if isinstance(rank, int) else 0, str(rank))
+
+
 def _params(attrs: Mapping[str, Any]) -> dict[str, tuple[str, str]]:
     """``{param: (shape, placements)}`` of a module span's attributes."""
     names = attrs.get(semconv.PARAM_NAMES)
