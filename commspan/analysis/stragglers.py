@@ -167,7 +167,10 @@ class StepTime(NamedTuple):
 
     ``forward_ns + backward_ns + recompute_ns + outside_ns`` is ``total_ns``
     when the module spans nest without overlapping; ``collectives_ns`` is the
-    part of it spent in collectives (``None`` when no duration is recorded),
+    sum of the step's collective durations (``None`` when no duration is
+    recorded): collectives in flight together (async point-to-point ops, an
+    all-gather prefetched under another) each count in full, so it can exceed
+    ``total_ns``;
     ``gc_ns`` the part the garbage collector held the process (``commspan.gc``
     events; 0 when none was recorded).
     """
