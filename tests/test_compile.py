@@ -174,9 +174,10 @@ def test_owners_under_each_backend(compiled_run: Any,
 
 
 def test_fsdp2_with_compiled_blocks_keeps_unit_owners(fake_pg: None) -> None:
-    """FSDP2 units whose blocks are compiled (aot_eager): FSDP's hooks run eagerly,
-    so each all-gather and reduce-scatter is still owned by its unit; the
-    reference counts them per step, and the units are told apart by size."""
+    """FSDP2 units whose blocks are compiled in place (aot_eager): FSDP's hooks run
+    eagerly, so each all-gather and reduce-scatter is still owned by its unit; the
+    reference counts them per step, and the units are told apart by size. Each
+    block's call is its span, forward and backward (it had none)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -197,6 +198,10 @@ def test_fsdp2_with_compiled_blocks_keeps_unit_owners(fake_pg: None) -> None:
     sizes = {"Sequential.0": (16 * DIM + 16) * 4, "Sequential.1": (DIM * 16 + DIM) * 4}
     for e in events:  # the whole padded unit: the all-gather's output, the scatter's input
         assert e[semconv.OWNER_BYTES] == sizes[e[semconv.OWNER_FQN]], e
+    spans = Counter((s.attributes.get(semconv.MODULE_FQN), s.attributes.get(semconv.PHASE))
+                    for s in cap.spans)
+    for fqn in sizes:  # each block called once a step
+        assert spans[(fqn, "forward")] == spans[(fqn, "backward")] == STEPS, spans
     assert cap.mode.stats()["internal_errors"] == 0
 
 
@@ -355,10 +360,11 @@ class _CheckpointsNet(torch.nn.Module):
 @pytest.mark.parametrize("use_reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 def test_a_module_compiled_in_place_recomputes_in_phase_recompute(
         fake_pg: None, use_reentrant: bool) -> None:
-    """``net.compile()`` (no span of its own) under activation checkpointing: the
-    collectives its re-run issues are phase recompute, as many as the uncompiled
-    model issues inside ``net``'s forward while autograd runs (the test's own mode
-    and a forward-hook flag); they were counted as backward."""
+    """``net.compile()`` under activation checkpointing: the collectives its re-run
+    issues are phase recompute, as many as the uncompiled model issues inside
+    ``net``'s forward while autograd runs (the test's own mode and a forward-hook
+    flag), owned by ``net``, whose re-run is a recompute span (they were counted as
+    backward, then in the parent's span: the module compiled in place had none)."""
     torch.manual_seed(0)
     eager = _CheckpointsNet(use_reentrant, in_place=False)
     inside: list[bool] = []
@@ -383,6 +389,10 @@ def test_a_module_compiled_in_place_recomputes_in_phase_recompute(
         with cap.mode.step(0):
             model(torch.randn(4, DIM, requires_grad=True)).sum().backward()
     assert cap.aggregator.module_counts()["_CheckpointsNet"]["recompute"] == dict(rerun)
+    assert cap.aggregator.module_counts()["_CheckpointsNet.net"]["recompute"] == dict(rerun)
+    spans = Counter((s.attributes.get(semconv.MODULE_FQN), s.attributes.get(semconv.PHASE))
+                    for s in cap.spans)
+    assert spans[("_CheckpointsNet.net", "recompute")] == 1, spans
 
 
 def test_a_submodule_called_twice_keeps_its_owner(fake_pg: None) -> None:
@@ -470,13 +480,17 @@ def test_a_compiled_child_is_named_as_the_module_it_wraps(fake_pg: None) -> None
 
 class _Blocks(torch.nn.Module):
     """Blocks of one class, each possibly compiled on its own (torchtitan's
-    ``model.layers[i] = torch.compile(block)``): dynamo runs one graph for all."""
+    ``model.layers[i] = torch.compile(block)``, or ``block.compile(backend=in_place)``):
+    dynamo runs one graph for all."""
 
-    def __init__(self, compiled: bool, copies: bool = False) -> None:
+    def __init__(self, compiled: bool, copies: bool = False, in_place: str | None = None) -> None:
         super().__init__()
         blocks: list[torch.nn.Module] = [Net() for _ in range(3)]
         if compiled:
             blocks = [torch.compile(b, backend="aot_eager") for b in blocks]
+        if in_place is not None:
+            for b in blocks:
+                b.compile(backend=in_place)
         if copies:  # a compiled block that ran, deep-copied: its graph is shared too
             blocks[0](torch.randn(4, DIM)).sum().backward()
             blocks[1:] = [copy.deepcopy(blocks[0]) for _ in blocks[1:]]
@@ -488,15 +502,11 @@ class _Blocks(torch.nn.Module):
         return x
 
 
-@pytest.mark.parametrize("copies", [False, True], ids=["compiled-each", "deep-copied"])
-def test_blocks_compiled_one_by_one_own_their_collectives(fake_pg: None, copies: bool) -> None:
-    """Three blocks of one class, each ``torch.compile``d (aot_eager): every block's
-    submodules own their own collectives, as torch's CommDebugMode counts them on
-    the uncompiled model. (All were charged to the first block's submodules: the
-    graph names the modules it was traced on.)"""
+def _blocks_reference(x: torch.Tensor) -> Counter[tuple[str, str]]:
+    """(leaf, phase) -> collectives, as torch's CommDebugMode counts them on the
+    uncompiled ``_Blocks`` (``_Blocks.blocks.<i>.<attn|mlp>``)."""
     from torch.distributed.tensor.debug import CommDebugMode
 
-    x = torch.randn(4, DIM, requires_grad=True)
     torch_cdm = CommDebugMode()
     with torch_cdm:
         _Blocks(compiled=False)(x).sum().backward()
@@ -506,6 +516,45 @@ def test_blocks_compiled_one_by_one_own_their_collectives(fake_pg: None, copies:
             for phase in ("forward", "backward"):
                 expected[(fqn, phase)] += sum(phases.get(phase, {}).values())
     assert len(expected) == 12, torch_cdm.comm_module_counts
+    return expected
+
+
+def _block_calls(x: torch.Tensor) -> Counter[tuple[str, str]]:
+    """(block, phase) -> calls of the uncompiled ``_Blocks``'s blocks, forward and
+    backward, as torch's ModTracker sees them."""
+    from torch.distributed._tools.mod_tracker import ModTracker
+
+    calls: Counter[tuple[str, str]] = Counter()
+    model = _Blocks(compiled=False)
+    tracker = ModTracker()
+
+    def count(phase: str) -> Any:
+        def hook(module: torch.nn.Module, *_: Any) -> None:
+            if isinstance(module, Net):
+                calls[(tracker.get_known_fqn(module), phase)] += 1
+        return hook
+
+    tracker.register_user_hooks(pre_fw_hook=count("forward"), pre_bw_hook=count("backward"))
+    with tracker:
+        model(x).sum().backward()
+    assert len(calls) == 6, calls
+    return calls
+
+
+def _block_spans(cap: Any) -> Counter[tuple[str, str]]:
+    return Counter((str(s.attributes[semconv.MODULE_FQN]), str(s.attributes[semconv.PHASE]))
+                   for s in cap.spans
+                   if str(s.attributes.get(semconv.MODULE_FQN)).count(".") == 2)
+
+
+@pytest.mark.parametrize("copies", [False, True], ids=["compiled-each", "deep-copied"])
+def test_blocks_compiled_one_by_one_own_their_collectives(fake_pg: None, copies: bool) -> None:
+    """Three blocks of one class, each ``torch.compile``d (aot_eager): every block's
+    submodules own their own collectives, as torch's CommDebugMode counts them on
+    the uncompiled model. (All were charged to the first block's submodules: the
+    graph names the modules it was traced on.)"""
+    x = torch.randn(4, DIM, requires_grad=True)
+    expected = _blocks_reference(x)
 
     torch._dynamo.reset()
     model = _Blocks(compiled=True, copies=copies)
@@ -553,3 +602,257 @@ def test_fsdp2_units_of_compiled_blocks_keep_their_names(fake_pg: None, order: s
     names = {str(s.attributes.get(semconv.MODULE_FQN)) for s in cap.spans}
     assert not any("_orig_mod" in n for n in names), names
     assert cap.mode.stats()["internal_errors"] == 0
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "eager", "force_eager"])
+def test_blocks_compiled_in_place_have_spans_and_own_their_collectives(
+        fake_pg: None, backend: str) -> None:
+    """Three blocks of one class, each compiled in place (``block.compile()``): each
+    block's call is its span, forward and backward, as torch's ModTracker sees the
+    uncompiled blocks; under aot_eager each block's submodules own their collectives
+    as torch's CommDebugMode counts them uncompiled, under eager each block owns its
+    own. One graph, no graph break. (The blocks had no span: aot_eager charged every
+    block's collectives to the first block's submodules, eager to the parent.)
+    ``force_eager`` (Dynamo runs the compiled call eagerly): one span per call too."""
+    x = torch.randn(4, DIM, requires_grad=True)
+    expected = _blocks_reference(x)
+    calls = _block_calls(x)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model = _Blocks(compiled=False, in_place="aot_eager" if backend == "force_eager" else backend)
+    originals = [b._compiled_call_impl for b in model.blocks]
+    stance = torch.compiler.set_stance("force_eager" if backend == "force_eager" else "default")
+    with stance, capture() as cap:
+        for step in range(STEPS):
+            with cap.mode.step(step):
+                model(x).sum().backward()
+    assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0
+    if backend != "force_eager":
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert _block_spans(cap) == Counter({k: n * STEPS for k, n in calls.items()})
+    events = _events(cap)
+    got = Counter((e[semconv.OWNER_FQN], e[semconv.PHASE]) for e in events)
+    if backend == "aot_eager":
+        assert got == Counter({k: n * STEPS for k, n in expected.items()})
+        assert {e[semconv.OWNER_SOURCE] for e in events} == {"compile"}
+    else:  # no module at run time: the block (force_eager: its submodules, eagerly)
+        depth = 3 if backend == "force_eager" else 2
+        per_owner: Counter[tuple[str, str]] = Counter()
+        for (fqn, phase), n in expected.items():
+            per_owner[(".".join(fqn.split(".")[:depth + 1]), phase)] += n * STEPS
+        assert got == per_owner
+        assert {e[semconv.OWNER_SOURCE] for e in events} == {"position"}
+    assert [b._compiled_call_impl for b in model.blocks] == originals  # (restored)
+    assert cap.mode.stats()["internal_errors"] == 0
+
+
+def test_blocks_compiled_in_place_inside_a_compiled_model(fake_pg: None) -> None:
+    """``torch.compile(model)`` around blocks compiled in place (aot_eager): the
+    submodules own their collectives as CommDebugMode counts them uncompiled; a mode
+    entered around some steps and not others compiles the model as often as one
+    entered around every step, no graph break; the blocks' compiled calls are
+    theirs again after each mode."""
+    x = torch.randn(4, DIM, requires_grad=True)
+    expected = _blocks_reference(x)
+
+    def graphs(pattern: list[bool]) -> tuple[int, Any]:
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        inner = _Blocks(compiled=False, in_place="aot_eager")
+        originals = [b._compiled_call_impl for b in inner.blocks]
+        model = torch.compile(inner, backend="aot_eager")
+        caps = []
+        for step, traced in enumerate(pattern):
+            if not traced:
+                model(x).sum().backward()
+                continue
+            with capture() as cap:
+                with cap.mode.step(step):
+                    model(x).sum().backward()
+            assert [b._compiled_call_impl for b in inner.blocks] == originals
+            assert cap.mode.stats()["internal_errors"] == 0
+            caps.append(cap)
+        assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0
+        compiled = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+        return compiled, caps[-1] if caps else None
+
+    untraced, _ = graphs([False, False])
+    always, _ = graphs([True, True, True])
+    mixed, cap = graphs([True, False, True, False, True])
+    assert always == untraced and mixed <= untraced + 1, (untraced, always, mixed)
+    got = Counter((e[semconv.OWNER_FQN], e[semconv.PHASE]) for e in _events(cap))
+    assert got == expected
+
+
+def test_blocks_compiled_in_place_after_the_mode_named_them(fake_pg: None) -> None:
+    """Blocks compiled in place after the mode first saw them: in that step their
+    collectives go to the span open around their calls (the parent's), never to a
+    sibling block (aot_eager's graph names the first block's submodules); from the
+    next step on each block has its span, and its submodules own their collectives
+    as CommDebugMode counts them uncompiled."""
+    x = torch.randn(4, DIM, requires_grad=True)
+    expected = _blocks_reference(x)
+    torch._dynamo.reset()
+    model = _Blocks(compiled=False)
+    with capture() as cap:
+        with cap.mode.step(0):
+            model(x).sum().backward()  # named, uncompiled
+            for block in model.blocks:
+                block.compile(backend="aot_eager")
+            model(x).sum().backward()
+        first = _events(cap)
+        with cap.mode.step(1):
+            model(x).sum().backward()
+    compiled_run = first[len(first) // 2:]
+    assert {(e[semconv.OWNER_FQN], e[semconv.OWNER_SOURCE]) for e in compiled_run} == {
+        ("_Blocks", "position")}
+    got = Counter((e[semconv.OWNER_FQN], e[semconv.PHASE]) for e in _events(cap)[len(first):])
+    assert got == expected
+    assert cap.mode.stats()["internal_errors"] == 0
+
+
+class _Fail(Exception):
+    pass
+
+
+_FAILING: list[bool] = []
+
+
+@torch.compiler.disable
+def _fail_if_asked(x: torch.Tensor) -> torch.Tensor:
+    if _FAILING:
+        raise _Fail("asked to fail")
+    return x
+
+
+class _Raises(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = Net()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def test_a_module_compiled_in_place_gets_its_own_call_back(fake_pg: None) -> None:
+    """The spanned call is in the module's attribute only while a mode traces: its
+    own compiled call is back during a sampled-out step, after the mode is left with
+    the user's exception (raised inside the compiled call; it propagates unchanged,
+    the span ending ERROR), and a compiled call the user set while the mode was in
+    (``compile()`` again) is kept."""
+    torch._dynamo.reset()
+    model = _Raises()
+    model.net.forward = lambda x: _fail_if_asked(Net.forward(model.net, x))  # type: ignore[method-assign]
+    model.net.compile(backend="eager")
+    original = model.net._compiled_call_impl
+    seen = []
+    with pytest.raises(_Fail) as raised, capture(sample=2) as cap:
+        for step in range(3):
+            with cap.mode.step(step):
+                model(torch.randn(4, DIM))
+                seen.append(model.net._compiled_call_impl is original)
+        with cap.mode.step(4):
+            _FAILING.append(True)
+            try:
+                model(torch.randn(4, DIM))
+            finally:
+                _FAILING.clear()
+    assert seen == [False, True, False]  # spanned, its own (sampled out), spanned
+    assert str(raised.value) == "asked to fail"
+    assert model.net._compiled_call_impl is original
+    failed = [s for s in cap.spans if s.attributes.get(semconv.MODULE_FQN) == "_Raises.net"
+              and not s.status.is_ok]
+    assert len(failed) == 1 and failed[0].attributes[semconv.PHASE] == "forward"
+    assert [e.attributes["exception.type"] for e in failed[0].events
+            if e.name == "exception"] == ["_Fail"]
+    assert cap.mode.stats()["internal_errors"] == 0
+    with capture() as cap:
+        model(torch.randn(4, DIM))
+        model.net.compile(backend="eager")
+        recompiled = model.net._compiled_call_impl
+    assert recompiled is not original and model.net._compiled_call_impl is recompiled
+
+
+def test_modules_compiled_in_place_are_not_kept_alive(fake_pg: None) -> None:
+    """A model whose blocks are compiled in place is freed when the user drops it,
+    while the mode is in and after it left (commspan keeps the spanned calls out of
+    place weakly), as without the mode."""
+    import gc
+    import weakref
+
+    def dropped() -> Any:
+        model = _Blocks(compiled=False, in_place="eager")
+        model(torch.randn(4, DIM, requires_grad=True)).sum().backward()
+        return weakref.ref(model.blocks[1])
+
+    torch._dynamo.reset()
+    gone = dropped()
+    gc.collect()
+    assert gone() is None  # the reference: untraced
+    with capture() as cap:
+        with cap.mode.step(0):
+            gone = dropped()
+        gc.collect()
+        assert gone() is None
+        with cap.mode.step(1):
+            gone = dropped()
+    gc.collect()
+    assert gone() is None
+
+
+def test_compat_mod_tracker_calls_hooks_of_blocks_compiled_in_place_as_torch_does(
+        fake_pg: None) -> None:
+    """commspan.compat's ModTracker calls the user's hooks for blocks compiled in
+    place, forward and backward, as torch's ModTracker does (it called them for the
+    parent only)."""
+    from torch.distributed._tools.mod_tracker import ModTracker as TorchModTracker
+
+    from commspan.compat import ModTracker
+
+    def seen(cls: Any) -> list[tuple[str, str]]:
+        torch._dynamo.reset()
+        model = _Blocks(compiled=False, in_place="eager")
+        calls: list[tuple[str, str]] = []
+        tracker = cls()
+
+        def hook(phase: str) -> Any:
+            return lambda module, *_: calls.append((tracker.get_known_fqn(module), phase))
+
+        tracker.register_user_hooks(pre_fw_hook=hook("forward"), pre_bw_hook=hook("backward"))
+        with tracker:
+            model(torch.randn(4, DIM, requires_grad=True)).sum().backward()
+        return calls
+
+    expected = seen(TorchModTracker)
+    assert ("_Blocks.blocks.1", "backward") in expected, expected
+    assert Counter(seen(ModTracker)) == Counter(expected)  # (backward: torch's own order)
+
+
+def test_a_model_compiled_in_place_at_top_level_is_owned_by_its_position(
+        fake_pg: None) -> None:
+    """A model compiled in place and called at top level, never seen uncompiled: no
+    hook of it runs eagerly, so it has no span; its collectives (as many as the
+    reference mode counts) go to ``Global``, by position. Once it ran uncompiled in a
+    step, it is spanned from the next step on, as ``torch.compile(model)`` is."""
+    torch._dynamo.reset()
+    net = Net()
+    net.compile(backend="aot_eager")
+    reference = _Reference()
+    with capture() as cap:
+        with cap.mode.step(0), reference:
+            net(torch.randn(4, DIM, requires_grad=True)).sum().backward()
+    events = _events(cap)
+    assert len(events) == sum(reference.seen.values()) == 4
+    assert {(e[semconv.OWNER_FQN], e[semconv.OWNER_SOURCE]) for e in events} == {
+        (semconv.GLOBAL_FQN, "position")}
+    torch._dynamo.reset()
+    net = Net()
+    with capture() as cap:
+        with cap.mode.step(0):
+            net(torch.randn(4, DIM, requires_grad=True)).sum().backward()
+        net.compile(backend="aot_eager")
+        with cap.mode.step(1):
+            net(torch.randn(4, DIM, requires_grad=True)).sum().backward()
+        second = _events(cap)[4:]
+    assert Counter((e[semconv.OWNER_FQN], e[semconv.PHASE]) for e in second) == Counter(
+        {(fqn, phase): 1 for (phase, _), fqn in _owner_reference().items()})

@@ -261,3 +261,21 @@ def test_compiled_blocks_gradient_syncs_are_the_eager_ones(ok: Titan, rank: int)
             if a.get(semconv.OWNER_KIND) in ("reduce_grad", "redistribute_grad"))
     assert syncs["compiled"] == syncs["eager"], syncs
     assert any(key[1] == "redistribute_grad" for key in syncs["eager"])
+
+
+@pytest.mark.parametrize("rank", range(WORLD))
+def test_compiled_blocks_own_their_collectives_as_eager_blocks_do(ok: Titan, rank: int) -> None:
+    """Each block compiled in place (``block.compile()``, after its
+    ``checkpoint_wrapper``) owns its tensor-parallel collectives, per phase (forward,
+    recompute, backward), as the eager run's block does (checked against the
+    reference above). (Without the evaluation step: compiled blocks refuse its
+    ``inference_mode`` part.)"""
+    owned = {}
+    for scenario in SCENARIOS:
+        owned[scenario] = Counter(
+            (".".join(str(a[semconv.OWNER_FQN]).split(".")[:3]), a[semconv.PHASE])
+            for step, a in _events(ok.run_dir(scenario) / f"rank{rank}.jsonl")
+            if step != EVAL_STEP and a.get(semconv.OWNER_SOURCE) != "fsdp"
+            and str(a[semconv.OWNER_FQN]).startswith(f"{ROOT}.layers."))
+    assert {block for block, _ in owned["eager"]} == {f"{ROOT}.layers.0", f"{ROOT}.layers.1"}
+    assert owned["compiled"] == owned["eager"], owned

@@ -190,6 +190,7 @@ class _Call:
         "on_leaf",
         "bw_unheard",
         "bw_thread",
+        "in_place",
         "__weakref__",  # hooks on leaf tensors hold the call weakly
     )
 
@@ -217,6 +218,7 @@ class _Call:
         self.on_leaf = False  # a hook on a leaf tensor watches it (weakly)
         self.bw_unheard = False  # its backward started; the observer not told yet
         self.bw_thread = 0  # the thread its backward started on (step 4)
+        self.in_place = False  # opened around a module's in-place compiled call
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:

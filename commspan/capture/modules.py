@@ -264,6 +264,7 @@ class _GlobalHooks:
         return None if any(t is None for t in tables) else tables  # type: ignore[return-value]
 
     def _register(self) -> None:
+        _IN_PLACE.put()
         tables = self._tables()
         if self._ids is None or tables is None:
             pre = register_module_forward_pre_hook(_global_pre_fw)
@@ -282,6 +283,7 @@ class _GlobalHooks:
         pre_hooks[pre_id] = _global_pre_fw
 
     def _unregister(self) -> None:
+        _IN_PLACE.take()
         if self._ids is None:
             return
         pre_id, post_id = self._ids
@@ -294,6 +296,136 @@ class _GlobalHooks:
 
 
 _GLOBAL_HOOKS = _GlobalHooks()
+
+
+_COMPILED_CALL = "_compiled_call_impl"  # where module.compile() puts the compiled call
+
+
+class _SpannedCall:
+    """The call of a module compiled in place (``module.compile()``, which sets its
+    ``_compiled_call_impl`` to ``torch.compile(module._call_impl)``), put in that
+    attribute's place while a tracker is installed (:class:`_InPlaceCalls`).
+
+    The module's hooks, commspan's global ones included, are compiled with its
+    ``_call_impl``: they return at once while Dynamo traces them, and nothing of
+    them runs after, so the call had no span. This opens the module's span around
+    the compiled call, eagerly, as the call of ``torch.compile(module)``'s wrapper
+    does: forward (or recompute), its backward from the outputs' gradients, and in
+    it the collectives of the compiled graph (under ``aot_eager``, each owned by
+    its submodule). While Dynamo traces it (a model compiled around it), it is the
+    compiled call and nothing else."""
+
+    __slots__ = ("compiled", "own", "module", "__weakref__")
+
+    def __init__(self, module: torch.nn.Module, compiled: Callable[..., Any]) -> None:
+        self.compiled: Callable[..., Any] | None = None
+        """The module's compiled call while this is in its place (which then holds
+        it), else ``None``: the compiled call holds the module, and this object is
+        kept between modes (:class:`_InPlaceCalls`)."""
+        self.own = weakref.ref(compiled)
+        self.module = weakref.ref(module)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        compiled = self.compiled
+        if compiled is None:  # (taken out of place by another thread meanwhile)
+            compiled = self.own()
+            assert compiled is not None  # (the module holds it)
+        if _is_compiling():
+            return compiled(*args, **kwargs)
+        trackers = _GLOBAL_HOOKS.trackers
+        module = self.module()
+        if not trackers or module is None:
+            return compiled(*args, **kwargs)
+        opened: list[tuple[ModuleTracker, _Call]] = []
+        try:
+            for tracker in trackers:
+                tracker._open_in_place(module, args, opened)
+            output = compiled(*args, **kwargs)
+        except BaseException:
+            # (the frames close with the error; it goes on as it came)
+            for tracker, call in reversed(opened):
+                tracker._close_in_place(call, module, args, None, kwargs)
+            raise
+        for tracker, call in reversed(opened):
+            tracker._close_in_place(call, module, args, output, kwargs)
+        return output
+
+
+_SPANNED_CALL = _SpannedCall.__call__.__code__
+
+
+class _InPlaceCalls:
+    """The modules compiled in place that trackers have named, and their spanned
+    calls (:class:`_SpannedCall`): in their ``_compiled_call_impl`` while a tracker
+    is installed, the module's own compiled call again when the last one leaves
+    (with commspan's global hooks). A module keeps one spanned call per compiled
+    call, so a model compiled around it (``torch.compile(model)``, which guards on
+    the attribute) sees two states, traced and untraced, as for the global hooks.
+    A compiled call the module got since (``module.compile()`` again) is left in
+    place, and spanned when a tracker finds it. Modules are held weakly: a spanned
+    call out of place holds its compiled call (which holds the module) weakly."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        renew_after_fork(self, "_lock")
+        self._modules: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+        # the spanned calls out of their module's attribute (between modes)
+        self._parked: weakref.WeakKeyDictionary[torch.nn.Module, _SpannedCall] = (
+            weakref.WeakKeyDictionary())
+        self._on = False
+
+    def add(self, module: torch.nn.Module) -> None:
+        """``module`` is compiled in place (has a compiled call that is not spanned):
+        span its calls (now, if a tracker is installed)."""
+        with self._lock:
+            self._modules.add(module)
+            if self._on:
+                self._put(module)
+
+    def put(self) -> None:
+        """The first tracker is installed: every spanned call in place."""
+        with self._lock:
+            self._on = True
+            for module in list(self._modules):
+                self._put(module)
+
+    def take(self) -> None:
+        """The last tracker left: every module's own compiled call back in place."""
+        with self._lock:
+            self._on = False
+            for module in list(self._modules):
+                try:
+                    state = module.__dict__
+                    spanned = state.get(_COMPILED_CALL)
+                    if type(spanned) is _SpannedCall and spanned.compiled is not None:
+                        state[_COMPILED_CALL] = spanned.compiled
+                        spanned.compiled = None
+                        self._parked[module] = spanned
+                except Exception:  # pragma: no cover - a module without a plain __dict__
+                    _log.debug("commspan: could not restore a compiled call", exc_info=True)
+
+    def _put(self, module: torch.nn.Module) -> None:
+        try:
+            state = module.__dict__
+            compiled = state.get(_COMPILED_CALL)
+            if compiled is None or type(compiled) is _SpannedCall:
+                return
+            spanned = self._parked.pop(module, None)
+            if spanned is None or spanned.own() is not compiled:  # (compiled anew)
+                spanned = _SpannedCall(module, compiled)
+            spanned.compiled = compiled
+            state[_COMPILED_CALL] = spanned
+        except Exception:  # a compiled call of another kind (no weak reference): no span
+            _log.debug("commspan: could not span a compiled call", exc_info=True)
+
+
+_IN_PLACE = _InPlaceCalls()
+
+
+def _compiled_in_place(module: torch.nn.Module) -> bool:
+    """Whether ``module`` has a compiled call (``module.compile()``) not spanned yet."""
+    compiled = module.__dict__.get(_COMPILED_CALL)
+    return compiled is not None and type(compiled) is not _SpannedCall
 
 
 def _named_modules(root: torch.nn.Module,
@@ -810,6 +942,7 @@ class ModuleTracker(BackwardNesting):
         self.owner = _get_ident()
         self._installed = True
         _GLOBAL_HOOKS.add(self)
+        self.find_compiled_in_place()
         if not self._headroom:
             _HEADROOM.acquire()
             self._headroom = True
@@ -845,6 +978,23 @@ class ModuleTracker(BackwardNesting):
         self._drop_closers()
         self._error_mark = None
         self.unwound = None
+
+    def find_compiled_in_place(self) -> None:
+        """Span the calls of the modules named before they were compiled in place
+        (``module.compile()`` after the model first ran traced): from the next step
+        on (called when the tracker is installed and when a traced step starts). A
+        look-up per named module."""
+        try:
+            for ref in list(self._known_by_ref):
+                module = ref()
+                # (inline: _compiled_in_place)
+                if module is not None and module.__dict__.get(_COMPILED_CALL) is not None:
+                    _IN_PLACE.add(module)  # (returns at once if spanned already)
+            for module in list(self._wrappers) if self._wrappers else ():
+                if _compiled_in_place(module):
+                    _IN_PLACE.add(module)
+        except Exception:
+            self._errors.record()
 
     def _leave_hooks(self) -> None:
         """This tracker's calls come off the global hooks (which leave torch's
@@ -977,6 +1127,9 @@ class ModuleTracker(BackwardNesting):
                 # (the wrapper's has none): only it re-runs in a recompute
                 wrappers[wrapper] = info
         self._named += len(new)
+        for _, sub in new:
+            if _compiled_in_place(sub):  # module.compile(): its hooks are compiled with it
+                _IN_PLACE.add(sub)
         if self.parallel is not None and new:
             for ddp in self.parallel.learn(new, self._on_mesh):
                 known[ddp].ddp = True
@@ -1012,10 +1165,11 @@ class ModuleTracker(BackwardNesting):
         return {f.fqn for f in self.recorder.stack if not f.finished}
 
     # ------------------------------------------------------------ forward
-    def _pre_fw(self, module: torch.nn.Module, args: Any) -> None:
+    def _pre_fw(self, module: torch.nn.Module, args: Any, in_place: bool = False) -> None:
         """A module call starts: open its frame (steps below), watch its inputs
         for backward, tell the observer. (Called by the global pre-hook once it has
-        found that Dynamo is not tracing.)"""
+        found that Dynamo is not tracing; ``in_place``: by the spanned call of a module
+        compiled in place, :class:`_SpannedCall`, whose own hooks run inside it.)"""
         if self._ignores_eager_call(module):
             return
         try:
@@ -1026,10 +1180,21 @@ class ModuleTracker(BackwardNesting):
             if info is None:
                 info = self._first_call_info(module)
                 if info is None:  # an activation-checkpointing wrapper: no span
-                    return
+                    if not in_place:
+                        return
+                    # compiled in place: the call runs the wrapped module compiled
+                    # (as torch.compile(wrapper)'s does), its span the wrapped module's
+                    info = self._wrappers.get(module)
+                    if info is None:
+                        return
             task = _graph_task_id()
             calls = self._calls
             parent = calls[-1] if calls else None
+            if info.local_open and not in_place and parent is not None and (
+                    parent.in_place and parent.info is info):
+                # the module's own call inside its spanned compiled call (Dynamo ran
+                # it eagerly: a recompile limit hit, a stance): that span is the call's
+                return
             if task == -1:  # outside autograd: a forward (phase_now's rule, inline)
                 phase = _FORWARD
                 if self._tasks:
@@ -1052,11 +1217,17 @@ class ModuleTracker(BackwardNesting):
             call = _Call(info, ref, parent, frame, depth)
             call.task = task
             calls.append(call)
-            if module._forward_hooks:
-                self._close_after_own_hooks(module, info, call)
-            if (module._backward_pre_hooks or module._backward_hooks
-                    or _GLOBAL_BW_PRE_HOOKS or _GLOBAL_BW_HOOKS):
-                self._watch_backward_hooks(module, call)
+            if in_place:
+                # its own hooks run inside the compiled call, which the frame is
+                # closed after (by the spanned call, never by the global hook)
+                call.in_place = True
+                info.local_open += 1
+            else:
+                if module._forward_hooks:
+                    self._close_after_own_hooks(module, info, call)
+                if (module._backward_pre_hooks or module._backward_hooks
+                        or _GLOBAL_BW_PRE_HOOKS or _GLOBAL_BW_HOOKS):
+                    self._watch_backward_hooks(module, call)
             if torch.is_grad_enabled():
                 self._watch_inputs(call, args)
             if self.observer is not None:
@@ -1069,6 +1240,28 @@ class ModuleTracker(BackwardNesting):
             self._errors.record()
         if self.observer is not None:
             self._raise_observed()
+
+    def _open_in_place(self, module: torch.nn.Module, args: Any,
+                       opened: list[tuple[ModuleTracker, _Call]]) -> None:
+        """A spanned call of a module compiled in place starts (:class:`_SpannedCall`):
+        its frame opens as for any call; added to ``opened`` (even when the observer
+        then raises) for :meth:`_close_in_place`."""
+        calls = self._calls
+        before = len(calls)
+        try:
+            self._pre_fw(module, args, in_place=True)
+        finally:
+            if len(calls) > before and calls[-1].in_place:
+                opened.append((self, calls[-1]))
+
+    def _close_in_place(self, call: _Call, module: torch.nn.Module, args: Any,
+                        output: Any, kwargs: Any) -> None:
+        """The spanned call of a module compiled in place returned ``output`` (or
+        raised: ``None``, from the ``except`` block of :class:`_SpannedCall`'s call)."""
+        info = call.info
+        info.local_open = max(0, info.local_open - 1)
+        # (_finish_forward reads the spanned call's frame, 2 up: past this method)
+        self._finish_forward(info, module, args, output, kwargs, 2)
 
     def _call_depth(self, info: ModuleInfo, phase: Phase, parent: _Call | None) -> int:
         """Nesting depth of the call (1 for a top-level module), and headroom
@@ -1269,6 +1462,8 @@ class ModuleTracker(BackwardNesting):
         while frame is not None:
             if frame.f_code is _CALL_IMPL:
                 running.add(id(frame.f_locals.get("self")))
+            elif frame.f_code is _SPANNED_CALL:  # a module compiled in place
+                running.add(id(frame.f_locals.get("module")))
             frame = frame.f_back
         for call in self._calls:
             if id(call.module()) not in running and call.frame.error is None:

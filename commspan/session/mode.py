@@ -704,6 +704,8 @@ class CommSpanMode:
         assert self._recorder is not None
         error: BaseException | None = None
         try:
+            if self._tracker is not None:  # (modules compiled in place since the last step)
+                self._tracker.find_compiled_in_place()
             self._recorder.begin(self._traces.step(index))
             yield True
         except GeneratorExit:
@@ -897,7 +899,10 @@ class CommSpanMode:
         modules of the one it traced. A node whose module is not inside the span
         open now (the compiled module's) is found by its path under that span's
         module instead (``Net.layers.1`` + ``attn``), when a module of that name
-        exists."""
+        exists. A graph whose module (the frame's ``self``) is known and is neither
+        the span's nor found there ran for a module without a span of its own (one
+        compiled in place that commspan has not seen yet): which module of its class
+        that was is unknown, so ``None`` (the span open around the call owns it)."""
         compiled = dispatch.compiled_module()
         tracker = self._tracker
         if compiled is None or tracker is None:
@@ -908,11 +913,21 @@ class CommSpanMode:
             # a compiled activation-checkpointing wrapper (torchtitan's block): the
             # modules it wraps are named as under the wrapper
             path = without_wrapper(path, ACTIVATION_KEY)
-        if path is not None and span != semconv.GLOBAL_FQN and (
-                fqn is None or (fqn != span and not fqn.startswith(span + "."))):
+        if path is not None:
             here = f"{span}.{path}" if path else span
-            if tracker.knows_name(here):
-                fqn = here
+            # the module the graph was traced on, from the node's: ``Net.layers.0``
+            root = None if fqn is None else fqn if not path else (
+                fqn[:-len(path) - 1] if fqn.endswith("." + path) else None)
+            if root is not None:
+                if root != span:
+                    if span == semconv.GLOBAL_FQN or root.startswith(span + ".") or (
+                            not tracker.knows_name(here)):
+                        return None
+                    fqn = here
+            elif span != semconv.GLOBAL_FQN and (
+                    fqn is None or (fqn != span and not fqn.startswith(span + "."))):
+                if tracker.knows_name(here):
+                    fqn = here
         if fqn is None:
             return None
         phase = Phase.FORWARD if compiled[1] and not in_autograd else (
