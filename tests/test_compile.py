@@ -856,3 +856,40 @@ def test_a_model_compiled_in_place_at_top_level_is_owned_by_its_position(
         second = _events(cap)[4:]
     assert Counter((e[semconv.OWNER_FQN], e[semconv.PHASE]) for e in second) == Counter(
         {(fqn, phase): 1 for (phase, _), fqn in _owner_reference().items()})
+
+
+def test_a_user_hook_raising_after_a_block_compiled_in_place_leaves_the_mode_as_uncompiled(
+        fake_pg: None) -> None:
+    """commspan.compat's ModTracker nested in a mode, its user post-hook raising for
+    a block compiled in place: the mode's span of the block closes as in the
+    uncompiled model (the forward returned: UNSET), and a later uncompiled call of
+    the block nests as there (the mode's call was left open, its span ERROR, and
+    the block's own hook skipped after). Reference: the same run uncompiled."""
+    from commspan.compat import ModTracker as CompatModTracker
+
+    class _Boom(Exception):
+        pass
+
+    def run(in_place: bool) -> list[tuple[Any, str]]:
+        torch._dynamo.reset()
+        model = _Blocks(compiled=False, in_place="eager" if in_place else None)
+        first = model.blocks[0]
+
+        def post(mod: torch.nn.Module, args: Any, out: Any) -> None:
+            if mod is first:
+                raise _Boom()
+
+        with capture() as cap:
+            with cap.mode.step(0):
+                tracker = CompatModTracker()
+                tracker.register_user_hooks(post_fw_hook=post)
+                with pytest.raises(_Boom), tracker:
+                    model(torch.randn(4, DIM))
+                first._compiled_call_impl = None  # (uncompiled from here on)
+                model(torch.randn(4, DIM))
+        assert cap.mode.stats()["internal_errors"] == 0
+        return [(s.attributes.get(semconv.MODULE_FQN), s.status.status_code.name,
+                 s.parent is not None) for s in cap.spans
+                if str(s.attributes.get(semconv.MODULE_FQN, "")).count(".") <= 2]
+
+    assert run(in_place=True) == run(in_place=False)

@@ -344,10 +344,22 @@ class _SpannedCall:
         except BaseException:
             # (the frames close with the error; it goes on as it came)
             for tracker, call in reversed(opened):
-                tracker._close_in_place(call, module, args, None, kwargs)
+                try:
+                    tracker._close_in_place(call, module, args, None, kwargs)
+                except BaseException:  # noqa: PERF203 - the user's error goes on
+                    _log.debug("commspan: closing a compiled call raised", exc_info=True)
             raise
+        # every tracker's call closes, even after one's observer (a user hook of
+        # commspan.compat's ModTracker) raised: its error goes on after them
+        first: BaseException | None = None
         for tracker, call in reversed(opened):
-            tracker._close_in_place(call, module, args, output, kwargs)
+            try:
+                tracker._close_in_place(call, module, args, output, kwargs)
+            except BaseException as error:  # noqa: PERF203 - each call must close
+                if first is None:
+                    first = error
+        if first is not None:
+            raise first
         return output
 
 
