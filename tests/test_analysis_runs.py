@@ -46,7 +46,8 @@ def test_several_runs_pick_the_latest_with_a_note() -> None:
     assert [r.run_id for r in runs] == ["old", "new"]
     assert runs[0].to_dict() == {"run_id": "old", "ranks": [0, 1], "steps": [0, 1],
                                  "spans": 8, "start_ns": 1000, "end_ns": 1150,
-                                 "world_size": None, "rank_sample": None}
+                                 "world_size": None, "rank_sample": None,
+                                 "missing_ranks": []}
     sel = select(old + new)
     assert sel.records == new
     assert sel.note == ("the files hold 2 runs: old (ranks 0-1, steps 0-1); new (ranks 0-1, "

@@ -260,7 +260,7 @@ def test_json_everywhere(tp: Path, tmp_path: Path, capsys: pytest.CaptureFixture
     keys = {
         "table": {"fqn", "type", "counts", "parameters", "children"},
         "summary": {"spans", "traces", "ranks", "steps", "collectives", "total", "partial",
-                    "run", "runs", "world_size", "rank_sample"},
+                    "run", "runs", "world_size", "rank_sample", "missing_ranks"},
         "html": {"output", "bytes", "run", "ranks", "steps"},
         "perfetto": {"output", "bytes", "run", "ranks", "steps"},
         "check": {"findings", "checked", "run"},

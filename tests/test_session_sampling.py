@@ -244,3 +244,65 @@ def test_the_html_report_of_a_rank_sample_says_it_covers_the_traced_ranks_only(
     _play(out, 4, None, monkeypatch)
     assert main(["html", str(out), "-o", str(tmp_path / "report.html")]) == 0
     assert "traced (rank sample" not in (tmp_path / "report.html").read_text()
+
+
+@pytest.mark.parametrize(("ranks", "lost", "said"), [
+    (None, (1, 2, 3), "ranks 1-3 of 4 wrote no spans (no file of theirs read): {} rank 0 "
+     "only"),
+    (None, (1, 3), "ranks 1,3 of 4 wrote no spans (no file of theirs read): {} ranks "
+     "0,2 only"),
+    (0.5, (2,), "ranks 0,2 of 4 traced (rank sample: fraction 0.5), and rank 2 of them "
+     "wrote no spans (no file of theirs read): {} rank 0 only"),
+], ids=["ranks-1-3-lost", "ranks-1,3-lost", "sampled-rank-2-lost"])
+@pytest.mark.parametrize("digest", [False, True])
+def test_every_reader_names_the_ranks_of_the_job_that_wrote_no_file(
+    fake_pg: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str], ranks: Any, lost: tuple[int, ...], said: str,
+    digest: bool,
+) -> None:
+    """4 ranks wrote their files (of a rank sample: the ranks it chose) and the files of
+    ``lost`` are deleted: every reading command names those ranks on stderr, as it
+    names a rank sample's (html, perfetto, table and stragglers said nothing: the page
+    said "1 ranks" and its counts read as the job's), the page's header says it, and
+    summary --json lists them (``missing_ranks``); check reports them missing, not in
+    a note. The same files with none deleted: nothing of the kind."""
+    from commspan.cli import main
+
+    run = tmp_path / "run"
+    _play(run, 4, ranks, monkeypatch)
+    for rank in lost:
+        (run / f"rank{rank}.jsonl").unlink()
+    if digest:
+        assert main(["digest", str(run)]) == 0
+    page = tmp_path / "report.html"
+    commands = [["summary", "--rank", "all"], ["table", "--rank", "all"], ["stragglers"],
+                ["perfetto", "-o", str(tmp_path / "t.json")], ["html", "-o", str(page)]]
+    capsys.readouterr()
+    for command in commands:
+        assert main([*command, str(run)]) == 0, command
+        err = capsys.readouterr().err
+        assert f"commspan: {said.format('what follows covers')}" in err, (command, err)
+    warning = f"{said.format('the counts, bytes and timeline below cover')}."
+    assert f"{warning[0].upper()}{warning[1:]}" in page.read_text()
+    assert main(["summary", str(run), "--rank", "all", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert (data["missing_ranks"], data["runs"][0]["missing_ranks"]) == ([*lost], [*lost])
+    assert main(["check", str(run), "--json"]) == 1
+    out, err = capsys.readouterr()
+    findings = json.loads(out)["findings"]
+    assert [(f["kind"], sorted(map(int, f["ranks"]))) for f in findings] == [
+        ("missing", [*lost])]
+    assert "wrote no spans" not in err
+    # the whole job's files: no note, no warning
+    for f in run.iterdir():
+        f.unlink()
+    _play(run, 4, ranks, monkeypatch)
+    if digest:
+        assert main(["digest", str(run)]) == 0
+    capsys.readouterr()
+    for command in [*commands, ["check"]]:
+        main([*command, str(run)])
+        assert "wrote no spans" not in capsys.readouterr().err, command
+    assert "wrote no spans" not in page.read_text()
+    assert main(["summary", str(run), "--rank", "all", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["missing_ranks"] == []

@@ -92,17 +92,56 @@ class RunInfo(NamedTuple):
     sample: str | None = None
     world_size: int | None = None
 
-    def coverage(self) -> str | None:
-        """What a count over this run covers, when it is not every rank of the job:
-        ``"ranks 0,2 of 4 traced (rank sample: fraction 0.5)"``; ``None`` when every
-        rank traced (or nothing says otherwise)."""
-        if not self.sample:
-            return None
+    def missing(self) -> tuple[int, ...]:
+        """Ranks of the job that wrote no span of this run (their files lost, empty, or
+        not among those read): those of ``range(world_size)`` not in :attr:`ranks`;
+        of a rank sample, those the sample names (``commspan.sampling.ranks``). ``()``
+        when the resources say neither.
+
+        Example:
+            >>> RunInfo("r", (0, 2), (0,), 9, 0, 1, world_size=4).missing()
+            (1, 3)
+        """
+        from commspan.analysis.records import sampled_ranks
+
+        world = self.world_size
+        if self.sample:
+            wanted = {r for r in sampled_ranks(self.sample) if not world or r < world}
+        else:
+            wanted = set(range(world or 0))
+        return tuple(sorted(wanted.difference(self.ranks)))
+
+    def coverage(self, shown: str = "what follows covers", *,
+                 missing: bool = True) -> str | None:
+        """What a count over this run covers, when it is not every rank of the job, as
+        a sentence whose consequence starts with ``shown``: ``"ranks 0,2 of 4 traced
+        (rank sample: fraction 0.5): what follows covers those ranks only"``, ``"ranks
+        1-3 of 4 wrote no spans (no file of theirs read): what follows covers rank 0
+        only"``; ``None`` when every rank traced and wrote
+        spans (or nothing says otherwise). ``missing=False``: the rank sample alone
+        (``check`` reports the ranks that wrote nothing as findings).
+
+        Example:
+            >>> RunInfo("r", (0,), (0,), 9, 0, 1, world_size=4).coverage("0 is")
+            'ranks 1-3 of 4 wrote no spans (no file of theirs read): 0 is rank 0 only'
+        """
         from commspan.analysis.records import sample_rule
 
+        chosen_lost = self.missing()
+        lost = chosen_lost if missing else ()
+        if not self.sample and not lost:
+            return None
         of = f" of {self.world_size}" if self.world_size else ""
-        return (f"ranks {format_numbers(self.ranks)}{of} traced (rank sample: "
-                f"{sample_rule(self.sample)})")
+        parts = []
+        if self.sample:  # (the ranks it chose: those that wrote, and those lost)
+            traced = sorted({*self.ranks, *chosen_lost})
+            parts.append(f"{_ranks_text(traced)}{of} traced (rank sample: "
+                         f"{sample_rule(self.sample)})")
+        if lost:
+            parts.append(f"{_ranks_text(lost)}{' of them' if self.sample else of} wrote no "
+                         "spans (no file of theirs read)")
+        those = _ranks_text(self.ranks) if lost else "those ranks"
+        return f"{', and '.join(parts)}: {shown} {those} only"
 
     def describe(self) -> str:
         """``"cli-test (ranks 0-1, steps 0-4)"``: the run for messages."""
@@ -111,7 +150,8 @@ class RunInfo(NamedTuple):
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form: ``run_id``, ``ranks``, ``steps``, ``spans``, ``start_ns``, ``end_ns``,
-        ``world_size`` and ``rank_sample`` (``null`` when not known / not sampled)."""
+        ``world_size``, ``rank_sample`` (``null`` when not known / not sampled) and
+        ``missing_ranks`` (:meth:`missing`)."""
         return {
             "run_id": self.run_id,
             "ranks": list(self.ranks),
@@ -121,7 +161,13 @@ class RunInfo(NamedTuple):
             "end_ns": self.end_ns,
             "world_size": self.world_size,
             "rank_sample": self.sample,
+            "missing_ranks": list(self.missing()),
         }
+
+
+def _ranks_text(ranks: Sequence[int]) -> str:
+    """``"rank 0"``, ``"ranks 1-3"``: ranks for messages."""
+    return f"rank{'s' if len(ranks) != 1 else ''} {format_numbers(ranks)}"
 
 
 class StepRange(NamedTuple):

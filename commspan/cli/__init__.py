@@ -169,6 +169,8 @@ def _run(args: argparse.Namespace) -> int:
         _silence(sys.stdout)
         _err(f"{type(exc).__name__}: cannot write the output to stdout: {exc}")
         return failed
+    for line in reader.covers:  # (what the output covers: none when there is none)
+        _err(line)
     if reader.report.damaged:
         _err(f"commspan: {len(reader.report.damaged)} damaged line(s) skipped; the output "
              f"counts the other {reader.report.lines} line(s)")

@@ -48,12 +48,16 @@ class Damaged(Exception):
 
 class Reader:
     """Reads the files of one command: skipped lines go to one report, notes for stderr
-    (which run was picked among several) to :attr:`notes`."""
+    (which run was picked among several) to :attr:`notes`, what the output covers (a
+    rank sample, ranks that wrote no spans) to :attr:`covers`."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.report = ReadReport()
         self.notes: list[str] = []
+        self.covers: list[str] = []
+        """Which ranks of the job the output covers, when not all: said when there is
+        an output (an error has none)."""
         self.not_jsonl: dict[str, int] = {}
         """Files none of whose lines is an OTLP/JSON trace request -> their lines."""
         self.lines = LineTally()
@@ -147,10 +151,16 @@ class Reader:
         if sel.note:
             more = " (--run ID picks another)" if len(sel.runs) > 1 else ""
             self.notes.append(f"commspan: {label}{sel.note}{more}")
-        covers = sel.run.coverage() if sel.run else None
-        if covers:  # (counts over a rank sample are not the job's)
-            self.notes.append(f"commspan: {label}{covers}: what follows covers those "
-                              "ranks only; the others ran untraced")
+        # counts over a rank sample, or without the ranks that wrote no file, are not
+        # the job's (check reports those ranks missing itself; --rank N shows one rank)
+        one_rank = type(getattr(self.args, "rank", None)) is int
+        missing = self.args.command != "check" and not one_rank
+        covers = sel.run.coverage(missing=missing) if sel.run else None
+        if covers:
+            others = "; the others ran untraced" if sel.run and sel.run.sample else ""
+            note = f"commspan: {label}{covers}{others}"
+            if note not in self.covers:
+                self.covers.append(note)
         if isinstance(sel, Selection) and self.args.command != "check":  # (check: findings)
             self.notes.extend(unread_note(self.unread(sel), label))
         return sel
@@ -356,9 +366,11 @@ def summary(args: argparse.Namespace, reader: Reader) -> Outcome:
         reader.notes.append(ends)
     data["run"] = sel.run.run_id if sel.run else None
     data["runs"] = [r.to_dict() for r in sel.runs]
-    # what the counts cover: the job's size, and the rule of a rank sample
+    # what the counts cover: the job's size, the rule of a rank sample, the ranks of
+    # the job that wrote no spans
     data["world_size"] = sel.run.world_size if sel.run else None
     data["rank_sample"] = sel.run.sample if sel.run else None
+    data["missing_ranks"] = list(sel.run.missing()) if sel.run else []
     if args.show:
         data["issued"] = [r.to_dict() for r in rows]
     if args.json:

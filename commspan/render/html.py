@@ -319,10 +319,10 @@ def _header(timeline: Timeline, title: str, findings: bool,
         note = shared_run_note(run)
         if note is not None:
             warn += f"<p class=\"warn\">{_e(note[0].upper() + note[1:])}.</p>\n"
-        covers = run.coverage()  # a rank sample: the page is not the whole job's
+        # a rank sample, ranks that wrote no file: the page is not the whole job's
+        covers = run.coverage("the counts, bytes and timeline below cover")
         if covers is not None:
-            warn += (f"<p class=\"warn\">{_e(covers[0].upper() + covers[1:])}: the counts, "
-                     "bytes and timeline below cover those ranks only.</p>\n")
+            warn += f"<p class=\"warn\">{_e(covers[0].upper() + covers[1:])}.</p>\n"
     now = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     findings_link = "<a href=\"#findings\">Findings</a> " if findings else ""
     return (
