@@ -14,8 +14,9 @@ from _report_dom import embedded_data, tree_counts
 
 from commspan import Aggregator, semconv
 from commspan.analysis.timeline import build_timeline, load_records, match_collectives
-from commspan.exporters import SpanRecord
+from commspan.exporters import SpanRecord, read_spans
 from commspan.render.html import html_report, write_html_report
+from commspan.render.perfetto import write_chrome_trace
 
 STEPS = 3
 
@@ -505,3 +506,24 @@ def test_negative_step_numbers_read_as_a_range(tmp_path: Path) -> None:
 
     page = html_report(load_records(_one_rank_run(tmp_path, "neg", body)))
     assert "(-1..1)" in page and "(-1-1)" not in page
+
+
+@pytest.mark.parametrize(("call", "match"), [
+    (lambda: write_html_report(5, "unused.html"), r"^source=5 is not valid; pass a JSONL "),
+    (lambda: html_report(None), r"^source=None is not valid"),
+    (lambda: write_chrome_trace(5, "unused.json"), r"^source=5 is not valid"),
+    (lambda: Aggregator.from_jsonl(5), r"^paths: 5 \(int\) is not valid; pass the path "),
+    (lambda: Aggregator.from_jsonl(["a.jsonl"]),
+     r"^paths: \['a.jsonl'\] \(list\) is not valid; .*unpack it"),
+    (lambda: list(read_spans(None)), r"^paths: None \(NoneType\) is not valid"),
+    (lambda: Aggregator.from_records(5), r"^records=5 is not valid; pass SpanRecords"),
+    (lambda: Aggregator.from_records("run"),
+     r"^records='run' is a path, not span records; pass it to Aggregator.from_jsonl"),
+    (lambda: Aggregator.from_records([1]), r"^records: 1 \(int\) is not a SpanRecord"),
+])
+def test_a_wrong_argument_type_names_the_parameter(call: Any, match: str) -> None:
+    """A value of the wrong type passed to a public reader or writer is a TypeError naming
+    the parameter, the value and what to pass (it was "'int' object is not iterable" or
+    "'str' object has no attribute 'attributes'", naming nothing)."""
+    with pytest.raises(TypeError, match=match):
+        call()

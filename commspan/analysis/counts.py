@@ -36,7 +36,7 @@ from commspan.analysis.tree import PHASE_ORDER, Counts, ModuleRecord, module_tre
 from commspan.otlpjson.decode import LineReader, walk
 from commspan.otlpjson.encode import paused_gc
 from commspan.otlpjson.files import jsonl_files
-from commspan.otlpjson.records import DEFAULT_MAX_LINE_BYTES, ReadReport, rank_value
+from commspan.otlpjson.records import DEFAULT_MAX_LINE_BYTES, ReadReport, SpanRecord, rank_value
 from commspan.ownership import counted_names
 from commspan.spans.frames import OpenSpan
 
@@ -592,9 +592,20 @@ class Aggregator(SpanProcessor):
         """
         if rank is not None and rank != "all" and not isinstance(rank, int):
             raise ValueError(f"rank={rank!r} is not valid; pass an int, 'all' or None")
+        if isinstance(records, (str, os.PathLike)):
+            raise TypeError(f"records={records!r} is a path, not span records; pass it to "
+                            "Aggregator.from_jsonl, or pass read_spans(path)'s records")
+        if not isinstance(records, Iterable):
+            raise TypeError(f"records={records!r} is not valid; pass SpanRecords (from "
+                            "commspan.exporters.read_spans), or files to Aggregator.from_jsonl")
         agg = cls()
         ranks: set[Any] = set()
         for rec in records:
+            if not isinstance(rec, SpanRecord):
+                raise TypeError(
+                    f"records: {rec!r} ({type(rec).__name__}) is not a SpanRecord; pass "
+                    "records from commspan.exporters.read_spans, or files to "
+                    "Aggregator.from_jsonl")
             fqn = rec.attributes.get(semconv.MODULE_FQN)
             if fqn is None:
                 continue

@@ -244,6 +244,11 @@ def load_records(source: RecordSource) -> list[SpanRecord]:
     items: Iterable[Any]
     if isinstance(source, (str, os.PathLike)):
         items = [source]
+    elif isinstance(source, (bytes, bytearray)) or not isinstance(source, Iterable):
+        raise TypeError(
+            f"source={source!r} is not valid; pass a JSONL file or directory path (str or "
+            "Path), a list of them, or SpanRecords from commspan.exporters.read_spans"
+        )
     else:
         items = source
     records: list[SpanRecord] = []

@@ -67,11 +67,20 @@ def jsonl_files(
         FileNotFoundError: a path does not exist.
         NoJsonlFilesError: a directory holds no ``*.jsonl`` or ``*.jsonl.gz`` file.
         PermissionError: a directory cannot be listed.
+        TypeError: ``paths``, or one of them, is not a path (``str`` or ``Path``).
     """
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
+    elif isinstance(paths, (bytes, bytearray)) or not isinstance(paths, Iterable):
+        raise TypeError(f"{param}={paths!r} is not valid; pass the path (str or Path) of "
+                        "a JSONL file or of a directory of them, or a list of those")
     out: list[Path] = []
     for p in paths:
+        if not isinstance(p, (str, os.PathLike)):
+            listed = (" (a list of paths: unpack it, e.g. Aggregator.from_jsonl(*paths))"
+                      if isinstance(p, (list, tuple)) else "")
+            raise TypeError(f"{param}: {p!r} ({type(p).__name__}) is not valid; pass the path "
+                            f"(str or Path) of a JSONL file or of a directory of them{listed}")
         path = Path(p)
         if path.is_dir():
             try:
