@@ -281,3 +281,32 @@ def test_html_check_lists_the_unread_step(
     code, _, err = run_cli(capsys, "html", str(damaged), "-o", str(report), "--check")
     assert code == 1 and "Traceback" not in err
     assert sorted(re.findall(r'data-kind="(\w+)"', report.read_text())) == ["mismatch", "unread"]
+
+
+def test_a_damaged_line_in_a_step_number_used_again(
+    tmp_path_factory: pytest.TempPathFactory, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str], fake_pg: None,
+) -> None:
+    """Steps 0, 1, 2, then 0 and 1 again (an evaluation loop numbering its steps anew:
+    a step number used again shares its trace). A damaged line holding a collective of
+    rank 1's second step 1 makes rank 1 unread in step 1, not the rank that issued one
+    all_reduce fewer there; the undamaged run has no finding."""
+    reused = session_dir(tmp_path_factory, "damaged-reused", lambda out: write_run(
+        out, "reused", net_step(), steps=[0, 1, 2, 0, 1]))
+    for f in reused.glob("*.jsonl"):
+        shutil.copy(f, tmp_path / f.name)
+        _relined(tmp_path / f.name, per_step=False)
+    code, reference, _ = _check(capsys, tmp_path)
+    assert (code, reference["findings"]) == (0, [])
+    path = tmp_path / f"commspan-rank{DAMAGED_RANK}.jsonl"
+    lines = path.read_bytes().splitlines(keepends=True)
+    trace = next(s["traceId"] for raw in lines for s in _spans(raw)
+                 if s["name"] == "commspan.rank" and int(_attr(s, "commspan.step")) == 1)
+    line = max(i for i, raw in enumerate(lines, 1)
+               if any(s["traceId"] == trace and _has_collective(s) for s in _spans(raw)))
+    lines[line - 1] = DAMAGE["garbage"](lines[line - 1])
+    path.write_bytes(b"".join(lines))
+    code, data, _ = _check(capsys, tmp_path)
+    assert code == 2
+    assert _others(data) == []
+    _assert_unread(data, path, line, [DAMAGED_STEP])

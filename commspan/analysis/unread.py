@@ -21,6 +21,10 @@ and :meth:`LineTally.locate` places each damaged line among its file's other lin
   collective event read of the rank there (its ``commspan.collectives.<phase>.total``
   added up) lost no collective: what the line held of it (module spans) is nothing
   a check compares or a count adds up.
+- a step number used again shares its trace, whose rank spans may then lie both
+  before and after the line: it may have held part of a later use, which its
+  counts say (every collective counted was read, or not), and the run's order of
+  traces, by step number, is not the file's there.
 
 The rest are :class:`Unread`: ``commspan check`` leaves that rank out of those
 steps' comparisons and says so (a finding of kind ``unread``); the other commands
@@ -120,13 +124,23 @@ class LineTally:
             closed_after = False
             for trace in order:
                 lines = self._closed.get((skipped.path, rank, trace), ())
-                if any(n < skipped.line for n in lines):
+                key = (rank, trace)
+                whole = key in self._totals and self._totals[key] == self._events[key]
+                before = any(n < skipped.line for n in lines)
+                if before and any(n > skipped.line for n in lines):
+                    # a step number used again (its trace ended before the line and
+                    # again after it): the run's order of traces is not the file's
+                    # here, it neither closes nor ends the stretch the line lies in
+                    if not whole:
+                        out.append(Unread(rank, trace, self._steps.get(trace),
+                                          skipped.path, skipped.line, skipped.reason, run))
+                    continue
+                if before:
                     continue  # written whole before the damaged line
                 if closed_after:
                     break  # the rank was still in an earlier trace after the line
                 closed_after = any(n > skipped.line for n in lines)
-                key = (rank, trace)
-                if key in self._totals and self._totals[key] == self._events[key]:
+                if whole:
                     continue  # every collective its rank span counts was read
                 out.append(Unread(rank, trace, self._steps.get(trace), skipped.path,
                                   skipped.line, skipped.reason, run))
