@@ -310,3 +310,41 @@ def test_a_damaged_line_in_a_step_number_used_again(
     assert code == 2
     assert _others(data) == []
     _assert_unread(data, path, line, [DAMAGED_STEP])
+
+
+def test_empty_lines_at_the_end_of_a_file_are_no_damage(
+    split: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Empty lines after a file's last line (``echo >> FILE``, an editor) lost nothing:
+    ``read_spans(strict=True)`` reads every span of the file, and ``check`` gives the
+    undamaged run's findings and status, with a digest or without."""
+    from commspan.exporters import read_spans
+
+    _, reference, _ = _check(capsys, split)
+    for f in split.glob("*.jsonl"):
+        shutil.copy(f, tmp_path / f.name)
+    path = tmp_path / f"commspan-rank{DAMAGED_RANK}.jsonl"
+    expected = [s["spanId"] for raw in path.read_bytes().splitlines() for s in _spans(raw)]
+    with path.open("ab") as fh:
+        fh.write(b"\n \n\r\n")
+    assert [r.span_id for r in read_spans(path)] == expected
+    assert _check(capsys, tmp_path, "--no-digest") == (1, reference, "")
+    assert run_cli(capsys, "digest", str(tmp_path))[0] == 0
+    assert _check(capsys, tmp_path) == (1, reference, "")
+
+
+def test_an_empty_line_in_the_middle_is_damaged_with_a_digest_too(
+    split: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An empty line followed by others is a damaged line: the digest does not stand for
+    it, so ``check`` with digests says so (exit 2, the line named) as without them."""
+    for f in split.glob("*.jsonl"):
+        shutil.copy(f, tmp_path / f.name)
+    path = tmp_path / f"commspan-rank{DAMAGED_RANK}.jsonl"
+    lines = path.read_bytes().splitlines(keepends=True)
+    path.write_bytes(b"".join([*lines[:3], b"\n", *lines[3:]]))
+    code, lines_only, err = _check(capsys, tmp_path, "--no-digest")
+    assert code == 2 and f"ValueError: {path}:4: an empty line" in err
+    assert run_cli(capsys, "digest", str(tmp_path))[0] == 1  # (a damaged line skipped)
+    code, data, err = _check(capsys, tmp_path)
+    assert (code, data) == (2, lines_only) and f"ValueError: {path}:4: an empty line" in err

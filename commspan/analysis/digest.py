@@ -63,6 +63,7 @@ from commspan.analysis.runs import (
 from commspan.analysis.summary import summary_of
 from commspan.otlpjson.decode import (
     DECODE_ERRORS,
+    EMPTY_LINE,
     GZIP_MAGIC,
     FileWindow,
     decompress_member,
@@ -630,7 +631,17 @@ def write_digest(path: str | os.PathLike[str], report: ReadReport | None = None)
         data = fh.read()
         level = 1 if data[:3] == GZIP_MAGIC else 0
         number = 0  # of the last line read: decompressed lines, as the readers count
+        content_end = -1  # (plain: where the file's trailing empty lines begin)
         for offset, stored, text in _stored_lines(data, level):
+            if not level and text.isspace():
+                if content_end < 0:
+                    content_end = len(data.rstrip())
+                if offset < content_end:  # an empty line followed by others: damaged
+                    number += 1  # (the readers name it; no digest line stands for it)
+                    if report is not None:
+                        report.skipped.append(SkippedLine(
+                            os.fspath(path), number, "damaged", EMPTY_LINE))
+                    continue
             if stored is None:  # a member that cannot be decompressed: one line
                 number += 1
                 if report is not None:

@@ -50,6 +50,7 @@ from commspan.otlpjson.records import (
 
 __all__ = [
     "DECODE_ERRORS",
+    "EMPTY_LINE",
     "BadValue",
     "LineReader",
     "check_values",
@@ -294,12 +295,16 @@ class LineReader:
                 lines: Iterable[tuple[int, bytes]] = _raw_lines(path, limit, self)
             else:
                 lines = _ranges(path, limit, self, ranges)
+            blank: list[int] = []  # empty lines not yet followed by another line
             for number, raw in _named_errors(path, lines):
                 complete = raw[-1:] == b"\n"
                 if raw.isspace():  # (no copy, unlike strip())
-                    if complete:  # (the exporter never writes one: a line's bytes lost)
-                        self.skip(path, number, "damaged", _EMPTY)
+                    if complete:
+                        blank.append(number)
                     continue
+                for empty in blank:  # (the exporter never writes one: a line's bytes lost)
+                    self.skip(path, empty, "damaged", EMPTY_LINE)
+                blank.clear()
                 try:
                     if self.pause_gc:
                         with paused_gc():
@@ -318,6 +323,12 @@ class LineReader:
                 raw = b""  # hold neither the line nor its document longer than needed
                 yield path, number, doc
                 doc = None
+            if blank and ranges and ranges[-1][1] < _size(path):
+                # (lines a digest stands for follow them: they are in the middle)
+                for empty in blank:
+                    self.skip(path, empty, "damaged", EMPTY_LINE)
+            # empty lines at the end of the file (``echo >> FILE``, an editor) lost no
+            # line: nothing follows them
 
     def skip(self, path: Path, number: int, kind: str, reason: str) -> None:
         if self.strict and kind != "torn":
@@ -346,7 +357,14 @@ class LineReader:
         self.skip(path, number, "damaged", _reason(doc, exc))
 
 
-_EMPTY = ("an empty line, not an OTLP/JSON trace request (JsonlSpanExporter never writes "
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+EMPTY_LINE = ("an empty line, not an OTLP/JSON trace request (JsonlSpanExporter never writes "
           "one: the bytes of a line lost or overwritten)")
 _TORN = "no trailing newline: a write cut short by a crash, or a file still being written"
 _GZ_TORN = ("the file ends inside this compressed line: a write cut short by a crash, "
@@ -842,7 +860,8 @@ def read_spans(
 
     A last line without a trailing newline is a torn write (a crash, or a
     file still being written): it is skipped with a warning, in any mode. A
-    complete line that is not an OTLP/JSON trace request (empty, not JSON, ``null``,
+    complete line that is not an OTLP/JSON trace request (empty with lines after it,
+    not JSON, ``null``,
     a list, wrong types inside) is damaged: with ``strict=True`` (the
     default) it raises ``ValueError`` naming file and line; with
     ``strict=False`` it is skipped and every complete line around it is read.
