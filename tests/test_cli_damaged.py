@@ -348,3 +348,21 @@ def test_an_empty_line_in_the_middle_is_damaged_with_a_digest_too(
     assert run_cli(capsys, "digest", str(tmp_path))[0] == 1  # (a damaged line skipped)
     code, data, err = _check(capsys, tmp_path)
     assert (code, data) == (2, lines_only) and f"ValueError: {path}:4: an empty line" in err
+
+
+def test_diff_names_a_damaged_line_on_each_side(
+    split: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``diff A B``, both with a damaged line: each side's short step is named (B's was
+    not once A's had been located)."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    path_a, line = _damage(split, a, "garbage")
+    path_b, _ = _damage(split, b, "garbage")
+    code, _, err = run_cli(capsys, "diff", str(a), str(b))
+    assert code == 2
+    for label, path in (("A", path_a), ("B", path_b)):
+        assert (f"commspan: {label}: {path}:{line} is damaged: rank 1's collectives of "
+                "step 1 may be missing") in err
+    assert f"B: {path_a}" not in err and f"A: {path_b}" not in err

@@ -64,6 +64,7 @@ class Reader:
         """Where each rank's steps are in the lines read: which a damaged line may have
         held (:meth:`unread`)."""
         self._located: list[Unread] | None = None
+        self._files: set[str] = set()
 
     def read(self, paths: Sequence[str], label: str = "FILES") -> list[SpanRecord]:
         """Every span of ``paths``; an error if none of them is a commspan span."""
@@ -77,6 +78,8 @@ class Reader:
                                          max_line_bytes=self.args.max_line_mib * _MIB,
                                          on_line=self.lines.add))
             self.check_lines(f, used, damaged)
+        self._located = None  # (diff reads B after locating A's damaged lines)
+        self._files = {str(f) for f in files}  # (whose damaged lines select() names)
         if self.report.commspan_spans == ours:
             if len(self.report.damaged) > skipped:
                 raise Damaged
@@ -174,7 +177,7 @@ class Reader:
             self._located = self.lines.locate(self.report.skipped)
         traces = {r.trace_id for r in sel.records}
         return [u for u in self._located
-                if u.run_id == sel.run.run_id and u.trace_id in traces]
+                if u.run_id == sel.run.run_id and u.trace_id in traces and u.path in self._files]
 
     def load(self, paths: Sequence[str]) -> Selection:
         """Read ``paths`` and select with the command's ``--run`` and ``--step(s)``."""
