@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.modules.module as module_globals
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -27,6 +28,7 @@ from commspan.testing.models import MLPModule, parallelize_mlp
 
 __all__ = [
     "IN_DIM",
+    "AllReduceNet",
     "Boom",
     "Holder",
     "attrs",
@@ -113,6 +115,19 @@ def traces_by_step(spans: list[ReadableSpan]) -> dict[int, int]:
         for s in spans
         if s.name == semconv.SPAN_STEP
     }
+
+
+class AllReduceNet(nn.Module):
+    """``Linear(4, 4)`` whose output is all-reduced: one ``all_reduce`` per call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        dist.all_reduce(y)
+        return y
 
 
 class Boom(Exception):

@@ -752,22 +752,12 @@ def test_a_rank_whose_spans_end_early_is_named_with_the_steps_it_leaves_out(
     summary, table and diff say that rank 1's spans end at step 1 and steps 2-3 leave
     it out (the total read as four steps of two ranks, diff's per-step counts as a
     changed program)."""
-    import torch.distributed as dist
+    from _tracing import AllReduceNet
 
     from commspan.capture.ranks import Ranks
     from commspan.session import mode as mode_module
 
     issued = {0: 0, 1: 0}
-
-    class Net(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = torch.nn.Linear(4, 4)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            y = self.lin(x)
-            dist.all_reduce(y)
-            return y
 
     run = tmp_path / "run"
     for rank in (0, 1):
@@ -776,7 +766,7 @@ def test_a_rank_whose_spans_end_early_is_named_with_the_steps_it_leaves_out(
         with mode:
             for step in range(4):
                 with mode.step(step):
-                    Net()(torch.randn(2, 4))
+                    AllReduceNet()(torch.randn(2, 4))
                 mode.flush()
                 if rank == 1 and step == 1:  # what its file will keep
                     kept = (run / "r1.jsonl").stat().st_size

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
+from _tracing import AllReduceNet
 
 from commspan import CommSpanMode, RankSample, semconv
 from commspan.analysis import build_run, check
@@ -76,17 +76,6 @@ def test_bad_values_name_the_argument(value: Any, error: type[Exception], match:
         CommSpanMode(ranks=value)
 
 
-class Net(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = torch.nn.Linear(4, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.lin(x)
-        dist.all_reduce(y)
-        return y
-
-
 def _play(out: Path, world: int, ranks: Any, monkeypatch: pytest.MonkeyPatch,
           dump: bool = False) -> list[Any]:
     """Each rank of ``world`` in turn, 2 steps, its own JSONL file (and, with ``dump``, a
@@ -101,7 +90,7 @@ def _play(out: Path, world: int, ranks: Any, monkeypatch: pytest.MonkeyPatch,
             for step in range(2):
                 with mode.step(step) as on:
                     traced.append(on)
-                    Net()(torch.randn(2, 4))
+                    AllReduceNet()(torch.randn(2, 4))
             if dump:
                 assert mode.dump()
         mode.shutdown()
