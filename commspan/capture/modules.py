@@ -999,9 +999,13 @@ class ModuleTracker(BackwardNesting):
         try:
             for ref in list(self._known_by_ref):
                 module = ref()
-                # (inline: _compiled_in_place)
-                if module is not None and module.__dict__.get(_COMPILED_CALL) is not None:
-                    _IN_PLACE.add(module)  # (returns at once if spanned already)
+                if module is None:
+                    continue
+                # (inline: _compiled_in_place; a module spanned already is passed by,
+                # not handed to _IN_PLACE again under its lock at every step)
+                compiled = module.__dict__.get(_COMPILED_CALL)
+                if compiled is not None and type(compiled) is not _SpannedCall:
+                    _IN_PLACE.add(module)
             for module in list(self._wrappers) if self._wrappers else ():
                 if _compiled_in_place(module):
                     _IN_PLACE.add(module)
