@@ -8,7 +8,14 @@ from typing import Any
 import pytest
 
 from commspan import semconv
-from commspan.analysis.runs import SelectionError, StepRange, format_numbers, list_runs, select
+from commspan.analysis.runs import (
+    SelectionError,
+    StepPruner,
+    StepRange,
+    format_numbers,
+    list_runs,
+    select,
+)
 from commspan.otlpjson.records import SpanRecord
 
 
@@ -84,6 +91,55 @@ def test_steps_are_kept_by_trace() -> None:
         select(records, steps=StepRange(7, 7))
     with pytest.raises(SelectionError, match=r"none of them is in run a"):
         select(records, steps=StepRange(5, 9))
+
+
+def _as_written(records: list[SpanRecord]) -> list[SpanRecord]:
+    """Each trace's spans as an exporter writes them: children (which end first)
+    before the rank span that names the step."""
+    out: list[SpanRecord] = []
+    for i in range(0, len(records), 2):
+        out += [records[i + 1], records[i]]
+    return out
+
+
+def _hang(run: str, rank: int, step: int, t: int) -> SpanRecord:
+    resource = {semconv.RANK: rank, semconv.RUN_ID: run}
+    return SpanRecord(semconv.SPAN_HANG, f"{run}-hang-{rank}-{step}", f"h{rank}{step}", "", t,
+                      t + 1, {semconv.STEP: step}, rank=rank, resource=resource)
+
+
+def test_step_pruner_selects_as_select_does_holding_only_the_steps_wanted() -> None:
+    """StepPruner (spans added one at a time) gives select()'s Selection, field by
+    field, over two runs, other programs' spans, hang records of earlier steps and a
+    rank whose last step has no rank span (cut short); while reading it holds the
+    spans of the steps wanted, not the run's."""
+    old = _as_written(_records("old", range(3), 1000))
+    new = _as_written(_records("new", range(40), 9000))
+    cut = new[-4:-3] + new[-2:]  # step 39: rank 0 never wrote its rank span
+    del new[-4:]
+    other = _as_written(_records(None, range(2), 500))
+    hangs = [_hang("new", 1, 3, 9350), _hang("new", 0, 20, 11050)]
+    records = other + old + new[:20] + hangs[:1] + new[20:] + cut + hangs[1:]
+    for run, steps in ((None, StepRange(5, 6)), (None, StepRange(25, 39)), ("old", StepRange(1, 1)),
+                       (None, StepRange(39, 39)), ("new", StepRange(0, 0))):
+        pruner = StepPruner(steps)
+        most = 0
+        for rec in records:
+            pruner.add(rec)
+            most = max(most, pruner.held)
+            pruner.compact()  # (a reader does at the end of each file: here, the worst case)
+        got, want = pruner.select(run), select(records, run=run, steps=steps)
+        assert got.records == want.records, (run, steps)
+        assert (got.run, got.runs, got.steps, got.note, got.last_traces) == (
+            want.run, want.runs, want.steps, want.note, want.last_traces), (run, steps)
+        # at most the steps wanted, the hangs and one step being read, of 90 traces
+        wanted = 4 * (steps.last - steps.first + 1)
+        assert most <= wanted + len(hangs) + 4 + len(other), (run, steps, most)
+    with pytest.raises(SelectionError, match="not in run new, which has steps 0-39"):
+        pruner = StepPruner(StepRange(50, 50))
+        for rec in records:
+            pruner.add(rec)
+        pruner.select(None)
 
 
 def test_spans_without_run_id_form_one_run() -> None:

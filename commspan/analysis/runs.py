@@ -35,6 +35,7 @@ __all__ = [
     "RunTally",
     "Selection",
     "SelectionError",
+    "StepPruner",
     "StepRange",
     "choose",
     "commspan_runs",
@@ -418,6 +419,89 @@ def select(
         selected = [r for r in kept if r.trace_id in traces]
         kept = selected + _earlier_hangs(kept, selected, trace_steps, kept_steps)
     return Selection(kept, chosen, runs, kept_steps, note, last_traces)
+
+
+class StepPruner:
+    """:func:`select` with ``steps``, one span at a time: holds only the spans that
+    selection may keep (those of the steps wanted, of traces whose step is not known
+    yet, and hang records), not every span of the run. A command showing a few steps
+    of a thousand-rank run then needs memory for those steps, not for the run.
+
+    Add every span read, in order (:meth:`add`), then :meth:`select`: the same
+    :class:`Selection` as ``select(all_spans, run=run, steps=steps)``.
+
+    Example:
+        >>> pruner = StepPruner(StepRange(2, 3))
+        >>> pruner.select(None).records
+        []
+    """
+
+    def __init__(self, steps: StepRange) -> None:
+        self.steps = steps
+        self._tally = RunTally()
+        self._held: list[SpanRecord] = []
+        self._compact_at = 1 << 16
+        # run -> rank -> (start, trace) of its latest-starting span (last_traces_of)
+        self._latest: dict[str, dict[int | None, tuple[int, str]]] = {}
+
+    def add(self, rec: SpanRecord) -> None:
+        """Take one span (spans in the order read)."""
+        run = self._tally.add(rec)
+        latest = self._latest.get(run)
+        if latest is None:
+            latest = self._latest[run] = {}
+        last = latest.get(rec.rank)
+        if last is None or rec.start_time > last[0]:
+            latest[rec.rank] = (rec.start_time, rec.trace_id)
+        step = self._tally._steps.get(rec.trace_id)
+        if step is None or step in self.steps or rec.name == semconv.SPAN_HANG:
+            self._held.append(rec)
+            if len(self._held) >= self._compact_at:
+                self.compact()
+
+    @property
+    def held(self) -> int:
+        """How many spans it holds now."""
+        return len(self._held)
+
+    def compact(self) -> None:
+        """Let go of the spans of traces now known to be of other steps (called as
+        spans are added, and by readers at the end of each file)."""
+        steps, wanted = self._tally._steps, self.steps
+        self._held = [r for r in self._held
+                      if r.name == semconv.SPAN_HANG
+                      or (step := steps.get(r.trace_id)) is None or step in wanted]
+        self._compact_at = max(1 << 16, 2 * len(self._held))
+
+    def select(self, run: str | None) -> Selection:
+        """:func:`select` of every span added, with ``run`` and this pruner's steps.
+
+        Raises:
+            SelectionError: as :func:`select`.
+        """
+        every = tuple(self._tally.runs())
+        runs = commspan_runs(every)
+        if not runs:
+            return Selection([], None, (), ())
+        chosen, kept_steps, note = choose(runs, run, self.steps)
+        note = _others_note(every, runs, note)
+        self.compact()
+        kept = self._held
+        if len(every) > 1:
+            kept = [r for r in kept if _run_of(r) == chosen.run_id]
+            latest = self._latest.get(chosen.run_id, {})
+        else:
+            latest = {}
+            for per_run in self._latest.values():
+                for rank, last in per_run.items():
+                    if rank not in latest or last[0] > latest[rank][0]:
+                        latest[rank] = last
+        last_traces = {rank: trace for rank, (_, trace) in latest.items()}
+        trace_steps = self._tally._steps
+        selected = [r for r in kept
+                    if (step := trace_steps.get(r.trace_id)) is not None and step in self.steps]
+        kept = selected + _earlier_hangs(kept, selected, trace_steps, kept_steps)
+        return Selection(kept, chosen, runs, kept_steps, note, last_traces)
 
 
 def last_traces_of(spans: Iterable[tuple[int | None, int, str]]) -> dict[int | None, str]:

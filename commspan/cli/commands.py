@@ -18,7 +18,14 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar, Union
 
 from commspan import semconv
 from commspan.analysis.records import Unread
-from commspan.analysis.runs import Selection, SelectionError, StepRange, format_numbers, select
+from commspan.analysis.runs import (
+    Selection,
+    SelectionError,
+    StepPruner,
+    StepRange,
+    format_numbers,
+    select,
+)
 from commspan.analysis.unread import LineTally, unread_note
 from commspan.otlpjson.decode import read_spans_in
 from commspan.otlpjson.files import jsonl_files
@@ -66,17 +73,26 @@ class Reader:
         self._located: list[Unread] | None = None
         self._files: set[str] = set()
 
-    def read(self, paths: Sequence[str], label: str = "FILES") -> list[SpanRecord]:
-        """Every span of ``paths``; an error if none of them is a commspan span."""
+    def read(self, paths: Sequence[str], label: str = "FILES",
+             pruner: StepPruner | None = None) -> list[SpanRecord]:
+        """Every span of ``paths``; an error if none of them is a commspan span. With
+        a ``pruner``, the spans go to it instead (it holds those its steps need) and
+        the list returned is empty."""
         files = self.files(paths, label)
         spans, ours, lines = self.report.spans, self.report.commspan_spans, self.report.lines
         skipped = len(self.report.damaged)
         records: list[SpanRecord] = []
         for f in files:  # (one at a time: a file none of whose lines is read is named)
             used, damaged = self.report.lines, len(self.report.skipped)
-            records.extend(read_spans_in([f], strict=False, report=self.report,
-                                         max_line_bytes=self.args.max_line_mib * _MIB,
-                                         on_line=self.lines.add))
+            read = read_spans_in([f], strict=False, report=self.report,
+                                 max_line_bytes=self.args.max_line_mib * _MIB,
+                                 on_line=self.lines.add)
+            if pruner is None:
+                records.extend(read)
+            else:
+                for rec in read:
+                    pruner.add(rec)
+                pruner.compact()
             self.check_lines(f, used, damaged)
         self._located = None  # (diff reads B after locating A's damaged lines)
         self._files = {str(f) for f in files}  # (whose damaged lines select() names)
@@ -180,8 +196,15 @@ class Reader:
                 if u.run_id == sel.run.run_id and u.trace_id in traces and u.path in self._files]
 
     def load(self, paths: Sequence[str]) -> Selection:
-        """Read ``paths`` and select with the command's ``--run`` and ``--step(s)``."""
-        return self.select(self.read(paths), _first(self.args.run), *_steps_of(self.args, 0))
+        """Read ``paths`` and select with the command's ``--run`` and ``--step(s)``;
+        with a step selection, holding only the spans it may keep as it reads
+        (:class:`~commspan.analysis.runs.StepPruner`)."""
+        steps, option = _steps_of(self.args, 0)
+        if steps is None:
+            return self.select(self.read(paths), _first(self.args.run), None, option)
+        pruner = StepPruner(steps)
+        self.read(paths, pruner=pruner)
+        return self._selected(lambda: pruner.select(_first(self.args.run)), option, "")
 
     def load_digested(self, paths: Sequence[str]) -> PartSelection | None:
         """:meth:`load` from the files' digests (docs/jsonl.md, "Digests"), selected
