@@ -344,6 +344,72 @@ def test_a_step_selection_is_read_holding_only_its_steps(
     assert code == 0
     expected = Aggregator.from_records(by_step, rank="all").total_count()
     assert json.loads(out_text)["total"] == expected
+def test_entries_of_a_directory_that_are_no_files_are_left_out(
+    packed_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A FIFO named *.jsonl in a run folder (``mkfifo DIR/rank9.jsonl``) made every
+    reader wait for ever, opening it; a directory, a link looping on itself and one to
+    nothing, so named, are no files either: each is left out with a note naming it,
+    and the rest is read as if they were not there."""
+    run = tmp_path / "run"
+    shutil.copytree(packed_dir, run)
+    commands = [[c, str(run), "--json"] for c in ("summary", "check", "table")]
+    clean = [_cli(capsys, *argv) for argv in commands]  # (ranks 2-3 wrote nothing: noted)
+    odd = {"rank9.jsonl": "a FIFO", "sub.jsonl": "a directory",
+           "loop.jsonl": "a symbolic link to 'loop.jsonl' that loops back on itself",
+           "gone.jsonl.gz": "a symbolic link to 'nowhere', which does not exist"}
+    os.mkfifo(run / "rank9.jsonl")
+    (run / "sub.jsonl").mkdir()
+    (run / "loop.jsonl").symlink_to("loop.jsonl")
+    (run / "gone.jsonl.gz").symlink_to("nowhere")
+    notes: list[str] = []
+    # (before anything opens the FIFO: the old code listed it, and reading it hung)
+    assert sorted(f.name for f in jsonl_files(run, notes=notes)) == sorted(
+        p.name for p in packed_dir.iterdir())
+    for name, what in odd.items():
+        assert f"{run / name} ({what})" in notes[0]
+    for argv, (clean_code, clean_out, clean_err) in zip(commands, clean):
+        code, out, err = _cli(capsys, *argv)
+        assert (code, out) == (clean_code, clean_out)
+        note, rest = err.split("\n", 1)
+        assert rest == clean_err and note.startswith("commspan: not reading ")
+        assert all(f"{run / name} ({what})" in note for name, what in odd.items())
+    # a folder of nothing else: the error names them
+    only = tmp_path / "only"
+    only.mkdir()
+    os.mkfifo(only / "r.jsonl")
+    code, _, err = _cli(capsys, "summary", str(only))
+    assert code == 1 and err == (
+        f"FileNotFoundError: FILES: directory '{only}' holds no *.jsonl or *.jsonl.gz file "
+        f"(not files: {only / 'r.jsonl'} (a FIFO)); pass the directory a JsonlSpanExporter "
+        "wrote to, or its files\n")
+
+
+def test_a_file_named_that_leads_nowhere_or_cannot_be_read_says_so(
+    packed_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A link named as FILE that loops, or leads to nothing, is named as such (not
+    "does not exist", nor a RuntimeError of pathlib); a file this user may not read
+    (root reads any: refused here) says how to fix it, without errno's ``[Errno 13]``."""
+    loop = tmp_path / "loop.jsonl"
+    loop.symlink_to(loop.name)
+    code, _, err = _cli(capsys, "summary", str(loop), str(packed_dir))
+    assert code == 1 and err == (f"FileNotFoundError: FILES: '{loop}' is a symbolic link to "
+                                 "'loop.jsonl' that loops back on itself\n")
+    denied = packed_dir / "commspan-rank1.jsonl.gz"
+    real = Path.open
+
+    def refuse(self: Path, *args: object, **kwargs: object) -> object:
+        if self == denied:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self, *args, **kwargs)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(Path, "open", refuse)
+    code, _, err = _cli(capsys, "check", str(packed_dir), "--no-digest")
+    assert code == 2 and err == (
+        f"PermissionError: {denied} cannot be read (Permission denied); give this user read "
+        "permission on it, or leave it out of FILES\n")
 
 
 @pytest.mark.parametrize("argv", [

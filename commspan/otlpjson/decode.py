@@ -392,8 +392,12 @@ def _named_errors(
     of ``/proc``) naming the file and what to do."""
     try:
         yield from lines
-    except (FileNotFoundError, PermissionError, IsADirectoryError):
+    except (FileNotFoundError, IsADirectoryError):
         raise  # (named by the code that lists the files)
+    except PermissionError as exc:
+        raise PermissionError(
+            f"{path} cannot be read ({exc.strerror or exc}); give this user read "
+            "permission on it, or leave it out of FILES") from None
     except OSError as exc:
         raise OSError(
             exc.errno, f"{path} cannot be read ({exc.strerror or exc}): a failing disk, a "

@@ -2,10 +2,13 @@
 
 Every reader (``Aggregator.from_jsonl``, the analyses, the views and the
 ``commspan`` command) turns the paths it is given into JSONL files with
-:func:`jsonl_files`: a file is read as given; a directory stands for the
-``*.jsonl`` and ``*.jsonl.gz`` files directly inside it (compressed ones are
-read as such, whatever their name), sorted by name; a directory without any
-is an error, as is a path that does not exist. No file is read twice: not one
+:func:`jsonl_files`: a file is read as given (a pipe too); a directory stands
+for the ``*.jsonl`` and ``*.jsonl.gz`` files directly inside it (compressed ones
+are read as such, whatever their name), sorted by name: its entries so named
+that are no regular file (a FIFO, whose opening would wait for a writer for
+ever; a directory, a socket, a link that leads nowhere or loops) are left out
+with a note naming each; a directory without any file is an error, as is a path
+that does not exist. No file is read twice: not one
 named twice, nor a decompressed copy beside its ``.jsonl.gz``.
 
 Example:
@@ -18,6 +21,7 @@ Example:
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import stat
@@ -47,7 +51,8 @@ def jsonl_files(
     notes: list[str] | None = None,
 ) -> list[Path]:
     """The JSONL files ``paths`` name: files as given, directories' ``*.jsonl`` and
-    ``*.jsonl.gz`` sorted; none twice.
+    ``*.jsonl.gz`` regular files sorted (other entries so named left out, a note
+    naming them); none twice.
 
     A file named twice is read once; of an ``X.jsonl`` and an ``X.jsonl.gz``
     whose lines are one the start of the other's (a ``gunzip -k`` or
@@ -57,15 +62,16 @@ def jsonl_files(
     Args:
         paths: a path, or paths, of files or directories.
         param: the argument's name in error messages (``FILES`` for the command).
-        notes: where the note about a skipped copy goes (logged if ``None``).
+        notes: where the notes about a skipped copy or entry go (logged if ``None``).
 
     Returns:
         The files, in the order given (a directory's sorted by name); empty
         only when ``paths`` is.
 
     Raises:
-        FileNotFoundError: a path does not exist.
-        NoJsonlFilesError: a directory holds no ``*.jsonl`` or ``*.jsonl.gz`` file.
+        FileNotFoundError: a path does not exist (or is a link that leads nowhere).
+        NoJsonlFilesError: a directory holds no ``*.jsonl`` or ``*.jsonl.gz`` regular
+            file.
         PermissionError: a directory cannot be listed.
         TypeError: ``paths``, or one of them, is not a path (``str`` or ``Path``).
     """
@@ -90,20 +96,80 @@ def jsonl_files(
                     f"{param}: directory {os.fspath(p)!r} cannot be listed ({exc.strerror}); "
                     "give this user read and execute permission on it, or pass its files"
                 ) from None
-            found = sorted(path / n for n in names
-                           if (n.endswith(".jsonl") or n.endswith(".jsonl.gz"))
-                           and not (path / n).is_dir())
+            found: list[Path] = []
+            passed: list[str] = []  # entries named *.jsonl that are no file to read
+            for name in sorted(names):
+                if name.endswith(".jsonl") or name.endswith(".jsonl.gz"):
+                    entry = path / name
+                    what = _not_a_file(entry)
+                    if what is None:
+                        found.append(entry)
+                    else:
+                        passed.append(f"{os.fspath(entry)} ({what})")
             if not found:
+                but = f" (not files: {'; '.join(passed)})" if passed else ""
                 raise NoJsonlFilesError(
                     f"{param}: directory {os.fspath(p)!r} holds no *.jsonl or *.jsonl.gz "
-                    "file; pass the directory a JsonlSpanExporter wrote to, or its files"
+                    f"file{but}; pass the directory a JsonlSpanExporter wrote to, or its "
+                    "files"
                 )
+            if passed:
+                _note(notes, f"commspan: not reading {'; '.join(passed)}: not a regular "
+                      "file (a directory stands for the files in it; a pipe is read when "
+                      "named itself)")
             out.extend(found)
         elif path.exists():
             out.append(path)
+        elif path.is_symlink():
+            raise FileNotFoundError(f"{param}: {os.fspath(p)!r} is {_broken_link(path)}")
         else:
             raise FileNotFoundError(f"{param}: {os.fspath(p)!r} does not exist")
     return _without_copies(out, notes)
+
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+          (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"))
+
+
+def _not_a_file(entry: Path) -> str | None:
+    """What a directory's entry named ``*.jsonl`` is when it is not a regular file
+    (``"a FIFO"``: opening one blocks until something writes to it), else ``None``.
+    A directory stands for the files it holds: only those are read."""
+    try:
+        mode = os.stat(entry).st_mode
+    except OSError as exc:
+        if entry.is_symlink():
+            return _broken_link(entry)
+        return f"cannot be looked at: {exc.strerror or exc}"
+    if stat.S_ISREG(mode):
+        return None
+    what = next((word for test, word in _KINDS if test(mode)), "not a regular file")
+    return f"{what} (a symbolic link to it)" if entry.is_symlink() else what
+
+
+def _broken_link(link: Path) -> str:
+    """``"a symbolic link to 'x', which does not exist"``: what a link that leads to
+    no file is."""
+    try:
+        target = os.readlink(link)
+    except OSError:
+        return "a symbolic link that leads to no file"
+    try:
+        os.stat(link)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return f"a symbolic link to {target!r} that loops back on itself"
+        if exc.errno != errno.ENOENT:
+            return f"a symbolic link to {target!r}, which cannot be read ({exc.strerror})"
+    return f"a symbolic link to {target!r}, which does not exist"
+
+
+def _note(notes: list[str] | None, text: str) -> None:
+    if notes is not None:
+        notes.append(text)
+    else:
+        _log.warning("%s", text)
 
 
 def _without_copies(files: list[Path], notes: list[str] | None) -> list[Path]:
@@ -122,7 +188,7 @@ def _without_copies(files: list[Path], notes: list[str] | None) -> list[Path]:
             if stat.S_ISREG(st.st_mode):
                 regular.add(f)
         except OSError:  # unreadable: the reader says so
-            key = f.resolve()
+            key = f.absolute()
         if key not in seen:
             seen.add(key)
             unique.append(f)
@@ -151,10 +217,7 @@ def _without_copies(files: list[Path], notes: list[str] | None) -> list[Path]:
                 + ("each holds" if len(skipped) > 1 else "it holds")
                 + " only lines another file holds too (a copy, or a gunzip -k / gzip -k "
                 "twin), which is read instead")
-        if notes is not None:
-            notes.append(note)
-        else:
-            _log.warning("%s", note)
+        _note(notes, note)
     return out
 
 
