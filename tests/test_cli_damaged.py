@@ -138,7 +138,8 @@ def _assert_unread(data: dict[str, Any], path: Path, line: int, steps: list[int]
     assert len(unread) == 1, data["findings"]
     (finding,) = unread
     assert finding["ranks"] == {str(DAMAGED_RANK): {
-        "op": None, "fqn": None, "phase": None, "seq": None, "state": "unread"}}
+        "op": None, "fqn": None, "phase": None, "seq": None, "state": "unread",
+        "steps": steps}}
     assert (finding["step"], finding["steps"]) == (steps[0], steps)
     assert (finding["file"], finding["line"]) == (str(path), line)
     assert finding["reason"] and finding["group"] is None
@@ -366,3 +367,128 @@ def test_diff_names_a_damaged_line_on_each_side(
         assert (f"commspan: {label}: {path}:{line} is damaged: rank 1's collectives of "
                 "step 1 may be missing") in err
     assert f"B: {path_a}" not in err and f"A: {path_b}" not in err
+
+
+def _owned_lines(src: Path) -> list[tuple[int, bytes]]:
+    """``(rank, line)`` of every line of the rank files of ``src``, each file's in order."""
+    return [(rank, raw) for rank in range(4)
+            for raw in (src / f"commspan-rank{rank}.jsonl").read_bytes().splitlines()]
+
+
+def _ranks_of(raw: bytes) -> set[int]:
+    """The ranks whose spans a line holds (its resources' ``commspan.rank``)."""
+    doc = orjson.loads(raw)
+    return {int(_attr({"attributes": rs["resource"]["attributes"]}, "commspan.rank"))
+            for rs in doc["resourceSpans"]}
+
+
+def _step_of_line(raw: bytes, trace_steps: dict[str, int]) -> set[int]:
+    return {trace_steps[s["traceId"]] for s in _spans(raw) if s["traceId"] in trace_steps}
+
+
+def _trace_steps(lines: list[bytes]) -> dict[str, int]:
+    """trace id -> step, from the rank spans of ``lines``."""
+    return {s["traceId"]: int(_attr(s, "commspan.step")) for raw in lines for s in _spans(raw)
+            if s["name"] == "commspan.rank"}
+
+
+def _one_file(out: Path, lines: list[bytes]) -> Path:
+    out.mkdir()
+    path = out / "all.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    return path
+
+
+def _multi_check(capsys: pytest.CaptureFixture[str], tmp_path: Path, lines: list[bytes],
+                 damaged: int) -> tuple[dict[str, Any], dict[str, Any], Path, str]:
+    """``check`` of ``lines`` in one file, whole (the reference) and with line
+    ``damaged`` (from 1) garbled: (reference, damaged run's output, path, stderr)."""
+    code, reference, _ = _check(capsys, _one_file(tmp_path / "whole", lines).parent)
+    assert code == 1
+    bad = list(lines)
+    bad[damaged - 1] = DAMAGE["garbage"](bad[damaged - 1] + b"\n").rstrip(b"\n")
+    path = _one_file(tmp_path / "damaged", bad)
+    code, data, err = _check(capsys, path.parent)
+    assert code == 2
+    return reference, data, path, err
+
+
+def _unread_of(data: dict[str, Any]) -> dict[str, Any]:
+    (finding,) = [f for f in data["findings"] if f["kind"] == "unread"]
+    return finding
+
+
+def test_a_file_of_several_ranks_interleaved_credits_the_rank_that_wrote_the_line(
+    split: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One file holding every rank's lines, in turn (one exporter writing for several
+    ranks): a damaged line of rank 1's step 1 lies between a line of rank 0 and one of
+    rank 2. Rank 1 alone is unread in step 1 (the others' rank spans of step 1 count
+    every collective read); it was credited to rank 0, the line before, and rank 1's
+    step 1 compared short: a mismatch blaming rank 1."""
+    owned = _owned_lines(split)
+    per_rank = [[raw for r, raw in owned if r == rank] for rank in range(4)]
+    lines: list[bytes] = []
+    for row in range(max(map(len, per_rank))):
+        lines.extend(raws[row] for raws in per_rank if row < len(raws))
+    steps = _trace_steps(lines)
+    damaged = next(i for i, raw in enumerate(lines, 1) if _ranks_of(raw) == {DAMAGED_RANK}
+                   and _step_of_line(raw, steps) == {DAMAGED_STEP}
+                   and any(_has_collective(s) for s in _spans(raw)))
+    assert (_ranks_of(lines[damaged - 2]), _ranks_of(lines[damaged])) == ({0}, {2})
+    reference, data, path, _ = _multi_check(capsys, tmp_path, lines, damaged)
+    assert _others(data) == _others(reference)
+    finding = _unread_of(data)
+    assert (finding["file"], finding["line"], finding["steps"]) == (str(path), damaged, [1])
+    assert list(finding["ranks"]) == [str(DAMAGED_RANK)]
+
+
+def test_a_damaged_line_where_one_rank_s_lines_end_and_the_next_begin(
+    batched: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The ranks' files concatenated (a step per line): rank 1's first line, holding
+    all of its step 0, damaged. Rank 1 is unread in step 0 (it was credited to rank 0,
+    whose lines all lie before it, and rank 1 reported missing from step 0)."""
+    owned = _owned_lines(batched)
+    lines = [raw for _, raw in owned]
+    damaged = next(i for i, (r, _) in enumerate(owned, 1) if r == DAMAGED_RANK)
+    assert _step_of_line(lines[damaged - 1], _trace_steps(lines)) == {0}
+    reference, data, path, _ = _multi_check(capsys, tmp_path, lines, damaged)
+    assert _others(data) == _others(reference)
+    finding = _unread_of(data)
+    assert (finding["file"], finding["line"], finding["steps"]) == (str(path), damaged, [0])
+    assert list(finding["ranks"]) == [str(DAMAGED_RANK)]
+
+
+def test_a_damaged_line_holding_several_ranks_names_each(
+    batched: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One exporter writing ranks 0 and 1 in one line per step, ranks 2 and 3 in
+    another: the line of ranks 0 and 1's step 1 damaged. Both are unread in step 1, in
+    one finding; ranks 2 and 3 are compared there (the rest as undamaged); the other
+    commands name both ranks' short counts."""
+    per_rank = {rank: (batched / f"commspan-rank{rank}.jsonl").read_bytes().splitlines()
+                for rank in range(4)}
+    lines = []
+    for row in range(4):  # (a line per step of each rank: steps 0-3)
+        for pair in ((0, 1), (2, 3)):
+            docs = [orjson.loads(per_rank[r][row]) for r in pair]
+            lines.append(orjson.dumps({"resourceSpans": [
+                rs for doc in docs for rs in doc["resourceSpans"]]}))
+    steps = _trace_steps(lines)
+    damaged = next(i for i, raw in enumerate(lines, 1) if _ranks_of(raw) == {0, 1}
+                   and _step_of_line(raw, steps) == {DAMAGED_STEP})
+    reference, data, path, _ = _multi_check(capsys, tmp_path, lines, damaged)
+    assert _others(data) == _others(reference)
+    finding = _unread_of(data)
+    assert (finding["file"], finding["line"], finding["steps"]) == (str(path), damaged, [1])
+    assert finding["ranks"] == {str(r): {"op": None, "fqn": None, "phase": None, "seq": None,
+                                         "state": "unread", "steps": [1]} for r in (0, 1)}
+    assert finding["message"].startswith(f"ranks 0, 1, step 1: not compared: {path}:{damaged}")
+    assert "collectives of ranks 0, 1 there (the file holds lines of several ranks)" \
+        in finding["message"]
+    assert data["checked"]["unread"] == 2
+    code, _, err = run_cli(capsys, "summary", str(path), "--rank", "all")
+    assert code == 1 and (f"commspan: {path}:{damaged} is damaged: collectives of rank 0 in "
+                          "step 1 and of rank 1 in step 1 may be missing from what follows "
+                          "(counts of those ranks there may be short)") in err

@@ -324,32 +324,47 @@ def untraced_findings(run: Run) -> list[Finding]:
 def unread_findings(run: Run) -> list[Finding]:
     """One finding per damaged line that may have held collectives of a rank
     (:attr:`Run.unread`): the steps it may have held, not compared for that rank (the
-    other ranks of those steps are, with each other), and why the line was not read."""
+    other ranks of those steps are, with each other), and why the line was not read.
+    A line of a file holding several ranks' lines may have been any of theirs: the
+    finding names each rank it may have held collectives of, with its steps."""
     by_line: dict[tuple[str, int], list[Any]] = defaultdict(list)
     for u in run.unread.values():
         by_line[(u.path, u.line)].append(u)
     order = {t: i for i, t in enumerate(run.traces())}
     findings = []
     for (path, line), items in by_line.items():
-        items.sort(key=lambda u: order.get(u.trace_id, -1))
+        items.sort(key=lambda u: (order.get(u.trace_id, -1), u.rank))
         first = items[0]
-        steps = [u.step for u in items]
-        numbered = [s for s in steps if s is not None]
-        what = ", ".join(
-            ([_step_words(numbered[0]) if len(numbered) == 1 else f"steps {_list(numbered)}"]
-             if numbered else [])
-            + (["work outside steps"] if len(numbered) < len(steps) else []))
+        per_rank: dict[int, list[int | None]] = defaultdict(list)
+        for u in items:
+            per_rank[u.rank].append(u.step)
+        alike: dict[tuple[int | None, ...], list[int]] = defaultdict(list)
+        for r in sorted(per_rank):
+            alike[tuple(per_rank[r])].append(r)
+        who = sorted(per_rank)
+        several = " (the file holds lines of several ranks)" if len(who) > 1 else ""
         message = (
-            f"rank {first.rank}, {what}: not compared: {path}:{line} is damaged "
-            f"({first.reason}); it may have held collectives of rank {first.rank} there, "
-            "which are unknown (the other ranks were compared with each other)")
-        ranks = {first.rank: {"op": None, "fqn": None, "phase": None, "seq": None,
-                              "state": "unread"}}
+            f"{'; '.join(f'{_who(rs)}, {_unread_steps(list(st))}' for st, rs in alike.items())}"
+            f": not compared: {path}:{line} is damaged ({first.reason}); it may have held "
+            f"collectives of {_who(who)} there{several}, which are unknown (the other ranks "
+            "were compared with each other)")
+        ranks = {r: {"op": None, "fqn": None, "phase": None, "seq": None,
+                     "state": "unread", "steps": per_rank[r]} for r in who}
+        steps = list(dict.fromkeys(u.step for u in items))
         findings.append(Finding(
             KIND_UNREAD, None, None, first.step, ranks, message,
             {"steps": steps, "file": path, "line": line, "reason": first.reason,
              "trace_id": first.trace_id}))
     return findings
+
+
+def _unread_steps(steps: Sequence[int | None]) -> str:
+    """``"steps 1, 2, work outside steps"``: the steps of an ``unread`` finding."""
+    numbered = [s for s in steps if s is not None]
+    return ", ".join(
+        ([_step_words(numbered[0]) if len(numbered) == 1 else f"steps {_list(numbered)}"]
+         if numbered else [])
+        + (["work outside steps"] if len(numbered) < len(steps) else []))
 
 
 # ------------------------------------------------------------------ missing ranks

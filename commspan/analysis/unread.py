@@ -10,7 +10,11 @@ had issued less.
 :class:`LineTally` is fed every line read (file, line number, its span records)
 and :meth:`LineTally.locate` places each damaged line among its file's other lines:
 
-- the line's rank and run are those of the lines read nearest it in its file;
+- the line's rank and run are those of the lines read nearest it in its file
+  (the line before it and the line after); of a file holding several ranks'
+  lines (one exporter writing for several ranks, files concatenated), every rank
+  with lines both before and after it may have written it too: each of those is
+  a rank the line may have held collectives of, the steps below found for each;
 - a trace of that run is *closed before* the line when the rank's rank span of
   it (``commspan.rank``: it ends after every other span of the rank in the step)
   is in an earlier line of the file: the trace's spans were written before; it is
@@ -37,9 +41,10 @@ Example:
 
 from __future__ import annotations
 
+import bisect
 import os
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 from commspan import semconv
@@ -58,8 +63,11 @@ class LineTally:
     Holds a few numbers per line and per (rank, trace), never a span record."""
 
     def __init__(self) -> None:
-        # path -> (line number, rank, run) of each line read holding a ranked span
-        self._lines: dict[str, list[tuple[int, int, str]]] = {}
+        # path -> (line number, its (rank, run) pairs) of each line read holding a
+        # ranked span
+        self._lines: dict[str, list[tuple[int, tuple[tuple[int, str], ...]]]] = {}
+        # path -> (rank, run) -> [first, last] line numbers holding its spans there
+        self._extent: dict[str, dict[tuple[int, str], list[int]]] = {}
         # (path, rank, trace) -> line numbers of the rank spans of it there
         self._closed: dict[tuple[str, int, str], list[int]] = {}
         self._events: Counter[tuple[int, str]] = Counter()
@@ -73,7 +81,7 @@ class LineTally:
             records: Sequence[SpanRecord]) -> None:
         """What line ``number`` of ``path`` holds (``read_spans_in``'s ``on_line``)."""
         key = os.fspath(path)
-        first: tuple[int, str] | None = None
+        pairs: dict[tuple[int, str], None] = {}  # (an ordered set)
         for rec in records:
             rank = record_rank(rec)
             trace = rec.trace_id
@@ -85,8 +93,7 @@ class LineTally:
             self._runs.setdefault(trace, run)
             if rank is None or rec.name == semconv.SPAN_STEP:
                 continue  # (the step root says nothing of the rank that wrote it)
-            if first is None:
-                first = (rank, run)
+            pairs[(rank, run)] = None
             self._presence.setdefault(trace, set()).add(rank)
             start = self._start.get(trace)
             if start is None or rec.start_time < start:
@@ -102,8 +109,15 @@ class LineTally:
                             if k.startswith(semconv.COUNT_PREFIX) and k.endswith(_TOTAL_SUFFIX)
                             and type(v) is int)
                 self._totals[(rank, trace)] = self._totals.get((rank, trace), 0) + total
-        if first is not None:
-            self._lines.setdefault(key, []).append((number, *first))
+        if pairs:
+            self._lines.setdefault(key, []).append((number, tuple(pairs)))
+            extent = self._extent.setdefault(key, {})
+            for pair in pairs:
+                seen = extent.get(pair)
+                if seen is None:
+                    extent[pair] = [number, number]
+                else:
+                    seen[1] = number
 
     def locate(self, damaged: Iterable[SkippedLine]) -> list[Unread]:
         """The steps of a rank each damaged line may have held collectives of (see the
@@ -114,47 +128,59 @@ class LineTally:
         for skipped in damaged:
             if skipped.kind == "torn":
                 continue
-            near = self._near(skipped.path, skipped.line)
-            if near is None:
-                continue  # nothing of the file was read: no rank to name
-            rank, run = near
-            order = orders.get(run)
-            if order is None:
-                order = orders[run] = self._order(run)
-            closed_after = False
-            for trace in order:
-                lines = self._closed.get((skipped.path, rank, trace), ())
-                key = (rank, trace)
-                whole = key in self._totals and self._totals[key] == self._events[key]
-                before = any(n < skipped.line for n in lines)
-                if before and any(n > skipped.line for n in lines):
-                    # a step number used again (its trace ended before the line and
-                    # again after it): the run's order of traces is not the file's
-                    # here, it neither closes nor ends the stretch the line lies in
-                    if not whole:
-                        out.append(Unread(rank, trace, self._steps.get(trace),
-                                          skipped.path, skipped.line, skipped.reason, run))
-                    continue
-                if before:
-                    continue  # written whole before the damaged line
-                if closed_after:
-                    break  # the rank was still in an earlier trace after the line
-                closed_after = any(n > skipped.line for n in lines)
-                if whole:
-                    continue  # every collective its rank span counts was read
-                out.append(Unread(rank, trace, self._steps.get(trace), skipped.path,
-                                  skipped.line, skipped.reason, run))
+            # (nothing of the file read: no rank to name)
+            for rank, run in self._writers(skipped.path, skipped.line):
+                order = orders.get(run)
+                if order is None:
+                    order = orders[run] = self._order(run)
+                out.extend(self._unread(skipped, rank, run, order))
         return out
 
-    def _near(self, path: str, number: int) -> tuple[int, str] | None:
-        """``(rank, run)`` of the line read nearest line ``number`` of ``path`` (the one
-        before it, else the one after)."""
+    def _unread(self, skipped: SkippedLine, rank: int, run: str,
+                order: Sequence[str]) -> Iterator[Unread]:
+        """The traces of ``rank`` (of ``run``, in the ``order`` the run went through
+        them) that the damaged line may have held collectives of, were it the rank's."""
+        closed_after = False
+        for trace in order:
+            lines = self._closed.get((skipped.path, rank, trace), ())
+            key = (rank, trace)
+            whole = key in self._totals and self._totals[key] == self._events[key]
+            before = any(n < skipped.line for n in lines)
+            if before and any(n > skipped.line for n in lines):
+                # a step number used again (its trace ended before the line and
+                # again after it): the run's order of traces is not the file's
+                # here, it neither closes nor ends the stretch the line lies in
+                if not whole:
+                    yield Unread(rank, trace, self._steps.get(trace), skipped.path,
+                                 skipped.line, skipped.reason, run)
+                continue
+            if before:
+                continue  # written whole before the damaged line
+            if closed_after:
+                break  # the rank was still in an earlier trace after the line
+            closed_after = any(n > skipped.line for n in lines)
+            if whole:
+                continue  # every collective its rank span counts was read
+            yield Unread(rank, trace, self._steps.get(trace), skipped.path, skipped.line,
+                         skipped.reason, run)
+
+    def _writers(self, path: str, number: int) -> list[tuple[int, str]]:
+        """``(rank, run)`` of every rank that may have written line ``number`` of
+        ``path``: those of the lines read nearest it (the one before, the one after),
+        and each with lines of its both before and after it (a file holding several
+        ranks' lines); in the order their lines first appear. Empty when nothing of
+        the file was read."""
         lines = self._lines.get(path)
         if not lines:
-            return None
-        before = [line for line in lines if line[0] < number]
-        _, rank, run = before[-1] if before else lines[0]
-        return rank, run
+            return []
+        at = bisect.bisect_left(lines, number, key=lambda line: line[0])
+        found: dict[tuple[int, str], None] = {}
+        for near in lines[max(0, at - 1):at + 1]:
+            found.update(dict.fromkeys(near[1]))
+        for pair, (first, last) in self._extent[path].items():
+            if first < number < last:
+                found[pair] = None
+        return sorted(found, key=lambda pair: self._extent[path][pair][0])
 
     def _order(self, run: str) -> list[str]:
         """The traces of ``run`` in the order the run went through them
@@ -166,17 +192,26 @@ class LineTally:
 
 
 def unread_note(unread: Sequence[Unread], label: str = "") -> list[str]:
-    """stderr lines for the commands that count: per damaged line, the rank and steps
+    """stderr lines for the commands that count: per damaged line, the ranks and steps
     whose counts may be short (``label``: ``"A: "`` of ``diff``)."""
     by_line: dict[tuple[str, int], list[Unread]] = {}
     for u in unread:
         by_line.setdefault((u.path, u.line), []).append(u)
     out = []
     for (path, line), items in by_line.items():
-        steps = _steps_words([u.step for u in items])
-        out.append(f"commspan: {label}{Path(path)}:{line} is damaged: rank {items[0].rank}'s "
-                   f"collectives of {steps} may be missing from what follows (counts of "
-                   "that rank there may be short)")
+        per_rank: dict[int, list[int | None]] = {}
+        for u in items:
+            per_rank.setdefault(u.rank, []).append(u.step)
+        if len(per_rank) == 1:
+            ((rank, steps),) = per_rank.items()
+            whose = f"rank {rank}'s collectives of {_steps_words(steps)}"
+            who = "that rank"
+        else:  # (a file of several ranks' lines: any of them may have written it)
+            whose = "collectives " + " and ".join(
+                f"of rank {rank} in {_steps_words(steps)}" for rank, steps in per_rank.items())
+            who = "those ranks"
+        out.append(f"commspan: {label}{Path(path)}:{line} is damaged: {whose} may be missing "
+                   f"from what follows (counts of {who} there may be short)")
     return out
 
 

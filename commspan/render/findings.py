@@ -105,6 +105,9 @@ def _rank_line(rank: int, entry: Mapping[str, Any]) -> str:
                      if value.get("fqn") is not None else "")
             step = f" (step {value['step']})" if value.get("step") is not None else ""
             bits.append(f"error: {value.get('message')}{where}{step}")
+        elif key == "steps" and isinstance(value, list):  # (an unread rank's)
+            words = ["outside steps" if v is None else str(v) for v in value]
+            bits.append(f"step{'s' if len(words) > 1 else ''} {', '.join(words)}")
         elif key == "shape" and isinstance(value, list):
             bits.append(f"shape [{', '.join(map(str, value))}]")
         else:
