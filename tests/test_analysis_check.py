@@ -2011,6 +2011,106 @@ def test_a_hang_names_the_error_a_rank_left_an_earlier_step_on(
             result), name
 
 
+def _one_span_per_line(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """Rewrite ``path`` one span per line (an export queue sending small batches), its
+    spans' order kept; ``(name, attributes)`` of each line's span."""
+    out, spans = [], []
+    for raw in path.read_bytes().splitlines():
+        for rs in json.loads(raw)["resourceSpans"]:
+            for ss in rs["scopeSpans"]:
+                for span in ss["spans"]:
+                    out.append(json.dumps({"resourceSpans": [
+                        {**rs, "scopeSpans": [{**ss, "spans": [span]}]}]}).encode())
+                    spans.append((span["name"], {a["key"]: next(iter(a["value"].values()))
+                                                 for a in span.get("attributes", [])}))
+    path.write_bytes(b"\n".join(out) + b"\n")
+    return spans
+
+
+@pytest.mark.parametrize("lost", ["hang record", "collective"])
+def test_a_hang_does_not_blame_a_rank_whose_record_of_it_a_damaged_line_may_hold(
+        tmp_path: Path, fake_pg: None, lost: str) -> None:
+    """Ranks 0, 2, 3 wait in step 2's `Net.b` all_reduce (seq 6). Rank 1 waits there too
+    (its hang record says so), or died before it, after `Net.a`'s all_reduce (seq 5).
+    Rank 1's line holding its hang record, or `Net.a`'s span of step 2, is damaged:
+    the finding said rank 1 never issued it ("wrote no record of it and no hang
+    record", its last op the one before), blaming it, while the `unread` finding
+    said the line may have held its collectives of step 2. Rank 1's state is now
+    `unread`, naming the line: whether it issued it is unknown."""
+    rank1 = "hang_b" if lost == "hang record" else "die_b"
+    run = _erring_run(tmp_path / "run", {0: {2: "hang_b"}, 1: {2: rank1}, 2: {2: "hang_b"},
+                                         3: {2: "hang_b"}})
+    path = run / "commspan-rank1.jsonl"
+    spans = _one_span_per_line(path)
+    for f in run.glob("*.jsonl"):
+        if f != path:
+            _one_span_per_line(f)
+    (reference,) = [f for f in check_run(run).findings if f.kind == KIND_HANG]
+    assert reference.seq == 6 and reference.details["never_issued"] == (
+        [] if lost == "hang record" else [1])
+    if lost == "hang record":
+        line = next(i for i, (name, _) in enumerate(spans, 1) if name == semconv.SPAN_HANG)
+    else:
+        # (step 2's: the last, the rank died in step 2's `Net.b`)
+        line = max(i for i, (name, _) in enumerate(spans, 1) if name == "Net.a forward")
+    lines = path.read_bytes().splitlines(keepends=True)
+    lines[line - 1] = b"\x00 garbage\n"
+    path.write_bytes(b"".join(lines))
+    result = check_run(run, strict=False)
+    (hang,) = [f for f in result.findings if f.kind == KIND_HANG]
+    (unread,) = [f for f in result.findings if f.kind == "unread"]
+    assert (unread.details["line"], unread.details["steps"], list(unread.ranks)) == (
+        line, [2], [1])
+    assert (hang.seq, hang.step) == (6, 2)
+    assert (hang.details["never_issued"], hang.details["wrote_nothing"],
+            hang.details["unread"]) == ([], [], [1])
+    assert hang.ranks[1]["state"] == "unread"
+    assert hang.ranks[1]["damaged"] == f"{path}:{line}"
+    assert (f"rank 1 may have issued it: {path}:{line} is damaged and may have held its "
+            "records of step 2, so whether it did is unknown") in hang.message
+    assert "never issued" not in hang.message and "no hang record" not in hang.message
+    assert {r: e["state"] for r, e in hang.ranks.items() if r != 1} == {
+        r: e["state"] for r, e in reference.ranks.items() if r != 1}
+
+
+def test_a_p2p_hang_does_not_blame_a_peer_whose_record_of_it_a_damaged_line_may_hold(
+) -> None:
+    """Rank 0 sends to rank 1 once a step and waits in step 2's send #3 (its hang
+    record); rank 1 wrote no record of the matching receive, but a damaged line of its
+    file may have held its collectives of step 2 (:attr:`Run.unread`, as the lines
+    around it say: :mod:`commspan.analysis.unread`). Not "never issued the matching
+    recv": whether it did is unknown; a damaged line of step 0 only (before its
+    receive #2) changes nothing."""
+    from commspan.analysis.records import Unread
+
+    b = SpanBuilder(world=2, schema=3)
+    for step in range(3):
+        for r in range(2):
+            s = b.rank(r, step, finished=step < 2)
+            if step < 2:
+                s.coll("send" if r == 0 else "recv", fqn="Net.stage", kind=semconv.KIND_P2P,
+                       peer=1 - r, ranks=range(2))
+    b.hang(0, 2, stack=[("Net", "forward"), ("Net.stage", "forward")], collectives=[
+        b.event_attrs("send", fqn="Net.stage", phase="forward", group=WORLD_GROUP,
+                      ranks=range(2), seq=None, p2p_seq=3, kind=semconv.KIND_P2P,
+                      peer=1, state=semconv.STATE_ISSUED)])
+    run = build_run(b.spans())
+    trace = {s: t for t, s in run.trace_steps.items()}
+    (before,) = [f for f in check(run).findings if f.kind == KIND_HANG]
+    assert before.details["never_issued"] == [1] and before.ranks[1]["state"] == "not issued"
+    run.unread = {(1, trace[0]): Unread(1, trace[0], 0, "r1.jsonl", 3, "not JSON", "run")}
+    (same,) = [f for f in check(run).findings if f.kind == KIND_HANG]
+    assert same.message == before.message and same.details["unread"] == []
+    run.unread[(1, trace[2])] = Unread(1, trace[2], 2, "r1.jsonl", 9, "not JSON", "run")
+    (f,) = [f for f in check(run).findings if f.kind == KIND_HANG]
+    assert (f.details["never_issued"], f.details["wrote_nothing"], f.details["unread"]) == (
+        [], [], [1])
+    assert f.ranks[1]["state"] == "unread" and f.ranks[1]["damaged"] == "r1.jsonl:9"
+    assert ("rank 1 may have issued the matching recv: r1.jsonl:9 is damaged and may have "
+            "held its records of step 2, so whether it did is unknown") in f.message
+    assert "never issued" not in f.message
+
+
 def test_a_p2p_hang_names_the_error_the_peer_left_an_earlier_step_on() -> None:
     """Rank 0 sends to rank 1 once a step (their numbers per peer: #1 in step 0, ...).
     Rank 1's step 1 ended on an error raised in `Net.stage` forward before its receive,

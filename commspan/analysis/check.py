@@ -28,7 +28,8 @@ Three questions, one function each, all over a :class:`~commspan.analysis.record
 - :func:`unread_findings`: steps of a rank that a damaged line of its file may
   have held collectives of (:attr:`Run.unread`); that rank is left out of their
   comparisons (its collectives there are unknown, not different) and of the
-  missing ranks.
+  missing ranks, and a hang finding does not say it never issued an op its
+  record of which such a step may have held (state ``unread``).
 
 A step that a hang interrupted (a hang record, and a rank without its rank
 span) is left to :func:`hang_findings`: its spans are incomplete by nature.
@@ -59,6 +60,7 @@ from commspan.analysis.records import (
     RankStep,
     Run,
     RunPaths,
+    Unread,
     differing_fields,
     field_value,
     load_run,
@@ -102,6 +104,7 @@ some of them (:mod:`commspan.analysis.unread`); the step was compared without th
 
 _NOT_ISSUED = "not issued"
 _NO_RECORD = "no record"  # a rank that wrote nothing at all: whether it issued it is unknown
+_UNREAD = "unread"  # a damaged line may have held the rank's record of it: unknown too
 
 
 @dataclass(frozen=True)
@@ -1148,6 +1151,7 @@ def _p2p_hang_finding(
     never: list[int] = []
     nothing: list[int] = []  # (the peer) wrote nothing at all
     untraced: list[int] = []
+    unread: list[int] = []  # (the peer) its record of it may be in a damaged line
     root = True
     if match is not None:
         peer_entry = _entry(match)
@@ -1162,6 +1166,15 @@ def _p2p_hang_finding(
         peer_entry = {"op": None, "fqn": None, "phase": None, "seq": None,
                       "state": "not traced"}
         parts.append(f"rank {peer} is not traced ({run.sample_rule}): unknown")
+    elif lost := _unread_since(run, peer, peer_hang, max(
+            (m for k, m in known.get(peer, {}).items()
+             if k[:3] == (rec.group, other, r) and m.rank == peer),
+            key=lambda m: m.p2p_seq or 0, default=None), (rec.trace_id,)):
+        # its record of the matching op may be in a damaged line: unknown, not absent
+        unread.append(peer)
+        text, peer_entry = _unread_entry(lost, peer, last_any)
+        parts.append(f"rank {peer} " + text.replace(
+            "may have issued it", f"may have issued the matching {other}{tag}", 1))
     else:
         ended = _ended(run, peer, (rec.trace_id,))
         earlier = None
@@ -1207,6 +1220,7 @@ def _p2p_hang_finding(
         "p2p": {"sender": sender, "receiver": receiver, "p2p_seq": rec.p2p_seq},
         "never_issued": never,
         "wrote_nothing": nothing,
+        "unread": unread,
         "not_traced": untraced,
         "issued_ns": rec.issued_ns,
         "root": root and bool(never or nothing),
@@ -1490,6 +1504,44 @@ def _last_exported(last: CollectiveRecord) -> str:
             f"({_step_words(last.step)})")
 
 
+def _unread_since(run: Run, r: int, hang: HangRecord | None, last: CollectiveRecord | None,
+                  traces: Iterable[str]) -> list[Unread]:
+    """The damaged lines (:attr:`Run.unread`) that may have held rank ``r``'s record of
+    an op its peers wait in (issued in ``traces``): those of its steps among ``traces``
+    or at or after the step of ``last``, its last op before that one (every step of it
+    without one). None when ``r`` wrote a hang record: that lists its ops in flight,
+    whatever its other lines lost."""
+    mine = [u for (rank, _), u in run.unread.items() if rank == r]
+    if hang is not None or not mine:
+        return []
+    order = {t: i for i, t in enumerate(run.traces())}
+    where = set(traces)
+    since = order.get(last.trace_id, -1) if last is not None else -1
+    lost = [u for u in mine if u.trace_id in where or order.get(u.trace_id, -1) >= since]
+    return sorted(lost, key=lambda u: (order.get(u.trace_id, -1), u.path, u.line))
+
+
+def _unread_entry(lost: Sequence[Unread], r: int, last_any: Mapping[int, CollectiveRecord],
+                  ) -> tuple[str, dict[str, Any]]:
+    """``(text, rank entry)`` of a rank whose record of an op its peers wait in a
+    damaged line may have held (``lost``, :func:`_unread_since`): whether it issued it
+    is unknown, as in a step the ``unread`` finding leaves it out of."""
+    lines = list(dict.fromkeys(f"{u.path}:{u.line}" for u in lost))
+    more = f" (and {len(lines) - 1} more damaged lines)" if len(lines) > 1 else ""
+    steps = sorted({u.step for u in lost if u.step is not None})
+    of = (f" of {_step_words(steps[0])}" if len(steps) == 1 else
+          f" of steps {_list(steps)}" if steps else "")
+    text = (f"may have issued it: {lines[0]}{more} is damaged and may have held its "
+            f"records{of}, so whether it did is unknown")
+    last = last_any.get(r)
+    if last is not None:
+        text += f"; its {_last_exported(last)}"
+    entry: dict[str, Any] = {"op": None, "fqn": last.fqn if last is not None else None,
+                             "phase": last.phase if last is not None else None,
+                             "seq": None, "state": _UNREAD, "damaged": lines[0]}
+    return text, entry
+
+
 def _wrote_nothing(r: int, hang: HangRecord | None,
                    last_any: Mapping[int, CollectiveRecord],
                    ended: RankStep | None = None) -> bool:
@@ -1530,6 +1582,7 @@ def _hang_finding(
     untraced: list[int] = []
     blocked: list[int] = []  # ranks that never issued it, waiting in another op
     nothing: list[int] = []  # ranks that wrote nothing at all (in ``never`` for the text)
+    unread: list[int] = []  # ranks whose record of it a damaged line may have held (same)
     issued: dict[int, CollectiveRecord] = {}  # the ranks that issued something at seq
     waited_in = {rec.trace_id for m in members  # the steps where ranks issued it
                  for rec in (*exported.get((group, m), ()), *per_rank.get(m, ()))
@@ -1568,6 +1621,16 @@ def _hang_finding(
         else:
             before = [rec for s, rec in known.items() if s < seq]
             last = max(before, key=_order_key) if before else None
+            lost = _unread_since(run, r, hang, last, waited_in)
+            if lost:  # its record of it may be in a damaged line: not known not issued
+                text, entry = _unread_entry(lost, r, last_any)
+                unread.append(r)
+                if last is not None:
+                    entry.update(last_seq=last.seq, last_op=last.op)
+                never.setdefault(text, []).append(r)
+                entry["hang_record"] = None
+                ranks[r] = entry
+                continue
             ended = _ended(run, r, waited_in)
             earlier = None
             if (ended is None or ended.error is None) and errors.get(r):
@@ -1634,8 +1697,9 @@ def _hang_finding(
     details: dict[str, Any] = {
         "group_ranks": list(members),
         "never_issued": sorted(r for who in never.values() for r in who
-                               if r not in nothing),
+                               if r not in nothing and r not in unread),
         "wrote_nothing": sorted(nothing),
+        "unread": sorted(unread),
         "not_traced": sorted(untraced),
         "issued_ns": min(issued_at) if issued_at else 0,
         # it names a rank that never issued it and waits on nothing else, or ranks
