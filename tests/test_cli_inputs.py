@@ -292,6 +292,46 @@ def test_a_file_that_is_not_jsonl_is_named_once(
     assert err.count(str(readme)) == 1 and "59 damaged line(s) skipped" in err
 
 
+def test_a_file_without_a_last_newline_that_is_not_jsonl_is_named_once(
+    packed_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A file none of whose lines is a request whose last line has no newline (what
+    ``json.dump`` writes) is named once too, not line by line with a torn-line warning;
+    an OTLP/JSON request pretty-printed over many lines gets the command that makes
+    it one line, and that command's output reads."""
+    request = json.loads(gzip.decompress((packed_dir / "commspan-rank0.jsonl.gz")
+                                         .read_bytes()).splitlines()[0])
+    pretty = tmp_path / "otlp.json"
+    with open(pretty, "w", encoding="utf-8") as fh:
+        json.dump(request, fh, indent=2)  # (no newline at the end)
+    lines = pretty.read_text(encoding="utf-8").count("\n") + 1
+    notes = tmp_path / "notes.jsonl"
+    notes.write_text("first note\nsecond note\nthird, unfinished")
+    for command, failed in (("summary", 1), ("check", 2), ("table", 1), ("digest", 1)):
+        code, out, err = _cli(capsys, command, str(pretty))
+        assert code == failed and not out, (command, err)
+        assert err.count("\n") == 1, (command, err)  # (no torn-line warning, no line list)
+        assert f"ValueError: {pretty}: none of its " in err
+        if command != "digest":  # (digest counts the last line only when it has a newline)
+            assert f"none of its {lines} lines" in err
+        assert f"`jq -c . {pretty} > one-line.jsonl` makes it one" in err
+        code, out, err = _cli(capsys, command, str(notes))
+        assert code == failed and not out, (command, err)
+        assert err.count("\n") == 1 and "torn" not in err, (command, err)
+        assert "not a file JsonlSpanExporter wrote" in err and "jq" not in err
+    packed = tmp_path / "otlp.json.gz"
+    packed.write_bytes(gzip.compress(pretty.read_bytes()))
+    code, _, err = _cli(capsys, "summary", str(packed))
+    assert code == 1 and f"`zcat {packed} | jq -c . > one-line.jsonl`" in err
+    # what the command writes: the request on one line, which reads as rank 0's spans
+    one = tmp_path / "one-line.jsonl"
+    one.write_text(json.dumps(request) + "\n", encoding="utf-8")
+    code, out, err = _cli(capsys, "summary", str(one), "--json")
+    assert code == 0, err
+    spans = sum(len(s["spans"]) for r in request["resourceSpans"] for s in r["scopeSpans"])
+    assert json.loads(out)["spans"] == spans
+
+
 def test_an_unreadable_directory_says_so(
     packed_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

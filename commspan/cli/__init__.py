@@ -19,7 +19,8 @@ stderr says so), ``--step N`` or ``--steps A-B``, ``--json`` and
 
 Damaged lines (complete lines that are not OTLP/JSON trace requests) are
 skipped: each is named on stderr (``ValueError: FILE:LINE: reason``; a file
-none of whose lines is one, once: ``FILE: none of its N lines ...``) and the
+none of whose lines is one, once: ``FILE: none of its N lines ...``, with the
+command that makes it one line when it is one request pretty-printed) and the
 exit status says so. A torn last line (no trailing newline: a crash, or a
 file still being written) is named with a warning and does not change the
 status. A line longer than ``--max-line-mib`` ends the reading of its file.
@@ -44,16 +45,26 @@ __all__ = ["main"]
 _MAX_LISTED = 20  # damaged lines named one by one; then a count
 
 
-def _problems(report: Any, args: argparse.Namespace, not_jsonl: dict[str, int]) -> list[str]:
+def _problems(
+    report: Any, args: argparse.Namespace, not_jsonl: dict[str, int],
+    one_document: dict[str, str] | None = None,
+) -> list[str]:
     """stderr lines for the lines a read skipped: files none of whose lines is an
-    OTLP/JSON trace request (``not_jsonl``, one line each), damaged lines of the other
-    files (named, up to ``_MAX_LISTED``) and torn last lines (warnings)."""
+    OTLP/JSON trace request (``not_jsonl``, one line each; ``one_document``: those that
+    are one request over several lines -> the command making it one line), damaged
+    lines of the other files (named, up to ``_MAX_LISTED``) and torn last lines
+    (warnings)."""
     out: list[str] = []
     damaged = report.damaged
     for path, lines in not_jsonl.items():
         first = next(s for s in damaged if s.path == path)
+        what = "not a file JsonlSpanExporter wrote"
+        if one_document and path in one_document:
+            what = ("it is one OTLP/JSON trace request written over several lines "
+                    "(pretty-printed), and commspan reads one request per line, as "
+                    f"JsonlSpanExporter writes them: `{one_document[path]}` makes it one")
         out.append(f"ValueError: {path}: none of its {lines} lines is an OTLP/JSON trace request "
-                   f"(line {first.line}: {first.reason}): not a file JsonlSpanExporter wrote")
+                   f"(line {first.line}: {first.reason}): {what}")
     damaged = [s for s in damaged if s.path not in not_jsonl]
     for s in damaged[:_MAX_LISTED]:
         reason = s.reason
@@ -64,6 +75,8 @@ def _problems(report: Any, args: argparse.Namespace, not_jsonl: dict[str, int]) 
     if len(damaged) > _MAX_LISTED:
         out.append(f"ValueError: {len(damaged) - _MAX_LISTED} more damaged lines skipped")
     for s in report.torn:
+        if s.path in not_jsonl:  # (its last line: counted among the file's lines)
+            continue
         out.append(f"warning: {s.path}:{s.line}: torn last line skipped ({s.reason})")
     return out
 
@@ -154,7 +167,7 @@ def _run(args: argparse.Namespace) -> int:
         outcome, error = None, f"{_type_name(exc)}: {exc}"
     for line in reader.notes:
         _err(line)
-    for line in _problems(reader.report, args, reader.not_jsonl):
+    for line in _problems(reader.report, args, reader.not_jsonl, reader.one_document):
         _err(line)
     if outcome is None:
         if error is not None:

@@ -29,7 +29,7 @@ from commspan.analysis.runs import (
 from commspan.analysis.unread import LineTally, unread_note
 from commspan.otlpjson.decode import read_spans_in
 from commspan.otlpjson.files import jsonl_files
-from commspan.otlpjson.records import ReadReport, SpanRecord
+from commspan.otlpjson.records import DEFAULT_MAX_LINE_BYTES, ReadReport, SpanRecord
 
 if TYPE_CHECKING:
     from commspan.analysis.diff import Profile
@@ -53,6 +53,32 @@ class Damaged(Exception):
     """No commspan span was read and lines were damaged: the lines naming them say why."""
 
 
+def _one_request(path: Path, max_bytes: int) -> str | None:
+    """If the regular file ``path`` (gzip'd or not, at most ``max_bytes`` read) is, read
+    whole, one OTLP/JSON trace request (JSON written over several lines,
+    ``json.dump(..., indent=2)``, instead of one request per line): the shell command
+    that writes it as one line; else ``None``."""
+    import gzip
+    import shlex
+    import zlib
+
+    import orjson
+
+    try:
+        if not path.is_file() or path.stat().st_size > max_bytes:
+            return None
+        data = path.read_bytes()
+        compressed = data[:2] == b"\x1f\x8b"
+        doc = orjson.loads(gzip.decompress(data) if compressed else data)
+    except (OSError, EOFError, zlib.error, orjson.JSONDecodeError):
+        return None
+    if type(doc) is not dict or type(doc.get("resourceSpans")) is not list:
+        return None
+    name = shlex.quote(str(path))
+    read = f"zcat {name} | jq -c ." if compressed else f"jq -c . {name}"
+    return f"{read} > one-line.jsonl"
+
+
 class Reader:
     """Reads the files of one command: skipped lines go to one report, notes for stderr
     (which run was picked among several) to :attr:`notes`, what the output covers (a
@@ -67,6 +93,9 @@ class Reader:
         an output (an error has none)."""
         self.not_jsonl: dict[str, int] = {}
         """Files none of whose lines is an OTLP/JSON trace request -> their lines."""
+        self.one_document: dict[str, str] = {}
+        """Those of :attr:`not_jsonl` that are one OTLP/JSON trace request written over
+        several lines (pretty-printed) -> the command that makes it one line."""
         self.lines = LineTally()
         """Where each rank's steps are in the lines read: which a damaged line may have
         held (:meth:`unread`)."""
@@ -112,9 +141,16 @@ class Reader:
         :attr:`report` before it): if none of its lines was an OTLP/JSON trace request,
         keep it in :attr:`not_jsonl` (stderr names it once, not each line)."""
         mine = self.report.skipped[skipped:]
-        if (self.report.lines == used and len(mine) > 1  # (one line: FILE:1 says it)
-                and all(s.kind == "damaged" for s in mine)):
+        damaged = sum(s.kind == "damaged" for s in mine)
+        # (one line: FILE:1 says it; a last line without a newline, a pretty-printed
+        # JSON document's closing brace, is one of its lines like the others)
+        if (self.report.lines == used and damaged > 1
+                and all(s.kind in ("damaged", "torn") for s in mine)):
             self.not_jsonl[str(path)] = len(mine)
+            limit = getattr(self.args, "max_line_mib", None)  # (digest has none)
+            fix = _one_request(path, limit * _MIB if limit else DEFAULT_MAX_LINE_BYTES)
+            if fix is not None:
+                self.one_document[str(path)] = fix
 
     def files(
         self, paths: Sequence[str], label: str = "FILES", digests: bool = False,
