@@ -73,8 +73,8 @@ def collective_events(span: ReadableSpan) -> list[Event]:
 def _sdk_spans(spans: Iterable[ReadableSpan], where: str) -> list[ReadableSpan]:
     """``spans`` as a list, refused with a TypeError (naming ``spans``, what was given and
     what to pass) unless it is an iterable of OpenTelemetry SDK spans."""
-    what = ("pass the SDK spans a mode finished: `commspan_capture.spans` (or "
-            "`capture().spans`), or an in-memory exporter's `get_finished_spans()`")
+    what = ("pass the SDK spans a mode finished: `cap.spans` after a `with capture() as "
+            "cap:` block, or an in-memory exporter's `get_finished_spans()`")
     if isinstance(spans, (str, bytes, ReadableSpan)) or not isinstance(spans, Iterable):
         raise TypeError(f"spans={spans!r} is not valid for {where}: it takes a list of "
                         f"spans, not a {type(spans).__name__}; {what}")
@@ -192,8 +192,9 @@ def assert_well_formed(spans: Iterable[ReadableSpan]) -> None:
     The checks are explicit (``python -O`` keeps them).
 
     It checks the OpenTelemetry SDK spans (``ReadableSpan``) of one process: a
-    capture's (``commspan_capture.spans``, ``capture().spans``) or an
-    in-memory exporter's ``get_finished_spans()``. The ``SpanRecord`` objects
+    capture's (``cap.spans`` after a ``with capture() as cap:`` block; not
+    ``commspan_capture.spans`` inside the test, whose traces end with the test) or
+    an in-memory exporter's ``get_finished_spans()``. The ``SpanRecord`` objects
     :func:`commspan.exporters.read_spans` returns are not taken (the files of
     other ranks hold rank spans whose step root only rank 0 writes).
 
