@@ -244,3 +244,33 @@ def test_a_collection_while_the_step_ends_is_an_event_of_that_step() -> None:
         assert span.start_time <= event.timestamp
         assert event.timestamp + event.attributes[semconv.GC_DURATION_NS] <= span.end_time
     assert mode.stats()["gc_pauses_unrecorded"] == 0
+
+
+def test_a_collection_dated_after_now_does_not_end_the_rank_span_after_the_step() -> None:
+    """The wall clock stepped back while a collection ran (a VM's clock set by NTP):
+    its start plus its duration lies after the moment the step ends. The rank span
+    used to end there, after the step's root (``assert_well_formed`` failed on a busy
+    machine); its end moves past collections up to the present only."""
+    from commspan.capture.gcwatch import GcPause
+    from commspan.testing import assert_well_formed
+
+    exporter = InMemorySpanExporter()
+    mode = CommSpanMode(exporters=[exporter])
+    Collect.on = False
+    try:
+        with mode:
+            with mode.step(0):
+                Net()(torch.ones(2, 4)).sum().backward()
+                rec, watch = mode._recorder, mode._gc
+                assert rec is not None and watch is not None
+                ahead = time.time_ns() + 50_000_000  # 50 ms "after" now
+                watch._pending.append(GcPause(rec.trace_id, ahead, 1_000, 2, 0, None, None))
+    finally:
+        Collect.on = True
+    mode.shutdown()
+    spans = list(exporter.get_finished_spans())
+    assert_well_formed(spans)
+    (rank,) = [s for s in spans if s.name == semconv.SPAN_RANK]
+    (root,) = [s for s in spans if s.name == semconv.SPAN_STEP]
+    assert rank.end_time <= root.end_time
+    assert [e.name for e in rank.events].count(semconv.EVENT_GC) == 1

@@ -807,6 +807,9 @@ class CommSpanMode:
             self._stats["gc_pauses_unrecorded"] += 1
 
     def _attach_gc(self, watch: GcWatch, rec: SpanRecorder, root: Frame) -> None:
+        # (a pause is noted once it ended: none ends after now, but a wall clock set
+        # back while it ran dates it later; the rank span may not end after the step)
+        now = time.time_ns()
         for p in watch.take():
             if p.trace_id != rec.trace_id:
                 self._stats["gc_pauses_unrecorded"] += 1
@@ -820,8 +823,8 @@ class CommSpanMode:
                 attrs[semconv.MODULE_FQN] = p.fqn
             if p.phase is not None:
                 attrs[semconv.PHASE] = p.phase
-            rec.add_plain_event(root, semconv.EVENT_GC, attrs, at=p.start_ns)
-            root.end = max(root.end, p.start_ns + p.duration_ns)
+            rec.add_plain_event(root, semconv.EVENT_GC, attrs, at=min(p.start_ns, now))
+            root.end = max(root.end, min(p.start_ns + p.duration_ns, now))
             self._stats["gc_pauses"] += 1
 
     # ------------------------------------------------------------ capture
