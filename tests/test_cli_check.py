@@ -162,3 +162,44 @@ def test_stragglers_names_the_last_rank_and_module(
     assert rows[1].split()[:4] == ["step", "module", "phase", "rank"]
     assert rows[2].split()[1:4] == ["Net", rows[2].split()[2], "2"]
     assert "more rows (--json lists all)" in rows[3]
+
+
+@pytest.mark.parametrize("steps", [(), ("--steps", "1-1")])
+def test_stragglers_builds_the_run_as_it_reads_with_the_answer_of_all_spans_held(
+    timed: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch, steps: tuple[str, ...],
+) -> None:
+    """`stragglers` never holds every span of the run (1,024 ranks x 20 steps: some 11
+    GB of span records): it builds the run one file at a time, and its answer is the
+    one of every span read first and analysed then (the reference here: the records
+    read whole, selected and built as the command used to)."""
+    from commspan.analysis import build_run
+    from commspan.analysis.runs import StepRange, select
+    from commspan.analysis.stragglers import analyze
+    from commspan.cli.commands import Reader
+    from commspan.exporters import read_spans
+
+    # a second run in the same folder (the latest, the one read) with other waits
+    run = tmp_path / "run"
+    shutil.copytree(timed, run)
+    write_run(run, "later", net_step(), steps=(0, 1, 2))
+    add_durations(run, "Net", {1: 50}, 3_000)
+    records = read_spans(run)
+    wanted = StepRange(1, 1) if steps else None
+    sel = select(records, steps=wanted)
+    whole = build_run(select(records).records) if steps else None
+    reference = analyze(build_run(sel.records), whole).to_dict()
+    assert reference["stragglers"] and reference["stragglers"][0]["rank"] == 1
+    held = Reader.read
+
+    def read(self: Reader, paths: list[str], label: str = "FILES", hold: object = None,
+             ) -> object:
+        assert hold is not None, "every span of the files asked for at once"
+        return held(self, paths, label, hold)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Reader, "read", read)
+    code, out, err = run_cli(capsys, "stragglers", str(run), "--json", *steps)
+    assert code == 0 and "2 runs" in err
+    data = json.loads(out)
+    assert data.pop("run") == "later"
+    assert data == json.loads(json.dumps(reference))

@@ -380,6 +380,7 @@ def select(
     *,
     run: str | None = None,
     steps: StepRange | None = None,
+    every: Sequence[RunInfo] | None = None,
 ) -> Selection:
     """Keep the records of one run, and of some of its steps.
 
@@ -390,6 +391,10 @@ def select(
             then says so).
         steps: keep only these steps of the run (traces outside steps go too);
             ``None`` keeps everything.
+        every: the runs of the files read (:meth:`RunTally.runs`), when ``records``
+            hold only some of their spans (``commspan html --max-ranks``): the run is
+            chosen among these, and the selection's ``run`` and ``runs`` say what the
+            files hold, not what ``records`` keep. ``None``: the runs of ``records``.
 
     Returns:
         The :class:`Selection`.
@@ -404,7 +409,7 @@ def select(
         ()
     """
     records = list(records)
-    every = tuple(list_runs(records))
+    every = tuple(list_runs(records) if every is None else every)
     runs = commspan_runs(every)
     if not runs:
         return Selection([], None, (), ())

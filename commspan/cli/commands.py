@@ -12,13 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar, Union
 
 from commspan import semconv
 from commspan.analysis.records import Unread
 from commspan.analysis.runs import (
+    RunInfo,
     Selection,
     SelectionError,
     StepPruner,
@@ -34,6 +35,7 @@ from commspan.otlpjson.records import DEFAULT_MAX_LINE_BYTES, ReadReport, SpanRe
 if TYPE_CHECKING:
     from commspan.analysis.diff import Profile
     from commspan.analysis.digest import PartSelection
+    from commspan.analysis.records import Run
 
 _Sel = TypeVar("_Sel", bound=Union[Selection, "PartSelection"])
 
@@ -102,26 +104,26 @@ class Reader:
         self._located: list[Unread] | None = None
         self._files: set[str] = set()
 
-    def read(self, paths: Sequence[str], label: str = "FILES",
-             pruner: StepPruner | None = None) -> list[SpanRecord]:
-        """Every span of ``paths``; an error if none of them is a commspan span. With
-        a ``pruner``, the spans go to it instead (it holds those its steps need) and
-        the list returned is empty."""
+    def read(
+        self, paths: Sequence[str], label: str = "FILES",
+        hold: Callable[[Iterable[SpanRecord]], None] | None = None,
+    ) -> list[SpanRecord]:
+        """Every span of ``paths``; an error if none of them is a commspan span.
+        ``hold``: given each file's spans in turn, instead of returning them (``[]``
+        is returned): :meth:`load_built` builds the run as it reads."""
         files = self.files(paths, label)
         spans, ours, lines = self.report.spans, self.report.commspan_spans, self.report.lines
         skipped = len(self.report.damaged)
         records: list[SpanRecord] = []
         for f in files:  # (one at a time: a file none of whose lines is read is named)
             used, damaged = self.report.lines, len(self.report.skipped)
-            read = read_spans_in([f], strict=False, report=self.report,
-                                 max_line_bytes=self.args.max_line_mib * _MIB,
-                                 on_line=self.lines.add)
-            if pruner is None:
-                records.extend(read)
+            spans_of = read_spans_in([f], strict=False, report=self.report,
+                                     max_line_bytes=self.args.max_line_mib * _MIB,
+                                     on_line=self.lines.add)
+            if hold is None:
+                records.extend(spans_of)
             else:
-                for rec in read:
-                    pruner.add(rec)
-                pruner.compact()
+                hold(spans_of)
             self.check_lines(f, used, damaged)
         self._located = None  # (diff reads B after locating A's damaged lines)
         self._files = {str(f) for f in files}  # (whose damaged lines select() names)
@@ -190,13 +192,17 @@ class Reader:
 
     def select(
         self, records: list[SpanRecord], run: str | None, steps: StepRange | None,
-        option: str | None = None, label: str = "",
+        option: str | None = None, label: str = "", every: Sequence[RunInfo] | None = None,
     ) -> Selection:
-        """One run (and steps) of ``records``; errors in the terms of the options."""
-        return self._selected(lambda: select(records, run=run, steps=steps), option, label)
+        """One run (and steps) of ``records``; errors in the terms of the options
+        (``every``: the runs of the files, when ``records`` hold some of their spans)."""
+        return self._selected(lambda: select(records, run=run, steps=steps, every=every),
+                              option, label)
 
-    def _selected(self, selecting: Callable[[], _Sel], option: str | None, label: str) -> _Sel:
-        """``selecting()``, its errors in the terms of the options, its note kept."""
+    def _selected(self, selecting: Callable[[], _Sel], option: str | None, label: str,
+                  traces: Callable[[Selection], Collection[str]] | None = None) -> _Sel:
+        """``selecting()``, its errors in the terms of the options, its note kept
+        (``traces``: the trace ids of a selection that holds no records)."""
         try:
             sel = selecting()
         except SelectionError as exc:
@@ -217,17 +223,20 @@ class Reader:
             if note not in self.covers:
                 self.covers.append(note)
         if isinstance(sel, Selection) and self.args.command != "check":  # (check: findings)
-            self.notes.extend(unread_note(self.unread(sel), label))
+            self.notes.extend(unread_note(self.unread(sel, traces), label))
         return sel
 
-    def unread(self, sel: Selection) -> list[Unread]:
+    def unread(self, sel: Selection,
+               traces_of: Callable[[Selection], Collection[str]] | None = None,
+               ) -> list[Unread]:
         """The steps of a rank of ``sel`` that damaged lines read so far may have held
-        collectives of (:mod:`commspan.analysis.unread`)."""
+        collectives of (:mod:`commspan.analysis.unread`); ``traces_of``: the trace ids
+        of ``sel``, when it holds no records."""
         if not self.report.damaged or sel.run is None:
             return []
         if self._located is None:
             self._located = self.lines.locate(self.report.skipped)
-        traces = {r.trace_id for r in sel.records}
+        traces = {r.trace_id for r in sel.records} if traces_of is None else traces_of(sel)
         return [u for u in self._located
                 if u.run_id == sel.run.run_id and u.trace_id in traces and u.path in self._files]
 
@@ -239,8 +248,67 @@ class Reader:
         if steps is None:
             return self.select(self.read(paths), _first(self.args.run), None, option)
         pruner = StepPruner(steps)
-        self.read(paths, pruner=pruner)
+
+        def hold(spans: Iterable[SpanRecord]) -> None:
+            for span in spans:
+                pruner.add(span)
+            pruner.compact()
+
+        self.read(paths, hold=hold)
         return self._selected(lambda: pruner.select(_first(self.args.run)), option, "")
+
+    def load_built(self, paths: Sequence[str]) -> tuple[Selection, Run, Run]:
+        """Read ``paths`` into a :class:`~commspan.analysis.records.Run` per run of the
+        files as the spans are read, holding no span longer than its file (as
+        :func:`~commspan.analysis.records.load_run`; every span of a 1,024-rank run
+        held takes some 11 GB), and select with ``--run`` and ``--step(s)``.
+
+        Returns:
+            The selection (its run, runs and steps; no records), the run cut to the
+            steps selected, and the whole run (the same when no step was selected).
+        """
+        from dataclasses import replace
+
+        from commspan.analysis.records import _keep_steps, _RunBuilder
+        from commspan.analysis.runs import RunTally
+
+        tally = RunTally()
+        builders: dict[str, _RunBuilder] = {}
+
+        def hold(spans: Iterable[SpanRecord]) -> None:
+            for span in spans:
+                run_id = tally.add(span)
+                builder = builders.get(run_id)
+                if builder is None:
+                    builder = builders[run_id] = _RunBuilder()
+                builder.add(span)
+
+        self.read(paths, hold=hold)
+        steps, option = _steps_of(self.args, 0)
+        built: dict[str, Run] = {}
+
+        def whole_of(sel: Selection) -> Run:
+            run_id = sel.run.run_id if sel.run else ""
+            if run_id not in built:
+                built[run_id] = builders.pop(run_id, _RunBuilder()).finish()
+            return built[run_id]
+
+        def traces(sel: Selection) -> set[str]:
+            trace_steps = whole_of(sel).trace_steps
+            if steps is None:
+                return {*trace_steps, *whole_of(sel).presence}
+            return {t for t, s in trace_steps.items() if s in steps}
+
+        sel = self._selected(lambda: select([], run=_first(self.args.run), steps=steps,
+                                            every=tally.runs()), option, "", traces)
+        whole = whole_of(sel)
+        builders.clear()  # (the runs not chosen)
+        if steps is None:
+            return sel, whole, whole
+        # the steps selected, with the whole run for what passes on from before them
+        part = replace(whole)
+        _keep_steps(part, frozenset(sel.steps))
+        return sel, part, whole
 
     def load_digested(self, paths: Sequence[str]) -> PartSelection | None:
         """:meth:`load` from the files' digests (docs/jsonl.md, "Digests"), selected
@@ -596,21 +664,13 @@ def check(args: argparse.Namespace, reader: Reader) -> Outcome:
 
 def stragglers(args: argparse.Namespace, reader: Reader) -> Outcome:
     """Who arrives last at each collective, and where each rank's step goes."""
-    from commspan.analysis import build_run
     from commspan.analysis.stragglers import analyze
     from commspan.render.findings import format_stragglers
 
-    records = reader.read(args.files)
-    steps, option = _steps_of(args, 0)
-    sel = reader.select(records, _first(args.run), steps, option)
-    context = None
-    if steps is not None and sel.run is not None:
-        # the whole run too: a wait passed on goes back to where the group's ranks last
-        # met, which can be in a step before those selected
-        from commspan.analysis.runs import select
-
-        context = build_run(select(records, run=sel.run.run_id).records)
-    result = analyze(build_run(sel.records), context)
+    # built as the files are read; with steps, the whole run too: a wait passed on goes
+    # back to where the group's ranks last met, which can be in a step before those
+    sel, run, whole = reader.load_built(args.files)
+    result = analyze(run, whole if run is not whole else None)
     if args.json:
         data = result.to_dict()
         data["run"] = sel.run.run_id if sel.run else None
