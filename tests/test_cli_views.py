@@ -163,3 +163,129 @@ def test_unwritable_output_is_one_line(
     blocker.write_text("x")
     code, _, err = run_cli(capsys, command, str(tp), "-o", str(blocker / "out"))
     assert code == 1 and err.count("\n") == 1 and "Traceback" not in err
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory: pytest.TempPathFactory, fake_pg: None) -> Path:
+    """4 ranks, steps 0-1 of one all_reduce per step, rank 1 one more in step 1. Ranks 0
+    and 1's files are named to be read last (files are read in name order: rank 2, 3,
+    1, 0): the lowest ranks come last."""
+    def build(out: Path) -> None:
+        write_run(out, "wide", net_step(extra_on=(1, 1)))
+        (out / "commspan-rank0.jsonl").rename(out / "zz-rank0.jsonl")
+        (out / "commspan-rank1.jsonl").rename(out / "zy-rank1.jsonl")
+
+    return session_dir(tmp_path_factory, "views-wide", build)
+
+
+def _only(run: Path, ranks: tuple[int, ...], out: Path) -> Path:
+    """The files of ``ranks`` alone, in a folder of their own."""
+    out.mkdir()
+    for rank in ranks:
+        (f,) = run.glob(f"*-rank{rank}.jsonl")
+        (out / f.name).write_bytes(f.read_bytes())
+    return out
+
+
+def test_html_max_ranks_shows_the_lowest_ranks_and_names_those_left_out(
+    wide: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--max-ranks 2: the report of ranks 0 and 1 (the lowest, though read last) is the
+    report of their files alone; the page and stderr name the ranks left out and the
+    option; --check still checks every rank's collectives (as `commspan check`)."""
+    out = tmp_path / "capped.html"
+    code, text, err = run_cli(capsys, "html", str(wide), "-o", str(out), "--max-ranks", "2")
+    note = ("the report shows ranks 0-1 only, the 2 lowest of 4 (--max-ranks 2); ranks "
+            "2-3 left out: pass --max-ranks N for more (0: every rank; each rank adds its "
+            "spans to the memory taken and the file written)")
+    assert code == 0 and err == f"commspan: {note}\n"
+    assert ", ranks 0-1, steps 0-1\n" in text
+    page = out.read_text()
+    assert f"<p class=\"warn\">{note[0].upper()}{note[1:]}.</p>" in page
+    alone = tmp_path / "alone.html"
+    assert run_cli(capsys, "html", str(_only(wide, (0, 1), tmp_path / "two")), "-o",
+                   str(alone))[0] == 0
+    assert embedded_data(page) == embedded_data(alone.read_text())
+    assert tree_counts(page).counts == tree_counts(alone.read_text()).counts != {}
+    # every rank by default (4 <= 32) and with 0: no note, ranks 2 and 3 shown
+    for extra in ((), ("--max-ranks", "0")):
+        code, text, err = run_cli(capsys, "html", str(wide), "-o", str(out), *extra)
+        assert (code, err) == (0, "") and ", ranks 0-3, steps 0-1\n" in text
+        assert "--max-ranks" not in out.read_text()
+    # --check: the findings of check on every file, with rank 1 (which issued one more)
+    # left out
+    _, checked, _ = run_cli(capsys, "check", str(wide), "--json")
+    findings = json.loads(checked)["findings"]
+    assert [f["kind"] for f in findings] == ["mismatch"]
+    code, text, _ = run_cli(capsys, "html", str(wide), "-o", str(out), "--max-ranks", "1",
+                            "--check")
+    assert code == 0 and text.rstrip().endswith("ranks 0, steps 0-1, 1 findings")
+    assert findings[0]["message"].split("`")[0].strip() in out.read_text()
+    assert "(--max-ranks 1); ranks 1-3 left out" in out.read_text()
+    with pytest.raises(SystemExit):
+        run_cli(capsys, "html", str(wide), "-o", str(out), "--max-ranks", "-1")
+    assert "--max-ranks '-1' is not valid; pass a number of ranks >= 1, or 0 for every " \
+        "rank" in capsys.readouterr().err
+
+
+def test_perfetto_max_ranks_holds_the_lowest_ranks_and_names_those_left_out(
+    wide: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--max-ranks 2: the trace of ranks 0 and 1 is the trace of their files alone; its
+    otherData and stderr name the ranks left out."""
+    out, alone = tmp_path / "capped.json", tmp_path / "alone.json"
+    code, text, err = run_cli(capsys, "perfetto", str(wide), "-o", str(out), "--max-ranks",
+                              "2", "--step", "1")
+    note = ("the trace holds ranks 0-1 only, the 2 lowest of 4 (--max-ranks 2); ranks "
+            "2-3 left out: pass --max-ranks N for more (0: every rank; each rank adds its "
+            "spans to the memory taken and the file written)")
+    assert code == 0 and err == f"commspan: {note}\n" and ", ranks 0-1, steps 1\n" in text
+    assert run_cli(capsys, "perfetto", str(_only(wide, (0, 1), tmp_path / "two")), "-o",
+                   str(alone), "--step", "1")[0] == 0
+    capped, reference = json.loads(out.read_text()), json.loads(alone.read_text())
+    assert capped["otherData"].pop("notes") == [note]
+    assert capped == reference
+    assert capped["otherData"]["ranks"] == [0, 1]
+    code, _, err = run_cli(capsys, "perfetto", str(wide), "-o", str(out))
+    assert (code, err) == (0, "")
+    assert json.loads(out.read_text())["otherData"]["ranks"] == [0, 1, 2, 3]
+    assert "notes" not in json.loads(out.read_text())["otherData"]
+
+
+@pytest.mark.parametrize("command", ["html", "perfetto"])
+def test_max_ranks_with_digests_parses_the_files_of_the_ranks_shown_only(
+    wide: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch, command: str,
+) -> None:
+    """Files with digests: the digests say which ranks each file holds, the files of the
+    ranks left out are not parsed, and the output and notes are those of every file
+    parsed (the same files without digests)."""
+    import commspan.cli.commands as commands
+
+    run = tmp_path / "run"
+    run.mkdir()
+    for f in wide.glob("*.jsonl"):
+        (run / f.name).write_bytes(f.read_bytes())
+    suffix = "html" if command == "html" else "json"
+    plain, digested = tmp_path / f"plain.{suffix}", tmp_path / f"digested.{suffix}"
+    code, _, plain_err = run_cli(capsys, command, str(run), "-o", str(plain), "--max-ranks",
+                                 "2", "--steps", "1-1")
+    assert code == 0 and "ranks 2-3 left out" in plain_err
+    assert run_cli(capsys, "digest", str(run))[0] == 0
+    parsed: list[str] = []
+    real = commands.read_spans_in
+
+    def read_spans_in(paths: list[Path], **kwargs: object) -> object:
+        parsed.extend(Path(p).name for p in paths)
+        return real(paths, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(commands, "read_spans_in", read_spans_in)
+    code, _, err = run_cli(capsys, command, str(run), "-o", str(digested), "--max-ranks",
+                           "2", "--steps", "1-1")
+    assert (code, err) == (0, plain_err)
+    assert sorted(parsed) == ["zy-rank1.jsonl", "zz-rank0.jsonl"]
+    if command == "html":
+        assert embedded_data(digested.read_text()) == embedded_data(plain.read_text())
+        assert tree_counts(digested.read_text()).counts == tree_counts(plain.read_text()).counts
+    else:
+        assert digested.read_bytes() == plain.read_bytes()

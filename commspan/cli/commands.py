@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 _Sel = TypeVar("_Sel", bound=Union[Selection, "PartSelection"])
 
-__all__ = ["COMMANDS", "ERROR_STATUS", "Damaged", "Outcome", "Reader"]
+__all__ = ["COMMANDS", "ERROR_STATUS", "Damaged", "Outcome", "RankCap", "Reader"]
 
 _MIB = 1024 * 1024
 
@@ -110,7 +110,8 @@ class Reader:
     ) -> list[SpanRecord]:
         """Every span of ``paths``; an error if none of them is a commspan span.
         ``hold``: given each file's spans in turn, instead of returning them (``[]``
-        is returned): :meth:`load_built` builds the run as it reads."""
+        is returned): :meth:`load_built` builds the run as it reads, :class:`RankCap`
+        holds some ranks' spans only."""
         files = self.files(paths, label)
         spans, ours, lines = self.report.spans, self.report.commspan_spans, self.report.lines
         skipped = len(self.report.damaged)
@@ -310,6 +311,29 @@ class Reader:
         _keep_steps(part, frozenset(sel.steps))
         return sel, part, whole
 
+    def load_capped(self, paths: Sequence[str], cap: RankCap) -> Selection:
+        """:meth:`load` holding the spans of ``cap``'s ranks only (:class:`RankCap`):
+        the run is chosen, and its ranks and steps told, from every span of the files.
+
+        When every file has a digest that stands for all its lines (docs/jsonl.md,
+        "Digests"), the digests say which ranks each file holds: the files of none of
+        the ranks kept are not parsed, and the runs are told from the digests.
+        """
+        files = self.files(paths)
+        planned = cap.plan(files, self.args.max_line_mib * _MIB)
+        every = cap.tally.runs
+        if planned is not None:
+            files, runs = planned
+            every = lambda: runs  # noqa: E731
+        self.read([str(f) for f in files] if planned is not None else paths, hold=cap.hold)
+        sel = self.select(cap.records(), _first(self.args.run), *_steps_of(self.args, 0),
+                          every=every())
+        note = cap.note(sel.run.run_id if sel.run else None, self.args.command)
+        if note is not None:
+            self.covers.append(note)
+        return sel
+
+
     def load_digested(self, paths: Sequence[str]) -> PartSelection | None:
         """:meth:`load` from the files' digests (docs/jsonl.md, "Digests"), selected
         the same way; ``None`` when a file has none (then :meth:`load`)."""
@@ -336,6 +360,138 @@ class Reader:
         self.report.add(read)
         return self._selected(
             lambda: select_parts(parts, run=_first(self.args.run), steps=steps), option, "")
+
+
+class RankCap:
+    """The spans of at most ``most`` ranks of each run, the lowest-numbered, held as the
+    files are read one at a time (``commspan html`` and ``perfetto`` on a run of
+    thousands of ranks: every span of a 1,024-rank run held takes some 11 GB).
+
+    Each file's spans pass through :meth:`hold`: all of them are counted (which runs
+    the files hold, their ranks and steps: :attr:`tally`) and offered to
+    :attr:`builders` (``html --check`` needs every rank's collectives), and those of a
+    rank among the ``most`` lowest of its run seen so far are kept: a lower rank read
+    later puts out the highest kept. Spans without a rank are all kept. ``most``
+    ``None``: every rank's.
+    """
+
+    def __init__(self, most: int | None, builders: bool = False) -> None:
+        from commspan.analysis.runs import RunTally
+
+        self.most = most
+        self.tally = RunTally()
+        self.builders: dict[str, Any] | None = {} if builders else None
+        # run -> rank -> its spans, each with its place among all spans read
+        self._kept: dict[str, dict[int, list[tuple[int, SpanRecord]]]] = {}
+        self._loose: list[tuple[int, SpanRecord]] = []  # spans without a rank
+        self.left_out: dict[str, set[int]] = {}
+        """Run -> the ranks whose spans were not kept."""
+        self._seen = 0
+
+    def hold(self, spans: Iterable[SpanRecord]) -> None:
+        """Count one file's spans, keep those of the ranks kept."""
+        from commspan.analysis.records import _RunBuilder
+        from commspan.analysis.runs import _rank_of
+
+        most, kept, left_out, builders = self.most, self._kept, self.left_out, self.builders
+        grew: set[str] = set()
+        for span in spans:
+            run = self.tally.add(span)
+            if builders is not None:
+                builder = builders.get(run)
+                if builder is None:
+                    builder = builders[run] = _RunBuilder(module_spans=False)
+                builder.add(span)
+            self._seen += 1
+            rank = _rank_of(span)
+            if rank is None:
+                self._loose.append((self._seen, span))
+                continue
+            ranks = kept.setdefault(run, {})
+            held = ranks.get(rank)
+            if held is None:
+                if rank in left_out.get(run, ()):
+                    continue  # (always above every rank kept: the highest are put out)
+                held = ranks[rank] = []
+                grew.add(run)
+            held.append((self._seen, span))
+        if most is None:
+            return
+        for run in grew:  # (once per file: a rank's spans are kept until its file ends)
+            ranks = kept[run]
+            while len(ranks) > most:
+                highest = max(ranks)
+                del ranks[highest]
+                left_out.setdefault(run, set()).add(highest)
+
+    def plan(self, files: Sequence[Path], max_line_bytes: int,
+             ) -> tuple[list[Path], list[RunInfo]] | None:
+        """The files to read, and the runs of all ``files``, from the files' digests;
+        ``None`` (read every file) when a file has no digest or lines its digest does
+        not stand for (a damaged line, one written after the digest), or when every
+        rank is to be kept or :attr:`builders` need every span.
+
+        The ranks of the files not read go to :attr:`left_out`."""
+        from commspan.analysis.digest import list_part_runs, read_digest
+
+        if self.most is None or self.builders is not None:
+            return None
+        parts, of_file = [], []
+        scratch = ReadReport()
+        for f in files:
+            digest = read_digest(f)
+            if digest is None or digest.gaps() or any(
+                    end - start > max_line_bytes for start, end in digest.covered):
+                return None
+            mine = [p for line in digest.used(scratch) for p in line]
+            parts.extend(mine)
+            of_file.append({(p["run"], p["rank"]) for p in mine})
+        if scratch.damaged:
+            return None
+        ranks: dict[str, set[int]] = {}
+        for run, rank in set().union(*of_file):
+            if rank is not None:
+                ranks.setdefault(run, set()).add(rank)
+        kept = {(run, r) for run, rs in ranks.items() for r in sorted(rs)[:self.most]}
+        read = [f for f, held in zip(files, of_file)
+                if any(rank is None or (run, rank) in kept for run, rank in held)]
+        if len(read) == len(files):
+            return None  # (every file holds a rank kept: read them as they come)
+        for run, rs in ranks.items():
+            out = {r for r in rs if (run, r) not in kept}
+            if out:
+                self.left_out.setdefault(run, set()).update(out)
+        return read, list_part_runs(parts)
+
+    def records(self) -> list[SpanRecord]:
+        """The spans kept, in the order they were read."""
+        held = [*self._loose, *(s for ranks in self._kept.values()
+                                for spans in ranks.values() for s in spans)]
+        held.sort(key=lambda s: s[0])
+        return [span for _, span in held]
+
+    def run(self, run_id: str, steps: Iterable[int] | None = None) -> Any:
+        """The :class:`~commspan.analysis.records.Run` of every rank's spans of
+        ``run_id`` (collectives only), when :attr:`builders` were kept."""
+        from commspan.analysis.records import build_run
+
+        builder = (self.builders or {}).get(run_id)
+        if builder is None:
+            return build_run([], module_spans=False)
+        return builder.finish(None if steps is None else frozenset(steps))
+
+    def note(self, run_id: str | None, command: str) -> str | None:
+        """What the output leaves out, and how to have it; ``None`` when nothing."""
+        out = self.left_out.get(run_id or "")
+        if not out or self.most is None:
+            return None
+        kept = sorted(self._kept.get(run_id or "", {}))
+        what = "the report shows" if command == "html" else "the trace holds"
+        return (f"commspan: {what} ranks {format_numbers(kept)} only, the {len(kept)} "
+                f"lowest of {len(kept) + len(out)} (--max-ranks {self.most}); ranks "
+                f"{format_numbers(sorted(out))} left out: pass --max-ranks N for more "
+                "(0: every rank; each rank adds its spans to the memory taken and the "
+                "file written)")
 
 
 def _first(values: Sequence[Any] | None, index: int = 0) -> Any:
@@ -559,11 +715,18 @@ def html(args: argparse.Namespace, reader: Reader) -> Outcome:
     findings: list[Any] | None = None
     if args.findings is not None:
         findings = _finding_list(_findings_file(args.findings), args.findings)
-    sel = reader.load(args.files)
+    cap = RankCap(args.max_ranks or None, builders=args.check)
+    sel = reader.load_capped(args.files, cap)
+    notes = [cap.note(sel.run.run_id if sel.run else None, "html")]
     if args.check:
         from commspan.analysis import build_run, check
 
-        run = build_run(sel.records, module_spans=False)
+        # every rank's collectives, those of the ranks left out too
+        if sel.run is not None and cap.left_out.get(sel.run.run_id):
+            run = cap.run(sel.run.run_id, sel.steps if _steps_of(args, 0)[0] else None)
+        else:
+            run = build_run(sel.records, module_spans=False)
+        cap.builders = None
         run.unread = {(u.rank, u.trace_id): u for u in reader.unread(sel)}
         found = check(run).to_dict()["findings"]
         findings = (findings or []) + found
@@ -579,7 +742,9 @@ def html(args: argparse.Namespace, reader: Reader) -> Outcome:
     try:
         path = _writing(args.output, lambda: write_html_report(
             sel.records, args.output, findings=findings, title=args.title,
-            timeline_steps=timeline_steps, last_traces=sel.last_traces), "report.html")
+            timeline_steps=timeline_steps, last_traces=sel.last_traces,
+            notes=[n for n in notes if n],
+            runs=[sel.run] if notes[0] and sel.run else None), "report.html")
     except TypeError as exc:
         if args.findings is None or not str(exc).startswith("findings"):
             raise  # not about the findings: not to be blamed on --findings
@@ -610,9 +775,11 @@ def perfetto(args: argparse.Namespace, reader: Reader) -> Outcome:
     """Write the Chrome trace (Perfetto) of the selected run (and steps)."""
     from commspan.render.perfetto import write_chrome_trace
 
-    sel = reader.load(args.files)
-    path = _writing(args.output, lambda: write_chrome_trace(sel.records, args.output),
-                    "trace.json")
+    cap = RankCap(args.max_ranks or None)
+    sel = reader.load_capped(args.files, cap)
+    note = cap.note(sel.run.run_id if sel.run else None, "perfetto")
+    path = _writing(args.output, lambda: write_chrome_trace(
+        sel.records, args.output, [note] if note else ()), "trace.json")
     return _written(path, sel, {}, args, "trace")
 
 

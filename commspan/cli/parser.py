@@ -110,6 +110,22 @@ def _positive(value: str) -> int:
     return _at_least_one("--top", value, "a number >= 1")
 
 
+MAX_RANKS = 32
+"""``html`` and ``perfetto``: the ranks held by default (``--max-ranks``)."""
+
+
+def _max_ranks(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(
+            f"--max-ranks {value!r} is not valid; pass a number of ranks >= 1, or 0 for "
+            "every rank")
+    return n
+
+
 def _every(value: str) -> int:
     return _at_least_one("--timeline-every", value, "a number >= 1 (1: every step)")
 
@@ -210,6 +226,13 @@ def build_parser() -> argparse.ArgumentParser:
                            "runs make large pages")
     commands["perfetto"].add_argument("-o", "--output", required=True, metavar="PATH",
                                       help="the trace file to write (.json, or .json.gz)")
+    for name, what in (("html", "report"), ("perfetto", "trace")):
+        commands[name].add_argument(
+            "--max-ranks", type=_max_ranks, default=MAX_RANKS, metavar="N",
+            help=f"the {what} holds the N lowest ranks of the run (default {MAX_RANKS}); "
+                 "the others are read, counted and named on stderr and in the "
+                 f"{what}, not held: a run of thousands of ranks takes GBs of memory "
+                 f"and makes a {what} too large to open. 0: every rank")
     commands["stragglers"].add_argument(
         "--top", type=_positive, default=20, metavar="N",
         help="straggler rows shown (default 20; --json lists all)")

@@ -42,7 +42,7 @@ from typing import Any, NamedTuple
 from commspan import __version__, semconv
 from commspan._json import dumps
 from commspan.analysis.counts import Aggregator
-from commspan.analysis.runs import format_numbers, list_runs, shared_run_note
+from commspan.analysis.runs import RunInfo, format_numbers, list_runs, shared_run_note
 from commspan.analysis.summary import cut_short, cut_short_steps
 from commspan.analysis.timeline import (
     Collective,
@@ -79,6 +79,8 @@ def html_report(
     title: str | None = None,
     timeline_steps: Iterable[int] | None = None,
     last_traces: Mapping[int | None, str] | None = None,
+    notes: Sequence[str] = (),
+    runs: Sequence[RunInfo] | None = None,
 ) -> str:
     """Build the HTML report of a run.
 
@@ -98,6 +100,11 @@ def html_report(
             holds some steps of it (``commspan html --steps``): a step a rank did
             not end is then said cut short, not still running, if the rank went
             on to a later one.
+        notes: sentences saying what the records leave out of the run read (``commspan
+            html --max-ranks``: the ranks not shown), shown at the top of the page.
+        runs: the runs of the files read, when the records hold some of their ranks
+            (``--max-ranks``): the ranks of the job that wrote no spans are told from
+            these; ``None``: from the records.
 
     Returns:
         The HTML document.
@@ -118,7 +125,7 @@ def html_report(
     embedded = _embedded_steps(timeline, timeline_steps)
     first = _first_step(timeline, embedded, step)
     return _page(records, timeline, found, embedded, first, title or "commspan report",
-                 last_traces)
+                 last_traces, notes, runs)
 
 
 def write_html_report(
@@ -130,6 +137,8 @@ def write_html_report(
     title: str | None = None,
     timeline_steps: Iterable[int] | None = None,
     last_traces: Mapping[int | None, str] | None = None,
+    notes: Sequence[str] = (),
+    runs: Sequence[RunInfo] | None = None,
 ) -> Path:
     """Write the HTML report of a run to ``out_path`` (see :func:`html_report`).
 
@@ -151,7 +160,7 @@ def write_html_report(
         raise TypeError(f"out_path={out_path!r} is not valid; pass a file path (str or Path)")
     page = html_report(
         source, step=step, findings=findings, title=title, timeline_steps=timeline_steps,
-        last_traces=last_traces,
+        last_traces=last_traces, notes=notes, runs=runs,
     )
     path = Path(out_path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -224,6 +233,8 @@ def _page(
     first: int,
     title: str,
     last_traces: Mapping[int | None, str] | None = None,
+    notes: Sequence[str] = (),
+    read: Sequence[RunInfo] | None = None,
 ) -> str:
     ranks = list(timeline.ranks)
     tree = _merged_tree(records, ranks)
@@ -241,7 +252,7 @@ def _page(
         # the page loads nothing: the browser is told to refuse any request it might make
         f"<meta http-equiv=\"Content-Security-Policy\" content=\"{_CSP}\">\n",
         f"<title>{_e(title)}</title>\n<style>\n{_asset('report.css')}</style>\n</head>\n<body>\n",
-        _header(timeline, title, findings is not None, records),
+        _header(timeline, title, findings is not None, records, notes, read),
         _summary(timeline, ranks),
         _unfinished_note(timeline, records, last_traces),
     ]
@@ -306,7 +317,8 @@ def _windows_text(timeline: Timeline) -> str:
 
 
 def _header(timeline: Timeline, title: str, findings: bool,
-            records: Sequence[SpanRecord]) -> str:
+            records: Sequence[SpanRecord], notes: Sequence[str] = (),
+            read: Sequence[RunInfo] | None = None) -> str:
     step_text = _windows_text(timeline)
     runs = ", ".join(f"<code>{_e(r)}</code>" for r in timeline.run_ids) or "unknown"
     warn = ""
@@ -315,14 +327,19 @@ def _header(timeline: Timeline, title: str, findings: bool,
             f"<p class=\"warn\">These files hold {len(timeline.run_ids)} runs; counts below "
             "add them up. Write each run to its own directory to see them apart.</p>\n"
         )
-    for run in list_runs(records):  # two jobs under one run id (the CLI says it too)
-        note = shared_run_note(run)
+    shown = "the counts, bytes and timeline below cover" if read is None else \
+        "the files read hold"  # (and the notes say which of those the page shows)
+    for run in list_runs(records) if read is None else read:
+        note = shared_run_note(run)  # two jobs under one run id (the CLI says it too)
         if note is not None:
             warn += f"<p class=\"warn\">{_e(note[0].upper() + note[1:])}.</p>\n"
         # a rank sample, ranks that wrote no file: the page is not the whole job's
-        covers = run.coverage("the counts, bytes and timeline below cover")
+        covers = run.coverage(shown)
         if covers is not None:
             warn += f"<p class=\"warn\">{_e(covers[0].upper() + covers[1:])}.</p>\n"
+    for note in notes:  # what the records leave out of the files read (--max-ranks)
+        note = note.removeprefix("commspan: ")
+        warn += f"<p class=\"warn\">{_e(note[0].upper() + note[1:])}.</p>\n"
     now = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     findings_link = "<a href=\"#findings\">Findings</a> " if findings else ""
     return (

@@ -39,7 +39,7 @@ from __future__ import annotations
 import gzip
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -68,13 +68,17 @@ _PHASES = [p.value for p in semconv.Phase]
 _TIDS_PER_RANK = 1000
 
 
-def chrome_trace(source: RecordSource | Timeline) -> dict[str, Any]:
+def chrome_trace(source: RecordSource | Timeline, notes: Sequence[str] = ()) -> dict[str, Any]:
     """Build the Chrome trace of a run.
 
     Args:
         source: JSONL files or directories written by ``JsonlSpanExporter``,
             span records (``commspan.exporters.read_spans``), or a
             :class:`~commspan.analysis.timeline.Timeline` built from them.
+        notes: sentences saying what ``source`` leaves out of the run read
+            (``commspan perfetto --max-ranks``: the ranks not in the trace), kept
+            as ``otherData["notes"]`` (Perfetto shows it under Info and stats,
+            metadata).
 
     Returns:
         ``{"traceEvents": [...], "displayTimeUnit": "ms", "otherData": {...}}``,
@@ -162,22 +166,22 @@ def chrome_trace(source: RecordSource | Timeline) -> dict[str, Any]:
     # by time, outer slices before the slices they contain; flow steps in issue order
     events.sort(key=lambda e: (e["ts"], -e["dur"], e["pid"]))
     recorded = sum(1 for c in timeline.collectives if c.duration_ns is not None)
-    return {
-        "traceEvents": metadata + events,
-        "displayTimeUnit": "ms",
-        "otherData": {
-            "generator": f"commspan {__version__}",
-            "time_origin_unix_ns": origin,
-            "ranks": list(timeline.ranks),
-            "run_ids": list(timeline.run_ids),
-            "steps": len(timeline.steps),
-            "collectives": len(timeline.collectives),
-            "collectives_with_duration": recorded,
-        },
+    other: dict[str, Any] = {
+        "generator": f"commspan {__version__}",
+        "time_origin_unix_ns": origin,
+        "ranks": list(timeline.ranks),
+        "run_ids": list(timeline.run_ids),
+        "steps": len(timeline.steps),
+        "collectives": len(timeline.collectives),
+        "collectives_with_duration": recorded,
     }
+    if notes:
+        other["notes"] = [n.removeprefix("commspan: ") for n in notes]
+    return {"traceEvents": metadata + events, "displayTimeUnit": "ms", "otherData": other}
 
 
-def write_chrome_trace(source: RecordSource | Timeline, out_path: str | os.PathLike[str]) -> Path:
+def write_chrome_trace(source: RecordSource | Timeline, out_path: str | os.PathLike[str],
+                       notes: Sequence[str] = ()) -> Path:
     """Write the Chrome trace of a run to a file (gzip-compressed if it ends in ``.gz``).
 
     Open the file in https://ui.perfetto.dev (Open trace file) or chrome://tracing.
@@ -185,6 +189,7 @@ def write_chrome_trace(source: RecordSource | Timeline, out_path: str | os.PathL
     Args:
         source: as for :func:`chrome_trace`.
         out_path: the file to write; its directory is created if missing.
+        notes: as for :func:`chrome_trace`.
 
     Returns:
         The path written.
@@ -203,7 +208,7 @@ def write_chrome_trace(source: RecordSource | Timeline, out_path: str | os.PathL
     if not isinstance(out_path, (str, os.PathLike)):
         raise TypeError(f"out_path={out_path!r} is not valid; pass a file path (str or Path)")
     path = Path(out_path)
-    data = dumps(chrome_trace(source))
+    data = dumps(chrome_trace(source, notes))
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.suffix == ".gz":
         data = gzip.compress(data, compresslevel=6)
