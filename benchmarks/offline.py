@@ -1,4 +1,5 @@
-"""The CLI over a thousand-rank run: ``summary``, ``table`` and ``check`` on 1,024 rank files.
+"""The CLI over a thousand-rank run: ``summary``, ``table``, ``check``, ``html``,
+``perfetto`` and ``stragglers`` on 1,024 rank files.
 
 How the run directory is made (it is generated, not traced whole: tracing 1,024
 ranks one by one on the fake process group would take the best part of an hour):
@@ -191,7 +192,17 @@ def run_offline(world: int = 1024, steps: int = 20) -> dict[str, Any]:
             "summary": _run_cli(["summary", str(run_dir), "--rank", "all"]),
             "table": _run_cli(["table", str(run_dir), "--rank", "all"]),
             "check": _run_cli(["check", str(run_dir)]),
+            # the views hold the 32 lowest ranks (--max-ranks), whose files the digests
+            # name; stragglers builds the run from every file's lines as it reads them
+            "html": _run_cli(["html", str(run_dir), "-o", str(Path(work) / "report.html")]),
+            "perfetto": _run_cli(["perfetto", str(run_dir), "-o",
+                                  str(Path(work) / "trace.json")]),
+            "stragglers": _run_cli(["stragglers", str(run_dir)]),
         }
+        for name, out in (("html", "report.html"), ("perfetto", "trace.json")):
+            written = Path(work) / out
+            commands[name]["output_mb"] = written.stat().st_size / 1e6 if written.exists() \
+                else None
         from_jsonl = run_in_subprocess(_from_jsonl, str(run_dir), timeout_s=1800)
         # the same command without digests, on a few ranks (all of them would not fit
         # in memory: every span is held as a record)

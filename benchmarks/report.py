@@ -363,7 +363,8 @@ def _stalls_section(data: dict[str, Any]) -> str:
 def _offline_section(data: dict[str, Any]) -> str:
     rows = [
         [name, f"{c['seconds']:.1f} s", f"CPU {c['cpu_seconds']:.1f} s, peak RSS "
-         f"{c['peak_rss_mb']:,.0f} MB, exit {c['status']}"]
+         f"{c['peak_rss_mb']:,.0f} MB, exit {c['status']}"
+         + (f", wrote {c['output_mb']:,.1f} MB" if c.get("output_mb") is not None else "")]
         for name, c in data["commands"].items()
     ]
     f = data["from_jsonl"]
