@@ -552,7 +552,7 @@ def test_assert_well_formed_refuses_what_is_not_sdk_spans() -> None:
 
     record = SpanRecord("Linear forward", "1", "2", "", 0, 1, {})
     with pytest.raises(TypeError, match=r"spans\[0\] is a SpanRecord \(a span read back "
-                       r"from a JSONL file.*commspan_capture\.spans"):
+                       r"from a JSONL file.*`cap\.spans` after a `with capture\(\) as cap:` block"):
         assert_well_formed([record])
     span = _linear_spans()[0]
     with pytest.raises(TypeError, match=r"spans=.* not a ReadableSpan; pass the SDK spans"):
