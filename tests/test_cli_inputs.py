@@ -595,6 +595,37 @@ def test_a_new_jsonl_output_in_an_input_folder_is_refused(
     assert main(["summary", str(run), "--rank", "all"]) == 0
 
 
+@pytest.mark.parametrize("writer", ["write_html_report", "write_chrome_trace"])
+def test_the_python_writers_refuse_an_output_that_is_an_input(
+    packed_dir: Path, tmp_path: Path, writer: str
+) -> None:
+    """write_html_report / write_chrome_trace with out_path one of the files read (a
+    folder's, a file named, a link to it) or a new *.jsonl file in a folder read: a
+    ValueError naming out_path, before anything is written (the rank's file was
+    replaced by the page and the call returned, as `commspan html -o` did once)."""
+    import commspan.render
+
+    write = getattr(commspan.render, writer)
+    run = tmp_path / "run"
+    shutil.copytree(packed_dir, run)
+    target = run / "commspan-rank0.jsonl.gz"
+    link = tmp_path / "link.gz"
+    link.symlink_to(target)
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    for source, output in ((str(run), target), (run, link), ([str(target)], str(target)),
+                           ((target, run / "commspan-rank1.jsonl.gz"), link)):
+        with pytest.raises(ValueError, match=r"out_path='.*' is an input file \(.*"
+                           r"commspan-rank0.jsonl.gz\): writing it would replace its spans; "
+                           r"pass another file name"):
+            write(source, output)
+    for output in (run / "view.jsonl", run / "view.jsonl.gz"):
+        with pytest.raises(ValueError, match=r"is a new \*.jsonl file in the input folder"):
+            write(run, output)
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == before
+    assert write(run, run / "view.out").stat().st_size > 0  # (another name: written)
+    assert write([], tmp_path / "empty.jsonl").exists()  # (records: no file to clash with)
+
+
 def test_an_int_beyond_64_bits_is_read_and_written_as_it_is(
     packed_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -7,7 +7,6 @@ message and exits with status 2.
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import sys
 from collections.abc import Sequence
@@ -358,39 +357,10 @@ def check_usage(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
 def _output_not_an_input(
     parser: argparse.ArgumentParser, output: str, paths: Sequence[str], example: str
 ) -> None:
-    """``-o`` must not name a file the command reads: writing it would replace that
-    rank's spans; nor a new ``*.jsonl`` (``*.jsonl.gz``) file in a folder it reads:
-    every later read of the folder would take it for a rank's file (checked before
-    anything is read or written)."""
-    if not os.path.exists(output):
-        if not output.endswith((".jsonl", ".jsonl.gz")):
-            return
-        folder = os.path.dirname(os.path.abspath(output))
-        for path in paths:
-            try:
-                inside = os.path.isdir(path) and os.path.samefile(folder, path)
-            except OSError:
-                continue  # the reading says what is wrong with it
-            if inside:
-                parser.error(
-                    f"-o {output!r} is a new *.jsonl file in the input folder {path!r}: "
-                    "every later read of the folder would take it for a rank's spans; "
-                    f"pass another file name, e.g. {example!r}")
-        return
-    for path in paths:
-        names = [path]
-        if os.path.isdir(path):
-            try:
-                names = [os.path.join(path, n) for n in sorted(os.listdir(path))
-                         if n.endswith((".jsonl", ".jsonl.gz"))]
-            except OSError:
-                continue  # the reading says what is wrong with it
-        for name in names:
-            try:
-                same = os.path.samefile(output, name)
-            except OSError:
-                continue
-            if same:
-                parser.error(
-                    f"-o {output!r} is an input file ({name}): writing it would replace "
-                    f"its spans; pass another file name, e.g. {example!r}")
+    """``-o`` must not name a file the command reads, nor a new ``*.jsonl`` file in a
+    folder it reads (:func:`commspan.otlpjson.files.output_clash`)."""
+    from commspan.otlpjson.files import output_clash
+
+    clash = output_clash(output, paths)
+    if clash is not None:
+        parser.error(f"-o {clash}; pass another file name, e.g. {example!r}")

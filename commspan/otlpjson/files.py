@@ -30,7 +30,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["GZIP_MAGIC", "NoJsonlFilesError", "jsonl_files", "starts_compressed"]
+__all__ = ["GZIP_MAGIC", "NoJsonlFilesError", "jsonl_files", "output_clash", "refuse_output_clash",
+           "starts_compressed"]
 
 _log = logging.getLogger(__name__)
 
@@ -226,6 +227,68 @@ _HEAD_READ = 64 << 10  # compressed bytes read for a file's _head
 GZIP_MAGIC = b"\x1f\x8b\x08"
 """How a compressed file (``JsonlSpanExporter(compress=...)``) begins, and each of its
 members."""
+
+
+def output_clash(output: str | os.PathLike[str], paths: Iterable[Any]) -> str | None:
+    """What is wrong with writing ``output`` (a report, a trace) while ``paths`` are the
+    files and folders read, or ``None``: it is one of their JSONL files (or a link to
+    one), whose spans writing it would replace; or a new ``*.jsonl`` (``*.jsonl.gz``)
+    file in a folder among them, which every later read of the folder would take for
+    a rank's file. Items of ``paths`` that are not paths (span records) are passed by;
+    checked before anything is read or written.
+
+    Example:
+        >>> output_clash("report.html", ["commspan-out"]) is None
+        True
+    """
+    output = os.fspath(output)
+    given = [os.fspath(p) for p in paths if isinstance(p, (str, os.PathLike))]
+    if not os.path.exists(output):
+        if not output.endswith((".jsonl", ".jsonl.gz")):
+            return None
+        folder = os.path.dirname(os.path.abspath(output))
+        for path in given:
+            try:
+                inside = os.path.isdir(path) and os.path.samefile(folder, path)
+            except OSError:
+                continue  # the reading says what is wrong with it
+            if inside:
+                return (f"{output!r} is a new *.jsonl file in the input folder {path!r}: "
+                        "every later read of the folder would take it for a rank's spans")
+        return None
+    for path in given:
+        names = [path]
+        if os.path.isdir(path):
+            try:
+                names = [os.path.join(path, n) for n in sorted(os.listdir(path))
+                         if n.endswith((".jsonl", ".jsonl.gz"))]
+            except OSError:
+                continue  # the reading says what is wrong with it
+        for name in names:
+            try:
+                same = os.path.samefile(output, name)
+            except OSError:
+                continue
+            if same:
+                return (f"{output!r} is an input file ({name}): writing it would replace "
+                        "its spans")
+    return None
+
+
+def refuse_output_clash(source: Any, out_path: str | os.PathLike[str], example: str) -> None:
+    """A ``ValueError`` naming ``out_path`` when writing it would clash with the files
+    ``source`` (a path, or a list or tuple of paths and records) reads, as
+    :func:`output_clash` says; other sources (records, a generator) are not looked at.
+    """
+    if isinstance(source, (str, os.PathLike)):
+        paths: Iterable[Any] = [source]
+    elif isinstance(source, (list, tuple)):
+        paths = source
+    else:
+        return
+    clash = output_clash(out_path, paths)
+    if clash is not None:
+        raise ValueError(f"out_path={clash}; pass another file name, e.g. {example!r}")
 
 
 def starts_compressed(path: Path) -> bool | None:

@@ -53,6 +53,7 @@ from commspan.analysis.timeline import (
     build_timeline,
     load_records,
 )
+from commspan.otlpjson.files import refuse_output_clash
 from commspan.otlpjson.records import SpanRecord
 
 __all__ = ["html_report", "write_html_report"]
@@ -149,6 +150,10 @@ def write_html_report(
 
     Raises:
         TypeError: ``out_path`` is not a path; or as :func:`html_report`.
+        ValueError: ``out_path`` is one of the JSONL files ``source`` names (writing
+            it would replace that rank's spans) or a new ``*.jsonl`` file in a folder
+            ``source`` names (later reads would take it for a rank's file); or as
+            :func:`html_report`.
 
     Example:
         >>> import tempfile, pathlib
@@ -158,6 +163,7 @@ def write_html_report(
     """
     if not isinstance(out_path, (str, os.PathLike)):
         raise TypeError(f"out_path={out_path!r} is not valid; pass a file path (str or Path)")
+    refuse_output_clash(source, out_path, "report.html")
     page = html_report(
         source, step=step, findings=findings, title=title, timeline_steps=timeline_steps,
         last_traces=last_traces, notes=notes, runs=runs,

@@ -56,6 +56,7 @@ from commspan.analysis.timeline import (
     load_records,
     match_collectives,
 )
+from commspan.otlpjson.files import refuse_output_clash
 
 __all__ = ["chrome_trace", "write_chrome_trace"]
 
@@ -196,7 +197,9 @@ def write_chrome_trace(source: RecordSource | Timeline, out_path: str | os.PathL
 
     Raises:
         FileNotFoundError: a source path does not exist or a directory holds no ``*.jsonl``.
-        ValueError: a source file holds a line that is not JSON.
+        ValueError: a source file holds a line that is not JSON; ``out_path`` is one of
+            the JSONL files ``source`` names (writing it would replace that rank's
+            spans) or a new ``*.jsonl`` file in a folder ``source`` names.
         TypeError: ``out_path`` is not a path.
 
     Example:
@@ -207,6 +210,7 @@ def write_chrome_trace(source: RecordSource | Timeline, out_path: str | os.PathL
     """
     if not isinstance(out_path, (str, os.PathLike)):
         raise TypeError(f"out_path={out_path!r} is not valid; pass a file path (str or Path)")
+    refuse_output_clash(source, out_path, "trace.json")
     path = Path(out_path)
     data = dumps(chrome_trace(source, notes))
     path.parent.mkdir(parents=True, exist_ok=True)
