@@ -332,6 +332,37 @@ def test_a_file_without_a_last_newline_that_is_not_jsonl_is_named_once(
     assert json.loads(out)["spans"] == spans
 
 
+def test_a_chrome_trace_or_another_format_given_as_input_says_what_to_pass(
+    packed_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The Chrome trace `commspan perfetto` wrote, given back to a reading command or
+    to read_spans: named as a Chrome trace, with the files to pass instead. A strict
+    read whose first line is not a request asks whether the file is one
+    JsonlSpanExporter wrote, instead of only suggesting strict=False (which skips the
+    whole file)."""
+    from commspan.exporters import read_spans
+
+    trace = tmp_path / "trace.json"
+    assert main(["perfetto", str(packed_dir), "-o", str(trace)]) == 0
+    assert json.loads(trace.read_text())["traceEvents"]  # (the test's own reading)
+    capsys.readouterr()
+    chrome = ("not an OTLP/JSON trace request: a Chrome trace (what `commspan perfetto` and "
+              "write_chrome_trace write); pass the JSONL files JsonlSpanExporter wrote")
+    for command in ("summary", "table", "stragglers"):
+        code, out, err = _cli(capsys, command, str(trace))
+        assert code == 1 and not out
+        assert err.startswith(f"ValueError: {trace}:1: an object without resourceSpans") \
+            and chrome in err and err.count("\n") == 1, err
+    with pytest.raises(ValueError, match=r"a Chrome trace .*JsonlSpanExporter wrote$"):
+        list(read_spans(trace))
+    page = tmp_path / "report.html"
+    page.write_text("<!doctype html>\n<html>\n</html>\n")
+    with pytest.raises(ValueError, match=r"report.html:1: not a JSON line .*; not a file "
+                       r"JsonlSpanExporter wrote \(one OTLP/JSON trace request per line\)\? "
+                       r"pass those files, or strict=False to skip damaged lines$"):
+        list(read_spans(page))
+
+
 def test_an_unreadable_directory_says_so(
     packed_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

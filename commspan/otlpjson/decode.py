@@ -336,7 +336,13 @@ class LineReader:
                 "pass a larger max_line_bytes if the line is genuine"
                 if kind == "too_long" else "pass strict=False to skip damaged lines"
             )
-            raise ValueError(f"{path}:{number}: {reason}; {hint}")
+            if kind == "damaged" and number == 1:
+                # (skipping it may skip the whole file: another format given by mistake;
+                # a Chrome trace's reason says what to pass already)
+                hint = ("" if "JsonlSpanExporter" in reason else
+                        "not a file JsonlSpanExporter wrote (one OTLP/JSON trace request "
+                        f"per line)? pass those files, or {hint[5:]}")
+            raise ValueError(f"{path}:{number}: {reason}" + (f"; {hint}" if hint else ""))
         if self.report is not None:
             self.report.skipped.append(SkippedLine(str(path), number, kind, reason))
             return
@@ -710,7 +716,11 @@ def _not_a_request(doc: Any) -> str:
                 "(an object with resourceSpans)")
     if "resourceSpans" not in doc:
         keys = ", ".join(sorted(map(str, doc))[:5]) or "none"
-        return f"an object without resourceSpans (keys: {keys}), not an OTLP/JSON trace request"
+        what = f"an object without resourceSpans (keys: {keys}), not an OTLP/JSON trace request"
+        if "traceEvents" in doc:  # (a view of a run given back as its input)
+            what += (": a Chrome trace (what `commspan perfetto` and write_chrome_trace "
+                     "write); pass the JSONL files JsonlSpanExporter wrote")
+        return what
     return f"resourceSpans is {_json_kind(doc['resourceSpans'])}, expected an array"
 
 
