@@ -818,3 +818,32 @@ def test_a_retried_step_a_failed_step_and_a_hang_answer_the_same_from_digests(
                            for folder in (digested, plain)]
                 assert answers[0][0] == answers[1][0]
                 assert json.loads(answers[0][1]) == json.loads(answers[1][1]), cmd
+
+
+def test_digest_refuses_standard_input_and_other_streams(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], fake_pg: None
+) -> None:
+    """``commspan digest /dev/stdin < FILE`` said "digests written" and wrote
+    ``/dev/stdin.digest``: beside no file of the run, in /dev. A path that is not a
+    regular file of its own (/dev/stdin, /dev/fd/N, a FIFO) is refused before any
+    digest is written, naming it and the fix; reading it still works."""
+    run = _without_digests(_traced(tmp_path / "run", ranks=(0,), steps=1), tmp_path / "p")
+    rank0 = run / "commspan-rank0.jsonl"
+    fd = os.open(rank0, os.O_RDONLY)
+    try:
+        stream = f"/dev/fd/{fd}"  # what /dev/stdin is when stdin is redirected from rank0
+        code, out, err = run_cli(capsys, "digest", stream)
+        assert (code, out) == (1, "")
+        assert err.startswith(f"ValueError: FILES: {stream}: not a regular file of its own")
+        assert "pass the JSONL file's own path" in err and err.count("\n") == 1
+        with pytest.raises(ValueError, match="not a regular file of its own"):
+            write_digest(stream)
+        assert run_cli(capsys, "summary", stream)[0] == 0
+    finally:
+        os.close(fd)
+    fifo = tmp_path / "fifo.jsonl"
+    os.mkfifo(fifo)
+    code, _, err = run_cli(capsys, "digest", str(rank0), str(fifo))
+    assert code == 1 and "not a regular file of its own" in err
+    assert not digest_path(fifo).exists()
+    assert not digest_path(rank0).exists()  # refused before the first file's digest

@@ -90,6 +90,7 @@ __all__ = [
     "PartMerger",
     "PartSelection",
     "aggregate_parts",
+    "check_digestible",
     "list_part_runs",
     "load_parts",
     "select_parts",
@@ -122,9 +123,28 @@ DigestPart = dict[str, Any]
 """The digest of one (rank, trace) of one line: see :func:`digest_parts`."""
 
 
+_STREAM_DIRS = ("/dev/", "/proc/")
+"""Where the paths of streams live (``/dev/stdin``, ``/dev/fd/N``, ``/proc/self/fd/N``):
+no digest is written beside them."""
+
+
 def digest_path(path: str | os.PathLike[str]) -> Path:
     """The digest file of a JSONL file: its name with ``.digest`` appended."""
     return Path(os.fspath(path) + DIGEST_SUFFIX)
+
+
+def check_digestible(path: str | os.PathLike[str]) -> None:
+    """Raise ``ValueError`` unless ``path`` is a regular file of its own, one a digest
+    can be written beside (not ``/dev/stdin``, ``/dev/fd/N``, a pipe or a device)."""
+    if not os.path.abspath(path).startswith(_STREAM_DIRS) and Path(path).is_file():
+        return
+    # /dev/stdin of a redirected file is a regular file, but its digest would be
+    # /dev/stdin.digest, beside no file of the run, standing for whatever the next
+    # standard input is
+    raise ValueError(
+        f"{os.fspath(path)}: not a regular file of its own (standard input, a pipe or a "
+        f"device): its digest would go to {digest_path(path)}, where no later read of the "
+        "file finds it; pass the JSONL file's own path")
 
 
 def _sample_ranges(length: int) -> list[tuple[int, int]]:
@@ -614,6 +634,8 @@ def write_digest(path: str | os.PathLike[str], report: ReadReport | None = None)
 
     Raises:
         OSError: the file cannot be read or the digest written.
+        ValueError: ``path`` is not a regular file of its own (``/dev/stdin``, a
+            pipe, a device): its digest would go where no later read finds it.
 
     Example:
         >>> import pathlib, tempfile
@@ -624,6 +646,7 @@ def write_digest(path: str | os.PathLike[str], report: ReadReport | None = None)
     """
     path = Path(path)
     side = digest_path(path)
+    check_digestible(path)
     tmp = side.with_name(side.name + ".tmp")
     texts = DigestTexts()
     written = 0

@@ -962,7 +962,7 @@ def plan(args: argparse.Namespace, reader: Reader) -> Outcome:
 
 def digest(args: argparse.Namespace, reader: Reader) -> Outcome:
     """``commspan digest FILES``: write each file's digest (docs/jsonl.md, "Digests")."""
-    from commspan.analysis.digest import DIGEST_SUFFIX, write_digest
+    from commspan.analysis.digest import DIGEST_SUFFIX, check_digestible, write_digest
 
     files = reader.files(args.files, digests=True)
     for path in files:
@@ -970,6 +970,10 @@ def digest(args: argparse.Namespace, reader: Reader) -> Outcome:
             raise ValueError(
                 f"FILES: {path} is a digest, not a JSONL file; pass the JSONL files "
                 "(or their directory: it stands for its *.jsonl and *.jsonl.gz only)")
+        try:
+            check_digestible(path)  # (before any digest is written)
+        except ValueError as exc:
+            raise ValueError(f"FILES: {exc}") from None
     lines = 0
     report = reader.report
     for path in files:
@@ -978,12 +982,8 @@ def digest(args: argparse.Namespace, reader: Reader) -> Outcome:
         try:
             lines += write_digest(path, report)
         except OSError as exc:
-            where = ""
-            if not path.is_file():  # a pipe, /dev/stdin, a process substitution
-                where = ("; the digest goes beside its file (FILE.digest): pass a regular "
-                         "file, not a pipe")
-            raise OSError(
-                f"{path}: cannot write its digest ({exc.strerror or exc}){where}") from None
+            raise OSError(f"{path}: cannot write its digest ({exc.strerror or exc}); pass "
+                          "a file in a directory you can write to") from None
         reader.check_lines(path, lines_before, skipped)
         if report.commspan_spans == before and report.lines > lines_before:
             reader.notes.append(f"commspan: {path} holds no commspan span")
