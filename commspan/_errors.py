@@ -9,8 +9,8 @@ Three concerns, each with one owner here:
   errors of one kind and logs the first with its traceback; :class:`Once`
   remembers which kinds of event were already logged, for counters that live
   elsewhere (an export queue's ``dropped``, taken under its lock);
-- a user's bad number: :func:`positive_int` and :func:`seconds` raise the error
-  that names the parameter, the value and the fix.
+- a user's bad number or output path: :func:`positive_int`, :func:`seconds` and
+  :func:`file_path` raise the error that names the parameter, the value and the fix.
 
 Example:
     >>> import logging
@@ -31,13 +31,15 @@ from __future__ import annotations
 import logging
 import numbers
 import operator
+import os
 import threading
+from pathlib import Path
 from typing import Any
 
 from commspan._fork import renew_after_fork
 
-__all__ = ["ErrorCounter", "Once", "describe_error", "error_message", "positive_int",
-           "whole_number"]
+__all__ = ["ErrorCounter", "Once", "describe_error", "error_message", "file_path",
+           "positive_int", "whole_number"]
 
 _FURTHER = " (further errors are counted, not logged)"
 
@@ -91,6 +93,26 @@ def positive_int(name: str, value: Any, fix: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name}={value!r} is not valid; {fix}")
     return value
+
+
+def file_path(name: str, value: Any, example: str) -> Path:
+    """``value`` as the path of a file to write.
+
+    Raises:
+        TypeError: ``value`` is not a ``str`` or ``os.PathLike``.
+        IsADirectoryError: ``value`` ends with a path separator (``"reports/"``), so
+            names a directory, which ``Path`` would silently take for the file
+            ``reports``; the message suggests ``example`` inside it.
+    """
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"{name}={value!r} is not valid; pass a file path (str or Path)")
+    text = os.fspath(value)
+    seps = tuple(s for s in (os.sep, os.altsep) if s)
+    if isinstance(text, str) and text.endswith(seps):
+        raise IsADirectoryError(
+            f"{name}={text!r} names a directory (it ends with {text[-1]!r}); pass a file "
+            f"path in it, e.g. {os.path.join(text, example)!r}")
+    return Path(value)
 
 
 # what an infinite wait becomes: threading and time.monotonic() overflow on inf

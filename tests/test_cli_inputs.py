@@ -581,6 +581,28 @@ def test_output_paths_that_cannot_be_written_name_the_option(
 
 
 @pytest.mark.parametrize("command", ["html", "perfetto"])
+def test_an_output_ending_in_a_slash_is_a_directory_not_a_file(
+    packed_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    """``-o reports/`` (a folder meant, not there yet) wrote the report to a file named
+    ``reports``, exit 0; it is now the error an existing directory gets, naming a file
+    in it, and nothing is written. The Python writers refuse it the same way."""
+    from commspan.render import write_chrome_trace, write_html_report
+
+    example = "report.html" if command == "html" else "trace.json"
+    folder = os.path.join(str(tmp_path), "reports") + os.sep
+    code, out, err = _cli(capsys, command, str(packed_dir), "-o", folder)
+    assert (code, out) == (1, "")
+    assert err == (f"IsADirectoryError: -o {folder!r} names a directory (it ends with '/'); "
+                   f"pass a file name in it, e.g. {os.path.join(folder, example)!r}\n")
+    assert not os.path.lexists(folder.rstrip(os.sep))  # no file named `reports`
+    write = write_html_report if command == "html" else write_chrome_trace
+    with pytest.raises(IsADirectoryError, match=r"out_path='.*/reports/' names a directory"):
+        write([], folder)
+    assert not os.path.lexists(folder.rstrip(os.sep))
+
+
+@pytest.mark.parametrize("command", ["html", "perfetto"])
 def test_an_output_that_is_an_input_file_is_refused(
     packed_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str
 ) -> None:

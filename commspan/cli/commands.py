@@ -788,8 +788,9 @@ def _writing(output: str, write: Callable[[], Path], example: str) -> Path:
     try:
         return write()
     except IsADirectoryError:
+        what = "is a directory" if os.path.isdir(output) else "names a directory (it ends with '/')"
         raise IsADirectoryError(
-            f"-o {output!r} is a directory; pass a file name in it, e.g. "
+            f"-o {output!r} {what}; pass a file name in it, e.g. "
             f"{os.path.join(output, example)!r}") from None
     except (FileExistsError, NotADirectoryError):  # a directory on the way is a file
         parent = Path(output).parent

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from commspan import __version__, semconv
+from commspan._errors import file_path
 from commspan._json import dumps
 from commspan.analysis.counts import Aggregator
 from commspan.analysis.runs import RunInfo, format_numbers, list_runs, shared_run_note
@@ -154,6 +155,7 @@ def write_html_report(
             it would replace that rank's spans) or a new ``*.jsonl`` file in a folder
             ``source`` names (later reads would take it for a rank's file); or as
             :func:`html_report`.
+        IsADirectoryError: ``out_path`` is a directory, or ends with ``/``.
 
     Example:
         >>> import tempfile, pathlib
@@ -161,14 +163,12 @@ def write_html_report(
         >>> out.read_text().count("<script") >= 1
         True
     """
-    if not isinstance(out_path, (str, os.PathLike)):
-        raise TypeError(f"out_path={out_path!r} is not valid; pass a file path (str or Path)")
+    path = file_path("out_path", out_path, "report.html")
     refuse_output_clash(source, out_path, "report.html")
     page = html_report(
         source, step=step, findings=findings, title=title, timeline_steps=timeline_steps,
         last_traces=last_traces, notes=notes, runs=runs,
     )
-    path = Path(out_path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(page, encoding="utf-8")
     _log.info("commspan: wrote %s (%d bytes)", path, len(page.encode("utf-8")))

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from commspan import __version__, semconv
+from commspan._errors import file_path
 from commspan._json import dumps
 from commspan.analysis.timeline import (
     Collective,
@@ -201,6 +202,7 @@ def write_chrome_trace(source: RecordSource | Timeline, out_path: str | os.PathL
             the JSONL files ``source`` names (writing it would replace that rank's
             spans) or a new ``*.jsonl`` file in a folder ``source`` names.
         TypeError: ``out_path`` is not a path.
+        IsADirectoryError: ``out_path`` is a directory, or ends with ``/``.
 
     Example:
         >>> import tempfile, pathlib
@@ -208,10 +210,8 @@ def write_chrome_trace(source: RecordSource | Timeline, out_path: str | os.PathL
         >>> out.name
         'trace.json'
     """
-    if not isinstance(out_path, (str, os.PathLike)):
-        raise TypeError(f"out_path={out_path!r} is not valid; pass a file path (str or Path)")
+    path = file_path("out_path", out_path, "trace.json")
     refuse_output_clash(source, out_path, "trace.json")
-    path = Path(out_path)
     data = dumps(chrome_trace(source, notes))
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.suffix == ".gz":
