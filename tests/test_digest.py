@@ -847,3 +847,25 @@ def test_digest_refuses_standard_input_and_other_streams(
     assert code == 1 and "not a regular file of its own" in err
     assert not digest_path(fifo).exists()
     assert not digest_path(rank0).exists()  # refused before the first file's digest
+
+
+def test_digest_of_a_file_of_another_format_leaves_no_digest(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], fake_pg: None
+) -> None:
+    """``commspan digest trace.json`` (a Chrome trace, or a README) failed, rightly, but
+    left an empty ``trace.json.digest`` beside it; a file none of whose lines gets a
+    digest line now gets no digest (an empty one stood for nothing), and a stale one
+    is removed. A rank file's digest is still written."""
+    run = _without_digests(_traced(tmp_path / "run", ranks=(0,), steps=1), tmp_path / "p")
+    chrome = tmp_path / "trace.json"  # one line, no newline: what `commspan perfetto` writes
+    chrome.write_text(json.dumps({"traceEvents": [], "displayTimeUnit": "ns"}))
+    readme = tmp_path / "README.md"
+    readme.write_text("# a run\n\nnot JSON\n")
+    digest_path(readme).write_text("stale\n")
+    for path in (chrome, readme):
+        code, out, err = run_cli(capsys, "digest", str(path))
+        assert code == 1 and out == "" and "Traceback" not in err
+        assert not digest_path(path).exists(), path
+        assert write_digest(path) == 0 and not digest_path(path).exists()
+    rank0 = run / "commspan-rank0.jsonl"
+    assert run_cli(capsys, "digest", str(run))[0] == 0 and read_digest(rank0) is not None

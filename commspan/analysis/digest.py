@@ -622,7 +622,9 @@ def write_digest(path: str | os.PathLike[str], report: ReadReport | None = None)
 
     Every complete line that is an OTLP/JSON request gets its digest line; the
     others (damaged, cut short) get none, and readers parse them as before. The
-    digest replaces any ``<file>.digest`` there was, in one rename.
+    digest replaces any ``<file>.digest`` there was, in one rename; a file none of
+    whose lines gets one (empty, or of another format: a Chrome trace, a README)
+    is left without a digest, as an empty one would stand for nothing.
 
     Args:
         path: a JSONL file (plain or compressed).
@@ -696,6 +698,10 @@ def write_digest(path: str | os.PathLike[str], report: ReadReport | None = None)
                 report.spans += len(records)
                 report.commspan_spans += sum(
                     1 for r in records if semconv.MODULE_FQN in r.attributes)
+    if not written:  # nothing to stand for: leave no empty .digest beside the file
+        tmp.unlink()
+        side.unlink(missing_ok=True)
+        return 0
     os.replace(tmp, side)
     return written
 
