@@ -363,6 +363,37 @@ def test_a_chrome_trace_or_another_format_given_as_input_says_what_to_pass(
         list(read_spans(page))
 
 
+def test_a_folder_of_run_folders_names_them(
+    packed_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The folder `hang_and_straggler.py --out DIR` (or two `--out runs/X` demos)
+    writes holds one folder per run and no JSONL file: the error names the folders
+    that hold some, and an example to pass; `-` names /dev/stdin."""
+    from commspan import Aggregator
+
+    parent = tmp_path / "debug"
+    for name in ("straggler", "hang"):
+        shutil.copytree(packed_dir, parent / name)
+    (parent / "notes").mkdir()  # (a folder without JSONL files is not named)
+    for command in ("summary", "check", "table"):
+        code, out, err = _cli(capsys, command, str(parent))
+        assert not out and code == (2 if command == "check" else 1)
+        assert err == (f"FileNotFoundError: FILES: directory '{parent}' holds no *.jsonl or "
+                       "*.jsonl.gz file; pass the directory a JsonlSpanExporter wrote to, or its "
+                       "files (JSONL files are in its folders hang, straggler: pass one of them, "
+                       f"e.g. '{parent / 'hang'}')\n")
+    with pytest.raises(FileNotFoundError, match=r"JSONL files are in its folders hang, straggler"):
+        Aggregator.from_jsonl(parent, rank="all")
+    shutil.rmtree(parent / "straggler")
+    code, _, err = _cli(capsys, "summary", str(parent))
+    assert code == 1
+    assert f"(JSONL files are in its folder hang: pass it, '{parent / 'hang'}')" in err
+    code, _, err = _cli(capsys, "summary", str(tmp_path / "debug" / "notes"))
+    assert code == 1 and err.endswith("or its files\n")  # (nothing inside to name)
+    code, _, err = _cli(capsys, "summary", "-")
+    assert err == "FileNotFoundError: FILES: '-' does not exist (standard input is /dev/stdin)\n"
+
+
 def test_an_unreadable_directory_says_so(
     packed_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -112,7 +112,7 @@ def jsonl_files(
                 raise NoJsonlFilesError(
                     f"{param}: directory {os.fspath(p)!r} holds no *.jsonl or *.jsonl.gz "
                     f"file{but}; pass the directory a JsonlSpanExporter wrote to, or its "
-                    "files"
+                    "files" + _runs_inside(path, names)
                 )
             if passed:
                 _note(notes, f"commspan: not reading {'; '.join(passed)}: not a regular "
@@ -124,7 +124,8 @@ def jsonl_files(
         elif path.is_symlink():
             raise FileNotFoundError(f"{param}: {os.fspath(p)!r} is {_broken_link(path)}")
         else:
-            raise FileNotFoundError(f"{param}: {os.fspath(p)!r} does not exist")
+            stdin = " (standard input is /dev/stdin)" if os.fspath(p) == "-" else ""
+            raise FileNotFoundError(f"{param}: {os.fspath(p)!r} does not exist{stdin}")
     return _without_copies(out, notes)
 
 
@@ -171,6 +172,25 @@ def _note(notes: list[str] | None, text: str) -> None:
         notes.append(text)
     else:
         _log.warning("%s", text)
+def _runs_inside(path: Path, names: list[str]) -> str:
+    """For a directory without JSONL files: the folders directly inside it that hold
+    some (a parent of several runs' folders, ``runs/tp`` and ``runs/sp``), as the end
+    of the error's sentence; ``""`` when none does."""
+    inside = []
+    for name in sorted(names):
+        try:
+            if (path / name).is_dir() and any(
+                    n.endswith((".jsonl", ".jsonl.gz")) for n in os.listdir(path / name)):
+                inside.append(name)
+        except OSError:
+            continue
+    if not inside:
+        return ""
+    shown = ", ".join(inside[:5]) + (f" and {len(inside) - 5} more" if len(inside) > 5 else "")
+    one = os.fspath(path / inside[0])
+    if len(inside) == 1:
+        return f" (JSONL files are in its folder {shown}: pass it, {one!r})"
+    return f" (JSONL files are in its folders {shown}: pass one of them, e.g. {one!r})"
 
 
 def _without_copies(files: list[Path], notes: list[str] | None) -> list[Path]:
