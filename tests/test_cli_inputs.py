@@ -783,6 +783,25 @@ def test_plan_import_errors_name_the_target(
     assert code == 1 and "no module 'nosuch_mod_zz'" in err
 
 
+def test_plan_imports_a_module_of_the_current_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``commspan plan mymod:setup`` beside ``mymod.py``: the `commspan` script's
+    sys.path lacks the current directory (``python -m commspan``'s has it), and the
+    same command said "no module 'mymod'"; it imports the module now (whose setup,
+    returning no step, is then named)."""
+    import sys
+
+    (tmp_path / "cwd_plan_zz.py").write_text("def setup():\n    return 3\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "cwd_plan_zz", raising=False)
+    code, out, err = _cli(capsys, "plan", "cwd_plan_zz:setup", "--world", "2")
+    sys.modules.pop("cwd_plan_zz", None)
+    assert code == 1 and not out
+    assert "no module" not in err and "setup returned int, not the step" in err, err
+
+
 def test_usage_errors_show_the_commands_usage(
     packed_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

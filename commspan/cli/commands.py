@@ -1037,6 +1037,10 @@ def _load_function(target: str) -> Callable[[], Any]:
             sys.path.insert(0, str(path.resolve().parent))
             spec.loader.exec_module(module)
         else:
+            # a module of the current directory is importable, as under `python -m
+            # commspan` (whose sys.path starts with it; the `commspan` script's does not)
+            if "" not in sys.path and os.getcwd() not in sys.path:
+                sys.path.insert(0, os.getcwd())
             module = importlib.import_module(where)
     except FileNotFoundError:
         raise
