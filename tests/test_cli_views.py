@@ -94,7 +94,7 @@ def test_html_check_and_findings_file(
         out = tmp_path / "report.html"
         code, text, err = run_cli(capsys, "html", str(divergent), "-o", str(out), *extra)
         assert (code, err) == (0, "")
-        assert text.rstrip().endswith(", 1 findings")
+        assert text.rstrip().endswith(", 1 finding")  # (it said "1 findings")
         assert message.split("`")[0].strip() in out.read_text()
     # --timeline-every keeps the step a finding names (and the first)
     step = json.loads(checked)["findings"][0]["step"]
@@ -114,6 +114,8 @@ def test_html_check_and_findings_file(
         ('{"other": 1}', "TypeError: --findings '{f}' holds an object without a findings "
                          "list, not the output of `commspan check --json`"),
         ('{"findings": [1]}', "TypeError: --findings '{f}': findings[0] is a int, not a dict"),
+        ("<dir>", "OSError: --findings '{f}' cannot be read: Is a directory; pass the file "
+                  "`commspan check --json > FILE` wrote"),
     ],
 )
 def test_html_bad_findings_file(
@@ -123,7 +125,9 @@ def test_html_bad_findings_file(
     """A findings file that is missing, not JSON or not check's JSON: one line, exit 1,
     no report written."""
     f = tmp_path / "f.json"
-    if content is not None:
+    if content == "<dir>":
+        f.mkdir()
+    elif content is not None:
         f.write_text(content)
     out = tmp_path / "report.html"
     code, text, err = run_cli(capsys, "html", str(tp), "-o", str(out), "--findings", str(f))

@@ -687,7 +687,8 @@ def _written(path: Path, sel: Selection, extra: dict[str, Any], args: argparse.N
     text = (f"wrote {what} {path} ({size:,} bytes): {run}ranks {format_numbers(ranks)}, "
             f"steps {format_numbers(sel.steps)}")
     if "findings" in extra:
-        text += f", {extra['findings']} findings"
+        n = extra["findings"]
+        text += f", {n} finding{'' if n == 1 else 's'}"
     return Outcome(text)
 
 
@@ -698,7 +699,8 @@ def _findings_file(name: str) -> Any:
     except FileNotFoundError:
         raise FileNotFoundError(f"--findings {name!r} does not exist") from None
     except OSError as exc:
-        raise OSError(f"--findings {name!r} cannot be read: {exc.strerror or exc}") from None
+        raise OSError(f"--findings {name!r} cannot be read: {exc.strerror or exc}; pass the "
+                      "file `commspan check --json > FILE` wrote") from None
     try:
         return json.loads(text)
     except ValueError as exc:
