@@ -60,7 +60,19 @@ def test_readme_test_snippets_pass(pytester: pytest.Pytester) -> None:
     pytester.runpytest_subprocess(*args).assert_outcomes(passed=2)
 
 
-@pytest.mark.parametrize("name", ["jsonl.md", "design.md", "views.md"])
+_RUN_DOCS = ["jsonl.md", "design.md", "views.md", "backends.md", "compat.md", "debugging.md"]
+# fragments that need a device mesh or a model of the page's own, not whole programs
+_FRAGMENT_DOCS = {"parallelisms.md", "performance.md"}
+
+
+def test_every_docs_python_block_is_run_or_a_known_fragment() -> None:
+    """A docs page with Python blocks is run by :func:`test_docs_examples_run` (backends,
+    compat and debugging were not) or listed as fragments."""
+    with_blocks = {p.name for p in (REPO / "docs").glob("*.md") if python_blocks(p)}
+    assert with_blocks - set(_RUN_DOCS) == _FRAGMENT_DOCS
+
+
+@pytest.mark.parametrize("name", _RUN_DOCS)
 def test_docs_examples_run(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """docs/*.md Python blocks run, next to JSONL files written the README's way."""
     monkeypatch.chdir(tmp_path)
