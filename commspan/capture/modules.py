@@ -1097,40 +1097,6 @@ class ModuleTracker(BackwardNesting):
             return None
         return hit[1]
 
-    def in_compiled_call(self) -> bool:
-        """Whether a compiled module's call is running: ``torch.compile(m)``'s wrapper
-        or a module compiled in place (whose submodules' calls have no spans)."""
-        calls = self._calls
-        return _in_compiled() or bool(calls and calls[-1].in_place)
-
-    def running_module(self, within: str) -> str | None:
-        """The name of the innermost named module whose method is running on this
-        thread's Python stack, if it is ``within`` or one of its submodules; else
-        ``None``.
-
-        Compiled code keeps the frames of the functions Dynamo compiled (their
-        locals, ``self`` included): ops run eagerly after a graph break, and the
-        graphs the compiled frame calls, run under that frame, whose ``self`` is
-        the module actually running (not the one a graph reused across modules
-        of a class was traced on). A walk of the stack: for collectives in
-        compiled regions only."""
-        try:
-            frame: Any = sys._getframe(1)
-            prefix = within + "."
-            fqn = self.fqn
-            while frame is not None:
-                code = frame.f_code
-                if code.co_argcount and code.co_varnames[0] == "self":
-                    module = frame.f_locals.get("self")
-                    if isinstance(module, torch.nn.Module):
-                        name = fqn(module)
-                        if name is not None:
-                            return name if name == within or name.startswith(prefix) else None
-                frame = frame.f_back
-        except Exception:
-            self._errors.record()
-        return None
-
     def knows_name(self, fqn: str) -> bool:
         """Whether a module the tracker has named is called ``fqn``."""
         if self._names_known != self._named:

@@ -908,32 +908,14 @@ class CommSpanMode:
         that was is unknown, so ``None`` (the span open around the call owns it)."""
         compiled = dispatch.compiled_module()
         tracker = self._tracker
-        if tracker is None:
+        if compiled is None or tracker is None:
             return None
-        if compiled is None:
-            # a compiled module's call (a graph break's ops run eagerly; eager and
-            # inductor graphs keep no module): the module whose frame runs it
-            if in_autograd or not tracker.in_compiled_call():
-                return None
-            fqn = tracker.running_module(span)
-            if fqn is None or fqn == span:
-                return None
-            return Ownership(fqn, Phase.FORWARD, semconv.SOURCE_COMPILE)
+        fqn = tracker.fqn_of_id(compiled[0])
         path = compiled[2]
         if path and not tracker.torch_names and ACTIVATION_KEY in path:
             # a compiled activation-checkpointing wrapper (torchtitan's block): the
             # modules it wraps are named as under the wrapper
             path = without_wrapper(path, ACTIVATION_KEY)
-        if compiled[1] and path is not None:
-            # a forward node (forward, recompute): its module under the frame that
-            # runs the graph, the module actually running
-            running = tracker.running_module(span)
-            if running is not None:
-                here = f"{running}.{path}" if path else running
-                if here != span and tracker.knows_name(here):
-                    phase = Phase.RECOMPUTE if in_autograd else Phase.FORWARD
-                    return Ownership(here, phase, semconv.SOURCE_COMPILE)
-        fqn = tracker.fqn_of_id(compiled[0])
         if path is not None:
             here = f"{span}.{path}" if path else span
             # the module the graph was traced on, from the node's: ``Net.layers.0``
