@@ -686,10 +686,11 @@ def test_blocks_compiled_in_place_inside_a_compiled_model(fake_pg: None) -> None
 
 def test_blocks_compiled_in_place_after_the_mode_named_them(fake_pg: None) -> None:
     """Blocks compiled in place after the mode first saw them: in that step their
-    collectives go to the span open around their calls (the parent's), never to a
-    sibling block (aot_eager's graph names the first block's submodules); from the
-    next step on each block has its span, and its submodules own their collectives
-    as CommDebugMode counts them uncompiled."""
+    forward collectives are owned by the submodules of the block that ran (the
+    compiled frame's ``self``), their backward ones by the span open around their
+    calls (the parent's), never by a sibling block (aot_eager's graph names the
+    first block's submodules); from the next step on each block has its span, and
+    its submodules own their collectives as CommDebugMode counts them uncompiled."""
     x = torch.randn(4, DIM, requires_grad=True)
     expected = _blocks_reference(x)
     torch._dynamo.reset()
@@ -704,8 +705,12 @@ def test_blocks_compiled_in_place_after_the_mode_named_them(fake_pg: None) -> No
         with cap.mode.step(1):
             model(x).sum().backward()
     compiled_run = first[len(first) // 2:]
-    assert {(e[semconv.OWNER_FQN], e[semconv.OWNER_SOURCE]) for e in compiled_run} == {
-        ("_Blocks", "position")}
+    assert Counter((e[semconv.OWNER_FQN], e[semconv.PHASE], e[semconv.OWNER_SOURCE])
+                   for e in compiled_run) == Counter(
+        {(fqn, "forward", "compile"): n for (fqn, phase), n in expected.items()
+         if phase == "forward"}) + Counter(
+        {("_Blocks", "backward", "position"): sum(
+            n for (_, phase), n in expected.items() if phase == "backward")})
     got = Counter((e[semconv.OWNER_FQN], e[semconv.PHASE]) for e in _events(cap)[len(first):])
     assert got == expected
     assert cap.mode.stats()["internal_errors"] == 0
@@ -893,3 +898,128 @@ def test_a_user_hook_raising_after_a_block_compiled_in_place_leaves_the_mode_as_
                 if str(s.attributes.get(semconv.MODULE_FQN, "")).count(".") <= 2]
 
     assert run(in_place=True) == run(in_place=False)
+
+
+def _own_counts(model: torch.nn.Module, x: torch.Tensor) -> Counter[tuple[str, str]]:
+    """(module, phase) -> collectives the module issues itself (not its submodules),
+    from torch's CommDebugMode on the uncompiled ``model`` (which counts each
+    module's own and its submodules')."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    torch_cdm = CommDebugMode()
+    with torch_cdm:
+        model(x).sum().backward()
+    total = {(fqn, phase): sum(ops.values())
+             for fqn, phases in torch_cdm.comm_module_counts.items()
+             for phase, ops in phases.items() if fqn != "Global"}
+    own: Counter[tuple[str, str]] = Counter(total)
+    for (fqn, phase), n in total.items():
+        parent = fqn
+        while "." in parent:  # the nearest module above it that CommDebugMode lists
+            parent = parent.rsplit(".", 1)[0]
+            if (parent, phase) in total:
+                own[(parent, phase)] -= n
+                break
+    assert total and all(n >= 0 for n in own.values()), total
+    return +own
+
+
+class _Block(torch.nn.Module):
+    """An Attn, then (``brk``) a graph break, then an all-reduce of its own."""
+
+    def __init__(self, brk: bool = False) -> None:
+        super().__init__()
+        self.attn = Attn()
+        self.fc = torch.nn.Linear(DIM, DIM)
+        self.brk = brk
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.attn(x)
+        if self.brk:
+            torch._dynamo.graph_break()
+        return funcol.all_reduce(self.fc(x), "sum", dist.group.WORLD)
+
+
+def _run_block(block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return block(x)
+
+
+class _Stack(torch.nn.Module):
+    """Three ``_Block``s, each called directly or through ``run(block, x)``."""
+
+    def __init__(self, brk: bool = False, run: Any = None) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([_Block(brk) for _ in range(3)])
+        self.run = run
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x) if self.run is None else self.run(block, x)
+        return x
+
+
+def _traced(model: torch.nn.Module, x: torch.Tensor) -> tuple[list[dict[str, Any]], int, int]:
+    """The events of one traced step of ``model``, the graphs Dynamo compiled and
+    its graph breaks."""
+    torch._dynamo.utils.counters.clear()
+    with capture() as cap:
+        with cap.mode.step(0):
+            model(x).sum().backward()
+    assert cap.mode.stats()["internal_errors"] == 0
+    counters = torch._dynamo.utils.counters
+    return (_events(cap), int(counters["stats"]["unique_graphs"]),
+            sum(counters["graph_break"].values()))
+
+
+def _untraced_graphs(model: torch.nn.Module, x: torch.Tensor) -> tuple[int, int]:
+    torch._dynamo.utils.counters.clear()
+    model(x).sum().backward()
+    counters = torch._dynamo.utils.counters
+    return int(counters["stats"]["unique_graphs"]), sum(counters["graph_break"].values())
+
+
+def test_a_compiled_function_called_with_each_block_charges_the_block_that_ran(
+        fake_pg: None) -> None:
+    """A function compiled once (aot_eager) and called with each of three blocks of
+    one class (``run(block, x)``): Dynamo runs one graph for all, which names the
+    first block's modules. Forward collectives are owned by the block that ran (and
+    its submodules), as CommDebugMode counts them on the uncompiled model; backward
+    ones by the span open around the call (the model's: which block's graph ran
+    only the forward's frame knows), never by the first block. (Every collective
+    was charged to ``_Stack.blocks.0``'s modules.) No recompile under the mode."""
+    x = torch.randn(4, DIM, requires_grad=True)
+    own = _own_counts(_Stack(), x)
+    torch._dynamo.reset()
+    run = torch.compile(_run_block, backend="aot_eager")
+    untraced = _untraced_graphs(_Stack(run=run), x)
+    events, graphs, breaks = _traced(_Stack(run=run), x)
+    got = Counter((e[semconv.OWNER_FQN], e[semconv.PHASE]) for e in events)
+    forward = Counter({k: n for k, n in own.items() if k[1] == "forward"})
+    backward = sum(n for (_, phase), n in own.items() if phase == "backward")
+    assert len(forward) == 6 and backward == 6, own
+    assert got == forward + Counter({("_Stack", "backward"): backward})
+    assert untraced == (1, 0) and (graphs, breaks) == (0, 0)  # (no recompile under the mode)
+
+
+def test_a_compiled_model_whose_blocks_break_the_graph_charges_the_block_that_ran(
+        fake_pg: None) -> None:
+    """``torch.compile(model)`` (aot_eager) around three blocks of one class, each
+    breaking the graph: Dynamo skips the model's frame (a graph break in its loop)
+    and compiles each block's frame on its own, one graph for all three, which
+    names the first block's modules; nothing of the blocks runs eagerly (their
+    hooks are compiled too), so they have no spans. Forward collectives of the
+    blocks' submodules are owned by the block that ran, as CommDebugMode counts
+    them on the uncompiled model; the rest (the block's own, in the graph after the
+    break, whose nodes have no module; every backward one) by the model's span.
+    (All were the model's.) No recompile under the mode."""
+    x = torch.randn(4, DIM, requires_grad=True)
+    own = _own_counts(_Stack(brk=True), x)
+    torch._dynamo.reset()
+    untraced = _untraced_graphs(torch.compile(_Stack(brk=True), backend="aot_eager"), x)
+    events, graphs, breaks = _traced(torch.compile(_Stack(brk=True), backend="aot_eager"), x)
+    got = Counter((e[semconv.OWNER_FQN], e[semconv.PHASE]) for e in events)
+    attn = Counter({k: n for k, n in own.items() if k[1] == "forward" and k[0].endswith(".attn")})
+    rest = sum(own.values()) - sum(attn.values())
+    assert len(attn) == 3 and rest == 9, own
+    assert got == attn + Counter({("_Stack", "forward"): 3, ("_Stack", "backward"): 6})
+    assert untraced == (2, 1) and (graphs, breaks) == (0, 0)  # (no recompile under the mode)

@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 import torch
@@ -45,6 +46,7 @@ from commspan.spans.timing import CollectiveTiming
 
 __all__ = [
     "MAX_LABELS", "CollectiveDispatchMode", "OpRecordingDispatchMode", "describe", "module_path",
+    "module_source", "running_module",
 ]
 
 _log = logging.getLogger(__name__)
@@ -256,6 +258,23 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
                 key = key.split("@", 1)[0]
             return int(key), found[1], module_path(found[2])
         except (TypeError, ValueError):  # a key that is not a module id: unknown
+            return None
+
+    def compiled_source(self) -> tuple[str, str, Any] | None:
+        """In a compiled region run by torch's DebugInterpreter: the local of the
+        compiled frame the running node's module hangs under (``self``, or an
+        argument: ``block`` of ``def run(block, x)``), the module's dotted path
+        under it, and its class; ``None`` outside one, or for a module reached
+        otherwise (a global)."""
+        found = getattr(self._tls, "compiled", None)
+        if found is None:
+            return None
+        source = module_source(found[2])
+        if source is None:
+            return None
+        try:
+            return source[0], source[1], found[2][1]
+        except (TypeError, IndexError, KeyError):
             return None
 
     def __getattr__(self, name: str) -> Any:
@@ -794,27 +813,25 @@ class _NoTracker:
 _NO_TRACKER = _NoTracker()
 
 
-_PATH_ROOT = re.compile(r"L\['self'\]")
+_PATH_ROOT = re.compile(r"L\['([A-Za-z_][A-Za-z0-9_]*)'\]")
 _PATH_STEP = re.compile(  # .__dict__['_modules']['x'] (a module with a __getattr__ of
     # its own: checkpoint_wrapper's) | ._modules['x'] | .x | [0] | ['x']
     r"\.__dict__\['_modules'\]\['([^'\]]+)'\]|"
     r"\._modules\['([^'\]]+)'\]|\.([A-Za-z_][A-Za-z0-9_]*)|\[(\d+)\]|\['([^'\]]+)'\]")
 
 
-def module_path(entry: Any) -> str | None:
-    """The dotted path of a compiled graph node's module under the module whose
-    ``forward`` was compiled (the frame's ``self``), from an ``nn_module_stack``
-    entry (``("L['self'].layers[0].attn", Attention)`` -> ``layers.0.attn``;
-    ``""`` for that module itself); ``None`` for another root (a global, another
-    argument) or a path of another form.
+def module_source(entry: Any) -> tuple[str, str] | None:
+    """The local of the compiled frame a graph node's module hangs under and the
+    module's dotted path there, from an ``nn_module_stack`` entry
+    (``("L['self'].layers[0].attn", Attention)`` -> ``("self", "layers.0.attn")``;
+    path ``""`` for that local's module itself); ``None`` for another root (a
+    global) or a path of another form.
 
     Example:
-        >>> module_path(("L['self']._modules['mlp'].fc", object))
-        'mlp.fc'
-        >>> module_path(("L['self'].__dict__['_modules']['block'].fc", object))
-        'block.fc'
-        >>> module_path(("G['model'].fc", object)), module_path(("L['other'].fc", object))
-        (None, None)
+        >>> module_source(("L['block']._modules['mlp'].fc", object))
+        ('block', 'mlp.fc')
+        >>> module_source(("G['model'].fc", object)) is None
+        True
     """
     try:
         path = entry[0]
@@ -833,7 +850,57 @@ def module_path(entry: Any) -> str | None:
             return None
         parts.append(next(g for g in step.groups() if g is not None))
         pos = step.end()
-    return ".".join(parts)
+    return root.group(1), ".".join(parts)
+
+
+def module_path(entry: Any) -> str | None:
+    """The dotted path of a compiled graph node's module under the module whose
+    ``forward`` was compiled (the frame's ``self``), from an ``nn_module_stack``
+    entry (``("L['self'].layers[0].attn", Attention)`` -> ``layers.0.attn``;
+    ``""`` for that module itself); ``None`` for another root (a global, another
+    argument) or a path of another form.
+
+    Example:
+        >>> module_path(("L['self']._modules['mlp'].fc", object))
+        'mlp.fc'
+        >>> module_path(("L['self'].__dict__['_modules']['block'].fc", object))
+        'block.fc'
+        >>> module_path(("G['model'].fc", object)), module_path(("L['other'].fc", object))
+        (None, None)
+    """
+    source = module_source(entry)
+    return source[1] if source is not None and source[0] == "self" else None
+
+
+_FRAMES_SEARCHED = 256  # frames up from a collective to the compiled frame, at most
+
+
+def running_module(local: str, path: str, cls: Any) -> torch.nn.Module | None:
+    """The module a compiled graph's forward node runs for, found on the Python
+    stack: the innermost frame whose ``local`` is a module holding, at ``path``,
+    a module of class ``cls`` (the compiled frame, which called the graph); that
+    module, or ``None``.
+
+    Dynamo runs one graph for every module of a class (their parameters are its
+    inputs) and the graph names the modules of the one it traced: which one runs
+    is the compiled frame's ``self`` (or argument), which only the stack knows.
+    Forward only: a backward runs from the autograd engine, without that frame."""
+    parts = path.split(".") if path else ()
+    frame: FrameType | None = sys._getframe(1)
+    for _ in range(_FRAMES_SEARCHED):
+        if frame is None:
+            return None
+        if local in frame.f_code.co_varnames:
+            module = frame.f_locals.get(local)
+            if isinstance(module, torch.nn.Module):
+                for part in parts:
+                    module = module.__dict__.get("_modules", {}).get(part)
+                    if module is None:
+                        break
+                if module is not None and type(module) is cls:
+                    return module
+        frame = frame.f_back
+    return None
 
 
 class _RegionLog:

@@ -41,6 +41,7 @@ from commspan.capture.dispatch import (
     CollectiveDispatchMode,
     OpCallback,
     OpRecordingDispatchMode,
+    running_module,
 )
 from commspan.capture.gcwatch import GcWatch
 from commspan.capture.groups import ProcessGroups
@@ -898,20 +899,55 @@ class CommSpanMode:
         graph node issuing the collective, and its pass.
 
         Dynamo runs the graph it traced on one module for every module of that
-        class (torch.compile on each block: one graph), and the graph names the
-        modules of the one it traced. A node whose module is not inside the span
-        open now (the compiled module's) is found by its path under that span's
-        module instead (``Net.layers.1`` + ``attn``), when a module of that name
-        exists. A graph whose module (the frame's ``self``) is known and is neither
-        the span's nor found there ran for a module without a span of its own (one
-        compiled in place that commspan has not seen yet): which module of its class
-        that was is unknown, so ``None`` (the span open around the call owns it)."""
+        class (torch.compile on each block: one graph; a block's own frame,
+        compiled on its own after a graph break; a compiled function called with
+        each block), and the graph names the modules of the one it traced. A node
+        whose module is not inside the span open now (the compiled module's) is
+        found, in forward, under the module the graph runs for: the compiled
+        frame's ``self`` (or argument), on the stack (:func:`running_module`). In
+        backward (no such frame) by its path under the span's module instead
+        (``Net.layers.1`` + ``attn``), when a module of that name exists. A
+        backward node of a graph whose module (the frame's local) is neither the
+        span's nor found there ran for a module that only the forward's frame
+        knew: which module of its class that was is unknown, so ``None`` (the
+        span open around the call owns it), never the module the graph was
+        traced on."""
         compiled = dispatch.compiled_module()
         tracker = self._tracker
         if compiled is None or tracker is None:
             return None
+        forward = compiled[1] and not in_autograd
+        fqn = None
+        if forward:
+            source = dispatch.compiled_source()
+            if source is not None:
+                module = running_module(*source)
+                if module is not None:
+                    fqn = tracker.fqn(module)
+        if fqn is None:
+            fqn = self._traced_owner(dispatch, tracker, compiled, span)
+            if fqn is None:
+                return None
+        phase = Phase.FORWARD if forward else (
+            Phase.RECOMPUTE if compiled[1] else Phase.BACKWARD)
+        return Ownership(fqn, phase, semconv.SOURCE_COMPILE)
+
+    @staticmethod
+    def _traced_owner(dispatch: Any, tracker: ModuleTracker,
+                      compiled: tuple[int, bool, str | None], span: str) -> str | None:
+        """:meth:`_compiled_owner` from the graph node's module (the module the graph
+        was traced on) and the span open now, or ``None``."""
         fqn = tracker.fqn_of_id(compiled[0])
         path = compiled[2]
+        if path is None and fqn is not None:
+            source = dispatch.compiled_source()
+            if source is not None:
+                # under another local of the compiled frame (a compiled function's
+                # argument): its module only if it is the span's, the one running
+                under = source[1]
+                root = fqn if not under else (
+                    fqn[:-len(under) - 1] if fqn.endswith("." + under) else None)
+                return fqn if root == span else None
         if path and not tracker.torch_names and ACTIVATION_KEY in path:
             # a compiled activation-checkpointing wrapper (torchtitan's block): the
             # modules it wraps are named as under the wrapper
@@ -931,11 +967,7 @@ class CommSpanMode:
                     fqn is None or (fqn != span and not fqn.startswith(span + "."))):
                 if tracker.knows_name(here):
                     fqn = here
-        if fqn is None:
-            return None
-        phase = Phase.FORWARD if compiled[1] and not in_autograd else (
-            Phase.RECOMPUTE if compiled[1] else Phase.BACKWARD)
-        return Ownership(fqn, phase, semconv.SOURCE_COMPILE)
+        return fqn
 
     # ------------------------------------------------------------ hang records
     def dump(self, timeout_s: float | None = None) -> bool:
