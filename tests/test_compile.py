@@ -833,23 +833,50 @@ def test_compat_mod_tracker_calls_hooks_of_blocks_compiled_in_place_as_torch_doe
     assert Counter(seen(ModTracker)) == Counter(expected)  # (backward: torch's own order)
 
 
-def test_a_model_compiled_in_place_at_top_level_is_owned_by_its_position(
-        fake_pg: None) -> None:
+@pytest.mark.parametrize("backend", ["aot_eager", "eager"])
+def test_a_model_compiled_in_place_at_top_level_is_spanned_from_its_second_step(
+        fake_pg: None, backend: str) -> None:
     """A model compiled in place and called at top level, never seen uncompiled: no
-    hook of it runs eagerly, so it has no span; its collectives (as many as the
-    reference mode counts) go to ``Global``, by position. Once it ran uncompiled in a
-    step, it is spanned from the next step on, as ``torch.compile(model)`` is."""
+    hook of it runs eagerly, so its first step has no span of it; its first forward
+    collective finds its call on the stack, and from the next step on its call is
+    its span, forward and backward, and its collectives are owned as CommDebugMode
+    counts them on the uncompiled model (aot_eager: by its submodules, forward ones
+    already in the first step; eager: by the model). Before, every step's went to
+    ``Global``. As many graphs as untraced. Once it ran uncompiled in a step, it is
+    spanned from the next step on, as ``torch.compile(model)`` is."""
+    x = torch.randn(4, DIM, requires_grad=True)
+    torch.manual_seed(0)
+    own = _own_counts(Net(), x)
+    if backend == "eager":  # no module at run time: the model owns them
+        own = Counter({("Net", phase): sum(n for (_, p), n in own.items() if p == phase)
+                       for phase in ("forward", "backward")})
     torch._dynamo.reset()
+    first = Net()
+    first.compile(backend=backend)
+    untraced = _untraced_graphs(first, x)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     net = Net()
-    net.compile(backend="aot_eager")
+    net.compile(backend=backend)
     reference = _Reference()
+    steps = []
     with capture() as cap:
-        with cap.mode.step(0), reference:
-            net(torch.randn(4, DIM, requires_grad=True)).sum().backward()
-    events = _events(cap)
-    assert len(events) == sum(reference.seen.values()) == 4
-    assert {(e[semconv.OWNER_FQN], e[semconv.OWNER_SOURCE]) for e in events} == {
-        (semconv.GLOBAL_FQN, "position")}
+        for step in range(3):
+            with cap.mode.step(step), reference:
+                net(x).sum().backward()
+            steps.append(Counter((e[semconv.OWNER_FQN], e[semconv.PHASE])
+                                 for e in _events(cap)) - sum(steps, Counter()))
+    assert sum(reference.seen.values()) == 4 * 3 == sum(sum(steps, Counter()).values())
+    forward = Counter({k: n for k, n in own.items() if k[1] == "forward"})
+    first_step = Counter({(semconv.GLOBAL_FQN, "backward"): 2})
+    first_step += forward if backend == "aot_eager" else Counter(
+        {(semconv.GLOBAL_FQN, "forward"): 2})
+    assert steps == [first_step, own, own]
+    spans = Counter((s.attributes.get(semconv.MODULE_FQN), s.attributes.get(semconv.PHASE))
+                    for s in cap.spans if s.attributes.get(semconv.MODULE_FQN) == "Net")
+    assert spans == {("Net", "forward"): 2, ("Net", "backward"): 2}
+    assert int(torch._dynamo.utils.counters["stats"]["unique_graphs"]) == untraced[0]
+    assert cap.mode.stats()["internal_errors"] == 0
     torch._dynamo.reset()
     net = Net()
     with capture() as cap:

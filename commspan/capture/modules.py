@@ -364,6 +364,8 @@ class _SpannedCall:
 
 
 _SPANNED_CALL = _SpannedCall.__call__.__code__
+# the frame of a module's call (``Module.__call__``), which calls its compiled call
+_MODULE_CALL = torch.nn.Module._wrapped_call_impl.__code__
 
 
 class _InPlaceCalls:
@@ -1009,6 +1011,31 @@ class ModuleTracker(BackwardNesting):
             for module in list(self._wrappers) if self._wrappers else ():
                 if _compiled_in_place(module):
                     _IN_PLACE.add(module)
+        except Exception:
+            self._errors.record()
+
+    def find_compiled_caller(self) -> None:
+        """A collective is issued in forward with no module call open: if a module
+        compiled in place (``model.compile()``) that the tracker has not named is
+        running it, its call is on the Python stack (the ``Module.__call__`` that
+        called the compiled call), though none of its hooks ran eagerly (they are
+        compiled with it). Name the outermost such module as a model of its own and
+        span its calls (:class:`_SpannedCall`) from its next call on. A walk up the
+        stack, its frames compared by code object."""
+        if not self.active or (_get_ident() != self.owner and not self._follows()):
+            return
+        try:
+            found = None
+            frame: Any = sys._getframe(1)
+            while frame is not None:
+                if frame.f_code is _MODULE_CALL:
+                    module = frame.f_locals.get("self")
+                    if isinstance(module, torch.nn.Module) and _compiled_in_place(module):
+                        found = module
+                frame = frame.f_back
+            if found is not None and found not in self._known and (
+                    not self._wrappers or found not in self._wrappers):
+                self._info(found)  # (puts the spanned calls of its tree in place)
         except Exception:
             self._errors.record()
 

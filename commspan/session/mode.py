@@ -843,6 +843,9 @@ class CommSpanMode:
         rec.ensure_trace()
         top = rec.stack[-1]
         in_autograd = _graph_task_id() != -1
+        if tracker is not None and not in_autograd and top.fqn == semconv.GLOBAL_FQN:
+            # outside every module span: a model compiled in place, never named?
+            tracker.find_compiled_caller()
         attrs[semconv.MODULE_FQN] = top.fqn  # where it was issued: the timeline
         owner = None
         parallel = self._parallel
