@@ -797,7 +797,7 @@ def test_plan_imports_a_module_of_the_current_directory(
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
     monkeypatch.delitem(sys.modules, "cwd_plan_zz", raising=False)
-    code, out, err = _cli(capsys, "plan", "cwd_plan_zz:setup", "--world", "2")
+    code, out, err = _cli(capsys, "plan", "cwd_plan_zz:setup", "--world", "4")
     sys.modules.pop("cwd_plan_zz", None)
     assert code == 1 and not out
     assert "no module" not in err and "setup returned int, not the step" in err, err

@@ -223,7 +223,7 @@ def test_html_max_ranks_shows_the_lowest_ranks_and_names_those_left_out(
     assert [f["kind"] for f in findings] == ["mismatch"]
     code, text, _ = run_cli(capsys, "html", str(wide), "-o", str(out), "--max-ranks", "1",
                             "--check")
-    assert code == 0 and text.rstrip().endswith("ranks 0, steps 0-1, 1 findings")
+    assert code == 0 and text.rstrip().endswith("ranks 0, steps 0-1, 1 finding")
     assert findings[0]["message"].split("`")[0].strip() in out.read_text()
     assert "(--max-ranks 1); ranks 1-3 left out" in out.read_text()
     with pytest.raises(SystemExit):
