@@ -24,7 +24,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 from commspan import semconv
@@ -478,35 +478,25 @@ class StepPruner:
                       or (step := steps.get(r.trace_id)) is None or step in wanted]
         self._compact_at = max(1 << 16, 2 * len(self._held))
 
+    def hold(self, spans: Iterable[SpanRecord]) -> None:
+        """:meth:`add` one file's spans, then :meth:`compact` (a reader's ``hold``)."""
+        for span in spans:
+            self.add(span)
+        self.compact()
+
     def select(self, run: str | None) -> Selection:
         """:func:`select` of every span added, with ``run`` and this pruner's steps.
 
         Raises:
             SelectionError: as :func:`select`.
         """
-        every = tuple(self._tally.runs())
-        runs = commspan_runs(every)
-        if not runs:
-            return Selection([], None, (), ())
-        chosen, kept_steps, note = choose(runs, run, self.steps)
-        note = _others_note(every, runs, note)
         self.compact()
-        kept = self._held
-        if len(every) > 1:
-            kept = [r for r in kept if _run_of(r) == chosen.run_id]
-            latest = self._latest.get(chosen.run_id, {})
-        else:
-            latest = {}
-            for per_run in self._latest.values():
-                for rank, last in per_run.items():
-                    if rank not in latest or last[0] > latest[rank][0]:
-                        latest[rank] = last
-        last_traces = {rank: trace for rank, (_, trace) in latest.items()}
-        trace_steps = self._tally._steps
-        selected = [r for r in kept
-                    if (step := trace_steps.get(r.trace_id)) is not None and step in self.steps]
-        kept = selected + _earlier_hangs(kept, selected, trace_steps, kept_steps)
-        return Selection(kept, chosen, runs, kept_steps, note, last_traces)
+        sel = select(self._held, run=run, steps=self.steps, every=self._tally.runs())
+        if sel.run is None:
+            return sel
+        # each rank's last trace among all the spans added, not only those held
+        latest = self._latest.get(sel.run.run_id, {})
+        return replace(sel, last_traces={rank: trace for rank, (_, trace) in latest.items()})
 
 
 def last_traces_of(spans: Iterable[tuple[int | None, int, str]]) -> dict[int | None, str]:

@@ -249,13 +249,7 @@ class Reader:
         if steps is None:
             return self.select(self.read(paths), _first(self.args.run), None, option)
         pruner = StepPruner(steps)
-
-        def hold(spans: Iterable[SpanRecord]) -> None:
-            for span in spans:
-                pruner.add(span)
-            pruner.compact()
-
-        self.read(paths, hold=hold)
+        self.read(paths, hold=pruner.hold)
         return self._selected(lambda: pruner.select(_first(self.args.run)), option, "")
 
     def load_built(self, paths: Sequence[str]) -> tuple[Selection, Run, Run]:
