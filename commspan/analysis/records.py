@@ -44,6 +44,7 @@ __all__ = [
     "RankStep",
     "Run",
     "RunPaths",
+    "RunsBuilder",
     "Unread",
     "build_run",
     "gc_event_fields",
@@ -506,23 +507,18 @@ def load_run(
     if run is not None and not isinstance(run, str):
         raise TypeError(f"run={run!r} is not valid; pass a run id (str), a prefix of one, "
                         "or None for the latest run")
-    from commspan.analysis.runs import RunTally, shared_run_note
+    from commspan.analysis.runs import shared_run_note
     from commspan.analysis.unread import LineTally
 
     # One pass, a Run built per run of the files as their spans are read (a span
     # record lives as long as its line): the run chosen is known at the end only.
-    builders: dict[str, _RunBuilder] = {}
-    tally = RunTally()
+    runs = RunsBuilder(module_spans)
     lines = LineTally()  # where a damaged line lies: the steps it may have held
     read = report if report is not None else ReadReport()
     before = len(read.skipped)
     for span in _read(files, strict, read, max_line_bytes, lines.add):
-        run_id = tally.add(span)
-        builder = builders.get(run_id)
-        if builder is None:
-            builder = builders[run_id] = _RunBuilder(module_spans)
-        builder.add(span)
-    chosen, note = tally.choose(run)
+        runs.add(span)
+    chosen, note = runs.tally.choose(run)
     for text in (note, chosen and shared_run_note(chosen)):
         if text:
             _log.warning("%s", text)
@@ -532,7 +528,7 @@ def load_run(
             logger.skip(Path(s.path), s.line, s.kind, s.reason)
     if chosen is None:
         return build_run([])
-    built = builders[chosen.run_id].finish(wanted)
+    built = runs.finish(chosen.run_id, wanted)
     built.unread = {(u.rank, u.trace_id): u for u in lines.locate(read.skipped[before:])
                     if u.run_id == chosen.run_id and u.trace_id in built.presence}
     return built
@@ -599,6 +595,44 @@ def build_run(
     for span in spans:
         builder.add(span)
     return builder.finish(wanted)
+
+
+class RunsBuilder:
+    """:func:`build_run` one span at a time for each run of the spans added, and the
+    :class:`~commspan.analysis.runs.RunTally` of them all: the runs of files read one
+    span at a time, the one to keep known only at the end (:func:`load_run`, the
+    commands that build a run as they read).
+
+    Example:
+        >>> RunsBuilder().finish("no-such-run").collectives
+        []
+    """
+
+    def __init__(self, module_spans: bool = True, tally: Any = None) -> None:
+        from commspan.analysis.runs import RunTally
+
+        self.tally = RunTally() if tally is None else tally
+        self._module_spans = module_spans
+        self._builders: dict[str, _RunBuilder] = {}
+
+    def add(self, span: SpanRecord) -> str:
+        """Count ``span`` and add it to its run's; returns its run id (``""`` for none)."""
+        run_id = self.tally.add(span)
+        builder = self._builders.get(run_id)
+        if builder is None:
+            builder = self._builders[run_id] = _RunBuilder(self._module_spans)
+        builder.add(span)
+        return run_id
+
+    def finish(self, run_id: str, wanted: frozenset[int] | None = None) -> Run:
+        """The :class:`Run` of ``run_id``'s spans (empty when none was added), of the
+        steps ``wanted`` only if given; its builder is let go (once per run)."""
+        builder = self._builders.pop(run_id, None)
+        return (builder or _RunBuilder(self._module_spans)).finish(wanted)
+
+    def clear(self) -> None:
+        """Let go of every run not finished."""
+        self._builders.clear()
 
 
 class _RunBuilder:

@@ -264,19 +264,13 @@ class Reader:
         """
         from dataclasses import replace
 
-        from commspan.analysis.records import _keep_steps, _RunBuilder
-        from commspan.analysis.runs import RunTally
+        from commspan.analysis.records import RunsBuilder, _keep_steps
 
-        tally = RunTally()
-        builders: dict[str, _RunBuilder] = {}
+        runs = RunsBuilder()
 
         def hold(spans: Iterable[SpanRecord]) -> None:
             for span in spans:
-                run_id = tally.add(span)
-                builder = builders.get(run_id)
-                if builder is None:
-                    builder = builders[run_id] = _RunBuilder()
-                builder.add(span)
+                runs.add(span)
 
         self.read(paths, hold=hold)
         steps, option = _steps_of(self.args, 0)
@@ -285,7 +279,7 @@ class Reader:
         def whole_of(sel: Selection) -> Run:
             run_id = sel.run.run_id if sel.run else ""
             if run_id not in built:
-                built[run_id] = builders.pop(run_id, _RunBuilder()).finish()
+                built[run_id] = runs.finish(run_id)
             return built[run_id]
 
         def traces(sel: Selection) -> set[str]:
@@ -295,9 +289,9 @@ class Reader:
             return {t for t, s in trace_steps.items() if s in steps}
 
         sel = self._selected(lambda: select([], run=_first(self.args.run), steps=steps,
-                                            every=tally.runs()), option, "", traces)
+                                            every=runs.tally.runs()), option, "", traces)
         whole = whole_of(sel)
-        builders.clear()  # (the runs not chosen)
+        runs.clear()  # (the runs not chosen)
         if steps is None:
             return sel, whole, whole
         # the steps selected, with the whole run for what passes on from before them
@@ -370,11 +364,13 @@ class RankCap:
     """
 
     def __init__(self, most: int | None, builders: bool = False) -> None:
+        from commspan.analysis.records import RunsBuilder
         from commspan.analysis.runs import RunTally
 
         self.most = most
         self.tally = RunTally()
-        self.builders: dict[str, Any] | None = {} if builders else None
+        self.builders: RunsBuilder | None = (
+            RunsBuilder(module_spans=False, tally=self.tally) if builders else None)
         # run -> rank -> its spans, each with its place among all spans read
         self._kept: dict[str, dict[int, list[tuple[int, SpanRecord]]]] = {}
         self._loose: list[tuple[int, SpanRecord]] = []  # spans without a rank
@@ -384,18 +380,13 @@ class RankCap:
 
     def hold(self, spans: Iterable[SpanRecord]) -> None:
         """Count one file's spans, keep those of the ranks kept."""
-        from commspan.analysis.records import _RunBuilder
         from commspan.analysis.runs import _rank_of
 
         most, kept, left_out, builders = self.most, self._kept, self.left_out, self.builders
+        tally = self.tally
         grew: set[str] = set()
         for span in spans:
-            run = self.tally.add(span)
-            if builders is not None:
-                builder = builders.get(run)
-                if builder is None:
-                    builder = builders[run] = _RunBuilder(module_spans=False)
-                builder.add(span)
+            run = builders.add(span) if builders is not None else tally.add(span)
             self._seen += 1
             rank = _rank_of(span)
             if rank is None:
@@ -469,10 +460,9 @@ class RankCap:
         ``run_id`` (collectives only), when :attr:`builders` were kept."""
         from commspan.analysis.records import build_run
 
-        builder = (self.builders or {}).get(run_id)
-        if builder is None:
+        if self.builders is None:
             return build_run([], module_spans=False)
-        return builder.finish(None if steps is None else frozenset(steps))
+        return self.builders.finish(run_id, None if steps is None else frozenset(steps))
 
     def note(self, run_id: str | None, command: str) -> str | None:
         """What the output leaves out, and how to have it; ``None`` when nothing."""
