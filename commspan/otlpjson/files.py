@@ -172,6 +172,8 @@ def _note(notes: list[str] | None, text: str) -> None:
         notes.append(text)
     else:
         _log.warning("%s", text)
+
+
 def _runs_inside(path: Path, names: list[str]) -> str:
     """For a directory without JSONL files: the folders directly inside it that hold
     some (a parent of several runs' folders, ``runs/tp`` and ``runs/sp``), as the end
