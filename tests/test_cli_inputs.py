@@ -394,6 +394,22 @@ def test_a_folder_of_run_folders_names_them(
     assert err == "FileNotFoundError: FILES: '-' does not exist (standard input is /dev/stdin)\n"
 
 
+def test_python_steps_none_of_which_is_in_the_run_are_an_error(packed_dir: Path) -> None:
+    """check_run / stragglers with steps=[5] of a run of steps 0-1 (a typo) checked
+    nothing and read "consistent: ... 0 steps"; as `--step 5` is on the command line,
+    it is an error listing the run's steps. Steps some of which are there are read."""
+    from commspan.analysis import check_run, stragglers
+    from commspan.analysis.runs import SelectionError
+
+    for analysis in (check_run, stragglers):
+        for steps in ([5], [], range(7, 9)):
+            with pytest.raises(SelectionError, match=r"none of them is in .*which has "
+                               r"steps 0-1"):
+                analysis(packed_dir, steps=steps)
+    assert check_run(packed_dir, steps=[1, 5]).checked["steps"] == 1
+    assert {t.step for t in stragglers(packed_dir, steps=[1, 5]).step_times} == {1}
+
+
 def test_an_unreadable_directory_says_so(
     packed_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -212,7 +212,7 @@ def check_run(
         FileNotFoundError: a path does not exist.
         ValueError: no path, a directory without ``*.jsonl`` files, a line that
             is not JSON and ``strict`` (the message names file and line), or bad
-            ``steps``.
+            ``steps`` (not ints, or none of them a step of the run).
 
     Example:
         >>> from commspan.analysis import check_run

@@ -490,8 +490,10 @@ def load_run(
         FileNotFoundError: a path does not exist.
         ValueError: no path, an empty directory, a line that is not JSON (names
             file and line), a file that is not OTLP/JSON spans (names the file),
-            ``steps`` not a collection of ints, or ``run`` naming no run of the
-            files (:class:`~commspan.analysis.runs.SelectionError`, listing them).
+            ``steps`` not a collection of ints, ``run`` naming no run of the
+            files or no step of ``steps`` in the run read
+            (:class:`~commspan.analysis.runs.SelectionError`, listing the runs or
+            steps there are).
 
     Example:
         >>> from commspan.analysis.records import load_run
@@ -528,6 +530,7 @@ def load_run(
             logger.skip(Path(s.path), s.line, s.kind, s.reason)
     if chosen is None:
         return build_run([])
+    require_steps(wanted, chosen.steps, f"run {chosen.run_id}" if chosen.run_id else "")
     built = runs.finish(chosen.run_id, wanted)
     built.unread = {(u.rank, u.trace_id): u for u in lines.locate(read.skipped[before:])
                     if u.run_id == chosen.run_id and u.trace_id in built.presence}
@@ -553,6 +556,21 @@ def _read(files: Sequence[Path], strict: bool = True, report: ReadReport | None 
                 f"{f}: not a JSONL file of OTLP spans ({type(exc).__name__}: {exc}); pass "
                 "files written by JsonlSpanExporter"
             ) from None
+
+
+def require_steps(wanted: frozenset[int] | None, there: Iterable[int], where: str = "") -> None:
+    """A :class:`~commspan.analysis.runs.SelectionError` when steps were asked for
+    (``wanted``) and none of them is among the run's (``there``; ``where``: ``"run
+    ID"``): a typo'd step would check nothing and read "consistent", where the
+    command line says it is not in the run."""
+    held = set(there)
+    if wanted is None or wanted & held:
+        return
+    from commspan.analysis.runs import SelectionError, format_numbers
+
+    steps = f"steps {format_numbers(sorted(held))}" if held else "no steps"
+    raise SelectionError("steps", sorted(wanted),
+                         f"none of them is in {where or 'the run read'}, which has {steps}")
 
 
 def _check_steps(steps: Iterable[int] | None) -> frozenset[int] | None:

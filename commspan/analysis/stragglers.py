@@ -82,6 +82,7 @@ from commspan.analysis.records import (
     _keep_steps,
     differing_fields,
     load_run,
+    require_steps,
 )
 from commspan.otlpjson.decode import DEFAULT_MAX_LINE_BYTES, ReadReport
 
@@ -247,7 +248,8 @@ def stragglers(
     Raises:
         FileNotFoundError: a path does not exist.
         ValueError: no path, a directory without ``*.jsonl`` files, a line that
-            is not JSON and ``strict`` (names file and line), or bad ``steps``.
+            is not JSON and ``strict`` (names file and line), or bad ``steps`` (not
+            ints, or none of them a step of the run).
 
     Example:
         >>> from commspan.analysis import stragglers
@@ -263,6 +265,7 @@ def stragglers(
     # the run built once, the selection a copy of it cut to the steps (as build_run's)
     whole = load_run(paths, strict=strict, report=report, max_line_bytes=max_line_bytes,
                      run=run)
+    require_steps(wanted, (s for s in whole.trace_steps.values() if s is not None))
     selected = replace(whole)
     _keep_steps(selected, wanted or frozenset())
     return analyze(selected, context=whole)
