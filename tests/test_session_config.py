@@ -73,6 +73,23 @@ def test_bad_constructor_arguments(
         CommSpanMode(**kwargs)
 
 
+def test_exporters_errors_say_how_to_pass_them(tmp_path: Any) -> None:
+    """The commonest slips, one exporter not in a list and a path for an exporter, are
+    told what to write instead (the message named the type only)."""
+    from commspan.exporters import JsonlSpanExporter
+
+    one = JsonlSpanExporter(tmp_path)
+    for value, fix in ((one, "put it in a list: exporters=[exporter]"),
+                       (["commspan-out/"], "a path is not an exporter: pass "
+                        "exporters=[JsonlSpanExporter(path)] (from commspan.exporters)"),
+                       ([object()], 'e.g. exporters=[JsonlSpanExporter("commspan-out/")]')):
+        with pytest.raises(TypeError, match=r"^exporters=.* must be a list of "
+                           r"opentelemetry.sdk.trace.export.SpanExporter instances; ") as info:
+            CommSpanMode(exporters=value)
+        assert str(info.value).endswith(fix)
+    one.shutdown()
+
+
 def test_export_queue_size_checked_with_exporters() -> None:
     """export_queue_size=0 with an exporter raises ValueError naming export_queue_size."""
     with pytest.raises(ValueError, match=r"\bexport_queue_size="):

@@ -8,6 +8,7 @@ the mode keeps that and nothing else of its arguments.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -183,9 +184,16 @@ def _exporters(exporters: Sequence[SpanExporter]) -> tuple[SpanExporter, ...]:
     if isinstance(exporters, SpanExporter) or not all(
         isinstance(e, SpanExporter) for e in exporter_list
     ):
+        if isinstance(exporters, SpanExporter):  # (the commonest slip: one, unlisted)
+            fix = "put it in a list: exporters=[exporter]"
+        elif any(isinstance(e, (str, os.PathLike)) for e in exporter_list):
+            fix = ("a path is not an exporter: pass exporters=[JsonlSpanExporter(path)] "
+                   "(from commspan.exporters)")
+        else:
+            fix = 'e.g. exporters=[JsonlSpanExporter("commspan-out/")]'
         raise TypeError(
             f"exporters={exporters!r} must be a list of "
-            "opentelemetry.sdk.trace.export.SpanExporter instances"
+            f"opentelemetry.sdk.trace.export.SpanExporter instances; {fix}"
         )
     seen: set[int] = set()
     for e in exporter_list:
