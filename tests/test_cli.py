@@ -278,6 +278,25 @@ def test_files_without_commspan_spans_say_so(
         assert err == (f"ValueError: FILES: no commspan span in {path} (3 lines, 3 spans, none "
                        "with commspan.module.fqn): not files written by commspan's "
                        "JsonlSpanExporter\n")
+    # one line of one span: "1 line, 1 span" (it said "1 lines, 1 spans"), digest too
+    one = tmp_path / "one.jsonl"
+    one.write_bytes(path.read_bytes().splitlines(keepends=True)[0])
+    for command in ("summary", "digest"):
+        code, out, err = _cli(capsys, command, str(one))
+        assert (code, out) == (1, "")
+        assert err.endswith(f"ValueError: FILES: no commspan span in {one} (1 line, 1 span, "
+                            "none with commspan.module.fqn): not files written by commspan's "
+                            "JsonlSpanExporter\n")
+
+
+def test_digest_of_one_line_says_line(
+    run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``commspan digest`` of a one-line file said "1 lines"."""
+    one = tmp_path / "commspan-rank0.jsonl"
+    one.write_bytes((run_dir / "commspan-rank0.jsonl").read_bytes().splitlines(True)[0])
+    code, out, err = _cli(capsys, "digest", str(one))
+    assert (code, err) == (0, "") and out == f"digests written for {one}: 1 line\n"
 
 
 def test_over_long_line_names_the_option(

@@ -132,9 +132,10 @@ class Reader:
             if len(self.report.damaged) > skipped:
                 raise Damaged
             what = f"{len(files)} files" if len(files) > 1 else str(files[0])
+            read = self.report.lines - lines, self.report.spans - spans
             raise ValueError(
-                f"{label}: no commspan span in {what} ({self.report.lines - lines} lines, "
-                f"{self.report.spans - spans} spans, none with commspan.module.fqn): not files "
+                f"{label}: no commspan span in {what} ({_count(read[0], 'line')}, "
+                f"{_count(read[1], 'span')}, none with commspan.module.fqn): not files "
                 "written by commspan's JsonlSpanExporter"
             )
         return records
@@ -979,9 +980,15 @@ def digest(args: argparse.Namespace, reader: Reader) -> Outcome:
         if report.damaged:
             raise Damaged
         raise ValueError(
-            f"FILES: no commspan span in {what} ({report.lines} lines, {report.spans} spans, "
-            "none with commspan.module.fqn): not files written by commspan's JsonlSpanExporter")
-    return Outcome(f"digests written for {what}: {lines} lines")
+            f"FILES: no commspan span in {what} ({_count(report.lines, 'line')}, "
+            f"{_count(report.spans, 'span')}, none with commspan.module.fqn): not files "
+            "written by commspan's JsonlSpanExporter")
+    return Outcome(f"digests written for {what}: {_count(lines, 'line')}")
+
+
+def _count(n: int, word: str) -> str:
+    """``1 line``, ``2 lines``."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
 class PlanError(RuntimeError):
