@@ -9,10 +9,16 @@ __all__ = ["TARGETS", "evaluate_targets", "format_report"]
 
 # (key, description, metric path, comparison, threshold)
 TARGETS: list[tuple[str, str, str, str, float]] = [
+    ("full_tracing_cpu", "commspan + JSONL, CPU step time vs no mode",
+     "step.variants.cs_jsonl.cpu_ratio", "<=", 1.10),
     ("full_tracing_wall", "commspan + JSONL, wall step time vs no mode",
      "step.variants.cs_jsonl.wall_ratio", "<=", 1.10),
     ("above_floor_vs_cdm", "commspan + JSONL cost above floor / CommDebugMode's (CPU)",
-     "step.variants.cs_jsonl.cpu_above_floor_vs_cdm", "<=", 0.25),
+     "step.variants.cs_jsonl.cpu_above_floor_vs_cdm", "<=", 0.15),
+    ("otlp_over_jsonl_cpu", "commspan + OTLP/HTTP CPU ratio minus commspan + JSONL's",
+     "step.variants.cs_otlp.cpu_ratio_over_jsonl", "<=", 0.03),
+    ("otlp_over_jsonl_wall", "commspan + OTLP/HTTP wall ratio minus commspan + JSONL's",
+     "step.variants.cs_otlp.wall_ratio_over_jsonl", "<=", 0.03),
     ("sampled_out", "sampled-out step, CPU step time vs no mode",
      "step.variants.cs_sampled_out.cpu_ratio", "<=", 1.02),
     ("jsonl_kb", "JSONL kB per rank per step, plain", "export.jsonl.kb_per_step", "<=", 50.0),
@@ -46,6 +52,8 @@ TARGETS: list[tuple[str, str, str, str, float]] = [
      "timing.kinds.functional.added_us", "<=", 1.0),
     ("timing_c10d", "collective timing, µs added per blocking c10d collective (CPU)",
      "timing.kinds.c10d_blocking.added_us", "<=", 1.0),
+    ("timing_c10d_async", "collective timing, µs added per async c10d collective (CPU)",
+     "timing.kinds.c10d_async.added_us", "<=", 1.0),
 ]
 
 

@@ -165,6 +165,10 @@ def summarize(per_rank: list[dict[str, Any]], keys: Sequence[str]) -> dict[str, 
                 den = cdm[f"{metric}_ratio"] - floor[f"{metric}_ratio"]
                 num = variants[k][f"{metric}_ratio"] - floor[f"{metric}_ratio"]
                 variants[k][f"{metric}_above_floor_vs_cdm"] = num / den if den > 0 else None
+    if {"cs_jsonl", "cs_otlp"} <= set(variants) and "cpu_ratio" in variants["cs_jsonl"]:
+        for metric in ("cpu", "wall"):  # issue 13, target 4: OTLP within +0.03 of JSONL
+            variants["cs_otlp"][f"{metric}_ratio_over_jsonl"] = (
+                variants["cs_otlp"][f"{metric}_ratio"] - variants["cs_jsonl"][f"{metric}_ratio"])
     return out
 
 

@@ -48,3 +48,23 @@ def test_memory_steps_help_says_what_quick_runs() -> None:
     with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
         _parse(["--help"])
     assert "--quick: 40)" in " ".join(out.getvalue().split())
+
+
+def test_step_targets_are_issue_13s_and_otlp_is_judged_against_jsonl() -> None:
+    """The printed verdicts used issue 4's thresholds (a quarter of CommDebugMode's cost
+    above the floor, the wall ratio only) and had no OTLP-against-JSONL row."""
+    from benchmarks.step_overhead import summarize
+
+    base = [10.0, 10.0]
+    costs = {"none": 1.0, "floor": 1.05, "cdm": 1.5, "cs_jsonl": 1.12, "cs_otlp": 1.16}
+    per_rank = [{"cpu_ms": {k: [x * r for x in base] for k, r in costs.items()},
+                 "wall_ms": {k: [x * r for x in base] for k, r in costs.items()}}]
+    step = summarize(per_rank, list(costs))
+    otlp = step["variants"]["cs_otlp"]
+    assert abs(otlp["cpu_ratio_over_jsonl"] - 0.04) < 1e-9
+    verdicts = {t["target"]: t for t in evaluate_targets({"step": step})}
+    assert verdicts["otlp_over_jsonl_cpu"]["verdict"] == "FAIL"  # +0.04 > +0.03
+    assert verdicts["full_tracing_cpu"]["verdict"] == "FAIL"  # x1.12 > x1.10
+    # (1.12 - 1.05) / (1.5 - 1.05) = 0.156: under issue 4's 1/4, over issue 13's 0.15
+    assert verdicts["above_floor_vs_cdm"]["threshold"] == 0.15
+    assert verdicts["above_floor_vs_cdm"]["verdict"] == "FAIL"
