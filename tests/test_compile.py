@@ -478,14 +478,25 @@ def test_a_compiled_child_is_named_as_the_module_it_wraps(fake_pg: None) -> None
     assert cap.mode.stats()["internal_errors"] == 0
 
 
+class _BreakingNet(Net):
+    """``Net`` whose forward breaks Dynamo's graph between its two submodules (the
+    same ops uncompiled)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.attn(x)
+        torch._dynamo.graph_break()
+        return self.mlp(x)
+
+
 class _Blocks(torch.nn.Module):
     """Blocks of one class, each possibly compiled on its own (torchtitan's
     ``model.layers[i] = torch.compile(block)``, or ``block.compile(backend=in_place)``):
-    dynamo runs one graph for all."""
+    dynamo runs one graph for all. ``breaks``: blocks that break Dynamo's graph."""
 
-    def __init__(self, compiled: bool, copies: bool = False, in_place: str | None = None) -> None:
+    def __init__(self, compiled: bool, copies: bool = False, in_place: str | None = None,
+                 breaks: bool = False) -> None:
         super().__init__()
-        blocks: list[torch.nn.Module] = [Net() for _ in range(3)]
+        blocks: list[torch.nn.Module] = [(_BreakingNet if breaks else Net)() for _ in range(3)]
         if compiled:
             blocks = [torch.compile(b, backend="aot_eager") for b in blocks]
         if in_place is not None:
@@ -502,14 +513,14 @@ class _Blocks(torch.nn.Module):
         return x
 
 
-def _blocks_reference(x: torch.Tensor) -> Counter[tuple[str, str]]:
+def _blocks_reference(x: torch.Tensor, breaks: bool = False) -> Counter[tuple[str, str]]:
     """(leaf, phase) -> collectives, as torch's CommDebugMode counts them on the
     uncompiled ``_Blocks`` (``_Blocks.blocks.<i>.<attn|mlp>``)."""
     from torch.distributed.tensor.debug import CommDebugMode
 
     torch_cdm = CommDebugMode()
     with torch_cdm:
-        _Blocks(compiled=False)(x).sum().backward()
+        _Blocks(compiled=False, breaks=breaks)(x).sum().backward()
     expected: Counter[tuple[str, str]] = Counter()
     for fqn, phases in torch_cdm.comm_module_counts.items():
         if fqn.count(".") == 3:  # _Blocks.blocks.<i>.<attn|mlp>: the leaves
@@ -519,32 +530,47 @@ def _blocks_reference(x: torch.Tensor) -> Counter[tuple[str, str]]:
     return expected
 
 
-def _block_calls(x: torch.Tensor) -> Counter[tuple[str, str]]:
-    """(block, phase) -> calls of the uncompiled ``_Blocks``'s blocks, forward and
-    backward, as torch's ModTracker sees them."""
+def _block_calls(model: torch.nn.Module, x: torch.Tensor,
+                 top: bool = False) -> Counter[tuple[str, str]]:
+    """(block, phase) -> calls of the uncompiled ``model``'s three blocks
+    (``<Model>.blocks.<i>``; and, ``top``, of the model itself), forward and backward,
+    as torch's ModTracker sees them."""
     from torch.distributed._tools.mod_tracker import ModTracker
 
     calls: Counter[tuple[str, str]] = Counter()
-    model = _Blocks(compiled=False)
     tracker = ModTracker()
 
     def count(phase: str) -> Any:
         def hook(module: torch.nn.Module, *_: Any) -> None:
-            if isinstance(module, Net):
-                calls[(tracker.get_known_fqn(module), phase)] += 1
+            fqn = tracker.get_known_fqn(module)
+            if fqn.count(".") == 2 or (top and module is model):
+                calls[(fqn, phase)] += 1
         return hook
 
     tracker.register_user_hooks(pre_fw_hook=count("forward"), pre_bw_hook=count("backward"))
     with tracker:
         model(x).sum().backward()
-    assert len(calls) == 6, calls
+    assert len(calls) == (8 if top else 6), calls
     return calls
 
 
-def _block_spans(cap: Any) -> Counter[tuple[str, str]]:
+def _block_spans(cap: Any, top: str | None = None) -> Counter[tuple[str, str]]:
+    """(block, phase) -> spans (and of the model named ``top``)."""
     return Counter((str(s.attributes[semconv.MODULE_FQN]), str(s.attributes[semconv.PHASE]))
                    for s in cap.spans
-                   if str(s.attributes.get(semconv.MODULE_FQN)).count(".") == 2)
+                   if str(s.attributes.get(semconv.MODULE_FQN)).count(".") == 2 or (
+                       top is not None and s.attributes.get(semconv.MODULE_FQN) == top))
+
+
+def _owners_at(expected: Counter[tuple[str, str]], dots: int,
+               steps: int = STEPS) -> Counter[tuple[str, str]]:
+    """CommDebugMode's counts of one step (``expected``: ``<Model>.blocks.<i>.<leaf>``,
+    or a block's own) charged to the module at most ``dots`` dots deep on each
+    module's path (3: the leaf, 2: its block, 0: the model), for ``steps`` steps."""
+    out: Counter[tuple[str, str]] = Counter()
+    for (fqn, phase), n in expected.items():
+        out[(".".join(fqn.split(".")[:dots + 1]), phase)] += n * steps
+    return out
 
 
 @pytest.mark.parametrize("copies", [False, True], ids=["compiled-each", "deep-copied"])
@@ -616,7 +642,7 @@ def test_blocks_compiled_in_place_have_spans_and_own_their_collectives(
     ``force_eager`` (Dynamo runs the compiled call eagerly): one span per call too."""
     x = torch.randn(4, DIM, requires_grad=True)
     expected = _blocks_reference(x)
-    calls = _block_calls(x)
+    calls = _block_calls(_Blocks(compiled=False), x)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     model = _Blocks(compiled=False, in_place="aot_eager" if backend == "force_eager" else backend)
@@ -685,12 +711,12 @@ def test_blocks_compiled_in_place_inside_a_compiled_model(fake_pg: None) -> None
 
 
 def test_blocks_compiled_in_place_after_the_mode_named_them(fake_pg: None) -> None:
-    """Blocks compiled in place after the mode first saw them: in that step their
-    forward collectives are owned by the submodules of the block that ran (the
-    compiled frame's ``self``), their backward ones by the span open around their
-    calls (the parent's), never by a sibling block (aot_eager's graph names the
-    first block's submodules); from the next step on each block has its span, and
-    its submodules own their collectives as CommDebugMode counts them uncompiled."""
+    """Blocks compiled in place after the mode first saw them: from their first
+    compiled call on (the same step) each block has its span and its submodules own
+    their collectives as CommDebugMode counts them uncompiled, never a sibling
+    block's (aot_eager's graph names the first block's submodules). (Until the next
+    step they had no span, their backward collectives the parent's: the blocks' own
+    hooks ran compiled.)"""
     x = torch.randn(4, DIM, requires_grad=True)
     expected = _blocks_reference(x)
     torch._dynamo.reset()
@@ -704,15 +730,10 @@ def test_blocks_compiled_in_place_after_the_mode_named_them(fake_pg: None) -> No
         first = _events(cap)
         with cap.mode.step(1):
             model(x).sum().backward()
-    compiled_run = first[len(first) // 2:]
-    assert Counter((e[semconv.OWNER_FQN], e[semconv.PHASE], e[semconv.OWNER_SOURCE])
-                   for e in compiled_run) == Counter(
-        {(fqn, "forward", "compile"): n for (fqn, phase), n in expected.items()
-         if phase == "forward"}) + Counter(
-        {("_Blocks", "backward", "position"): sum(
-            n for (_, phase), n in expected.items() if phase == "backward")})
-    got = Counter((e[semconv.OWNER_FQN], e[semconv.PHASE]) for e in _events(cap)[len(first):])
-    assert got == expected
+    for events in (first[len(first) // 2:], _events(cap)[len(first):]):
+        got = Counter((e[semconv.OWNER_FQN], e[semconv.PHASE]) for e in events)
+        assert got == expected
+        assert {e[semconv.OWNER_SOURCE] for e in events} == {"compile"}
     assert cap.mode.stats()["internal_errors"] == 0
 
 
@@ -833,50 +854,12 @@ def test_compat_mod_tracker_calls_hooks_of_blocks_compiled_in_place_as_torch_doe
     assert Counter(seen(ModTracker)) == Counter(expected)  # (backward: torch's own order)
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "eager"])
-def test_a_model_compiled_in_place_at_top_level_is_spanned_from_its_second_step(
-        fake_pg: None, backend: str) -> None:
-    """A model compiled in place and called at top level, never seen uncompiled: no
-    hook of it runs eagerly, so its first step has no span of it; its first forward
-    collective finds its call on the stack, and from the next step on its call is
-    its span, forward and backward, and its collectives are owned as CommDebugMode
-    counts them on the uncompiled model (aot_eager: by its submodules, forward ones
-    already in the first step; eager: by the model). Before, every step's went to
-    ``Global``. As many graphs as untraced. Once it ran uncompiled in a step, it is
-    spanned from the next step on, as ``torch.compile(model)`` is."""
-    x = torch.randn(4, DIM, requires_grad=True)
-    torch.manual_seed(0)
-    own = _own_counts(Net(), x)
-    if backend == "eager":  # no module at run time: the model owns them
-        own = Counter({("Net", phase): sum(n for (_, p), n in own.items() if p == phase)
-                       for phase in ("forward", "backward")})
-    torch._dynamo.reset()
-    first = Net()
-    first.compile(backend=backend)
-    untraced = _untraced_graphs(first, x)
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    net = Net()
-    net.compile(backend=backend)
-    reference = _Reference()
-    steps = []
-    with capture() as cap:
-        for step in range(3):
-            with cap.mode.step(step), reference:
-                net(x).sum().backward()
-            steps.append(Counter((e[semconv.OWNER_FQN], e[semconv.PHASE])
-                                 for e in _events(cap)) - sum(steps, Counter()))
-    assert sum(reference.seen.values()) == 4 * 3 == sum(sum(steps, Counter()).values())
-    forward = Counter({k: n for k, n in own.items() if k[1] == "forward"})
-    first_step = Counter({(semconv.GLOBAL_FQN, "backward"): 2})
-    first_step += forward if backend == "aot_eager" else Counter(
-        {(semconv.GLOBAL_FQN, "forward"): 2})
-    assert steps == [first_step, own, own]
-    spans = Counter((s.attributes.get(semconv.MODULE_FQN), s.attributes.get(semconv.PHASE))
-                    for s in cap.spans if s.attributes.get(semconv.MODULE_FQN) == "Net")
-    assert spans == {("Net", "forward"): 2, ("Net", "backward"): 2}
-    assert int(torch._dynamo.utils.counters["stats"]["unique_graphs"]) == untraced[0]
-    assert cap.mode.stats()["internal_errors"] == 0
+def test_a_model_compiled_in_place_after_an_uncompiled_step_is_spanned_at_once(
+        fake_pg: None) -> None:
+    """A model that ran uncompiled under the mode (named), then compiled in place
+    (``model.compile()``) and called at top level: in the next step its submodules own
+    their collectives (aot_eager), forward and backward, as they issue them in the
+    uncompiled model."""
     torch._dynamo.reset()
     net = Net()
     with capture() as cap:
@@ -888,6 +871,113 @@ def test_a_model_compiled_in_place_at_top_level_is_spanned_from_its_second_step(
         second = _events(cap)[4:]
     assert Counter((e[semconv.OWNER_FQN], e[semconv.PHASE]) for e in second) == Counter(
         {(fqn, phase): 1 for (phase, _), fqn in _owner_reference().items()})
+    assert cap.mode.stats()["internal_errors"] == 0
+
+
+def _run_steps(make: Any, x: torch.Tensor,
+               pattern: list[bool]) -> tuple[int, int, list[Any]]:
+    """A fresh model from ``make`` run one step per entry of ``pattern``, traced (a
+    mode of its own) or not: (graphs Dynamo compiled, graph breaks, the captures)."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model = make()
+    caps = []
+    for step, traced in enumerate(pattern):
+        if not traced:
+            model(x).sum().backward()
+            continue
+        with capture() as cap:
+            with cap.mode.step(step):
+                model(x).sum().backward()
+        assert cap.mode.stats()["internal_errors"] == 0
+        caps.append(cap)
+    counters = torch._dynamo.utils.counters
+    return int(counters["stats"]["unique_graphs"]), Counter(counters["graph_break"]), caps
+
+
+def _compiles_as_untraced(make: Any, x: torch.Tensor) -> list[Any]:
+    """Traced steps compile as many graphs, with the same graph breaks, as untraced
+    ones; traced steps between untraced ones compile at most once more each (the
+    global hooks' two states; a frame compiled again breaks again where the model
+    breaks, nowhere else). The captures of two traced steps."""
+    untraced = _run_steps(make, x, [False, False])[:2]
+    graphs, breaks, caps = _run_steps(make, x, [True, True])
+    mixed, mixed_breaks, _ = _run_steps(make, x, [True, False, True])
+    assert (graphs, breaks) == untraced, (untraced, graphs, breaks)
+    assert mixed <= 2 * untraced[0], (untraced, mixed)
+    assert set(mixed_breaks) == set(untraced[1]), (untraced, mixed_breaks)
+    return caps
+
+
+@pytest.mark.parametrize(("backend", "breaks"),
+                         [("aot_eager", False), ("eager", False), ("aot_eager", True)],
+                         ids=["aot_eager", "eager", "aot_eager-graph-breaks"])
+def test_a_model_compiled_in_place_at_top_level_has_its_span_from_its_first_call(
+        fake_pg: None, backend: str, breaks: bool) -> None:
+    """A model compiled in place (``model.compile()``) and called at top level,
+    never seen uncompiled: from its first call its call is its span, forward and
+    backward, as torch's ModTracker sees the uncompiled model's (blocks that break
+    the graph: theirs too); under aot_eager the submodules own their collectives
+    as torch's CommDebugMode counts them uncompiled, under eager the model owns them
+    (nothing at run time names a module of the compiled region). No graph break, no
+    recompile of commspan's; its compiled call is its own after each mode. (Its first
+    step had no span of it: Dynamo compiled commspan's hooks, which its
+    ``_call_impl`` runs eagerly, into frames that returned at once; that step's
+    collectives were ``Global``'s.)"""
+    x = torch.randn(4, DIM, requires_grad=True)
+    expected = _blocks_reference(x, breaks)
+    calls = _block_calls(_Blocks(compiled=False, breaks=breaks), x, top=True)
+    made: list[_Blocks] = []
+
+    def make() -> torch.nn.Module:
+        model = _Blocks(compiled=False, breaks=breaks)
+        model.compile(backend=backend)
+        made.append(model)
+        return model
+
+    for cap in _compiles_as_untraced(make, x):
+        spans = _block_spans(cap, top="_Blocks")
+        assert spans == Counter({k: n for k, n in calls.items() if breaks or k[0] == "_Blocks"})
+        got = Counter((e[semconv.OWNER_FQN], e[semconv.PHASE]) for e in _events(cap))
+        assert got == _owners_at(expected, 3 if backend == "aot_eager" else 0, steps=1)
+    assert all(type(m.__dict__["_compiled_call_impl"]).__name__ != "_SpannedCall" for m in made)
+
+
+def test_hooks_are_left_to_dynamo_where_torch_cannot_mark_their_frames(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A torch without ``set_code_exec_strategy`` (commspan marks its hook frames
+    with it at import): the marking logs at debug level and returns; nothing
+    raises."""
+    import logging
+
+    from commspan.capture import modules
+
+    monkeypatch.delattr(torch._dynamo.eval_frame, "set_code_exec_strategy")
+    with caplog.at_level(logging.DEBUG, logger=modules.__name__):
+        modules._run_as_is(_run_block.__code__)
+    assert "could not keep Dynamo out of the module hooks" in caplog.text
+
+
+def test_compat_comm_debug_mode_counts_compiled_blocks_as_uncompiled(fake_pg: None) -> None:
+    """commspan.compat's CommDebugMode around blocks compiled one by one (torchtitan's
+    ``model.layers[i] = torch.compile(block)``; Dynamo runs their frames eagerly under
+    a mode that is not compile infrastructure): its per-module counts are torch's
+    CommDebugMode's on the uncompiled model. (The blocks' submodules were skipped,
+    their collectives the blocks', as torch's own class skips them.)"""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from commspan.compat import CommDebugMode as CompatCommDebugMode
+
+    x = torch.randn(4, DIM, requires_grad=True)
+    torch_cdm = CommDebugMode()
+    with torch_cdm:
+        _Blocks(compiled=False)(x).sum().backward()
+    torch._dynamo.reset()
+    compat_cdm = CompatCommDebugMode()
+    with compat_cdm:
+        _Blocks(compiled=True)(x).sum().backward()
+    assert compat_cdm.comm_module_counts == torch_cdm.comm_module_counts
+    assert any(fqn.count(".") == 3 for fqn in compat_cdm.comm_module_counts)
 
 
 def test_a_user_hook_raising_after_a_block_compiled_in_place_leaves_the_mode_as_uncompiled(
@@ -985,26 +1075,6 @@ class _Stack(torch.nn.Module):
         return x
 
 
-def _traced(model: torch.nn.Module, x: torch.Tensor) -> tuple[list[dict[str, Any]], int, int]:
-    """The events of one traced step of ``model``, the graphs Dynamo compiled and
-    its graph breaks."""
-    torch._dynamo.utils.counters.clear()
-    with capture() as cap:
-        with cap.mode.step(0):
-            model(x).sum().backward()
-    assert cap.mode.stats()["internal_errors"] == 0
-    counters = torch._dynamo.utils.counters
-    return (_events(cap), int(counters["stats"]["unique_graphs"]),
-            sum(counters["graph_break"].values()))
-
-
-def _untraced_graphs(model: torch.nn.Module, x: torch.Tensor) -> tuple[int, int]:
-    torch._dynamo.utils.counters.clear()
-    model(x).sum().backward()
-    counters = torch._dynamo.utils.counters
-    return int(counters["stats"]["unique_graphs"]), sum(counters["graph_break"].values())
-
-
 def test_a_compiled_function_called_with_each_block_charges_the_block_that_ran(
         fake_pg: None) -> None:
     """A function compiled once (aot_eager) and called with each of three blocks of
@@ -1013,40 +1083,54 @@ def test_a_compiled_function_called_with_each_block_charges_the_block_that_ran(
     its submodules), as CommDebugMode counts them on the uncompiled model; backward
     ones by the span open around the call (the model's: which block's graph ran
     only the forward's frame knows), never by the first block. (Every collective
-    was charged to ``_Stack.blocks.0``'s modules.) No recompile under the mode."""
+    was charged to ``_Stack.blocks.0``'s modules.) The blocks have no spans (Dynamo
+    traces their calls). No recompile under the mode."""
     x = torch.randn(4, DIM, requires_grad=True)
     own = _own_counts(_Stack(), x)
-    torch._dynamo.reset()
-    run = torch.compile(_run_block, backend="aot_eager")
-    untraced = _untraced_graphs(_Stack(run=run), x)
-    events, graphs, breaks = _traced(_Stack(run=run), x)
-    got = Counter((e[semconv.OWNER_FQN], e[semconv.PHASE]) for e in events)
     forward = Counter({k: n for k, n in own.items() if k[1] == "forward"})
     backward = sum(n for (_, phase), n in own.items() if phase == "backward")
     assert len(forward) == 6 and backward == 6, own
-    assert got == forward + Counter({("_Stack", "backward"): backward})
-    assert untraced == (1, 0) and (graphs, breaks) == (0, 0)  # (no recompile under the mode)
+
+    def make() -> torch.nn.Module:
+        return _Stack(run=torch.compile(_run_block, backend="aot_eager"))
+
+    for cap in _compiles_as_untraced(make, x):
+        got = Counter((e[semconv.OWNER_FQN], e[semconv.PHASE]) for e in _events(cap))
+        assert got == forward + Counter({("_Stack", "backward"): backward})
+        assert _block_spans(cap) == Counter()
 
 
-def test_a_compiled_model_whose_blocks_break_the_graph_charges_the_block_that_ran(
-        fake_pg: None) -> None:
-    """``torch.compile(model)`` (aot_eager) around three blocks of one class, each
-    breaking the graph: Dynamo skips the model's frame (a graph break in its loop)
-    and compiles each block's frame on its own, one graph for all three, which
-    names the first block's modules; nothing of the blocks runs eagerly (their
-    hooks are compiled too), so they have no spans. Forward collectives of the
-    blocks' submodules are owned by the block that ran, as CommDebugMode counts
-    them on the uncompiled model; the rest (the block's own, in the graph after the
-    break, whose nodes have no module; every backward one) by the model's span.
-    (All were the model's.) No recompile under the mode."""
+@pytest.mark.parametrize("backend", ["aot_eager", "eager"])
+def test_blocks_breaking_the_graph_of_a_compiled_model_have_spans_and_own_their_collectives(
+        fake_pg: None, backend: str) -> None:
+    """``torch.compile(model)`` around three blocks of one class whose forward breaks
+    the graph (after their ``attn``; then an all-reduce of their own): Dynamo calls
+    each block eagerly and compiles its frame, one graph for all three, which names
+    the first block's modules. Each block's call is its span, forward and backward,
+    as torch's ModTracker sees the uncompiled model's, and the model has one span
+    per call (the wrapper's; its own call inside is not a second one). Under
+    aot_eager every module owns the collectives it issues itself (the block that
+    ran, never the first; a block's own, whose graph nodes after the break have no
+    module, too), forward and backward, as torch's CommDebugMode counts them on the
+    uncompiled model; under eager each block (the innermost module with a span).
+    No graph break, no recompile of commspan's, and Dynamo never compiles
+    commspan's hooks. (The blocks had no span, their collectives the model's:
+    Dynamo compiled the hooks into frames that returned at once, and commspan
+    ignored every module call inside a compiled module.)"""
+    from commspan.capture import modules
+
     x = torch.randn(4, DIM, requires_grad=True)
     own = _own_counts(_Stack(brk=True), x)
-    torch._dynamo.reset()
-    untraced = _untraced_graphs(torch.compile(_Stack(brk=True), backend="aot_eager"), x)
-    events, graphs, breaks = _traced(torch.compile(_Stack(brk=True), backend="aot_eager"), x)
-    got = Counter((e[semconv.OWNER_FQN], e[semconv.PHASE]) for e in events)
-    attn = Counter({k: n for k, n in own.items() if k[1] == "forward" and k[0].endswith(".attn")})
-    rest = sum(own.values()) - sum(attn.values())
-    assert len(attn) == 3 and rest == 9, own
-    assert got == attn + Counter({("_Stack", "forward"): 3, ("_Stack", "backward"): 6})
-    assert untraced == (2, 1) and (graphs, breaks) == (0, 0)  # (no recompile under the mode)
+    assert len(own) == 12, own  # (each block's and its attn's, forward and backward)
+    calls = _block_calls(_Stack(brk=True), x, top=True)
+
+    def make() -> torch.nn.Module:
+        return torch.compile(_Stack(brk=True), backend=backend)
+
+    for cap in _compiles_as_untraced(make, x):
+        assert _block_spans(cap, top="_Stack") == calls
+        got = Counter((e[semconv.OWNER_FQN], e[semconv.PHASE]) for e in _events(cap))
+        assert got == _owners_at(own, 3 if backend == "aot_eager" else 2, steps=1)
+    compiled_for = torch._C._dynamo.eval_frame._debug_get_cache_entry_list
+    for hook in (modules._global_pre_fw, modules._global_post_fw, modules._Closer.__call__):
+        assert compiled_for(hook.__code__) == []

@@ -191,6 +191,7 @@ class _Call:
         "bw_unheard",
         "bw_thread",
         "in_place",
+        "wraps",
         "__weakref__",  # hooks on leaf tensors hold the call weakly
     )
 
@@ -219,6 +220,7 @@ class _Call:
         self.bw_unheard = False  # its backward started; the observer not told yet
         self.bw_thread = 0  # the thread its backward started on (step 4)
         self.in_place = False  # opened around a module's in-place compiled call
+        self.wraps = False  # the call of torch.compile(module)'s wrapper: the module's span
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:

@@ -82,14 +82,6 @@ except Exception:  # pragma: no cover - depends on the torch build
         pass
 
 
-try:  # torch.compile'd regions: leave them alone, as torch's own trackers do
-    from torch._dynamo.eval_frame import _is_in_optimized_module as _in_compiled
-except Exception:  # pragma: no cover - depends on the torch build
-
-    def _in_compiled() -> bool:
-        return False
-
-
 _Compiled: Any
 try:  # torch.compile(module) wraps the module: the wrapper's call is the compiled module's
     from torch._dynamo.eval_frame import OptimizedModule as _Compiled
@@ -298,6 +290,26 @@ class _GlobalHooks:
 _GLOBAL_HOOKS = _GlobalHooks()
 
 
+def _run_as_is(*codes: Any) -> None:
+    """Dynamo never compiles a frame of ``codes``, nor any frame they call, when it
+    meets one as a frame of its own: a module call that compiled code runs eagerly
+    (the ``_call_impl`` of a module compiled in place or of ``torch.compile(m)``'s
+    module, whose forward alone is compiled; a module called where a graph broke)
+    calls commspan's hooks from a frame Dynamo skips, and Dynamo compiled each hook
+    into a frame that returned at once (it traces ``torch.compiler.is_compiling()``
+    as true): those calls had no span. Dynamo still traces the hooks inline where it
+    traces a module call, where they return at once."""
+    try:
+        from torch._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+
+        as_is = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
+        for code in codes:
+            set_code_exec_strategy(code, as_is)
+    except Exception:  # another torch (no such API): those calls have no span
+        _log.debug("commspan: could not keep Dynamo out of the module hooks", exc_info=True)
+
+
 _COMPILED_CALL = "_compiled_call_impl"  # where module.compile() puts the compiled call
 
 
@@ -306,14 +318,13 @@ class _SpannedCall:
     ``_compiled_call_impl`` to ``torch.compile(module._call_impl)``), put in that
     attribute's place while a tracker is installed (:class:`_InPlaceCalls`).
 
-    The module's hooks, commspan's global ones included, are compiled with its
-    ``_call_impl``: they return at once while Dynamo traces them, and nothing of
-    them runs after, so the call had no span. This opens the module's span around
-    the compiled call, eagerly, as the call of ``torch.compile(module)``'s wrapper
-    does: forward (or recompute), its backward from the outputs' gradients, and in
-    it the collectives of the compiled graph (under ``aot_eager``, each owned by
-    its submodule). While Dynamo traces it (a model compiled around it), it is the
-    compiled call and nothing else."""
+    This opens the module's span around the compiled call, eagerly, as the call of
+    ``torch.compile(module)``'s wrapper does: forward (or recompute), its backward
+    from the outputs' gradients, and in it the collectives of the compiled graph
+    (under ``aot_eager``, each owned by its submodule). The module's own call
+    inside (torch runs its ``_call_impl``, commspan's hooks included, eagerly,
+    :func:`_run_as_is`) opens no second span. While Dynamo traces it (a model
+    compiled around it), it is the compiled call and nothing else."""
 
     __slots__ = ("compiled", "own", "module", "__weakref__")
 
@@ -364,8 +375,6 @@ class _SpannedCall:
 
 
 _SPANNED_CALL = _SpannedCall.__call__.__code__
-# the frame of a module's call (``Module.__call__``), which calls its compiled call
-_MODULE_CALL = torch.nn.Module._wrapped_call_impl.__code__
 
 
 class _InPlaceCalls:
@@ -523,6 +532,8 @@ class _Closer:
             # (_finish_forward reads the caller of this hook, 2 frames up)
             tracker._finish_forward(info, module, args, output, kwargs, 2)
 
+
+_run_as_is(_global_pre_fw.__code__, _global_post_fw.__code__, _Closer.__call__.__code__)
 
 # the module's tables a forward hook is registered in; the hook table last
 _HOOK_TABLES = ("_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_hooks")
@@ -995,9 +1006,10 @@ class ModuleTracker(BackwardNesting):
 
     def find_compiled_in_place(self) -> None:
         """Span the calls of the modules named before they were compiled in place
-        (``module.compile()`` after the model first ran traced): from the next step
-        on (called when the tracker is installed and when a traced step starts). A
-        look-up per named module."""
+        (``module.compile()`` after the model first ran traced) with
+        :class:`_SpannedCall` (called when the tracker is installed and when a traced
+        step starts; until then their own calls are their spans). A look-up per
+        named module."""
         try:
             for ref in list(self._known_by_ref):
                 module = ref()
@@ -1011,31 +1023,6 @@ class ModuleTracker(BackwardNesting):
             for module in list(self._wrappers) if self._wrappers else ():
                 if _compiled_in_place(module):
                     _IN_PLACE.add(module)
-        except Exception:
-            self._errors.record()
-
-    def find_compiled_caller(self) -> None:
-        """A collective is issued in forward with no module call open: if a module
-        compiled in place (``model.compile()``) that the tracker has not named is
-        running it, its call is on the Python stack (the ``Module.__call__`` that
-        called the compiled call), though none of its hooks ran eagerly (they are
-        compiled with it). Name the outermost such module as a model of its own and
-        span its calls (:class:`_SpannedCall`) from its next call on. A walk up the
-        stack, its frames compared by code object."""
-        if not self.active or (_get_ident() != self.owner and not self._follows()):
-            return
-        try:
-            found = None
-            frame: Any = sys._getframe(1)
-            while frame is not None:
-                if frame.f_code is _MODULE_CALL:
-                    module = frame.f_locals.get("self")
-                    if isinstance(module, torch.nn.Module) and _compiled_in_place(module):
-                        found = module
-                frame = frame.f_back
-            if found is not None and found not in self._known and (
-                    not self._wrappers or found not in self._wrappers):
-                self._info(found)  # (puts the spanned calls of its tree in place)
         except Exception:
             self._errors.record()
 
@@ -1072,9 +1059,9 @@ class ModuleTracker(BackwardNesting):
             _HEADROOM.release()
 
     def _ignores_this_call(self, module: torch.nn.Module | None = None) -> bool:
-        """Not tracking, a call on a thread the tracker does not follow, or
-        inside a torch.compile'd region (but the call of ``torch.compile(m)``'s
-        wrapper itself: the compiled module's span)."""
+        """Not tracking, a call on a thread the tracker does not follow, or a call
+        Dynamo traces (compiled into a graph: no span). A call that compiled code
+        runs eagerly (where a graph broke) is a call as uncompiled."""
         return _is_compiling() or self._ignores_eager_call(module)
 
     def _ignores_eager_call(self, module: torch.nn.Module | None) -> bool:
@@ -1083,7 +1070,6 @@ class ModuleTracker(BackwardNesting):
         return (
             not self.active
             or (_get_ident() != self.owner and not self._follows())
-            or (_in_compiled() and not isinstance(module, _Compiled))
         )
 
     # ------------------------------------------------------------ names
@@ -1233,10 +1219,13 @@ class ModuleTracker(BackwardNesting):
             task = _graph_task_id()
             calls = self._calls
             parent = calls[-1] if calls else None
-            if info.local_open and not in_place and parent is not None and (
-                    parent.in_place and parent.info is info):
-                # the module's own call inside its spanned compiled call (Dynamo ran
-                # it eagerly: a recompile limit hit, a stance): that span is the call's
+            if parent is not None and parent.info is info and not in_place and (
+                    (info.local_open and parent.in_place)
+                    or (parent.wraps and not isinstance(module, _Compiled))):
+                # the module's own call inside its spanned compiled call, or inside
+                # the call of its torch.compile(module) wrapper (torch runs its
+                # _call_impl, hooks included, eagerly; Dynamo compiles its forward):
+                # that span is the call's
                 return
             if task == -1:  # outside autograd: a forward (phase_now's rule, inline)
                 phase = _FORWARD
@@ -1259,6 +1248,8 @@ class ModuleTracker(BackwardNesting):
                 ref = info.ref = weakref.ref(module)
             call = _Call(info, ref, parent, frame, depth)
             call.task = task
+            if isinstance(module, _Compiled):
+                call.wraps = True
             calls.append(call)
             if in_place:
                 # its own hooks run inside the compiled call, which the frame is
@@ -1427,6 +1418,8 @@ class ModuleTracker(BackwardNesting):
             if idx < 0:
                 return
             call = calls[idx]
+            if call.wraps and not isinstance(module, _Compiled):
+                return  # the compiled module's own call, inside its wrapper's: no frame
             del calls[idx:]
             # the hook's caller is torch's Module._call_impl (``up``); a call whose
             # forward returned and one of whose own forward hooks raised has an output

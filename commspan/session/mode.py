@@ -843,9 +843,6 @@ class CommSpanMode:
         rec.ensure_trace()
         top = rec.stack[-1]
         in_autograd = _graph_task_id() != -1
-        if tracker is not None and not in_autograd and top.fqn == semconv.GLOBAL_FQN:
-            # outside every module span: a model compiled in place, never named?
-            tracker.find_compiled_caller()
         attrs[semconv.MODULE_FQN] = top.fqn  # where it was issued: the timeline
         owner = None
         parallel = self._parallel
@@ -904,17 +901,18 @@ class CommSpanMode:
         Dynamo runs the graph it traced on one module for every module of that
         class (torch.compile on each block: one graph; a block's own frame,
         compiled on its own after a graph break; a compiled function called with
-        each block), and the graph names the modules of the one it traced. A node
-        whose module is not inside the span open now (the compiled module's) is
-        found, in forward, under the module the graph runs for: the compiled
+        each block), and the graph names the modules of the one it traced. In
+        forward a node is found under the module the graph runs for: the compiled
         frame's ``self`` (or argument), on the stack (:func:`running_module`). In
-        backward (no such frame) by its path under the span's module instead
-        (``Net.layers.1`` + ``attn``), when a module of that name exists. A
-        backward node of a graph whose module (the frame's local) is neither the
-        span's nor found there ran for a module that only the forward's frame
-        knew: which module of its class that was is unknown, so ``None`` (the
-        span open around the call owns it), never the module the graph was
-        traced on."""
+        backward (no such frame) a node whose module is not inside the span open
+        now (the compiled module's, or a block's Dynamo called eagerly) is found by
+        its path under the span's module instead (``Net.layers.1`` + ``attn``),
+        when a module of that name exists. A backward node of a graph whose module
+        (the frame's local) is neither the span's nor found there ran for a module
+        that only the forward's frame knew (one whose call Dynamo traced, with no
+        span of its own): which module of its class that was is unknown, so
+        ``None`` (the span open around the call owns it), never the module the
+        graph was traced on."""
         compiled = dispatch.compiled_module()
         tracker = self._tracker
         if compiled is None or tracker is None:
