@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     offline_world = 64 if ns.quick else 1024
     section(
         "offline",
-        f"summary, table, check, html, perfetto, stragglers and from_jsonl over "
+        f"summary, table, check, html, perfetto, stragglers, diff and from_jsonl over "
         f"{offline_world} generated rank files "
         "x 20 steps with digests",
         lambda: run_offline(world=offline_world, steps=20),

@@ -1,5 +1,6 @@
 """The CLI over a thousand-rank run: ``summary``, ``table``, ``check``, ``html``,
-``perfetto`` and ``stragglers`` on 1,024 rank files.
+``perfetto``, ``stragglers`` and ``diff`` (the run against itself) on 1,024 rank
+files.
 
 How the run directory is made (it is generated, not traced whole: tracing 1,024
 ranks one by one on the fake process group would take the best part of an hour):
@@ -198,6 +199,9 @@ def run_offline(world: int = 1024, steps: int = 20) -> dict[str, Any]:
             "perfetto": _run_cli(["perfetto", str(run_dir), "-o",
                                   str(Path(work) / "trace.json")]),
             "stragglers": _run_cli(["stragglers", str(run_dir)]),
+            # the run against itself: every line of both sides parsed (a folder named
+            # twice is read once), each span folded into counts as it is read
+            "diff": _run_cli(["diff", str(run_dir), str(run_dir)]),
         }
         for name, out in (("html", "report.html"), ("perfetto", "trace.json")):
             written = Path(work) / out

@@ -501,3 +501,228 @@ def test_a_side_whose_only_step_hung_on_every_rank_is_an_error(
     # a step that ended beside it: the hung step is left out, as before
     code, out, err = run_cli(capsys, "diff", str(hung), "--steps", "0-0", "--steps", "1-2")
     assert code == 0 and "step 2 of ranks 0-1 was cut short" in err, (out, err)
+
+
+def _trace_run(out: Path, run_id: str, step_fn: Any, steps: range,
+               hang_at: tuple[int, int]) -> None:
+    """Like ``write_run`` (4 ranks), with a hang record written (``mode.dump()``) by rank
+    ``hang_at[0]`` in step ``hang_at[1]``."""
+    from commspan import CommSpanMode
+    from commspan.exporters import JsonlSpanExporter
+
+    for rank in range(4):
+        mode = CommSpanMode(
+            exporters=[JsonlSpanExporter(out / f"commspan-rank{rank}.jsonl")],
+            run_id=run_id, resource_attributes={"commspan.rank": rank})
+        with mode:
+            for step in steps:
+                with mode.step(step):
+                    step_fn(rank, step)
+                    if (rank, step) == hang_at:
+                        mode.dump()
+        mode.shutdown()
+
+
+def _damage_collective_line(path: Path, run_id: str, step: int) -> int:
+    """Make garbage of the first line of ``path`` holding a collective of ``step`` of run
+    ``run_id``; returns its number."""
+    lines = path.read_bytes().splitlines(keepends=True)
+    mark = {"key": "commspan.step", "value": {"intValue": str(step)}}
+    run = {"key": "commspan.run_id", "value": {"stringValue": run_id}}
+    spans = [(n, rs, s) for n, raw in enumerate(lines) for rs in json.loads(raw)["resourceSpans"]
+             for ss in rs["scopeSpans"] for s in ss["spans"]]
+    trace = next(s["traceId"] for _, rs, s in spans if s["name"] == "commspan.rank"
+                 and mark in s["attributes"] and run in rs["resource"]["attributes"])
+    n = next(n for n, _, s in spans if s["traceId"] == trace and any(
+        a["key"] == "commspan.collective.op" for e in s.get("events", ())
+        for a in e["attributes"]))
+    lines[n] = b'{"resourceSpans": [garbage\n'
+    path.write_bytes(b"".join(lines))
+    return n + 1
+
+
+@pytest.fixture(scope="module")
+def streamed_runs(tmp_path_factory: pytest.TempPathFactory, fake_pg: None) -> dict[str, Any]:
+    """A: 4 ranks, steps 0-3, one all_reduce more on rank 1 in step 2. B: an earlier run
+    ("first") and the run compared ("second", steps 0-4, one all_reduce more on rank 2
+    in step 3), rank 0 writing a hang record in step 1, rank 3's rank span of step 2
+    lost (cut short: it went on), and a line of rank 1 holding a collective of step 3
+    damaged (which other steps it held depends on how the exporter batched them)."""
+    a = tmp_path_factory.mktemp("streamed-a")
+    b = tmp_path_factory.mktemp("streamed-b")
+    write_run(a, "a", net_step(extra_on=(1, 2)), steps=range(4))
+    write_run(b, "first", net_step(), steps=range(2))
+    _trace_run(b, "second", net_step(extra_on=(2, 3)), range(5), hang_at=(0, 1))
+    _lose_rank_span(b / "commspan-rank3.jsonl", step=2)
+    line = _damage_collective_line(b / "commspan-rank1.jsonl", "second", 3)
+    return {"a": a, "b": b, "damaged": (b / "commspan-rank1.jsonl", line)}
+
+
+def _held_in_memory(path: Path, run: str | None, steps: Any, rank: int | None) -> Any:
+    """One side as diff computed it before it folded the spans as it read them: every
+    span of the files held, selected, then profiled."""
+    from commspan.analysis.diff import profile
+    from commspan.analysis.runs import select
+    from commspan.exporters import read_spans
+    from commspan.otlpjson.records import ReadReport
+
+    records = list(read_spans(path, strict=False, report=ReadReport()))
+    sel = select(records, run=run, steps=steps)
+    return sel, profile(sel.records, rank=rank, last_traces=sel.last_traces)
+
+
+_STREAMED_CASES = [
+    # (A, B, runs, steps, rank): as the command line takes them
+    ("a", "b", (None, None), (None, None), None),
+    ("a", "b", (None, None), (None, None), 2),
+    ("b", None, (None, None), ((0, 0), (3, 4)), None),
+    ("b", None, (None, None), ((2, 4), (3, 3)), 0),
+    ("a", "b", (None, None), ((1, 2), (2, 4)), None),
+    ("b", None, ("first", "second"), ((0, 1), (1, 1)), None),
+    ("b", None, ("first", "second"), (None, None), 1),
+]
+
+
+@pytest.mark.parametrize(("a", "b", "runs", "steps", "rank"), _STREAMED_CASES)
+def test_the_streamed_diff_is_the_diff_of_every_span_held(
+    streamed_runs: dict[str, Any], capsys: pytest.CaptureFixture[str], a: str, b: str | None,
+    runs: tuple[str | None, str | None], steps: tuple[Any, Any], rank: int | None,
+) -> None:
+    """`diff` folds each file's spans as it reads them (a 1,024-rank run held took more
+    memory than the machine had): on multi-rank runs with differences, a second run in
+    the folder, a hang record from before the steps selected, a step cut short on one
+    rank and a damaged line, its text and JSON are those computed from every span held
+    (read, selected, profiled: what diff did before), side by side and for one rank."""
+    from commspan.analysis.diff import diff
+    from commspan.analysis.runs import StepRange, format_numbers
+    from commspan.render.diff import format_diff
+
+    paths = [streamed_runs[a], streamed_runs[b or a]]
+    argv = ["diff", str(paths[0]), *([str(paths[1])] if b else [])]
+    for run in runs:
+        argv += ["--run", run] if run else []
+    for s in steps:
+        argv += ["--steps", f"{s[0]}-{s[1]}"] if s else []
+    argv += ["--rank", str(rank)] if rank is not None else []
+    sides = [_held_in_memory(path, run, StepRange(*s) if s else None, rank)
+             for path, run, s in zip(paths, runs, steps)]
+    expected = diff(sides[0][1], sides[1][1])
+    code, out, err = run_cli(capsys, *argv, "--json")
+    data = json.loads(out)
+    assert code == 2 if "b" in (a, b) else (0 if expected.equal else 1), err
+    assert {k: data[k] for k in ("equal", "counts", "entries")} == expected.to_dict()
+    for key, (sel, prof) in zip("ab", sides):
+        assert data[key]["run"] == sel.run.run_id and data[key]["steps"] == list(sel.steps)
+        assert data[key]["ranks"] == list(prof.ranks)
+        assert data[key]["cut_short"] == [{"rank": r, "step": st} for r, st in prof.cut_short]
+    code, text, err_text = run_cli(capsys, *argv)
+    assert err_text == err
+    labels = []
+    for name, path, (sel, _) in zip("AB", paths, sides):
+        ranks = [rank] if rank is not None else {r.rank for r in sel.records
+                                                 if r.rank is not None}
+        labels.append(f"{name}: {path} (run {sel.run.run_id}, ranks {format_numbers(ranks)}, "
+                      f"steps {format_numbers(sel.steps)})")
+    assert text.rstrip("\n") == format_diff(expected, *labels)
+    if "b" in (a, b):  # the damaged line is named, and the steps it may have held
+        path, line = streamed_runs["damaged"]
+        assert f"ValueError: {path}:{line}: " in err
+        # (which steps besides 3 the line held depends on how the exporter batched)
+        if any(sel.run.run_id == "second" and 3 in sel.steps
+               for (sel, _), side in zip(sides, (a, b or a)) if side == "b"):
+            assert f"{path}:{line} is damaged: rank 1's collectives of step" in err, err
+
+
+def test_the_profile_builder_folds_what_select_and_profile_keep(
+    streamed_runs: dict[str, Any],
+) -> None:
+    """ProfileBuilder, span by span, against select() and profile() of every span held:
+    the same selection (run, runs, steps, note, each rank's last trace), the traces,
+    ranks and each rank's last step of the spans kept, and the same profile, for every
+    run, step range and rank of run B (a hang record from before the steps, a step cut
+    short on one rank, a damaged line)."""
+    from commspan.analysis.diff import ProfileBuilder
+    from commspan.analysis.runs import SelectionError, StepRange
+    from commspan.analysis.summary import last_steps
+    from commspan.exporters import read_spans
+    from commspan.otlpjson.records import ReadReport
+
+    path = streamed_runs["b"]
+    held = list(read_spans(path, strict=False, report=ReadReport()))
+    compared = 0
+    for rank in (None, 0, 3):
+        builder = ProfileBuilder(rank)
+        builder.hold(read_spans(path, strict=False, report=ReadReport()))
+        for run in (None, "first", "second"):
+            for steps in (None, *(StepRange(f, t) for f in range(5) for t in range(f, 5))):
+                try:
+                    sel, expected = _held_in_memory(path, run, steps, rank)
+                except SelectionError as exc:
+                    with pytest.raises(SelectionError, match=str(exc.detail)):
+                        builder.select(run, steps)
+                    continue
+                except ValueError as exc:  # every step selected was cut short
+                    side = builder.select(run, steps)
+                    with pytest.raises(ValueError) as caught:
+                        side.profile()
+                    assert str(caught.value) == str(exc)
+                    continue
+                side = builder.select(run, steps)
+                got = side.selection
+                assert (got.run, got.runs, got.steps, got.note, got.last_traces) == (
+                    sel.run, sel.runs, sel.steps, sel.note, sel.last_traces)
+                assert side.traces == {r.trace_id for r in sel.records}
+                assert side.ranks() == {r.rank for r in sel.records if r.rank is not None}
+                assert side.module_ranks() == {r.rank for r in sel.records
+                                               if "commspan.module.fqn" in r.attributes}
+                named = ("commspan.step", "commspan.rank", "commspan.hang")
+                assert side.last_steps() == last_steps(
+                    (r.rank, r.trace_id, r.attributes.get("commspan.step")
+                     if r.name in named and type(r.attributes.get("commspan.step")) is int
+                     else None) for r in sel.records)
+                assert side.profile() == expected
+                compared += 1
+                if steps == StepRange(2, 4) and run != "first":
+                    # rank 0's hang record of step 1 is kept, as select keeps it, and
+                    # rank 3's step 2 was cut short
+                    assert any(r.name == "commspan.hang" and r.trace_id not in {
+                        h.trace_id for h in sel.records if h.name == "commspan.rank"}
+                        for r in sel.records)
+                    assert (3, 2) in expected.cut_short
+    assert compared > 40 and len(held) > 100
+
+
+def test_diff_holds_no_span_once_read(
+    streamed_runs: dict[str, Any], capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """When the two sides are compared, the span records read are gone but the hang
+    records (one here): diff held every span of both sides until the end, which took
+    more memory than a 24 GB machine has over two 1,024-rank runs."""
+    import gc
+    import weakref
+
+    import commspan.analysis.diff as diff_module
+    import commspan.cli.commands as commands
+
+    read = commands.read_spans_in
+    seen: list[Any] = []
+
+    def tracked(*args: Any, **kwargs: Any) -> Any:
+        for span in read(*args, **kwargs):
+            seen.append(weakref.ref(span))
+            yield span
+
+    compare = diff_module.diff
+    alive: list[int] = []
+
+    def counting(a: Any, b: Any) -> Any:
+        gc.collect()
+        alive.append(sum(ref() is not None for ref in seen))
+        return compare(a, b)
+
+    monkeypatch.setattr(commands, "read_spans_in", tracked)
+    monkeypatch.setattr(diff_module, "diff", counting)
+    code, out, _ = run_cli(capsys, "diff", str(streamed_runs["a"]), str(streamed_runs["b"]))
+    assert code == 2 and out
+    assert len(seen) > 100 and alive == [1]

@@ -25,18 +25,25 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Any, NamedTuple
 
 from commspan import semconv
 from commspan.analysis.counts import mesh_dim_of
-from commspan.analysis.issued import issued, natural_key
-from commspan.analysis.summary import cut_short, cut_short_steps
+from commspan.analysis.issued import issued, issued_key, natural_key
+from commspan.analysis.runs import (
+    RunTally,
+    Selection,
+    StepRange,
+    _earlier_hangs,
+    select,
+)
+from commspan.analysis.summary import _Unfinished, cut_short, cut_short_steps, last_steps
 from commspan.otlpjson.records import SpanRecord
 
-__all__ = ["ADDED", "CHANGED", "OUTSIDE_STEPS", "REMOVED", "DiffEntry", "DiffResult", "Profile",
-           "Usage", "diff", "profile"]
+__all__ = ["ADDED", "CHANGED", "OUTSIDE_STEPS", "REMOVED", "DiffEntry", "DiffResult",
+           "FoldedSide", "Profile", "ProfileBuilder", "Usage", "diff", "profile"]
 
 ADDED = "added"
 REMOVED = "removed"
@@ -240,13 +247,7 @@ def profile(
     # a step cut short on every rank has no rank span: its hang records say its number
     steps_named = numbered | {trace for _, trace, step in cut if step is not None}
     if steps_named and steps_named <= left_out:
-        which = cut_short_steps((r, s) for r, _, s in cut)
-        raise ValueError(
-            f"every step {'selected ' if last_traces is not None else ''}was cut short "
-            f"({which}: no commspan.rank span written, a hang or a process stopped "
-            "mid-step): no whole step is left to compare; "
-            + ("select steps that ended" if last_traces is not None else
-               "compare a run with a step that ended"))
+        raise _every_step_cut(cut, last_traces is not None)
     numbered -= left_out
     records = [r for r in records if r.trace_id not in left_out]
     if steps is None:
@@ -278,6 +279,27 @@ def profile(
             where = _group_label(row)
             slot[3][where] = slot[3].get(where, 0) + row.count
             ranks.update(row.ranks)
+    return _profile_of(totals, once, steps, ranks, cut)
+
+
+def _every_step_cut(cut: list[tuple[int | None, str, int | None]], selected: bool,
+                    ) -> ValueError:
+    """The error when every numbered step of a side was cut short (``selected``: the
+    side is a step selection)."""
+    which = cut_short_steps((r, s) for r, _, s in cut)
+    return ValueError(
+        f"every step {'selected ' if selected else ''}was cut short "
+        f"({which}: no commspan.rank span written, a hang or a process stopped "
+        "mid-step): no whole step is left to compare; "
+        + ("select steps that ended" if selected else "compare a run with a step that ended"))
+
+
+def _profile_of(
+    totals: Mapping[tuple[str, str, str], list[Any]], once: set[tuple[str, str, str]],
+    steps: int, ranks: set[int], cut: Iterable[tuple[int | None, str, int | None]],
+) -> Profile:
+    """The :class:`Profile` of ``(fqn, phase, op) -> [count, bytes, placements,
+    {group: count}]`` totals (``once``: the keys not divided by ``steps``)."""
     usage = {}
     for key, (c, b, p, per_group) in totals.items():
         n = 1 if key in once else steps
@@ -289,6 +311,244 @@ def profile(
     return Profile(usage, steps, tuple(sorted(ranks)),
                    tuple(sorted({(r, st) for r, _, st in cut},
                                 key=lambda p: (p[1] is None, p[1] or 0, p[0] is None, p[0] or 0))))
+
+
+_STEP_SPANS = frozenset({semconv.SPAN_STEP, semconv.SPAN_RANK, semconv.SPAN_HANG})
+
+
+class _TraceFold:
+    """What :func:`profile` and the command line need of one trace's spans."""
+
+    __slots__ = ("counted", "module_ranks", "numbered", "ranks", "step", "usage")
+
+    def __init__(self) -> None:
+        self.step: int | None = None
+        """The first step number a step, rank or hang span of it names."""
+        self.numbered = False
+        """A step or rank span of it names a step (:func:`profile`'s numbered steps)."""
+        self.ranks: set[int] = set()
+        """The ranks of its spans."""
+        self.module_ranks: set[int | None] = set()
+        """The ranks of its spans that name a module."""
+        self.counted: set[int] = set()
+        """The ranks whose collectives of it were counted."""
+        self.usage: dict[tuple[str, str, str], list[Any]] = {}
+        """``(fqn, phase, op) -> [count, bytes, placements, {group: count}]``."""
+
+
+class _RunFold:
+    """The spans of one run folded per trace as they are read (the hang records kept)."""
+
+    def __init__(self, rank: int | None) -> None:
+        self.rank = rank
+        self.unfinished = _Unfinished()
+        self.traces: dict[str, _TraceFold] = {}
+        self.hangs: list[SpanRecord] = []
+        # issued_key -> ((fqn, phase, op), placement or None, group label)
+        self._keys: dict[tuple[Any, ...], tuple[tuple[str, str, str], str | None, str]] = {}
+
+    def add(self, span: SpanRecord) -> None:
+        unfinished = self.unfinished
+        unfinished.see(span)
+        unfinished.add(span)
+        trace = self.traces.get(span.trace_id)
+        if trace is None:
+            trace = self.traces[span.trace_id] = _TraceFold()
+        name, attrs = span.name, span.attributes
+        if name in _STEP_SPANS:
+            step = attrs.get(semconv.STEP)
+            if isinstance(step, int):
+                if name != semconv.SPAN_HANG:
+                    trace.numbered = True  # (as profile() numbers them)
+                if trace.step is None and not isinstance(step, bool):
+                    trace.step = step
+            if name == semconv.SPAN_HANG:
+                self.hangs.append(span)
+        rank = span.rank
+        if rank is not None:
+            trace.ranks.add(rank)
+        if semconv.MODULE_FQN not in attrs:
+            return
+        trace.module_ranks.add(rank)
+        fqn = attrs[semconv.MODULE_FQN]
+        if fqn is None or not span.events or (self.rank is not None and rank != self.rank):
+            return
+        keys, usage = self._keys, trace.usage
+        for _name, ev in span.events:
+            key = issued_key(ev, fqn)
+            if key is None:
+                continue
+            how = keys.get(key)
+            if how is None:
+                fqn_of, phase, op, group, _, dim, src, dst, dim_name = key
+                how = keys[key] = (
+                    (fqn_of, phase, op), f"{src or '?'}->{dst or '?'}" if src or dst else None,
+                    mesh_dim_of({semconv.MESH_DIM_NAME: dim_name, semconv.MESH_DIM: dim,
+                                 semconv.PG_NAME: group}))
+            slot = usage.get(how[0])
+            if slot is None:
+                slot = usage[how[0]] = [0, 0, set(), {}]
+            slot[0] += 1
+            nbytes = ev.get(semconv.TENSOR_BYTES)
+            if isinstance(nbytes, int) and not isinstance(nbytes, bool):
+                slot[1] += nbytes
+            if how[1] is not None:
+                slot[2].add(how[1])
+            slot[3][how[2]] = slot[3].get(how[2], 0) + 1
+            if rank is not None:
+                trace.counted.add(rank)
+
+
+class ProfileBuilder:
+    """:func:`profile` of one run and steps of files read one span at a time, holding
+    no span (but hang records): each run's spans are folded per trace as they are
+    added, and a side of a comparison is chosen once every span is read
+    (:meth:`select`, as :func:`~commspan.analysis.runs.select` chooses). What a
+    thousand-rank run needs: every span of it held takes some 11 GB.
+
+    ``profile(select(spans, run=run, steps=steps).records, rank=rank,
+    last_traces=...)`` and ``builder.select(run, steps).profile()`` after every span
+    was added are the same :class:`Profile`.
+
+    Example:
+        >>> builder = ProfileBuilder()
+        >>> builder.select(None, None).profile().usage
+        {}
+    """
+
+    def __init__(self, rank: int | None = None) -> None:
+        self.rank = rank
+        self.tally = RunTally()
+        self._runs: dict[str, _RunFold] = {}
+
+    def add(self, span: SpanRecord) -> None:
+        """Fold one span (spans in the order read)."""
+        run = self.tally.add(span)
+        fold = self._runs.get(run)
+        if fold is None:
+            fold = self._runs[run] = _RunFold(self.rank)
+        fold.add(span)
+
+    def hold(self, spans: Iterable[SpanRecord]) -> None:
+        """:meth:`add` one file's spans (a reader's ``hold``)."""
+        for span in spans:
+            self.add(span)
+
+    def select(self, run: str | None, steps: StepRange | None) -> FoldedSide:
+        """The run and steps :func:`~commspan.analysis.runs.select` would keep of the
+        spans added, folded.
+
+        Raises:
+            SelectionError: as :func:`~commspan.analysis.runs.select`.
+        """
+        sel = select([], run=run, steps=steps, every=self.tally.runs())
+        fold = self._runs.get(sel.run.run_id) if sel.run is not None else None
+        if fold is None:
+            return FoldedSide(sel, frozenset(), None, None)
+        if steps is None:
+            return FoldedSide(sel, frozenset(fold.traces), fold, None)
+        trace_steps = {t: f.step for t, f in fold.traces.items() if f.step is not None}
+        chosen = frozenset(t for t, s in trace_steps.items() if s in steps)
+        # a rank's hang record from before the steps (it never got to them), as select
+        # keeps it; folded apart: select keeps that span only, not the rest of its trace
+        earlier = _earlier_hangs(fold.hangs, [h for h in fold.hangs if h.trace_id in chosen],
+                                 trace_steps, sel.steps)
+        extra = None
+        if earlier:
+            extra = _RunFold(self.rank)
+            for span in earlier:
+                extra.add(span)
+        last = {rank: trace for rank, (_, trace) in fold.unfinished.latest.items()}
+        return FoldedSide(replace(sel, last_traces=last), chosen, fold, extra)
+
+
+@dataclass(frozen=True)
+class FoldedSide:
+    """One side of a comparison that :class:`ProfileBuilder` folded: what its spans
+    say, without them.
+
+    Attributes:
+        selection: the run and steps chosen (its ``records`` empty).
+        chosen: the traces of the run (and steps) chosen.
+    """
+
+    selection: Selection
+    chosen: frozenset[str]
+    _fold: _RunFold | None = field(repr=False)
+    _extra: _RunFold | None = field(repr=False)
+
+    def _traces(self) -> dict[str, _TraceFold]:
+        if self._fold is None:
+            return {}
+        folded = self._fold.traces
+        out = {t: folded[t] for t in self.chosen}
+        if self._extra is not None:
+            out.update(self._extra.traces)
+        return out
+
+    @property
+    def traces(self) -> frozenset[str]:
+        """The trace ids of the spans the selection keeps (with a rank's hang record
+        from before the steps, as :func:`~commspan.analysis.runs.select` keeps it)."""
+        return frozenset(self._traces())
+
+    def ranks(self) -> set[int]:
+        """The ranks of the spans kept."""
+        return set().union(*(t.ranks for t in self._traces().values()))
+
+    def module_ranks(self) -> set[int | None]:
+        """The ranks of the spans kept that name a module (``None``: without a rank)."""
+        return set().union(*(t.module_ranks for t in self._traces().values()))
+
+    def last_steps(self) -> dict[int, int]:
+        """:func:`~commspan.analysis.summary.last_steps` of the spans kept."""
+        return last_steps((rank, trace_id, t.step) for trace_id, t in self._traces().items()
+                          for rank in (t.ranks or (None,)))
+
+    def profile(self) -> Profile:
+        """:func:`profile` of the spans kept (of the rank the builder was given).
+
+        Raises:
+            ValueError: as :func:`profile`.
+        """
+        if self._fold is None:
+            return profile([])
+        last_traces = self.selection.last_traces
+        cut = [c for c in self._fold.unfinished.cut_short(last_traces) if c[1] in self.chosen]
+        if self._extra is not None:
+            cut += self._extra.unfinished.cut_short(last_traces)
+            cut.sort(key=lambda p: (p[0] is None, p[0] or 0, p[1]))
+        traces = self._traces()
+        left_out = {trace for _, trace, _ in cut}
+        numbered = {t for t, f in traces.items() if f.numbered}
+        steps_named = numbered | {trace for _, trace, step in cut if step is not None}
+        if steps_named and steps_named <= left_out:
+            raise _every_step_cut(cut, last_traces is not None)
+        numbered -= left_out
+        steps = max(1, len(numbered))
+        totals: dict[tuple[str, str, str], list[Any]] = {}
+        once: set[tuple[str, str, str]] = set()
+        ranks: set[int] = set()
+        for trace_id, folded in traces.items():
+            if trace_id in left_out:
+                continue
+            stepped = trace_id in numbered if numbered else True
+            for (fqn, phase, op), (c, b, p, per_group) in folded.usage.items():
+                if phase != semconv.Phase.SETUP.value and not stepped:
+                    phase = f"{phase}{OUTSIDE_STEPS}"
+                key = (fqn, phase, op)
+                if not stepped or phase == semconv.Phase.SETUP.value:
+                    once.add(key)
+                slot = totals.get(key)
+                if slot is None:
+                    slot = totals[key] = [0, 0, set(), {}]
+                slot[0] += c
+                slot[1] += b
+                slot[2].update(p)
+                for where, n in per_group.items():
+                    slot[3][where] = slot[3].get(where, 0) + n
+            ranks.update(folded.counted)
+        return _profile_of(totals, once, steps, ranks, cut)
 
 
 def _group_label(row: Any) -> str:

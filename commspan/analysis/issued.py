@@ -15,14 +15,14 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from commspan import semconv
 from commspan.otlpjson.records import SpanRecord
 
-__all__ = ["Issued", "issued", "natural_key"]
+__all__ = ["Issued", "issued", "issued_key", "natural_key"]
 
 
 @dataclass(frozen=True)
@@ -97,24 +97,9 @@ def issued(records: Iterable[SpanRecord], *, rank: int | None = None) -> list[Is
         if rank is not None and r != rank:
             continue
         for _name, ev in rec.events:
-            op = ev.get(semconv.COLL_OP)
-            if op is None:
+            key = issued_key(ev, fqn)
+            if key is None:
                 continue
-            pg_ranks = ev.get(semconv.PG_RANKS)
-            key = (
-                # the owner, as the counts: the module that issued it, or the one
-                # framework communication serves (docs/parallelisms.md)
-                str(ev.get(semconv.OWNER_FQN) or ev.get(semconv.MODULE_FQN, fqn)),
-                str(ev.get(semconv.PHASE, "")),
-                str(op),
-                str(ev.get(semconv.PG_NAME, "")),
-                tuple(x for x in pg_ranks if isinstance(x, int)) if isinstance(pg_ranks, list)
-                else (),
-                _int(ev.get(semconv.MESH_DIM)),
-                str(ev.get(semconv.REDIST_SRC, "")),
-                str(ev.get(semconv.REDIST_DST, "")),
-                str(ev.get(semconv.MESH_DIM_NAME) or ""),
-            )
             slot = acc.get(key)
             if slot is None:
                 slot = acc[key] = [0, 0, 0, 0, set()]
@@ -138,6 +123,31 @@ def issued(records: Iterable[SpanRecord], *, rank: int | None = None) -> list[Is
 
 
 _PHASES = {p.value: n for n, p in enumerate(semconv.Phase)}
+
+
+def issued_key(ev: Mapping[str, Any], fqn: Any) -> tuple[Any, ...] | None:
+    """What :func:`issued` groups a collective event by (``ev``: its attributes, on a
+    span of module ``fqn``): ``(fqn, phase, op, group, group ranks, mesh dim, src, dst,
+    mesh dim name)``, the fields of :class:`Issued` in that order; ``None`` for an
+    event that is not a collective (no op name)."""
+    op = ev.get(semconv.COLL_OP)
+    if op is None:
+        return None
+    pg_ranks = ev.get(semconv.PG_RANKS)
+    return (
+        # the owner, as the counts: the module that issued it, or the one
+        # framework communication serves (docs/parallelisms.md)
+        str(ev.get(semconv.OWNER_FQN) or ev.get(semconv.MODULE_FQN, fqn)),
+        str(ev.get(semconv.PHASE, "")),
+        str(op),
+        str(ev.get(semconv.PG_NAME, "")),
+        tuple(x for x in pg_ranks if isinstance(x, int)) if isinstance(pg_ranks, list)
+        else (),
+        _int(ev.get(semconv.MESH_DIM)),
+        str(ev.get(semconv.REDIST_SRC, "")),
+        str(ev.get(semconv.REDIST_DST, "")),
+        str(ev.get(semconv.MESH_DIM_NAME) or ""),
+    )
 
 
 def natural_key(fqn: str) -> tuple[tuple[int, int, str], ...]:

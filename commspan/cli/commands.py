@@ -33,7 +33,7 @@ from commspan.otlpjson.files import jsonl_files
 from commspan.otlpjson.records import DEFAULT_MAX_LINE_BYTES, ReadReport, SpanRecord
 
 if TYPE_CHECKING:
-    from commspan.analysis.diff import Profile
+    from commspan.analysis.diff import FoldedSide, Profile, ProfileBuilder
     from commspan.analysis.digest import PartSelection
     from commspan.analysis.records import Run
 
@@ -241,6 +241,21 @@ class Reader:
         traces = {r.trace_id for r in sel.records} if traces_of is None else traces_of(sel)
         return [u for u in self._located
                 if u.run_id == sel.run.run_id and u.trace_id in traces and u.path in self._files]
+
+    def select_folded(
+        self, builder: ProfileBuilder, run: str | None, steps: StepRange | None,
+        option: str | None = None, label: str = "",
+    ) -> FoldedSide:
+        """:meth:`select` of the spans a :class:`~commspan.analysis.diff.ProfileBuilder`
+        folded as they were read (``diff``: holding none of them)."""
+        chosen: list[FoldedSide] = []
+
+        def selecting() -> Selection:
+            chosen.append(builder.select(run, steps))
+            return chosen[0].selection
+
+        self._selected(selecting, option, label, lambda _: chosen[0].traces)
+        return chosen[0]
 
     def load(self, paths: Sequence[str]) -> Selection:
         """Read ``paths`` and select with the command's ``--run`` and ``--step(s)``;
@@ -835,35 +850,43 @@ def stragglers(args: argparse.Namespace, reader: Reader) -> Outcome:
 
 def diff(args: argparse.Namespace, reader: Reader) -> Outcome:
     """Two runs, or two steps (or runs) of one folder, compared: status 1 when they differ."""
+    from commspan.analysis.diff import ProfileBuilder
     from commspan.analysis.diff import diff as compare
-    from commspan.analysis.diff import profile
+    from commspan.analysis.summary import ends_note
     from commspan.render.diff import format_diff
 
     paths = [args.a, args.b if args.b is not None else args.a]
-    read: dict[str, list[SpanRecord]] = {}
-    sides: list[Selection] = []
+    rank = args.rank if isinstance(args.rank, int) else None
+    # each file's spans folded into counts per trace as it is read, holding none of them
+    # (every span of a 1,024-rank run held takes some 11 GB); a folder given twice (two
+    # steps or runs of it) is read once
+    read: dict[str, ProfileBuilder] = {}
+    sides: list[FoldedSide] = []
     labels: list[str] = []
     for i, (name, path) in enumerate(zip("AB", paths)):
         if path not in read:
-            read[path] = reader.read([path], label=name if args.b is not None else "A")
+            read[path] = ProfileBuilder(rank)
+            reader.read([path], label=name if args.b is not None else "A",
+                        hold=read[path].hold)
         steps, option = _steps_of(args, i)
-        sel = reader.select(read[path], _first(args.run, i), steps, option,
-                            label=f"{name}: " if args.b is not None or args.run else "")
-        sides.append(sel)
-    rank = args.rank if isinstance(args.rank, int) else None
-    for name, path, sel in zip("AB", paths, sides):
-        labels.append(_label(name, path, sel, rank))
-    for sel, name in zip(sides, "AB"):
-        if rank is not None and rank not in _ranks(sel):
+        sides.append(reader.select_folded(
+            read[path], _first(args.run, i), steps, option,
+            label=f"{name}: " if args.b is not None or args.run else ""))
+    for name, path, side in zip("AB", paths, sides):
+        labels.append(_label(name, path, side.selection,
+                             [rank] if rank is not None else side.ranks()))
+    for side, name in zip(sides, "AB"):
+        present = side.module_ranks()
+        if rank is not None and rank not in present:
             raise ValueError(
                 f"--rank {rank}: {name} holds no span of that rank "
-                f"(ranks: {format_numbers(r for r in _ranks(sel) if r is not None)})"
+                f"(ranks: {format_numbers(r for r in present if r is not None)})"
             )
     # divided by the steps that ended: a step cut short is left out (the profile's note)
     profiles = []
-    for name, sel in zip("AB", sides):
+    for name, side in zip("AB", sides):
         try:
-            profiles.append(profile(sel.records, rank=rank, last_traces=sel.last_traces))
+            profiles.append(side.profile())
         except ValueError as exc:
             raise ValueError(f"{name}: {exc}") from None
     a, b = profiles
@@ -872,11 +895,11 @@ def diff(args: argparse.Namespace, reader: Reader) -> Outcome:
             f"commspan: A holds ranks {format_numbers(a.ranks)} and B ranks "
             f"{format_numbers(b.ranks)}: each side's counts are summed over its own "
             "ranks; compare one rank of both with --rank N")
-    for name, side, sel in zip("AB", (a, b), sides):
-        note = side.note(f"{name}: " if args.b is not None or args.run else "")
+    for name, profiled, side in zip("AB", (a, b), sides):
+        note = profiled.note(f"{name}: " if args.b is not None or args.run else "")
         if note is not None:
             reader.notes.append(note)
-        ends = _ends_note(sel) if rank is None else None
+        ends = ends_note(side.last_steps()) if rank is None else None
         if ends is not None:
             label = f"{name}: " if args.b is not None or args.run else ""
             reader.notes.append(ends.replace("commspan: ", f"commspan: {label}", 1))
@@ -884,20 +907,18 @@ def diff(args: argparse.Namespace, reader: Reader) -> Outcome:
     status = 0 if result.equal else 1
     if args.json:
         data = result.to_dict()
-        data["a"] = _side(paths[0], sides[0], a)
-        data["b"] = _side(paths[1], sides[1], b)
+        data["a"] = _side(paths[0], sides[0].selection, a)
+        data["b"] = _side(paths[1], sides[1].selection, b)
         return Outcome(json.dumps(data, indent=2), status)
     return Outcome(format_diff(result, labels[0], labels[1]), status)
 
 
-def _label(name: str, path: str, sel: Selection, rank: int | None = None) -> str:
+def _label(name: str, path: str, sel: Selection, ranks: Iterable[int]) -> str:
     run = sel.run
     bits = []
     if run is not None and run.run_id:
         bits.append(f"run {run.run_id}")
-    ranks = [rank] if rank is not None else sorted(
-        {r.rank for r in sel.records if r.rank is not None})
-    bits.append(f"ranks {format_numbers(ranks)}")
+    bits.append(f"ranks {format_numbers(sorted(ranks))}")
     bits.append(f"steps {format_numbers(sel.steps)}")
     return f"{name}: {os.fspath(path)} ({', '.join(bits)})"
 
