@@ -2364,3 +2364,22 @@ def test_ranks_hung_in_a_step_are_not_missing_from_the_steps_after_it() -> None:
     missing = [f for f in result.findings if f.kind == KIND_MISSING]
     assert [f.kind for f in result.findings if f.kind == KIND_HANG]
     assert [(f.step, list(f.ranks)) for f in missing] == [(2, [3])]
+
+
+def test_an_unread_finding_words_its_steps_as_the_stderr_note_does() -> None:
+    """A damaged line that may have held a rank's steps -2, -1, 0 and work outside steps:
+    `check`'s finding and the counting commands' stderr note name them in the same words,
+    a range of negative steps written with `..` (not "-2-0", which reads as two
+    numbers) and the work outside steps joined by "and"."""
+    from commspan.analysis.check import unread_findings
+    from commspan.analysis.records import Unread
+    from commspan.analysis.unread import unread_note
+
+    run = build_run([])
+    run.unread = {(1, t): Unread(1, t, step, "r1.jsonl", 7, "not JSON", "run")
+                  for t, step in (("t0", -2), ("t1", -1), ("t2", 0), ("t3", None))}
+    (finding,) = unread_findings(run)
+    words = "steps -2..0 and work outside steps"
+    assert finding.message.startswith(f"rank 1, {words}: not compared: r1.jsonl:7 is damaged")
+    (note,) = unread_note(list(run.unread.values()))
+    assert f"rank 1's collectives of {words} may be missing" in note

@@ -66,6 +66,7 @@ from commspan.analysis.records import (
     load_run,
     p2p_pair,
 )
+from commspan.analysis.unread import steps_words
 from commspan.otlpjson.decode import DEFAULT_MAX_LINE_BYTES, ReadReport
 
 __all__ = [
@@ -347,7 +348,7 @@ def unread_findings(run: Run) -> list[Finding]:
         who = sorted(per_rank)
         several = " (the file holds lines of several ranks)" if len(who) > 1 else ""
         message = (
-            f"{'; '.join(f'{_who(rs)}, {_unread_steps(list(st))}' for st, rs in alike.items())}"
+            f"{'; '.join(f'{_who(rs)}, {steps_words(st)}' for st, rs in alike.items())}"
             f": not compared: {path}:{line} is damaged ({first.reason}); it may have held "
             f"collectives of {_who(who)} there{several}, which are unknown (the other ranks "
             "were compared with each other)")
@@ -359,15 +360,6 @@ def unread_findings(run: Run) -> list[Finding]:
             {"steps": steps, "file": path, "line": line, "reason": first.reason,
              "trace_id": first.trace_id}))
     return findings
-
-
-def _unread_steps(steps: Sequence[int | None]) -> str:
-    """``"steps 1, 2, work outside steps"``: the steps of an ``unread`` finding."""
-    numbered = [s for s in steps if s is not None]
-    return ", ".join(
-        ([_step_words(numbered[0]) if len(numbered) == 1 else f"steps {_list(numbered)}"]
-         if numbered else [])
-        + (["work outside steps"] if len(numbered) < len(steps) else []))
 
 
 # ------------------------------------------------------------------ missing ranks

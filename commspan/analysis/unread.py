@@ -52,7 +52,7 @@ from commspan.analysis.records import Run, Unread
 from commspan.analysis.runs import _run_of, format_numbers
 from commspan.otlpjson.records import SkippedLine, SpanRecord, record_rank
 
-__all__ = ["LineTally", "Unread", "unread_note"]
+__all__ = ["LineTally", "Unread", "steps_words", "unread_note"]
 
 _TOTAL_SUFFIX = f".{semconv.COUNT_TOTAL}"
 
@@ -204,22 +204,32 @@ def unread_note(unread: Sequence[Unread], label: str = "") -> list[str]:
             per_rank.setdefault(u.rank, []).append(u.step)
         if len(per_rank) == 1:
             ((rank, steps),) = per_rank.items()
-            whose = f"rank {rank}'s collectives of {_steps_words(steps)}"
+            whose = f"rank {rank}'s collectives of {steps_words(steps)}"
             who = "that rank"
         else:  # (a file of several ranks' lines: any of them may have written it)
             whose = "collectives " + " and ".join(
-                f"of rank {rank} in {_steps_words(steps)}" for rank, steps in per_rank.items())
+                f"of rank {rank} in {steps_words(steps)}" for rank, steps in per_rank.items())
             who = "those ranks"
         out.append(f"commspan: {label}{Path(path)}:{line} is damaged: {whose} may be missing "
                    f"from what follows (counts of {who} there may be short)")
     return out
 
 
-def _steps_words(steps: Sequence[int | None]) -> str:
+def steps_words(steps: Sequence[int | None]) -> str:
+    """``"steps 1-3, 5 and work outside steps"``: the steps a damaged line may have held,
+    in the words of both the stderr note (:func:`unread_note`) and ``check``'s ``unread``
+    finding (``None``: work outside steps; the numbers sorted, ranges joined).
+
+    Example:
+        >>> steps_words([2, None, 1, 3, 5])
+        'steps 1-3, 5 and work outside steps'
+        >>> steps_words([4])
+        'step 4'
+    """
     numbered = sorted({s for s in steps if s is not None})
     words = []
     if numbered:
-        words.append(("step " if len(numbered) == 1 else "steps ") + format_numbers(numbered))
+        words.append(("step " if len(numbered) == 1 else "steps ") + format_numbers(numbered, ", "))
     if any(s is None for s in steps):
         words.append("work outside steps")
     return " and ".join(words)
