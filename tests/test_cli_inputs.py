@@ -207,7 +207,9 @@ def test_another_programs_newer_spans_do_not_hide_the_run(
     for command in ("summary", "check"):
         code, _, err = _cli(capsys, command, str(folder), "--run", "")
         assert code == (2 if command == "check" else 1)
-        assert "--run '': no such run in the files (runs: inputs-test" in err
+        assert ("--run '': an empty run id names the run of commspan spans without a run "
+                "id, and the files hold none; pass one of their run ids, or the start of "
+                "one (runs: inputs-test") in err
 
 
 def test_digest_refuses_digests_and_reports_what_it_skipped(

@@ -132,12 +132,28 @@ def test_unknown_run_is_one_line(
     assert (code, out) == (2 if command == "check" else 1, "")
     assert err == ("ValueError: --run nope: no such run in the files (runs: first-run (ranks "
                    "0-3, steps 0-1); second-run (ranks 0-3, steps 0-2))\n")
-    code, _, err = run_cli(capsys, *_argv(command, two_runs, tmp_path, "--run", ""))
-    assert "no such run" in err
     code, _, err = run_cli(capsys, *_argv(command, two_runs, tmp_path, "--run", "s"))
     assert code == 0  # "s" starts only second-run
     code, _, err = run_cli(capsys, *_argv(command, two_runs, tmp_path, "--run", "f"))
     assert code == 0
+
+
+@pytest.mark.parametrize("command", (*COMMANDS, "diff"))
+def test_an_empty_run_id_says_what_it_names_and_lists_the_runs(
+    two_runs: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    """--run '' (an empty shell variable) names the run of spans without a run id: when
+    the files hold none, one line names --run and the value, says so, and lists the run
+    ids to pass; exit 1 (check, diff: 2)."""
+    argv = (["diff", str(two_runs), str(two_runs), "--run", ""] if command == "diff" else
+            _argv(command, two_runs, tmp_path, "--run", ""))
+    code, out, err = run_cli(capsys, *argv)
+    assert (code, out) == (2 if command in ("check", "diff") else 1, "")
+    assert err == (
+        f"ValueError: {'A: ' if command == 'diff' else ''}--run '': an empty run id names "
+        "the run of commspan spans without a run id, and the files hold none; pass one of their "
+        "run ids, or the start of one (runs: first-run (ranks 0-3, steps 0-1); second-run "
+        "(ranks 0-3, steps 0-2)), or leave it out to read the latest run\n")
 
 
 @pytest.mark.parametrize("command", COMMANDS)
@@ -365,6 +381,22 @@ def test_the_python_api_reads_one_run_of_a_folder_as_the_command_line_does(
             assert warned == []
     with pytest.raises(ValueError, match="run='nope' is not valid"):
         check_run(two_runs, run="nope")
+
+
+def test_the_python_api_says_what_an_empty_run_id_names(two_runs: Path) -> None:
+    """run='' of files without spans lacking a run id: load_run, check_run and
+    Aggregator.from_jsonl say that '' names those spans and list the run ids to pass."""
+    from commspan import Aggregator
+    from commspan.analysis import check_run, load_run
+
+    for read in (load_run, check_run):
+        with pytest.raises(ValueError, match=r"run='' is not valid: an empty run id names "
+                           r"the run of commspan spans without a run id.*first-run.*second-run"):
+            read(two_runs, run="")
+    with pytest.raises(ValueError, match=r"run='' is not a run of these files; they hold "
+                       r"'first-run', 'second-run'; '' is the run of spans without a run id, "
+                       r"and they have none: pass one of their run ids"):
+        Aggregator.from_jsonl(two_runs, rank="all", run="")
 
 
 def test_show_groups_names_the_mesh_dimension_of_a_group_a_mesh_made(

@@ -563,6 +563,8 @@ class Aggregator(SpanProcessor):
             raise ValueError(
                 f"run={run!r} is not a run of these files; they hold "
                 f"{', '.join(sorted(repr(r) for r in runs)) or 'none'}"
+                + (f"{_NO_RUN_ID}, and they have none: pass one of their run ids, or "
+                   "run=None for the only run" if run == "" else "")
             )
         if rank is None and len(ranks) > 1:
             raise ValueError(

@@ -372,6 +372,12 @@ def _find(runs: Sequence[RunInfo], wanted: str) -> RunInfo:
             "run", wanted,
             f"{len(prefixed)} runs start with it ({listed}); give more of the run id",
         )
+    if not wanted:  # ('' picks the spans without a run id: say so, and what to pass)
+        raise SelectionError(
+            "run", wanted,
+            "an empty run id names the run of commspan spans without a run id, and the "
+            f"files hold none; pass one of their run ids, or the start of one (runs: {listed}), or "
+            "leave it out to read the latest run")
     raise SelectionError("run", wanted, f"no such run in the files (runs: {listed})")
 
 
