@@ -257,6 +257,9 @@ def test_torn_last_line_is_a_warning(
                    "follows covers rank 0 only\n")
 
 
+_PASS = "; pass the files it wrote (DIR/commspan-rank<N>.jsonl of JsonlSpanExporter(DIR))"
+
+
 def test_files_without_commspan_spans_say_so(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -277,7 +280,7 @@ def test_files_without_commspan_spans_say_so(
         assert (code, out) == (1, "")
         assert err == (f"ValueError: FILES: no commspan span in {path} (3 lines, 3 spans, none "
                        "with commspan.module.fqn): not files written by commspan's "
-                       "JsonlSpanExporter\n")
+                       f"JsonlSpanExporter{_PASS}\n")
     # one line of one span: "1 line, 1 span" (it said "1 lines, 1 spans"), digest too
     one = tmp_path / "one.jsonl"
     one.write_bytes(path.read_bytes().splitlines(keepends=True)[0])
@@ -286,7 +289,7 @@ def test_files_without_commspan_spans_say_so(
         assert (code, out) == (1, "")
         assert err.endswith(f"ValueError: FILES: no commspan span in {one} (1 line, 1 span, "
                             "none with commspan.module.fqn): not files written by commspan's "
-                            "JsonlSpanExporter\n")
+                            f"JsonlSpanExporter{_PASS}\n")
 
 
 def test_digest_of_one_line_says_line(

@@ -628,3 +628,46 @@ def test_rank_absent_from_the_files_raises(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"rank=1 is not valid: .*ranks: 0, 2"):
         assert_no_comm(Aggregator.from_jsonl(out, rank=1), None)
     assert Aggregator.from_jsonl(out, rank=2).comm_counts() == {"all_reduce": issued[2]}
+
+
+def test_python_readers_refuse_files_without_commspan_spans(tmp_path: Path) -> None:
+    """Valid OTLP spans another instrumentation wrote (the SDK's own tracer, no commspan
+    attribute), an empty file, and a file of damaged lines skipped with strict=False:
+    Aggregator.from_jsonl, load_run, check_run and the views raise the error the command
+    line gives, naming the file and what it holds, instead of empty counts on which
+    assert_no_comm passed and an empty check with no findings."""
+    from commspan.analysis import check_run, load_run
+    from commspan.render import chrome_trace, write_html_report
+    from commspan.testing import assert_no_comm
+
+    other = tmp_path / "other.jsonl"
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(JsonlSpanExporter(other)))
+    for i in range(2):
+        with provider.get_tracer("web").start_as_current_span("request", attributes={"i": i}):
+            pass
+    provider.shutdown()
+    assert len(other.read_text().splitlines()) == 2  # two valid OTLP/JSON lines
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    damaged = tmp_path / "damaged.jsonl"
+    damaged.write_text("a,b\n1,2\n")
+    tail = (r"none with commspan\.module\.fqn{}\): not files written by commspan's "
+            r"JsonlSpanExporter; pass the files it wrote")
+    for path, counts, also in ((other, "2 lines, 2 spans", ""), (empty, "0 lines, 0 spans", ""),
+                               (damaged, "0 lines, 0 spans", ", 2 lines skipped")):
+        message = re.escape(f"no commspan span in {path} ({counts}, ") + tail.format(also)
+        with pytest.raises(ValueError, match="^paths: " + message):
+            assert_no_comm(Aggregator.from_jsonl(path, strict=False))
+        with pytest.raises(ValueError, match="^paths: " + message):
+            load_run(path, strict=False)
+        with pytest.raises(ValueError, match="^paths: " + message):
+            check_run(path, strict=False)
+        if path is not damaged:  # (the views read strictly: a damaged line raises)
+            with pytest.raises(ValueError, match="^source: " + message):
+                chrome_trace(path)
+            with pytest.raises(ValueError, match="^source: " + message):
+                write_html_report(path, tmp_path / "report.html")
+            assert not (tmp_path / "report.html").exists()
+    with pytest.raises(ValueError, match=re.escape("no commspan span in 2 files (2 lines, 2 ")):
+        Aggregator.from_jsonl(other, empty, rank="all")

@@ -548,13 +548,19 @@ def test_malformed_line_adds_nothing_to_the_counts(tmp_path: Path) -> None:
             b'{"key":"commspan.collectives.forward.all_reduce","value":{"intValue":"%s"}}]}')
     line = (b'{"resourceSpans":[{"scopeSpans":[{"spans":[' + span % (b"1", b"1") + b","
             + span % (b"1", b"x") + b"]}]}]}\n")
+    good = (b'{"resourceSpans":[{"scopeSpans":[{"spans":['
+            + (span % (b"1", b"1")).replace(b'"M"', b'"N"') + b"]}]}]}\n")
     path = tmp_path / "trace.jsonl"
-    path.write_bytes(line)
+    path.write_bytes(line + good)
     report = ReadReport()
     agg = Aggregator.from_jsonl(path, strict=False, report=report)
-    assert agg.module_counts() == {} and report.lines == 0
+    assert "M" not in agg.module_counts() and report.lines == 1
+    assert agg.module_counts()["N"] == {"forward": {"all_reduce": 1}}  # the good line counts
     assert orjson.loads(line)  # valid JSON: damage is in the content
     assert "spans[1].attributes[2].value is not an OTLP AnyValue" in report.skipped[0].reason
+    path.write_bytes(line)  # the bad line alone: no commspan span read, an error
+    with pytest.raises(ValueError, match=r"no commspan span in .*, 1 line skipped\)"):
+        Aggregator.from_jsonl(path, strict=False)
 
 
 def test_an_existing_non_directory_taken_for_a_directory_is_refused_at_once(

@@ -36,7 +36,13 @@ from commspan.analysis.tree import PHASE_ORDER, Counts, ModuleRecord, module_tre
 from commspan.otlpjson.decode import LineReader, walk
 from commspan.otlpjson.encode import paused_gc
 from commspan.otlpjson.files import jsonl_files
-from commspan.otlpjson.records import DEFAULT_MAX_LINE_BYTES, ReadReport, SpanRecord, rank_value
+from commspan.otlpjson.records import (
+    DEFAULT_MAX_LINE_BYTES,
+    ReadReport,
+    SpanRecord,
+    no_commspan_span,
+    rank_value,
+)
 from commspan.ownership import counted_names
 from commspan.spans.frames import OpenSpan
 
@@ -494,7 +500,10 @@ class Aggregator(SpanProcessor):
                 one folder writes two); ``"all"`` sums every run.
 
         Raises:
-            ValueError: no path given; several ranks found and ``rank=None``, or
+            ValueError: no path given; no commspan span in the files (empty files,
+                files another program's spans, or of damaged lines only: counts of
+                them would be empty, and ``assert_no_comm`` would pass on them
+                whatever ran); several ranks found and ``rank=None``, or
                 ``rank=N`` and the files hold spans of other ranks only, or
                 several runs and ``run=None``; a damaged or over-long line and
                 ``strict`` (naming file and line).
@@ -510,6 +519,9 @@ class Aggregator(SpanProcessor):
             >>> _ = (pathlib.Path(run_dir) / "commspan-rank0.jsonl").write_text("")
             >>> report = ReadReport()
             >>> agg = Aggregator.from_jsonl(run_dir, rank="all", strict=False, report=report)
+            Traceback (most recent call last):
+            ...
+            ValueError: paths: no commspan span in ... (0 lines, 0 spans, ...
             >>> report.damaged  # SkippedLine(path, line, kind, reason) of each damaged line
             []
         """
@@ -530,6 +542,7 @@ class Aggregator(SpanProcessor):
         only = rank if isinstance(rank, int) else None
         one_run = None if run in (None, "all") else run
         regions = _use_digests(agg, files, only, ranks, report, one_run, runs)
+        lines = spans_read = 0
         with paused_gc():  # millions of small acyclic dicts: GC passes cost more than parsing
             for path, number, doc in reader.documents(files, regions):
                 try:
@@ -538,6 +551,8 @@ class Aggregator(SpanProcessor):
                     reader.bad_request(path, number, doc, exc)
                     continue
                 del doc
+                lines += 1
+                spans_read += spans
                 for r, span_run, fqn, attrs, start, events in adds:
                     runs.add(span_run)
                     if one_run is not None and span_run != one_run:
@@ -551,6 +566,10 @@ class Aggregator(SpanProcessor):
                     report.commspan_spans += len(adds)
         if report is not None:
             report.ranks |= ranks
+        if not runs:  # (what a digest stands for counts too: its runs are in ``runs``)
+            # an empty aggregator: its tables are empty and assert_no_comm passes on it,
+            # whatever ran (`commspan table` refuses such files too)
+            raise no_commspan_span("paths", files, lines, spans_read, reader.skipped)
         if run is None and len(runs) > 1:
             raise ValueError(
                 f"run=None but the files hold {len(runs)} runs "

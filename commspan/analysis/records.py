@@ -33,7 +33,7 @@ from commspan.otlpjson.decode import (
     read_spans_in,
 )
 from commspan.otlpjson.files import jsonl_files
-from commspan.otlpjson.records import SpanRecord, record_rank
+from commspan.otlpjson.records import SpanRecord, no_commspan_span, record_rank
 
 __all__ = [
     "CollectiveRecord",
@@ -489,7 +489,8 @@ def load_run(
     Raises:
         FileNotFoundError: a path does not exist.
         ValueError: no path, an empty directory, a line that is not JSON (names
-            file and line), a file that is not OTLP/JSON spans (names the file),
+            file and line), a file that is not OTLP/JSON spans (names the file), no
+            commspan span in the files (empty files, another program's spans),
             ``steps`` not a collection of ints, ``run`` naming no run of the
             files or no step of ``steps`` in the run read
             (:class:`~commspan.analysis.runs.SelectionError`, listing the runs or
@@ -517,9 +518,13 @@ def load_run(
     runs = RunsBuilder(module_spans)
     lines = LineTally()  # where a damaged line lies: the steps it may have held
     read = report if report is not None else ReadReport()
-    before = len(read.skipped)
+    before, lines_before, spans_before = len(read.skipped), read.lines, read.spans
+    ours = read.commspan_spans
     for span in _read(files, strict, read, max_line_bytes, lines.add):
         runs.add(span)
+    if read.commspan_spans == ours:  # (an empty Run: check_run would find nothing wrong)
+        raise no_commspan_span("paths", files, read.lines - lines_before,
+                               read.spans - spans_before, len(read.skipped) - before)
     chosen, note = runs.tally.choose(run)
     for text in (note, chosen and shared_run_note(chosen)):
         if text:

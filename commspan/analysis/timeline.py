@@ -28,13 +28,20 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, NamedTuple, Union
 
 from commspan import semconv
 from commspan.analysis.records import _STATUS_ERROR, gc_event_fields, p2p_pair
-from commspan.otlpjson.decode import read_spans
+from commspan.otlpjson.decode import LineReader, read_spans
 from commspan.otlpjson.files import jsonl_files
-from commspan.otlpjson.records import SpanRecord, record_rank
+from commspan.otlpjson.records import (
+    DEFAULT_MAX_LINE_BYTES,
+    ReadReport,
+    SpanRecord,
+    no_commspan_span,
+    record_rank,
+)
 
 __all__ = [
     "Collective",
@@ -235,7 +242,8 @@ def load_records(source: RecordSource) -> list[SpanRecord]:
     Raises:
         FileNotFoundError: a path does not exist, or a directory holds no ``*.jsonl``.
         TypeError: an item is neither a path nor a ``SpanRecord``.
-        ValueError: a file holds a line that is not JSON (names file and line).
+        ValueError: a file holds a line that is not JSON (names file and line), or
+            the files hold no commspan span (empty files, another program's spans).
 
     Example:
         >>> load_records([])
@@ -252,16 +260,25 @@ def load_records(source: RecordSource) -> list[SpanRecord]:
     else:
         items = source
     records: list[SpanRecord] = []
+    files: list[Path] = []
+    read = ReadReport()
     for item in items:
         if isinstance(item, SpanRecord):
             records.append(item)
         elif isinstance(item, (str, os.PathLike)):
-            records.extend(read_spans(*jsonl_files(item, param="source")))
+            named = jsonl_files(item, param="source")
+            files.extend(named)
+            records.extend(read_spans(*named, report=read))
         else:
             raise TypeError(
                 f"source item {item!r} is not valid; pass JSONL file or directory paths, "
                 "or SpanRecords from commspan.exporters.read_spans"
             )
+    logger = LineReader(True, None, DEFAULT_MAX_LINE_BYTES, False)
+    for skipped in read.skipped:  # (torn last lines: logged, as read_spans does)
+        logger.skip(Path(skipped.path), skipped.line, skipped.kind, skipped.reason)
+    if files and not read.commspan_spans:  # (an empty report or trace, whatever ran)
+        raise no_commspan_span("source", files, read.lines, read.spans, len(read.skipped))
     return records
 
 

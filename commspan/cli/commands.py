@@ -30,7 +30,13 @@ from commspan.analysis.runs import (
 from commspan.analysis.unread import LineTally, unread_note
 from commspan.otlpjson.decode import read_spans_in
 from commspan.otlpjson.files import jsonl_files
-from commspan.otlpjson.records import DEFAULT_MAX_LINE_BYTES, ReadReport, SpanRecord
+from commspan.otlpjson.records import (
+    DEFAULT_MAX_LINE_BYTES,
+    ReadReport,
+    SpanRecord,
+    count_words,
+    no_commspan_span,
+)
 
 if TYPE_CHECKING:
     from commspan.analysis.diff import FoldedSide, Profile, ProfileBuilder
@@ -131,13 +137,8 @@ class Reader:
         if self.report.commspan_spans == ours:
             if len(self.report.damaged) > skipped:
                 raise Damaged
-            what = f"{len(files)} files" if len(files) > 1 else str(files[0])
-            read = self.report.lines - lines, self.report.spans - spans
-            raise ValueError(
-                f"{label}: no commspan span in {what} ({_count(read[0], 'line')}, "
-                f"{_count(read[1], 'span')}, none with commspan.module.fqn): not files "
-                "written by commspan's JsonlSpanExporter"
-            )
+            raise no_commspan_span(label, files, self.report.lines - lines,
+                                   self.report.spans - spans)
         return records
 
     def check_lines(self, path: Path, used: int, skipped: int) -> None:
@@ -1000,16 +1001,11 @@ def digest(args: argparse.Namespace, reader: Reader) -> Outcome:
     if not report.commspan_spans:  # (empty files too: as the other commands)
         if report.damaged:
             raise Damaged
-        raise ValueError(
-            f"FILES: no commspan span in {what} ({_count(report.lines, 'line')}, "
-            f"{_count(report.spans, 'span')}, none with commspan.module.fqn): not files "
-            "written by commspan's JsonlSpanExporter")
+        raise no_commspan_span("FILES", files, report.lines, report.spans)
     return Outcome(f"digests written for {what}: {_count(lines, 'line')}")
 
 
-def _count(n: int, word: str) -> str:
-    """``1 line``, ``2 lines``."""
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+_count = count_words
 
 
 class PlanError(RuntimeError):

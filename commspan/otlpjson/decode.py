@@ -272,6 +272,8 @@ class LineReader:
         self.max_line_bytes = max_line_bytes
         self.pause_gc = pause_gc
         self._logged = 0
+        self.skipped = 0
+        """Lines skipped (not raised), whether recorded in the report or logged."""
 
     def documents(
         self,
@@ -343,6 +345,7 @@ class LineReader:
                         "not a file JsonlSpanExporter wrote (one OTLP/JSON trace request "
                         f"per line)? pass those files, or {hint[5:]}")
             raise ValueError(f"{path}:{number}: {reason}" + (f"; {hint}" if hint else ""))
+        self.skipped += 1
         if self.report is not None:
             self.report.skipped.append(SkippedLine(str(path), number, kind, reason))
             return

@@ -11,6 +11,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -21,6 +22,8 @@ __all__ = [
     "ReadReport",
     "SkippedLine",
     "SpanRecord",
+    "count_words",
+    "no_commspan_span",
     "rank_value",
     "record_rank",
 ]
@@ -142,3 +145,41 @@ def record_rank(record: SpanRecord) -> int | None:
     if record.rank is not None:
         return record.rank
     return rank_value(record.attributes.get(semconv.RANK))
+
+
+def no_commspan_span(
+    label: str, files: Sequence[object], lines: int, spans: int, skipped: int = 0
+) -> ValueError:
+    """The error of a read of ``files`` that found no commspan span (none carrying
+    ``commspan.module.fqn``): files another program wrote, empty files, or files of
+    damaged lines only. Its counts would be empty, and a check or an assertion of
+    absence over them would pass whatever ran; the command line and the Python
+    readers refuse them in these words.
+
+    Args:
+        label: the parameter or argument that named the files (``"FILES"``, ``"paths"``).
+        files: the files read.
+        lines, spans: the lines read and used, and the spans in them.
+        skipped: lines skipped as damaged or torn (``strict=False``).
+
+    Example:
+        >>> str(no_commspan_span("paths", ["other.jsonl"], 1, 1)).split(": not")[0]
+        'paths: no commspan span in other.jsonl (1 line, 1 span, none with commspan.module.fqn)'
+    """
+    what = f"{len(files)} files" if len(files) != 1 else str(files[0])
+    also = f", {count_words(skipped, 'line')} skipped" if skipped else ""
+    return ValueError(
+        f"{label}: no commspan span in {what} ({count_words(lines, 'line')}, "
+        f"{count_words(spans, 'span')}, none with {semconv.MODULE_FQN}{also}): not files "
+        "written by commspan's JsonlSpanExporter; pass the files it wrote "
+        "(DIR/commspan-rank<N>.jsonl of JsonlSpanExporter(DIR))")
+
+
+def count_words(n: int, word: str) -> str:
+    """``1 line``, ``2 lines``.
+
+    Example:
+        >>> count_words(1, "line"), count_words(0, "span")
+        ('1 line', '0 spans')
+    """
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
