@@ -134,7 +134,13 @@ def main() -> None:
                         help="JSONL directory")
     parser.add_argument("--steps", type=int, default=2, help="training steps")
     args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
+    if args.steps < 1:
+        parser.error(f"--steps {args.steps}: pass 1 or more training steps")
+    try:  # (a file given where the directory goes: say so, not a traceback)
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        parser.error(f"--out {args.out}: cannot make this directory ({exc.strerror}); "
+                     "pass a directory, new or existing, you can write to")
     if "RANK" in os.environ:  # launched by torchrun: this process is one rank
         dist.init_process_group("gloo")
         try:

@@ -194,6 +194,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", choices=["straggler", "gc", "hang"], default=None,
                         help="run one scenario only")
     args = parser.parse_args(argv)
+    try:  # (a file given where the directory goes: say so, not a traceback)
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        parser.error(f"--out {args.out}: cannot make this directory ({exc.strerror}); "
+                     "pass a directory, new or existing, you can write to")
     if args.only in (None, "straggler"):
         print(f"$ commspan stragglers {args.out / 'straggler'}")
         print(straggler(args.out / "straggler"))

@@ -48,7 +48,9 @@ def setup(tp: int | None = None) -> object:
 
     ``tp`` defaults to ``$PLAN_TP`` or 8; dp_shard is the world size / tp.
     """
-    tp = tp or int(os.environ.get("PLAN_TP", "8"))
+    tp = int(os.environ.get("PLAN_TP", "8")) if tp is None else tp
+    if tp < 1:
+        raise ValueError(f"tp={tp} is not valid; pass a tensor-parallel degree of 1 or more")
     world = dist.get_world_size()
     if world % tp:
         raise ValueError(f"world size {world} is not a multiple of tp={tp}")
@@ -64,6 +66,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--tp", type=int, default=8, help="tensor-parallel degree (default 8)")
     parser.add_argument("--json", action="store_true", help="print JSON")
     args = parser.parse_args(argv)
+    if args.tp < 1 or args.world < args.tp or args.world % args.tp:
+        parser.error(f"--world {args.world} --tp {args.tp}: the world size must be a "
+                     "positive multiple of the tensor-parallel degree (1 or more), e.g. "
+                     "--world 512 --tp 8")
     torch.set_num_threads(1)
     plan = plan_step(lambda: setup(args.tp), world_size=args.world)
     print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.table())
