@@ -292,6 +292,29 @@ def test_files_without_commspan_spans_say_so(
                             f"JsonlSpanExporter{_PASS}\n")
 
 
+def test_a_file_whose_only_line_is_cut_short_is_not_called_another_programs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A rank file still being written (its one line without its end): the torn line is
+    a warning and the error says every line was skipped, not that the file is not one
+    JsonlSpanExporter wrote (it is)."""
+    mode = CommSpanMode(exporters=[JsonlSpanExporter(tmp_path / "run")])
+    with mode:
+        torch.nn.Linear(2, 2)(torch.ones(1, 2))
+    (written,) = (tmp_path / "run").glob("*.jsonl")
+    cut = tmp_path / "cut.jsonl"
+    cut.write_bytes(written.read_bytes().splitlines()[0][:200])  # no newline: torn
+    for command in ("summary", "table", "check"):
+        code, out, err = _cli(capsys, command, str(cut))
+        assert (code, out) == (2 if command == "check" else 1, "")
+        assert err.startswith(f"warning: {cut}:1: torn last line skipped")
+        assert err.endswith(
+            f"ValueError: FILES: no commspan span in {cut} (0 lines, 0 spans, none with "
+            "commspan.module.fqn, 1 line skipped): every line was skipped, damaged or cut "
+            "short (the warnings above say why); pass files whose writer has finished "
+            "(DIR/commspan-rank<N>.jsonl of JsonlSpanExporter(DIR))\n"), err
+
+
 def test_digest_of_one_line_says_line(
     run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

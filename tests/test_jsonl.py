@@ -652,11 +652,14 @@ def test_python_readers_refuse_files_without_commspan_spans(tmp_path: Path) -> N
     empty.write_text("")
     damaged = tmp_path / "damaged.jsonl"
     damaged.write_text("a,b\n1,2\n")
-    tail = (r"none with commspan\.module\.fqn{}\): not files written by commspan's "
-            r"JsonlSpanExporter; pass the files it wrote")
+    tail = r"none with commspan\.module\.fqn{}\): {} \(DIR/commspan-rank<N>\.jsonl of "
+    why = (r"not files written by commspan's JsonlSpanExporter; pass the files it wrote",
+           r"every line was skipped, damaged or cut short \(the warnings, or report\.skipped, "
+           r"say why\); pass files whose writer has finished")
     for path, counts, also in ((other, "2 lines, 2 spans", ""), (empty, "0 lines, 0 spans", ""),
                                (damaged, "0 lines, 0 spans", ", 2 lines skipped")):
-        message = re.escape(f"no commspan span in {path} ({counts}, ") + tail.format(also)
+        ending = tail.format(also, why[bool(also)])
+        message = re.escape(f"no commspan span in {path} ({counts}, ") + ending
         with pytest.raises(ValueError, match="^paths: " + message):
             assert_no_comm(Aggregator.from_jsonl(path, strict=False))
         with pytest.raises(ValueError, match="^paths: " + message):

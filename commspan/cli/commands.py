@@ -120,7 +120,7 @@ class Reader:
         holds some ranks' spans only."""
         files = self.files(paths, label)
         spans, ours, lines = self.report.spans, self.report.commspan_spans, self.report.lines
-        skipped = len(self.report.damaged)
+        skipped, torn = len(self.report.damaged), len(self.report.torn)
         records: list[SpanRecord] = []
         for f in files:  # (one at a time: a file none of whose lines is read is named)
             used, damaged = self.report.lines, len(self.report.skipped)
@@ -138,7 +138,8 @@ class Reader:
             if len(self.report.damaged) > skipped:
                 raise Damaged
             raise no_commspan_span(label, files, self.report.lines - lines,
-                                   self.report.spans - spans)
+                                   self.report.spans - spans, len(self.report.torn) - torn,
+                                   "the warnings above")
         return records
 
     def check_lines(self, path: Path, used: int, skipped: int) -> None:

@@ -148,7 +148,8 @@ def record_rank(record: SpanRecord) -> int | None:
 
 
 def no_commspan_span(
-    label: str, files: Sequence[object], lines: int, spans: int, skipped: int = 0
+    label: str, files: Sequence[object], lines: int, spans: int, skipped: int = 0,
+    said: str = "the warnings, or report.skipped,",
 ) -> ValueError:
     """The error of a read of ``files`` that found no commspan span (none carrying
     ``commspan.module.fqn``): files another program wrote, empty files, or files of
@@ -161,6 +162,7 @@ def no_commspan_span(
         files: the files read.
         lines, spans: the lines read and used, and the spans in them.
         skipped: lines skipped as damaged or torn (``strict=False``).
+        said: what says why they were skipped.
 
     Example:
         >>> str(no_commspan_span("paths", ["other.jsonl"], 1, 1)).split(": not")[0]
@@ -168,11 +170,14 @@ def no_commspan_span(
     """
     what = f"{len(files)} files" if len(files) != 1 else str(files[0])
     also = f", {count_words(skipped, 'line')} skipped" if skipped else ""
+    files_of = "(DIR/commspan-rank<N>.jsonl of JsonlSpanExporter(DIR))"
+    why = f"not files written by commspan's JsonlSpanExporter; pass the files it wrote {files_of}"
+    if skipped and not lines:  # (a file being written, or damaged: maybe one of ours)
+        why = (f"every line was skipped, damaged or cut short ({said} say why); pass "
+               f"files whose writer has finished {files_of}")
     return ValueError(
         f"{label}: no commspan span in {what} ({count_words(lines, 'line')}, "
-        f"{count_words(spans, 'span')}, none with {semconv.MODULE_FQN}{also}): not files "
-        "written by commspan's JsonlSpanExporter; pass the files it wrote "
-        "(DIR/commspan-rank<N>.jsonl of JsonlSpanExporter(DIR))")
+        f"{count_words(spans, 'span')}, none with {semconv.MODULE_FQN}{also}): {why}")
 
 
 def count_words(n: int, word: str) -> str:
