@@ -563,6 +563,21 @@ def test_malformed_line_adds_nothing_to_the_counts(tmp_path: Path) -> None:
         Aggregator.from_jsonl(path, strict=False)
 
 
+def test_a_path_below_a_file_is_refused_at_once(tmp_path: Path) -> None:
+    """A path below an existing file (a rank file taken for the run's folder): no
+    directory can be made there, so every export failed, after the step had run; it is
+    refused when the exporter is made, naming the parameter and the file in the way."""
+    afile = tmp_path / "commspan-rank0.jsonl"
+    afile.write_text("keep\n")
+    for path in (afile / "out", afile / "a" / "rank{rank}.jsonl"):
+        with pytest.raises(ValueError, match=(
+                re.escape(f"path={str(path)!r} is not valid: {str(afile)!r} is a file, not a "
+                          "directory, so nothing can be written below it"))):
+            JsonlSpanExporter(path)
+    assert afile.read_text() == "keep\n"
+    JsonlSpanExporter(tmp_path / "new" / "deeper" / "rank{rank}.jsonl")  # made when written
+
+
 def test_an_existing_non_directory_taken_for_a_directory_is_refused_at_once(
     tmp_path: Path,
 ) -> None:

@@ -82,7 +82,8 @@ class JsonlSpanExporter(SpanExporter):
     Raises:
         TypeError: ``path`` is not a str or path.
         ValueError: ``path`` has a field other than ``{rank}`` and
-            ``{run_id}`` (``"trace-{rnak}.jsonl"``) or an unpaired brace.
+            ``{run_id}`` (``"trace-{rnak}.jsonl"``) or an unpaired brace; it names a
+            directory (no suffix) that exists and is not one, or lies below a file.
 
     Example:
         >>> from commspan import CommSpanMode
@@ -112,6 +113,8 @@ class JsonlSpanExporter(SpanExporter):
                 f"path={text!r} is not valid: it names a directory (no suffix) but exists "
                 "and is not one; pass a directory, or a file path with a suffix "
                 "(e.g. 'out/rank{rank}.jsonl')")
+        if isinstance(text, str):
+            _check_parents(text)
         if compress is True:
             level = 1
         elif compress is False:
@@ -429,3 +432,15 @@ def _is_directory(template: str) -> bool:
         return True
     name = os.path.basename(template)
     return "{" not in name and not os.path.splitext(name)[1]
+
+
+def _check_parents(text: str) -> None:
+    """Refuse a path below a file (``run.jsonl/out``): no directory can be made there,
+    so every export would fail; the nearest part of it that exists must be a directory."""
+    parent = os.path.dirname(os.path.abspath(text))
+    while not os.path.lexists(parent) and os.path.dirname(parent) != parent:
+        parent = os.path.dirname(parent)
+    if os.path.exists(parent) and not os.path.isdir(parent):
+        raise ValueError(
+            f"path={text!r} is not valid: {parent!r} is a file, not a directory, so nothing "
+            "can be written below it; pass a directory (or a file path) elsewhere")
