@@ -716,3 +716,16 @@ def test_assert_well_formed_takes_the_capture_of_a_rank_other_than_0(tmp_path: P
     done = subprocess.run([sys.executable, str(script), "3"], capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_assertions_given_a_path_say_how_to_read_it(tmp_path: Path) -> None:
+    """assert_no_comm("commspan-out") (the run's folder, not its counts): the TypeError
+    names the path and the call that reads it, Aggregator.from_jsonl(path)."""
+    paths: list[Any] = ["commspan-out", tmp_path]
+    for agg in paths:
+        expected = re.escape(f"agg={agg!r} is a path, not an Aggregator; pass "
+                             f"Aggregator.from_jsonl({agg!r})")
+        with pytest.raises(TypeError, match=expected):
+            assert_no_comm(agg)
+        with pytest.raises(TypeError, match=expected):
+            assert_counts(agg, "Global", "forward", {})

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import os
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Union
@@ -456,6 +457,10 @@ def _aggregator(agg: AggregatorLike) -> Aggregator:
                 "to assert on (create it with aggregator=True)"
             )
         return agg.aggregator
+    if isinstance(agg, (str, os.PathLike)):  # (the files of a run: read them first)
+        raise TypeError(
+            f"agg={agg!r} is a path, not an Aggregator; pass Aggregator.from_jsonl({agg!r}) "
+            "(commspan.Aggregator) to assert on the files of a run")
     raise TypeError(
         f"agg={agg!r} is not valid; pass an Aggregator, a CommSpanMode or a CommCapture"
     )
