@@ -100,9 +100,10 @@ def file_path(name: str, value: Any, example: str) -> Path:
 
     Raises:
         TypeError: ``value`` is not a ``str`` or ``os.PathLike``.
-        IsADirectoryError: ``value`` ends with a path separator (``"reports/"``), so
-            names a directory, which ``Path`` would silently take for the file
-            ``reports``; the message suggests ``example`` inside it.
+        IsADirectoryError: ``value`` is a directory, or ends with a path separator
+            (``"reports/"``), so names a directory, which ``Path`` would silently take
+            for the file ``reports``; the message suggests ``example`` inside it.
+        NotADirectoryError: a file stands where a directory above ``value`` must be.
     """
     if not isinstance(value, (str, os.PathLike)):
         raise TypeError(f"{name}={value!r} is not valid; pass a file path (str or Path)")
@@ -112,7 +113,31 @@ def file_path(name: str, value: Any, example: str) -> Path:
         raise IsADirectoryError(
             f"{name}={text!r} names a directory (it ends with {text[-1]!r}); pass a file "
             f"path in it, e.g. {os.path.join(text, example)!r}")
+    if isinstance(text, str) and os.path.isdir(text):
+        raise IsADirectoryError(
+            f"{name}={text!r} is a directory; pass a file path in it, e.g. "
+            f"{os.path.join(text, example)!r}")
+    blocking = file_in_the_way(text) if isinstance(text, str) else None
+    if blocking is not None:
+        raise NotADirectoryError(
+            f"{name}={text!r} cannot be written: {blocking!r} is a file, not a directory; "
+            "pass a file path in a directory")
     return Path(value)
+
+
+def file_in_the_way(text: str) -> str | None:
+    """The file that stands where a directory of ``text``'s must be (``run.jsonl`` of
+    ``run.jsonl/out``): the nearest part of ``text`` above it that exists, when that is
+    not a directory; ``None`` when a writer could make the directories it needs.
+
+    Example:
+        >>> file_in_the_way("/no/such/dir/report.html") is None
+        True
+    """
+    parent = os.path.dirname(os.path.abspath(text))
+    while not os.path.lexists(parent) and os.path.dirname(parent) != parent:
+        parent = os.path.dirname(parent)
+    return parent if os.path.exists(parent) and not os.path.isdir(parent) else None
 
 
 # what an infinite wait becomes: threading and time.monotonic() overflow on inf

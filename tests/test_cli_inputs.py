@@ -13,6 +13,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import shutil
 import zlib
 from pathlib import Path
@@ -649,6 +650,34 @@ def test_an_output_ending_in_a_slash_is_a_directory_not_a_file(
     with pytest.raises(IsADirectoryError, match=r"out_path='.*/reports/' names a directory"):
         write([], folder)
     assert not os.path.lexists(folder.rstrip(os.sep))
+
+
+@pytest.mark.parametrize("command", ["html", "perfetto"])
+def test_the_python_writers_name_out_path_when_it_is_a_directory_or_below_a_file(
+    tmp_path: Path, command: str
+) -> None:
+    """write_html_report / write_chrome_trace with out_path an existing directory, or a
+    path below a file, raised the OS's bare "[Errno 21] Is a directory: ..." or
+    "[Errno 17] File exists"; they now name out_path, the value and the fix, as `-o` does,
+    and write nothing."""
+    from commspan.render import write_chrome_trace, write_html_report
+
+    write = write_html_report if command == "html" else write_chrome_trace
+    example = "report.html" if command == "html" else "trace.json"
+    folder = tmp_path / "reports"
+    folder.mkdir()
+    with pytest.raises(IsADirectoryError, match=re.escape(
+            f"out_path={str(folder)!r} is a directory; pass a file path in it, e.g. "
+            f"{os.path.join(str(folder), example)!r}")):
+        write([], str(folder))
+    afile = tmp_path / "notes.txt"
+    afile.write_text("keep")
+    below = afile / "sub" / example
+    with pytest.raises(NotADirectoryError, match=re.escape(
+            f"out_path={str(below)!r} cannot be written: {str(afile)!r} is a file, not a "
+            "directory; pass a file path in a directory")):
+        write([], below)
+    assert list(folder.iterdir()) == [] and afile.read_text() == "keep"
 
 
 @pytest.mark.parametrize("command", ["html", "perfetto"])

@@ -31,7 +31,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from commspan import semconv
-from commspan._errors import Once
+from commspan._errors import Once, file_in_the_way
 from commspan._fork import renew_after_fork
 from commspan.capture.ranks import process_ranks
 from commspan.otlpjson.encode import encode_lines
@@ -113,8 +113,11 @@ class JsonlSpanExporter(SpanExporter):
                 f"path={text!r} is not valid: it names a directory (no suffix) but exists "
                 "and is not one; pass a directory, or a file path with a suffix "
                 "(e.g. 'out/rank{rank}.jsonl')")
-        if isinstance(text, str):
-            _check_parents(text)
+        blocking = file_in_the_way(text) if isinstance(text, str) else None
+        if blocking is not None:  # (every export would fail: no directory can be made)
+            raise ValueError(
+                f"path={text!r} is not valid: {blocking!r} is a file, not a directory, so "
+                "nothing can be written below it; pass a directory (or a file path) elsewhere")
         if compress is True:
             level = 1
         elif compress is False:
@@ -433,14 +436,3 @@ def _is_directory(template: str) -> bool:
     name = os.path.basename(template)
     return "{" not in name and not os.path.splitext(name)[1]
 
-
-def _check_parents(text: str) -> None:
-    """Refuse a path below a file (``run.jsonl/out``): no directory can be made there,
-    so every export would fail; the nearest part of it that exists must be a directory."""
-    parent = os.path.dirname(os.path.abspath(text))
-    while not os.path.lexists(parent) and os.path.dirname(parent) != parent:
-        parent = os.path.dirname(parent)
-    if os.path.exists(parent) and not os.path.isdir(parent):
-        raise ValueError(
-            f"path={text!r} is not valid: {parent!r} is a file, not a directory, so nothing "
-            "can be written below it; pass a directory (or a file path) elsewhere")
