@@ -527,3 +527,31 @@ def test_a_wrong_argument_type_names_the_parameter(call: Any, match: str) -> Non
     "'str' object has no attribute 'attributes'", naming nothing)."""
     with pytest.raises(TypeError, match=match):
         call()
+
+
+def test_timeline_steps_none_of_which_ran_are_refused(tmp_path: Path) -> None:
+    """timeline_steps=[9] of a run of steps 0-2 wrote a page without any timeline, and
+    a bare int raised "'int' object is not iterable": the first is a ValueError listing
+    the run's steps, the second a TypeError naming timeline_steps; a list holding one
+    step of the run still embeds that step only."""
+    import torch
+
+    from commspan import CommSpanMode
+    from commspan.exporters import JsonlSpanExporter
+
+    mode = CommSpanMode(exporters=[JsonlSpanExporter(tmp_path / "run")])
+    model = torch.nn.Linear(2, 2)
+    with mode:
+        for i in range(3):
+            with mode.step(i):
+                model(torch.ones(1, 2)).sum().backward()
+    records = list(read_spans(tmp_path / "run"))
+    with pytest.raises(ValueError, match=re.escape(
+            "timeline_steps=[7, 9] is not valid: none of them is a step of the run, which "
+            "has steps 0-2; pass some of those, or None for every step")):
+        html_report(records, timeline_steps=[9, 7])
+    with pytest.raises(TypeError, match=re.escape("timeline_steps=5 is not valid; pass step "
+                                                  "numbers, e.g. [0, 5]")):
+        html_report(records, timeline_steps=5)  # type: ignore[arg-type]
+    page = html_report(records, timeline_steps=[1, 9])
+    assert [s["s"] for s in embedded_data(page)["steps"]] == [1]

@@ -208,14 +208,22 @@ def _embedded_steps(timeline: Timeline, wanted: Iterable[int] | None) -> list[in
     """Indices (into ``timeline.steps``) of the steps whose timeline is embedded."""
     if wanted is None:
         return [w.position for w in timeline.steps]
-    if isinstance(wanted, (str, bytes)):
-        raise TypeError(f"timeline_steps={wanted!r} is not valid; pass step numbers")
+    if isinstance(wanted, (str, bytes)) or not isinstance(wanted, Iterable):
+        raise TypeError(f"timeline_steps={wanted!r} is not valid; pass step numbers, "
+                        "e.g. [0, 5] or range(0, 100, 10)")
     numbers = set()
     for n in wanted:
         if not isinstance(n, int):
             raise TypeError(f"timeline_steps: {n!r} is not a step number (int)")
         numbers.add(n)
-    return [w.position for w in timeline.steps if w.step in numbers]
+    embedded = [w.position for w in timeline.steps if w.step in numbers]
+    if numbers and not embedded:  # (a page without any timeline, said nowhere)
+        held = sorted({w.step for w in timeline.steps if w.step is not None})
+        steps = f"steps {format_numbers(held, sep=', ')}" if held else "no numbered steps"
+        raise ValueError(
+            f"timeline_steps={sorted(numbers)!r} is not valid: none of them is a step of "
+            f"the run, which has {steps}; pass some of those, or None for every step")
+    return embedded
 
 
 def _first_step(timeline: Timeline, embedded: list[int], step: int | None) -> int:
