@@ -2383,3 +2383,16 @@ def test_an_unread_finding_words_its_steps_as_the_stderr_note_does() -> None:
     assert finding.message.startswith(f"rank 1, {words}: not compared: r1.jsonl:7 is damaged")
     (note,) = unread_note(list(run.unread.values()))
     assert f"rank 1's collectives of {words} may be missing" in note
+
+
+def test_steps_given_as_a_string_are_refused_naming_the_value(tmp_path: Path) -> None:
+    """check_run(path, steps="0-2") (the command line's --steps) said "steps: '0' is not a
+    step number", naming a character of it; the error names the value given and the
+    forms to pass instead."""
+    path = tmp_path / "r0.jsonl"
+    path.write_text("")  # (the steps are checked before any file is read)
+    for steps in ("0-2", "1"):
+        with pytest.raises(ValueError, match=re.escape(
+                f"steps={steps!r} is not valid; pass step numbers (ints), e.g. steps=[0, 1] "
+                "or steps=range(0, 3), or None")):
+            check_run(path, steps=steps)  # type: ignore[arg-type]

@@ -581,6 +581,9 @@ def require_steps(wanted: frozenset[int] | None, there: Iterable[int], where: st
 def _check_steps(steps: Iterable[int] | None) -> frozenset[int] | None:
     if steps is None:
         return None
+    if isinstance(steps, (str, bytes)):  # ("0-2": its characters are no steps)
+        raise ValueError(f"steps={steps!r} is not valid; pass step numbers (ints), e.g. "
+                         "steps=[0, 1] or steps=range(0, 3), or None")
     try:
         values = list(steps)
     except TypeError:
