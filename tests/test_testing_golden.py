@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -209,12 +210,14 @@ def test_update_mode_writes_only_changes(
         assert_matches_golden(tp_cap, path)
     assert written == [path]
     assert path.read_text() == golden_text(tp_cap)
-    path.write_text("stale\n")
+    stale = golden_text(tp_cap).replace(" count=", " count=9")  # (an older golden file)
+    assert stale != golden_text(tp_cap)
+    path.write_text(stale)
     monkeypatch.setenv("COMMSPAN_UPDATE_GOLDEN", "1")
     assert_matches_golden(tp_cap, path)
     assert path.read_text() == golden_text(tp_cap)
     monkeypatch.setenv("COMMSPAN_UPDATE_GOLDEN", "0")
-    path.write_text("stale\n")
+    path.write_text(stale)
     with pytest.raises(AssertionError):
         assert_matches_golden(tp_cap, path)
 
@@ -492,3 +495,38 @@ def test_a_golden_file_that_is_not_text_is_named_or_rewritten(
             assert_matches_golden(tp_cap, path)
     with pytest.raises(ValueError, match=r"path='.*' is not valid: it is a directory"):
         assert_matches_golden(tp_cap, tmp_path)
+
+
+@pytest.mark.parametrize("update", [False, True])
+def test_a_path_to_a_file_that_is_no_golden_file_is_refused_and_kept(
+    update: bool, tp_cap: CommCapture, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """path naming a JSONL rank file or a test's source by mistake: the comparison showed
+    a diff and said to run update mode, which then overwrote the file; both modes now
+    refuse it naming the path and its first line, and leave it as it was. An empty file
+    and a golden file saved as UTF-16 are still golden files (rewritten in update mode)."""
+    if update:
+        monkeypatch.setenv("COMMSPAN_UPDATE_GOLDEN", "1")
+    source = tmp_path / "test_model.py"
+    source.write_text("import torch\n\ndef test_x():\n    pass\n")
+    rank_file = tmp_path / "commspan-rank0.jsonl"
+    rank_file.write_text('{"resourceSpans":[]}\n')
+    for path, first in ((source, "import torch"), (rank_file, '{"resourceSpans":[]}')):
+        before = path.read_bytes()
+        with pytest.raises(ValueError, match=re.escape(
+                f"path={str(path)!r} is not valid: it is not a commspan golden file (its "
+                f"first line, {first!r}, does not start with '# commspan golden file'), and "
+                "update mode would overwrite it")):
+            assert_matches_golden(tp_cap, path)
+        assert path.read_bytes() == before
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    utf16 = tmp_path / "utf16.txt"
+    utf16.write_text(golden_text(tp_cap), encoding="utf-16")
+    for path in (empty, utf16):
+        if update:
+            assert_matches_golden(tp_cap, path)
+            assert path.read_text(encoding="utf-8") == golden_text(tp_cap)
+        else:
+            with pytest.raises(AssertionError, match=re.escape(f"golden file {str(path)!r}")):
+                assert_matches_golden(tp_cap, path)

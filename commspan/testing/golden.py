@@ -278,7 +278,8 @@ def assert_matches_golden(
             compare: a mode never entered, a rank ``ranks=`` leaves out, every
             step sampled out (in update mode too: it would write an empty file).
         ValueError: no module named ``fqn`` ran (the message lists the closest names),
-            or ``path`` is a directory.
+            or ``path`` is a directory, or a file other than a golden file (a test's
+            source, a JSONL file: update mode would overwrite it; in update mode too).
         TypeError: ``path`` is not a path.
 
     Example:
@@ -296,9 +297,13 @@ def assert_matches_golden(
                          "golden file's path, e.g. golden/tp_mlp.txt")
     unreadable = ""  # why a file that exists cannot be compared (not UTF-8 text)
     try:
-        kept: str | None = target.read_text(encoding="utf-8").replace("\r\n", "\n")
+        raw = target.read_bytes()
     except FileNotFoundError:
-        kept = None
+        raw = None
+    if raw is not None:
+        _refuse_other_files(target, raw)
+    try:
+        kept: str | None = None if raw is None else raw.decode("utf-8").replace("\r\n", "\n")
     except UnicodeDecodeError as exc:
         kept = None
         data = exc.object[:exc.start]
@@ -359,3 +364,26 @@ def assert_matches_golden(
         "is intended, run `pytest --commspan-update-golden` and review the file's diff"
         f"{hint}\n{delta}"
     )
+
+
+_MARK = b"commspan golden file"
+
+
+def _refuse_other_files(target: Path, raw: bytes) -> None:
+    """A ``ValueError`` when ``target`` holds something other than a golden file (a
+    test's source, a JSONL file, data: a path given by mistake): comparing would show a
+    diff whose suggested fix, update mode, overwrites the file. An empty file, or one
+    whose first line says it is a golden file (in any encoding: UTF-16 too), or whose
+    lines are all comments or lines of counts (a golden file edited by hand), passes."""
+    first = raw.lstrip()[:200].replace(b"\x00", b"").split(b"\n", 1)[0]
+    if not raw.strip() or _MARK in first:
+        return
+    lines = [ln.strip() for ln in raw.splitlines() if ln.strip()]
+    if all(ln.startswith(b"#") or b" count=" in ln for ln in lines):
+        return
+    shown = first[:60].decode("utf-8", "replace")
+    raise ValueError(
+        f"path={str(target)!r} is not valid: it is not a commspan golden file (its first "
+        f"line, {shown!r}, does not start with {_VERSION_LINE[:22]!r}), and update mode "
+        "would overwrite it; pass a golden file's path, or a new one (update mode creates "
+        "it), e.g. golden/tp_mlp.txt")
