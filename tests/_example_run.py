@@ -8,10 +8,12 @@ steps.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -46,3 +48,16 @@ def example_run(tmp_path_factory: pytest.TempPathFactory, steps: int, *args: str
     assert len(files) == RANKS, files
     done.write_text("ok\n")
     return out
+
+
+def load_example(path: Path) -> ModuleType:
+    """The example script at ``path`` imported as a module (its ``main`` not run)."""
+    spec = importlib.util.spec_from_file_location(f"example_{path.stem}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[spec.name]
+    return module

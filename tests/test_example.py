@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
+from _example_run import load_example
 
 from commspan import Aggregator
 from commspan.testing.models import ModelArgs, Transformer
@@ -101,18 +100,6 @@ def test_example_writes_one_jsonl_file_per_rank(
     assert Aggregator.from_jsonl(out, rank=0).module_counts()["Global"] == printed
 
 
-def _example_module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("tp_transformer_example", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        del sys.modules[spec.name]
-    return module
-
-
 def _shape(model: torch.nn.Module) -> tuple[dict[str, str], dict[str, tuple[int, ...]]]:
     """``({module name: type}, {parameter name: shape})``."""
     modules = {name: type(m).__name__ for name, m in model.named_modules()}
@@ -123,7 +110,7 @@ def test_example_model_matches_the_shared_toy_model() -> None:
     """The example's own Transformer has the modules (names and types) and the parameter
     shapes of commspan.testing.models.Transformer for the same sizes, and checkpoints the
     same block."""
-    example = _example_module()
+    example = load_example(EXAMPLE)
     config = example.Config()
     shared = ModelArgs(
         n_layers=config.n_layers,

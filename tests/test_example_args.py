@@ -3,33 +3,20 @@ value and what to pass (argparse's exit status 2), before any rank starts: no tr
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+from _example_run import load_example
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 TRAINING = ("tp_transformer", "fsdp2_tp", "pipeline")
 
 
-def _load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        del sys.modules[spec.name]
-    return module
-
-
 def _refused(name: str, argv: list[str], monkeypatch: pytest.MonkeyPatch,
              capsys: pytest.CaptureFixture[str]) -> str:
     """The error line of ``examples/NAME.py ARGV`` (exit status 2, nothing started)."""
-    module = _load(name)
+    module = load_example(EXAMPLES / f"{name}.py")
     monkeypatch.setattr(sys, "argv", [f"{name}.py", *argv])
     started: list[object] = []
     monkeypatch.setattr("torch.multiprocessing.start_processes",
