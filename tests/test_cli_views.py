@@ -169,6 +169,25 @@ def test_unwritable_output_is_one_line(
     assert code == 1 and err.count("\n") == 1 and "Traceback" not in err
 
 
+@pytest.mark.parametrize("command", ["html", "perfetto"])
+def test_unwritable_output_is_refused_before_the_files_are_read(
+    tp: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch, command: str
+) -> None:
+    """A bad -o was found after every file had been read (minutes over a large run)."""
+    from commspan.cli.commands import Reader
+
+    def read(*_a: object, **_k: object) -> None:
+        raise AssertionError("the files were read before -o was checked")
+
+    monkeypatch.setattr(Reader, "load_capped", read)
+    code, _, err = run_cli(capsys, command, str(tp), "-o", str(tmp_path))
+    assert code == 1 and err.startswith("IsADirectoryError: -o "), err
+    (tmp_path / "file").write_text("x")
+    code, _, err = run_cli(capsys, command, str(tp), "-o", str(tmp_path / "file" / "out"))
+    assert code == 1 and err.startswith("NotADirectoryError: -o "), err
+
+
 @pytest.fixture(scope="module")
 def wide(tmp_path_factory: pytest.TempPathFactory, fake_pg: None) -> Path:
     """4 ranks, steps 0-1 of one all_reduce per step, rank 1 one more in step 1. Ranks 0

@@ -719,6 +719,7 @@ def html(args: argparse.Namespace, reader: Reader) -> Outcome:
     findings: list[Any] | None = None
     if args.findings is not None:
         findings = _finding_list(_findings_file(args.findings), args.findings)
+    _output_checked(args.output, "report.html")  # before minutes of reading, not after
     cap = RankCap(args.max_ranks or None, builders=args.check)
     sel = reader.load_capped(args.files, cap)
     notes = [cap.note(sel.run.run_id if sel.run else None, "html")]
@@ -779,12 +780,21 @@ def perfetto(args: argparse.Namespace, reader: Reader) -> Outcome:
     """Write the Chrome trace (Perfetto) of the selected run (and steps)."""
     from commspan.render.perfetto import write_chrome_trace
 
+    _output_checked(args.output, "trace.json")
     cap = RankCap(args.max_ranks or None)
     sel = reader.load_capped(args.files, cap)
     note = cap.note(sel.run.run_id if sel.run else None, "perfetto")
     path = _writing(args.output, lambda: write_chrome_trace(
         sel.records, args.output, [note] if note else ()), "trace.json")
     return _written(path, sel, {}, args, "trace")
+
+
+def _output_checked(output: str, example: str) -> None:
+    """``-o`` that cannot be a file to write (a directory, a path below a file) is an
+    error before the files are read, worded as :func:`_writing` words it."""
+    from commspan._errors import file_path
+
+    _writing(output, lambda: file_path("-o", output, example), example)
 
 
 def _writing(output: str, write: Callable[[], Path], example: str) -> Path:
