@@ -122,8 +122,6 @@ def test_two_steps_of_one_run(plans: dict[str, Path], capsys: pytest.CaptureFixt
     assert code == 1
     assert across_steps["entries"] == across_runs["entries"]
     assert across_steps["a"]["steps"] == [0] and across_steps["b"]["steps"] == [1]
-    code, out, _ = run_cli(capsys, "diff", str(plans["mixed"]), "--step", "0", "--step", "0")
-    assert code == 0
 
 
 def test_steps_are_compared_per_step(
@@ -191,6 +189,21 @@ def test_usage_errors_exit_2(
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and "error:" in err
+
+
+@pytest.mark.parametrize("twice", [["--step", "0", "--step", "0"],
+                                   ["--steps", "0-1", "--steps", "0-1"],
+                                   ["--run", "X", "--run", "X", "--step", "0", "--step", "0"]])
+def test_one_selection_given_twice_is_a_usage_error(
+    plans: dict[str, Path], capsys: pytest.CaptureFixture[str], twice: list[str]
+) -> None:
+    """`diff DIR --step 0 --step 0` compared a step with itself and said "no
+    difference" (exit 0), whatever the run held."""
+    with pytest.raises(SystemExit) as info:
+        main(["diff", str(plans["tp"]), *twice])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "compares a selection with itself" in err and "Traceback" not in err
 
 
 @pytest.mark.multiprocess

@@ -352,6 +352,12 @@ def check_usage(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
                 "diff compares two things: pass two runs (diff A B), or one folder with two "
                 "steps (diff DIR --step 3 --step 7) or two runs (diff DIR --run X --run Y)"
             )
+        if all(getattr(args, n)[0] == getattr(args, n)[1] for n in twice):
+            same = " ".join(f"--{n} {getattr(args, n)[0]}" for n in twice)
+            parser.error(
+                f"diff {args.a} {same} given twice compares a selection with itself "
+                "(no difference, whatever the files hold); pass two different steps or runs"
+            )
 
 
 def _output_not_an_input(
