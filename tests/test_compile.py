@@ -682,24 +682,17 @@ def test_blocks_compiled_in_place_inside_a_compiled_model(fake_pg: None) -> None
     expected = _blocks_reference(x)
 
     def graphs(pattern: list[bool]) -> tuple[int, Any]:
-        torch._dynamo.reset()
-        torch._dynamo.utils.counters.clear()
-        inner = _Blocks(compiled=False, in_place="aot_eager")
-        originals = [b._compiled_call_impl for b in inner.blocks]
-        model = torch.compile(inner, backend="aot_eager")
-        caps = []
-        for step, traced in enumerate(pattern):
-            if not traced:
-                model(x).sum().backward()
-                continue
-            with capture() as cap:
-                with cap.mode.step(step):
-                    model(x).sum().backward()
-            assert [b._compiled_call_impl for b in inner.blocks] == originals
-            assert cap.mode.stats()["internal_errors"] == 0
-            caps.append(cap)
-        assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0
-        compiled = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+        made = []
+
+        def make() -> Any:
+            inner = _Blocks(compiled=False, in_place="aot_eager")
+            made.append((inner, [b._compiled_call_impl for b in inner.blocks]))
+            return torch.compile(inner, backend="aot_eager")
+
+        compiled, breaks, caps = _run_steps(make, x, pattern)
+        (inner, originals), = made
+        assert [b._compiled_call_impl for b in inner.blocks] == originals  # (restored)
+        assert sum(breaks.values()) == 0
         return compiled, caps[-1] if caps else None
 
     untraced, _ = graphs([False, False])
