@@ -453,7 +453,8 @@ def format_report(results: dict[str, Any]) -> str:
             for t in targets
         ]
         parts.append(
-            "Targets (issue 4; a measurement, never a failure of this command)\n\n"
+            "Targets (issues 4, 11 and 13, one run; a measurement, never a failure of this "
+            "command)\n\n"
             + _table(["target", "measured", "target", "verdict"], rows, right={1, 2})
         )
     return "\n\n".join(parts) + "\n"
