@@ -2396,3 +2396,12 @@ def test_steps_given_as_a_string_are_refused_naming_the_value(tmp_path: Path) ->
                 f"steps={steps!r} is not valid; pass step numbers (ints), e.g. steps=[0, 1] "
                 "or steps=range(0, 3), or None")):
             check_run(path, steps=steps)  # type: ignore[arg-type]
+
+
+def test_step_and_rank_lists_write_ranges_of_negative_numbers_with_two_dots() -> None:
+    """Findings listed steps -3 to -1 as "-3--1", which reads as two numbers."""
+    from commspan.analysis.check import _list
+
+    assert _list([-3, -2, -1, 5]) == "-3..-1, 5"
+    assert _list([0, 1, 2, 3, 7]) == "0-3, 7"
+    assert _list([4, 5]) == "4, 5"

@@ -1714,8 +1714,11 @@ def _common(values: Iterable[int | None]) -> int | None:
 
 
 def _list(values: Sequence[int]) -> str:
-    """``[0, 1, 2, 3, 7]`` -> ``"0-3, 7"``; runs of three or more become ranges."""
+    """``[0, 1, 2, 3, 7]`` -> ``"0-3, 7"``; runs of three or more become ranges, written
+    ``-3..-1`` when the list holds a negative number (as ``format_numbers`` does:
+    ``-3--1`` reads as two numbers)."""
     values = sorted(values)
+    dash = ".." if values and values[0] < 0 else "-"
     parts: list[str] = []
     i = 0
     while i < len(values):
@@ -1723,7 +1726,7 @@ def _list(values: Sequence[int]) -> str:
         while j + 1 < len(values) and values[j + 1] == values[j] + 1:
             j += 1
         if j - i >= 2:
-            parts.append(f"{values[i]}-{values[j]}")
+            parts.append(f"{values[i]}{dash}{values[j]}")
         else:
             parts.extend(str(v) for v in values[i : j + 1])
         i = j + 1
