@@ -217,6 +217,31 @@ def test_bad(commspan_capture):
     )
 
 
+def test_marker_and_parameter_name_an_argument_the_mode_does_not_take(
+    pytester: pytest.Pytester,
+) -> None:
+    """A misspelt mode argument raised CommSpanMode's own TypeError, naming neither the
+    marker nor the parametrized fixture it came from."""
+    result = _run(pytester, """
+import pytest
+
+@pytest.mark.commspan(record_param=False)
+def test_marker(commspan_capture):
+    pass
+
+@pytest.mark.parametrize("commspan_mode", [{"samples": 2}], indirect=True)
+def test_param(commspan_mode):
+    pass
+""")
+    result.assert_outcomes(errors=2)
+    result.stdout.fnmatch_lines([
+        "*TypeError: @pytest.mark.commspan(...): record_param=False is not an argument of "
+        "CommSpanMode; did you mean record_params*",
+        "*TypeError: commspan_mode parameter: samples=2 is not an argument of CommSpanMode; "
+        "did you mean sample*",
+    ], consecutive=False)
+
+
 def test_plugin_is_registered_by_entry_point(pytester: pytest.Pytester) -> None:
     """A fresh pytest process finds the fixtures through the pytest11 entry point alone."""
     pytester.makepyfile(test_fresh="""

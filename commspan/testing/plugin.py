@@ -134,14 +134,38 @@ def _mode_kwargs(request: pytest.FixtureRequest) -> dict[str, Any]:
                 "by keyword, e.g. @pytest.mark.commspan(record_params=False)"
             )
         kwargs.update(marker.kwargs)
+        _known_arguments(marker.kwargs, f"@pytest.mark.{_MARKER}(...)")
     if hasattr(request, "param"):  # parametrize("commspan_capture", [{...}], indirect=True)
         if not isinstance(request.param, dict):
             raise TypeError(
                 f"{request.fixturename} parameter {request.param!r} is not valid; pass a "
                 "dict of CommSpanMode arguments, e.g. parametrize('commspan_capture', "
                 "[{'record_params': False}], indirect=True)")
+        _known_arguments(request.param, f"{request.fixturename} parameter")
         kwargs.update(request.param)
     return kwargs
+
+
+def _known_arguments(given: dict[str, Any], where: str) -> None:
+    """A name ``CommSpanMode`` does not take is a ``TypeError`` naming ``where`` it was
+    given (the mode's own error, raised later, named neither the marker nor the test's
+    parameter), with the closest argument names."""
+    import difflib
+    import inspect
+
+    from commspan import CommSpanMode
+
+    params = inspect.signature(CommSpanMode.__init__).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return
+    taken = set(params) - {"self"}
+    for name in given:
+        if name not in taken and name != "shutdown_timeout_s":
+            close = difflib.get_close_matches(name, sorted(taken), n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise TypeError(
+                f"{where}: {name}={given[name]!r} is not an argument of CommSpanMode"
+                f"{hint} (its arguments: docs/api.md)")
 
 
 @pytest.fixture
