@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 
 from commspan import semconv
 from commspan.analysis.counts import mesh_dim_of
-from commspan.analysis.issued import issued, issued_key, natural_key
+from commspan.analysis.issued import issued_key, natural_key
 from commspan.analysis.runs import (
     RunTally,
     Selection,
@@ -39,7 +39,7 @@ from commspan.analysis.runs import (
     _earlier_hangs,
     select,
 )
-from commspan.analysis.summary import _Unfinished, cut_short, cut_short_steps, last_steps
+from commspan.analysis.summary import _Unfinished, cut_short_steps, last_steps
 from commspan.otlpjson.records import SpanRecord
 
 __all__ = ["ADDED", "CHANGED", "OUTSIDE_STEPS", "REMOVED", "DiffEntry", "DiffResult",
@@ -234,22 +234,29 @@ def profile(
         ValueError: ``steps`` is not a positive int, or every numbered step of the
             records was cut short (nothing whole to compare).
     """
-    records = list(records)
-    # a step cut short (a hang; no rank span) is left out, on every rank: its collectives
-    # are neither a whole step nor outside the steps
-    cut = cut_short(records, last_traces)
+    # one run's spans folded per trace, as ProfileBuilder folds a run read file by file
+    fold = _RunFold(rank)
+    for record in records:
+        fold.add(record)
+    return _folded_profile(fold.traces, fold.unfinished.cut_short(last_traces),
+                           last_traces is not None, steps)
+
+
+def _folded_profile(
+    traces: Mapping[str, _TraceFold], cut: list[tuple[int | None, str, int | None]],
+    selected: bool, steps: int | None = None,
+) -> Profile:
+    """The :class:`Profile` of folded traces: the traces ``cut`` short (a hang; no rank
+    span) are left out, on every rank (their collectives are neither a whole step nor
+    outside the steps); ``steps`` as :func:`profile` takes it (``None``: the numbered
+    steps left, at least 1)."""
     left_out = {trace for _, trace, _ in cut}
-    numbered = {
-        r.trace_id for r in records
-        if r.name in (semconv.SPAN_RANK, semconv.SPAN_STEP)
-        and isinstance(r.attributes.get(semconv.STEP), int)
-    }
+    numbered = {t for t, f in traces.items() if f.numbered}
     # a step cut short on every rank has no rank span: its hang records say its number
     steps_named = numbered | {trace for _, trace, step in cut if step is not None}
     if steps_named and steps_named <= left_out:
-        raise _every_step_cut(cut, last_traces is not None)
+        raise _every_step_cut(cut, selected)
     numbered -= left_out
-    records = [r for r in records if r.trace_id not in left_out]
     if steps is None:
         steps = max(1, len(numbered))
     elif not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
@@ -258,27 +265,28 @@ def profile(
     # outside the numbered steps (before the first, evaluation between steps), are
     # compared as they are, not divided by the steps (a 2-step and a 4-step run of
     # one model have the same set-up)
-    in_steps = [r for r in records if r.trace_id in numbered] if numbered else records
-    outside = [r for r in records if r.trace_id not in numbered] if numbered else []
     totals: dict[tuple[str, str, str], list[Any]] = {}
     once: set[tuple[str, str, str]] = set()
     ranks: set[int] = set()
-    for part, stepped in ((in_steps, True), (outside, False)):
-        for row in issued(part, rank=rank):
-            phase = row.phase
+    for trace_id, folded in traces.items():
+        if trace_id in left_out:
+            continue
+        stepped = trace_id in numbered if numbered else True
+        for (fqn, phase, op), (c, b, p, per_group) in folded.usage.items():
             if phase != semconv.Phase.SETUP.value and not stepped:
                 phase = f"{phase}{OUTSIDE_STEPS}"
-            key = (row.fqn, phase, row.op)
+            key = (fqn, phase, op)
             if not stepped or phase == semconv.Phase.SETUP.value:
                 once.add(key)
-            slot = totals.setdefault(key, [0, 0, set(), {}])
-            slot[0] += row.count
-            slot[1] += row.bytes
-            if row.src or row.dst:
-                slot[2].add(f"{row.src or '?'}->{row.dst or '?'}")
-            where = _group_label(row)
-            slot[3][where] = slot[3].get(where, 0) + row.count
-            ranks.update(row.ranks)
+            slot = totals.get(key)
+            if slot is None:
+                slot = totals[key] = [0, 0, set(), {}]
+            slot[0] += c
+            slot[1] += b
+            slot[2].update(p)
+            for where, n in per_group.items():
+                slot[3][where] = slot[3].get(where, 0) + n
+        ranks.update(folded.counted)
     return _profile_of(totals, once, steps, ranks, cut)
 
 
@@ -518,44 +526,7 @@ class FoldedSide:
         if self._extra is not None:
             cut += self._extra.unfinished.cut_short(last_traces)
             cut.sort(key=lambda p: (p[0] is None, p[0] or 0, p[1]))
-        traces = self._traces()
-        left_out = {trace for _, trace, _ in cut}
-        numbered = {t for t, f in traces.items() if f.numbered}
-        steps_named = numbered | {trace for _, trace, step in cut if step is not None}
-        if steps_named and steps_named <= left_out:
-            raise _every_step_cut(cut, last_traces is not None)
-        numbered -= left_out
-        steps = max(1, len(numbered))
-        totals: dict[tuple[str, str, str], list[Any]] = {}
-        once: set[tuple[str, str, str]] = set()
-        ranks: set[int] = set()
-        for trace_id, folded in traces.items():
-            if trace_id in left_out:
-                continue
-            stepped = trace_id in numbered if numbered else True
-            for (fqn, phase, op), (c, b, p, per_group) in folded.usage.items():
-                if phase != semconv.Phase.SETUP.value and not stepped:
-                    phase = f"{phase}{OUTSIDE_STEPS}"
-                key = (fqn, phase, op)
-                if not stepped or phase == semconv.Phase.SETUP.value:
-                    once.add(key)
-                slot = totals.get(key)
-                if slot is None:
-                    slot = totals[key] = [0, 0, set(), {}]
-                slot[0] += c
-                slot[1] += b
-                slot[2].update(p)
-                for where, n in per_group.items():
-                    slot[3][where] = slot[3].get(where, 0) + n
-            ranks.update(folded.counted)
-        return _profile_of(totals, once, steps, ranks, cut)
-
-
-def _group_label(row: Any) -> str:
-    """Where a row's collectives ran, the same on every rank and in every run of a
-    program, named as :func:`~commspan.analysis.counts.mesh_dim_of` names it."""
-    return mesh_dim_of({semconv.MESH_DIM_NAME: row.mesh_dim_name,
-                        semconv.MESH_DIM: row.mesh_dim, semconv.PG_NAME: row.group})
+        return _folded_profile(self._traces(), cut, last_traces is not None)
 
 
 def diff(a: Profile, b: Profile) -> DiffResult:
