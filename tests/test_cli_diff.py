@@ -538,7 +538,9 @@ def _trace_run(out: Path, run_id: str, step_fn: Any, steps: range,
 
 def _damage_collective_line(path: Path, run_id: str, step: int) -> int:
     """Make garbage of the first line of ``path`` holding a collective of ``step`` of run
-    ``run_id``; returns its number."""
+    ``run_id``; returns its number. The step's rank span stays whole: when the exporter
+    batched it into that line, it is moved to a line of its own after it first (else
+    the step would be cut short on that rank in some runs and not in others)."""
     lines = path.read_bytes().splitlines(keepends=True)
     mark = {"key": "commspan.step", "value": {"intValue": str(step)}}
     run = {"key": "commspan.run_id", "value": {"stringValue": run_id}}
@@ -549,7 +551,18 @@ def _damage_collective_line(path: Path, run_id: str, step: int) -> int:
     n = next(n for n, _, s in spans if s["traceId"] == trace and any(
         a["key"] == "commspan.collective.op" for e in s.get("events", ())
         for a in e["attributes"]))
+    doc = json.loads(lines[n])
+    kept = []
+    for rs in doc["resourceSpans"]:
+        for ss in rs["scopeSpans"]:
+            ranks = [s for s in ss["spans"]
+                     if s["name"] == "commspan.rank" and s["traceId"] == trace]
+            if ranks:
+                kept.append({"resource": rs["resource"],
+                             "scopeSpans": [{**ss, "spans": ranks}]})
     lines[n] = b'{"resourceSpans": [garbage\n'
+    if kept:
+        lines.insert(n + 1, json.dumps({"resourceSpans": kept}).encode() + b"\n")
     path.write_bytes(b"".join(lines))
     return n + 1
 
