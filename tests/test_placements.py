@@ -551,3 +551,98 @@ def test_placement_strings_are_dtensors_own() -> None:
     for placements in [(Shard(0), Replicate()), (_StridedShard(0, split_factor=2), Shard(1)),
                        (Replicate(), _StridedShard(1, split_factor=4))]:
         assert placements_str(placements) == ",".join(str(p) for p in placements)
+
+
+# ---------------------------------------------------------------- the redistribution text
+class _CountingText:
+    """Stands in for DTensor's ``stringify_transform_infos`` (installed before a mode is
+    entered, so that commspan's stand-in delegates to it): counts the texts built."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from torch.distributed.tensor._redistribute import DTensorRedistributePlanner
+
+        self.planner = DTensorRedistributePlanner
+        original = DTensorRedistributePlanner.__dict__["stringify_transform_infos"].__func__
+        self.calls: list[tuple[Any, ...]] = []
+
+        def counting(*args: Any, **kwargs: Any) -> str:
+            self.calls.append((args, kwargs))
+            return original(*args, **kwargs)
+
+        self.installed = staticmethod(counting)
+        monkeypatch.setattr(DTensorRedistributePlanner, "stringify_transform_infos", self.installed)
+
+    def current(self) -> Any:
+        return self.planner.__dict__["stringify_transform_infos"]
+
+
+@pytest.mark.skipif(not commspan.capture.dispatch.REDISTRIBUTE_HOOK,
+                    reason="this torch reports no redistribution to a DebugMode")
+def test_dtensor_builds_no_redistribution_text_for_commspan(
+        mesh: DeviceMesh, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DTensor builds a text of every redistribution for the active DebugMode; commspan's
+    never reads it, so none is built while commspan's mode receives the redistributions
+    (the placements are recorded as before), and torch's own method is back after."""
+    from torch.utils._debug_mode import DebugMode
+
+    text = _CountingText(monkeypatch)
+    case = CASES["colwise_shard0_input"]
+    # the reference: torch's own DebugMode is given a text per redistribution
+    model = parallelize_module(case.module(), mesh, case.style())
+    with DebugMode():
+        model(case.inputs(mesh.size())).sum().backward()
+    built_for_torch = len(text.calls)
+    assert built_for_torch >= len(case.expected) > 0
+
+    text.calls.clear()
+    mode, spans = run_case(case, mesh)
+    assert text.calls == []
+    assert placements_of(spans) == list(case.expected)
+    assert text.current() is text.installed  # given back
+    assert mode.stats()["internal_errors"] == 0
+
+
+@pytest.mark.skipif(not commspan.capture.dispatch.REDISTRIBUTE_HOOK,
+                    reason="this torch reports no redistribution to a DebugMode")
+def test_other_debug_modes_and_direct_callers_still_get_the_redistribution_text(
+        mesh: DeviceMesh, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A DebugMode of the program's entered before commspan's receives DTensor's
+    redistributions, text included; a direct call of the planner's method during a
+    traced step returns the text it returns outside."""
+    from torch.distributed.tensor._redistribute import DTensorRedistributePlanner
+    from torch.utils._debug_mode import DebugMode
+
+    text = _CountingText(monkeypatch)
+    case = CASES["colwise"]
+    model = parallelize_module(case.module(), mesh, case.style())
+    with DebugMode() as theirs, CommSpanMode(exporters=[InMemorySpanExporter()]):
+        model(case.inputs(mesh.size())).sum().backward()
+    assert len(text.calls) >= len(case.expected)  # (and redistributions without one)
+    args, kwargs = text.calls[-1]
+    built = text.planner.__dict__["stringify_transform_infos"].__func__(*args, **kwargs)
+    assert built and built in theirs.debug_string()
+
+    text.calls.clear()
+    with CommSpanMode(exporters=[InMemorySpanExporter()]):
+        direct = DTensorRedistributePlanner.stringify_transform_infos(*args, **kwargs)
+    assert direct == built
+    assert len(text.calls) == 1
+    assert text.current() is text.installed
+
+
+def test_the_redistribution_text_stand_in_is_counted_per_entry() -> None:
+    """Modes entered together (nested, paused and resumed) share the stand-in; torch's
+    method is back once the last has left, and an undo called twice counts once."""
+    from commspan.capture import dtensor
+
+    if dtensor._Planner is None:
+        pytest.skip("this torch has no redistribution planner")
+    own = dtensor._Planner.__dict__["stringify_transform_infos"]
+    first = dtensor.skip_redistribution_text()
+    second = dtensor.skip_redistribution_text()
+    assert dtensor._Planner.__dict__["stringify_transform_infos"] is dtensor._TEXT_STANDIN
+    first()
+    first()
+    assert dtensor._Planner.__dict__["stringify_transform_infos"] is dtensor._TEXT_STANDIN
+    second()
+    assert dtensor._Planner.__dict__["stringify_transform_infos"] is own

@@ -40,7 +40,7 @@ from commspan.capture.collectives import (
 )
 from commspan.capture.completion import CompletionTracker
 from commspan.capture.dtensor import DTensor as _DTensor
-from commspan.capture.dtensor import placements_str
+from commspan.capture.dtensor import placements_str, skip_redistribution_text
 from commspan.capture.groups import ProcessGroups
 from commspan.spans.timing import CollectiveTiming
 
@@ -204,6 +204,7 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
         self.groups = groups if groups is not None else ProcessGroups()
         self._tls = threading.local()
         self._errors = ErrorCounter(_log, "could not record a collective")
+        self._text_undo: list[Callable[[], None]] = []  # one per __enter__ not left
         self.recording = True
         """``False``: collectives run as any op, undescribed and unnumbered (a step not
         traced while the mode stays on the stack under a mode pushed after it)."""
@@ -282,6 +283,24 @@ class CollectiveDispatchMode(_ModeBase):  # type: ignore[misc,valid-type]
         if name.startswith("record_"):
             return False
         raise AttributeError(name)
+
+    ignores_redistribution_text = True
+    """DTensor need not build the text of its redistributions for this mode
+    (:func:`~commspan.capture.dtensor.skip_redistribution_text`): the placements
+    are all it reads."""
+
+    def __enter__(self) -> Any:
+        entered = super().__enter__()
+        self._text_undo.append(skip_redistribution_text())
+        return entered
+
+    def __exit__(self, *exc: Any) -> Any:
+        undo = self._text_undo.pop() if self._text_undo else None
+        try:
+            return super().__exit__(*exc)
+        finally:
+            if undo is not None:
+                undo()
 
     def on_top(self) -> bool:
         """Whether this mode is the innermost dispatch mode of this thread (only

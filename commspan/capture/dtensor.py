@@ -9,6 +9,8 @@ with commas (``S(0),R``).
 
 from __future__ import annotations
 
+import sys
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -16,7 +18,7 @@ import torch
 
 from commspan import semconv
 
-__all__ = ["DTensor", "param_summary", "placements_str"]
+__all__ = ["DTensor", "param_summary", "placements_str", "skip_redistribution_text"]
 
 try:
     from torch.distributed.tensor import DTensor
@@ -111,3 +113,81 @@ def param_summary(
         semconv.PARAM_PLACEMENTS: tuple(placements),
         semconv.PARAM_SHAPES: tuple(shapes),
     }
+
+
+# ------------------------------------------------------------------ redistribution text
+# DTensor hands the active DebugMode a text of each redistribution's steps, built by
+# DTensorRedistributePlanner.stringify_transform_infos before the mode is called
+# (torch 2.13, redistribute_local_tensor): about 450 Python bytecodes each, 63 times a
+# medium step, 7% of what tracing adds. commspan's dispatch mode is a DebugMode only
+# to learn the placements and never reads that text; while one is entered, the
+# planner's method is a stand-in that builds the text for every other caller and
+# skips it only for redistribute_local_tensor's call on behalf of a mode that says
+# it ignores it (docs/performance.md, "The floor").
+try:
+    from torch.distributed.tensor import _redistribute as _redistribute_mod
+    from torch.utils._debug_mode import get_active_debug_mode as _active_debug_mode
+
+    _Planner: Any = _redistribute_mod.DTensorRedistributePlanner
+    _TEXT_CALLER: Any = _redistribute_mod.redistribute_local_tensor.__code__
+    _TEXT_NAME = "stringify_transform_infos"
+    if not callable(_Planner.__dict__[_TEXT_NAME].__func__):  # a staticmethod
+        raise TypeError(_TEXT_NAME)
+except Exception:  # pragma: no cover - another torch: the text is built as before
+    _Planner = None
+
+_text_lock = threading.Lock()
+_text_users = 0
+_text_original: Any = None  # the planner's own staticmethod while the stand-in is set
+
+
+def _text_unused(*args: Any, **kwargs: Any) -> Any:
+    mode = _active_debug_mode()
+    if sys._getframe(1).f_code is _TEXT_CALLER and getattr(
+            mode, "ignores_redistribution_text", False):
+        return ""
+    return _text_original.__func__(*args, **kwargs)
+
+
+_TEXT_STANDIN = staticmethod(_text_unused)
+
+
+def skip_redistribution_text() -> Callable[[], None]:
+    """Stop DTensor from building the text of its redistributions for a DebugMode
+    that ignores it (a class attribute ``ignores_redistribution_text = True``), until
+    the returned function is called; other DebugModes and direct callers get the text
+    as before. Counted: the stand-in stays while any caller has not undone it.
+
+    Example:
+        >>> undo = skip_redistribution_text()
+        >>> undo()
+    """
+    global _text_users, _text_original
+    if _Planner is None:
+        return _nothing
+    with _text_lock:
+        if _text_users == 0:
+            current = _Planner.__dict__.get(_TEXT_NAME)
+            if current is not _TEXT_STANDIN:
+                _text_original = current
+                setattr(_Planner, _TEXT_NAME, _TEXT_STANDIN)
+        _text_users += 1
+    done = False
+
+    def undo() -> None:
+        nonlocal done
+        global _text_users
+        with _text_lock:
+            if done:
+                return
+            done = True
+            _text_users -= 1
+            if _text_users == 0 and _Planner.__dict__.get(_TEXT_NAME) is _TEXT_STANDIN:
+                # (replaced again by someone else since: theirs stays)
+                setattr(_Planner, _TEXT_NAME, _text_original)
+
+    return undo
+
+
+def _nothing() -> None:
+    return None
