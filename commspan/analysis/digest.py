@@ -168,30 +168,55 @@ def span_records(spans: Sequence[Any]) -> list[SpanRecord]:
     """SDK spans as the :class:`~commspan.otlpjson.records.SpanRecord` s a reader would
     get back from their JSONL line, as far as digests read them: ids as hex, event
     array values as lists; span attributes stay the SDK's mapping (arrays as tuples)."""
-    out = []
-    resources: dict[int, dict[str, Any]] = {}
+    out: list[SpanRecord] = []
+    append = out.append
+    # (per export batch, usually one step: one resource, one trace, a few statuses)
+    resources: dict[int, tuple[dict[str, Any], int | None]] = {}
+    traces: dict[int, str] = {}
+    statuses: dict[int, tuple[int, str]] = {}
     for span in spans:
-        ctx, parent, name, _, start, end, attrs, events, _, status = span_fields(span)
-        resource = resource_and_scope(span)[0]
-        res = resources.get(id(resource))
-        if res is None:
-            res = resources[id(resource)] = _plain(resource.attributes if resource else None)
-        out.append(
+        try:  # span_fields and resource_and_scope, inlined: this runs for every span
+            ctx, parent, name, start, end, attrs, events, status, resource = (
+                span._context, span._parent, span._name, span._start_time, span._end_time,
+                span._attributes, span._events, span._status, span._resource)
+        except AttributeError:
+            ctx, parent, name, _, start, end, attrs, events, _, status = span_fields(span)
+            resource = resource_and_scope(span)[0]
+        known = resources.get(id(resource))
+        if known is None:
+            res = _plain(resource.attributes if resource else None)
+            known = resources[id(resource)] = (res, rank_value(res.get(semconv.RANK)))
+        if ctx is not None:
+            trace_id = traces.get(ctx.trace_id)
+            if trace_id is None:
+                trace_id = traces[ctx.trace_id] = f"{ctx.trace_id:032x}"
+            span_id = f"{ctx.span_id:016x}"
+        else:
+            trace_id = span_id = ""
+        if status is None:
+            code, message = 0, ""
+        else:
+            # the status as the line holds it (a rank span's error, digest version 4)
+            found = statuses.get(id(status))
+            if found is None:
+                found = statuses[id(status)] = (
+                    status.status_code.value, status.description or "")
+            code, message = found
+        append(
             SpanRecord(
-                name=name,
-                trace_id=f"{ctx.trace_id:032x}" if ctx is not None else "",
-                span_id=f"{ctx.span_id:016x}" if ctx is not None else "",
-                parent_span_id=f"{parent.span_id:016x}" if parent is not None else "",
-                start_time=start or 0,
-                end_time=end or 0,
-                attributes=attrs if attrs is not None else {},
-                events=[(e.name, _plain(e.attributes)) for e in events] if events else [],
-                event_times=[e.timestamp for e in events] if events else [],
-                rank=rank_value(res.get(semconv.RANK)),
-                resource=res,
-                # the status as the line holds it (a rank span's error, digest version 4)
-                status_code=status.status_code.value if status is not None else 0,
-                status_message=(status.description or "") if status is not None else "",
+                name,
+                trace_id,
+                span_id,
+                f"{parent.span_id:016x}" if parent is not None else "",
+                start or 0,
+                end or 0,
+                attrs if attrs is not None else {},
+                [(e.name, _plain(e.attributes)) for e in events] if events else [],
+                [e.timestamp for e in events] if events else [],
+                code,
+                message,
+                known[1],
+                known[0],
             )
         )
     return out
@@ -220,25 +245,47 @@ _CONTRIBUTIONS: dict[Any, str] = {}
 _CONTRIBUTIONS_MAX = 1 << 14
 
 
+_SELECTED: dict[tuple[str, ...], tuple[str, ...]] = {}
+"""Attribute keys of a span or event (in their order) -> those :func:`_contribution`'s
+cache key holds: the same few key tuples step after step."""
+
+
+def _selected(keys: tuple[str, ...], wanted: frozenset[str], prefix: str) -> tuple[str, ...]:
+    sel = _SELECTED.get(keys)
+    if sel is None:
+        sel = tuple([k for k in keys if k in wanted or (prefix and k.startswith(prefix))])
+        if len(_SELECTED) >= _CONTRIBUTIONS_MAX:
+            _SELECTED.clear()
+        _SELECTED[keys] = sel
+    return sel
+
+
 def _contribution(fqn: str, rec: SpanRecord) -> str:
     """What one commspan span adds to an :class:`Aggregator`, as JSON text
     (:func:`_agg_state`); the same for a module's span of one kind step after step,
     so kept in a bounded cache keyed by what the aggregator reads of the span."""
-    prefix = semconv.COUNT_PREFIX
+    attrs = rec.attributes
+    op_key = semconv.COLL_OP
+    keys = tuple(attrs)
+    sel = _selected(keys, _AGG_SPAN_KEYS, semconv.COUNT_PREFIX)
+    events = []
+    for _name, ev in rec.events:
+        if op_key in ev:
+            ev_sel = _selected(tuple(ev), _AGG_EVENT_KEYS, "")
+            events.append((ev_sel, tuple([ev[k] for k in ev_sel])))
+    key: Any = (fqn, sel, tuple([attrs[k] for k in sel]), tuple(events))
     try:
-        key = (
-            fqn,
-            tuple([(k, _hashable(v)) for k, v in rec.attributes.items()
-                   if k in _AGG_SPAN_KEYS or k.startswith(prefix)]),
-            tuple([tuple([(k, _hashable(v)) for k, v in ev.items() if k in _AGG_EVENT_KEYS])
-                   for _name, ev in rec.events if semconv.COLL_OP in ev]),
-        )
         text = _CONTRIBUTIONS.get(key)
-    except TypeError:  # a value that cannot be a key (a nested list): no caching
-        key, text = None, None
+    except TypeError:  # a list among the values (a line read back): as tuples
+        key = (fqn, sel, tuple([_hashable(attrs[k]) for k in sel]),
+               tuple([(ks, tuple([_hashable(v) for v in vs])) for ks, vs in events]))
+        try:
+            text = _CONTRIBUTIONS.get(key)
+        except TypeError:  # a value that cannot be a key (a nested list): no caching
+            key, text = None, None
     if text is None:
         one = Aggregator()
-        one._add(fqn, rec.attributes, rec.start_time, rec.events)
+        one._add(fqn, attrs, rec.start_time, rec.events)
         text = _agg_state(one)
         if key is not None:
             if len(_CONTRIBUTIONS) >= _CONTRIBUTIONS_MAX:
