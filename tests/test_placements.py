@@ -640,9 +640,65 @@ def test_the_redistribution_text_stand_in_is_counted_per_entry() -> None:
     own = dtensor._Planner.__dict__["stringify_transform_infos"]
     first = dtensor.skip_redistribution_text()
     second = dtensor.skip_redistribution_text()
+    try:
+        assert dtensor._Planner.__dict__["stringify_transform_infos"] is dtensor._TEXT_STANDIN
+        first()
+        first()
+        assert dtensor._Planner.__dict__["stringify_transform_infos"] is dtensor._TEXT_STANDIN
+    finally:
+        first()
+        second()
+    assert dtensor._Planner.__dict__["stringify_transform_infos"] is own
+
+
+@pytest.mark.skipif(not commspan.capture.dispatch.REDISTRIBUTE_HOOK,
+                    reason="this torch reports no redistribution to a DebugMode")
+def test_a_wrapper_set_over_the_redistribution_text_stand_in_does_not_loop(
+        mesh: DeviceMesh) -> None:
+    """Another library wraps the planner's method while commspan's stand-in is set; the
+    wrapper outlives the mode, and the next mode's stand-in hands calls to it: the
+    wrapper's call back into the stand-in gets torch's text instead of looping until
+    RecursionError, and a DebugMode of the program's gets its text."""
+    from torch.distributed.tensor._redistribute import DTensorRedistributePlanner
+    from torch.utils._debug_mode import DebugMode
+
+    own = DTensorRedistributePlanner.__dict__["stringify_transform_infos"]
+    wrapped: list[int] = []
+    case = CASES["colwise"]
+    model = parallelize_module(case.module(), mesh, case.style())
+    try:
+        with CommSpanMode(exporters=[InMemorySpanExporter()]):
+            inner = DTensorRedistributePlanner.__dict__["stringify_transform_infos"].__func__
+
+            def wrapper(*args: Any, **kwargs: Any) -> str:
+                wrapped.append(1)
+                return inner(*args, **kwargs)
+
+            DTensorRedistributePlanner.stringify_transform_infos = staticmethod(wrapper)
+        assert DTensorRedistributePlanner.__dict__["stringify_transform_infos"].__func__ \
+            is wrapper  # theirs stays
+        exporter = InMemorySpanExporter()
+        with DebugMode() as theirs, CommSpanMode(exporters=[exporter]):
+            model(case.inputs(mesh.size())).sum().backward()
+        assert wrapped and "->" in theirs.debug_string()
+    finally:
+        DTensorRedistributePlanner.stringify_transform_infos = own
+
+
+def test_the_redistribution_text_stand_in_leaves_when_leaving_the_mode_fails() -> None:
+    """A dispatch mode whose exit raises (taken off the mode stack behind its back)
+    still gives torch's method back."""
+    from torch.utils._python_dispatch import _pop_mode
+
+    from commspan.capture import dtensor
+
+    if dtensor._Planner is None:
+        pytest.skip("this torch has no redistribution planner")
+    own = dtensor._Planner.__dict__["stringify_transform_infos"]
+    mode = CollectiveDispatchMode(lambda info, attrs: None)
+    mode.__enter__()
     assert dtensor._Planner.__dict__["stringify_transform_infos"] is dtensor._TEXT_STANDIN
-    first()
-    first()
-    assert dtensor._Planner.__dict__["stringify_transform_infos"] is dtensor._TEXT_STANDIN
-    second()
+    _pop_mode()
+    with pytest.raises(Exception):  # noqa: B017 - whatever torch raises for it
+        mode.__exit__(None, None, None)
     assert dtensor._Planner.__dict__["stringify_transform_infos"] is own

@@ -131,22 +131,35 @@ try:
     _Planner: Any = _redistribute_mod.DTensorRedistributePlanner
     _TEXT_CALLER: Any = _redistribute_mod.redistribute_local_tensor.__code__
     _TEXT_NAME = "stringify_transform_infos"
-    if not callable(_Planner.__dict__[_TEXT_NAME].__func__):  # a staticmethod
+    _TORCH_TEXT: Any = _Planner.__dict__[_TEXT_NAME]
+    if not isinstance(_TORCH_TEXT, staticmethod):  # (another layout: leave it alone)
         raise TypeError(_TEXT_NAME)
+    _TORCH_TEXT = _TORCH_TEXT.__func__
 except Exception:  # pragma: no cover - another torch: the text is built as before
     _Planner = None
 
 _text_lock = threading.Lock()
 _text_users = 0
-_text_original: Any = None  # the planner's own staticmethod while the stand-in is set
+_text_original: Any = None  # the planner's attribute the stand-in replaced
+_text_call: Any = None
+"""What the stand-in hands other calls to: the planner's method as it was when the
+stand-in was set (torch's, or another library's wrapper of it)."""
+_handing = threading.local()
 
 
 def _text_unused(*args: Any, **kwargs: Any) -> Any:
-    mode = _active_debug_mode()
     if sys._getframe(1).f_code is _TEXT_CALLER and getattr(
-            mode, "ignores_redistribution_text", False):
+            type(_active_debug_mode()), "ignores_redistribution_text", False) is True:
         return ""
-    return _text_original.__func__(*args, **kwargs)
+    if getattr(_handing, "on", False):
+        # a wrapper set over the stand-in, then kept as what it hands on to, calls it
+        # again: torch's own method ends the loop
+        return _TORCH_TEXT(*args, **kwargs)
+    _handing.on = True
+    try:
+        return _text_call(*args, **kwargs)
+    finally:
+        _handing.on = False
 
 
 _TEXT_STANDIN = staticmethod(_text_unused)
@@ -162,14 +175,18 @@ def skip_redistribution_text() -> Callable[[], None]:
         >>> undo = skip_redistribution_text()
         >>> undo()
     """
-    global _text_users, _text_original
+    global _text_users, _text_original, _text_call
     if _Planner is None:
         return _nothing
     with _text_lock:
         if _text_users == 0:
             current = _Planner.__dict__.get(_TEXT_NAME)
             if current is not _TEXT_STANDIN:
-                _text_original = current
+                try:  # (as the class hands it out: a staticmethod's function, ...)
+                    call = current.__get__(None, _Planner)
+                except Exception:
+                    return _nothing  # not a method we can hand calls to: leave it
+                _text_original, _text_call = current, call
                 setattr(_Planner, _TEXT_NAME, _TEXT_STANDIN)
         _text_users += 1
     done = False
