@@ -869,3 +869,54 @@ def test_digest_of_a_file_of_another_format_leaves_no_digest(
         assert write_digest(path) == 0 and not digest_path(path).exists()
     rank0 = run / "commspan-rank0.jsonl"
     assert run_cli(capsys, "digest", str(run))[0] == 0 and read_digest(rank0) is not None
+
+
+def test_the_exporters_records_are_the_spans_as_read_back(tmp_path: Path, fake_pg: None) -> None:
+    """What the exporter digests (``span_records`` of the SDK spans it is handed) is what a
+    reader gets back from the line written for them, field by field (ids, times,
+    events, status with its message, rank, resource): the digest is built from the
+    spans, its readers trust it instead of the lines. Two steps, one ending in an
+    error, and two resources (ranks) in one batch."""
+    from commspan.analysis.digest import span_records
+    from commspan.exporters import read_spans
+    from commspan.otlpjson.encode import span_fields
+
+    held: list[ReadableSpan] = []
+
+    class _Hold(SpanExporter):
+        def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+            held.extend(spans)
+            return SpanExportResult.SUCCESS
+
+        def shutdown(self) -> None:
+            pass
+
+    model = parallelize(Transformer(ModelArgs()), fake_mesh(4))
+    tokens, targets = make_batch(model.model_args)
+    for rank in (0, 1):
+        mode = CommSpanMode(exporters=[_Hold()], run_id="records",
+                            resource_attributes={"commspan.rank": rank})
+        with mode:
+            with mode.step(0):
+                train_step(model, tokens, targets)
+            with pytest.raises(RuntimeError), mode.step(1):
+                train_step(model, tokens, targets)
+                raise RuntimeError("the step failed")
+        mode.shutdown()
+    assert any(span_fields(s)[9].status_code.value == 2 for s in held)  # (an ERROR)
+    exporter = JsonlSpanExporter(tmp_path / "one.jsonl")
+    exporter.export(held)  # one line for both ranks' spans
+    exporter.shutdown()
+    back = list(read_spans(tmp_path / "one.jsonl"))
+    mine = span_records(held)
+    assert len(mine) == len(back) == len(held)
+
+    def plain(v: Any) -> Any:
+        return list(v) if isinstance(v, tuple) else v
+
+    for a, b in zip(mine, back):
+        assert ({**a.__dict__, "attributes": None}
+                == {**b.__dict__, "attributes": None}), a.name
+        assert {k: plain(v) for k, v in a.attributes.items()} == b.attributes
+    assert {r.rank for r in mine} == {0, 1}
+    assert any(r.status_code == 2 and r.status_message for r in mine)
