@@ -137,16 +137,19 @@ def test_cli_plan_of_the_example() -> None:
     assert any(m["fqn"] == "FSDPTransformer.layers.3" for m in data["modules"])
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["nope"], "FILE.py:FUNCTION 'nope' is not valid"),
-    (["examples/missing.py:setup"], "examples/missing.py is not a file"),
-    (["examples/plan_at_scale.py:nothing"], "has no function 'nothing'"),
+@pytest.mark.parametrize(("argv", "message", "code"), [
+    # a target that is no FILE.py:FUNCTION at all is bad arguments (docs/cli.md)
+    (["nope"], "FILE.py:FUNCTION 'nope' is not valid", 2),
+    (["examples/plan_at_scale.py"], "FILE.py:FUNCTION 'examples/plan_at_scale.py' is not "
+     "valid; pass FILE.py:FUNCTION", 2),
+    (["examples/missing.py:setup"], "examples/missing.py is not a file", 1),
+    (["examples/plan_at_scale.py:nothing"], "has no function 'nothing'", 1),
     (["examples/plan_at_scale.py:setup", "--world", "12"],
-     "raised ValueError at"),  # 12 ranks do not divide by tp=8: the user's own error
+     "raised ValueError at", 1),  # 12 ranks do not divide by tp=8: the user's own error
 ])
-def test_cli_plan_errors_are_one_line(argv: list[str], message: str) -> None:
+def test_cli_plan_errors_are_one_line(argv: list[str], message: str, code: int) -> None:
     done = _cli(*argv, *([] if "--world" in argv else ["--world", "16"]))
-    assert done.returncode == 1
+    assert done.returncode == code
     assert message in done.stderr and "Traceback" not in done.stderr
     assert done.stdout == ""
 

@@ -334,6 +334,10 @@ def check_usage(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
             parser.error(f"-o '' is empty; pass a file name, e.g. {example!r}")
         _output_not_an_input(parser, args.output, args.files, example)
     if args.command == "plan":
+        where, sep, name = args.target.rpartition(":")
+        if not sep or not where or not name.isidentifier():
+            parser.error(f"FILE.py:FUNCTION {args.target!r} is not valid; pass FILE.py:FUNCTION "
+                         "or MODULE:FUNCTION, e.g. examples/plan_at_scale.py:setup")
         if args.rank >= args.world:
             parser.error(f"--rank {args.rank} is not valid with --world {args.world}; "
                          f"pass a rank from 0 to {args.world - 1}")
