@@ -131,7 +131,8 @@ def _free_port() -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("commspan-out-fsdp2-tp"),
-                        help="JSONL directory")
+                        help="JSONL directory; its commspan-rank*.jsonl files of an earlier "
+                             "run are replaced (the exporter itself appends)")
     parser.add_argument("--steps", type=int, default=2, help="training steps")
     args = parser.parse_args()
     if args.steps < 1:

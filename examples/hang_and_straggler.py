@@ -190,7 +190,9 @@ def hang(out: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("commspan-debug"),
-                        help="directory for the JSONL files (one folder per scenario)")
+                        help="directory for the JSONL files (one folder per scenario); a "
+                             "scenario's files of an earlier run are replaced (the exporter "
+                             "itself appends)")
     parser.add_argument("--only", choices=["straggler", "gc", "hang"], default=None,
                         help="run one scenario only")
     args = parser.parse_args(argv)

@@ -119,7 +119,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b")
     parser.add_argument("--out", type=Path, default=Path("commspan-out-pipeline"),
-                        help="JSONL directory")
+                        help="JSONL directory; its commspan-rank*.jsonl files of an earlier "
+                             "run are replaced (the exporter itself appends)")
     parser.add_argument("--steps", type=int, default=2, help="training steps")
     args = parser.parse_args()
     if args.steps < 1:

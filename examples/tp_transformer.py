@@ -204,7 +204,9 @@ def _free_port() -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("commspan-out"), help="JSONL directory")
+    parser.add_argument("--out", type=Path, default=Path("commspan-out"),
+                        help="JSONL directory; its commspan-rank*.jsonl files of an earlier "
+                             "run are replaced (the exporter itself appends)")
     parser.add_argument("--steps", type=int, default=3, help="training steps")
     parser.add_argument("--sequence-parallel", action="store_true",
                         help="shard activations along the sequence between the matmuls")

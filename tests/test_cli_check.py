@@ -161,7 +161,7 @@ def test_stragglers_names_the_last_rank_and_module(
     rows = out.splitlines()
     assert rows[1].split()[:4] == ["step", "module", "phase", "rank"]
     assert rows[2].split()[1:4] == ["Net", rows[2].split()[2], "2"]
-    assert "more rows (--json lists all)" in rows[3]
+    assert "more rows (--top N shows more, --json lists all)" in rows[3]
 
 
 @pytest.mark.parametrize("steps", [(), ("--steps", "1-1")])

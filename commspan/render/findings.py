@@ -211,7 +211,8 @@ def format_stragglers(result: StragglerResult, *, top: int = 20) -> str:
         ]
         lines.extend(_table(header, rows))
         if len(result.stragglers) > top:
-            lines.append(f"... {len(result.stragglers) - top} more rows (--json lists all)")
+            lines.append(f"... {len(result.stragglers) - top} more rows (--top N shows more, "
+                         "--json lists all)")
         if result.ranks:
             lines.append(
                 "per rank: "
