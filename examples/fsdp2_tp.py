@@ -21,8 +21,6 @@ all-gathers on ``tp``, owned by the layer that issues them.
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import sys
 import warnings
 from collections import Counter
@@ -35,7 +33,14 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tp_transformer import Config, Transformer, parallelize  # noqa: E402 - the sibling example
+from tp_transformer import (  # noqa: E402 - the sibling example
+    Config,
+    Transformer,
+    add_out_and_steps,
+    launch,
+    parallelize,
+    parse_training_args,
+)
 
 from commspan import CommSpanMode, semconv  # noqa: E402
 from commspan.exporters import JsonlSpanExporter, read_spans  # noqa: E402
@@ -112,46 +117,11 @@ def owners(path: Path) -> list[str]:
             for (fqn, kind, phase, dim), n in sorted(seen.items())]
 
 
-def _rank_main(rank: int, port: int, out: Path, steps: int) -> None:
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE
-    )
-    try:
-        train(out, steps)
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("commspan-out-fsdp2-tp"),
-                        help="JSONL directory; its commspan-rank*.jsonl files of an earlier "
-                             "run are replaced (the exporter itself appends)")
-    parser.add_argument("--steps", type=int, default=2, help="training steps")
-    args = parser.parse_args()
-    if args.steps < 1:
-        parser.error(f"--steps {args.steps}: pass 1 or more training steps")
-    try:  # (a file given where the directory goes: say so, not a traceback)
-        args.out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        parser.error(f"--out {args.out}: cannot make this directory ({exc.strerror}); "
-                     "pass a directory, new or existing, you can write to")
-    if "RANK" in os.environ:  # launched by torchrun: this process is one rank
-        dist.init_process_group("gloo")
-        try:
-            train(args.out, args.steps)
-        finally:
-            dist.destroy_process_group()
-    else:  # start the ranks ourselves; forked ranks reuse the imported torch (CPU only)
-        torch.multiprocessing.start_processes(
-            _rank_main, (_free_port(), args.out, args.steps), WORLD_SIZE, start_method="fork"
-        )
+    add_out_and_steps(parser, "commspan-out-fsdp2-tp", 2)
+    args = parse_training_args(parser)
+    launch(train, WORLD_SIZE, args.out, args.steps)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,6 @@ import gc
 import multiprocessing
 import os
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
@@ -45,10 +44,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from commspan import CommSpanMode
-from commspan.analysis import check_run, stragglers
-from commspan.exporters import JsonlSpanExporter, read_spans
-from commspan.render.findings import format_check, format_stragglers
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tp_transformer import free_port, make_out_dir  # noqa: E402 - the sibling example
+
+from commspan import CommSpanMode  # noqa: E402
+from commspan.analysis import check_run, stragglers  # noqa: E402
+from commspan.exporters import JsonlSpanExporter, read_spans  # noqa: E402
+from commspan.render.findings import format_check, format_stragglers  # noqa: E402
 
 WORLD_SIZE = 4
 STEPS = 3
@@ -115,18 +117,12 @@ def rank_main(rank: int, port: int, out: Path, scenario: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _start(out: Path, scenario: str) -> list[multiprocessing.Process]:
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("rank*.jsonl"):
         old.unlink()  # JsonlSpanExporter appends; start afresh
     ctx = multiprocessing.get_context("fork")  # CPU only: forked ranks reuse imported torch
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=rank_main, args=(r, port, out, scenario), daemon=True)
              for r in range(WORLD_SIZE)]
     for p in procs:
@@ -196,11 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", choices=["straggler", "gc", "hang"], default=None,
                         help="run one scenario only")
     args = parser.parse_args(argv)
-    try:  # (a file given where the directory goes: say so, not a traceback)
-        args.out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        parser.error(f"--out {args.out}: cannot make this directory ({exc.strerror}); "
-                     "pass a directory, new or existing, you can write to")
+    make_out_dir(parser, args.out)
     if args.only in (None, "straggler"):
         print(f"$ commspan stragglers {args.out / 'straggler'}")
         print(straggler(args.out / "straggler"))

@@ -17,16 +17,18 @@ point-to-point ops of the last step, per microbatch.
 from __future__ import annotations
 
 import argparse
-import os
-import socket
+import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from commspan import CommSpanMode, semconv
-from commspan.exporters import JsonlSpanExporter, read_spans
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tp_transformer import add_out_and_steps, launch, parse_training_args  # noqa: E402 - sibling
+
+from commspan import CommSpanMode, semconv  # noqa: E402
+from commspan.exporters import JsonlSpanExporter, read_spans  # noqa: E402
 
 WORLD_SIZE = 2
 MICROBATCHES = 4
@@ -99,48 +101,12 @@ def p2p_lines(path: Path, step: int) -> list[str]:
     return [text for _, text in sorted(rows)]
 
 
-def _rank_main(rank: int, port: int, out: Path, steps: int, schedule_name: str) -> None:
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE
-    )
-    try:
-        train(out, steps, schedule_name)
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b")
-    parser.add_argument("--out", type=Path, default=Path("commspan-out-pipeline"),
-                        help="JSONL directory; its commspan-rank*.jsonl files of an earlier "
-                             "run are replaced (the exporter itself appends)")
-    parser.add_argument("--steps", type=int, default=2, help="training steps")
-    args = parser.parse_args()
-    if args.steps < 1:
-        parser.error(f"--steps {args.steps}: pass 1 or more training steps")
-    try:  # (a file given where the directory goes: say so, not a traceback)
-        args.out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        parser.error(f"--out {args.out}: cannot make this directory ({exc.strerror}); "
-                     "pass a directory, new or existing, you can write to")
-    if "RANK" in os.environ:  # launched by torchrun: this process is one rank
-        dist.init_process_group("gloo")
-        try:
-            train(args.out, args.steps, args.schedule)
-        finally:
-            dist.destroy_process_group()
-    else:  # start the ranks ourselves; forked ranks reuse the imported torch (CPU only)
-        torch.multiprocessing.start_processes(
-            _rank_main, (_free_port(), args.out, args.steps, args.schedule), WORLD_SIZE,
-            start_method="fork",
-        )
+    add_out_and_steps(parser, "commspan-out-pipeline", 2)
+    args = parse_training_args(parser)
+    launch(train, WORLD_SIZE, args.out, args.steps, args.schedule)
 
 
 if __name__ == "__main__":

@@ -16,8 +16,10 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -184,55 +186,80 @@ def train(out: Path, steps: int, sequence_parallel: bool = False, timing: bool =
             print(f"  {file}")
 
 
-def _rank_main(
-    rank: int, port: int, out: Path, steps: int, sequence_parallel: bool, timing: bool
-) -> None:
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE
-    )
-    try:
-        train(out, steps, sequence_parallel, timing)
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
+# ---------------------------------------------------------------- running the ranks
+# (the other examples launch their ranks and check their arguments with these too)
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1, for the ranks' rendezvous."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("commspan-out"),
+def make_out_dir(parser: argparse.ArgumentParser, out: Path) -> None:
+    """Make ``--out``; a file given where the directory goes is one error line, not a
+    traceback."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        parser.error(f"--out {out}: cannot make this directory ({exc.strerror}); "
+                     "pass a directory, new or existing, you can write to")
+
+
+def add_out_and_steps(parser: argparse.ArgumentParser, out: str, steps: int) -> None:
+    """The ``--out DIR`` and ``--steps N`` options of a training example."""
+    parser.add_argument("--out", type=Path, default=Path(out),
                         help="JSONL directory; its commspan-rank*.jsonl files of an earlier "
                              "run are replaced (the exporter itself appends)")
-    parser.add_argument("--steps", type=int, default=3, help="training steps")
+    parser.add_argument("--steps", type=int, default=steps, help="training steps")
+
+
+def parse_training_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """Parse the command line of a training example and check ``--steps`` and ``--out``
+    before any rank starts."""
+    args = parser.parse_args()
+    if args.steps < 1:
+        parser.error(f"--steps {args.steps}: pass 1 or more training steps")
+    make_out_dir(parser, args.out)
+    return args
+
+
+def launch(train: Callable[..., None], world_size: int, *train_args: Any) -> None:
+    """``train(*train_args)`` on every rank: this process is one rank under torchrun;
+    otherwise ``world_size`` gloo ranks are forked here (they reuse the imported torch,
+    CPU only)."""
+    if "RANK" in os.environ:  # launched by torchrun: this process is one rank
+        dist.init_process_group("gloo")
+        try:
+            train(*train_args)
+        finally:
+            dist.destroy_process_group()
+    else:
+        torch.multiprocessing.start_processes(
+            _rank_main, (free_port(), world_size, train, train_args), world_size,
+            start_method="fork",
+        )
+
+
+def _rank_main(rank: int, port: int, world_size: int, train: Callable[..., None],
+               train_args: tuple[Any, ...]) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+    )
+    try:
+        train(*train_args)
+    finally:
+        dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_out_and_steps(parser, "commspan-out", 3)
     parser.add_argument("--sequence-parallel", action="store_true",
                         help="shard activations along the sequence between the matmuls")
     parser.add_argument("--no-timing", action="store_true",
                         help="record when collectives are issued only, not their durations")
-    args = parser.parse_args()
-    if args.steps < 1:
-        parser.error(f"--steps {args.steps}: pass 1 or more training steps")
-    try:  # (a file given where the directory goes: say so, not a traceback)
-        args.out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        parser.error(f"--out {args.out}: cannot make this directory ({exc.strerror}); "
-                     "pass a directory, new or existing, you can write to")
-    if "RANK" in os.environ:  # launched by torchrun: this process is one rank
-        dist.init_process_group("gloo")
-        try:
-            train(args.out, args.steps, args.sequence_parallel, not args.no_timing)
-        finally:
-            dist.destroy_process_group()
-    else:  # start the ranks ourselves; forked ranks reuse the imported torch (CPU only)
-        torch.multiprocessing.start_processes(
-            _rank_main,
-            (_free_port(), args.out, args.steps, args.sequence_parallel, not args.no_timing),
-            WORLD_SIZE,
-            start_method="fork",
-        )
+    args = parse_training_args(parser)
+    launch(train, WORLD_SIZE, args.out, args.steps, args.sequence_parallel, not args.no_timing)
 
 
 if __name__ == "__main__":
