@@ -177,6 +177,21 @@ def add_durations(run: Path, fqn: str, durations: dict[int, int], default_ns: in
         path.write_bytes(b"\n".join(lines) + b"\n")
 
 
+def write_foreign_spans(path: Path, n: int) -> Path:
+    """``n`` valid OTLP/JSON lines of another instrumentation (a web server's ``request``
+    spans, no commspan span) written by the JSONL exporter to ``path``."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(JsonlSpanExporter(path)))
+    for i in range(n):
+        with provider.get_tracer("web").start_as_current_span("request", attributes={"i": i}):
+            pass
+    provider.shutdown()
+    return path
+
+
 def session_dir(tmp_path_factory: object, name: str, build: Callable[[Path], None]) -> Path:
     """``build(dir)`` once per test session; later calls return the same directory."""
     out = tmp_path_factory.getbasetemp() / f"cli-{name}"  # type: ignore[attr-defined]

@@ -265,16 +265,9 @@ def test_files_without_commspan_spans_say_so(
 ) -> None:
     """Valid OTLP spans of another instrumentation: an error saying there is no commspan
     span, not an empty table with status 0."""
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from _cli_runs import write_foreign_spans
 
-    path = tmp_path / "other.jsonl"
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(JsonlSpanExporter(path)))
-    for i in range(3):
-        with provider.get_tracer("web").start_as_current_span("request", attributes={"i": i}):
-            pass
-    provider.shutdown()
+    path = write_foreign_spans(tmp_path / "other.jsonl", 3)
     for command in ("table", "summary"):
         code, out, err = _cli(capsys, command, str(path))
         assert (code, out) == (1, "")

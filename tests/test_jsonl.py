@@ -636,17 +636,13 @@ def test_python_readers_refuse_files_without_commspan_spans(tmp_path: Path) -> N
     Aggregator.from_jsonl, load_run, check_run and the views raise the error the command
     line gives, naming the file and what it holds, instead of empty counts on which
     assert_no_comm passed and an empty check with no findings."""
+    from _cli_runs import write_foreign_spans
+
     from commspan.analysis import check_run, load_run
     from commspan.render import chrome_trace, write_html_report
     from commspan.testing import assert_no_comm
 
-    other = tmp_path / "other.jsonl"
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(JsonlSpanExporter(other)))
-    for i in range(2):
-        with provider.get_tracer("web").start_as_current_span("request", attributes={"i": i}):
-            pass
-    provider.shutdown()
+    other = write_foreign_spans(tmp_path / "other.jsonl", 2)
     assert len(other.read_text().splitlines()) == 2  # two valid OTLP/JSON lines
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
