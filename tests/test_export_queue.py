@@ -1076,3 +1076,80 @@ def test_a_caught_ctrl_c_anywhere_in_the_queue_leaves_its_lock_free(
     blocking.release.set()
     queue.shutdown(10)
     assert queue.stats()["pending"] == 0
+
+
+class ChattyExporter(SpanExporter):
+    """Fails every export and logs, as the OpenTelemetry exporters log each retry
+    against a dead endpoint, with a logger of its own (``_logger``, as the OTLP/HTTP
+    exporter's client holds it)."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self._logger = logger
+        self.calls = 0
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        self.calls += 1
+        self._logger.warning("retrying batch %d in %.2fs", self.calls, 0.5)
+        self._logger.error("gave up on batch %d", self.calls)
+        return SpanExportResult.FAILURE
+
+    def shutdown(self) -> None:
+        self._logger.warning("shut down after %d calls", self.calls)
+
+
+def _export_batches(queue: ExportQueue, batches: int) -> None:
+    """Hand ``queue`` one span per batch, each flushed before the next."""
+    provider = TracerProvider()
+    provider.add_span_processor(queue)
+    tracer = provider.get_tracer("chatty")
+    for i in range(batches):
+        with tracer.start_as_current_span(f"span-{i}"):
+            pass
+        assert queue.flush(5.0)
+
+
+def test_an_exporters_repeated_messages_are_shown_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A dead OTLP endpoint made the SDK log every retry of every batch (dozens of
+    lines per rank burying commspan's one line): each message the exporter logs on the
+    queue's threads is shown the first time, its repeats counted in ``quieted``; the
+    same logger used on another thread is left alone."""
+    logger = logging.getLogger("tests.chatty.repeats")
+    caplog.set_level(logging.WARNING)
+    exporter = ChattyExporter(logger)
+    queue = ExportQueue(exporter)
+    _export_batches(queue, 4)
+    for _ in range(3):  # the user's (or another library's) own use of the logger
+        logger.warning("retrying batch %d in %.2fs", 0, 0.5)
+    queue.shutdown(5.0)
+    assert exporter.calls == 4
+    shown = [r.getMessage() for r in caplog.records if r.name == logger.name]
+    assert shown.count("retrying batch 1 in 0.50s") == 1
+    assert shown.count("gave up on batch 1") == 1
+    assert shown.count("retrying batch 0 in 0.50s") == 3
+    assert shown.count("shut down after 4 calls") == 1  # (on the shutdown's thread)
+    assert not any(m.startswith(("retrying batch 2", "gave up on batch 2")) for m in shown)
+    assert queue.quieted == 2 * (4 - 1)
+    assert queue.stats()["failed"] == 4  # the spans are counted as ever
+    (fail,) = _warnings(caplog, "ChattyExporter.export returned FAILURE")
+    assert "repeats of the exporter's own messages are not shown" in fail.getMessage()
+
+
+def test_an_exporters_logger_at_debug_shows_every_repeat(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Set to DEBUG, the exporter's logger shows every retry again."""
+    logger = logging.getLogger("tests.chatty.debug")
+    logger.setLevel(logging.DEBUG)
+    try:
+        caplog.set_level(logging.WARNING)
+        queue = ExportQueue(ChattyExporter(logger))
+        _export_batches(queue, 3)
+        queue.shutdown(5.0)
+    finally:
+        logger.setLevel(logging.NOTSET)
+    shown = [r.getMessage() for r in caplog.records if r.name == logger.name]
+    assert [m for m in shown if m.startswith("gave up")] == [
+        "gave up on batch 1", "gave up on batch 2", "gave up on batch 3"]
+    assert queue.quieted == 0

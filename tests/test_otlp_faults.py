@@ -219,6 +219,25 @@ def test_refused_connection(protocol: str) -> None:
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_the_exporters_retry_messages_are_shown_once(
+    protocol: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A closed port: the OpenTelemetry exporter logs each retry of each batch (44
+    lines on stderr for the 4-rank example's 3 steps). Each of its messages is shown
+    once per exporter, so the cause (connection refused) is still there; its repeats
+    are counted, not shown."""
+    caplog.set_level(logging.WARNING)
+    run = _train(_exporter(protocol, _closed_port(), timeout_s=2.5), steps=8)
+    _assert_bounded(run)
+    sdk = [(r.name, r.msg) for r in caplog.records if r.name.startswith("opentelemetry")]
+    assert sdk, "the exporter's first message (the cause) is shown"
+    assert len(sdk) == len(set(sdk)), sdk
+    (queue,) = run.mode._queues
+    assert queue.quieted > 0, "the exporter did repeat itself"
+    assert run.stats["spans_failed"] == run.stats["spans"]
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_endpoint_that_never_answers(protocol: str, black_hole: _BlackHole) -> None:
     """Accepted but unanswered: the export times out in the background; losses are counted."""
     run = _train(_exporter(protocol, black_hole.port))

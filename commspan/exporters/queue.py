@@ -17,7 +17,10 @@ to a queue ends up counted as exactly one of
 or, until shutdown, ``pending`` (queued) or ``in_flight`` (inside an
 ``export`` call). So at every moment ``handed == exported + dropped + failed +
 pending + in_flight``, and after ``shutdown`` ``pending == in_flight == 0``.
-Each kind of loss is logged once per queue.
+Each kind of loss is logged once per queue, and so is each message the
+exporter's own loggers emit on the queue's threads: the OpenTelemetry OTLP
+exporters log every retry against a dead endpoint, which buried commspan's
+one line under dozens (shown again when those loggers are set to DEBUG).
 """
 
 from __future__ import annotations
@@ -73,6 +76,45 @@ class ExportStats(dict):  # type: ignore[type-arg]
             - self["pending"]
             - self["in_flight"]
         )
+
+
+class _OnExportThread(threading.local):
+    queue: ExportQueue | None = None
+
+
+_ON_EXPORT_THREAD = _OnExportThread()
+"""The queue whose exporter this thread calls (its worker, its shutdown thread)."""
+
+
+class _QuietRepeats(logging.Filter):
+    """On a logger of an exporter's: a record emitted while an export queue calls the
+    exporter passes the first time its message (the format string) is seen by that
+    queue; repeats are counted in :attr:`ExportQueue.quieted` and not shown. Records
+    of other threads, and every record while the logger is enabled for DEBUG, pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        queue = _ON_EXPORT_THREAD.queue
+        if queue is None or logging.getLogger(record.name).isEnabledFor(logging.DEBUG):
+            return True
+        return queue._first_of(record)
+
+
+_QUIET = _QuietRepeats()
+
+
+def _quiet_repeats_of(exporter: Any) -> None:
+    """Put :data:`_QUIET` on the loggers ``exporter`` logs with: those of the
+    OpenTelemetry modules its class comes from (the OTLP/gRPC exporter's retries) and
+    a ``_logger`` of its own or of its ``_client`` (the OTLP/HTTP client's)."""
+    loggers = [logging.getLogger(cls.__module__) for cls in type(exporter).__mro__
+               if cls.__module__.startswith("opentelemetry.")]
+    for holder in (exporter, getattr(exporter, "_client", None)):
+        logger = getattr(holder, "_logger", None)
+        if isinstance(logger, logging.Logger):
+            loggers.append(logger)
+    for logger in loggers:
+        if _QUIET not in logger.filters:
+            logger.addFilter(_QUIET)
 
 
 # every queue of the process, for the fork handler below
@@ -207,6 +249,15 @@ class ExportQueue(SpanProcessor):
         self.failed = 0
         self.abandoned = 0
         self._logged = Once()  # each kind of loss is logged once: "drop", "fail", "slow"
+        self.quieted = 0
+        """Records of the exporter's own loggers not shown: repeats of a message it
+        logged before on this queue's threads (the SDK's retries against a dead
+        endpoint). Set those loggers to DEBUG to see every one."""
+        try:
+            _quiet_repeats_of(exporter)
+        except Exception:  # pragma: no cover - an exporter's odd attributes: show all
+            _log.debug("commspan: could not find the loggers of %s", self._name,
+                       exc_info=True)
         _LIVE.add(self)
 
     # ------------------------------------------------------------ processor API
@@ -417,10 +468,22 @@ class ExportQueue(SpanProcessor):
         self.shutdown(0.0)
 
     def _shutdown_exporter(self) -> None:
+        outer = _ON_EXPORT_THREAD.queue  # (the caller's thread when no thread could start)
+        _ON_EXPORT_THREAD.queue = self
         try:
             self.exporter.shutdown()
         except Exception:
             _log.warning("commspan: %s.shutdown() raised", self._name, exc_info=True)
+        finally:
+            _ON_EXPORT_THREAD.queue = outer
+
+    def _first_of(self, record: logging.LogRecord) -> bool:
+        """Whether ``record``, emitted by the exporter on this queue's threads, is the
+        first of its message (else it is counted in :attr:`quieted`)."""
+        if self._logged.first(f"exporter\0{record.name}\0{record.msg}"):
+            return True
+        self.quieted += 1  # (only this queue's threads log here)
+        return False
 
     def stats(self) -> ExportStats:
         """Counters of this queue, taken together (see :class:`ExportStats`).
@@ -483,6 +546,7 @@ class ExportQueue(SpanProcessor):
 
     def _run(self) -> None:
         token = attach(set_value(_SUPPRESS, True))
+        _ON_EXPORT_THREAD.queue = self
         try:
             while True:
                 with self._lock:
@@ -502,6 +566,7 @@ class ExportQueue(SpanProcessor):
                         self._cond.notify_all()
         finally:
             detach(token)
+            _ON_EXPORT_THREAD.queue = None
             with self._lock:  # ended (stopped, or an exporter's SystemExit): the next
                 # span or flush starts a new worker unless the queue is stopped; a flush
                 # waiting on this one learns it at once
@@ -588,6 +653,7 @@ class ExportQueue(SpanProcessor):
         if warn:
             _log.warning(
                 "commspan: %s.export %s; %d spans lost (further failures are counted "
-                "in mode.stats(), not logged; leaving the mode no longer waits for this "
-                "exporter until an export succeeds)", self._name, how, n, exc_info=exc,
+                "in mode.stats(), not logged, and repeats of the exporter's own messages "
+                "are not shown; leaving the mode no longer waits for this exporter until "
+                "an export succeeds)", self._name, how, n, exc_info=exc,
             )
