@@ -140,7 +140,7 @@ def test_stragglers_without_timing(consistent: Path, capsys: pytest.CaptureFixtu
     assert "Step time per rank (mean per step)" in out
     code, out, _ = run_cli(capsys, "stragglers", str(consistent), "--json")
     data = json.loads(out)
-    assert set(data) == {"stragglers", "ranks", "step_times", "checked", "run"}
+    assert set(data) == {"stragglers", "ranks", "step_times", "checked", "cut_short", "run"}
     assert sorted({(s["rank"], s["step"]) for s in data["step_times"]}) == [
         (r, s) for r in range(4) for s in range(2)]
 
@@ -176,6 +176,7 @@ def test_stragglers_builds_the_run_as_it_reads_with_the_answer_of_all_spans_held
     from commspan.analysis import build_run
     from commspan.analysis.runs import StepRange, select
     from commspan.analysis.stragglers import analyze
+    from commspan.analysis.summary import cut_short
     from commspan.cli.commands import Reader
     from commspan.exporters import read_spans
 
@@ -202,4 +203,7 @@ def test_stragglers_builds_the_run_as_it_reads_with_the_answer_of_all_spans_held
     assert code == 0 and "2 runs" in err
     data = json.loads(out)
     assert data.pop("run") == "later"
+    # the steps cut short as summary finds them in the records held (none here)
+    assert data.pop("cut_short") == [{"rank": r, "step": s} for r, _, s in cut_short(
+        sel.records, sel.last_traces)]
     assert data == json.loads(json.dumps(reference))

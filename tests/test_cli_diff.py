@@ -516,6 +516,47 @@ def test_a_side_whose_only_step_hung_on_every_rank_is_an_error(
     assert code == 0 and "step 2 of ranks 0-1 was cut short" in err, (out, err)
 
 
+def test_stragglers_names_a_step_cut_short(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], fake_pg: None
+) -> None:
+    """`commspan stragglers` on a run that hung in step 2 said nothing of it, while
+    summary, table and diff named it on stderr: its step-time table just had a step
+    fewer per rank. It names the step now (under --step too: judged on the whole run),
+    and --json lists it; a run whose steps all ended names none."""
+    from commspan import CommSpanMode
+    from commspan.exporters import JsonlSpanExporter
+
+    run = tmp_path / "run"
+    step_fn = net_step()
+    for rank in (0, 1):
+        mode = CommSpanMode(
+            exporters=[JsonlSpanExporter(run / f"commspan-rank{rank}.jsonl")],
+            run_id="hung", resource_attributes={"commspan.rank": rank})
+        with mode:
+            for step in (0, 1, 2):
+                with mode.step(step):
+                    step_fn(rank, step)
+                    if step == 2:
+                        mode.dump()  # the hang record, naming step 2
+        mode.shutdown()
+    code, out, err = run_cli(capsys, "stragglers", str(run), "--json")
+    assert code == 0 and json.loads(out)["cut_short"] == [] and "cut short" not in err, err
+    hung = tmp_path / "hung"
+    _without_step_ends(run, hung, 2)
+    code, out, err = run_cli(capsys, "stragglers", str(hung))
+    assert code == 0, err
+    assert "step 2 of ranks 0-1 was cut short" in err and "the step times leave it out" in err
+    code, out, err = run_cli(capsys, "stragglers", str(hung), "--json")
+    data = json.loads(out)
+    assert data["cut_short"] == [{"rank": 0, "step": 2}, {"rank": 1, "step": 2}]
+    assert sorted((row["rank"], row["step"]) for row in data["step_times"]) == [
+        (0, 0), (0, 1), (1, 0), (1, 1)]
+    code, _, err = run_cli(capsys, "stragglers", str(hung), "--step", "2")
+    assert code == 0 and "step 2 of ranks 0-1 was cut short" in err, err
+    code, out, err = run_cli(capsys, "stragglers", str(hung), "--step", "1", "--json")
+    assert code == 0 and json.loads(out)["cut_short"] == [] and "cut short" not in err
+
+
 def _trace_run(out: Path, run_id: str, step_fn: Any, steps: range,
                hang_at: tuple[int, int]) -> None:
     """Like ``write_run`` (4 ranks), with a hang record written (``mode.dump()``) by rank

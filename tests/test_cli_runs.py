@@ -280,7 +280,7 @@ def test_json_everywhere(tp: Path, tmp_path: Path, capsys: pytest.CaptureFixture
         "html": {"output", "bytes", "run", "ranks", "steps"},
         "perfetto": {"output", "bytes", "run", "ranks", "steps"},
         "check": {"findings", "checked", "run"},
-        "stragglers": {"stragglers", "ranks", "step_times", "checked", "run"},
+        "stragglers": {"stragglers", "ranks", "step_times", "checked", "cut_short", "run"},
     }
     for command in COMMANDS:
         code, out, err = run_cli(capsys, *_argv(command, tp, tmp_path, "--json"))

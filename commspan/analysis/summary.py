@@ -169,8 +169,15 @@ def summary_of(
     }
 
 
-def partial_note(partial: list[dict[str, Any]]) -> str | None:
-    """The stderr note for :func:`summarize`'s ``partial``, or ``None`` when empty.
+_COUNTS_LEFT_OUT = ("Global and the modules still open then do not count its collectives, "
+                    "the modules that finished do")
+
+
+def partial_note(partial: list[dict[str, Any]], consequence: str = _COUNTS_LEFT_OUT,
+                 ) -> str | None:
+    """The stderr note for :func:`summarize`'s ``partial``, or ``None`` when empty;
+    ``consequence``: what a step cut short means for the command's output (by
+    default, for counts).
 
     Example:
         >>> partial_note([{"rank": 0, "step": 2}, {"rank": 1, "step": 2}])[:38]
@@ -180,8 +187,7 @@ def partial_note(partial: list[dict[str, Any]]) -> str | None:
         return None
     what = cut_short_steps((p["rank"], p["step"]) for p in partial)
     return (f"commspan: {what} was cut short (no commspan.rank span written: a hang or a "
-            "process stopped mid-step): Global and the modules still open then do not "
-            "count its collectives, the modules that finished do (commspan check shows "
+            f"process stopped mid-step): {consequence} (commspan check shows "
             "where each rank was, when a hang record was written)")
 
 

@@ -270,7 +270,8 @@ class Reader:
         self.read(paths, hold=pruner.hold)
         return self._selected(lambda: pruner.select(_first(self.args.run)), option, "")
 
-    def load_built(self, paths: Sequence[str]) -> tuple[Selection, Run, Run]:
+    def load_built(self, paths: Sequence[str],
+                   ) -> tuple[Selection, Run, Run, list[dict[str, int | None]]]:
         """Read ``paths`` into a :class:`~commspan.analysis.records.Run` per run of the
         files as the spans are read, holding no span longer than its file (as
         :func:`~commspan.analysis.records.load_run`; every span of a 1,024-rank run
@@ -278,17 +279,27 @@ class Reader:
 
         Returns:
             The selection (its run, runs and steps; no records), the run cut to the
-            steps selected, and the whole run (the same when no step was selected).
+            steps selected, the whole run (the same when no step was selected), and
+            the ``{"rank", "step"}`` of the steps selected that were cut short (as
+            :func:`~commspan.analysis.summary.summarize` finds them, judged on the
+            whole run).
         """
         from dataclasses import replace
 
         from commspan.analysis.records import RunsBuilder, _keep_steps
+        from commspan.analysis.summary import _Unfinished
 
         runs = RunsBuilder()
+        unfinished: dict[str, _Unfinished] = {}
 
         def hold(spans: Iterable[SpanRecord]) -> None:
             for span in spans:
-                runs.add(span)
+                run_id = runs.add(span)
+                seen = unfinished.get(run_id)
+                if seen is None:
+                    seen = unfinished[run_id] = _Unfinished()
+                seen.see(span)
+                seen.add(span)
 
         self.read(paths, hold=hold)
         steps, option = _steps_of(self.args, 0)
@@ -310,12 +321,16 @@ class Reader:
                                             every=runs.tally.runs()), option, "", traces)
         whole = whole_of(sel)
         runs.clear()  # (the runs not chosen)
+        seen = unfinished.get(sel.run.run_id if sel.run else "")
+        kept = traces(sel)
+        cut = [{"rank": rank, "step": step} for rank, trace, step in
+               (seen.cut_short() if seen is not None else []) if trace in kept]
         if steps is None:
-            return sel, whole, whole
+            return sel, whole, whole, cut
         # the steps selected, with the whole run for what passes on from before them
         part = replace(whole)
         _keep_steps(part, frozenset(sel.steps))
-        return sel, part, whole
+        return sel, part, whole, cut
 
     def load_capped(self, paths: Sequence[str], cap: RankCap) -> Selection:
         """:meth:`load` holding the spans of ``cap``'s ranks only (:class:`RankCap`):
@@ -844,17 +859,27 @@ def check(args: argparse.Namespace, reader: Reader) -> Outcome:
     return Outcome(format_check(result), status)
 
 
+_STRAGGLERS_CUT_SHORT = (
+    "the step times leave it out, and the collectives of the modules still open then "
+    "were not written, so they are not compared")
+
+
 def stragglers(args: argparse.Namespace, reader: Reader) -> Outcome:
     """Who arrives last at each collective, and where each rank's step goes."""
     from commspan.analysis.stragglers import analyze
+    from commspan.analysis.summary import partial_note
     from commspan.render.findings import format_stragglers
 
     # built as the files are read; with steps, the whole run too: a wait passed on goes
     # back to where the group's ranks last met, which can be in a step before those
-    sel, run, whole = reader.load_built(args.files)
+    sel, run, whole, cut = reader.load_built(args.files)
+    note = partial_note(cut, _STRAGGLERS_CUT_SHORT)
+    if note is not None:
+        reader.notes.append(note)
     result = analyze(run, whole if run is not whole else None)
     if args.json:
         data = result.to_dict()
+        data["cut_short"] = cut
         data["run"] = sel.run.run_id if sel.run else None
         return Outcome(json.dumps(data, indent=2))
     return Outcome(format_stragglers(result, top=args.top))
