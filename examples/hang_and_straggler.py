@@ -105,6 +105,7 @@ def rank_main(rank: int, port: int, out: Path, scenario: str) -> None:
     if scenario == "hang":
         options = {"hang_timeout_s": HANG_TIMEOUT_S, "dump_signal": signal.SIGUSR1}
     mode = CommSpanMode(exporters=[JsonlSpanExporter(out / f"rank{rank}.jsonl")], **options)
+    dist.barrier()  # start together: rank 3 built its ballast (seconds) before the loop
     with mode:
         for step in range(STEPS):
             for block in model.blocks:
