@@ -194,11 +194,14 @@ def run_offline(world: int = 1024, steps: int = 20) -> dict[str, Any]:
             "table": _run_cli(["table", str(run_dir), "--rank", "all"]),
             "check": _run_cli(["check", str(run_dir)]),
             # the views hold the 32 lowest ranks (--max-ranks), whose files the digests
-            # name; stragglers builds the run from every file's lines as it reads them
+            # name
             "html": _run_cli(["html", str(run_dir), "-o", str(Path(work) / "report.html")]),
             "perfetto": _run_cli(["perfetto", str(run_dir), "-o",
                                   str(Path(work) / "trace.json")]),
+            # from the digests (version 6: module spans and pauses), and from the lines,
+            # the run built as every file's lines are read
             "stragglers": _run_cli(["stragglers", str(run_dir)]),
+            "stragglers --no-digest": _run_cli(["stragglers", str(run_dir), "--no-digest"]),
             # the run against itself: every line of both sides parsed (a folder named
             # twice is read once), each span folded into counts as it is read
             "diff": _run_cli(["diff", str(run_dir), str(run_dir)]),

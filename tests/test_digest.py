@@ -42,7 +42,17 @@ COMMANDS: list[list[str]] = [
     ["check"],
     ["check", "--json"],
     ["check", "--steps", "1-1"],
+    ["stragglers"],
+    ["stragglers", "--json"],
+    ["stragglers", "--steps", "1-2", "--json"],
 ]
+
+
+def _changed(raw: bytes, change: Any) -> bytes:
+    """Digest line ``raw`` with its object changed by ``change`` and checksummed again."""
+    body, _, blob, blob_crc = raw.rsplit(b" ", 3)
+    body = change(body)
+    return b"%s %08x %s %s\n" % (body, zlib.crc32(body), blob, blob_crc)
 
 
 def _without_digests(run: Path, out: Path) -> Path:
@@ -189,8 +199,8 @@ def test_the_digest_is_used_not_the_lines(tmp_path: Path, fake_pg: None) -> None
     side = digest_path(path)
     lines = []
     for raw in side.read_bytes().splitlines():
-        body = raw.rsplit(b" ", 1)[0].replace(b'\\"all_reduce\\":1', b'\\"all_reduce\\":1000')
-        lines.append(b"%s %08x\n" % (body, zlib.crc32(body)))
+        lines.append(_changed(raw, lambda body: body.replace(
+            b'\\"all_reduce\\":1', b'\\"all_reduce\\":1000')))
     assert b"".join(lines) != side.read_bytes()
     side.write_bytes(b"".join(lines))
     report = ReadReport()
@@ -211,8 +221,8 @@ def test_no_digest_reads_the_lines(
     side = digest_path(run / "commspan-rank0.jsonl")
     lines = []
     for raw in side.read_bytes().splitlines():
-        body = raw.rsplit(b" ", 1)[0].replace(b'\\"all_reduce\\":1', b'\\"all_reduce\\":1000')
-        lines.append(b"%s %08x\n" % (body, zlib.crc32(body)))
+        lines.append(_changed(raw, lambda body: body.replace(
+            b'\\"all_reduce\\":1', b'\\"all_reduce\\":1000')))
     side.write_bytes(b"".join(lines))
     expected = run_cli(capsys, command, str(plain), "--json")
     assert run_cli(capsys, command, str(run), "--json", "--no-digest")[:2] == expected[:2]
@@ -500,19 +510,21 @@ def test_digest_is_small(tmp_path: Path, fake_pg: None) -> None:
 
 def test_digest_lines_are_json(tmp_path: Path, fake_pg: None) -> None:
     """Each digest line is a JSON object naming the line it stands for by offset and
-    length, and those bytes are that line in the JSONL file."""
+    length, and those bytes are that line in the JSONL file; then a JSON array of its
+    parts' module spans, and the CRC-32 of both."""
     run = _traced(tmp_path / "run", ranks=(0,), steps=2)
     path = run / "commspan-rank0.jsonl"
     data = path.read_bytes()
     for raw in digest_path(path).read_bytes().splitlines():
-        body, crc = raw.rsplit(b" ", 1)
-        assert int(crc, 16) == zlib.crc32(body)
+        body, crc, mods, mods_crc = raw.rsplit(b" ", 3)
+        assert int(crc, 16) == zlib.crc32(body) and int(mods_crc, 16) == zlib.crc32(mods)
         doc = json.loads(body)
+        assert len(json.loads(mods)) == len(doc["parts"])
         line = data[doc["offset"]: doc["offset"] + doc["length"]]
         assert line.endswith(b"\n") and b"\n" not in line[:-1]
         assert doc["spans"] == len(json.loads(line)["resourceSpans"][0]["scopeSpans"][0]["spans"])
     assert os.path.getsize(path) == sum(
-        json.loads(raw.rsplit(b" ", 1)[0])["length"]
+        json.loads(raw.rsplit(b" ", 3)[0])["length"]
         for raw in digest_path(path).read_bytes().splitlines())
 
 
@@ -590,9 +602,9 @@ def test_digests_keep_each_collectives_owner(tmp_path: Path, fake_pg: None) -> N
     lines = sorted(load_run(plain, module_spans=False).collectives)
     assert [c for c in lines if c.owner is not None and c.owner != c.fqn]
     assert sorted(_through_digests(v2).collectives) == lines
-    digests = [json.loads(x.rsplit(" ", 1)[0]) for f in v2.glob("*.digest")
+    digests = [json.loads(x.rsplit(" ", 3)[0]) for f in v2.glob("*.digest")
                for x in f.read_text().splitlines()]
-    assert {d["digest"] for d in digests} == {digest_mod.DIGEST_VERSION} == {5}
+    assert {d["digest"] for d in digests} == {digest_mod.DIGEST_VERSION} == {6}
     # a version-1 digest: the same without the owners in its templates
     v1 = tmp_path / "v1"
     v1.mkdir()
@@ -601,7 +613,7 @@ def test_digests_keep_each_collectives_owner(tmp_path: Path, fake_pg: None) -> N
     for f in v1.glob("*.digest"):
         out = []
         for line in f.read_text().splitlines():
-            doc = json.loads(line.rsplit(" ", 1)[0])
+            doc = json.loads(line.rsplit(" ", 3)[0])
             doc["digest"] = 1
             doc["defs"] = {k: (json.dumps(json.loads(v)[:15], separators=(",", ":"))
                                if isinstance(v, str) and v.startswith("[") else v)
@@ -620,17 +632,16 @@ def test_no_digest_is_offered_only_where_it_does_something(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """``--no-digest`` is an option of the commands that read digests only; html,
-    perfetto, stragglers and diff (which always read the lines) listed it and
-    ignored it."""
+    perfetto and diff (which always read the lines) listed it and ignored it."""
     from commspan.cli import main
 
     for command in ("summary", "table", "check", "html", "perfetto", "stragglers", "diff"):
         with pytest.raises(SystemExit):
             main([command, "--help"])
         offered = "--no-digest" in capsys.readouterr().out
-        assert offered == (command in ("summary", "table", "check")), command
+        assert offered == (command in ("summary", "table", "check", "stragglers")), command
     with pytest.raises(SystemExit) as exit_:
-        main(["stragglers", "run", "--no-digest"])
+        main(["diff", "run", "--no-digest"])
     assert exit_.value.code == 2
     assert "unrecognized arguments: --no-digest" in capsys.readouterr().err
 
@@ -920,3 +931,75 @@ def test_the_exporters_records_are_the_spans_as_read_back(tmp_path: Path, fake_p
         assert {k: plain(v) for k, v in a.attributes.items()} == b.attributes
     assert {r.rank for r in mine} == {0, 1}
     assert any(r.status_code == 2 and r.status_message for r in mine)
+
+
+def test_stragglers_reads_module_spans_and_pauses_from_digests(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], fake_pg: None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Version 6 digests hold each module span (its module, phase, ids and times) and
+    the collector's pauses, so `commspan stragglers` reads a digested run without
+    parsing a line (it parsed all of them: 216 s over 1,024 ranks). The module spans
+    and pauses rebuilt from the digests are the lines' (steps straddle lines here,
+    and rank 0 runs a full collection inside step 1), and its answer is the lines'."""
+    import gc
+
+    from commspan.analysis.digest import load_parts, run_from_parts
+    from commspan.analysis.records import load_run
+    from commspan.cli.commands import Reader
+
+    model = parallelize(Transformer(ModelArgs()), fake_mesh(4))
+    tokens, targets = make_batch(model.model_args)
+    run = tmp_path / "run"
+    for rank in (0, 1):
+        mode = CommSpanMode(
+            exporters=[_Chunked(JsonlSpanExporter(run / f"commspan-rank{rank}.jsonl",
+                                                  digest=True))],
+            run_id="gc", resource_attributes={"commspan.rank": rank})
+        with mode:
+            for step in range(3):
+                with mode.step(step):
+                    train_step(model, tokens, targets)
+                    if (rank, step) == (0, 1):
+                        gc.collect()
+                model.zero_grad(set_to_none=True)
+        mode.shutdown()
+    plain = _without_digests(run, tmp_path / "plain")
+    lines = load_run(plain)
+    assert lines.module_spans and any(  # (the reference: rank 0's full collection)
+        g.rank == 0 and g.generation == 2 for g in lines.gc_pauses)
+    parts = load_parts(sorted(run.glob("*.jsonl")), module_spans=True)
+    assert parts is not None
+    digested = run_from_parts(parts, module_spans=True)
+    assert sorted(digested.module_spans) == sorted(lines.module_spans)
+    assert sorted(digested.gc_pauses) == sorted(lines.gc_pauses)
+    assert run_from_parts(parts).module_spans == []  # (check needs none)
+
+    def parse_lines(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("stragglers parsed the lines of a digested run")
+
+    expected = run_cli(capsys, "stragglers", str(plain), "--json")
+    assert json.loads(expected[1])["step_times"][0]["forward_ns"] > 0
+    with monkeypatch.context() as patch:
+        patch.setattr(Reader, "load_built", parse_lines)
+        assert run_cli(capsys, "stragglers", str(run), "--json") == expected
+    # --no-digest reads the lines
+    assert run_cli(capsys, "stragglers", str(run), "--json", "--no-digest") == expected
+    # module spans damaged on one digest line: that line is parsed for stragglers, and
+    # the other commands, which do not read them, still use all of the digest
+    side = digest_path(run / "commspan-rank0.jsonl")
+    raws = side.read_bytes().splitlines(keepends=True)
+    body, crc, mods, mods_crc = raws[1].rsplit(b" ", 3)
+    digit = mods.rindex(b"]]") - 1  # the last digit of a duration, changed
+    mods = mods[:digit] + (b"1" if mods[digit:digit + 1] != b"1" else b"2") + mods[digit + 1:]
+    raws[1] = b" ".join([body, crc, mods, mods_crc])  # (their checksum kept)
+    side.write_bytes(b"".join(raws))
+    with monkeypatch.context() as patch:
+        patch.setattr(Reader, "load_built", parse_lines)
+        assert run_cli(capsys, "stragglers", str(run), "--json") == expected
+    report = ReadReport()
+    Aggregator.from_jsonl(run, rank="all", report=report)
+    assert report.lines == sum(len(read_digest(f).covered)  # type: ignore[union-attr]
+                               for f in run.glob("*.jsonl"))
+    assert len(read_digest(side.with_suffix(""), module_spans=True).covered) == (
+        len(raws) - 1)  # type: ignore[union-attr]

@@ -45,11 +45,14 @@ from commspan.analysis.records import (
     _STATUS_ERROR,
     MAX_WORLD_SIZE,
     CollectiveRecord,
+    GcRecord,
+    ModuleSpan,
     RankStep,
     Run,
     _collective,
     _raised_where,
     _times,
+    gc_event_fields,
 )
 from commspan.analysis.runs import (
     RunInfo,
@@ -105,7 +108,7 @@ __all__ = [
 
 DIGEST_SUFFIX = ".digest"
 """Appended to a JSONL file's name to name its digest."""
-DIGEST_VERSION = 5
+DIGEST_VERSION = 6
 """The version written in every digest line (``"digest"``). Readers use lines of
 this version only and parse the JSONL lines of any other: version 1 had no
 collective's owner (the module that owns a collective issued by another, as FSDP2's
@@ -113,8 +116,9 @@ unit does), version 2 no point-to-point tag (``commspan.p2p.tag``), and answers 
 from them would differ from the lines' (an owner charged to the issuer, a tagged send
 not matched with its receive), version 3 no rank's error (the rank span's ERROR
 status and where it was raised), version 4 only the rank span that ended last of a
-step number used again (``RankStep.repeats``, its start and duration). ``commspan
-digest DIR`` rewrites a run's digests."""
+step number used again (``RankStep.repeats``, its start and duration), version 5 no
+module spans and collector pauses (``commspan stragglers`` parsed every line for
+them). ``commspan digest DIR`` rewrites a run's digests."""
 _READ_VERSIONS = (DIGEST_VERSION,)
 _SAMPLE = 64  # bytes at the middle and end of a line whose CRC-32 the digest keeps
 _HEAD = 2048  # and at its start: the resource, whose run id tells two runs' lines apart
@@ -318,7 +322,11 @@ def digest_parts(records: Iterable[SpanRecord]) -> list[DigestPart] | None:
     (JSON text of ``[template index,
     seq, issued_ns, duration_ns]`` rows, with ``p2p_seq`` fifth for a point-to-point
     op numbered per peer, and ``wait_ns`` sixth when recorded, ``p2p_seq`` then
-    ``null`` for a collective).
+    ``null`` for a collective); from version 6, ``mtmpls`` (each module span's
+    ``[fqn, phase]`` as JSON text), ``mods`` (JSON text of a ``[template index, span
+    id, parent, start after the part's start, duration]`` row per module span, the
+    parent the index of its row when it is one of the part's, else its span id) and
+    ``gc`` (``[time, attributes]`` of each ``commspan.gc`` event).
     """
     try:
         return _digest_parts(records)
@@ -333,7 +341,7 @@ def _digest_parts(records: Iterable[SpanRecord]) -> list[DigestPart] | None:
     resources: dict[int, tuple[str, int | None, str | None, str | None]] = {}
     span_step, span_rank, span_hang = semconv.SPAN_STEP, semconv.SPAN_RANK, semconv.SPAN_HANG
     fqn_key, step_key, op_key = semconv.MODULE_FQN, semconv.STEP, semconv.COLL_OP
-    exception = semconv.EVENT_EXCEPTION
+    exception, gc_event, phase_key = semconv.EVENT_EXCEPTION, semconv.EVENT_GC, semconv.PHASE
     for rec in records:
         rank = rec.rank
         name = rec.name
@@ -398,12 +406,19 @@ def _digest_parts(records: Iterable[SpanRecord]) -> list[DigestPart] | None:
             part.commspan_spans += 1
             part.aggs.append(_contribution(str(fqn), rec))
             part.first.append(start)
+            phase = attrs.get(phase_key)
+            if name != span_rank and type(fqn) is str and type(phase) is str:
+                # (version 6) a module span, as build_run keeps it (stragglers' step times)
+                part.mods.append((fqn, phase, rec.span_id, rec.parent_span_id, start,
+                                  rec.end_time))
         if rec.events:
             for (_name, ev), t in zip(rec.events, _times(rec)):
                 if op_key in ev:
                     c = _collective(rank, None, rec.trace_id, t, ev)
                     if c is not None:
                         part.coll.append(list(c[3:]))
+                elif _name == gc_event:  # (version 6) a collector's pause
+                    part.gc.append([t, _plain(ev)])
                 elif _name == exception and (part.raised is None or t >= part.raised[0]):
                     # (version 4) where an error was raised: the part's latest; the
                     # rank span may be in another line's part (run_from_parts)
@@ -416,7 +431,7 @@ class _Part:
 
     __slots__ = ("run", "rank", "trace", "world_size", "sample", "writer", "spans",
                  "present", "commspan_spans", "start", "end", "present_start", "step",
-                 "rank_step", "repeats", "raised", "aggs", "first", "coll")
+                 "rank_step", "repeats", "raised", "aggs", "first", "coll", "mods", "gc")
 
     def __init__(self, run: str, rank: int, trace: str, start: int, end: int) -> None:
         self.run, self.rank, self.trace = run, rank, trace
@@ -433,6 +448,8 @@ class _Part:
         self.aggs: list[str] = []
         self.first: list[int] = []
         self.coll: list[list[Any]] = []
+        self.mods: list[tuple[str, str, str, str, int, int]] = []
+        self.gc: list[list[Any]] = []
 
     def done(self) -> DigestPart:
         part = {name: getattr(self, name) for name in self.__slots__}
@@ -464,6 +481,19 @@ class _Part:
                 rows.append([index, seq, issued, duration])
         part["tmpls"] = list(templates)
         part["coll"] = orjson.dumps(rows).decode()
+        # (version 6) the module spans: their module and phase once per file (``mtmpls``),
+        # and per span ``[template index, span id, parent, start after the part's start,
+        # duration]``, as JSON text (only stragglers reads them); the parent is the
+        # index of its row when it is one of the part's module spans (most are: 17 of
+        # the row's 60 bytes), else its span id
+        names: dict[str, int] = {}
+        first = self.start
+        rows_of = {mod[2]: i for i, mod in enumerate(self.mods)}
+        spans = [[names.setdefault(orjson.dumps([fqn, phase]).decode(), len(names)),
+                  span_id, rows_of.get(parent, parent), start - first, end - start]
+                 for fqn, phase, span_id, parent, start, end in self.mods]
+        part["mtmpls"] = list(names)
+        part["mods"] = orjson.dumps(spans).decode()
         return part
 
 
@@ -633,8 +663,9 @@ def digest_line(
 ) -> bytes:
     """One digest line for the JSONL line ``line`` written at byte ``offset``.
 
-    The line is a JSON object, a space and the CRC-32 of that object (8 hex digits):
-    a digest line damaged in any way is not used.
+    The line is a JSON object, a space, a JSON array of its parts' module spans (no
+    space in it), a space and the CRC-32 of what precedes it (8 hex digits): a
+    digest line damaged in any way is not used.
 
     Args:
         records: the line's spans.
@@ -647,9 +678,12 @@ def digest_line(
     parts = digest_parts(records)
     texts = texts if texts is not None else DigestTexts()
     defs: dict[str, str] = {}
+    mods: list[bytes] = []
     if parts is not None:
         number = texts.number
         for part in parts:
+            names = orjson.dumps([number(t, defs) for t in part.pop("mtmpls")])
+            mods.append(b"[%s,%s]" % (names, part.pop("mods").encode()))
             part["aggs"] = [number(t, defs, f) for t, f in zip(part["aggs"], part["first"])]
             del part["first"]
             part["tmpls"] = [number(t, defs) for t in part["tmpls"]]
@@ -660,8 +694,13 @@ def digest_line(
     except TypeError as exc:  # an int beyond 64 bits (a rank, a time): the line is parsed
         if "64-bit" not in str(exc):
             raise
-        body = orjson.dumps({**head, "parts": None})
-    return b"%s %08x\n" % (body, zlib.crc32(body))
+        body, mods = orjson.dumps({**head, "parts": None}), []
+    # (version 6) the parts' module spans after the object and its checksum, with their
+    # own: only stragglers reads them, and the other readers neither check, parse nor
+    # hold them (more than half of the line). A JSON array, per part, of its module
+    # templates' numbers and its rows, which hold no space.
+    blob = b"[%s]" % b",".join(mods)
+    return b"%s %08x %s %08x\n" % (body, zlib.crc32(body), blob, zlib.crc32(blob))
 
 
 def write_digest(path: str | os.PathLike[str], report: ReadReport | None = None) -> int:
@@ -848,9 +887,12 @@ class FileDigest:
         return [(a, b, n) for a, b, n in out]
 
 
-def read_digest(path: str | os.PathLike[str]) -> FileDigest | None:
+def read_digest(path: str | os.PathLike[str], module_spans: bool = False,
+                ) -> FileDigest | None:
     """The digest of JSONL file ``path``, checked line by line against the file, or
     ``None`` when it has none (no ``.digest`` file, or not one line of it usable).
+    ``module_spans``: also read each part's module spans (``part["mods"]``, the rows
+    :func:`run_from_parts` reads; ``None`` otherwise).
 
     A digest line is used only if it parses, has this version, and the JSONL file
     holds, at its offset, a line of its length whose start has its checksum; lines
@@ -869,10 +911,26 @@ def read_digest(path: str | os.PathLike[str]) -> FileDigest | None:
         # writer token -> (number -> (text, when its first span started, for states),
         # the numbers of aggregator states)
         defs: dict[str, tuple[dict[int, tuple[str, int | None]], set[int]]] = {}
-        for raw in data.splitlines():
-            body, _, stamp = raw.rpartition(b" ")
+        view = memoryview(data)
+        find, rfind = data.find, data.rfind
+        nl = -1
+        while nl < len(data):
+            # each line: the object, its CRC, the module spans, their CRC; cut out of the
+            # file without a copy (the module spans are most of it: the readers that do
+            # not want them only skip them)
+            start = nl + 1
+            nl = find(b"\n", start)
+            if nl < 0:
+                nl = len(data)
+            s3 = rfind(b" ", start, nl)
+            s2 = rfind(b" ", start, s3) if s3 > start else -1
+            s1 = rfind(b" ", start, s2) if s2 > start else -1
+            if s1 < start:
+                continue  # cut short or not a digest line
+            body, stamp = view[start:s1], data[s1 + 1:s2]
+            blob, blob_stamp = view[s2 + 1:s3], data[s3 + 1:nl]
             if len(stamp) != 8 or b"%08x" % zlib.crc32(body) != stamp:
-                continue  # damaged, cut short or not a digest line
+                continue  # damaged
             try:
                 doc = orjson.loads(body)
                 if type(doc) is not dict or doc.get("digest") not in _READ_VERSIONS:
@@ -888,10 +946,20 @@ def read_digest(path: str | os.PathLike[str]) -> FileDigest | None:
                         table[int(key)] = (str(text), int(first))
                         states.add(int(key))
                 if isinstance(parts, list):
-                    for part in parts:
+                    mods = None
+                    if module_spans:
+                        if b"%08x" % zlib.crc32(blob) != blob_stamp:
+                            continue  # its module spans damaged: the line is parsed
+                            # (the texts it defines are kept: later lines use them)
+                        # kept as text, parsed by run_from_parts a line at a time: parsed
+                        # now, the rows of a thousand ranks would all be held at once
+                        mods = _LineModules(bytes(blob), table, len(parts))
+                    for i, part in enumerate(parts):
                         if not _valid(part) or not states.issuperset(part["aggs"]):
                             raise TypeError("not a digest part")
                         part["tmpls"] = [table[n][0] for n in part["tmpls"]]
+                        part["mods"] = (mods, i) if mods is not None else None
+                        part["mtmpls"] = None
                         part["table"] = table
             except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
                 continue  # (a text used but not defined: its line is parsed)
@@ -915,7 +983,7 @@ def read_digest(path: str | os.PathLike[str]) -> FileDigest | None:
 _PART_KEYS = frozenset({
     "run", "rank", "trace", "world_size", "sample", "spans", "present", "commspan_spans",
     "start", "end", "present_start", "step", "rank_step", "repeats", "raised", "aggs", "coll",
-    "tmpls",
+    "tmpls", "gc",
 })
 
 
@@ -927,10 +995,11 @@ def _valid(part: Any) -> bool:
 
 
 # ------------------------------------------------------------------ assembling
-def run_from_parts(parts: Sequence[DigestPart]) -> Run:
-    """The :class:`~commspan.analysis.records.Run` (without module spans) the parts
-    stand for, as :func:`~commspan.analysis.records.build_run` would build it from
-    their spans."""
+def run_from_parts(parts: Sequence[DigestPart], module_spans: bool = False) -> Run:
+    """The :class:`~commspan.analysis.records.Run` the parts stand for, as
+    :func:`~commspan.analysis.records.build_run` would build it from their spans
+    (``module_spans``: with its module spans, which ``commspan stragglers`` needs for
+    the step times, as ``build_run(..., module_spans=True)``)."""
     run = Run()
     # (rank, trace) -> [time, fqn, phase] of its latest exception event, over its parts
     raised: dict[tuple[int, str], list[Any]] = {}
@@ -979,6 +1048,9 @@ def run_from_parts(parts: Sequence[DigestPart]) -> Run:
             span_id=first[0], start_ns=first[1], end_ns=first[2],
             repeats=tuple(sorted(later, key=lambda u: u[1])))
     cache: dict[str, tuple[Any, ...]] = {}
+    module_cache: dict[str, tuple[Any, ...]] = {}
+    parsed_line: _LineModules | None = None
+    parsed: list[tuple[list[str], list[list[Any]]]] = []
     for part in parts:
         trace, rank = part["trace"], part["rank"]
         step = run.trace_steps.get(trace)
@@ -991,11 +1063,69 @@ def run_from_parts(parts: Sequence[DigestPart]) -> Run:
                                     dtype, shape, nbytes, reduce_op, peer, fqn, phase, row[2],
                                     row[3], state, row[4] if len(row) > 4 else None,
                                     row[5] if len(row) > 5 else None, owner, tag))
+        for t, attrs in part["gc"]:
+            pause = gc_event_fields(attrs)
+            if pause is None:
+                run.skipped["garbage-collection events without a duration"] += 1
+            else:
+                run.gc_pauses.append(GcRecord(rank, step, trace, t, *pause))
+        if module_spans:
+            rows = part["mods"]
+            if rows is None:
+                raise ValueError("parts read without their module spans: pass "
+                                 "module_spans=True to load_parts")
+            if type(rows) is str:  # (parts digested here, not read from a digest)
+                texts, rows = part["mtmpls"], orjson.loads(rows)
+            else:  # (a digest line's: its module spans parsed once, for its parts)
+                line, index = rows
+                if line is not parsed_line:
+                    parsed_line, parsed = line, line.parse()
+                texts, rows = parsed[index]
+            names = [_module_template(text, module_cache) for text in texts]
+            first = part["start"]
+            add = run.module_spans.append
+            for index, span_id, parent, start, duration in rows:
+                fqn, phase = names[index]
+                if type(parent) is int:  # the row of a module span of the part
+                    parent = rows[parent][1]
+                add(ModuleSpan(rank, trace, span_id, parent, fqn, phase, first + start,
+                               first + start + duration))
     run.rank_steps = {
         key: rs._replace(step=run.trace_steps.get(rs.trace_id))
         for key, rs in run.rank_steps.items()
     }
     return run
+
+
+class _LineModules:
+    """The module spans of a digest line, as read (JSON text): :meth:`parse` gives,
+    per part, the texts of its module templates and its rows."""
+
+    __slots__ = ("blob", "table", "parts")
+
+    def __init__(self, blob: bytes, table: Mapping[int, tuple[str, int | None]],
+                 parts: int) -> None:
+        self.blob, self.table, self.parts = blob, table, parts
+
+    def parse(self) -> list[tuple[list[str], list[list[Any]]]]:
+        """``[(module template texts, rows)]`` per part; ``ValueError`` when the text is
+        not the parts' (its checksum held, so a writer of another shape wrote it)."""
+        try:
+            mods = orjson.loads(self.blob)
+            if type(mods) is not list or len(mods) != self.parts:
+                raise TypeError
+            table = self.table
+            return [([table[n][0] for n in names], rows) for names, rows in mods]
+        except (orjson.JSONDecodeError, TypeError, ValueError, KeyError) as exc:
+            raise ValueError("a digest line's module spans are not its parts'") from exc
+
+
+def _module_template(text: str, cache: dict[str, tuple[Any, ...]]) -> tuple[Any, ...]:
+    """A module span's ``(fqn, phase)``, kept once per text."""
+    made = cache.get(text)
+    if made is None:
+        made = cache[text] = tuple(orjson.loads(text))
+    return made
 
 
 def _template(text: str, cache: dict[str, tuple[Any, ...]]) -> tuple[Any, ...]:
@@ -1018,6 +1148,7 @@ def load_parts(
     files: Sequence[Path],
     report: ReadReport | None = None,
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+    module_spans: bool = False,
 ) -> list[DigestPart] | None:
     """The parts of every line of ``files``, from their digests, and the lines the
     digests do not cover parsed and digested here; ``None`` when a file has no digest,
@@ -1025,11 +1156,12 @@ def load_parts(
     cannot (a hang record): read the spans then.
 
     What was read is added to ``report`` only when parts are returned. Damaged lines
-    are skipped (``strict=False``).
+    are skipped (``strict=False``). ``module_spans``: read each part's module spans
+    too (``commspan stragglers``; :func:`run_from_parts` with ``module_spans=True``).
     """
     digests = []
     for f in files:
-        digest = read_digest(f)
+        digest = read_digest(f, module_spans)
         if digest is None:
             return None
         if any(end - start > max_line_bytes for start, end in digest.covered):
@@ -1092,6 +1224,8 @@ class PartSelection(NamedTuple):
     steps: tuple[int, ...]
     note: str | None = None
     last_traces: Mapping[int | None, str] | None = None
+    run_parts: Sequence[DigestPart] = ()
+    """The parts of the run chosen, of every step (``parts`` when no step was selected)."""
 
 
 def select_parts(
@@ -1103,12 +1237,13 @@ def select_parts(
         return PartSelection([], None, (), ())
     chosen, kept_steps, note = choose(runs, run, steps)
     kept = [p for p in parts if p["run"] == chosen.run_id] if len(runs) > 1 else list(parts)
+    whole = kept
     last_traces = None
     if steps is not None:
         last_traces = last_traces_of((p["rank"], p["start"], p["trace"]) for p in kept)
         traces = {t for t, s in _trace_steps(kept).items() if s in steps}
         kept = [p for p in kept if p["trace"] in traces]
-    return PartSelection(kept, chosen, runs, kept_steps, note, last_traces)
+    return PartSelection(kept, chosen, runs, kept_steps, note, last_traces, whole)
 
 
 def summarize_parts(

@@ -355,16 +355,18 @@ class Reader:
         return sel
 
 
-    def load_digested(self, paths: Sequence[str]) -> PartSelection | None:
+    def load_digested(self, paths: Sequence[str], module_spans: bool = False,
+                      ) -> PartSelection | None:
         """:meth:`load` from the files' digests (docs/jsonl.md, "Digests"), selected
-        the same way; ``None`` when a file has none (then :meth:`load`)."""
+        the same way (``module_spans``: with the parts' module spans); ``None`` when a
+        file has none (then :meth:`load`)."""
         from commspan.analysis.digest import load_parts, select_parts
 
         if getattr(self.args, "no_digest", False):
             return None
         files = self.files(paths)
         read = ReadReport()
-        parts = load_parts(files, read, self.args.max_line_mib * _MIB)
+        parts = load_parts(files, read, self.args.max_line_mib * _MIB, module_spans)
         if parts is None or not any(p["commspan_spans"] for p in parts):
             return None  # (no commspan span: load() says so)
         if read.damaged:
@@ -866,13 +868,23 @@ _STRAGGLERS_CUT_SHORT = (
 
 def stragglers(args: argparse.Namespace, reader: Reader) -> Outcome:
     """Who arrives last at each collective, and where each rank's step goes."""
+    from commspan.analysis.counts import Aggregator
+    from commspan.analysis.digest import run_from_parts, summarize_parts
     from commspan.analysis.stragglers import analyze
     from commspan.analysis.summary import partial_note
     from commspan.render.findings import format_stragglers
 
     # built as the files are read; with steps, the whole run too: a wait passed on goes
     # back to where the group's ranks last met, which can be in a step before those
-    sel, run, whole, cut = reader.load_built(args.files)
+    fast = reader.load_digested(args.files, module_spans=True)
+    sel: Selection | PartSelection
+    if fast is not None:  # every file digested (version 6: with module spans and pauses)
+        sel = fast
+        run = run_from_parts(fast.parts, module_spans=True)
+        whole = run if fast.last_traces is None else run_from_parts(fast.run_parts)
+        cut = summarize_parts(Aggregator(), fast.parts, None, fast.last_traces)["partial"]
+    else:
+        sel, run, whole, cut = reader.load_built(args.files)
     note = partial_note(cut, _STRAGGLERS_CUT_SHORT)
     if note is not None:
         reader.notes.append(note)
