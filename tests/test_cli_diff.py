@@ -481,18 +481,12 @@ def _lose_rank_span(path: Path, step: int) -> None:
     path.write_bytes(b"".join(json.dumps(d).encode() + b"\n" for d in docs))
 
 
-def test_a_side_whose_only_step_hung_on_every_rank_is_an_error(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], fake_pg: None
-) -> None:
-    """Every rank wrote a hang record in step 2 and no rank or step span of it (the
-    job hung there, as `examples/hang_and_straggler.py --only hang` leaves it):
-    `diff DIR --step 0 --step 2` compared step 0 with an empty side ("3 removed", exit
-    1), for no span of step 2 but the hang records says it is a step. It is the error
-    docs/cli.md shows for that command (status 2, nothing on stdout)."""
+def _dumped_in_step_2(run: Path) -> Path:
+    """Ranks 0 and 1 of :func:`net_step` over steps 0-2, each writing a hang record
+    (``mode.dump()``) in step 2; every step ends."""
     from commspan import CommSpanMode
     from commspan.exporters import JsonlSpanExporter
 
-    run = tmp_path / "run"
     step_fn = net_step()
     for rank in (0, 1):
         mode = CommSpanMode(
@@ -505,6 +499,18 @@ def test_a_side_whose_only_step_hung_on_every_rank_is_an_error(
                     if step == 2:
                         mode.dump()  # the hang record, naming step 2
         mode.shutdown()
+    return run
+
+
+def test_a_side_whose_only_step_hung_on_every_rank_is_an_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], fake_pg: None
+) -> None:
+    """Every rank wrote a hang record in step 2 and no rank or step span of it (the
+    job hung there, as `examples/hang_and_straggler.py --only hang` leaves it):
+    `diff DIR --step 0 --step 2` compared step 0 with an empty side ("3 removed", exit
+    1), for no span of step 2 but the hang records says it is a step. It is the error
+    docs/cli.md shows for that command (status 2, nothing on stdout)."""
+    run = _dumped_in_step_2(tmp_path / "run")
     hung = tmp_path / "hung"
     _without_step_ends(run, hung, 2)
     code, out, err = run_cli(capsys, "diff", str(hung), "--step", "0", "--step", "2")
@@ -523,22 +529,7 @@ def test_stragglers_names_a_step_cut_short(
     summary, table and diff named it on stderr: its step-time table just had a step
     fewer per rank. It names the step now (under --step too: judged on the whole run),
     and --json lists it; a run whose steps all ended names none."""
-    from commspan import CommSpanMode
-    from commspan.exporters import JsonlSpanExporter
-
-    run = tmp_path / "run"
-    step_fn = net_step()
-    for rank in (0, 1):
-        mode = CommSpanMode(
-            exporters=[JsonlSpanExporter(run / f"commspan-rank{rank}.jsonl")],
-            run_id="hung", resource_attributes={"commspan.rank": rank})
-        with mode:
-            for step in (0, 1, 2):
-                with mode.step(step):
-                    step_fn(rank, step)
-                    if step == 2:
-                        mode.dump()  # the hang record, naming step 2
-        mode.shutdown()
+    run = _dumped_in_step_2(tmp_path / "run")
     code, out, err = run_cli(capsys, "stragglers", str(run), "--json")
     assert code == 0 and json.loads(out)["cut_short"] == [] and "cut short" not in err, err
     hung = tmp_path / "hung"
