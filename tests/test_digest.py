@@ -1003,3 +1003,86 @@ def test_stragglers_reads_module_spans_and_pauses_from_digests(
                                for f in run.glob("*.jsonl"))
     assert len(read_digest(side.with_suffix(""), module_spans=True).covered) == (
         len(raws) - 1)  # type: ignore[union-attr]
+
+
+def _without_step_ends_of(run: Path, out: Path, steps: tuple[int, ...],
+                          names: tuple[str, ...]) -> Path:
+    """Copies of ``run``'s files without the spans named ``names`` of ``steps``, as
+    processes stopped in those steps leave them."""
+    out.mkdir()
+    for path in sorted(run.glob("*.jsonl")):
+        docs = [json.loads(line) for line in path.read_bytes().splitlines()]
+        spans = [s for d in docs for rs in d["resourceSpans"] for ss in rs["scopeSpans"]
+                 for s in ss["spans"]]
+        cut = {s["traceId"] for s in spans for step in steps
+               if {"key": "commspan.step", "value": {"intValue": str(step)}}
+               in s.get("attributes", [])}
+        for d in docs:
+            for rs in d["resourceSpans"]:
+                for ss in rs["scopeSpans"]:
+                    ss["spans"] = [s for s in ss["spans"]
+                                   if s["traceId"] not in cut or s["name"] not in names]
+        (out / path.name).write_bytes(b"".join(json.dumps(d).encode() + b"\n" for d in docs))
+    return out
+
+
+@pytest.mark.parametrize("names", [("commspan.rank",), ("commspan.rank", "commspan.step")],
+                         ids=["step-known", "step-unknown"])
+def test_stragglers_names_steps_cut_short_as_summary_does(
+    names: tuple[str, ...], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    fake_pg: None,
+) -> None:
+    """Steps 1 and 2 of both ranks cut short: `stragglers` from the lines listed them
+    in trace-id order, and a step no span named once per trace (digests: as summary's
+    `partial`, once each, by step); both paths now list and word them as `summary`."""
+    run = write_run(tmp_path / "run", "r", net_step(), steps=(0, 1, 2, 3), ranks=(0, 1))
+    plain = _without_step_ends_of(run, tmp_path / "plain", (1, 2), names)
+    digested = _with_digests(plain, tmp_path / "digested")
+    summary = run_cli(capsys, "summary", str(plain), "--rank", "all", "--json")
+    partial = json.loads(summary[1])["partial"]
+    assert len(partial) == (4 if names == ("commspan.rank",) else 2)  # (the reference)
+    note = summary[2].splitlines()[0].split(" was cut short")[0]
+    for folder in (plain, digested):
+        code, out, err = run_cli(capsys, "stragglers", str(folder), "--json")
+        assert code == 0 and json.loads(out)["cut_short"] == partial, folder.name
+        assert err.splitlines()[0].split(" was cut short")[0] == note, (folder.name, err)
+
+
+def test_a_lost_digest_line_that_defined_a_module_template_leaves_lines_to_parse(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], fake_pg: None,
+) -> None:
+    """The digest line that first named a module span's (module, phase) is lost (its
+    object damaged; a write that failed in the live writer leaves the same: texts
+    numbered, never written), and a later line uses that template: `stragglers`
+    stopped with a ValueError; that line is now parsed, as one whose other texts
+    are undefined, and the answer is the lines'."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    class Net(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return funcol.wait_tensor(funcol.all_reduce(x, "sum", dist.group.WORLD))
+
+    run = tmp_path / "run"
+    for rank in (0, 1):
+        mode = CommSpanMode(
+            exporters=[JsonlSpanExporter(run / f"commspan-rank{rank}.jsonl", digest=True)],
+            run_id="m", resource_attributes={"commspan.rank": rank})
+        net = Net()
+        with mode, torch.no_grad():
+            for step in range(2):
+                with mode.step(step):
+                    net(torch.ones(1 + 2 * step, 4))
+                    mode.flush()  # an export batch that ends mid-step
+                    net(torch.ones(2 + 2 * step, 4))  # new shapes: new templates
+                    mode.flush()
+        mode.shutdown()
+    expected = run_cli(capsys, "stragglers", str(_without_digests(run, tmp_path / "p")),
+                       "--json")
+    side = digest_path(run / "commspan-rank0.jsonl")
+    raws = side.read_bytes().splitlines(keepends=True)
+    raws[0] = b"x" + raws[0]  # the first line's object no longer matches its checksum
+    side.write_bytes(b"".join(raws))
+    digest = read_digest(run / "commspan-rank0.jsonl", module_spans=True)
+    assert digest is not None and len(digest.covered) < len(raws) - 1
+    assert run_cli(capsys, "stragglers", str(run), "--json") == expected

@@ -663,9 +663,10 @@ def digest_line(
 ) -> bytes:
     """One digest line for the JSONL line ``line`` written at byte ``offset``.
 
-    The line is a JSON object, a space, a JSON array of its parts' module spans (no
-    space in it), a space and the CRC-32 of what precedes it (8 hex digits): a
-    digest line damaged in any way is not used.
+    The line is a JSON object, a space, its CRC-32 (8 hex digits), a space, a JSON
+    array of its parts' module spans (no space in it), a space and the array's
+    CRC-32: a digest line whose object is damaged is not used; one whose array is
+    damaged is not used by the readers of module spans.
 
     Args:
         records: the line's spans.
@@ -951,9 +952,15 @@ def read_digest(path: str | os.PathLike[str], module_spans: bool = False,
                         if b"%08x" % zlib.crc32(blob) != blob_stamp:
                             continue  # its module spans damaged: the line is parsed
                             # (the texts it defines are kept: later lines use them)
-                        # kept as text, parsed by run_from_parts a line at a time: parsed
-                        # now, the rows of a thousand ranks would all be held at once
+                        # checked now (their shape, every template they name defined:
+                        # else the line is parsed, as for the object's texts), kept as
+                        # text and parsed again by run_from_parts a line at a time: the
+                        # rows of a thousand ranks would otherwise all be held at once
                         mods = _LineModules(bytes(blob), table, len(parts))
+                        try:
+                            mods.parse()
+                        except ValueError:
+                            continue
                     for i, part in enumerate(parts):
                         if not _valid(part) or not states.issuperset(part["aggs"]):
                             raise TypeError("not a digest part")

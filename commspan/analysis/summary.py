@@ -19,7 +19,8 @@ from commspan.analysis.counts import Aggregator
 from commspan.analysis.runs import format_numbers
 from commspan.otlpjson.records import SpanRecord
 
-__all__ = ["cut_short", "cut_short_steps", "partial_note", "summarize", "summary_of"]
+__all__ = ["cut_short", "cut_short_steps", "partial_list", "partial_note", "summarize",
+           "summary_of"]
 
 _STEP_NAMES = frozenset({semconv.SPAN_RANK, semconv.SPAN_STEP, semconv.SPAN_HANG})
 
@@ -164,9 +165,20 @@ def summary_of(
         "steps": sorted(steps),
         "collectives": {ph: dict(sorted(ops.items())) for ph, ops in per_phase.items() if ops},
         "total": aggregator.total_count(),
-        "partial": [{"rank": r, "step": s} for r, s in sorted(
-            set(partial), key=lambda p: (p[1] is None, p[1] or 0, p[0] is None, p[0] or 0))],
+        "partial": partial_list(partial),
     }
+
+
+def partial_list(partial: Iterable[tuple[int | None, int | None]]) -> list[dict[str, Any]]:
+    """``(rank, step)`` pairs of traces cut short as :func:`summarize`'s ``partial``
+    lists them: once each, by step, then rank (``None`` last).
+
+    Example:
+        >>> partial_list([(1, 2), (0, 2), (0, None), (1, 2)])
+        [{'rank': 0, 'step': 2}, {'rank': 1, 'step': 2}, {'rank': 0, 'step': None}]
+    """
+    return [{"rank": r, "step": s} for r, s in sorted(
+        set(partial), key=lambda p: (p[1] is None, p[1] or 0, p[0] is None, p[0] or 0))]
 
 
 _COUNTS_LEFT_OUT = ("Global and the modules still open then do not count its collectives, "

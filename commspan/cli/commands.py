@@ -287,7 +287,7 @@ class Reader:
         from dataclasses import replace
 
         from commspan.analysis.records import RunsBuilder, _keep_steps
-        from commspan.analysis.summary import _Unfinished
+        from commspan.analysis.summary import _Unfinished, partial_list
 
         runs = RunsBuilder()
         unfinished: dict[str, _Unfinished] = {}
@@ -323,8 +323,8 @@ class Reader:
         runs.clear()  # (the runs not chosen)
         seen = unfinished.get(sel.run.run_id if sel.run else "")
         kept = traces(sel)
-        cut = [{"rank": rank, "step": step} for rank, trace, step in
-               (seen.cut_short() if seen is not None else []) if trace in kept]
+        cut = partial_list((rank, step) for rank, trace, step in
+                           (seen.cut_short() if seen is not None else []) if trace in kept)
         if steps is None:
             return sel, whole, whole, cut
         # the steps selected, with the whole run for what passes on from before them

@@ -58,8 +58,9 @@ class ExportStats(dict):  # type: ignore[type-arg]
     ``queued`` (accepted into it), ``exported``, ``dropped``, ``failed``,
     ``abandoned`` (the part of ``failed`` left inside an export call that had
     not returned when shutdown gave up on it), ``pending`` (waiting in the
-    queue), ``in_flight`` (inside an export call) and ``healthy`` (see
-    :attr:`ExportQueue.healthy`).
+    queue), ``in_flight`` (inside an export call), ``healthy`` (see
+    :attr:`ExportQueue.healthy`) and ``quieted`` (the exporter's own log records
+    not shown: :attr:`ExportQueue.quieted`).
 
     Always ``handed == exported + dropped + failed + pending + in_flight``;
     after :meth:`ExportQueue.shutdown`, ``pending == in_flight == 0``.
@@ -100,6 +101,7 @@ class _QuietRepeats(logging.Filter):
 
 
 _QUIET = _QuietRepeats()
+_QUIET_LOCK = threading.Lock()
 
 
 def _quiet_repeats_of(exporter: Any) -> None:
@@ -112,9 +114,10 @@ def _quiet_repeats_of(exporter: Any) -> None:
         logger = getattr(holder, "_logger", None)
         if isinstance(logger, logging.Logger):
             loggers.append(logger)
-    for logger in loggers:
-        if _QUIET not in logger.filters:
-            logger.addFilter(_QUIET)
+    with _QUIET_LOCK:  # (two queues made at once on two threads: one filter each)
+        for logger in loggers:
+            if _QUIET not in logger.filters:
+                logger.addFilter(_QUIET)
 
 
 # every queue of the process, for the fork handler below
@@ -482,7 +485,8 @@ class ExportQueue(SpanProcessor):
         first of its message (else it is counted in :attr:`quieted`)."""
         if self._logged.first(f"exporter\0{record.name}\0{record.msg}"):
             return True
-        self.quieted += 1  # (only this queue's threads log here)
+        with self._lock:  # (its worker and its shutdown thread may both log)
+            self.quieted += 1
         return False
 
     def stats(self) -> ExportStats:
@@ -504,6 +508,7 @@ class ExportQueue(SpanProcessor):
                 pending=len(self._queue),
                 in_flight=self.in_flight,
                 healthy=self._healthy,
+                quieted=self.quieted,
             )
 
     def _after_fork_in_child(self) -> None:
