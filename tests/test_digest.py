@@ -1086,3 +1086,55 @@ def test_a_lost_digest_line_that_defined_a_module_template_leaves_lines_to_parse
     digest = read_digest(run / "commspan-rank0.jsonl", module_spans=True)
     assert digest is not None and len(digest.covered) < len(raws) - 1
     assert run_cli(capsys, "stragglers", str(run), "--json") == expected
+
+
+@pytest.mark.parametrize("how", ["short", "failed", "crashed"])
+def test_a_digest_line_written_short_or_not_at_all_costs_that_line_only(
+    how: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], fake_pg: None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The second digest line is written short (a full disk), or its write fails, or a
+    crash left the digest ending mid-line before a new writer appends: the next line
+    was glued to the torn one (both lost), and the texts the lost line defined stayed
+    numbered, so every later line naming them was parsed too. Now that line alone is
+    parsed, and the answers are the lines'."""
+    from commspan.exporters import jsonl as jsonl_mod
+
+    real_write = os.write
+    calls = {"n": 0}
+    exporters: list[JsonlSpanExporter] = []
+
+    def write(fd: int, data: Any) -> int:
+        if exporters and fd == exporters[0]._digest_fd and how != "crashed":
+            calls["n"] += 1
+            if calls["n"] == 2:
+                if how == "failed":
+                    raise OSError(28, "No space left on device")
+                return real_write(fd, bytes(data)[: len(data) // 2])
+        return real_write(fd, data)
+
+    monkeypatch.setattr(jsonl_mod.os, "write", write)
+    model = parallelize(Transformer(ModelArgs()), fake_mesh(4))
+    tokens, targets = make_batch(model.model_args)
+    run = tmp_path / "run"
+    path = run / "commspan-rank0.jsonl"
+    for use in range(2 if how == "crashed" else 1):  # crashed: a second writer appends
+        for rank in (0, 1):  # (rank 0's digest is the one that goes wrong)
+            exporter = JsonlSpanExporter(run / f"commspan-rank{rank}.jsonl", digest=True)
+            exporters[:] = [exporter] if rank == 0 else []
+            mode = CommSpanMode(exporters=[_Chunked(exporter)], run_id=f"w{use}",
+                                resource_attributes={"commspan.rank": rank})
+            with mode:
+                for step in range(3):
+                    with mode.step(step):
+                        train_step(model, tokens, targets)
+                    model.zero_grad(set_to_none=True)
+            mode.shutdown()
+        if how == "crashed" and use == 0:  # the last digest line cut mid-way
+            side = digest_path(path)
+            side.write_bytes(side.read_bytes()[:-40])
+    lines = len(path.read_bytes().splitlines())
+    digest = read_digest(path, module_spans=True)
+    assert digest is not None
+    assert len(digest.covered) == lines - 1, (len(digest.covered), lines)
+    _same_answers(capsys, run, _without_digests(run, tmp_path / "plain"))

@@ -138,6 +138,7 @@ class JsonlSpanExporter(SpanExporter):
         """Whether a digest line follows each line, in ``<file>.digest``."""
         self._digest_fd: int | None = None
         self._digest_texts: Any = None
+        self._digest_torn = False  # the last digest line was cut short by a short write
         self._fsync = fsync
         self.compress_level = level
         """The gzip level each line is written with; 0: not compressed."""
@@ -324,6 +325,11 @@ class JsonlSpanExporter(SpanExporter):
         self._close_digest()
         self._digest_texts = DigestTexts()
         side = os.fspath(path) + ".digest"
+        self._digest_torn = False
+        if not fresh:  # a digest cut short by a crash: its last line is ended first
+            with contextlib.suppress(OSError), open(side, "rb") as fh:
+                fh.seek(-1, os.SEEK_END)
+                self._digest_torn = fh.read(1) != b"\n"
         flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
         try:
             self._digest_fd = os.open(side, flags | (os.O_TRUNC if fresh else 0), 0o644)
@@ -336,14 +342,26 @@ class JsonlSpanExporter(SpanExporter):
     def _write_digest(self, spans: Sequence[ReadableSpan], data: bytes, offset: int,
                       lead: int) -> None:
         # the one import of analysis from here: the digest folds spans as readers do
-        from commspan.analysis.digest import digest_line, span_records
+        from commspan.analysis.digest import DigestTexts, digest_line, span_records
 
         assert self._digest_fd is not None
+        line = b""
+        written = 0
         try:
             line = digest_line(span_records(spans), memoryview(data)[lead:], offset,
                                len(spans), self._digest_texts)
-            os.write(self._digest_fd, line)
+            if self._digest_torn:  # the last line was cut short: end it, start afresh
+                os.write(self._digest_fd, b"\n")
+                self._digest_torn = False
+            written = os.write(self._digest_fd, line)
+            if written != len(line):
+                raise OSError(f"wrote {written} of its {len(line)} bytes")
         except Exception as exc:  # never fail an export for its digest
+            # the texts this line defined are not in the file: later lines define them
+            # again (else they would name texts no line defines, and be parsed too);
+            # a line cut short is ended before the next
+            self._digest_texts = DigestTexts()
+            self._digest_torn = self._digest_torn or 0 < written < len(line)
             self._warn_once(
                 "digest", "commspan: a digest line for %s could not be written (%s: %s); "
                 "readers parse the lines it misses (not logged again)",
