@@ -1138,3 +1138,29 @@ def test_a_digest_line_written_short_or_not_at_all_costs_that_line_only(
     assert digest is not None
     assert len(digest.covered) == lines - 1, (len(digest.covered), lines)
     _same_answers(capsys, run, _without_digests(run, tmp_path / "plain"))
+
+
+def test_digests_of_an_older_version_are_named_with_the_fix(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], fake_pg: None,
+) -> None:
+    """Digests an earlier commspan wrote (version 5 here) are not read: the commands
+    parsed the lines, minutes at a thousand ranks, and said nothing. They say so on
+    stderr now, naming `commspan digest`, after which the digests are read again."""
+    run = _traced(tmp_path / "run", ranks=(0, 1), steps=2)
+    plain = _without_digests(run, tmp_path / "plain")
+    expected = run_cli(capsys, "summary", str(plain), "--rank", "all")
+    for side in run.glob("*.digest"):
+        side.write_bytes(side.read_bytes().replace(b'{"digest":6,', b'{"digest":5,'))
+    for command in (["summary", "--rank", "all"], ["table", "--rank", "all"], ["check"],
+                    ["stragglers"]):
+        code, _, err = run_cli(capsys, command[0], str(run), *command[1:])
+        assert code == (1 if command[0] == "check" else 0), (command, err)  # (check:
+        # ranks 2-3 of the mesh wrote nothing)
+        assert "2 files have digests of version 5, which this commspan does not " \
+            "read (it reads version 6)" in err, (command, err)
+        assert "`commspan digest` on the same files" in err
+    code, out, err = run_cli(capsys, "summary", str(run), "--rank", "all", "--no-digest")
+    assert (code, out) == expected[:2] and "version 5" not in err  # (lines asked for)
+    assert run_cli(capsys, "digest", str(run))[0] == 0
+    code, out, err = run_cli(capsys, "summary", str(run), "--rank", "all")
+    assert (code, out) == expected[:2] and "version" not in err

@@ -96,6 +96,7 @@ __all__ = [
     "check_digestible",
     "list_part_runs",
     "load_parts",
+    "older_digests",
     "select_parts",
     "summarize_parts",
     "write_digest",
@@ -135,6 +136,30 @@ no digest is written beside them."""
 def digest_path(path: str | os.PathLike[str]) -> Path:
     """The digest file of a JSONL file: its name with ``.digest`` appended."""
     return Path(os.fspath(path) + DIGEST_SUFFIX)
+
+
+def older_digests(files: Iterable[str | os.PathLike[str]]) -> dict[int, int]:
+    """``version -> number of files`` whose digest was written by another version of
+    commspan (its first line's ``"digest"``): readers parse such files' lines, until
+    ``commspan digest`` rewrites their digests.
+
+    Example:
+        >>> older_digests(["no-such-file.jsonl"])
+        {}
+    """
+    out: dict[int, int] = {}
+    for f in files:
+        try:
+            with open(digest_path(f), "rb") as fh:
+                head = fh.read(24)
+        except OSError:
+            continue
+        if not head.startswith(b'{"digest":'):
+            continue
+        number = head[10:].split(b",", 1)[0]
+        if number.isdigit() and int(number) != DIGEST_VERSION:
+            out[int(number)] = out.get(int(number), 0) + 1
+    return out
 
 
 def check_digestible(path: str | os.PathLike[str]) -> None:

@@ -367,7 +367,10 @@ class Reader:
         files = self.files(paths)
         read = ReadReport()
         parts = load_parts(files, read, self.args.max_line_mib * _MIB, module_spans)
-        if parts is None or not any(p["commspan_spans"] for p in parts):
+        if parts is None:
+            self._older_digests(files)
+            return None
+        if not any(p["commspan_spans"] for p in parts):
             return None  # (no commspan span: load() says so)
         if read.damaged:
             # the steps a damaged line may have held are found among the lines around
@@ -383,6 +386,22 @@ class Reader:
         self.report.add(read)
         return self._selected(
             lambda: select_parts(parts, run=_first(self.args.run), steps=steps), option, "")
+
+    def _older_digests(self, files: Sequence[Path]) -> None:
+        """Note, when some files' digests were written by another version of commspan
+        (this one parsed their lines), how to have them read again."""
+        from commspan.analysis.digest import DIGEST_VERSION, older_digests
+
+        older = older_digests(files)
+        if not older:
+            return
+        versions = ", ".join(str(v) for v in sorted(older))
+        count = sum(older.values())
+        self.notes.append(
+            f"commspan: {count:,} file{'s have' if count > 1 else ' has'} digests of version "
+            f"{versions}, which this commspan does not read (it reads version "
+            f"{DIGEST_VERSION}): the lines were parsed instead; `commspan digest` on "
+            "the same files rewrites their digests")
 
 
 class RankCap:
