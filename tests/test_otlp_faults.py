@@ -229,7 +229,8 @@ def test_the_exporters_retry_messages_are_shown_once(
     caplog.set_level(logging.WARNING)
     run = _train(_exporter(protocol, _closed_port(), timeout_s=2.5), steps=8)
     _assert_bounded(run)
-    sdk = [(r.name, r.msg) for r in caplog.records if r.name.startswith("opentelemetry")]
+    sdk = [(r.name, r.getMessage()) for r in caplog.records
+           if r.name.startswith("opentelemetry")]
     assert sdk, "the exporter's first message (the cause) is shown"
     assert len(sdk) == len(set(sdk)), sdk
     (exporter,) = run.stats["exporters"]

@@ -101,6 +101,8 @@ class _QuietRepeats(logging.Filter):
 
 
 _QUIET = _QuietRepeats()
+_ERROR_TEXTS = 3
+"""Texts of one error message (format string) an exporter's queue shows at most."""
 _QUIET_LOCK = threading.Lock()
 
 
@@ -253,6 +255,7 @@ class ExportQueue(SpanProcessor):
         self.abandoned = 0
         self._logged = Once()  # each kind of loss is logged once: "drop", "fail", "slow"
         self.quieted = 0
+        self._error_texts: dict[str, set[str]] = {}  # error format -> the texts shown
         """Records of the exporter's own loggers not shown: repeats of a message it
         logged before on this queue's threads (the SDK's retries against a dead
         endpoint). Set those loggers to DEBUG to see every one."""
@@ -482,8 +485,27 @@ class ExportQueue(SpanProcessor):
 
     def _first_of(self, record: logging.LogRecord) -> bool:
         """Whether ``record``, emitted by the exporter on this queue's threads, is the
-        first of its message (else it is counted in :attr:`quieted`)."""
-        if self._logged.first(f"exporter\0{record.name}\0{record.msg}"):
+        first of its message (else it is counted in :attr:`quieted`). Messages are
+        told apart by their format string, and errors also by their text, up to
+        :data:`_ERROR_TEXTS` texts per format string: a later failure of another kind
+        (an endpoint up again that answers 401, gRPC's UNAUTHENTICATED after
+        UNAVAILABLE) is shown too, and texts that differ every time (addresses,
+        times) do not flood."""
+        key = f"exporter\0{record.name}\0{record.msg}"
+        first = self._logged.first(key)
+        if record.levelno >= logging.ERROR:
+            try:
+                text: str | None = record.getMessage()
+            except Exception:  # (arguments its format does not take: shown once)
+                text = None
+            with self._lock:
+                seen = self._error_texts.setdefault(key, set())
+                if first or (text is not None and text not in seen
+                             and len(seen) < _ERROR_TEXTS):
+                    if text is not None:
+                        seen.add(text)
+                    return True
+        elif first:
             return True
         with self._lock:  # (its worker and its shutdown thread may both log)
             self.quieted += 1
