@@ -89,15 +89,19 @@ _ON_EXPORT_THREAD = _OnExportThread()
 
 class _QuietRepeats(logging.Filter):
     """On a logger of an exporter's: a record emitted while an export queue calls the
-    exporter passes the first time its message (the format string) is seen by that
-    queue; repeats are counted in :attr:`ExportQueue.quieted` and not shown. Records
-    of other threads, and every record while the logger is enabled for DEBUG, pass."""
+    exporter passes the first time that queue sees its message
+    (:meth:`ExportQueue._first_of`); repeats are counted in
+    :attr:`ExportQueue.quieted` and not shown. Records of other threads, and every
+    record while the logger is enabled for DEBUG, pass."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         queue = _ON_EXPORT_THREAD.queue
         if queue is None or logging.getLogger(record.name).isEnabledFor(logging.DEBUG):
             return True
-        return queue._first_of(record)
+        try:
+            return queue._first_of(record)
+        except Exception:  # (a filter's error would reach the exporter's log call)
+            return True
 
 
 _QUIET = _QuietRepeats()
@@ -255,10 +259,12 @@ class ExportQueue(SpanProcessor):
         self.abandoned = 0
         self._logged = Once()  # each kind of loss is logged once: "drop", "fail", "slow"
         self.quieted = 0
-        self._error_texts: dict[str, set[str]] = {}  # error format -> the texts shown
         """Records of the exporter's own loggers not shown: repeats of a message it
         logged before on this queue's threads (the SDK's retries against a dead
         endpoint). Set those loggers to DEBUG to see every one."""
+        # (logger, format string) of the exporter's records shown -> the texts shown
+        # of it, for errors (:meth:`_first_of`)
+        self._shown: dict[tuple[str, str], set[str]] = {}
         try:
             _quiet_repeats_of(exporter)
         except Exception:  # pragma: no cover - an exporter's odd attributes: show all
@@ -491,25 +497,23 @@ class ExportQueue(SpanProcessor):
         (an endpoint up again that answers 401, gRPC's UNAUTHENTICATED after
         UNAVAILABLE) is shown too, and texts that differ every time (addresses,
         times) do not flood."""
-        key = f"exporter\0{record.name}\0{record.msg}"
-        first = self._logged.first(key)
+        text = None
         if record.levelno >= logging.ERROR:
             try:
-                text: str | None = record.getMessage()
+                text = record.getMessage()
             except Exception:  # (arguments its format does not take: shown once)
-                text = None
-            with self._lock:
-                seen = self._error_texts.setdefault(key, set())
-                if first or (text is not None and text not in seen
-                             and len(seen) < _ERROR_TEXTS):
-                    if text is not None:
-                        seen.add(text)
-                    return True
-        elif first:
-            return True
+                pass
+        key = (record.name, str(record.msg))
         with self._lock:  # (its worker and its shutdown thread may both log)
+            texts = self._shown.get(key)
+            if texts is None:
+                self._shown[key] = {text} if text is not None else set()
+                return True
+            if text is not None and text not in texts and len(texts) < _ERROR_TEXTS:
+                texts.add(text)
+                return True
             self.quieted += 1
-        return False
+            return False
 
     def stats(self) -> ExportStats:
         """Counters of this queue, taken together (see :class:`ExportStats`).
