@@ -215,3 +215,33 @@ def tp_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     session; needs the fake process group (``fake_pg``)."""
     return session_dir(tmp_path_factory, "runs-tp", lambda out: write_run(
         out, "tp-run", transformer_step(tp_transformer(fake_mesh(4))), steps=(0, 1, 2)))
+
+
+def without_step_ends(run: Path, out: Path, steps: Sequence[int],
+                      names: Sequence[str] = ("commspan.rank", "commspan.step")) -> int:
+    """Copies in ``out`` of ``run``'s files without the spans named ``names`` (the rank
+    and step spans) of ``steps``, as a hang or a process stopped in those steps leaves
+    them; returns the hand count of the collective events in the other steps' traces."""
+    import json
+
+    out.mkdir()
+    kept = 0
+    for path in sorted(run.glob("*.jsonl")):
+        docs = [json.loads(line) for line in path.read_bytes().splitlines()]
+        spans = [span for doc in docs for rs in doc["resourceSpans"]
+                 for ss in rs["scopeSpans"] for span in ss["spans"]]
+        cut = {span["traceId"] for span in spans for step in steps
+               if {"key": "commspan.step", "value": {"intValue": str(step)}}
+               in span.get("attributes", [])}
+        assert len(cut) == len(steps)  # (one trace per step)
+        for doc in docs:
+            for rs in doc["resourceSpans"]:
+                for ss in rs["scopeSpans"]:
+                    ss["spans"] = [span for span in ss["spans"]
+                                   if span["traceId"] not in cut or span["name"] not in names]
+        for span in spans:
+            if span["traceId"] not in cut:
+                kept += sum(any(a["key"] == "commspan.collective.op" for a in e["attributes"])
+                            for e in span.get("events", []))
+        (out / path.name).write_bytes(b"".join(json.dumps(d).encode() + b"\n" for d in docs))
+    return kept

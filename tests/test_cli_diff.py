@@ -7,7 +7,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _cli_runs import net_step, run_cli, session_dir, tp_transformer, transformer_step, write_run
+from _cli_runs import (
+    net_step,
+    run_cli,
+    session_dir,
+    tp_transformer,
+    transformer_step,
+    without_step_ends,
+    write_run,
+)
 
 from commspan.cli import main
 from commspan.testing import fake_mesh
@@ -349,33 +357,6 @@ def test_the_header_names_the_rank_compared(
     assert "ranks 0-3, steps" in out.splitlines()[0], out
 
 
-def _without_step_ends(run: Path, out: Path, step: int) -> int:
-    """Copies of ``run``'s files without the rank and step spans of step ``step``, as a
-    hang in that step leaves them; returns the hand count of the collective events in
-    the other steps' traces."""
-    out.mkdir()
-    kept = 0
-    for path in sorted(run.glob("*.jsonl")):
-        docs = [json.loads(line) for line in path.read_bytes().splitlines()]
-        spans = [span for doc in docs for rs in doc["resourceSpans"]
-                 for ss in rs["scopeSpans"] for span in ss["spans"]]
-        cut = {span["traceId"] for span in spans
-               if {"key": "commspan.step", "value": {"intValue": str(step)}}
-               in span.get("attributes", [])}
-        assert len(cut) == 1
-        for doc in docs:
-            for rs in doc["resourceSpans"]:
-                for ss in rs["scopeSpans"]:
-                    ss["spans"] = [span for span in ss["spans"] if span["traceId"] not in cut
-                                   or span["name"] not in ("commspan.rank", "commspan.step")]
-        for span in spans:
-            if span["traceId"] not in cut:
-                kept += sum(any(a["key"] == "commspan.collective.op" for a in e["attributes"])
-                            for e in span.get("events", []))
-        (out / path.name).write_bytes(b"".join(json.dumps(d).encode() + b"\n" for d in docs))
-    return kept
-
-
 def test_a_step_cut_short_is_left_out_of_its_side(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], fake_pg: None
 ) -> None:
@@ -387,7 +368,7 @@ def test_a_step_cut_short_is_left_out_of_its_side(
     from commspan.exporters import read_spans
 
     whole = write_run(tmp_path / "whole", "w", net_step(), steps=(0, 1, 2), ranks=(0, 1))
-    kept = _without_step_ends(whole, tmp_path / "cut", 1)
+    kept = without_step_ends(whole, tmp_path / "cut", (1,))
     code, out, err = run_cli(capsys, "diff", str(whole), str(tmp_path / "cut"), "--json")
     data = json.loads(out)
     assert (code, data["equal"]) == (0, True), out
@@ -512,7 +493,7 @@ def test_a_side_whose_only_step_hung_on_every_rank_is_an_error(
     docs/cli.md shows for that command (status 2, nothing on stdout)."""
     run = _dumped_in_step_2(tmp_path / "run")
     hung = tmp_path / "hung"
-    _without_step_ends(run, hung, 2)
+    without_step_ends(run, hung, (2,))
     code, out, err = run_cli(capsys, "diff", str(hung), "--step", "0", "--step", "2")
     assert (code, out) == (2, ""), (out, err)
     assert err.startswith("ValueError: B: every step selected was cut short (step 2 of "
@@ -533,7 +514,7 @@ def test_stragglers_names_a_step_cut_short(
     code, out, err = run_cli(capsys, "stragglers", str(run), "--json")
     assert code == 0 and json.loads(out)["cut_short"] == [] and "cut short" not in err, err
     hung = tmp_path / "hung"
-    _without_step_ends(run, hung, 2)
+    without_step_ends(run, hung, (2,))
     code, out, err = run_cli(capsys, "stragglers", str(hung))
     assert code == 0, err
     assert "step 2 of ranks 0-1 was cut short" in err and "the step times leave it out" in err

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from _cli_runs import net_step, run_cli, session_dir, tp_run, write_run
+from _cli_runs import net_step, run_cli, session_dir, tp_run, without_step_ends, write_run
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
@@ -1005,27 +1005,6 @@ def test_stragglers_reads_module_spans_and_pauses_from_digests(
         len(raws) - 1)  # type: ignore[union-attr]
 
 
-def _without_step_ends_of(run: Path, out: Path, steps: tuple[int, ...],
-                          names: tuple[str, ...]) -> Path:
-    """Copies of ``run``'s files without the spans named ``names`` of ``steps``, as
-    processes stopped in those steps leave them."""
-    out.mkdir()
-    for path in sorted(run.glob("*.jsonl")):
-        docs = [json.loads(line) for line in path.read_bytes().splitlines()]
-        spans = [s for d in docs for rs in d["resourceSpans"] for ss in rs["scopeSpans"]
-                 for s in ss["spans"]]
-        cut = {s["traceId"] for s in spans for step in steps
-               if {"key": "commspan.step", "value": {"intValue": str(step)}}
-               in s.get("attributes", [])}
-        for d in docs:
-            for rs in d["resourceSpans"]:
-                for ss in rs["scopeSpans"]:
-                    ss["spans"] = [s for s in ss["spans"]
-                                   if s["traceId"] not in cut or s["name"] not in names]
-        (out / path.name).write_bytes(b"".join(json.dumps(d).encode() + b"\n" for d in docs))
-    return out
-
-
 @pytest.mark.parametrize("names", [("commspan.rank",), ("commspan.rank", "commspan.step")],
                          ids=["step-known", "step-unknown"])
 def test_stragglers_names_steps_cut_short_as_summary_does(
@@ -1036,7 +1015,8 @@ def test_stragglers_names_steps_cut_short_as_summary_does(
     in trace-id order, and a step no span named once per trace (digests: as summary's
     `partial`, once each, by step); both paths now list and word them as `summary`."""
     run = write_run(tmp_path / "run", "r", net_step(), steps=(0, 1, 2, 3), ranks=(0, 1))
-    plain = _without_step_ends_of(run, tmp_path / "plain", (1, 2), names)
+    plain = tmp_path / "plain"
+    without_step_ends(run, plain, (1, 2), names)
     digested = _with_digests(plain, tmp_path / "digested")
     summary = run_cli(capsys, "summary", str(plain), "--rank", "all", "--json")
     partial = json.loads(summary[1])["partial"]
