@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import logging
 import os
 import re
 import shutil
@@ -88,12 +89,56 @@ def _agg(folder: Path, **kwargs: Any) -> tuple[Any, ...]:
              [(Path(s.path).name, s.kind) for s in report.skipped]))
 
 
+class _Warnings(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.texts: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.texts.append(record.getMessage())
+
+
+def _api(folder: Path, **kwargs: Any) -> tuple[Any, ...]:
+    """What the Python API answers over ``folder`` (``check_run``, ``stragglers``,
+    ``load_run``), with the warnings it logged and what its report counted, or the
+    error it raised."""
+    from commspan.analysis import check_run, load_run, stragglers
+
+    answers: list[Any] = []
+    logger = logging.getLogger("commspan")
+    for call in (check_run, stragglers, load_run):
+        warnings, report = _Warnings(), ReadReport()
+        logger.addHandler(warnings)
+        try:
+            got = call(folder, strict=False, report=report, **kwargs)
+        except ValueError as exc:
+            got = f"{type(exc).__name__}: {exc}".replace(str(folder), "RUN")
+        finally:
+            logger.removeHandler(warnings)
+        if call is load_run and not isinstance(got, str):
+            got = (sorted(got.collectives, key=repr), got.rank_steps,
+                   sorted(got.module_spans, key=repr), sorted(got.hangs, key=repr),
+                   sorted(got.gc_pauses, key=repr), got.presence, got.trace_steps,
+                   got.ranks, got.world_size, got.trace_start, got.unread)
+        elif not isinstance(got, str):
+            got = got.to_dict()
+        answers.append((got, [t.replace(str(folder), "RUN") for t in warnings.texts],
+                        (report.lines, report.spans, report.commspan_spans,
+                         sorted(report.ranks), [(Path(s.path).name, s.kind)
+                                                for s in report.skipped])))
+    return tuple(answers)
+
+
 def _same_answers(capsys: pytest.CaptureFixture[str], digested: Path, plain: Path) -> None:
     assert any(f.name.endswith(".digest") for f in digested.iterdir())
     assert _answers(capsys, digested) == _answers(capsys, plain)
     for run in ("all", *_run_ids(plain)):
         assert _agg(digested, rank="all", run=run) == _agg(plain, rank="all", run=run)
         assert _agg(digested, rank=1, run=run) == _agg(plain, rank=1, run=run)
+    for api_run in (None, *_run_ids(plain)):
+        for steps in (None, [1, 2], [99]):
+            assert (_api(digested, run=api_run, steps=steps)
+                    == _api(plain, run=api_run, steps=steps)), (api_run, steps)
 
 
 def _run_ids(run: Path) -> list[str]:
@@ -207,6 +252,57 @@ def test_the_digest_is_used_not_the_lines(tmp_path: Path, fake_pg: None) -> None
     counts = Aggregator.from_jsonl(run, report=report).module_counts()
     assert report.lines == len(read_digest(path).covered)  # type: ignore[union-attr]
     assert max(n for ph in counts.values() for ops in ph.values() for n in ops.values()) > 900
+
+
+def test_the_python_api_reads_digests_not_the_lines(
+    tp: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``load_run``, ``check_run`` and ``stragglers`` read a digested run without
+    parsing a line, as the commands do (over 1,024 ranks: seconds instead of minutes),
+    and give the lines' answers (``_same_answers``, every accident above)."""
+    from commspan.analysis import check_run, load_run, stragglers
+    from commspan.analysis import records as records_module
+
+    plain = _without_digests(tp, tmp_path / "plain")
+    digested = _with_digests(tp, tmp_path / "digested")
+    expected = (check_run(plain).to_dict(), stragglers(plain).to_dict(),
+                stragglers(plain, steps=[1]).to_dict(), len(load_run(plain).collectives))
+    assert expected[1]["step_times"] and expected[3] > 0
+
+    def parse_lines(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the lines of a digested run were parsed")
+
+    monkeypatch.setattr(records_module, "_read", parse_lines)
+    assert (check_run(digested).to_dict(), stragglers(digested).to_dict(),
+            stragglers(digested, steps=[1]).to_dict(),
+            len(load_run(digested).collectives)) == expected
+    with pytest.raises(AssertionError, match="were parsed"):
+        check_run(plain)  # (the patch holds: without digests the lines are read)
+
+
+def test_a_run_two_jobs_wrote_is_warned_about_once(tp: Path, tmp_path: Path) -> None:
+    """Two processes wrote each rank's file under one run id: ``load_run`` says so in
+    one warning, from the lines and from the digests (it said it twice)."""
+    from commspan.analysis import load_run
+
+    plain = _without_digests(tp, tmp_path / "plain")
+    for f in plain.glob("*.jsonl"):  # (the same spans again, from another pid)
+        data = f.read_text()
+        again = re.sub(r'("process\.pid","value":\{"intValue":)"?\d+"?', r'\1"1"', data)
+        assert again != data
+        f.write_text(data + again)
+    digested = _with_digests(plain, tmp_path / "digested")
+    for folder in (plain, digested):
+        warnings = _Warnings()
+        logging.getLogger("commspan").addHandler(warnings)
+        try:
+            load_run(folder)
+        finally:
+            logging.getLogger("commspan").removeHandler(warnings)
+        assert [t for t in warnings.texts if "written by 2 processes" in t] == [
+            "run tp-run was written by 2 processes for one rank (two jobs under one run id: "
+            "a fixed COMMSPAN_RUN_ID or run_id=): their steps are added up; give each job "
+            "its own run id"], folder.name
 
 
 @pytest.mark.parametrize("command", ["summary", "table", "check"])

@@ -193,7 +193,8 @@ def check_run(
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
     run: str | None = None,
 ) -> CheckResult:
-    """Check the JSONL files of a run for cross-rank consistency.
+    """Check the JSONL files of a run for cross-rank consistency (from their digests
+    where every file has one, as :func:`~commspan.analysis.records.load_run` reads).
 
     Args:
         paths: the run's JSONL files (see :data:`~commspan.analysis.records.RunPaths`).

@@ -230,7 +230,9 @@ def stragglers(
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
     run: str | None = None,
 ) -> StragglerResult:
-    """Read the JSONL files of a run and say who arrives last, and where steps go.
+    """Read the JSONL files of a run and say who arrives last, and where steps go
+    (from their digests where every file has one, as
+    :func:`~commspan.analysis.records.load_run` reads).
 
     Args:
         paths: the run's JSONL files (see :data:`~commspan.analysis.records.RunPaths`).
