@@ -7,6 +7,8 @@ these tests build them; a test on real gloo ranks belongs with that work.
 from __future__ import annotations
 
 import json
+import re
+import statistics
 from pathlib import Path
 
 import pytest
@@ -547,3 +549,49 @@ def test_a_wait_passed_on_from_the_step_before_is_seen_with_a_step_selected(
     assert rows == whole
     ranks = [w["rank"] for w in json.loads(out)["ranks"]]
     assert ranks[0] == 2, ranks  # the slow rank first, its tp peer after it
+
+
+def test_the_text_of_a_large_run_shows_top_ranks_and_the_median() -> None:
+    """30 ranks, each step a rank span of (100 + rank) ms and an all_reduce in each of
+    11 modules; in module k < 10 rank 5 + k arrives last (1 ms against 9 + rank ms
+    for the others), in the eleventh rank 5 again: ranks 5-14 are last, rank 5 most,
+    then the others by the wait they caused (rank 6 the most: the others' durations
+    are longer the higher their rank). With ``top=3`` the per rank line names ranks
+    5, 6, 7 and says how many more, and the step-time table shows those 3 and a
+    median row of every rank's mean total (the median of 100-129 ms). With the
+    default ``top`` (20) it shows the 10 ranks of the per rank line, then the 10
+    longest steps (ranks 20-29), in rank order, and the median."""
+    world = 30
+    b = SpanBuilder(world)
+    for step in range(2):
+        for r in range(world):
+            s = b.rank(r, step)
+            for k in range(11):
+                late = r == 5 + k % 10 if k < 10 else r == 5
+                s.coll("all_reduce", fqn=f"Net.m{k}", ranks=tuple(range(world)),
+                       duration_ns=(1 if late else 9 + r) * MS)
+            s.set_times(step * 1000 * MS, step * 1000 * MS + (100 + r) * MS)
+    result = analyze(build_run(b.spans()))
+    assert [w.rank for w in result.ranks] == list(range(5, 15))
+
+    def table(text: str) -> list[list[str]]:
+        body = text.split("Step time per rank", 1)[1].splitlines()[2:]
+        return [line.split() for line in body
+                if line.split() and not line.startswith(("...", "checked"))]
+
+    text = format_stragglers(result, top=3)
+    per_rank = next(line for line in text.splitlines() if line.startswith("per rank: "))
+    assert [int(n) for n in re.findall(r"(?:^per rank: |; )rank (\d+)", per_rank)] == [5, 6, 7]
+    assert per_rank.endswith("; ... 7 more ranks (--top N shows more, --json lists all)")
+    rows = table(text)
+    assert [row[0] for row in rows] == ["5", "6", "7", "median"]
+    assert [row[2] for row in rows] == ["105.00", "106.00", "107.00",
+                                        f"{statistics.median(100 + r for r in range(30)):.2f}"]
+    assert f"... {world - 3} more ranks (--top N shows more, --json lists all)" in text
+    rows = table(format_stragglers(result))
+    assert [row[0] for row in rows] == [*map(str, range(5, 15)), *map(str, range(20, 30)),
+                                        "median"]
+    small = analyze(build_run(timed_run(
+        {(r, "Net.a"): [MS * (4 - r)] * 2 for r in range(WORLD)}).spans()))
+    assert "median" not in format_stragglers(small, top=4)  # (every rank shown)
+    assert "more ranks" not in format_stragglers(small, top=4)

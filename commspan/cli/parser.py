@@ -235,7 +235,10 @@ def build_parser() -> argparse.ArgumentParser:
                  f"and makes a {what} too large to open. 0: every rank")
     commands["stragglers"].add_argument(
         "--top", type=_positive, default=20, metavar="N",
-        help="straggler rows shown (default 20; --json lists all)")
+        help="rows shown of each part (default 20; --json lists all): straggler rows, "
+             "ranks of the per rank line, and ranks of the step-time table, which with "
+             "more ranks than N shows the latest arrivals, then the longest steps, and "
+             "the median of every rank")
 
     diff = commands["diff"]
     diff.add_argument("a", metavar="A", help="a run: JSONL file or directory")

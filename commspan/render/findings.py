@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -182,7 +183,11 @@ def format_stragglers(result: StragglerResult, *, top: int = 20) -> str:
 
     Args:
         result: what :func:`commspan.analysis.stragglers` returned.
-        top: straggler rows shown.
+        top: rows shown of each part: straggler rows, ranks of the ``per rank:``
+            line and ranks of the step-time table. With more ranks than ``top``,
+            the table shows those the ``per rank:`` line names first, then those
+            with the longest steps, and a ``median`` row over every rank: a
+            thousand-rank run gives a screen, not a thousand lines.
     """
     lines: list[str] = []
     checked = result.checked
@@ -222,30 +227,12 @@ def format_stragglers(result: StragglerResult, *, top: int = 20) -> str:
                     + (f" ({format_duration(w.passed_on_ns)} passed on)"
                        if w.passed_on_ns else "")
                     + (f", {format_duration(w.gc_ns)} in garbage collection" if w.gc_ns else "")
-                    for w in result.ranks
+                    for w in result.ranks[:top]
                 )
+                + (f"; ... {len(result.ranks) - top:,} more ranks (--top N shows more, "
+                   "--json lists all)" if len(result.ranks) > top else "")
             )
-    totals = totals_by_rank(result.step_times)
-    if totals:
-        lines.append("")
-        lines.append("Step time per rank (mean per step)")
-        time_header = ("rank", "steps", "total", "forward", "backward", "recompute",
-                       "outside", "collectives", "gc")
-        time_rows: list[tuple[str, ...]] = []
-        for rank, t in sorted(totals.items()):
-            n = max(1, t["steps"])
-            timed = any(s.collectives_ns is not None for s in result.step_times if s.rank == rank)
-            time_rows.append(
-                (
-                    str(rank),
-                    str(t["steps"]),
-                    *(format_duration(t[k] // n) for k in
-                      ("total_ns", "forward_ns", "backward_ns", "recompute_ns", "outside_ns")),
-                    format_duration(t["collectives_ns"] // n) if timed else "-",
-                    format_duration(t["gc_ns"] // n) if t["gc_ns"] else "-",
-                )
-            )
-        lines.extend(_table(time_header, time_rows))
+    lines.extend(_step_times(result, top))
     lines.append(
         f"checked: {checked.get('collectives', 0)} collectives matched, "
         f"{checked.get('with_wait', 0)} with a wait, "
@@ -260,6 +247,51 @@ def format_stragglers(result: StragglerResult, *, top: int = 20) -> str:
            if checked.get("incomplete") else "")
     )
     return "\n".join(lines)
+
+
+_TIMES = ("total_ns", "forward_ns", "backward_ns", "recompute_ns", "outside_ns",
+          "collectives_ns", "gc_ns")
+
+
+def _step_times(result: StragglerResult, top: int) -> list[str]:
+    """The step-time table of :func:`format_stragglers`: every rank, or with more
+    than ``top``, ``top`` of them (the latest arrivals first, then the longest
+    steps; shown in rank order) and the median of every rank."""
+    totals = totals_by_rank(result.step_times)
+    if not totals:
+        return []
+    timed = {s.rank for s in result.step_times if s.collectives_ns is not None}
+    means = {rank: {k: t[k] // max(1, t["steps"]) for k in _TIMES}
+             for rank, t in totals.items()}
+    shown = sorted(totals)
+    title = "Step time per rank (mean per step)"
+    if len(shown) > top:
+        chosen = [w.rank for w in result.ranks if w.rank in totals][:top]
+        rest = sorted((r for r in totals if r not in set(chosen)),
+                      key=lambda r: (-means[r]["total_ns"], r))
+        shown = sorted(chosen + rest[:top - len(chosen)])
+        title = (f"Step time per rank (mean per step; {top} of {len(totals):,} ranks: the "
+                 "per rank line's first, then the longest steps; median: each column's "
+                 "median over every rank)")
+
+    def cells(mean: Mapping[str, int], is_timed: bool) -> tuple[str, ...]:
+        return (*(format_duration(mean[k]) for k in _TIMES[:5]),
+                format_duration(mean["collectives_ns"]) if is_timed else "-",
+                format_duration(mean["gc_ns"]) if mean["gc_ns"] else "-")
+
+    rows = [(str(rank), str(totals[rank]["steps"]), *cells(means[rank], rank in timed))
+            for rank in shown]
+    if len(shown) < len(totals):
+        every = list(means.values())
+        median = {k: round(statistics.median(m[k] for m in every)) for k in _TIMES}
+        steps = round(statistics.median(t["steps"] for t in totals.values()))
+        rows.append(("median", str(steps), *cells(median, bool(timed))))
+    lines = ["", title, *_table(("rank", "steps", "total", "forward", "backward",
+                                 "recompute", "outside", "collectives", "gc"), rows)]
+    if len(shown) < len(totals):
+        lines.append(f"... {len(totals) - len(shown):,} more ranks (--top N shows more, "
+                     "--json lists all)")
+    return lines
 
 
 def _table(header: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> list[str]:
