@@ -198,12 +198,13 @@ def run_offline(world: int = 1024, steps: int = 20) -> dict[str, Any]:
             "html": _run_cli(["html", str(run_dir), "-o", str(Path(work) / "report.html")]),
             "perfetto": _run_cli(["perfetto", str(run_dir), "-o",
                                   str(Path(work) / "trace.json")]),
-            # from the digests (version 6: module spans and pauses), and from the lines,
+            # from the digests (version 6 on: module spans and pauses), and from the lines,
             # the run built as every file's lines are read
             "stragglers": _run_cli(["stragglers", str(run_dir)]),
             "stragglers --no-digest": _run_cli(["stragglers", str(run_dir), "--no-digest"]),
-            # the run against itself: every line of both sides parsed (a folder named
-            # twice is read once), each span folded into counts as it is read
+            # the run against itself, folded from the digests (version 7: each
+            # collective's placements and mesh dimension; a folder named twice is
+            # read once)
             "diff": _run_cli(["diff", str(run_dir), str(run_dir)]),
         }
         for name, out in (("html", "report.html"), ("perfetto", "trace.json")):

@@ -46,6 +46,10 @@ COMMANDS: list[list[str]] = [
     ["stragglers"],
     ["stragglers", "--json"],
     ["stragglers", "--steps", "1-2", "--json"],
+    ["diff", "--step", "0", "--step", "2"],
+    ["diff", "--steps", "0-1", "--steps", "2-2", "--json"],
+    ["diff", "--step", "1", "--step", "2", "--rank", "1"],
+    ["diff", "--run", "first", "--run", "second", "--json"],
 ]
 
 
@@ -129,16 +133,55 @@ def _api(folder: Path, **kwargs: Any) -> tuple[Any, ...]:
     return tuple(answers)
 
 
-def _same_answers(capsys: pytest.CaptureFixture[str], digested: Path, plain: Path) -> None:
+def _profiles(folder: Path) -> list[Any]:
+    """What ``commspan diff`` folds of each side (``ProfileBuilder``, from the digests
+    where ``load_parts`` can read them, else from the spans, as the command reads):
+    the profile (placements, mesh dimensions, counts, bytes), ranks, module ranks,
+    last steps and traces of each run, of every rank and of rank 1, of every step and
+    of steps 1-2."""
+    from commspan.analysis.diff import ProfileBuilder
+    from commspan.analysis.digest import load_parts
+    from commspan.analysis.runs import StepRange
+    from commspan.exporters import read_spans
+    from commspan.otlpjson.files import jsonl_files
+
+    out: list[Any] = []
+    for rank in (None, 1):
+        builder = ProfileBuilder(rank)
+        read = ReadReport()
+        parts = load_parts(jsonl_files(folder), read)
+        if parts is not None and not read.damaged:
+            builder.add_parts(parts)
+        else:
+            builder.hold(read_spans(folder, strict=False, report=ReadReport()))
+        for run in (None, *_run_ids(folder)):
+            for steps in (None, StepRange(1, 2)):
+                try:
+                    side = builder.select(run, steps)
+                    got: Any = side.profile()
+                except ValueError as exc:  # (SelectionError: no such steps)
+                    out.append((rank, run, steps, str(exc)))
+                    continue
+                out.append((rank, run, steps, got, side.ranks(), side.module_ranks(),
+                            side.last_steps(), side.traces))
+    return out
+
+
+def _same_answers(capsys: pytest.CaptureFixture[str], digested: Path, plain: Path) -> list[Any]:
+    """The answers of every reader are the same from ``digested`` as from ``plain``;
+    returns what diff folded (:func:`_profiles`)."""
     assert any(f.name.endswith(".digest") for f in digested.iterdir())
     assert _answers(capsys, digested) == _answers(capsys, plain)
     for run in ("all", *_run_ids(plain)):
         assert _agg(digested, rank="all", run=run) == _agg(plain, rank="all", run=run)
         assert _agg(digested, rank=1, run=run) == _agg(plain, rank=1, run=run)
+    profiles = _profiles(plain)
+    assert _profiles(digested) == profiles
     for api_run in (None, *_run_ids(plain)):
         for steps in (None, [1, 2], [99]):
             assert (_api(digested, run=api_run, steps=steps)
                     == _api(plain, run=api_run, steps=steps)), (api_run, steps)
+    return profiles
 
 
 def _run_ids(run: Path) -> list[str]:
@@ -216,7 +259,10 @@ def test_cli_and_from_jsonl_answer_the_same_from_digests(
     plain = _without_digests(run, tmp_path / "plain")
     code, out, err = run_cli(capsys, "digest", str(_without_digests(run, tmp_path / "d")))
     assert (code, err) == (0, "") and out.startswith("digests written for 4 files")
-    _same_answers(capsys, tmp_path / "d", plain)
+    profiles = _same_answers(capsys, tmp_path / "d", plain)
+    if name == "tp":  # (diff's placements and mesh dimensions, from the digests too)
+        assert any(u.placements and u.group_totals for p in profiles
+                   if not isinstance(p[3], str) for u in p[3].usage.values())
 
 
 @pytest.mark.parametrize("compress", [False, True])
@@ -278,6 +324,43 @@ def test_the_python_api_reads_digests_not_the_lines(
             len(load_run(digested).collectives)) == expected
     with pytest.raises(AssertionError, match="were parsed"):
         check_run(plain)  # (the patch holds: without digests the lines are read)
+
+
+def test_diff_reads_digests_not_the_lines(
+    divergent_two_runs: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``commspan diff`` folds each side from its digests where it has them (it parsed
+    every line: 349 s over 1,024 ranks), with the lines' answer: two runs of a folder
+    (the second's rank 1 issues one more all_reduce in step 1), and A digested
+    against B not."""
+    from commspan.cli.commands import Reader
+
+    plain = _without_digests(divergent_two_runs, tmp_path / "plain")
+    digested = _with_digests(divergent_two_runs, tmp_path / "digested")
+    args = ["--run", "first", "--run", "second", "--json"]
+    expected = run_cli(capsys, "diff", str(plain), *args)
+    assert expected[0] == 1 and json.loads(expected[1])["entries"]  # (the extra all_reduce)
+    read = Reader.read
+
+    def lines_of(self: Any, paths: Sequence[str], label: str = "FILES", **kw: Any) -> Any:
+        if any(str(digested) in str(p) for p in paths):
+            raise AssertionError(f"the lines of a digested side were parsed: {paths}")
+        return read(self, paths, label, **kw)
+
+    monkeypatch.setattr(Reader, "read", lines_of)
+    got = run_cli(capsys, "diff", str(digested), *args)
+    assert got == (expected[0], expected[1].replace(str(plain), str(digested)), expected[2])
+    one = _without_digests(divergent_two_runs, tmp_path / "one-run")
+    for f in one.glob("*.jsonl"):  # (B: the second run's spans only, from its lines)
+        f.write_text("".join(line for line in f.read_text().splitlines(keepends=True)
+                             if '"second"' in line))
+    first = ["--run", "first", "--run", "second", "--json"]
+    lines_only = run_cli(capsys, "diff", str(plain), str(one), *first)
+    assert lines_only[0] == 1, lines_only
+    mixed = run_cli(capsys, "diff", str(digested), str(one), *first)
+    assert mixed == (lines_only[0], lines_only[1].replace(str(plain), str(digested)),
+                     lines_only[2].replace(str(plain), str(digested)))
 
 
 def test_a_run_two_jobs_wrote_is_warned_about_once(tp: Path, tmp_path: Path) -> None:
@@ -700,7 +783,7 @@ def test_digests_keep_each_collectives_owner(tmp_path: Path, fake_pg: None) -> N
     assert sorted(_through_digests(v2).collectives) == lines
     digests = [json.loads(x.rsplit(" ", 3)[0]) for f in v2.glob("*.digest")
                for x in f.read_text().splitlines()]
-    assert {d["digest"] for d in digests} == {digest_mod.DIGEST_VERSION} == {6}
+    assert {d["digest"] for d in digests} == {digest_mod.DIGEST_VERSION} == {7}
     # a version-1 digest: the same without the owners in its templates
     v1 = tmp_path / "v1"
     v1.mkdir()
@@ -727,17 +810,18 @@ def test_digests_keep_each_collectives_owner(tmp_path: Path, fake_pg: None) -> N
 def test_no_digest_is_offered_only_where_it_does_something(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """``--no-digest`` is an option of the commands that read digests only; html,
-    perfetto and diff (which always read the lines) listed it and ignored it."""
+    """``--no-digest`` is an option of the commands that read digests only; html and
+    perfetto (which always read the lines) listed it and ignored it."""
     from commspan.cli import main
 
     for command in ("summary", "table", "check", "html", "perfetto", "stragglers", "diff"):
         with pytest.raises(SystemExit):
             main([command, "--help"])
         offered = "--no-digest" in capsys.readouterr().out
-        assert offered == (command in ("summary", "table", "check", "stragglers")), command
+        assert offered == (command in ("summary", "table", "check", "stragglers", "diff")), (
+            command)
     with pytest.raises(SystemExit) as exit_:
-        main(["diff", "run", "--no-digest"])
+        main(["perfetto", "run", "-o", "out.json", "--no-digest"])
     assert exit_.value.code == 2
     assert "unrecognized arguments: --no-digest" in capsys.readouterr().err
 
@@ -1219,24 +1303,24 @@ def test_a_digest_line_written_short_or_not_at_all_costs_that_line_only(
 def test_digests_of_an_older_version_are_named_with_the_fix(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], fake_pg: None,
 ) -> None:
-    """Digests an earlier commspan wrote (version 5 here) are not read: the commands
+    """Digests an earlier commspan wrote (version 6 here) are not read: the commands
     parsed the lines, minutes at a thousand ranks, and said nothing. They say so on
     stderr now, naming `commspan digest`, after which the digests are read again."""
     run = _traced(tmp_path / "run", ranks=(0, 1), steps=2)
     plain = _without_digests(run, tmp_path / "plain")
     expected = run_cli(capsys, "summary", str(plain), "--rank", "all")
     for side in run.glob("*.digest"):
-        side.write_bytes(side.read_bytes().replace(b'{"digest":6,', b'{"digest":5,'))
+        side.write_bytes(side.read_bytes().replace(b'{"digest":7,', b'{"digest":6,'))
     for command in (["summary", "--rank", "all"], ["table", "--rank", "all"], ["check"],
-                    ["stragglers"]):
+                    ["stragglers"], ["diff", "--step", "0", "--step", "1"]):
         code, _, err = run_cli(capsys, command[0], str(run), *command[1:])
         assert code == (1 if command[0] == "check" else 0), (command, err)  # (check:
         # ranks 2-3 of the mesh wrote nothing)
-        assert "2 files have digests of version 5, which this commspan does not " \
-            "read (it reads version 6)" in err, (command, err)
+        assert "2 files have digests of version 6, which this commspan does not " \
+            "read (it reads version 7)" in err, (command, err)
         assert "`commspan digest` on the same files" in err
     code, out, err = run_cli(capsys, "summary", str(run), "--rank", "all", "--no-digest")
-    assert (code, out) == expected[:2] and "version 5" not in err  # (lines asked for)
+    assert (code, out) == expected[:2] and "version 6" not in err  # (lines asked for)
     assert run_cli(capsys, "digest", str(run))[0] == 0
     code, out, err = run_cli(capsys, "summary", str(run), "--rank", "all")
     assert (code, out) == expected[:2] and "version" not in err

@@ -24,15 +24,18 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Any, NamedTuple
+
+import orjson
 
 from commspan import semconv
 from commspan.analysis.counts import mesh_dim_of
 from commspan.analysis.issued import issued_key, natural_key
 from commspan.analysis.runs import (
+    RunInfo,
     RunTally,
     Selection,
     StepRange,
@@ -388,23 +391,84 @@ class _RunFold:
                 continue
             how = keys.get(key)
             if how is None:
-                fqn_of, phase, op, group, _, dim, src, dst, dim_name = key
-                how = keys[key] = (
-                    (fqn_of, phase, op), f"{src or '?'}->{dst or '?'}" if src or dst else None,
-                    mesh_dim_of({semconv.MESH_DIM_NAME: dim_name, semconv.MESH_DIM: dim,
-                                 semconv.PG_NAME: group}))
-            slot = usage.get(how[0])
-            if slot is None:
-                slot = usage[how[0]] = [0, 0, set(), {}]
-            slot[0] += 1
+                how = keys[key] = _compared(key)
             nbytes = ev.get(semconv.TENSOR_BYTES)
-            if isinstance(nbytes, int) and not isinstance(nbytes, bool):
-                slot[1] += nbytes
-            if how[1] is not None:
-                slot[2].add(how[1])
-            slot[3][how[2]] = slot[3].get(how[2], 0) + 1
+            _count(usage, how, nbytes if isinstance(nbytes, int)
+                   and not isinstance(nbytes, bool) else None)
             if rank is not None:
                 trace.counted.add(rank)
+
+    def add_part(self, part: Mapping[str, Any],
+                 templates: Sequence[tuple[Any, ...]]) -> None:
+        """Fold one digest part (:func:`~commspan.analysis.digest.digest_parts`; its
+        collective ``templates`` as :func:`~commspan.analysis.digest._template` gives
+        them), as :meth:`add` folds the spans it stands for. Digests hold no hang
+        record (a line with one is parsed)."""
+        self.unfinished.add_part(part, any(
+            t[3] == semconv.STATE_FAILED for t in templates))
+        trace = self.traces.get(part["trace"])
+        if trace is None:
+            trace = self.traces[part["trace"]] = _TraceFold()
+        if part["step"] is not None:
+            trace.numbered = True
+            if trace.step is None:
+                trace.step = part["step"]
+        rank = part["rank"]
+        trace.ranks.add(rank)
+        if part["commspan_spans"]:
+            trace.module_ranks.add(rank)
+        if self.rank is not None and rank != self.rank:
+            return
+        usage, counted = trace.usage, False
+        for row in _coll_rows(part):
+            template = templates[row[0]]
+            compared = template[6]
+            if compared is None:  # (not on a module's span: diff does not count it)
+                continue
+            fqn_of, phase, op, placement, where = compared
+            _count(usage, ((fqn_of, phase, op), placement, where), template[0][6])
+            counted = True
+        if counted:
+            trace.counted.add(rank)
+
+
+def _compared(key: tuple[Any, ...]) -> tuple[tuple[str, str, str], str | None, str]:
+    """What :func:`profile` keeps of a collective's :func:`issued_key`: its ``(fqn,
+    phase, op)``, its redistribution's placements (``src->dst``) or ``None``, and
+    where it ran (:func:`~commspan.analysis.counts.mesh_dim_of`)."""
+    fqn_of, phase, op, group, _, dim, src, dst, dim_name = key
+    return ((fqn_of, phase, op), f"{src or '?'}->{dst or '?'}" if src or dst else None,
+            mesh_dim_of({semconv.MESH_DIM_NAME: dim_name, semconv.MESH_DIM: dim,
+                         semconv.PG_NAME: group}))
+
+
+def diff_usage(ev: Mapping[str, Any], fqn: Any) -> tuple[Any, ...] | None:
+    """What :func:`profile` compares of a collective event ``ev`` on a span of module
+    ``fqn``: ``(fqn, phase, op, placements or None, where it ran)``; ``None`` for an
+    event that is not a collective (digests keep it: version 7)."""
+    key = issued_key(ev, fqn)
+    if key is None:
+        return None
+    (fqn_of, phase, op), placement, where = _compared(key)
+    return fqn_of, phase, op, placement, where
+
+
+def _count(usage: dict[tuple[str, str, str], list[Any]],
+           how: tuple[tuple[str, str, str], str | None, str], nbytes: int | None) -> None:
+    """One collective added to a trace's ``usage`` (``how``: :func:`_compared`)."""
+    slot = usage.get(how[0])
+    if slot is None:
+        slot = usage[how[0]] = [0, 0, set(), {}]
+    slot[0] += 1
+    if nbytes is not None:
+        slot[1] += nbytes
+    if how[1] is not None:
+        slot[2].add(how[1])
+    slot[3][how[2]] = slot[3].get(how[2], 0) + 1
+
+
+def _coll_rows(part: Mapping[str, Any]) -> list[list[Any]]:
+    return orjson.loads(part["coll"])  # type: ignore[no-any-return]
 
 
 class ProfileBuilder:
@@ -428,6 +492,21 @@ class ProfileBuilder:
         self.rank = rank
         self.tally = RunTally()
         self._runs: dict[str, _RunFold] = {}
+        self._part_runs: list[RunInfo] | None = None
+
+    def add_parts(self, parts: Sequence[dict[str, Any]]) -> None:
+        """Fold the digest parts of every file of a side
+        (:func:`~commspan.analysis.digest.load_parts`), as :meth:`add` folds the spans
+        they stand for; a builder takes parts once, or spans."""
+        from commspan.analysis.digest import _template, list_part_runs
+
+        self._part_runs = list_part_runs(parts)
+        cache: dict[str, tuple[Any, ...]] = {}
+        for part in parts:
+            fold = self._runs.get(part["run"])
+            if fold is None:
+                fold = self._runs[part["run"]] = _RunFold(self.rank)
+            fold.add_part(part, [_template(text, cache) for text in part["tmpls"]])
 
     def add(self, span: SpanRecord) -> None:
         """Fold one span (spans in the order read)."""
@@ -449,7 +528,8 @@ class ProfileBuilder:
         Raises:
             SelectionError: as :func:`~commspan.analysis.runs.select`.
         """
-        sel = select([], run=run, steps=steps, every=self.tally.runs())
+        every = self.tally.runs() if self._part_runs is None else self._part_runs
+        sel = select([], run=run, steps=steps, every=every)
         fold = self._runs.get(sel.run.run_id) if sel.run is not None else None
         if fold is None:
             return FoldedSide(sel, frozenset(), None, None)

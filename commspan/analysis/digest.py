@@ -41,6 +41,7 @@ import orjson
 
 from commspan import semconv
 from commspan.analysis.counts import Aggregator
+from commspan.analysis.diff import diff_usage
 from commspan.analysis.records import (
     _STATUS_ERROR,
     MAX_WORLD_SIZE,
@@ -109,7 +110,7 @@ __all__ = [
 
 DIGEST_SUFFIX = ".digest"
 """Appended to a JSONL file's name to name its digest."""
-DIGEST_VERSION = 6
+DIGEST_VERSION = 7
 """The version written in every digest line (``"digest"``). Readers use lines of
 this version only and parse the JSONL lines of any other: version 1 had no
 collective's owner (the module that owns a collective issued by another, as FSDP2's
@@ -119,7 +120,9 @@ not matched with its receive), version 3 no rank's error (the rank span's ERROR
 status and where it was raised), version 4 only the rank span that ended last of a
 step number used again (``RankStep.repeats``, its start and duration), version 5 no
 module spans and collector pauses (``commspan stragglers`` parsed every line for
-them). ``commspan digest DIR`` rewrites a run's digests."""
+them), version 6 what ``commspan diff`` compares of each collective (its mesh
+dimension's name, its redistribution's placements: ``diff`` parsed every line).
+``commspan digest DIR`` rewrites a run's digests."""
 _READ_VERSIONS = (DIGEST_VERSION,)
 _SAMPLE = 64  # bytes at the middle and end of a line whose CRC-32 the digest keeps
 _HEAD = 2048  # and at its start: the resource, whose run id tells two runs' lines apart
@@ -440,8 +443,15 @@ def _digest_parts(records: Iterable[SpanRecord]) -> list[DigestPart] | None:
             for (_name, ev), t in zip(rec.events, _times(rec)):
                 if op_key in ev:
                     c = _collective(rank, None, rec.trace_id, t, ev)
+                    compared = None
+                    if fqn is not None:  # (version 7) what commspan diff compares of it
+                        compared = diff_usage(ev, fqn)
+                        if compared is not None and c is None:
+                            return None  # (an op name that is not a text: parse the line)
                     if c is not None:
-                        part.coll.append(list(c[3:]))
+                        row: list[Any] = list(c[3:])
+                        row.append(list(compared) if compared is not None else None)
+                        part.coll.append(row)
                 elif _name == gc_event:  # (version 6) a collector's pause
                     part.gc.append([t, _plain(ev)])
                 elif _name == exception and (part.raised is None or t >= part.raised[0]):
@@ -485,15 +495,19 @@ class _Part:
         templates: dict[str, int] = {}
         rows = []
         for row in self.coll:
+            compared = row.pop()
             tag = row.pop()
             owner = row.pop()
             wait = row.pop()
             seq, issued, duration, p2p_seq = row[2], row[12], row[13], row.pop()
             row[2] = row[12] = row[13] = None
-            if owner is not None or tag is not None:  # (version 2) a 16th field, only
-                row.append(owner)                     # where it says more
-            if tag is not None:  # (version 3) a point-to-point op's tag, 17th
-                row.append(tag)
+            if owner is not None or tag is not None or compared is not None:
+                row.append(owner)  # (version 2) a 16th field, only where it says more
+            if tag is not None or compared is not None:
+                row.append(tag)  # (version 3) a point-to-point op's tag, 17th
+            if compared is not None:  # (version 7) what diff compares, 18th, on a
+                row.append(compared)  # module's span: [owner or module, phase, op,
+                # placements "src->dst" or null, mesh dimension or group]
             text = orjson.dumps(row).decode()
             index = templates.setdefault(text, len(templates))
             # a point-to-point op's number per peer (schema 3) comes fifth, a functional
@@ -1089,7 +1103,7 @@ def run_from_parts(parts: Sequence[DigestPart], module_spans: bool = False) -> R
         made = [_template(text, cache) for text in part["tmpls"]]
         append = run.collectives.append
         for row in orjson.loads(part["coll"]):
-            head, fqn, phase, state, owner, tag = made[row[0]]
+            head, fqn, phase, state, owner, tag, _ = made[row[0]]
             group, members, op, kind, dtype, shape, nbytes, reduce_op, peer = head
             append(CollectiveRecord(rank, step, trace, group, members, row[1], op, kind,
                                     dtype, shape, nbytes, reduce_op, peer, fqn, phase, row[2],
@@ -1171,7 +1185,8 @@ def _template(text: str, cache: dict[str, tuple[Any, ...]]) -> tuple[Any, ...]:
                 tuple(shape) if shape is not None else None, nbytes, reduce_op,
                 tuple(peer) if isinstance(peer, list) else peer)
         made = cache[text] = (head, fqn, phase, state, fields[15] if len(fields) > 15 else None,
-                              fields[16] if len(fields) > 16 else None)
+                              fields[16] if len(fields) > 16 else None,
+                              fields[17] if len(fields) > 17 else None)
     return made
 
 

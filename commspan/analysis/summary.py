@@ -131,6 +131,25 @@ class _Unfinished:
             self.modules.add((span.rank, span.trace_id))
         return None
 
+    def add_part(self, part: Mapping[str, Any], failed: bool) -> None:
+        """:meth:`see` and :meth:`add` of the spans a digest part stands for
+        (:func:`~commspan.analysis.digest.digest_parts`; ``failed``: a collective of
+        it failed), as :func:`~commspan.analysis.digest.summarize_parts` reads them:
+        the rank's latest trace by the part's first start (a rank's traces follow
+        each other). Digests hold no hang record."""
+        rank, trace = part["rank"], part["trace"]
+        if part["step"] is not None:
+            self.trace_step.setdefault(trace, part["step"])
+        if failed:
+            self.failed.add(trace)
+        last = self.latest.get(rank)
+        if last is None or part["start"] > last[0]:
+            self.latest[rank] = (part["start"], trace)
+        if part["rank_step"] is not None:
+            self.rooted.add((rank, trace))
+        if part["present"] and part["commspan_spans"]:
+            self.modules.add((rank, trace))
+
     def cut_short(self, last_traces: Mapping[int | None, str] | None = None,
                   ) -> list[tuple[int | None, str, int | None]]:
         """A trace without its rank span was cut short when a hang record names it,

@@ -387,6 +387,27 @@ class Reader:
         return self._selected(
             lambda: select_parts(parts, run=_first(self.args.run), steps=steps), option, "")
 
+    def fold_digested(self, path: str, builder: ProfileBuilder, label: str) -> bool:
+        """Fold ``path``'s digests into ``builder`` (``diff``: one side; ``label`` names
+        it in errors); ``False`` when they cannot stand for its lines (as
+        :meth:`load_digested`: a file without a digest of this version, no commspan
+        span, a damaged line), which are then read."""
+        from commspan.analysis.digest import load_parts
+
+        if self.args.no_digest:
+            return False
+        files = self.files([path], label)
+        read = ReadReport()
+        parts = load_parts(files, read, self.args.max_line_mib * _MIB)
+        if parts is None:
+            self._older_digests(files)
+            return False
+        if not any(p["commspan_spans"] for p in parts) or read.damaged:
+            return False
+        self.report.add(read)
+        builder.add_parts(parts)
+        return True
+
     def _older_digests(self, files: Sequence[Path]) -> None:
         """Note, when some files' digests were written by another version of commspan
         (this one parsed their lines), how to have them read again."""
@@ -934,8 +955,9 @@ def diff(args: argparse.Namespace, reader: Reader) -> Outcome:
     for i, (name, path) in enumerate(zip("AB", paths)):
         if path not in read:
             read[path] = ProfileBuilder(rank)
-            reader.read([path], label=name if args.b is not None else "A",
-                        hold=read[path].hold)
+            label = name if args.b is not None else "A"
+            if not reader.fold_digested(path, read[path], label):
+                reader.read([path], label=label, hold=read[path].hold)
         steps, option = _steps_of(args, i)
         sides.append(reader.select_folded(
             read[path], _first(args.run, i), steps, option,

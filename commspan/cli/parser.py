@@ -129,7 +129,7 @@ def _every(value: str) -> int:
     return _at_least_one("--timeline-every", value, "a number >= 1 (1: every step)")
 
 
-_DIGESTED = ("summary", "table", "check", "stragglers")
+_DIGESTED = ("summary", "table", "check", "stragglers", "diff")
 """The commands that read digests: the ones taking ``--no-digest``."""
 
 
@@ -154,7 +154,7 @@ def _selection(p: argparse.ArgumentParser, twice: bool, digests: bool) -> None:
         return
     p.add_argument("--no-digest", action="store_true",
                    help="read the lines even where the files' digests could stand for "
-                        "them (summary, table, check and stragglers read digests "
+                        "them (summary, table, check, stragglers and diff read digests "
                         "otherwise)")
 
 
