@@ -45,7 +45,7 @@ def format_duration(ns: int | None) -> str:
 
 
 def _plural(n: int, word: str) -> str:
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+    return f"{n:,} {word}" if n == 1 else f"{n:,} {word}s"
 
 
 def _checked_line(checked: Mapping[str, int]) -> str:
@@ -56,7 +56,7 @@ def _checked_line(checked: Mapping[str, int]) -> str:
         + (f" (and {_plural(checked['outside_steps'], 'trace')} outside steps)"
            if checked.get("outside_steps") else "")
         + f", {_plural(checked.get('collectives', 0), 'collective')}, "
-        f"{checked.get('p2p', 0)} p2p ops"
+        f"{checked.get('p2p', 0):,} p2p ops"
     )
     extra = []
     if checked.get("p2p_unchecked"):
@@ -124,7 +124,7 @@ def _finding_lines(finding: Finding, max_ranks: int) -> list[str]:
     for rank, entry in items[:max_ranks]:
         lines.append(_rank_line(rank, entry))
     if len(items) > max_ranks:
-        lines.append(f"{_INDENT}... {len(items) - max_ranks} more ranks (--json lists all)")
+        lines.append(f"{_INDENT}... {len(items) - max_ranks:,} more ranks (--json lists all)")
     later = finding.details.get("later_steps")
     if later:
         shown = ", ".join("outside steps" if s is None else str(s) for s in later[:10])
@@ -216,7 +216,7 @@ def format_stragglers(result: StragglerResult, *, top: int = 20) -> str:
         ]
         lines.extend(_table(header, rows))
         if len(result.stragglers) > top:
-            lines.append(f"... {len(result.stragglers) - top} more rows (--top N shows more, "
+            lines.append(f"... {len(result.stragglers) - top:,} more rows (--top N shows more, "
                          "--json lists all)")
         if result.ranks:
             lines.append(
@@ -234,16 +234,16 @@ def format_stragglers(result: StragglerResult, *, top: int = 20) -> str:
             )
     lines.extend(_step_times(result, top))
     lines.append(
-        f"checked: {checked.get('collectives', 0)} collectives matched, "
-        f"{checked.get('with_wait', 0)} with a wait, "
-        f"{checked.get('without_duration', 0)} without duration, "
-        + (f"{checked['late_wait']} waited late (functional, not matched), "
+        f"checked: {checked.get('collectives', 0):,} collectives matched, "
+        f"{checked.get('with_wait', 0):,} with a wait, "
+        f"{checked.get('without_duration', 0):,} without duration, "
+        + (f"{checked['late_wait']:,} waited late (functional, not matched), "
            if checked.get("late_wait") else "")
-        + (f"{checked['late_last']} whose last rank waited late (their waits are lower "
+        + (f"{checked['late_last']:,} whose last rank waited late (their waits are lower "
            "bounds: up to the others' time blocked in wait_tensor), "
            if checked.get("late_last") else "")
-        + f"{checked.get('inconsistent', 0)} in steps whose ranks disagree (see commspan check)"
-        + (f", {checked['incomplete']} with group members not recorded"
+        + f"{checked.get('inconsistent', 0):,} in steps whose ranks disagree (see commspan check)"
+        + (f", {checked['incomplete']:,} with group members not recorded"
            if checked.get("incomplete") else "")
     )
     return "\n".join(lines)
