@@ -222,7 +222,7 @@ def test_commands_read_the_run(ok: Titan, scenario: str, tmp_path: Path) -> None
     assert "ranks: 0-3" in summary and "steps: 0-3" in summary, summary
     assert summary.splitlines()[-1].split() == ["total", str(total)], summary
     assert outputs["check"].startswith("consistent:"), outputs["check"]
-    assert f"{total} collectives" in outputs["check"], outputs["check"]
+    assert f"{total:,} collectives" in outputs["check"], outputs["check"]
     for unit in UNITS:
         assert unit in outputs["table"]
     steps = "\n".join(outputs["stragglers"].split("Step time per rank")[1].splitlines()[2:6])
