@@ -363,6 +363,65 @@ def test_diff_reads_digests_not_the_lines(
                      lines_only[2].replace(str(plain), str(digested)))
 
 
+def test_a_step_used_again_and_cut_short_in_one_line_reads_as_from_the_lines(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], fake_pg: None,
+) -> None:
+    """Steps 0, 1, 0 written as one line per rank, rank 1's step 1 cut short (its
+    rank and step spans lost): its latest trace is step 0's, used again after step 1,
+    so step 1 was cut short. Digests took the trace of the part that started last
+    (step 1: maybe still running), so summary named nothing and diff compared it."""
+    base = tmp_path / "base"
+    write_run(base, "rep", net_step(), steps=(0, 1, 0))
+    for f in base.glob("*.jsonl"):
+        docs = [json.loads(line) for line in f.read_text().splitlines()]
+        merged = docs[0]
+        for doc in docs[1:]:
+            merged["resourceSpans"].extend(doc["resourceSpans"])
+        if f.name.endswith("rank1.jsonl"):
+            spans = [s for rs in merged["resourceSpans"] for ss in rs["scopeSpans"]
+                     for s in ss["spans"]]
+            step1 = {s["traceId"] for s in spans if any(
+                a["key"] == "commspan.step" and a["value"].get("intValue") in (1, "1")
+                for a in s.get("attributes", []))}
+            assert step1
+            for rs in merged["resourceSpans"]:
+                for ss in rs["scopeSpans"]:
+                    ss["spans"] = [s for s in ss["spans"] if not (
+                        s["traceId"] in step1 and s["name"] in ("commspan.rank",
+                                                                "commspan.step"))]
+        f.write_text(json.dumps(merged) + "\n")
+    plain = _without_digests(base, tmp_path / "plain")
+    digested = _with_digests(base, tmp_path / "digested")
+    for cmd in (["summary", "--rank", "all"], ["diff", "--step", "0", "--step", "1"],
+                ["diff", "--step", "0", "--step", "1", "--json"], ["check"]):
+        expected = run_cli(capsys, cmd[0], str(plain), *cmd[1:])
+        if cmd[0] == "summary":
+            assert "step 1 of rank 1 was cut short" in expected[2]
+        got = run_cli(capsys, cmd[0], str(digested), *cmd[1:])
+        assert got == tuple(x.replace(str(plain), str(digested)) if isinstance(x, str) else x
+                            for x in expected), cmd
+
+
+def test_a_digested_side_names_no_damaged_line_of_the_other(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], fake_pg: None,
+) -> None:
+    """diff A B, A read from its lines (one damaged), B from its digests: the damaged
+    line is A's only (the digested B named it too)."""
+    base = tmp_path / "base"
+    write_run(base, "first", net_step(), steps=(0, 1, 2))
+    a = _without_digests(base, tmp_path / "a")
+    f = a / "commspan-rank1.jsonl"
+    lines = f.read_bytes().splitlines(keepends=True)
+    lines[1] = b'{"resourceSpans": [garbage\n'
+    f.write_bytes(b"".join(lines))
+    plain = _without_digests(base, tmp_path / "b")
+    expected = run_cli(capsys, "diff", str(a), str(plain))
+    assert expected[2].count("is damaged") == 1
+    digested = _with_digests(base, tmp_path / "b-digested")
+    assert run_cli(capsys, "diff", str(a), str(digested)) == tuple(
+        x.replace(str(plain), str(digested)) if isinstance(x, str) else x for x in expected)
+
+
 def test_a_run_two_jobs_wrote_is_warned_about_once(tp: Path, tmp_path: Path) -> None:
     """Two processes wrote each rank's file under one run id: ``load_run`` says so in
     one warning, from the lines and from the digests (it said it twice)."""

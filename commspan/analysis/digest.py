@@ -1287,7 +1287,7 @@ def select_parts(
     whole = kept
     last_traces = None
     if steps is not None:
-        last_traces = last_traces_of((p["rank"], p["start"], p["trace"]) for p in kept)
+        last_traces = last_traces_of((p["rank"], p["end"], p["trace"]) for p in kept)
         traces = {t for t, s in _trace_steps(kept).items() if s in steps}
         kept = [p for p in kept if p["trace"] in traces]
     return PartSelection(kept, chosen, runs, kept_steps, note, last_traces, whole)
@@ -1322,8 +1322,10 @@ def summarize_parts(
         ranks.add(part["rank"])
         key = (part["rank"], part["trace"])
         last = latest.get(part["rank"])
-        if last is None or part["start"] > last[0]:
-            latest[part["rank"]] = (part["start"], part["trace"])
+        # (a rank's latest trace: the part that ends last; a step number used again
+        # starts its trace before the steps between its uses)
+        if last is None or part["end"] > last[0]:
+            latest[part["rank"]] = (part["end"], part["trace"])
         if part["rank_step"] is not None:
             rooted.add(key)
             if part["rank_step"][3] is not None:

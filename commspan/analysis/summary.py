@@ -143,8 +143,8 @@ class _Unfinished:
         if failed:
             self.failed.add(trace)
         last = self.latest.get(rank)
-        if last is None or part["start"] > last[0]:
-            self.latest[rank] = (part["start"], trace)
+        if last is None or part["end"] > last[0]:  # (a step used again: its end is last)
+            self.latest[rank] = (part["end"], trace)
         if part["rank_step"] is not None:
             self.rooted.add((rank, trace))
         if part["present"] and part["commspan_spans"]:

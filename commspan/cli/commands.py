@@ -406,6 +406,9 @@ class Reader:
             return False
         self.report.add(read)
         builder.add_parts(parts)
+        # (as read() does: the damaged lines named for this side are its own, none)
+        self._located = None
+        self._files = {str(f) for f in files}
         return True
 
     def _older_digests(self, files: Sequence[Path]) -> None:
