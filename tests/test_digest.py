@@ -368,8 +368,9 @@ def test_a_step_used_again_and_cut_short_in_one_line_reads_as_from_the_lines(
 ) -> None:
     """Steps 0, 1, 0 written as one line per rank, rank 1's step 1 cut short (its
     rank and step spans lost): its latest trace is step 0's, used again after step 1,
-    so step 1 was cut short. Digests took the trace of the part that started last
-    (step 1: maybe still running), so summary named nothing and diff compared it."""
+    so step 1 was cut short. Digests took the trace of the part whose first span
+    started last (step 1: maybe still running), so summary named nothing and diff
+    compared it; parts now keep their latest span's start (``last_start``)."""
     base = tmp_path / "base"
     write_run(base, "rep", net_step(), steps=(0, 1, 0))
     for f in base.glob("*.jsonl"):

@@ -402,6 +402,8 @@ def _digest_parts(records: Iterable[SpanRecord]) -> list[DigestPart] | None:
         part.spans += 1
         if start < part.start:
             part.start = start
+        if start > part.last_start:
+            part.last_start = start
         if rec.end_time > part.end:
             part.end = rec.end_time
         if semconv.WORLD_SIZE in attrs and known[1] is None:
@@ -410,6 +412,8 @@ def _digest_parts(records: Iterable[SpanRecord]) -> list[DigestPart] | None:
                 part.world_size = max(part.world_size or 0, world)
         if name == span_step or name == span_rank:
             step = attrs.get(step_key)
+            if isinstance(step, bool):
+                return None  # (a step the lines' readers take in some places only)
             if type(step) is not int:
                 step = None
             if part.step is None:
@@ -466,7 +470,8 @@ class _Part:
 
     __slots__ = ("run", "rank", "trace", "world_size", "sample", "writer", "spans",
                  "present", "commspan_spans", "start", "end", "present_start", "step",
-                 "rank_step", "repeats", "raised", "aggs", "first", "coll", "mods", "gc")
+                 "rank_step", "repeats", "raised", "aggs", "first", "coll", "mods", "gc",
+                 "last_start")
 
     def __init__(self, run: str, rank: int, trace: str, start: int, end: int) -> None:
         self.run, self.rank, self.trace = run, rank, trace
@@ -475,6 +480,7 @@ class _Part:
         self.writer: str | None = None
         self.spans = self.present = self.commspan_spans = 0
         self.start, self.end = start, end
+        self.last_start = start  # (version 7) the latest start: the rank's latest trace
         self.present_start: int | None = None
         self.step: int | None = None
         self.rank_step: list[Any] | None = None
@@ -1261,6 +1267,12 @@ def _trace_steps(parts: Iterable[DigestPart]) -> dict[str, int]:
     return steps
 
 
+def _last_start(part: DigestPart) -> int:
+    """When the part's latest span started (``last_start``, version 7)."""
+    started: int = part.get("last_start", part["start"])
+    return started
+
+
 class PartSelection(NamedTuple):
     """What :func:`select_parts` kept: as :class:`~commspan.analysis.runs.Selection`,
     with parts for records."""
@@ -1287,7 +1299,7 @@ def select_parts(
     whole = kept
     last_traces = None
     if steps is not None:
-        last_traces = last_traces_of((p["rank"], p["end"], p["trace"]) for p in kept)
+        last_traces = last_traces_of((p["rank"], _last_start(p), p["trace"]) for p in kept)
         traces = {t for t, s in _trace_steps(kept).items() if s in steps}
         kept = [p for p in kept if p["trace"] in traces]
     return PartSelection(kept, chosen, runs, kept_steps, note, last_traces, whole)
@@ -1322,10 +1334,10 @@ def summarize_parts(
         ranks.add(part["rank"])
         key = (part["rank"], part["trace"])
         last = latest.get(part["rank"])
-        # (a rank's latest trace: the part that ends last; a step number used again
-        # starts its trace before the steps between its uses)
-        if last is None or part["end"] > last[0]:
-            latest[part["rank"]] = (part["end"], part["trace"])
+        # (a rank's latest trace: that of the span that started last, as the lines'
+        # readers take it; a step number used again begins its trace earlier)
+        if last is None or _last_start(part) > last[0]:
+            latest[part["rank"]] = (_last_start(part), part["trace"])
         if part["rank_step"] is not None:
             rooted.add(key)
             if part["rank_step"][3] is not None:

@@ -143,8 +143,9 @@ class _Unfinished:
         if failed:
             self.failed.add(trace)
         last = self.latest.get(rank)
-        if last is None or part["end"] > last[0]:  # (a step used again: its end is last)
-            self.latest[rank] = (part["end"], trace)
+        started = part.get("last_start", part["start"])  # (its latest span's start)
+        if last is None or started > last[0]:
+            self.latest[rank] = (started, trace)
         if part["rank_step"] is not None:
             self.rooted.add((rank, trace))
         if part["present"] and part["commspan_spans"]:

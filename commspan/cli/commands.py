@@ -421,11 +421,13 @@ class Reader:
             return
         versions = ", ".join(str(v) for v in sorted(older))
         count = sum(older.values())
-        self.notes.append(
+        note = (
             f"commspan: {count:,} file{'s have' if count > 1 else ' has'} digests of version "
             f"{versions}, which this commspan does not read (it reads version "
             f"{DIGEST_VERSION}): the lines were parsed instead; `commspan digest` on "
             "the same files rewrites their digests")
+        if note not in self.notes:  # (diff: both sides' files may say the same)
+            self.notes.append(note)
 
 
 class RankCap:
