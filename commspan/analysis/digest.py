@@ -1269,8 +1269,8 @@ def _trace_steps(parts: Iterable[DigestPart]) -> dict[str, int]:
 
 def _last_start(part: DigestPart) -> int:
     """When the part's latest span started (``last_start``, version 7)."""
-    started: int = part.get("last_start", part["start"])
-    return started
+    started = part.get("last_start")
+    return started if isinstance(started, int) else int(part["start"])
 
 
 class PartSelection(NamedTuple):
