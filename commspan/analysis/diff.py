@@ -420,7 +420,7 @@ class _RunFold:
         if self.rank is not None and rank != self.rank:
             return
         usage, counted = trace.usage, False
-        for row in _coll_rows(part):
+        for row in orjson.loads(part["coll"]):
             template = templates[row[0]]
             compared = template[6]
             if compared is None:  # (not on a module's span: diff does not count it)
@@ -465,10 +465,6 @@ def _count(usage: dict[tuple[str, str, str], list[Any]],
     if how[1] is not None:
         slot[2].add(how[1])
     slot[3][how[2]] = slot[3].get(how[2], 0) + 1
-
-
-def _coll_rows(part: Mapping[str, Any]) -> list[list[Any]]:
-    return orjson.loads(part["coll"])  # type: ignore[no-any-return]
 
 
 class ProfileBuilder:

@@ -64,7 +64,7 @@ from commspan.analysis.runs import (
     runs_of,
     writer_of,
 )
-from commspan.analysis.summary import summary_of
+from commspan.analysis.summary import _Unfinished, part_last_start, summary_of
 from commspan.otlpjson.decode import (
     DECODE_ERRORS,
     EMPTY_LINE,
@@ -1267,12 +1267,6 @@ def _trace_steps(parts: Iterable[DigestPart]) -> dict[str, int]:
     return steps
 
 
-def _last_start(part: DigestPart) -> int:
-    """When the part's latest span started (``last_start``, version 7)."""
-    started = part.get("last_start")
-    return started if isinstance(started, int) else int(part["start"])
-
-
 class PartSelection(NamedTuple):
     """What :func:`select_parts` kept: as :class:`~commspan.analysis.runs.Selection`,
     with parts for records."""
@@ -1299,7 +1293,8 @@ def select_parts(
     whole = kept
     last_traces = None
     if steps is not None:
-        last_traces = last_traces_of((p["rank"], _last_start(p), p["trace"]) for p in kept)
+        last_traces = last_traces_of((p["rank"], part_last_start(p), p["trace"])
+                                     for p in kept)
         traces = {t for t, s in _trace_steps(kept).items() if s in steps}
         kept = [p for p in kept if p["trace"] in traces]
     return PartSelection(kept, chosen, runs, kept_steps, note, last_traces, whole)
@@ -1315,42 +1310,23 @@ def summarize_parts(
     ranks: set[int] = set()
     steps: set[int] = set()
     traces: set[str] = set()
-    rooted: set[tuple[int, str]] = set()
-    present: set[tuple[int, str]] = set()
-    trace_step: dict[str, int] = {}  # (any rank's span of the trace may say its step)
-    latest: dict[int, tuple[int, str]] = {}
-    failed: set[str] = set()  # traces where some rank's collective failed
+    # which traces were cut short, as summarize finds them (a trace's spans may span
+    # lines: no line of it holds its rank span, and a collective of it failed on some
+    # rank or the rank wrote later traces), over every rank's parts
+    unfinished = _Unfinished()
     cache: dict[str, tuple[Any, ...]] = {}
     for part in parts:
-        if part["trace"] not in failed and any(
-                _template(text, cache)[3] == semconv.STATE_FAILED for text in part["tmpls"]):
-            failed.add(part["trace"])
-        if part["step"] is not None:
-            trace_step.setdefault(part["trace"], part["step"])
+        unfinished.add_part(part, part["trace"] not in unfinished.failed and any(
+            _template(text, cache)[3] == semconv.STATE_FAILED for text in part["tmpls"]))
         if rank is not None and part["rank"] != rank:
             continue
         count += part["spans"]
         traces.add(part["trace"])
         ranks.add(part["rank"])
-        key = (part["rank"], part["trace"])
-        last = latest.get(part["rank"])
-        # (a rank's latest trace: that of the span that started last, as the lines'
-        # readers take it; a step number used again begins its trace earlier)
-        if last is None or _last_start(part) > last[0]:
-            latest[part["rank"]] = (_last_start(part), part["trace"])
-        if part["rank_step"] is not None:
-            rooted.add(key)
-            if part["rank_step"][3] is not None:
-                steps.add(part["rank_step"][3])
-        if part["present"] and part["commspan_spans"]:
-            present.add(key)
-    # a trace's spans may span lines: cut short when no line of it holds its rank span
-    # and a collective of it failed on some rank or the rank wrote later traces
-    # (digests hold no hang record: lines that have one are read as spans)
-    last_of = ({r: t for r, (_, t) in latest.items()} if last_traces is None
-               else last_traces)
-    partial = [(r, trace_step.get(t)) for r, t in present
-               if (r, t) not in rooted and (t in failed or last_of.get(r, t) != t)]
+        if part["rank_step"] is not None and part["rank_step"][3] is not None:
+            steps.add(part["rank_step"][3])
+    partial = [(r, step) for r, _, step in unfinished.cut_short(last_traces)
+               if rank is None or r == rank]
     steps.update(step for _, step in partial if step is not None)
     return summary_of(agg, count, traces, ranks, steps, partial)
 

@@ -557,7 +557,7 @@ def _load_digested(files: Sequence[Path], wanted: frozenset[int] | None, module_
     so), or when a line was skipped: a damaged line raises or is located
     (:attr:`Run.unread`) by the lines' reader, a torn one is logged by it."""
     from commspan.analysis.digest import list_part_runs, load_parts, run_from_parts
-    from commspan.analysis.runs import _others_note, choose, commspan_runs
+    from commspan.analysis.runs import choose_run
 
     read = ReadReport()
     parts = load_parts(files, read, max_line_bytes, module_spans)
@@ -565,13 +565,13 @@ def _load_digested(files: Sequence[Path], wanted: frozenset[int] | None, module_
         return None
     report.add(read)  # (what was read, also when the selection below raises)
     every = list_part_runs(parts)
-    runs = commspan_runs(every)
-    chosen, _, note = choose(runs, run, None)  # (SelectionError: as from the lines)
-    note = _others_note(every, runs, note)
+    chosen, note = choose_run(every, run)  # (SelectionError: as from the lines)
+    if chosen is None:
+        return None
     if note:
         _log.warning("%s", note)
     require_steps(wanted, chosen.steps, f"run {chosen.run_id}" if chosen.run_id else "")
-    if len(runs) > 1:
+    if len(every) > 1:
         parts = [p for p in parts if p["run"] == chosen.run_id]
     built = run_from_parts(parts, module_spans)
     if wanted is not None:

@@ -307,12 +307,23 @@ class RunTally:
         Raises:
             SelectionError: as :func:`select`.
         """
-        every = tuple(self.runs())
-        runs = commspan_runs(every)
-        if not runs:
-            return None, None
-        chosen, _, note = choose(runs, run, None)
-        return chosen, _others_note(every, runs, note)
+        return choose_run(self.runs(), run)
+
+
+def choose_run(every: Sequence[RunInfo], run: str | None,
+               ) -> tuple[RunInfo | None, str | None]:
+    """The run :func:`select` keeps of the runs of the files read, ``every`` (``None``
+    when there is none), and its note (the run chosen among several, spans of other
+    programs left out, a run two jobs wrote).
+
+    Raises:
+        SelectionError: as :func:`select`.
+    """
+    runs = commspan_runs(every)
+    if not runs:
+        return None, None
+    chosen, _, note = choose(runs, run, None)
+    return chosen, _others_note(every, runs, note)
 
 
 def writer_of(resource: Any) -> str | None:

@@ -88,6 +88,14 @@ def cut_short(
     return unfinished.cut_short(last_traces)
 
 
+def part_last_start(part: Mapping[str, Any]) -> int:
+    """When the latest span of a digest part started (``last_start``, version 7):
+    what says a rank's latest trace, as the lines' readers take it (a step number
+    used again begins its trace before the steps between its uses)."""
+    started = part.get("last_start")
+    return started if isinstance(started, int) else int(part["start"])
+
+
 class _Unfinished:
     """Which traces a rank began (wrote module spans of) but never ended (wrote no
     ``commspan.rank`` span of), and which of those were cut short."""
@@ -134,16 +142,15 @@ class _Unfinished:
     def add_part(self, part: Mapping[str, Any], failed: bool) -> None:
         """:meth:`see` and :meth:`add` of the spans a digest part stands for
         (:func:`~commspan.analysis.digest.digest_parts`; ``failed``: a collective of
-        it failed), as :func:`~commspan.analysis.digest.summarize_parts` reads them:
-        the rank's latest trace by the part's first start (a rank's traces follow
-        each other). Digests hold no hang record."""
+        it failed): the rank's latest trace is that of the span that started last
+        (:func:`part_last_start`). Digests hold no hang record."""
         rank, trace = part["rank"], part["trace"]
         if part["step"] is not None:
             self.trace_step.setdefault(trace, part["step"])
         if failed:
             self.failed.add(trace)
         last = self.latest.get(rank)
-        started = part.get("last_start", part["start"])  # (its latest span's start)
+        started = part_last_start(part)
         if last is None or started > last[0]:
             self.latest[rank] = (started, trace)
         if part["rank_step"] is not None:

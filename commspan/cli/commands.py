@@ -40,7 +40,7 @@ from commspan.otlpjson.records import (
 
 if TYPE_CHECKING:
     from commspan.analysis.diff import FoldedSide, Profile, ProfileBuilder
-    from commspan.analysis.digest import PartSelection
+    from commspan.analysis.digest import DigestPart, PartSelection
     from commspan.analysis.records import Run
 
 _Sel = TypeVar("_Sel", bound=Union[Selection, "PartSelection"])
@@ -132,8 +132,7 @@ class Reader:
             else:
                 hold(spans_of)
             self.check_lines(f, used, damaged)
-        self._located = None  # (diff reads B after locating A's damaged lines)
-        self._files = {str(f) for f in files}  # (whose damaged lines select() names)
+        self._reading(files)
         if self.report.commspan_spans == ours:
             if len(self.report.damaged) > skipped:
                 raise Damaged
@@ -141,6 +140,12 @@ class Reader:
                                    self.report.spans - spans, len(self.report.torn) - torn,
                                    "the warnings above")
         return records
+
+    def _reading(self, files: Sequence[Path]) -> None:
+        """The files now read, whose damaged lines :meth:`select` names (``diff`` reads
+        B after locating A's)."""
+        self._located = None
+        self._files = {str(f) for f in files}
 
     def check_lines(self, path: Path, used: int, skipped: int) -> None:
         """After ``path`` was read (``used`` lines and ``skipped`` lines skipped in
@@ -360,22 +365,12 @@ class Reader:
         """:meth:`load` from the files' digests (docs/jsonl.md, "Digests"), selected
         the same way (``module_spans``: with the parts' module spans); ``None`` when a
         file has none (then :meth:`load`)."""
-        from commspan.analysis.digest import load_parts, select_parts
+        from commspan.analysis.digest import select_parts
 
-        if getattr(self.args, "no_digest", False):
+        digested = self._digested(paths, "FILES", module_spans)
+        if digested is None:
             return None
-        files = self.files(paths)
-        read = ReadReport()
-        parts = load_parts(files, read, self.args.max_line_mib * _MIB, module_spans)
-        if parts is None:
-            self._older_digests(files)
-            return None
-        if not any(p["commspan_spans"] for p in parts):
-            return None  # (no commspan span: load() says so)
-        if read.damaged:
-            # the steps a damaged line may have held are found among the lines around
-            # it (rank spans, their counts): read the lines, which say which they are
-            return None
+        parts, read, _ = digested
         steps, option = _steps_of(self.args, 0)
         if steps is not None and len({p.get("table") is None for p in parts}) > 1:
             # lines a digest stands for mixed with lines parsed here (a damaged or
@@ -392,24 +387,35 @@ class Reader:
         it in errors); ``False`` when they cannot stand for its lines (as
         :meth:`load_digested`: a file without a digest of this version, no commspan
         span, a damaged line), which are then read."""
-        from commspan.analysis.digest import load_parts
-
-        if self.args.no_digest:
+        digested = self._digested([path], label)
+        if digested is None:
             return False
-        files = self.files([path], label)
-        read = ReadReport()
-        parts = load_parts(files, read, self.args.max_line_mib * _MIB)
-        if parts is None:
-            self._older_digests(files)
-            return False
-        if not any(p["commspan_spans"] for p in parts) or read.damaged:
-            return False
+        parts, read, files = digested
         self.report.add(read)
         builder.add_parts(parts)
-        # (as read() does: the damaged lines named for this side are its own, none)
-        self._located = None
-        self._files = {str(f) for f in files}
+        self._reading(files)  # (this side's damaged lines: none)
         return True
+
+    def _digested(self, paths: Sequence[str], label: str, module_spans: bool = False,
+                  ) -> tuple[list[DigestPart], ReadReport, list[Path]] | None:
+        """The parts of ``paths``' digests, what reading them read, and the files;
+        ``None`` when the lines are to be read instead: ``--no-digest``, a file
+        without a digest of this version (said on stderr), no commspan span (the
+        lines' reader says so), or a damaged line (the steps it may have held are
+        found among the lines around it, which the lines' reader names)."""
+        from commspan.analysis.digest import load_parts
+
+        if getattr(self.args, "no_digest", False):
+            return None
+        files = self.files(paths, label)
+        read = ReadReport()
+        parts = load_parts(files, read, self.args.max_line_mib * _MIB, module_spans)
+        if parts is None:
+            self._older_digests(files)
+            return None
+        if not any(p["commspan_spans"] for p in parts) or read.damaged:
+            return None
+        return parts, read, files
 
     def _older_digests(self, files: Sequence[Path]) -> None:
         """Note, when some files' digests were written by another version of commspan
