@@ -363,6 +363,24 @@ def test_diff_reads_digests_not_the_lines(
                      lines_only[2].replace(str(plain), str(digested)))
 
 
+def _spans_of(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    return [s for rs in doc["resourceSpans"] for ss in rs["scopeSpans"] for s in ss["spans"]]
+
+
+def _step_attr(span: dict[str, Any]) -> Any:
+    return next((a["value"] for a in span.get("attributes", [])
+                 if a["key"] == "commspan.step"), None)
+
+
+def _drop_step_ends(docs: list[dict[str, Any]], traces: set[str]) -> None:
+    """Remove the rank and step spans of ``traces`` from ``docs``: those steps cut short."""
+    for doc in docs:
+        for rs in doc["resourceSpans"]:
+            for ss in rs["scopeSpans"]:
+                ss["spans"] = [s for s in ss["spans"] if not (
+                    s["traceId"] in traces and s["name"] in ("commspan.rank", "commspan.step"))]
+
+
 def test_a_step_used_again_and_cut_short_in_one_line_reads_as_from_the_lines(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], fake_pg: None,
 ) -> None:
@@ -379,17 +397,10 @@ def test_a_step_used_again_and_cut_short_in_one_line_reads_as_from_the_lines(
         for doc in docs[1:]:
             merged["resourceSpans"].extend(doc["resourceSpans"])
         if f.name.endswith("rank1.jsonl"):
-            spans = [s for rs in merged["resourceSpans"] for ss in rs["scopeSpans"]
-                     for s in ss["spans"]]
-            step1 = {s["traceId"] for s in spans if any(
-                a["key"] == "commspan.step" and a["value"].get("intValue") in (1, "1")
-                for a in s.get("attributes", []))}
+            step1 = {s["traceId"] for s in _spans_of(merged) if s["name"] == "commspan.rank"
+                     and int(_step_attr(s)["intValue"]) == 1}
             assert step1
-            for rs in merged["resourceSpans"]:
-                for ss in rs["scopeSpans"]:
-                    ss["spans"] = [s for s in ss["spans"] if not (
-                        s["traceId"] in step1 and s["name"] in ("commspan.rank",
-                                                                "commspan.step"))]
+            _drop_step_ends([merged], step1)
         f.write_text(json.dumps(merged) + "\n")
     plain = _without_digests(base, tmp_path / "plain")
     digested = _with_digests(base, tmp_path / "digested")
@@ -403,15 +414,6 @@ def test_a_step_used_again_and_cut_short_in_one_line_reads_as_from_the_lines(
                             for x in expected), cmd
 
 
-def _spans_of(doc: dict[str, Any]) -> list[dict[str, Any]]:
-    return [s for rs in doc["resourceSpans"] for ss in rs["scopeSpans"] for s in ss["spans"]]
-
-
-def _step_attr(span: dict[str, Any]) -> Any:
-    return next((a["value"] for a in span.get("attributes", [])
-                 if a["key"] == "commspan.step"), None)
-
-
 def _late_module_span_of_a_step_cut_short(run: Path) -> None:
     """Rank 1's step 1 lost its rank and step spans, and one of its module spans ends
     after step 2's spans: the rank's latest trace is still step 2's (latest start)."""
@@ -423,12 +425,7 @@ def _late_module_span_of_a_step_cut_short(run: Path) -> None:
     end2 = max(int(s["endTimeUnixNano"]) for s in spans if s["traceId"] == trace[2])
     late = next(s for s in spans if s["traceId"] == trace[1] and "commspan" not in s["name"])
     late["endTimeUnixNano"] = str(end2 + 1000)
-    for d in docs:
-        for rs in d["resourceSpans"]:
-            for ss in rs["scopeSpans"]:
-                ss["spans"] = [s for s in ss["spans"] if not (
-                    s["traceId"] == trace[1] and s["name"] in ("commspan.rank",
-                                                               "commspan.step"))]
+    _drop_step_ends(docs, {trace[1]})
     f.write_text("".join(json.dumps(d) + "\n" for d in docs))
 
 
