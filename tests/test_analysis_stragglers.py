@@ -16,6 +16,7 @@ from _analysis_builder import SpanBuilder
 
 from commspan import semconv
 from commspan.analysis import bandwidth, build_run, bus_factor, stragglers
+from commspan.analysis.records import SpanTimes
 from commspan.analysis.stragglers import analyze, step_breakdown, straggler_report
 from commspan.render.findings import format_stragglers
 
@@ -119,6 +120,32 @@ def test_step_breakdown_counts_each_instant_once_for_the_innermost_span() -> Non
     assert (t.forward_ns, t.backward_ns, t.recompute_ns, t.outside_ns) == (40, 30, 10, 20)
     assert t.forward_ns + t.backward_ns + t.recompute_ns + t.outside_ns == t.total_ns
     assert t.collectives_ns is None
+
+
+def test_module_spans_folded_a_rank_at_a_time_give_the_same_step_times() -> None:
+    """Run.span_times (the module spans folded a rank at a time, as the digests' reader
+    keeps them for stragglers) gives each of two ranks the times of the nesting test
+    above, worked out by hand (rank 1's forward Net ends at 51: forward 41, backward
+    29), with the ranks folded apart and each parent before its children."""
+    b = SpanBuilder(2)
+    for r in range(2):
+        s = b.rank(r, 0)
+        fwd = s.module("Net", "forward", start=10, end=50 + r)
+        s.module("Net.a", "forward", start=20, end=30, parent=fwd)
+        bwd = s.module("Net", "backward", start=50 + r, end=90)
+        s.module("Net.a", "recompute", start=60, end=70, parent=bwd)
+        s.set_times(0, 100)
+    run = build_run(b.spans())
+    spans, run.module_spans = run.module_spans, []
+    assert len(spans) == 8
+    run.span_times = SpanTimes()
+    for r in (1, 0):
+        run.span_times.add([m for m in sorted(spans, key=lambda m: m.start_ns) if m.rank == r])
+    times = {t.rank: t for t in step_breakdown(run)}
+    for r in range(2):
+        t = times[r]
+        assert (t.forward_ns, t.backward_ns, t.recompute_ns, t.outside_ns) == (
+            40 + r, 30 - r, 10, 20)
 
 
 def test_a_step_number_used_again_adds_up_its_uses() -> None:

@@ -1255,8 +1255,8 @@ def test_stragglers_reads_module_spans_and_pauses_from_digests(
     and rank 0 runs a full collection inside step 1), and its answer is the lines'."""
     import gc
 
-    from commspan.analysis.digest import load_parts, run_from_parts
-    from commspan.analysis.records import load_run
+    from commspan.analysis.digest import load_parts, run_from_parts, span_times_of_parts
+    from commspan.analysis.records import SpanTimes, load_run
     from commspan.cli.commands import Reader
 
     model = parallelize(Transformer(ModelArgs()), fake_mesh(4))
@@ -1285,6 +1285,18 @@ def test_stragglers_reads_module_spans_and_pauses_from_digests(
     assert sorted(digested.module_spans) == sorted(lines.module_spans)
     assert sorted(digested.gc_pauses) == sorted(lines.gc_pauses)
     assert run_from_parts(parts).module_spans == []  # (check needs none)
+    # folded a rank at a time (what stragglers keeps of them): the lines' spans folded
+    reference = SpanTimes.of(lines.module_spans)
+    assert reference.own and reference.under
+    folded = span_times_of_parts(parts)
+    assert (folded.own, folded.under) == (reference.own, reference.under)
+    for path in (run, plain):  # digests, lines
+        kept = load_run(path, module_spans="folded")
+        assert kept.module_spans == [] and kept.span_times is not None
+        assert (kept.span_times.own, kept.span_times.under) == (
+            reference.own, reference.under)
+    with pytest.raises(ValueError, match="module_spans='yes' is not valid; pass True"):
+        load_run(run, module_spans="yes")  # type: ignore[arg-type]
 
     def parse_lines(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("stragglers parsed the lines of a digested run")

@@ -50,6 +50,7 @@ from commspan.analysis.records import (
     ModuleSpan,
     RankStep,
     Run,
+    SpanTimes,
     _collective,
     _raised_where,
     _times,
@@ -106,6 +107,7 @@ __all__ = [
     "digest_path",
     "read_digest",
     "span_records",
+    "span_times_of_parts",
 ]
 
 DIGEST_SUFFIX = ".digest"
@@ -1100,9 +1102,7 @@ def run_from_parts(parts: Sequence[DigestPart], module_spans: bool = False) -> R
             span_id=first[0], start_ns=first[1], end_ns=first[2],
             repeats=tuple(sorted(later, key=lambda u: u[1])))
     cache: dict[str, tuple[Any, ...]] = {}
-    module_cache: dict[str, tuple[Any, ...]] = {}
-    parsed_line: _LineModules | None = None
-    parsed: list[tuple[list[str], list[list[Any]]]] = []
+    modules = _PartModules()
     for part in parts:
         trace, rank = part["trace"], part["rank"]
         step = run.trace_steps.get(trace)
@@ -1122,31 +1122,69 @@ def run_from_parts(parts: Sequence[DigestPart], module_spans: bool = False) -> R
             else:
                 run.gc_pauses.append(GcRecord(rank, step, trace, t, *pause))
         if module_spans:
-            rows = part["mods"]
-            if rows is None:
-                raise ValueError("parts read without their module spans: pass "
-                                 "module_spans=True to load_parts")
-            if type(rows) is str:  # (parts digested here, not read from a digest)
-                texts, rows = part["mtmpls"], orjson.loads(rows)
-            else:  # (a digest line's: its module spans parsed once, for its parts)
-                line, index = rows
-                if line is not parsed_line:
-                    parsed_line, parsed = line, line.parse()
-                texts, rows = parsed[index]
-            names = [_module_template(text, module_cache) for text in texts]
-            first = part["start"]
-            add = run.module_spans.append
-            for index, span_id, parent, start, duration in rows:
-                fqn, phase = names[index]
-                if type(parent) is int:  # the row of a module span of the part
-                    parent = rows[parent][1]
-                add(ModuleSpan(rank, trace, span_id, parent, fqn, phase, first + start,
-                               first + start + duration))
+            modules.add(part, run.module_spans)
     run.rank_steps = {
         key: rs._replace(step=run.trace_steps.get(rs.trace_id))
         for key, rs in run.rank_steps.items()
     }
     return run
+
+
+def span_times_of_parts(parts: Sequence[DigestPart]) -> SpanTimes:
+    """The module spans of ``parts`` (read with ``module_spans=True``) folded for the
+    step-time view a rank at a time: what ``run_from_parts(parts, module_spans=True)``
+    gives ``step_breakdown``, without holding every module span of the run at once.
+
+    Raises:
+        ValueError: parts read without their module spans.
+    """
+    by_rank: dict[int, list[DigestPart]] = {}
+    for part in parts:
+        by_rank.setdefault(part["rank"], []).append(part)
+    times = SpanTimes()
+    modules = _PartModules()
+    for ranked in by_rank.values():
+        spans: list[ModuleSpan] = []
+        for part in ranked:
+            modules.add(part, spans)
+        times.add(spans)
+    return times
+
+
+class _PartModules:
+    """Makes the :class:`~commspan.analysis.records.ModuleSpan` rows of parts, parsing
+    each digest line's module spans once for its parts (in a row) and each module
+    template's text once."""
+
+    __slots__ = ("line", "parsed", "names")
+
+    def __init__(self) -> None:
+        self.line: _LineModules | None = None
+        self.parsed: list[tuple[list[str], list[list[Any]]]] = []
+        self.names: dict[str, tuple[Any, ...]] = {}
+
+    def add(self, part: DigestPart, out: list[ModuleSpan]) -> None:
+        """Append the module spans of ``part`` to ``out``."""
+        rows = part["mods"]
+        if rows is None:
+            raise ValueError("parts read without their module spans: pass "
+                             "module_spans=True to load_parts")
+        if type(rows) is str:  # (parts digested here, not read from a digest)
+            texts, rows = part["mtmpls"], orjson.loads(rows)
+        else:  # (a digest line's: its module spans parsed once, for its parts)
+            line, index = rows
+            if line is not self.line:
+                self.line, self.parsed = line, line.parse()
+            texts, rows = self.parsed[index]
+        names = [_module_template(text, self.names) for text in texts]
+        rank, trace, first = part["rank"], part["trace"], part["start"]
+        add = out.append
+        for index, span_id, parent, start, duration in rows:
+            fqn, phase = names[index]
+            if type(parent) is int:  # the row of a module span of the part
+                parent = rows[parent][1]
+            add(ModuleSpan(rank, trace, span_id, parent, fqn, phase, first + start,
+                           first + start + duration))
 
 
 class _LineModules:

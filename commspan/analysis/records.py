@@ -23,7 +23,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple, TypeVar, Union
+from typing import Any, Literal, NamedTuple, TypeVar, Union
 
 from commspan import semconv
 from commspan.otlpjson.decode import (
@@ -45,6 +45,7 @@ __all__ = [
     "Run",
     "RunPaths",
     "RunsBuilder",
+    "SpanTimes",
     "Unread",
     "build_run",
     "gc_event_fields",
@@ -258,6 +259,61 @@ class ModuleSpan(NamedTuple):
     end_ns: int
 
 
+class SpanTimes:
+    """Module spans folded into what the step-time view reads of them, a rank at a
+    time, so that a run's module spans need not all be held at once (a thousand
+    ranks' are millions).
+
+    Attributes:
+        own: ``(rank, trace_id) -> phase ->`` the own time of that rank's module
+            spans of that phase in that trace: each span's duration minus its
+            child spans' (clipped at 0), so an instant is counted once, for the
+            innermost span.
+        under: ``(rank, span_id) ->`` the summed duration of the module spans
+            whose parent is that span, for parents that are not module spans (a
+            rank span: the time of its step spent in modules).
+
+    Example:
+        >>> outer = ModuleSpan(0, "t", "a", "step", "Net", "forward", 0, 10)
+        >>> inner = ModuleSpan(0, "t", "b", "a", "Net.fc", "forward", 2, 6)
+        >>> times = SpanTimes.of([outer, inner])
+        >>> times.own[(0, "t")]["forward"], times.under[(0, "step")]
+        (10, 10)
+    """
+
+    __slots__ = ("own", "under")
+
+    def __init__(self) -> None:
+        self.own: dict[tuple[int, str], Counter[str]] = {}
+        self.under: Counter[tuple[int, str]] = Counter()
+
+    @classmethod
+    def of(cls, spans: Iterable[ModuleSpan]) -> SpanTimes:
+        """``spans`` folded (every module span of the ranks they hold)."""
+        times = cls()
+        times.add(spans)
+        return times
+
+    def add(self, spans: Iterable[ModuleSpan]) -> None:
+        """Fold ``spans``: all the module spans of the ranks they hold, in one call
+        per rank (a span's own time needs every child of it)."""
+        spans = spans if isinstance(spans, (list, tuple)) else list(spans)
+        children: Counter[tuple[int, str]] = Counter()
+        for m in spans:
+            children[(m.rank, m.parent_span_id)] += max(0, m.end_ns - m.start_ns)
+        own = self.own
+        for m in spans:
+            key = (m.rank, m.trace_id)
+            phases = own.get(key)
+            if phases is None:
+                phases = own[key] = Counter()
+            phases[m.phase] += max(
+                0, m.end_ns - m.start_ns - children.get((m.rank, m.span_id), 0))
+        for m in spans:  # what is left: the parents that are not module spans
+            children.pop((m.rank, m.span_id), None)
+        self.under.update(children)
+
+
 class GcRecord(NamedTuple):
     """A pause of one rank's process for Python's garbage collector (a
     ``commspan.gc`` event).
@@ -333,6 +389,9 @@ class Run:
         unread: ``(rank, trace_id) ->`` the damaged line that may have held some of
             that rank's collectives of that trace (:mod:`commspan.analysis.unread`):
             what the rank issued there is unknown, ``check`` does not compare it.
+        span_times: the module spans folded for the step-time view, when that is
+            what was kept of them instead of :attr:`module_spans` (the digests'
+            reader for ``stragglers``); ``None`` otherwise.
     """
 
     collectives: list[CollectiveRecord] = field(default_factory=list)
@@ -348,6 +407,7 @@ class Run:
     skipped: Counter[str] = field(default_factory=Counter)
     rank_sample: str | None = None
     unread: dict[tuple[int, str], Unread] = field(default_factory=dict)
+    span_times: SpanTimes | None = None
 
     def expected_ranks(self) -> list[int]:
         """Ranks that should have written spans: ``range(world_size)`` and every rank
@@ -462,7 +522,7 @@ def load_run(
     paths: RunPaths,
     *,
     steps: Iterable[int] | None = None,
-    module_spans: bool = True,
+    module_spans: bool | Literal["folded"] = True,
     strict: bool = True,
     report: ReadReport | None = None,
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
@@ -483,7 +543,10 @@ def load_run(
             the same folder): its ``commspan.run_id``, or a prefix naming one run;
             ``None`` reads the only run, or the latest of several, with a warning
             naming the others, as the command line does (runs are never summed).
-        module_spans: keep the module spans (only the step-time view needs them).
+        module_spans: keep the module spans (only the step-time view needs them);
+            ``"folded"`` keeps only what that view reads of them
+            (:attr:`Run.span_times`, folded a rank at a time from digests: a
+            thousand ranks' module spans take gigabytes).
         strict, report, max_line_bytes: how damaged and over-long lines are
             handled, as for :func:`~commspan.exporters.read_spans` (``strict=False``
             skips a damaged line and reads the rest).
@@ -515,6 +578,9 @@ def load_run(
     if run is not None and not isinstance(run, str):
         raise TypeError(f"run={run!r} is not valid; pass a run id (str), a prefix of one, "
                         "or None for the latest run")
+    if module_spans not in (True, False, "folded"):
+        raise ValueError(f"module_spans={module_spans!r} is not valid; pass True, False "
+                         "or 'folded'")
     from commspan.analysis.unread import LineTally
 
     read = report if report is not None else ReadReport()
@@ -523,7 +589,7 @@ def load_run(
         return digested
     # One pass, a Run built per run of the files as their spans are read (a span
     # record lives as long as its line): the run chosen is known at the end only.
-    runs = RunsBuilder(module_spans)
+    runs = RunsBuilder(bool(module_spans))
     lines = LineTally()  # where a damaged line lies: the steps it may have held
     before, lines_before, spans_before = len(read.skipped), read.lines, read.spans
     ours = read.commspan_spans
@@ -545,22 +611,30 @@ def load_run(
     built = runs.finish(chosen.run_id, wanted)
     built.unread = {(u.rank, u.trace_id): u for u in lines.locate(read.skipped[before:])
                     if u.run_id == chosen.run_id and u.trace_id in built.presence}
+    if module_spans == "folded":
+        built.span_times, built.module_spans = SpanTimes.of(built.module_spans), []
     return built
 
 
-def _load_digested(files: Sequence[Path], wanted: frozenset[int] | None, module_spans: bool,
-                   report: ReadReport, max_line_bytes: int, run: str | None) -> Run | None:
+def _load_digested(files: Sequence[Path], wanted: frozenset[int] | None,
+                   module_spans: bool | Literal["folded"], report: ReadReport,
+                   max_line_bytes: int, run: str | None) -> Run | None:
     """:func:`load_run` from the files' digests (docs/jsonl.md, "Digests"), as the
     ``commspan`` commands read them; ``None`` (then the lines are parsed) when a file
     has no digest of this version (with ``module_spans``: one whose lines' module spans
     do not all hold), when no span of the files is commspan's (the lines' reader says
     so), or when a line was skipped: a damaged line raises or is located
     (:attr:`Run.unread`) by the lines' reader, a torn one is logged by it."""
-    from commspan.analysis.digest import list_part_runs, load_parts, run_from_parts
+    from commspan.analysis.digest import (
+        list_part_runs,
+        load_parts,
+        run_from_parts,
+        span_times_of_parts,
+    )
     from commspan.analysis.runs import choose_run
 
     read = ReadReport()
-    parts = load_parts(files, read, max_line_bytes, module_spans)
+    parts = load_parts(files, read, max_line_bytes, bool(module_spans))
     if parts is None or read.skipped or not any(p["commspan_spans"] for p in parts):
         return None
     report.add(read)  # (what was read, also when the selection below raises)
@@ -573,7 +647,11 @@ def _load_digested(files: Sequence[Path], wanted: frozenset[int] | None, module_
     require_steps(wanted, chosen.steps, f"run {chosen.run_id}" if chosen.run_id else "")
     if len(every) > 1:
         parts = [p for p in parts if p["run"] == chosen.run_id]
-    built = run_from_parts(parts, module_spans)
+    if module_spans == "folded":
+        built = run_from_parts(parts)
+        built.span_times = span_times_of_parts(parts)
+    else:
+        built = run_from_parts(parts, bool(module_spans))
     if wanted is not None:
         _keep_steps(built, wanted)
     return built

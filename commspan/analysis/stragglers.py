@@ -78,6 +78,7 @@ from commspan.analysis.records import (
     CollectiveRecord,
     Run,
     RunPaths,
+    SpanTimes,
     _check_steps,
     _keep_steps,
     differing_fields,
@@ -260,13 +261,13 @@ def stragglers(
         StragglerRow(step=3, fqn='Net.blocks.1', phase='forward', rank=2, times_last=1, ...)
     """
     if steps is None:
-        return analyze(load_run(paths, strict=strict, report=report,
+        return analyze(load_run(paths, module_spans="folded", strict=strict, report=report,
                                 max_line_bytes=max_line_bytes, run=run))
     wanted = _check_steps(steps)
     # the steps selected, with the whole run for the waits passed on from before them:
     # the run built once, the selection a copy of it cut to the steps (as build_run's)
-    whole = load_run(paths, strict=strict, report=report, max_line_bytes=max_line_bytes,
-                     run=run)
+    whole = load_run(paths, module_spans="folded", strict=strict, report=report,
+                     max_line_bytes=max_line_bytes, run=run)
     require_steps(wanted, (s for s in whole.trace_steps.values() if s is not None))
     selected = replace(whole)
     _keep_steps(selected, wanted or frozenset())
@@ -576,15 +577,12 @@ def step_breakdown(run: Run) -> list[StepTime]:
 
     A module span's own time is its duration minus its child spans' (clipped
     at 0), so nested spans are counted once, for the innermost; the rank span's
-    own time is the time outside any module.
+    own time is the time outside any module. The module spans are read from
+    :attr:`~commspan.analysis.records.Run.span_times` where the run kept them
+    folded, from :attr:`~commspan.analysis.records.Run.module_spans` otherwise.
     """
-    children: dict[tuple[int, str], int] = Counter()
-    for m in run.module_spans:
-        children[(m.rank, m.parent_span_id)] += max(0, m.end_ns - m.start_ns)
-    phase_time: dict[tuple[int, str], Counter[str]] = defaultdict(Counter)
-    for m in run.module_spans:
-        own = max(0, m.end_ns - m.start_ns - children.get((m.rank, m.span_id), 0))
-        phase_time[(m.rank, m.trace_id)][m.phase] += own
+    times = run.span_times if run.span_times is not None else SpanTimes.of(run.module_spans)
+    phase_time, under = times.own, times.under
     comm: dict[tuple[int, str], int] = Counter()
     collector: dict[tuple[int, str], int] = Counter()
     for g in run.gc_pauses:
@@ -606,7 +604,7 @@ def step_breakdown(run: Run) -> list[StepTime]:
                 forward_ns=phases[semconv.Phase.FORWARD.value],
                 backward_ns=phases[semconv.Phase.BACKWARD.value],
                 recompute_ns=phases[semconv.Phase.RECOMPUTE.value],
-                outside_ns=max(0, total - sum(children.get((rank, span), 0)
+                outside_ns=max(0, total - sum(under.get((rank, span), 0)
                                               for span in rs.span_ids)),
                 collectives_ns=comm[(rank, trace)] if (rank, trace) in timed else None,
                 gc_ns=collector[(rank, trace)],
