@@ -618,7 +618,31 @@ def test_the_text_of_a_large_run_shows_top_ranks_and_the_median() -> None:
     rows = table(format_stragglers(result))
     assert [row[0] for row in rows] == [*map(str, range(5, 15)), *map(str, range(20, 30)),
                                         "median"]
+    # each step 11 collectives of (9 + rank) ms, 1 ms where the rank is late
+    comm = [sum(1 if r == (5 + k % 10 if k < 10 else 5) else 9 + r for k in range(11))
+            for r in range(world)]
+    median = re.split(r"\s{2,}", text.split("\nmedian", 1)[1].splitlines()[0].strip())
+    assert median[6] == f"{statistics.median(comm):.2f} ms", median  # (steps, 5 times, comm)
     small = analyze(build_run(timed_run(
         {(r, "Net.a"): [MS * (4 - r)] * 2 for r in range(WORLD)}).spans()))
     assert "median" not in format_stragglers(small, top=4)  # (every rank shown)
     assert "more ranks" not in format_stragglers(small, top=4)
+
+
+def test_the_median_of_collective_time_leaves_out_ranks_not_timed() -> None:
+    """Ranks 0-9 of 12 recorded no collective duration (timing off), ranks 10 and 11
+    spent 4 and 6 ms: the median row's collectives column is 5.00 (their median), not
+    the 0 of the ten untimed ranks; its total column is every rank's median."""
+    world = 12
+    b = SpanBuilder(world)
+    for r in range(world):
+        s = b.rank(r, 0)
+        s.coll("all_reduce", fqn="Net.a", ranks=tuple(range(world)),
+               duration_ns={10: 4 * MS, 11: 6 * MS}.get(r))
+        s.set_times(0, (100 + r) * MS)
+    result = analyze(build_run(b.spans()))
+    assert sorted(t.rank for t in result.step_times if t.collectives_ns is not None) == [10, 11]
+    text = format_stragglers(result, top=2)
+    median = re.split(r"\s{2,}", text.split("\nmedian", 1)[1].splitlines()[0].strip())
+    assert median[1] == f"{statistics.median(100 + r for r in range(world)):.2f} ms"
+    assert median[6] == "5.00 ms", median

@@ -186,7 +186,8 @@ def format_stragglers(result: StragglerResult, *, top: int = 20) -> str:
         top: rows shown of each part: straggler rows, ranks of the ``per rank:``
             line and ranks of the step-time table. With more ranks than ``top``,
             the table shows those the ``per rank:`` line names first, then those
-            with the longest steps, and a ``median`` row over every rank: a
+            with the longest steps, and a ``median`` row over every rank (the
+            collectives column over the ranks whose collectives were timed): a
             thousand-rank run gives a screen, not a thousand lines.
     """
     lines: list[str] = []
@@ -272,7 +273,7 @@ def _step_times(result: StragglerResult, top: int) -> list[str]:
         shown = sorted(chosen + rest[:top - len(chosen)])
         title = (f"Step time per rank (mean per step; {top} of {len(totals):,} ranks: the "
                  "per rank line's first, then the longest steps; median: each column's "
-                 "median over every rank)")
+                 "median over every rank, collectives' over the ranks timed)")
 
     def cells(mean: Mapping[str, int], is_timed: bool) -> tuple[str, ...]:
         return (*(format_duration(mean[k]) for k in _TIMES[:5]),
@@ -282,8 +283,11 @@ def _step_times(result: StragglerResult, top: int) -> list[str]:
     rows = [(str(rank), str(totals[rank]["steps"]), *cells(means[rank], rank in timed))
             for rank in shown]
     if len(shown) < len(totals):
-        every = list(means.values())
-        median = {k: round(statistics.median(m[k] for m in every)) for k in _TIMES}
+        # (the collectives column over the ranks whose collectives were timed: an
+        # untimed rank's 0 is no time)
+        median = {k: round(statistics.median(
+            m[k] for r, m in means.items() if k != "collectives_ns" or r in timed or not timed))
+            for k in _TIMES}
         steps = round(statistics.median(t["steps"] for t in totals.values()))
         rows.append(("median", str(steps), *cells(median, bool(timed))))
     lines = ["", title, *_table(("rank", "steps", "total", "forward", "backward",
