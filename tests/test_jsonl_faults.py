@@ -383,6 +383,18 @@ DAMAGE = {
         _typed_line(b',{"key":"commspan.module.depth","value":{"stringValue":"deep"}}'),
         "spans[0] ('M forward'): commspan.module.depth is 'deep', not an integer",
     ),
+    # the roll-ups the readers sum: a count of another type, or empty
+    "count-type": (
+        _typed_line(b',{"key":"commspan.collectives.forward.all_reduce",'
+                    b'"value":{"stringValue":"five"}}'),
+        "spans[0] ('M forward'): commspan.collectives.forward.all_reduce is 'five', not an "
+        "integer",
+    ),
+    "count-empty": (
+        _typed_line(b',{"key":"commspan.collectives.forward.all_reduce","value":{}}'),
+        "spans[0] ('M forward'): commspan.collectives.forward.all_reduce is None, not an "
+        "integer",
+    ),
     "placements-type": (
         _typed_line(b',{"key":"commspan.module.param_names","value":{"arrayValue":{"values":'
                     b'[{"stringValue":"weight"}]}}},'

@@ -135,6 +135,9 @@ def _array(v: Any) -> bool:
 # is damaged. Others are read as they come (a string op, a seq of another type: unknown).
 _SPAN_TYPES = ((semconv.MODULE_DEPTH, _int, "an integer"),
                (semconv.PARAM_NAMES, _array, "an array"))
+# the counts readers sum (``commspan.collectives.*``): integers, never empty. (The
+# bytes and comm-time roll-ups are for backends: no reader converts them.)
+_INT_PREFIX = semconv.COUNT_PREFIX
 _EVENT_TYPES = ((semconv.TENSOR_BYTES, _int, "an integer"),
                 (semconv.TENSOR_SHAPE, _array, "an array"),
                 (semconv.PG_RANKS, _array, "an array"),
@@ -153,6 +156,9 @@ def check_values(
         v = attrs.get(key)
         if v is not None and not fits(v):
             raise BadValue(_bad(key, v, what))
+    for key, v in attrs.items():
+        if type(v) is not int and key.startswith(_INT_PREFIX):
+            raise BadValue(_bad(key, v, "an integer"))
     names = attrs.get(semconv.PARAM_NAMES)
     if names:
         for key in (semconv.PARAM_PLACEMENTS, semconv.PARAM_SHAPES):
@@ -235,7 +241,10 @@ def walk(
                         elif int_prefix is not None and k.startswith(int_prefix):
                             v = a["value"]
                             n = v.get("intValue")
-                            attrs[k] = int(n if n is not None else decode(v))
+                            try:
+                                attrs[k] = int(n) if n is not None else decode(v)
+                            except (TypeError, ValueError):  # (check_values names it)
+                                attrs[k] = v
                 events = [
                     (e.get("name", ""), decode_attributes(e.get("attributes"), event_keys))
                     for e in s.get("events") or ()
