@@ -433,6 +433,34 @@ def test_stdout_on_a_full_disk(run_dir: Path) -> None:
                            "left on device\n")
 
 
+@pytest.mark.parametrize(("command", "status"), [("table", 1), ("check", 2)])
+def test_stdout_closed(run_dir: Path, command: str, status: int) -> None:
+    """Started with stdout closed (``commspan ... >&-``): one line on stderr saying so,
+    the command's error status (``check``: 2, not 1, which means findings), no
+    traceback."""
+    proc = _run_cli(command, str(run_dir), *(["--rank", "all"] if command == "table" else []),
+                    stderr=subprocess.PIPE, preexec_fn=lambda: os.close(1))
+    assert proc.returncode == status, proc.stderr
+    assert proc.stderr.splitlines()[-1] == (
+        "OSError: cannot write the output: stdout is closed; send it to a file (> FILE) or "
+        "to /dev/null")
+    assert "Traceback" not in proc.stderr
+
+
+def test_ctrl_c_while_the_command_loads(monkeypatch: pytest.MonkeyPatch,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """Ctrl-C before the arguments are parsed (the modules still loading): status 130
+    and one line, as later."""
+    import commspan.cli.parser as parser
+
+    def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(parser, "build_parser", interrupted)
+    assert main(["table", "x"]) == 130
+    assert capsys.readouterr().err == "commspan: interrupted\n"
+
+
 @pytest.mark.parametrize("extra", [["--show", "bytes"], ["--noise", "1"]])
 def test_table_by_mesh_dim_takes_no_tree_options(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str]

@@ -141,12 +141,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         ``commspan table out/ --rank all`` prints the module table of every rank's
         files summed.
     """
-    from commspan.cli.parser import build_parser, check_usage, parse_args
+    try:  # (Ctrl-C while the modules load, too)
+        from commspan.cli.parser import build_parser, check_usage, parse_args
 
-    parser = build_parser()
-    args = parse_args(parser, argv)
-    check_usage(parser, args)
-    try:
+        parser = build_parser()
+        args = parse_args(parser, argv)
+        check_usage(parser, args)
         return _run(args)
     except KeyboardInterrupt:
         _err("commspan: interrupted")
@@ -172,6 +172,10 @@ def _run(args: argparse.Namespace) -> int:
     if outcome is None:
         if error is not None:
             _err(error)
+        return failed
+    if sys.stdout is None:  # started with stdout closed (`commspan ... >&-`)
+        _err("OSError: cannot write the output: stdout is closed; send it to a file "
+             "(> FILE) or to /dev/null")
         return failed
     try:
         _say(sys.stdout, outcome.text)
