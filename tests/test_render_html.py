@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import html
 import re
 from collections import Counter
 from pathlib import Path
@@ -159,14 +160,41 @@ def test_findings_are_listed_and_escaped(records: list[SpanRecord]) -> None:
     section = page.split('<section id="findings">', 1)[1].split("</section>", 1)[0]
     assert '<span class="kind">mismatch</span>' in section
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in section and "<script>" not in section
-    assert "<th>rank 1</th><td>op <code>broadcast</code></td>" in section
-    assert "shape <code>[2,8]</code>" in section and "extra_key <code>7</code>" in section
+    # each rank's part as `commspan check` writes it; other fields folded away
+    assert "<th>rank 1</th><td>broadcast</td>" in section
+    assert f"<th>rank 0</th><td>all_reduce  in `{html.escape(c.fqn)}`  shape [2, 8]</td>" \
+        in section
+    assert ('<details class="detail"><summary>details</summary>extra_key <code>7</code>'
+            "</details>") in section
     assert '<a href="#step=1&amp;finding=0">1</a>' in section
     assert embedded_data(page)["findings"] == [
         {"i": 0, "step": 1, "group": c.group, "seq": c.seq, "kind": "mismatch"}
     ]
     assert "No findings" in html_report(records, findings=[])
     assert 'id="findings"' not in html_report(records)
+
+
+@pytest.mark.multiprocess
+def test_a_hang_finding_reads_as_check_writes_it(records: list[SpanRecord]) -> None:
+    """A finding read back from ``commspan check --json`` (rank keys are strings): ranks
+    in number order (10 after 9), each rank's part in check's words (waited in seconds,
+    the stack joined), the later steps said, not dumped as dicts."""
+    ranks = {str(r): {"op": "all_reduce", "fqn": "Net.blocks.2", "phase": "forward",
+                      "seq": 9, "state": "issued", "waited_ns": 2_378_833_126,
+                      "stack": ["Net forward", "Net.blocks.2 forward"]} for r in (0, 9, 10)}
+    ranks["1"] = {"op": None, "fqn": "Net.blocks.1", "phase": "forward", "seq": None,
+                  "state": "not issued", "last_seq": 8}
+    finding = {"kind": "hang", "group": "0", "seq": 9, "step": 1, "ranks": ranks,
+               "message": "group 0, seq 9: rank 1 never issued it", "later_steps": [2, 3]}
+    page = html_report(records, findings=[finding])
+    section = page.split('<section id="findings">', 1)[1].split("</section>", 1)[0]
+    assert re.findall(r"<th>rank (\d+)</th>", section) == ["0", "1", "9", "10"]
+    assert ("<th>rank 0</th><td>all_reduce  in `Net.blocks.2` forward  seq 9  state issued  "
+            "waited 2.38 s  stack: Net forward &gt; Net.blocks.2 forward</td>") in section
+    assert ("<th>rank 1</th><td>-  in `Net.blocks.1` forward  state not issued  last_seq 8"
+            "</td>") in section
+    assert '<div class="detail">also diverges in steps 2, 3</div>' in section
+    assert "waited_ns" not in section and "{" not in section.split("<table", 1)[1]
 
 
 def test_bad_arguments_are_clear_errors(tmp_path: Path) -> None:

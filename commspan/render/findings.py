@@ -77,7 +77,19 @@ def _checked_line(checked: Mapping[str, int]) -> str:
 
 
 def _rank_line(rank: int, entry: Mapping[str, Any]) -> str:
-    bits = [f"rank {rank}:"]
+    return f"{_INDENT}rank {rank}:  {rank_entry_text(entry)}"
+
+
+def rank_entry_text(entry: Mapping[str, Any]) -> str:
+    """What one rank did where a finding is (a value of its ``ranks``), as ``commspan
+    check`` writes it after ``rank N:``; the HTML report shows the same.
+
+    Example:
+        >>> rank_entry_text({"op": "all_reduce", "fqn": "Net.fc", "phase": "forward",
+        ...                  "seq": 9, "state": "issued", "waited_ns": 2_370_000_000})
+        'all_reduce  in `Net.fc` forward  seq 9  state issued  waited 2.37 s'
+    """
+    bits = []
     if entry.get("op") is not None:
         bits.append(str(entry["op"]))
     else:
@@ -114,8 +126,8 @@ def _rank_line(rank: int, entry: Mapping[str, Any]) -> str:
         else:
             bits.append(f"{key} {value}")
     if entry.get("stack"):
-        bits.append("stack: " + " > ".join(entry["stack"]))
-    return _INDENT + "  ".join(bits)
+        bits.append("stack: " + " > ".join(map(str, entry["stack"])))
+    return "  ".join(bits)
 
 
 def _finding_lines(finding: Finding, max_ranks: int) -> list[str]:

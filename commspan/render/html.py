@@ -56,6 +56,7 @@ from commspan.analysis.timeline import (
 )
 from commspan.otlpjson.files import refuse_output_clash
 from commspan.otlpjson.records import SpanRecord
+from commspan.render.findings import rank_entry_text
 
 __all__ = ["html_report", "write_html_report"]
 
@@ -479,20 +480,37 @@ def _ranks_table(ranks: Any) -> str:
     if not isinstance(ranks, Mapping):
         return f"<div class=\"detail\">ranks: {_e(ranks)}</div>"
     rows = []
-    for rank, what in sorted(ranks.items(), key=lambda kv: str(kv[0])):
-        if isinstance(what, Mapping):
-            cells = ", ".join(f"{_e(k)} <code>{_e(_fmt(v))}</code>" for k, v in what.items())
+    for rank, what in sorted(ranks.items(), key=_rank_order):
+        if isinstance(what, Mapping):  # (as `commspan check` writes it)
+            cells = _e(rank_entry_text(what))
         else:
             cells = f"<code>{_e(_fmt(what))}</code>"
         rows.append(f"<tr><th>rank {_e(rank)}</th><td>{cells}</td></tr>")
     return "<table class=\"ranks\">" + "".join(rows) + "</table>"
 
 
+def _rank_order(item: tuple[Any, Any]) -> tuple[int, int, str]:
+    """Ranks in number order (``"10"`` after ``"9"``: JSON keys are strings)."""
+    key = str(item[0])
+    return (0, int(key), "") if key.isdigit() else (1, 0, key)
+
+
 def _extra(extra: Mapping[str, Any]) -> str:
+    """The finding's other fields: the steps it also diverges in, as ``commspan check``
+    says it, and the rest folded away (``--json`` names them)."""
     if not extra:
         return ""
-    items = ", ".join(f"{_e(k)} <code>{_e(_fmt(v))}</code>" for k, v in extra.items())
-    return f"<div class=\"detail\">{items}</div>"
+    out = ""
+    later = extra.get("later_steps")
+    if isinstance(later, list) and later:
+        words = ", ".join("outside steps" if v is None else str(v) for v in later)
+        out += f"<div class=\"detail\">also diverges in steps {_e(words)}</div>"
+    rest = {k: v for k, v in extra.items() if k != "later_steps"}
+    if rest:
+        items = ", ".join(f"{_e(k)} <code>{_e(_fmt(v))}</code>" for k, v in rest.items())
+        out += (f"<details class=\"detail\"><summary>details</summary>{items}"
+                "</details>")
+    return out
 
 
 def _fmt(value: Any) -> str:
