@@ -607,6 +607,8 @@ def test_the_text_of_a_large_run_shows_top_ranks_and_the_median() -> None:
                 if line.split() and not line.startswith(("...", "checked"))]
 
     text = format_stragglers(result, top=3)
+    assert "last/of = the row's collectives it arrived last at / those matched" in (
+        text.splitlines()[0])
     per_rank = next(line for line in text.splitlines() if line.startswith("per rank: "))
     assert [int(n) for n in re.findall(r"(?:^per rank: |; )rank (\d+)", per_rank)] == [5, 6, 7]
     assert per_rank.endswith("; ... 7 more ranks (--top N shows more, --json lists all)")

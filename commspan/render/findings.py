@@ -208,8 +208,9 @@ def format_stragglers(result: StragglerResult, *, top: int = 20) -> str:
         lines.append(_why_nothing_matched(checked))
     else:
         lines.append(
-            "Last to arrive (the rank that waited least; wait = time the others waited for "
-            "it; passed on = the part it had itself waited for others on other groups)"
+            "Last to arrive (the rank that waited least; last/of = the row's collectives it "
+            "arrived last at / those matched; wait = time the others waited for it; passed "
+            "on = the part it had itself waited for others on other groups)"
         )
         header = ("step", "module", "phase", "rank", "last/of", "wait", "passed on",
                   "max wait", "gc before")
