@@ -461,6 +461,28 @@ def test_ctrl_c_while_the_command_loads(monkeypatch: pytest.MonkeyPatch,
     assert capsys.readouterr().err == "commspan: interrupted\n"
 
 
+@pytest.mark.parametrize(("argv", "message"), [
+    (["summary", "x", "--rank", "1", "--rank", "2"], "--rank given twice (1, then 2)"),
+    (["html", "x", "-o", "a.html", "--output", "b.html"],
+     "--output given twice ('a.html', then 'b.html')"),
+    (["table", "x", "--noise", "1", "--noise", "0"], "--noise given twice (1, then 0)"),
+    (["stragglers", "x", "--top", "3", "--top", "5"], "--top given twice (3, then 5)"),
+    (["plan", "m.py:f", "--world", "2", "--world", "4"], "--world given twice (2, then 4)"),
+])
+def test_an_option_of_one_value_given_twice_is_refused(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    """argparse keeps the last of an option given twice without a word (``--rank 1
+    --rank 2`` counted rank 2 only): a usage error (2) naming the option and both
+    values, with the command's usage."""
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"commspan {argv[0]}: error: {message}; it can be given once" in err
+    assert err.startswith(f"usage: commspan {argv[0]} ")
+
+
 @pytest.mark.parametrize("extra", [["--show", "bytes"], ["--noise", "1"]])
 def test_table_by_mesh_dim_takes_no_tree_options(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str]

@@ -10,6 +10,7 @@ import argparse
 import re
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from commspan import __version__
 from commspan.analysis.runs import StepRange
@@ -270,7 +271,26 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--warmup", type=_warmup, default=0, metavar="N",
                       help="untraced steps first (default 0)")
     plan.add_argument("--json", action="store_true", help="print the result as JSON")
+    for command in (*commands.values(), digest, plan):  # an option of one value: once
+        for action in command._actions:
+            if type(action) is argparse._StoreAction and action.option_strings:
+                action.__class__ = _StoreOnce
     return parser
+
+
+class _StoreOnce(argparse._StoreAction):
+    """An option of one value given twice is a usage error (argparse keeps the last
+    silently: ``--rank 1 --rank 2`` would count rank 2 only)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        given: set[str] = namespace.__dict__.setdefault("_given_once", set())
+        if self.dest in given:
+            parser.error(f"{option_string or self.option_strings[0]} given twice "
+                         f"({getattr(namespace, self.dest)!r:.40}, then {values!r:.40}); it "
+                         "can be given once")
+        given.add(self.dest)
+        super().__call__(parser, namespace, values, option_string)
 
 
 def _world(value: str) -> int:
@@ -317,6 +337,7 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> a
             arg = f"--steps={given.pop(0)}"
         argv.append(arg)
     args, unknown = parser.parse_known_args(argv)
+    vars(args).pop("_given_once", None)  # (_StoreOnce's record)
     if unknown:
         _command_parser(parser, args.command).error(
             f"unrecognized arguments: {' '.join(unknown)}")
