@@ -721,6 +721,29 @@ def test_a_new_jsonl_output_in_an_input_folder_is_refused(
         assert f"-o '{output}' is a new *.jsonl file in the input folder '{run}'" in err
         assert "pass another file name" in err and "Traceback" not in err
     assert sorted(p.name for p in run.iterdir()) == before
+    # the folder of a file read is a folder read later; so is a digest's name
+    rank0 = next(run.glob("commspan-rank0.jsonl*"))
+    for output, kind, what in ((run / "new.jsonl", "*.jsonl", "a rank's spans"),
+                               (run / "new.digest", "*.digest", "a rank file's digest")):
+        with pytest.raises(SystemExit) as info:
+            main([command, str(rank0), "-o", str(output)])
+        err = capsys.readouterr().err
+        assert info.value.code == 2, err
+        assert (f"-o '{output}' is a new {kind} file in the folder of the input file "
+                f"'{rank0}': every later read of the folder would take it for {what}") in err
+    # an input's digest is not overwritten either
+    main(["digest", str(run)])
+    capsys.readouterr()
+    side = Path(f"{rank0}.digest")
+    digest = side.read_bytes()
+    for source in (run, rank0):
+        with pytest.raises(SystemExit) as info:
+            main([command, str(source), "-o", str(side)])
+        err = capsys.readouterr().err
+        assert info.value.code == 2, err
+        assert (f"-o '{side}' is the digest of an input file ({rank0}): writing it would "
+                "replace the digest") in err
+    assert side.read_bytes() == digest
     assert main([command, str(run), "-o", str(run / "view.out")]) == 0
     capsys.readouterr()
     assert main(["summary", str(run), "--rank", "all"]) == 0

@@ -253,10 +253,11 @@ members."""
 
 def output_clash(output: str | os.PathLike[str], paths: Iterable[Any]) -> str | None:
     """What is wrong with writing ``output`` (a report, a trace) while ``paths`` are the
-    files and folders read, or ``None``: it is one of their JSONL files (or a link to
-    one), whose spans writing it would replace; or a new ``*.jsonl`` (``*.jsonl.gz``)
-    file in a folder among them, which every later read of the folder would take for
-    a rank's file. Items of ``paths`` that are not paths (span records) are passed by;
+    files and folders read, or ``None``: it is one of their JSONL files or digests (or
+    a link to one), which writing it would replace; or a new ``*.jsonl``
+    (``*.jsonl.gz``) or ``*.digest`` file in a folder among them or holding one of
+    them, which every later read of the folder would take for a rank's file or its
+    digest. Items of ``paths`` that are not paths (span records) are passed by;
     checked before anything is read or written.
 
     Example:
@@ -266,17 +267,24 @@ def output_clash(output: str | os.PathLike[str], paths: Iterable[Any]) -> str | 
     output = os.fspath(output)
     given = [os.fspath(p) for p in paths if isinstance(p, (str, os.PathLike))]
     if not os.path.exists(output):
-        if not output.endswith((".jsonl", ".jsonl.gz")):
+        kind = ("*.jsonl" if output.endswith((".jsonl", ".jsonl.gz")) else
+                "*.digest" if output.endswith(".digest") else None)
+        if kind is None:
             return None
         folder = os.path.dirname(os.path.abspath(output))
         for path in given:
-            try:
-                inside = os.path.isdir(path) and os.path.samefile(folder, path)
+            try:  # a folder read, or the folder of a file read
+                is_dir = os.path.isdir(path)
+                inside = os.path.samefile(
+                    folder, path if is_dir else os.path.dirname(os.path.abspath(path)))
             except OSError:
                 continue  # the reading says what is wrong with it
             if inside:
-                return (f"{output!r} is a new *.jsonl file in the input folder {path!r}: "
-                        "every later read of the folder would take it for a rank's spans")
+                where = (f"the input folder {path!r}" if is_dir else
+                         f"the folder of the input file {path!r}")
+                what = "a rank's spans" if kind == "*.jsonl" else "a rank file's digest"
+                return (f"{output!r} is a new {kind} file in {where}: every later read of "
+                        f"the folder would take it for {what}")
         return None
     for path in given:
         names = [path]
@@ -287,13 +295,15 @@ def output_clash(output: str | os.PathLike[str], paths: Iterable[Any]) -> str | 
             except OSError:
                 continue  # the reading says what is wrong with it
         for name in names:
-            try:
-                same = os.path.samefile(output, name)
-            except OSError:
-                continue
-            if same:
-                return (f"{output!r} is an input file ({name}): writing it would replace "
-                        "its spans")
+            for read, what in ((name, "an input file"), (name + ".digest",
+                                                          "the digest of an input file")):
+                try:
+                    same = os.path.samefile(output, read)
+                except OSError:
+                    continue
+                if same:
+                    return (f"{output!r} is {what} ({name}): writing it would replace "
+                            f"{'its spans' if read == name else 'the digest'}")
     return None
 
 
