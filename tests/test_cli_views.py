@@ -104,6 +104,29 @@ def test_html_check_and_findings_file(
         {0, step})
 
 
+def test_html_refuses_the_findings_of_another_run(
+    divergent: Path, tp: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Findings saved from one run (`check --json` names it) shown on the report of
+    another would blame that run's ranks for what they never did: exit 1, one line
+    naming both runs and the fix, no report written."""
+    _, checked, _ = run_cli(capsys, "check", str(divergent), "--json")
+    theirs = json.loads(checked)["run"]
+    mine = json.loads(run_cli(capsys, "check", str(tp), "--json")[1])["run"]
+    assert theirs and mine and theirs != mine
+    findings = tmp_path / "findings.json"
+    findings.write_text(checked)
+    out = tmp_path / "report.html"
+    code, text, err = run_cli(capsys, "html", str(tp), "-o", str(out), "--findings",
+                              str(findings))
+    assert (code, text) == (1, "")
+    assert err == (f"ValueError: --findings '{findings}' holds the findings of run "
+                   f"'{theirs}', and the files read are of run '{mine}': pass that run's "
+                   f"files (or --run {theirs}, when the folder holds both), or the findings "
+                   "of this one (commspan check --json, or --check)\n")
+    assert not out.exists()
+
+
 @pytest.mark.parametrize(
     ("content", "message"),
     [

@@ -785,11 +785,22 @@ def html(args: argparse.Namespace, reader: Reader) -> Outcome:
     from commspan.render.html import write_html_report
 
     findings: list[Any] | None = None
+    found_in: Any = None  # the run the saved findings are of (check --json's "run")
     if args.findings is not None:
-        findings = _finding_list(_findings_file(args.findings), args.findings)
+        document = _findings_file(args.findings)
+        findings = _finding_list(document, args.findings)
+        if isinstance(document, dict):
+            found_in = document.get("run")
     _output_checked(args.output, "report.html")  # before minutes of reading, not after
     cap = RankCap(args.max_ranks or None, builders=args.check)
     sel = reader.load_capped(args.files, cap)
+    read = sel.run.run_id if sel.run else None
+    if isinstance(found_in, str) and read is not None and found_in != read:
+        raise ValueError(
+            f"--findings {args.findings!r} holds the findings of run {found_in!r}, and the "
+            f"files read are of run {read!r}: pass that run's files (or --run {found_in}, "
+            "when the folder holds both), or the findings of this one "
+            "(commspan check --json, or --check)")
     notes = [cap.note(sel.run.run_id if sel.run else None, "html")]
     if args.check:
         from commspan.analysis import build_run, check
