@@ -789,6 +789,34 @@ def test_digest_command_errors_are_one_line(
     assert run_cli(capsys, "summary", str(empty))[0] == 1
 
 
+def test_digest_leaves_no_temporary_file_when_it_stops(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], fake_pg: None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A digest is written to ``<digest>.tmp`` and moved into place: when the writing
+    stops (a directory where the digest goes, Ctrl-C), the ``.tmp`` goes too, and the
+    error says what to do (it said "pass a file in a directory you can write to")."""
+    import commspan.analysis.digest as digest_module
+
+    run = _without_digests(_traced(tmp_path / "run", ranks=(0, 1), steps=1), tmp_path / "p")
+    side = digest_path(run / "commspan-rank1.jsonl")
+    side.mkdir()
+    code, _, err = run_cli(capsys, "digest", str(run))
+    assert code == 1
+    assert err.splitlines()[-1] == (f"OSError: {run / 'commspan-rank1.jsonl'}: cannot write "
+                                    f"its digest: {side} is a directory; remove or rename it")
+    side.rmdir()
+
+    def interrupted(*args: Any, **kwargs: Any) -> bytes:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(digest_module, "digest_line", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        write_digest(run / "commspan-rank1.jsonl")
+    assert run_cli(capsys, "digest", str(run))[0] == 130
+    assert not list(run.glob("*.tmp")), sorted(p.name for p in run.iterdir())
+
+
 def test_digest_names_damaged_lines_as_the_other_commands_do(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], fake_pg: None
 ) -> None:

@@ -30,6 +30,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import zlib
 from collections import Counter
@@ -786,58 +787,62 @@ def write_digest(path: str | os.PathLike[str], report: ReadReport | None = None)
     tmp = side.with_name(side.name + ".tmp")
     texts = DigestTexts()
     written = 0
-    with path.open("rb") as fh, tmp.open("wb") as out:
-        data = fh.read()
-        level = 1 if data[:3] == GZIP_MAGIC else 0
-        number = 0  # of the last line read: decompressed lines, as the readers count
-        content_end = -1  # (plain: where the file's trailing empty lines begin)
-        for offset, stored, text in _stored_lines(data, level):
-            if not level and text.isspace():
-                if content_end < 0:
-                    content_end = len(data.rstrip())
-                if offset < content_end:  # an empty line followed by others: damaged
-                    number += 1  # (the readers name it; no digest line stands for it)
+    try:  # (the temporary file goes, whatever stops the writing: an error, Ctrl-C)
+        with path.open("rb") as fh, tmp.open("wb") as out:
+            data = fh.read()
+            level = 1 if data[:3] == GZIP_MAGIC else 0
+            number = 0  # of the last line read: decompressed lines, as the readers count
+            content_end = -1  # (plain: where the file's trailing empty lines begin)
+            for offset, stored, text in _stored_lines(data, level):
+                if not level and text.isspace():
+                    if content_end < 0:
+                        content_end = len(data.rstrip())
+                    if offset < content_end:  # an empty line followed by others: damaged
+                        number += 1  # (the readers name it; no digest line stands for it)
+                        if report is not None:
+                            report.skipped.append(SkippedLine(
+                                os.fspath(path), number, "damaged", EMPTY_LINE))
+                        continue
+                if stored is None:  # a member that cannot be decompressed: one line
+                    number += 1
                     if report is not None:
                         report.skipped.append(SkippedLine(
-                            os.fspath(path), number, "damaged", EMPTY_LINE))
+                            os.fspath(path), number, "damaged",
+                            f"a compressed line that cannot be decompressed ({text.decode()})"))
                     continue
-            if stored is None:  # a member that cannot be decompressed: one line
-                number += 1
+                records: list[SpanRecord] = []
+                line = b""
+                lines = text.split(b"\n")
+                if not lines[-1]:
+                    lines.pop()  # (after the last newline)
+                at = number + 1  # the line being parsed
+                number += len(lines)
+                try:
+                    for line in lines:
+                        if line.strip():
+                            records.extend(request_spans(orjson.loads(line)))
+                        at += 1
+                except (orjson.JSONDecodeError, *DECODE_ERRORS) as exc:
+                    if report is not None:
+                        report.skipped.append(SkippedLine(
+                            os.fspath(path), at, "damaged", what_is_wrong(line, exc)))
+                    continue
+                out.write(digest_line(records, stored, offset, len(records), texts))
+                written += 1
                 if report is not None:
-                    report.skipped.append(SkippedLine(
-                        os.fspath(path), number, "damaged",
-                        f"a compressed line that cannot be decompressed ({text.decode()})"))
-                continue
-            records: list[SpanRecord] = []
-            line = b""
-            lines = text.split(b"\n")
-            if not lines[-1]:
-                lines.pop()  # (after the last newline)
-            at = number + 1  # the line being parsed
-            number += len(lines)
-            try:
-                for line in lines:
-                    if line.strip():
-                        records.extend(request_spans(orjson.loads(line)))
-                    at += 1
-            except (orjson.JSONDecodeError, *DECODE_ERRORS) as exc:
-                if report is not None:
-                    report.skipped.append(SkippedLine(
-                        os.fspath(path), at, "damaged", what_is_wrong(line, exc)))
-                continue
-            out.write(digest_line(records, stored, offset, len(records), texts))
-            written += 1
-            if report is not None:
-                report.lines += 1
-                report.spans += len(records)
-                report.commspan_spans += sum(
-                    1 for r in records if semconv.MODULE_FQN in r.attributes)
-    if not written:  # nothing to stand for: leave no empty .digest beside the file
-        tmp.unlink()
-        side.unlink(missing_ok=True)
-        return 0
-    os.replace(tmp, side)
-    return written
+                    report.lines += 1
+                    report.spans += len(records)
+                    report.commspan_spans += sum(
+                        1 for r in records if semconv.MODULE_FQN in r.attributes)
+        if not written:  # nothing to stand for: leave no empty .digest beside the file
+            tmp.unlink()
+            side.unlink(missing_ok=True)
+            return 0
+        os.replace(tmp, side)
+        return written
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
 
 
 def _stored_lines(

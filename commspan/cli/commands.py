@@ -1085,7 +1085,12 @@ def plan(args: argparse.Namespace, reader: Reader) -> Outcome:
 
 def digest(args: argparse.Namespace, reader: Reader) -> Outcome:
     """``commspan digest FILES``: write each file's digest (docs/jsonl.md, "Digests")."""
-    from commspan.analysis.digest import DIGEST_SUFFIX, check_digestible, write_digest
+    from commspan.analysis.digest import (
+        DIGEST_SUFFIX,
+        check_digestible,
+        digest_path,
+        write_digest,
+    )
 
     files = reader.files(args.files, digests=True)
     for path in files:
@@ -1105,6 +1110,10 @@ def digest(args: argparse.Namespace, reader: Reader) -> Outcome:
         try:
             lines += write_digest(path, report)
         except OSError as exc:
+            side = digest_path(path)
+            if side.is_dir():
+                raise OSError(f"{path}: cannot write its digest: {side} is a directory; "
+                              "remove or rename it") from None
             raise OSError(f"{path}: cannot write its digest ({exc.strerror or exc}); pass "
                           "a file in a directory you can write to") from None
         reader.check_lines(path, lines_before, skipped)
