@@ -98,6 +98,9 @@ def train(out: Path, steps: int) -> None:
         print("Rank 0's collectives by owner, kind (or op), phase and mesh dimension:")
         for line in owners(path):
             print(f"  {line}")
+        print("Spans written to:")
+        for file in sorted(out.glob("commspan-rank*.jsonl")):
+            print(f"  {file}")
 
 
 def owners(path: Path) -> list[str]:

@@ -77,6 +77,9 @@ def train(out: Path, steps: int, schedule_name: str) -> None:
         for r in range(WORLD_SIZE):
             for line in p2p_lines(out / f"commspan-rank{r}.jsonl", steps - 1):
                 print(f"  rank {r}: {line}")
+        print("Spans written to:")
+        for file in sorted(out.glob("commspan-rank*.jsonl")):
+            print(f"  {file}")
 
 
 def p2p_lines(path: Path, step: int) -> list[str]:

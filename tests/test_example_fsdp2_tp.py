@@ -95,7 +95,10 @@ def test_example_runs_and_prints_owners(run: tuple[subprocess.CompletedProcess[s
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert sum(line.startswith("step ") for line in proc.stdout.splitlines()) == STEPS
     assert "by owner, kind (or op), phase and mesh dimension" in proc.stdout
-    assert len(sorted(out.glob("commspan-rank*.jsonl"))) == RANKS
+    files = sorted(out.glob("commspan-rank*.jsonl"))
+    assert len(files) == RANKS
+    # where the spans went, as tp_transformer.py says it
+    assert proc.stdout.split("Spans written to:\n", 1)[1].split() == [str(f) for f in files]
 
 
 @pytest.mark.multiprocess

@@ -63,7 +63,9 @@ def test_example_runs(run: tuple[str, subprocess.CompletedProcess[str], Path]) -
     lines = proc.stdout.splitlines()
     assert sum(line.startswith("step ") for line in lines) == STEPS
     assert sum("microbatch" in line for line in lines) == 2 * 2 * MICROBATCHES
-    assert len(list(out.glob("commspan-rank*.jsonl"))) == 2
+    files = sorted(out.glob("commspan-rank*.jsonl"))
+    assert len(files) == 2
+    assert proc.stdout.split("Spans written to:\n", 1)[1].split() == [str(f) for f in files]
 
 
 def test_ops_follow_the_schedule(run: tuple[str, subprocess.CompletedProcess[str], Path]) -> None:
