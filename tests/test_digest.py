@@ -789,6 +789,48 @@ def test_digest_command_errors_are_one_line(
     assert run_cli(capsys, "summary", str(empty))[0] == 1
 
 
+def test_a_copy_of_some_lines_of_a_rank_is_named_not_counted_silently(
+    tp: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A file holding some lines of another (``tail -n 1 rank1.jsonl > copy.jsonl``: not
+    a prefix copy, which is left unread) made every command count those steps twice,
+    silently, status 0 (``check`` found a mismatch that was not there). The spans read
+    twice (the same rank span) are named, file and line, and the status says so, from
+    the lines and from digests alike (a digest standing for a copied line is not used);
+    two runs compared by ``diff``, one a copy of the other, are no copy."""
+    import logging
+
+    from commspan.analysis.records import load_run
+
+    run = _with_digests(tp, tmp_path / "run")
+    lines = (run / "commspan-rank1.jsonl").read_bytes().splitlines(keepends=True)
+    assert len(lines) >= 2
+    (run / "copy.jsonl").write_bytes(lines[-1])
+    code, out, err = run_cli(capsys, "summary", str(run), "--rank", "all")
+    assert code == 1 and out
+    note = next(e for e in err.splitlines() if "read twice" in e)
+    assert note.startswith(f"commspan: spans read twice (rank 1's step 2: "
+                           f"{run / 'commspan-rank1.jsonl'}:{len(lines)} and "
+                           f"{run / 'copy.jsonl'}:1): a file holds a copy of some lines")
+    write_digest(run / "copy.jsonl")  # (every file digested: the digests are not used)
+    for command, status in (("summary", 1), ("table", 1), ("check", 2), ("stragglers", 1)):
+        extra = ["--rank", "all"] if command in ("summary", "table") else []
+        code, _, err = run_cli(capsys, command, str(run), *extra)
+        assert code == status and note in err.splitlines(), (command, err)
+    (run / "copy.jsonl").unlink()
+    assert run_cli(capsys, "check", str(run))[0] == 0
+    again = tmp_path / "again.jsonl"  # (the Python readers: a warning)
+    again.write_bytes(lines[-1])
+    with caplog.at_level(logging.WARNING):
+        load_run([run, again])
+    assert any(r.getMessage().startswith("commspan: spans read twice (rank 1's step 2")
+               for r in caplog.records)
+    other = _with_digests(tp, tmp_path / "other")
+    code, _, err = run_cli(capsys, "diff", str(run), str(other))
+    assert code == 0 and "read twice" not in err
+
+
 def test_digest_leaves_no_temporary_file_when_it_stops(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], fake_pg: None,
     monkeypatch: pytest.MonkeyPatch,

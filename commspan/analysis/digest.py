@@ -1285,6 +1285,15 @@ def load_parts(
         if extra is None:
             return None
         parts.extend(extra)
+    # a rank span in two parts: a line copied (a file holding some lines of another):
+    # the lines' reader names the copy (LineTally.copies)
+    seen: set[tuple[Any, ...]] = set()
+    for part in parts:
+        if part["rank_step"] is not None:
+            key = (part["rank"], part["trace"], part["rank_step"][0])
+            if key in seen:
+                return None
+            seen.add(key)
     if report is not None:
         report.add(scratch)
     return parts

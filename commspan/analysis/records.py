@@ -581,7 +581,7 @@ def load_run(
     if module_spans not in (True, False, "folded"):
         raise ValueError(f"module_spans={module_spans!r} is not valid; pass True, False "
                          "or 'folded'")
-    from commspan.analysis.unread import LineTally
+    from commspan.analysis.unread import LineTally, copies_note
 
     read = report if report is not None else ReadReport()
     digested = _load_digested(files, wanted, module_spans, read, max_line_bytes, run)
@@ -601,6 +601,9 @@ def load_run(
     chosen, note = runs.tally.choose(run)  # (the note says too if two jobs wrote the run)
     if note:
         _log.warning("%s", note)
+    copied = copies_note(lines)
+    if copied:
+        _log.warning("%s", copied)
     if report is None:  # (skipped lines are logged when no report collects them)
         logger = LineReader(strict, None, max_line_bytes, False)
         for s in read.skipped[before:]:

@@ -76,6 +76,13 @@ class LineTally:
         self._start: dict[str, int] = {}
         self._runs: dict[str, str] = {}  # trace -> run
         self._presence: dict[str, set[int]] = {}
+        # (rank, trace, span id) of each rank span -> (path, line) where it was first read
+        self._rank_spans: dict[tuple[int, str, str], tuple[str, int]] = {}
+        self.copies: list[tuple[int, str, tuple[str, int], tuple[str, int]]] = []
+        """Rank spans read twice: ``(rank, trace, (path, line) first, (path, line)
+        again)``. A span is written once; read again, its line was copied (a file
+        holding some lines of another, a line appended twice) and the steps of those
+        lines are counted twice."""
 
     def add(self, path: str | os.PathLike[str], number: int,
             records: Sequence[SpanRecord]) -> None:
@@ -105,6 +112,9 @@ class LineTally:
                 self._events[(rank, trace)] += events
             if rec.name == semconv.SPAN_RANK:
                 self._closed.setdefault((key, rank, trace), []).append(number)
+                first = self._rank_spans.setdefault((rank, trace, rec.span_id), (key, number))
+                if first != (key, number):
+                    self.copies.append((rank, trace, first, (key, number)))
                 total = sum(v for k, v in rec.attributes.items()
                             if k.startswith(semconv.COUNT_PREFIX) and k.endswith(_TOTAL_SUFFIX)
                             and type(v) is int)
@@ -118,6 +128,11 @@ class LineTally:
                     extent[pair] = [number, number]
                 else:
                     seen[1] = number
+
+    def new_read(self) -> None:
+        """Files read from here on are compared for copies among themselves only (``diff``
+        reads two runs, one perhaps a copy of the other: that is no copy of a line)."""
+        self._rank_spans.clear()
 
     def locate(self, damaged: Iterable[SkippedLine]) -> list[Unread]:
         """The steps of a rank each damaged line may have held collectives of (see the
@@ -189,6 +204,20 @@ class LineTally:
         return Run(trace_steps={t: self._steps.get(t) for t in traces},
                    presence={t: self._presence[t] for t in traces},
                    trace_start={t: self._start.get(t, 0) for t in traces}).traces()
+
+
+def copies_note(tally: LineTally, label: str = "") -> str | None:
+    """What to say of the rank spans :class:`LineTally` read twice (``None``: none): the
+    lines that hold them are counted twice in what is shown."""
+    if not tally.copies:
+        return None
+    shown = "; ".join(
+        f"rank {rank}'s step {tally._steps.get(trace, 'outside steps')}: {a}:{la} and "
+        f"{b}:{lb}" for rank, trace, (a, la), (b, lb) in tally.copies[:3])
+    more = f" and {len(tally.copies) - 3} more" if len(tally.copies) > 3 else ""
+    return (f"commspan: {label}spans read twice ({shown}{more}): a file holds a copy of "
+            "some lines of another (or a line was appended twice), so what follows counts "
+            "those steps twice; remove the copy, or pass the files without it")
 
 
 def unread_note(unread: Sequence[Unread], label: str = "") -> list[str]:

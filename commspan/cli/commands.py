@@ -27,7 +27,7 @@ from commspan.analysis.runs import (
     format_numbers,
     select,
 )
-from commspan.analysis.unread import LineTally, unread_note
+from commspan.analysis.unread import LineTally, copies_note, unread_note
 from commspan.otlpjson.decode import read_spans_in
 from commspan.otlpjson.files import jsonl_files
 from commspan.otlpjson.records import (
@@ -104,6 +104,9 @@ class Reader:
         self.one_document: dict[str, str] = {}
         """Those of :attr:`not_jsonl` that are one OTLP/JSON trace request written over
         several lines (pretty-printed) -> the command that makes it one line."""
+        self.copied = False
+        """Whether a span was read twice (:attr:`LineTally.copies`): the output counts
+        some steps twice, and the status says so."""
         self.lines = LineTally()
         """Where each rank's steps are in the lines read: which a damaged line may have
         held (:meth:`unread`)."""
@@ -122,6 +125,8 @@ class Reader:
         spans, ours, lines = self.report.spans, self.report.commspan_spans, self.report.lines
         skipped, torn = len(self.report.damaged), len(self.report.torn)
         records: list[SpanRecord] = []
+        self.lines.new_read()
+        copies = len(self.lines.copies)
         for f in files:  # (one at a time: a file none of whose lines is read is named)
             used, damaged = self.report.lines, len(self.report.skipped)
             spans_of = read_spans_in([f], strict=False, report=self.report,
@@ -133,6 +138,11 @@ class Reader:
                 hold(spans_of)
             self.check_lines(f, used, damaged)
         self._reading(files)
+        if len(self.lines.copies) > copies:
+            self.copied = True
+            note = copies_note(self.lines, "" if label == "FILES" else f"{label}: ")
+            if note is not None and note not in self.notes:
+                self.notes.append(note)
         if self.report.commspan_spans == ours:
             if len(self.report.damaged) > skipped:
                 raise Damaged
