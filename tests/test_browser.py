@@ -3,15 +3,18 @@
 Chromium comes from Debian's packages (`make browser`). Without it these tests
 skip, except under CI (``CI`` set), where a missing browser is a failure: the
 CI must install it. ``COMMSPAN_SCREENSHOTS_DIR=docs/images`` (``make
-screenshots``) also stores the screenshots the documentation shows.
+screenshots``) also stores the screenshots the documentation shows (report.png,
+timeline.png, findings.png).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import struct
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -168,6 +171,45 @@ def test_screenshots(chromium: str, report: tuple[Path, Path], tmp_path: Path) -
         Path(keep).mkdir(parents=True, exist_ok=True)
         for name, path in shots.items():
             shutil.copyfile(path, Path(keep) / name)
+
+
+@pytest.fixture(scope="module")
+def hang_report(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The report of examples/hang_and_straggler.py's hang (4 gloo ranks; rank 1 never
+    issues an all_reduce), with the findings of ``commspan check``."""
+    from commspan.analysis import check_run
+
+    out = tmp_path_factory.mktemp("hang-example")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve().parent.parent / "examples"
+                             / "hang_and_straggler.py"), "--only", "hang", "--out", str(out)],
+        capture_output=True, text=True, timeout=400, env=env, cwd=out, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    findings = check_run(out / "hang").to_dict()
+    assert [f["kind"] for f in findings["findings"]] == ["hang"]
+    return write_html_report(out / "hang", out / "hang.html", findings=findings)
+
+
+def test_screenshots_of_findings(chromium: str, hang_report: Path, tmp_path: Path) -> None:
+    """The hang's finding, drawn: each rank's part in `commspan check`'s words (the
+    rank that never issued the all_reduce, the others waiting in it), in rank order;
+    its screenshot (docs/images/findings.png) shows the page's top: header and
+    findings."""
+    dom = dump_dom(chromium, hang_report, "", tmp_path / "profile")
+    section = dom.split('id="findings"', 1)[1].split("</section>", 1)[0]
+    assert re.findall(r"<th>rank (\d+)</th>", section) == ["0", "1", "2", "3"]
+    assert "state not issued" in section and "waited_ns" not in section
+    assert re.search(r"<th>rank 0</th><td>all_reduce  in `Net.blocks.2` forward  seq 9  "
+                     r"state issued  waited \d", section), section[:2000]
+    shot = screenshot(chromium, hang_report, "", tmp_path / "p1", tmp_path / "findings.png",
+                      (1400, 900))
+    assert png_size(shot) == (1400, 900) and shot.stat().st_size > 20_000
+    keep = os.environ.get("COMMSPAN_SCREENSHOTS_DIR")
+    if keep:
+        Path(keep).mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(shot, Path(keep) / "findings.png")
 
 
 def test_hundred_step_report_size_and_load(
