@@ -829,6 +829,13 @@ def test_a_copy_of_some_lines_of_a_rank_is_named_not_counted_silently(
     other = _with_digests(tp, tmp_path / "other")
     code, _, err = run_cli(capsys, "diff", str(run), str(other))
     assert code == 0 and "read twice" not in err
+    # a copy on each side: each side's note names its own files only
+    for side in (run, other):
+        (side / "copy.jsonl").write_bytes(lines[-1])
+    _, _, err = run_cli(capsys, "diff", str(run), str(other))
+    notes = [e for e in err.splitlines() if "read twice" in e]
+    assert [n.split(":", 2)[1] for n in notes] == [" A", " B"], notes
+    assert str(other) not in notes[0] and str(run / "copy.jsonl") not in notes[1], notes
 
 
 def test_digest_leaves_no_temporary_file_when_it_stops(

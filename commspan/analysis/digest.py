@@ -1107,7 +1107,7 @@ def run_from_parts(parts: Sequence[DigestPart], module_spans: bool = False) -> R
             span_id=first[0], start_ns=first[1], end_ns=first[2],
             repeats=tuple(sorted(later, key=lambda u: u[1])))
     cache: dict[str, tuple[Any, ...]] = {}
-    modules = _PartModules()
+    modules = _PartModules(parts if module_spans else ())
     for part in parts:
         trace, rank = part["trace"], part["rank"]
         step = run.trace_steps.get(trace)
@@ -1147,7 +1147,7 @@ def span_times_of_parts(parts: Sequence[DigestPart]) -> SpanTimes:
     for part in parts:
         by_rank.setdefault(part["rank"], []).append(part)
     times = SpanTimes()
-    modules = _PartModules()
+    modules = _PartModules(parts)
     for ranked in by_rank.values():
         spans: list[ModuleSpan] = []
         for part in ranked:
@@ -1157,15 +1157,19 @@ def span_times_of_parts(parts: Sequence[DigestPart]) -> SpanTimes:
 
 
 class _PartModules:
-    """Makes the :class:`~commspan.analysis.records.ModuleSpan` rows of parts, parsing
-    each digest line's module spans once for its parts (in a row) and each module
-    template's text once."""
+    """Makes the :class:`~commspan.analysis.records.ModuleSpan` rows of ``parts``, in
+    any order, parsing each digest line's module spans once (kept until the last of
+    its parts is made: a line of one rank's file goes at once, a line holding many
+    ranks' parts, a merged file's, stays while they are made a rank at a time) and
+    each module template's text once."""
 
-    __slots__ = ("line", "parsed", "names")
+    __slots__ = ("parsed", "left", "names")
 
-    def __init__(self) -> None:
-        self.line: _LineModules | None = None
-        self.parsed: list[tuple[list[str], list[list[Any]]]] = []
+    def __init__(self, parts: Iterable[DigestPart]) -> None:
+        self.parsed: dict[int, list[tuple[list[str], list[list[Any]]]]] = {}
+        # id of a digest line -> its parts not made yet
+        self.left: Counter[int] = Counter(
+            id(p["mods"][0]) for p in parts if type(p["mods"]) is tuple)
         self.names: dict[str, tuple[Any, ...]] = {}
 
     def add(self, part: DigestPart, out: list[ModuleSpan]) -> None:
@@ -1178,9 +1182,14 @@ class _PartModules:
             texts, rows = part["mtmpls"], orjson.loads(rows)
         else:  # (a digest line's: its module spans parsed once, for its parts)
             line, index = rows
-            if line is not self.line:
-                self.line, self.parsed = line, line.parse()
-            texts, rows = self.parsed[index]
+            key = id(line)
+            parsed = self.parsed.get(key)
+            if parsed is None:
+                parsed = self.parsed[key] = line.parse()
+            self.left[key] -= 1
+            if self.left[key] <= 0:
+                del self.parsed[key]
+            texts, rows = parsed[index]
         names = [_module_template(text, self.names) for text in texts]
         rank, trace, first = part["rank"], part["trace"], part["start"]
         add = out.append

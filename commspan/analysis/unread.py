@@ -206,15 +206,17 @@ class LineTally:
                    trace_start={t: self._start.get(t, 0) for t in traces}).traces()
 
 
-def copies_note(tally: LineTally, label: str = "") -> str | None:
-    """What to say of the rank spans :class:`LineTally` read twice (``None``: none): the
-    lines that hold them are counted twice in what is shown."""
-    if not tally.copies:
+def copies_note(tally: LineTally, label: str = "", since: int = 0) -> str | None:
+    """What to say of the rank spans :class:`LineTally` read twice (``None``: none), from
+    its ``since``-th copy on (those of the files read last): the lines that hold them
+    are counted twice in what is shown."""
+    copies = tally.copies[since:]
+    if not copies:
         return None
     shown = "; ".join(
         f"rank {rank}'s step {tally._steps.get(trace, 'outside steps')}: {a}:{la} and "
-        f"{b}:{lb}" for rank, trace, (a, la), (b, lb) in tally.copies[:3])
-    more = f" and {len(tally.copies) - 3} more" if len(tally.copies) > 3 else ""
+        f"{b}:{lb}" for rank, trace, (a, la), (b, lb) in copies[:3])
+    more = f" and {len(copies) - 3} more" if len(copies) > 3 else ""
     return (f"commspan: {label}spans read twice ({shown}{more}): a file holds a copy of "
             "some lines of another (or a line was appended twice), so what follows counts "
             "those steps twice; remove the copy, or pass the files without it")

@@ -140,7 +140,7 @@ class Reader:
         self._reading(files)
         if len(self.lines.copies) > copies:
             self.copied = True
-            note = copies_note(self.lines, "" if label == "FILES" else f"{label}: ")
+            note = copies_note(self.lines, "" if label == "FILES" else f"{label}: ", copies)
             if note is not None and note not in self.notes:
                 self.notes.append(note)
         if self.report.commspan_spans == ours:
