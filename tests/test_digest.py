@@ -838,6 +838,39 @@ def test_a_copy_of_some_lines_of_a_rank_is_named_not_counted_silently(
     assert str(other) not in notes[0] and str(run / "copy.jsonl") not in notes[1], notes
 
 
+def test_a_copied_line_of_module_spans_only_is_named_not_counted_silently(
+    fake_pg: None, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A copied line that holds no rank span (module spans and their collectives only:
+    a step exported over several lines) was not found by the rank spans it lacks:
+    ``table`` counted its collectives twice, status 0. Each line's first span of a
+    rank and step finds it, from the lines and from digests alike; the original
+    files' table is the reference."""
+    run = _traced(tmp_path / "run", steps=2)  # (steps straddle lines)
+    code, want, _ = run_cli(capsys, "table", str(run), "--rank", "1")
+    assert code == 0
+    lines = (run / "commspan-rank1.jsonl").read_bytes().splitlines(keepends=True)
+    index, line = next(
+        (i, raw) for i, raw in enumerate(lines)
+        if i > 0  # (a copy of a file's first lines is a copy of the file: not read)
+        and f'"{semconv.COLL_OP}"'.encode() in raw
+        and f'"name":"{semconv.SPAN_RANK}"'.encode() not in raw)
+    (run / "copy.jsonl").write_bytes(line)
+    for digested in (False, True):
+        if digested:
+            write_digest(run / "copy.jsonl")
+        code, out, err = run_cli(capsys, "table", str(run), "--rank", "1")
+        assert code == 1, (digested, err)
+        assert out != want  # (the copied line's collectives counted twice: said, below)
+        assert (f"{run / 'commspan-rank1.jsonl'}:{index + 1} and {run / 'copy.jsonl'}:1"
+                in err), (digested, err)
+        code, _, err = run_cli(capsys, "check", str(run))
+        assert code == 2 and "read twice" in err, (digested, err)
+    for f in (run / "copy.jsonl", run / "copy.jsonl.digest"):
+        f.unlink()
+    assert run_cli(capsys, "table", str(run), "--rank", "1")[:2] == (0, want)
+
+
 def test_digest_leaves_no_temporary_file_when_it_stops(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], fake_pg: None,
     monkeypatch: pytest.MonkeyPatch,

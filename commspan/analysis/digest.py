@@ -1294,12 +1294,17 @@ def load_parts(
         if extra is None:
             return None
         parts.extend(extra)
-    # a rank span in two parts: a line copied (a file holding some lines of another):
-    # the lines' reader names the copy (LineTally.copies)
+    # a line copied (a file holding some lines of another): two parts of one rank and
+    # trace alike (their spans, earliest start, latest end), or a rank span in two;
+    # the lines' reader names the copy (LineTally.copies). (Two lines of a rank's step
+    # are never alike: each span is in one. Were they, the lines would only be parsed.)
     seen: set[tuple[Any, ...]] = set()
     for part in parts:
+        marks: list[tuple[Any, ...]] = [
+            (part["rank"], part["trace"], part["spans"], part["start"], part["end"])]
         if part["rank_step"] is not None:
-            key = (part["rank"], part["trace"], part["rank_step"][0])
+            marks.append((part["rank"], part["trace"], part["rank_step"][0]))
+        for key in marks:
             if key in seen:
                 return None
             seen.add(key)

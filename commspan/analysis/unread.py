@@ -76,19 +76,27 @@ class LineTally:
         self._start: dict[str, int] = {}
         self._runs: dict[str, str] = {}  # trace -> run
         self._presence: dict[str, set[int]] = {}
-        # (rank, trace, span id) of each rank span -> (path, line) where it was first read
-        self._rank_spans: dict[tuple[int, str, str], tuple[str, int]] = {}
+        # (rank, trace, span id) of each rank span, and of the first span of each
+        # (rank, trace) in a line -> (path, line) where it was first read
+        self._written: dict[tuple[int, str, str], tuple[str, int]] = {}
         self.copies: list[tuple[int, str, tuple[str, int], tuple[str, int]]] = []
-        """Rank spans read twice: ``(rank, trace, (path, line) first, (path, line)
-        again)``. A span is written once; read again, its line was copied (a file
-        holding some lines of another, a line appended twice) and the steps of those
-        lines are counted twice."""
+        """Spans read twice: ``(rank, trace, (path, line) first, (path, line) again)``,
+        one per rank and trace of a line. A span is written once; read again, its line
+        was copied (a file holding some lines of another, a line appended twice) and
+        what that line holds of the step (its spans, its collectives) is counted
+        twice. Found by the rank span of the step and by the first span of each rank
+        and trace in a line, so a copied line holding module spans only is found too
+        (a line is copied whole: a part of one is a damaged line)."""
 
     def add(self, path: str | os.PathLike[str], number: int,
             records: Sequence[SpanRecord]) -> None:
         """What line ``number`` of ``path`` holds (``read_spans_in``'s ``on_line``)."""
         key = os.fspath(path)
         pairs: dict[tuple[int, str], None] = {}  # (an ordered set)
+        # the spans that say whether this line was read before: (rank, trace, span id)
+        # -> None, the first span of each rank and trace, and the rank spans
+        marks: dict[tuple[int, str, str], None] = {}
+        firsts: set[tuple[int, str]] = set()
         for rec in records:
             rank = record_rank(rec)
             trace = rec.trace_id
@@ -105,6 +113,9 @@ class LineTally:
             start = self._start.get(trace)
             if start is None or rec.start_time < start:
                 self._start[trace] = rec.start_time
+            if (rank, trace) not in firsts:
+                firsts.add((rank, trace))
+                marks[(rank, trace, rec.span_id)] = None
             if rec.name == semconv.SPAN_HANG:
                 continue  # (its collectives are a snapshot, not events of the step)
             events = sum(1 for _name, attrs in rec.events if semconv.COLL_OP in attrs)
@@ -112,13 +123,17 @@ class LineTally:
                 self._events[(rank, trace)] += events
             if rec.name == semconv.SPAN_RANK:
                 self._closed.setdefault((key, rank, trace), []).append(number)
-                first = self._rank_spans.setdefault((rank, trace, rec.span_id), (key, number))
-                if first != (key, number):
-                    self.copies.append((rank, trace, first, (key, number)))
+                marks[(rank, trace, rec.span_id)] = None
                 total = sum(v for k, v in rec.attributes.items()
                             if k.startswith(semconv.COUNT_PREFIX) and k.endswith(_TOTAL_SUFFIX)
                             and type(v) is int)
                 self._totals[(rank, trace)] = self._totals.get((rank, trace), 0) + total
+        copied: set[tuple[int, str]] = set()
+        for mark in marks:
+            first = self._written.setdefault(mark, (key, number))
+            if first != (key, number) and mark[:2] not in copied:
+                copied.add(mark[:2])
+                self.copies.append((mark[0], mark[1], first, (key, number)))
         if pairs:
             self._lines.setdefault(key, []).append((number, tuple(pairs)))
             extent = self._extent.setdefault(key, {})
@@ -132,7 +147,7 @@ class LineTally:
     def new_read(self) -> None:
         """Files read from here on are compared for copies among themselves only (``diff``
         reads two runs, one perhaps a copy of the other: that is no copy of a line)."""
-        self._rank_spans.clear()
+        self._written.clear()
 
     def locate(self, damaged: Iterable[SkippedLine]) -> list[Unread]:
         """The steps of a rank each damaged line may have held collectives of (see the
@@ -219,7 +234,8 @@ def copies_note(tally: LineTally, label: str = "", since: int = 0) -> str | None
     more = f" and {len(copies) - 3} more" if len(copies) > 3 else ""
     return (f"commspan: {label}spans read twice ({shown}{more}): a file holds a copy of "
             "some lines of another (or a line was appended twice), so what follows counts "
-            "those steps twice; remove the copy, or pass the files without it")
+            "what those lines hold of those steps twice; remove the copy, or pass the files "
+            "without it")
 
 
 def unread_note(unread: Sequence[Unread], label: str = "") -> list[str]:
