@@ -36,7 +36,7 @@ import zlib
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import orjson
 
@@ -1054,11 +1054,18 @@ def _valid(part: Any) -> bool:
 
 
 # ------------------------------------------------------------------ assembling
-def run_from_parts(parts: Sequence[DigestPart], module_spans: bool = False) -> Run:
+def run_from_parts(parts: Sequence[DigestPart],
+                   module_spans: bool | Literal["folded"] = False) -> Run:
     """The :class:`~commspan.analysis.records.Run` the parts stand for, as
     :func:`~commspan.analysis.records.build_run` would build it from their spans
     (``module_spans``: with its module spans, which ``commspan stragglers`` needs for
-    the step times, as ``build_run(..., module_spans=True)``)."""
+    the step times, as ``build_run(..., module_spans=True)``; ``"folded"``: those
+    folded a rank at a time into :attr:`Run.span_times` instead, as
+    :func:`span_times_of_parts`, the parts read with their module spans)."""
+    if module_spans == "folded":
+        run = run_from_parts(parts)
+        run.span_times = span_times_of_parts(parts)
+        return run
     run = Run()
     # (rank, trace) -> [time, fqn, phase] of its latest exception event, over its parts
     raised: dict[tuple[int, str], list[Any]] = {}

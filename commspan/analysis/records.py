@@ -632,7 +632,6 @@ def _load_digested(files: Sequence[Path], wanted: frozenset[int] | None,
         list_part_runs,
         load_parts,
         run_from_parts,
-        span_times_of_parts,
     )
     from commspan.analysis.runs import choose_run
 
@@ -650,11 +649,7 @@ def _load_digested(files: Sequence[Path], wanted: frozenset[int] | None,
     require_steps(wanted, chosen.steps, f"run {chosen.run_id}" if chosen.run_id else "")
     if len(every) > 1:
         parts = [p for p in parts if p["run"] == chosen.run_id]
-    if module_spans == "folded":
-        built = run_from_parts(parts)
-        built.span_times = span_times_of_parts(parts)
-    else:
-        built = run_from_parts(parts, bool(module_spans))
+    built = run_from_parts(parts, module_spans)
     if wanted is not None:
         _keep_steps(built, wanted)
     return built

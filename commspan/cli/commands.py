@@ -941,7 +941,7 @@ _STRAGGLERS_CUT_SHORT = (
 def stragglers(args: argparse.Namespace, reader: Reader) -> Outcome:
     """Who arrives last at each collective, and where each rank's step goes."""
     from commspan.analysis.counts import Aggregator
-    from commspan.analysis.digest import run_from_parts, span_times_of_parts, summarize_parts
+    from commspan.analysis.digest import run_from_parts, summarize_parts
     from commspan.analysis.stragglers import analyze
     from commspan.analysis.summary import partial_note
     from commspan.render.findings import format_stragglers
@@ -953,8 +953,7 @@ def stragglers(args: argparse.Namespace, reader: Reader) -> Outcome:
     if fast is not None:  # every file digested (version 6: with module spans and pauses)
         sel = fast
         # the module spans folded a rank at a time: a thousand ranks' are millions
-        run = run_from_parts(fast.parts)
-        run.span_times = span_times_of_parts(fast.parts)
+        run = run_from_parts(fast.parts, module_spans="folded")
         whole = run if fast.last_traces is None else run_from_parts(fast.run_parts)
         cut = summarize_parts(Aggregator(), fast.parts, None, fast.last_traces)["partial"]
     else:
