@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -394,8 +395,8 @@ def test_ctrl_c_in_a_real_process(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def unicode_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A run whose module names are not ASCII."""
+def unicode_file(tmp_path_factory: pytest.TempPathFactory, fake_pg: None) -> Path:
+    """A run whose module names are not ASCII (rank 0 of the fake world of 4)."""
     path = tmp_path_factory.mktemp("unicode") / "trace.jsonl"
     model = torch.nn.Sequential()
     model.add_module("écoute", torch.nn.Linear(4, 4))
@@ -445,6 +446,38 @@ def test_stdout_closed(run_dir: Path, command: str, status: int) -> None:
         "OSError: cannot write the output: stdout is closed; send it to a file (> FILE) or "
         "to /dev/null")
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("command", ["html", "perfetto", "digest"])
+def test_commands_writing_files_with_stdout_closed_or_full(
+    run_dir: Path, tmp_path: Path, command: str,
+) -> None:
+    """A command whose output is a file (``html -o``, ``perfetto -o``, ``digest``) did
+    its work, then failed (status 1, "stdout is closed") because the line saying what it
+    wrote could not be printed. It succeeds; stderr says what it says with a stdout that
+    works; the file is there."""
+    folder = tmp_path / "run"
+    shutil.copytree(run_dir, folder)
+    out = tmp_path / f"out.{command}"
+    argv = [command, str(folder)] + ([] if command == "digest" else ["-o", str(out)])
+    for how in ("open", "closed", "full"):
+        for f in [out, *folder.glob("*.digest")]:
+            f.unlink(missing_ok=True)
+        if how == "open":
+            proc = _run_cli(*argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            assert proc.returncode == 0 and proc.stdout, proc.stderr
+            said = proc.stderr
+            continue
+        if how == "closed":
+            proc = _run_cli(*argv, stderr=subprocess.PIPE, preexec_fn=lambda: os.close(1))
+        elif Path("/dev/full").exists():
+            with open("/dev/full", "w") as full:
+                proc = _run_cli(*argv, stdout=full, stderr=subprocess.PIPE)
+        else:
+            continue
+        assert (proc.returncode, proc.stderr) == (0, said), (how, proc.stderr)
+        made = [out] if command != "digest" else sorted(folder.glob("*.digest"))
+        assert made and all(f.stat().st_size > 0 for f in made), (how, made)
 
 
 def test_ctrl_c_while_the_command_loads(monkeypatch: pytest.MonkeyPatch,

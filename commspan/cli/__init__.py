@@ -174,18 +174,21 @@ def _run(args: argparse.Namespace) -> int:
             _err(error)
         return failed
     if sys.stdout is None:  # started with stdout closed (`commspan ... >&-`)
-        _err("OSError: cannot write the output: stdout is closed; send it to a file "
-             "(> FILE) or to /dev/null")
-        return failed
-    try:
-        _say(sys.stdout, outcome.text)
-    except BrokenPipeError:  # `commspan table ... | head`
-        _silence(sys.stdout)
-        return outcome.status
-    except OSError as exc:  # stdout on a full disk
-        _silence(sys.stdout)
-        _err(f"{type(exc).__name__}: cannot write the output to stdout: {exc}")
-        return failed
+        if not outcome.written:
+            _err("OSError: cannot write the output: stdout is closed; send it to a file "
+                 "(> FILE) or to /dev/null")
+            return failed
+    else:
+        try:
+            _say(sys.stdout, outcome.text)
+        except BrokenPipeError:  # `commspan table ... | head`
+            _silence(sys.stdout)
+            return outcome.status
+        except OSError as exc:  # stdout on a full disk
+            _silence(sys.stdout)
+            if not outcome.written:  # (else only the line saying what was written)
+                _err(f"{type(exc).__name__}: cannot write the output to stdout: {exc}")
+                return failed
     for line in reader.covers:  # (what the output covers: none when there is none)
         _err(line)
     if reader.report.damaged:

@@ -55,6 +55,9 @@ class Outcome(NamedTuple):
 
     text: str
     status: int = 0
+    written: bool = False
+    """The output went to files (``html -o``, ``perfetto -o``, ``digest``): ``text``
+    only says so, and a stdout that cannot take it (closed, full) fails nothing."""
 
 
 class Damaged(Exception):
@@ -762,14 +765,14 @@ def _written(path: Path, sel: Selection, extra: dict[str, Any], args: argparse.N
         **extra,
     }
     if args.json:
-        return Outcome(json.dumps(data, indent=2))
+        return Outcome(json.dumps(data, indent=2), written=True)
     run = f"run {data['run']}, " if data["run"] else ""
     text = (f"wrote {what} {path} ({size:,} bytes): {run}ranks {format_numbers(ranks)}, "
             f"steps {format_numbers(sel.steps)}")
     if "findings" in extra:
         n = extra["findings"]
         text += f", {n} finding{'' if n == 1 else 's'}"
-    return Outcome(text)
+    return Outcome(text, written=True)
 
 
 def _findings_file(name: str) -> Any:
@@ -1133,7 +1136,7 @@ def digest(args: argparse.Namespace, reader: Reader) -> Outcome:
         if report.damaged:
             raise Damaged
         raise no_commspan_span("FILES", files, report.lines, report.spans)
-    return Outcome(f"digests written for {what}: {_count(lines, 'line')}")
+    return Outcome(f"digests written for {what}: {_count(lines, 'line')}", written=True)
 
 
 _count = count_words
