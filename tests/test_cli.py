@@ -478,6 +478,9 @@ def test_commands_writing_files_with_stdout_closed_or_full(
         assert (proc.returncode, proc.stderr) == (0, said), (how, proc.stderr)
         made = [out] if command != "digest" else sorted(folder.glob("*.digest"))
         assert made and all(f.stat().st_size > 0 for f in made), (how, made)
+    if command != "digest":  # --json asks for output on stdout: that one is an error
+        proc = _run_cli(*argv, "--json", stderr=subprocess.PIPE, preexec_fn=lambda: os.close(1))
+        assert proc.returncode == 1 and "stdout is closed" in proc.stderr, proc.stderr
 
 
 def test_ctrl_c_while_the_command_loads(monkeypatch: pytest.MonkeyPatch,

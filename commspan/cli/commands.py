@@ -57,7 +57,8 @@ class Outcome(NamedTuple):
     status: int = 0
     written: bool = False
     """The output went to files (``html -o``, ``perfetto -o``, ``digest``): ``text``
-    only says so, and a stdout that cannot take it (closed, full) fails nothing."""
+    only says so, and a stdout that cannot take it (closed, full) fails nothing
+    (``--json``, asked for on stdout, is output)."""
 
 
 class Damaged(Exception):
@@ -764,8 +765,8 @@ def _written(path: Path, sel: Selection, extra: dict[str, Any], args: argparse.N
         "steps": list(sel.steps),
         **extra,
     }
-    if args.json:
-        return Outcome(json.dumps(data, indent=2), written=True)
+    if args.json:  # (asked for on stdout: a stdout that cannot take it is an error)
+        return Outcome(json.dumps(data, indent=2))
     run = f"run {data['run']}, " if data["run"] else ""
     text = (f"wrote {what} {path} ({size:,} bytes): {run}ranks {format_numbers(ranks)}, "
             f"steps {format_numbers(sel.steps)}")
