@@ -871,6 +871,65 @@ def test_a_copied_line_of_module_spans_only_is_named_not_counted_silently(
     assert run_cli(capsys, "table", str(run), "--rank", "1")[:2] == (0, want)
 
 
+def test_a_line_and_its_copy_both_beyond_the_digest_are_named(
+    fake_pg: None, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A digest that covers a file's first lines only (``commspan digest`` run mid-run, a
+    second job appending without ``digest=True``): the lines after it were digested
+    all at once, one part per rank and step, so a line and its copy there made one part
+    and ``table`` counted the copy, status 0. They are digested a line at a time, as
+    digests are: the copy is named, as when the lines are read."""
+    run = _traced(tmp_path / "run", steps=2)
+    rank1 = run / "commspan-rank1.jsonl"
+    code, want, _ = run_cli(capsys, "table", str(run), "--rank", "1")
+    assert code == 0
+    lines = rank1.read_bytes().splitlines(keepends=True)
+    digested = digest_path(rank1).read_bytes().splitlines(keepends=True)
+    assert len(digested) == len(lines)  # (a digest line per line)
+    index = next(i for i, raw in enumerate(lines)
+                 if i > 0 and f'"{semconv.COLL_OP}"'.encode() in raw)
+    digest_path(rank1).write_bytes(b"".join(digested[:index]))  # (lines from index on: none)
+    assert run_cli(capsys, "table", str(run), "--rank", "1")[:2] == (0, want)
+    with rank1.open("ab") as fh:
+        fh.write(lines[index])
+    for extra in ([], ["--no-digest"]):
+        code, out, err = run_cli(capsys, "table", str(run), "--rank", "1", *extra)
+        assert code == 1 and out != want, (extra, err)
+        assert f"{rank1}:{index + 1} and {rank1}:{len(lines) + 1}" in err, (extra, err)
+
+
+def test_two_jobs_under_one_run_id_are_no_copy(
+    fake_pg: None, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Two jobs under one run id append to one file (their steps add up, said on
+    stderr). Each session's root span has the id of its key, the same in both jobs: with
+    one span per line (a ``SimpleSpanProcessor``), it was a line's first span and was
+    taken for a copied line, status 1."""
+    import torch.distributed as dist
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+    path = tmp_path / "commspan-rank0.jsonl"
+    for _job in range(2):
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(JsonlSpanExporter(path)))
+        mode = CommSpanMode(tracer_provider=provider, run_id="same")
+        layer, t = torch.nn.Linear(4, 4), torch.ones(4)
+        with mode:
+            dist.all_reduce(t)  # (outside steps: the session's trace)
+            with mode.step(0):
+                layer(torch.ones(2, 4))
+                dist.all_reduce(t)
+        mode.shutdown()
+        provider.shutdown()
+    roots = [json.loads(line)["resourceSpans"][0]["scopeSpans"][0]["spans"][0]
+             for line in path.read_text().splitlines()]
+    sessions = [r["spanId"] for r in roots if r["name"] == semconv.SPAN_SESSION]
+    assert len(sessions) == 2 and sessions[0] == sessions[1]  # (what made it look copied)
+    code, out, err = run_cli(capsys, "table", str(path), "--rank", "0")
+    assert code == 0 and "read twice" not in err, err
+
+
 def test_digest_leaves_no_temporary_file_when_it_stops(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], fake_pg: None,
     monkeypatch: pytest.MonkeyPatch,

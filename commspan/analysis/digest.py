@@ -1293,11 +1293,25 @@ def load_parts(
         if gaps:
             regions[os.fspath(path)] = gaps
     if regions:
-        records = list(read_spans_in(
+        # digested a line at a time, as the digests are: a line and its copy stay two
+        # parts (found below), not one part of both
+        extra: list[DigestPart] | None = []
+
+        def per_line(_path: Path, _number: int, records: Sequence[SpanRecord]) -> None:
+            nonlocal extra
+            if extra is None or not records:
+                return
+            got = digest_parts(records)
+            if got is None:
+                extra = None  # (what a part cannot hold: the lines are read instead)
+            else:
+                extra.extend(got)
+
+        for _ in read_spans_in(
             [f for f in files if os.fspath(f) in regions], strict=False, report=scratch,
-            max_line_bytes=max_line_bytes, regions=regions,
-        ))
-        extra = digest_parts(records)
+            max_line_bytes=max_line_bytes, regions=regions, on_line=per_line,
+        ):
+            pass
         if extra is None:
             return None
         parts.extend(extra)

@@ -113,7 +113,9 @@ class LineTally:
             start = self._start.get(trace)
             if start is None or rec.start_time < start:
                 self._start[trace] = rec.start_time
-            if (rank, trace) not in firsts:
+            if (rank, trace) not in firsts and rec.name != semconv.SPAN_SESSION:
+                # (a session's root has the id of its key, as a step's: two jobs under
+                # one run id, each numbering its sessions from 1, write the same)
                 firsts.add((rank, trace))
                 marks[(rank, trace, rec.span_id)] = None
             if rec.name == semconv.SPAN_HANG:
@@ -222,7 +224,7 @@ class LineTally:
 
 
 def copies_note(tally: LineTally, label: str = "", since: int = 0) -> str | None:
-    """What to say of the rank spans :class:`LineTally` read twice (``None``: none), from
+    """What to say of the spans :class:`LineTally` read twice (``None``: none), from
     its ``since``-th copy on (those of the files read last): the lines that hold them
     are counted twice in what is shown."""
     copies = tally.copies[since:]
