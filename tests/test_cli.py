@@ -448,6 +448,31 @@ def test_stdout_closed(run_dir: Path, command: str, status: int) -> None:
     assert "Traceback" not in proc.stderr
 
 
+def test_a_reader_that_stops_early_leaves_the_status_of_the_input(
+    run_dir: Path, tmp_path: Path,
+) -> None:
+    """``commspan table ... | head`` (a closed pipe): no error of its own, but damaged
+    lines skipped still fail the status, as without the pipe (it returned the output's
+    status, 0, before looking at the input's)."""
+    folder = tmp_path / "run"
+    shutil.copytree(run_dir, folder)
+    damaged = sorted(folder.glob("*.jsonl"))[0]
+    for want in (0, 1):
+        if want:
+            with damaged.open("a") as fh:
+                fh.write("not json\n")
+        read, write = os.pipe()
+        os.close(read)  # (every write to the pipe fails: EPIPE)
+        try:
+            proc = _run_cli("table", str(folder), "--rank", "all", stdout=write,
+                            stderr=subprocess.PIPE)
+        finally:
+            os.close(write)
+        assert proc.returncode == want, proc.stderr
+        assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr
+        assert ("damaged line" in proc.stderr) == bool(want), proc.stderr
+
+
 @pytest.mark.parametrize("command", ["html", "perfetto", "digest"])
 def test_commands_writing_files_with_stdout_closed_or_full(
     run_dir: Path, tmp_path: Path, command: str,

@@ -181,9 +181,8 @@ def _run(args: argparse.Namespace) -> int:
     else:
         try:
             _say(sys.stdout, outcome.text)
-        except BrokenPipeError:  # `commspan table ... | head`
-            _silence(sys.stdout)
-            return outcome.status
+        except BrokenPipeError:  # `commspan table ... | head`: the reader had enough;
+            _silence(sys.stdout)  # the status still says what the input was (below)
         except OSError as exc:  # stdout on a full disk
             _silence(sys.stdout)
             if not outcome.written:  # (else only the line saying what was written)
