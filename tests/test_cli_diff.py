@@ -214,6 +214,25 @@ def test_one_selection_given_twice_is_a_usage_error(
     assert "compares a selection with itself" in err and "Traceback" not in err
 
 
+def test_two_spellings_of_one_selection_are_an_error(
+    streamed_runs: dict[str, Any], capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`diff DIR --run second --run sec` (a run and a prefix of its id) compared the run
+    with itself and said "no difference" (exit 0): the selections are compared once
+    resolved, not as typed."""
+    folder = str(streamed_runs["b"])
+    for twice in (["--run", "second", "--run", "sec"],
+                  ["--run", "second", "--run", "s", "--steps", "0-4", "--steps", "0-9"]):
+        code, out, err = run_cli(capsys, "diff", folder, *twice)
+        assert (code, out) == (2, ""), err
+        assert err.splitlines()[-1].startswith(
+            f"ValueError: diff {folder} {' '.join(twice)}: both select run second, "
+            "steps 0-4, which would be compared with itself"), err
+    _, out, err = run_cli(capsys, "diff", folder, "--run", "first", "--run", "sec")
+    assert out and "with itself" not in err  # (two runs: compared; the status is 2 for
+    # the folder's damaged line)
+
+
 @pytest.mark.multiprocess
 def test_example_with_sequence_parallel(
     tmp_path_factory: pytest.TempPathFactory, capsys: pytest.CaptureFixture[str]

@@ -999,6 +999,16 @@ def diff(args: argparse.Namespace, reader: Reader) -> Outcome:
         sides.append(reader.select_folded(
             read[path], _first(args.run, i), steps, option,
             label=f"{name}: " if args.b is not None or args.run else ""))
+    if args.b is None:  # (one folder: its two selections, resolved, must differ)
+        first, second = (side.selection for side in sides)
+        run_of = [sel.run.run_id if sel.run else None for sel in (first, second)]
+        if run_of[0] == run_of[1] and list(first.steps) == list(second.steps):
+            given = " ".join(f"--{n} {v}" for n in ("run", "step", "steps")
+                             for v in getattr(args, n) or ())
+            raise ValueError(
+                f"diff {args.a} {given}: both select {_selected_words(run_of[0], first)}, "
+                "which would be compared with itself (no difference, whatever the files "
+                "hold); pass two different steps or runs")
     for name, path, side in zip("AB", paths, sides):
         labels.append(_label(name, path, side.selection,
                              [rank] if rank is not None else side.ranks()))
@@ -1038,6 +1048,12 @@ def diff(args: argparse.Namespace, reader: Reader) -> Outcome:
         data["b"] = _side(paths[1], sides[1].selection, b)
         return Outcome(json.dumps(data, indent=2), status)
     return Outcome(format_diff(result, labels[0], labels[1]), status)
+
+
+def _selected_words(run_id: str | None, sel: Selection) -> str:
+    """``run X, steps 0-2`` of a selection, for a message."""
+    run = f"run {run_id}, " if run_id else ""
+    return f"{run}steps {format_numbers(sel.steps)}" if sel.steps else f"{run}no step"
 
 
 def _label(name: str, path: str, sel: Selection, ranks: Iterable[int]) -> str:
