@@ -143,6 +143,9 @@ def test_cli_plan_of_the_example() -> None:
     (["examples/plan_at_scale.py"], "FILE.py:FUNCTION 'examples/plan_at_scale.py' is not "
      "valid; pass FILE.py:FUNCTION", 2),
     (["examples/missing.py:setup"], "examples/missing.py is not a file", 1),
+    # a file Python has no loader for (it said "raised AssertionError: ")
+    (["README.md:setup"], "FileNotFoundError: FILE.py:FUNCTION 'README.md:setup': README.md "
+     "is not a Python file; pass the .py file that defines the function", 1),
     (["examples/plan_at_scale.py:nothing"], "has no function 'nothing'", 1),
     (["examples/plan_at_scale.py:setup", "--world", "12"],
      "raised ValueError at", 1),  # 12 ranks do not divide by tp=8: the user's own error

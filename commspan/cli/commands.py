@@ -1184,12 +1184,15 @@ def _load_function(target: str) -> Callable[[], Any]:
 
     where, _, name = target.rpartition(":")
     try:
-        if where.endswith(".py") or os.sep in where or "/" in where:
+        if where.endswith(".py") or os.sep in where or "/" in where or Path(where).is_file():
             path = Path(where)
             if not path.is_file():
                 raise FileNotFoundError(f"FILE.py:FUNCTION {target!r}: {where} is not a file")
             spec = importlib.util.spec_from_file_location(f"_commspan_plan_{path.stem}", path)
-            assert spec is not None and spec.loader is not None
+            if spec is None or spec.loader is None:  # (no loader for its suffix)
+                raise FileNotFoundError(
+                    f"FILE.py:FUNCTION {target!r}: {where} is not a Python file; pass the "
+                    ".py file that defines the function")
             module = importlib.util.module_from_spec(spec)
             # its sibling imports, also those made when the step runs (the command's
             # process ends with the plan)
