@@ -189,6 +189,12 @@ def _export_section(export: dict[str, Any]) -> str:
                            for w, k in (("one step per batch", "one_step"),
                                         ("large batches", "large")))
            if e],
+        *([["OTLP/HTTP export to a local receiver, one step per batch: SDK's requests "
+            "transport / commspan's",
+            f"{h['requests_spans_per_s']:,.0f} / {h['plain_spans_per_s']:,.0f} spans/s",
+            f"exporting thread's CPU (encoding and HTTP); {h['ms_saved_per_batch']:.2f} ms "
+            "less per batch"]]
+          if (h := export.get("otlp_http") or {}).get("plain_http") else []),
         ["Aggregator.from_jsonl", f"{f['events_per_s']:,.0f} events/s",
          f"{f['spans_per_s']:,.0f} spans/s; file of {f['steps']} steps, {f['spans']:,} spans, "
          f"{f['events']:,} events, {f['bytes'] / 1e6:.1f} MB; wall {f['events_per_wall_s']:,.0f} "
