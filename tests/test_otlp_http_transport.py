@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gzip
 import http.server
+import os
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -27,7 +28,8 @@ class _Recorder:
     timeout): the next request on that connection finds it closed. ``statuses``: the
     statuses of the first answers (then 200)."""
 
-    def __init__(self, close_after: bool = False, statuses: tuple[int, ...] = ()) -> None:
+    def __init__(self, close_after: bool = False, statuses: tuple[int, ...] = (),
+                 answer: Any = None) -> None:
         owner = self
         self.got: list[tuple[str, dict[str, str], bytes]] = []
         self.connections = 0
@@ -44,6 +46,9 @@ class _Recorder:
                 body = self.rfile.read(int(self.headers["Content-Length"]))
                 owner.got.append((self.path, {k.lower(): v for k, v in self.headers.items()},
                                   body))
+                if answer is not None:
+                    answer(self)
+                    return
                 status = owner._statuses.pop(0) if owner._statuses else 200
                 self.send_response(status)
                 if status == 503:
@@ -66,6 +71,22 @@ class _Recorder:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(5)
+
+
+@pytest.fixture(autouse=True)
+def _no_proxy_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """(A CI machine's proxy settings would keep requests for 127.0.0.1.)"""
+    for name in ("HTTP_PROXY", "http_proxy", "NO_PROXY", "no_proxy", "ALL_PROXY",
+                 "all_proxy", "OTEL_PYTHON_EXPORTER_OTLP_HTTP_CREDENTIAL_PROVIDER",
+                 "OTEL_PYTHON_EXPORTER_OTLP_HTTP_TRACES_CREDENTIAL_PROVIDER"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NETRC", "/nonexistent-netrc")
+
+
+def _plain(endpoint: str, **kwargs: Any) -> Any:
+    exporter = otlp_exporter(protocol="http/protobuf", endpoint=endpoint, **kwargs)
+    assert exporter.plain_http is True  # type: ignore[attr-defined]
+    return exporter
 
 
 @pytest.fixture()
@@ -93,11 +114,10 @@ def test_a_plain_http_endpoint_gets_what_requests_sends(
     encoding, user agent, the user's) as through the SDK's ``requests`` transport."""
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_COMPRESSION", "gzip")
     spans = _spans()
-    plain = otlp_exporter(protocol="http/protobuf", endpoint=recorder.endpoint,
-                          headers={"x-token": "secret"})
+    plain = _plain(recorder.endpoint, headers={"x-token": "secret"})
     kept = OTLPSpanExporter(endpoint=recorder.endpoint, headers={"x-token": "secret"},
                             session=requests.Session())
-    assert (plain.plain_http, kept.plain_http) == (True, False)  # type: ignore[attr-defined]
+    assert kept.plain_http is False
     assert plain.export(spans) is kept.export(spans) is SpanExportResult.SUCCESS
     (path_a, head_a, body_a), (path_b, head_b, body_b) = recorder.got
     assert path_a == path_b == "/v1/traces"
@@ -115,7 +135,7 @@ def test_one_connection_is_kept_and_one_the_server_closed_is_made_again() -> Non
     for close_after, connections in ((False, 1), (True, 4)):
         server = _Recorder(close_after=close_after)
         try:
-            exporter = otlp_exporter(protocol="http/protobuf", endpoint=server.endpoint)
+            exporter = _plain(server.endpoint)
             results = [exporter.export(_spans(1)) for _ in range(4)]
             exporter.shutdown()
         finally:
@@ -130,7 +150,7 @@ def test_statuses_to_retry_are_retried_over_it() -> None:
     transport, and the batch is delivered."""
     server = _Recorder(statuses=(503, 503))
     try:
-        exporter = otlp_exporter(protocol="http/protobuf", endpoint=server.endpoint)
+        exporter = _plain(server.endpoint)
         assert exporter.export(_spans(1)) is SpanExportResult.SUCCESS
         exporter.shutdown()
     finally:
@@ -148,9 +168,6 @@ def test_statuses_to_retry_are_retried_over_it() -> None:
 def test_requests_is_kept_where_it_would_change_the_request(
     endpoint: str, env: dict[str, str], monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    for name in ("HTTP_PROXY", "http_proxy", "NO_PROXY", "no_proxy", "ALL_PROXY",
-                 "all_proxy"):
-        monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     exporter = otlp_exporter(protocol="http/protobuf", endpoint=endpoint)
@@ -172,3 +189,166 @@ def test_an_endpoint_that_refuses_is_a_connection_error() -> None:
                                timeout=1.0)
     assert result.status_code is None and transport.is_connection_error(result.error)
     transport.close()
+
+
+def test_a_credential_providers_session_keeps_requests(
+    monkeypatch: pytest.MonkeyPatch, recorder: _Recorder, tmp_path: Any,
+) -> None:
+    """The SDK makes its session from a credential provider (an entry point named by
+    OTEL_PYTHON_EXPORTER_OTLP_HTTP_CREDENTIAL_PROVIDER) when no session= is given: what
+    that session carries (auth) must be sent, so requests is kept."""
+    from opentelemetry.exporter.otlp.proto.http import trace_exporter as sdk
+
+    def provided(variable: str) -> requests.Session | None:
+        if not os.environ.get(variable) and not os.environ.get(
+                "OTEL_PYTHON_EXPORTER_OTLP_HTTP_CREDENTIAL_PROVIDER"):
+            return None
+        session = requests.Session()
+        session.headers["Authorization"] = "Bearer from-provider"
+        return session
+
+    # a provider's session that no variable announces: the session alone says
+    monkeypatch.setattr(sdk, "_load_session_from_envvar", lambda _variable: _changed())
+    exporter = OTLPSpanExporter(endpoint=recorder.endpoint)
+    assert exporter.plain_http is False
+    exporter.shutdown()
+    monkeypatch.setattr(sdk, "_load_session_from_envvar", provided)
+    for variable in ("OTEL_PYTHON_EXPORTER_OTLP_HTTP_CREDENTIAL_PROVIDER",
+                     "OTEL_PYTHON_EXPORTER_OTLP_HTTP_TRACES_CREDENTIAL_PROVIDER"):
+        monkeypatch.setenv(variable, "provider")
+        exporter = OTLPSpanExporter(endpoint=recorder.endpoint)
+        assert exporter.plain_http is False
+        assert exporter.export(_spans(1)) is SpanExportResult.SUCCESS
+        assert recorder.got[-1][1].get("authorization") == "Bearer from-provider"
+        exporter.shutdown()
+        monkeypatch.delenv(variable)
+    from commspan.exporters._otlp_http import _pristine
+
+    assert _pristine(requests.Session(), requests) and not _pristine(_changed(), requests)
+
+
+def _changed() -> requests.Session:
+    session = requests.Session()
+    session.auth = ("user", "token")
+    return session
+
+
+def test_batches_from_several_threads_take_turns(recorder: _Recorder) -> None:
+    """A SimpleSpanProcessor exports from whichever thread ends a span: one connection
+    shared without turns sent some batches twice (67-72 requests for 60)."""
+    exporter = _plain(recorder.endpoint)
+    results: list[SpanExportResult] = []
+
+    def send() -> None:
+        for _ in range(10):
+            results.append(exporter.export(_spans(1)))
+
+    threads = [threading.Thread(target=send) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    exporter.shutdown()
+    assert results == [SpanExportResult.SUCCESS] * 60
+    assert len(recorder.got) == 60
+
+
+def test_an_answer_whose_body_breaks_is_not_sent_again() -> None:
+    """The status came, then the connection closed before the body's end: the server
+    has the batch. As with requests, the batch fails without being sent again (it was
+    retried as a connection error: the server got it 6 times)."""
+    def short(handler: Any) -> None:
+        handler.send_response(200)
+        handler.send_header("Content-Length", "100")
+        handler.end_headers()
+        handler.wfile.write(b"\x0a\x02")
+        handler.wfile.flush()
+        handler.close_connection = True
+
+    server = _Recorder(answer=short)
+    try:
+        exporter = _plain(server.endpoint, timeout_s=5)
+        assert exporter.export(_spans(1)) is SpanExportResult.FAILURE
+        exporter.shutdown()
+    finally:
+        server.close()
+    assert len(server.got) == 1
+
+
+def test_an_early_answer_to_a_large_body_is_read() -> None:
+    """A server that answers 413 before reading a large body, and closes: the write
+    fails (broken pipe), the answer is still read, and the batch fails once with 413
+    (it was sent six times, then a timeout)."""
+    from opentelemetry.exporter.otlp.common.http import _OTLPHTTPClient
+
+    got: list[int] = []
+
+    class Early(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self) -> None:  # noqa: N802
+            got.append(1)
+            self.rfile.read(1000)
+            self.send_response(413)
+            self.send_header("Content-Length", "0")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            self.wfile.flush()
+            self.close_connection = True
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Early)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        client = _OTLPHTTPClient(PlainHttpTransport(),
+                                 f"http://127.0.0.1:{server.server_address[1]}/v1/traces",
+                                 "spans", timeout=5)
+        result = client.export(b"x" * (32 << 20))
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert (result.success, result.status_code, len(got)) == (False, 413, 1)
+
+
+def test_what_the_answer_says_is_read_as_requests_reads_it() -> None:
+    """A gzip-encoded answer is decompressed (an OTLP partial success in it is read), a
+    repeated header's values are joined, a connection the server says it closes is not
+    kept, and a kept one takes each request's timeout."""
+    import json as _json
+
+    def gzipped(handler: Any) -> None:
+        body = gzip.compress(_json.dumps({"ok": 1}).encode())
+        handler.send_response(200)
+        handler.send_header("Content-Encoding", "gzip")
+        handler.send_header("X-Many", "a")
+        handler.send_header("X-Many", "b")
+        handler.send_header("Content-Length", str(len(body)))
+        handler.send_header("Connection", "close")
+        handler.end_headers()
+        handler.wfile.write(body)
+
+    server = _Recorder(answer=gzipped)
+    try:
+        transport = PlainHttpTransport()
+        for _ in range(2):
+            result = transport.request("POST", server.endpoint, data=b"x", timeout=3.0)
+            assert result.error is None and result.json() == {"ok": 1}
+            assert result.headers()["x-many"] == "a, b"
+    finally:
+        server.close()
+    assert server.connections == 2  # ("Connection: close": a new one each time)
+    kept = _Recorder()
+    try:
+        transport = PlainHttpTransport()
+        for timeout in (3.0, 1.5):
+            assert transport.request("POST", kept.endpoint, data=b"x",
+                                     timeout=timeout).error is None
+            assert transport._conn is not None and transport._conn.sock is not None
+            assert transport._conn.sock.gettimeout() == timeout
+        transport.close()
+    finally:
+        kept.close()
+    assert kept.connections == 1

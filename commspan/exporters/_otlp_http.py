@@ -29,6 +29,8 @@ from __future__ import annotations
 import gzip
 import http.client
 import logging
+import os
+import threading
 import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -234,25 +236,51 @@ class _PlainResult:
     """What :class:`PlainHttpTransport` answers: the SDK's ``BaseHTTPResult`` interface
     (``status_code``, ``reason``, ``error``, ``content()``, ``headers()``, ``text()``)."""
 
-    __slots__ = ("_body", "_headers", "error", "reason", "status_code")
+    __slots__ = ("_body", "_headers", "_message", "error", "reason", "status_code")
 
     def __init__(self, status_code: int | None = None, reason: str | None = None,
                  error: Exception | None = None, body: bytes = b"",
-                 headers: Any = None) -> None:
+                 message: Any = None) -> None:
         self.status_code = status_code
         self.reason = reason
         self.error = error
         self._body = body
-        self._headers: Any = headers if headers is not None else {}
+        self._message = message  # (http.client's headers, read into a mapping on demand)
+        self._headers: Mapping[str, str] | None = None
 
     def content(self) -> bytes:
         return self._body
 
     def headers(self) -> Mapping[str, str]:
-        return self._headers  # type: ignore[no-any-return]  # (http.client's: any case)
+        """The answer's headers, keys in any case, a repeated one's values joined with
+        ``", "`` (as ``requests`` gives them)."""
+        if self._headers is None:
+            from requests.structures import CaseInsensitiveDict
+
+            joined: CaseInsensitiveDict[str] = CaseInsensitiveDict()
+            for key, value in (self._message.items() if self._message is not None else ()):
+                joined[key] = f"{joined[key]}, {value}" if key in joined else value
+            self._headers = joined
+        return self._headers
 
     def text(self) -> str:
         return self._body.decode("utf-8")
+
+    def json(self) -> Any:
+        import json
+
+        return json.loads(self._body)
+
+
+class _AfterTheAnswer(Exception):
+    """The answer's status came, then reading its body failed: the batch fails, as with
+    ``requests``, but is no connection error (the SDK's client would send again a
+    request the server had)."""
+
+
+_SENT_ANYWAY = (BrokenPipeError, ConnectionResetError)
+"""Errors writing a request after which the server may still have answered (an early
+413 to a large body, then a closed connection): the answer is read before giving up."""
 
 
 class PlainHttpTransport:
@@ -261,13 +289,17 @@ class PlainHttpTransport:
     export thread's CPU per batch, this one about 0.2 (docs/performance.md). The SDK's
     client above it keeps doing the rest (retries and their backoff, compression,
     headers, the immediate retry after a connection error, such as a kept-alive
-    connection the server closed).
+    connection the server closed). Requests from several threads take turns.
 
     :meth:`install` puts it in place of the SDK's transport only where ``requests``
     would send the request as it is: an ``http://`` URL without credentials in it, no
     proxy for its host in the environment (``HTTP_PROXY``, ``NO_PROXY``), no ``.netrc``
-    entry, no ``session=`` of the user's; ``https://`` keeps ``requests`` (its
-    certificates and verification). Like the SDK's transports it follows no redirect.
+    entry, and the SDK's own session unchanged (no ``session=`` of the user's, no
+    credential provider's: ``OTEL_PYTHON_EXPORTER_OTLP_HTTP_CREDENTIAL_PROVIDER``);
+    ``https://`` keeps ``requests`` (its certificates and verification). Like the SDK's
+    transports it follows no redirect. What counts as a connection error (sent again
+    at once by the SDK's client) is what ``requests`` counts: a failure before the
+    answer's status came, not one reading its body.
 
     Example:
         >>> transport = PlainHttpTransport()
@@ -280,15 +312,21 @@ class PlainHttpTransport:
     def __init__(self) -> None:
         self._conn: http.client.HTTPConnection | None = None
         self._where: tuple[str, int] | None = None
+        self._url = ""
+        self._target = ""
+        self._lock = threading.Lock()
 
     @classmethod
     def install(cls, exporter: Any, users_session: Any) -> bool:
         """Put a transport of this class in place of ``exporter``'s (the SDK's HTTP
-        exporter) where the module docstring says; whether it did."""
+        exporter) where the class docstring says; whether it did."""
         client: Any = getattr(exporter, "_client", None)
         inner = getattr(client, "_transport", None)
         if users_session or inner is None or type(inner).__name__ != "RequestsHTTPTransport":
             return False
+        if any(os.environ.get(f"OTEL_PYTHON_EXPORTER_OTLP_HTTP{kind}_CREDENTIAL_PROVIDER")
+               for kind in ("", "_TRACES")):
+            return False  # (its session carries what the provider gave: auth, headers)
         url = str(getattr(exporter, "_endpoint", ""))
         try:
             parts = urlsplit(url)
@@ -296,9 +334,12 @@ class PlainHttpTransport:
                     or parts.password is not None):
                 return False
             parts.port  # noqa: B018 - (a bad port raises)
+            import requests
             import requests.utils
 
-            if requests.utils.get_environ_proxies(url) or requests.utils.get_netrc_auth(url):
+            if (not _pristine(getattr(inner, "_session", None), requests)
+                    or requests.utils.get_environ_proxies(url)
+                    or requests.utils.get_netrc_auth(url)):
                 return False
         except Exception:  # whatever requests would make of it: requests sends it
             return False
@@ -311,31 +352,54 @@ class PlainHttpTransport:
 
     def request(self, method: str, url: str, *, headers: dict[str, str] | None = None,
                 timeout: float | None = None, data: bytes | None = None) -> Any:
-        """Send one request; a failure before an answer is the result's ``error`` (the
-        connection is then dropped, and a new one made by the next request)."""
+        """Send one request; a failure is the result's ``error`` (the connection is then
+        dropped, and a new one made by the next request)."""
+        with self._lock:
+            return self._request(method, url, headers, timeout, data)
+
+    def _request(self, method: str, url: str, headers: dict[str, str] | None,
+                 timeout: float | None, data: bytes | None) -> Any:
         try:
-            parts = urlsplit(url)
-            where = (parts.hostname or "", parts.port or 80)
-            target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+            if url != self._url:
+                import requests.utils
+
+                parts = urlsplit(url)
+                where = (parts.hostname or "", parts.port or 80)
+                # (the path quoted as requests quotes it: a space is %20)
+                target = requests.utils.requote_uri(
+                    (parts.path or "/") + (f"?{parts.query}" if parts.query else ""))
+                if where != self._where:
+                    self.close()
+                self._url, self._where, self._target = url, where, target
             conn = self._conn
-            if conn is None or self._where != where:
-                self.close()
-                conn = self._conn = http.client.HTTPConnection(where[0], where[1],
-                                                               timeout=timeout)
-                self._where = where
+            if conn is None:
+                assert self._where is not None
+                conn = self._conn = http.client.HTTPConnection(*self._where, timeout=timeout)
             else:
                 conn.timeout = timeout
                 if conn.sock is not None:
                     conn.sock.settimeout(timeout)
-            conn.request(method, target, body=data, headers=headers or {})
-            response = conn.getresponse()
-            body = response.read()
+            try:
+                conn.request(method, self._target, body=data, headers=headers or {})
+            except _SENT_ANYWAY as error:  # (the server may have answered, and closed)
+                try:
+                    response = conn.getresponse()
+                except Exception:
+                    raise error from None
+            else:
+                response = conn.getresponse()
         except Exception as error:  # noqa: BLE001 - the SDK's client decides what it means
             self.close()
             return _PlainResult(error=error)
-        if response.will_close:
+        try:
+            body = response.read()
+        except Exception as error:  # noqa: BLE001 - answered: delivered, no connection error
             self.close()
-        coding = (response.headers.get("content-encoding") or "").lower()
+            failed = _AfterTheAnswer(f"reading the answer (HTTP {response.status}) failed: "
+                                     f"{type(error).__name__}: {error}")
+            return _PlainResult(error=failed)  # (as requests: failed, not sent again)
+        # (an answer saying "Connection: close": http.client closes, and opens anew)
+        coding = (response.getheader("content-encoding") or "").lower()
         try:
             if coding == "gzip":
                 body = gzip.decompress(body)
@@ -343,11 +407,12 @@ class PlainHttpTransport:
                 body = zlib.decompress(body)
         except Exception:  # (a body the answer mislabels: only partial success reads it)
             body = b""
-        return _PlainResult(response.status, response.reason, None, body, response.headers)
+        return _PlainResult(response.status, response.reason, None, body, response.msg)
 
     def is_connection_error(self, exception: Exception | None) -> bool:
         """Whether ``exception`` means the request may not have reached the server (the
-        SDK's client retries it once at once, then with backoff)."""
+        SDK's client sends it again at once, then with backoff): a failure before the
+        answer's status came."""
         return isinstance(exception, (OSError, http.client.HTTPException))
 
     def close(self) -> None:
@@ -358,3 +423,18 @@ class PlainHttpTransport:
                 conn.close()
             except Exception:  # (closing a broken socket)
                 pass
+
+
+def _pristine(session: Any, requests: Any) -> bool:
+    """Whether ``session`` is a ``requests.Session`` as the SDK makes it: nothing that
+    would change a request (auth, headers beyond requests' own, hooks, proxies,
+    certificates, adapters of another kind)."""
+    if type(session) is not requests.Session:
+        return False
+    return (session.auth is None and not session.proxies and session.cert is None
+            and not session.params and dict(session.headers) == dict(
+                requests.utils.default_headers())
+            and not any(session.hooks.values())
+            and sorted(session.adapters) == ["http://", "https://"]
+            and all(type(a) is requests.adapters.HTTPAdapter
+                    for a in session.adapters.values()))
