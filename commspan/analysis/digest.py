@@ -1311,7 +1311,8 @@ def load_parts(
             [f for f in files if os.fspath(f) in regions], strict=False, report=scratch,
             max_line_bytes=max_line_bytes, regions=regions, on_line=per_line,
         ):
-            pass
+            if extra is None:
+                return None  # (no need to parse the rest: the lines' reader will)
         if extra is None:
             return None
         parts.extend(extra)
