@@ -352,6 +352,9 @@ def test_steps_below_zero_can_be_selected_and_read(
                       "-2..1": 4 * per_step, "-2--1": 2 * per_step}  # (no = needed)
     code, out, _ = run_cli(capsys, "diff", str(negative_steps), "--step", "-2", "--step", "1")
     assert code == 0 and "no difference" in out
+    code, _, err = run_cli(capsys, "summary", str(negative_steps), "--steps=-9..-5")
+    assert code == 1 and "--steps -9..-5: none of them is in" in err, err  # (not "-9--5")
+    assert "which has steps -2..1" in err, err
 
 
 def test_the_python_api_reads_one_run_of_a_folder_as_the_command_line_does(

@@ -178,7 +178,10 @@ class StepRange(NamedTuple):
     last: int
 
     def __str__(self) -> str:
-        return str(self.first) if self.first == self.last else f"{self.first}-{self.last}"
+        if self.first == self.last:
+            return str(self.first)
+        dash = ".." if self.first < 0 else "-"  # ("-5--1" reads as two numbers)
+        return f"{self.first}{dash}{self.last}"
 
     def __contains__(self, step: object) -> bool:
         return isinstance(step, int) and self.first <= step <= self.last
