@@ -492,3 +492,46 @@ def test_a_damaged_line_holding_several_ranks_names_each(
     assert code == 1 and (f"commspan: {path}:{damaged} is damaged: collectives of rank 0 in "
                           "step 1 and of rank 1 in step 1 may be missing from what follows "
                           "(counts of those ranks there may be short)") in err
+
+
+def test_the_line_tally_takes_a_few_bytes_per_line_of_one_span() -> None:
+    """Every line read is tallied (where a damaged line lies, copied lines): a file of
+    one span per line (an exporter sending small batches) has as many lines as spans,
+    millions at a thousand ranks, so what the tally keeps per line must stay small (it
+    kept 524 bytes, 1.5 GB for 1,024 ranks x 20 steps of the medium model's 143 spans)."""
+    import tracemalloc
+
+    from commspan import semconv
+    from commspan.analysis.unread import LineTally
+    from commspan.otlpjson.records import SpanRecord
+
+    def records(rank: int, step: int) -> list[SpanRecord]:
+        return [SpanRecord(name=semconv.SPAN_RANK if k == 99 else "m",
+                           trace_id=f"{step + 1:032x}",  # (a string of its own, as read)
+                           span_id=f"{rank:08x}{step * 100 + k:08x}", parent_span_id="",
+                           start_time=k, end_time=k + 1, rank=rank,
+                           attributes={semconv.STEP: step, semconv.MODULE_FQN: "m"})
+                for k in range(100)]
+
+    made = [(rank, records(rank, step)) for rank in range(8) for step in range(10)]
+    tally = LineTally()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        numbers = [0] * 8
+        read_at = {}
+        for rank, recs in made:
+            for rec in recs:
+                numbers[rank] += 1
+                tally.add(f"/run/rank{rank}.jsonl", numbers[rank], [rec])
+                read_at[rec.span_id] = numbers[rank]
+        per_line = (tracemalloc.get_traced_memory()[0] - before) / sum(numbers)
+    finally:
+        tracemalloc.stop()
+    assert per_line < 200, per_line
+    # and it still knows where each line was read: a line read again is a copy
+    rank, recs = made[15]  # (rank 1, step 5)
+    tally.add("/run/copy.jsonl", 1, [recs[3]])
+    assert tally.copies == [(1, recs[3].trace_id, ("/run/rank1.jsonl", read_at[recs[3].span_id]),
+                             ("/run/copy.jsonl", 1))]
+    assert read_at[recs[3].span_id] == 504

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import bisect
 import os
+from array import array
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -55,6 +56,8 @@ from commspan.otlpjson.records import SkippedLine, SpanRecord, record_rank
 __all__ = ["LineTally", "Unread", "steps_words", "unread_note"]
 
 _TOTAL_SUFFIX = f".{semconv.COUNT_TOTAL}"
+_LINE_BITS = 40  # a place read: the file's index above these bits, the line number below
+_LINE_MASK = (1 << _LINE_BITS) - 1
 
 
 class LineTally:
@@ -63,9 +66,12 @@ class LineTally:
     Holds a few numbers per line and per (rank, trace), never a span record."""
 
     def __init__(self) -> None:
-        # path -> (line number, its (rank, run) pairs) of each line read holding a
-        # ranked span
-        self._lines: dict[str, list[tuple[int, tuple[tuple[int, str], ...]]]] = {}
+        # path -> the number of each line read holding a ranked span, and its (rank,
+        # run) pairs (one tuple object per distinct set: files of one span per line
+        # have millions of lines, and the tally must stay a few bytes per line)
+        self._lines: dict[str, tuple[array[int], list[tuple[tuple[int, str], ...]]]] = {}
+        self._pair_sets: dict[tuple[tuple[int, str], ...], tuple[tuple[int, str], ...]] = {}
+        self._traces: dict[str, str] = {}  # one string object per trace id
         # path -> (rank, run) -> [first, last] line numbers holding its spans there
         self._extent: dict[str, dict[tuple[int, str], list[int]]] = {}
         # (path, rank, trace) -> line numbers of the rank spans of it there
@@ -76,9 +82,11 @@ class LineTally:
         self._start: dict[str, int] = {}
         self._runs: dict[str, str] = {}  # trace -> run
         self._presence: dict[str, set[int]] = {}
-        # (rank, trace, span id) of each rank span, and of the first span of each
-        # (rank, trace) in a line -> (path, line) where it was first read
-        self._written: dict[tuple[int, str, str], tuple[str, int]] = {}
+        # (rank, trace) -> span id of each rank span of it, and of its first span in
+        # a line -> where it was first read: (index in _paths) << _LINE_BITS | line
+        self._written: dict[tuple[int, str], dict[str, int]] = {}
+        self._paths: list[str] = []
+        self._path_index: dict[str, int] = {}
         self.copies: list[tuple[int, str, tuple[str, int], tuple[str, int]]] = []
         """Spans read twice: ``(rank, trace, (path, line) first, (path, line) again)``,
         one per rank and trace of a line. A span is written once; read again, its line
@@ -97,9 +105,10 @@ class LineTally:
         # -> None, the first span of each rank and trace, and the rank spans
         marks: dict[tuple[int, str, str], None] = {}
         firsts: set[tuple[int, str]] = set()
+        traces = self._traces
         for rec in records:
             rank = record_rank(rec)
-            trace = rec.trace_id
+            trace = traces.setdefault(rec.trace_id, rec.trace_id)
             step = rec.attributes.get(semconv.STEP)
             if rec.name in (semconv.SPAN_STEP, semconv.SPAN_RANK, semconv.SPAN_HANG) \
                     and type(step) is int:
@@ -130,14 +139,30 @@ class LineTally:
                             if k.startswith(semconv.COUNT_PREFIX) and k.endswith(_TOTAL_SUFFIX)
                             and type(v) is int)
                 self._totals[(rank, trace)] = self._totals.get((rank, trace), 0) + total
-        copied: set[tuple[int, str]] = set()
-        for mark in marks:
-            first = self._written.setdefault(mark, (key, number))
-            if first != (key, number) and mark[:2] not in copied:
-                copied.add(mark[:2])
-                self.copies.append((mark[0], mark[1], first, (key, number)))
+        if marks:
+            index = self._path_index.get(key)
+            if index is None:
+                index = self._path_index[key] = len(self._paths)
+                self._paths.append(key)
+            here = index << _LINE_BITS | number
+            copied: set[tuple[int, str]] = set()
+            written = self._written
+            for rank, trace, span_id in marks:
+                spans = written.get((rank, trace))
+                if spans is None:
+                    spans = written[(rank, trace)] = {}
+                first = spans.setdefault(span_id, here)
+                if first != here and (rank, trace) not in copied:
+                    copied.add((rank, trace))
+                    self.copies.append((rank, trace, self._where(first), (key, number)))
         if pairs:
-            self._lines.setdefault(key, []).append((number, tuple(pairs)))
+            held = tuple(pairs)
+            held = self._pair_sets.setdefault(held, held)
+            lines = self._lines.get(key)
+            if lines is None:
+                lines = self._lines[key] = (array("q"), [])
+            lines[0].append(number)
+            lines[1].append(held)
             extent = self._extent.setdefault(key, {})
             for pair in pairs:
                 seen = extent.get(pair)
@@ -150,6 +175,10 @@ class LineTally:
         """Files read from here on are compared for copies among themselves only (``diff``
         reads two runs, one perhaps a copy of the other: that is no copy of a line)."""
         self._written.clear()
+
+    def _where(self, packed: int) -> tuple[str, int]:
+        """``(path, line)`` of a place :attr:`_written` holds."""
+        return self._paths[packed >> _LINE_BITS], packed & _LINE_MASK
 
     def locate(self, damaged: Iterable[SkippedLine]) -> list[Unread]:
         """The steps of a rank each damaged line may have held collectives of (see the
@@ -205,10 +234,11 @@ class LineTally:
         lines = self._lines.get(path)
         if not lines:
             return []
-        at = bisect.bisect_left(lines, number, key=lambda line: line[0])
+        numbers, held = lines
+        at = bisect.bisect_left(numbers, number)
         found: dict[tuple[int, str], None] = {}
-        for near in lines[max(0, at - 1):at + 1]:
-            found.update(dict.fromkeys(near[1]))
+        for near in held[max(0, at - 1):at + 1]:
+            found.update(dict.fromkeys(near))
         for pair, (first, last) in self._extent[path].items():
             if first < number < last:
                 found[pair] = None
