@@ -395,6 +395,31 @@ DAMAGE = {
         "spans[0] ('M forward'): commspan.collectives.forward.all_reduce is None, not an "
         "integer",
     ),
+    # what int() would have read as a count: a boolean, a float, padded text; and a
+    # negative count (they were summed, without a word)
+    **{f"count-{name}": (
+        _typed_line(b',{"key":"commspan.collectives.forward.all_reduce","value":{"intValue":'
+                    + raw + b"}}"),
+        f"spans[0]{'' if what.startswith(' ') else '.'}{what}") for name, raw, what in (
+            ("bool", b"true", "attributes[1].value is not an OTLP AnyValue (BadValue: "
+             "intValue is True, not an integer"),
+            ("float", b"1.9", "attributes[1].value is not an OTLP AnyValue (BadValue: "
+             "intValue is 1.9, not an integer"),
+            ("padded", b'" 1"', "attributes[1].value is not an OTLP AnyValue (BadValue: "
+             "intValue is ' 1', not an integer"),
+            ("negative", b'"-3"', " ('M forward'): commspan.collectives.forward.all_reduce is "
+             "-3, not a count"),
+        )},
+    # a key that is not a string (read as a key, it failed every command later), a name
+    # that is not a string, a time that is not an integer
+    "key-type": (
+        _typed_line(b',{"key":-1,"value":{"intValue":"1"}}'),
+        "spans[0].attributes[1].key is a number, expected a string",
+    ),
+    "name-type": (
+        _typed_line(b"").replace(b'"name":"M forward"', b'"name":["x"]'),
+        "name is ['x'], not a string",
+    ),
     "placements-type": (
         _typed_line(b',{"key":"commspan.module.param_names","value":{"arrayValue":{"values":'
                     b'[{"stringValue":"weight"}]}}},'
@@ -626,3 +651,24 @@ def test_a_resource_attribute_utf8_cannot_encode_costs_no_span(tmp_path: Path) -
     assert teams == {"ml\ufffd"}
     assert sum(len(s["spans"]) for line in lines
                for s in json.loads(line)["resourceSpans"][0]["scopeSpans"]) == stats["spans"]
+
+
+@pytest.mark.parametrize("value", [b"1.5", b"true", b'"\\u0661"', b'" 7"'])
+def test_a_time_that_is_not_an_integer_is_a_damaged_line(
+    good_lines: list[bytes], tmp_path: Path, value: bytes,
+) -> None:
+    """A span's start time of another type, which ``int()`` read (1.5 and true as 1, an
+    Arabic-Indic digit as its value): the readers of times name the line damaged (the
+    aggregator, which reads no time, counts the line)."""
+    bad = _typed_line(b"").replace(b'"name":"M forward",',
+                                   b'"name":"M forward","startTimeUnixNano":' + value + b",")
+    path = tmp_path / "trace.jsonl"
+    path.write_bytes(b"".join([good_lines[0], bad, *good_lines[1:]]))
+    with pytest.raises(ValueError, match=r"trace.jsonl:2: startTimeUnixNano is .*, not an "
+                                         r"integer \(nanoseconds\)"):
+        list(read_spans(path))
+    good = tmp_path / "good.jsonl"
+    good.write_bytes(b"".join(good_lines))
+    report = ReadReport()
+    assert len(list(read_spans(path, strict=False, report=report))) == len(list(read_spans(good)))
+    assert [s.line for s in report.skipped] == [2]

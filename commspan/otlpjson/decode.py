@@ -78,7 +78,7 @@ def _decode_value(v: dict[str, Any]) -> Any:
         if key == "intValue":
             # (beyond int64 too, as older files' resources may hold: kept as it is; the
             # views' writers fall back to a JSON encoder that takes it, commspan._json)
-            return int(val)
+            return _int_value(val)
         if key == "doubleValue":
             # "NaN", "Infinity", "-Infinity" as strings; null in files written before
             return float(val) if val is not None else math.nan
@@ -91,6 +91,22 @@ def _decode_value(v: dict[str, Any]) -> Any:
         if key == "bytesValue":
             return val
     return None
+
+
+def _int_value(val: Any) -> int:
+    """An OTLP/JSON ``intValue``: a JSON integer, or its decimal text (what the
+    exporters write); not a float, a boolean, padded text or other digits, which
+    ``int()`` would take.
+
+    Raises:
+        BadValue: anything else.
+    """
+    t = type(val)
+    if t is int:
+        return val  # type: ignore[no-any-return]
+    if t is str and val.isascii() and (val.isdigit() or (val[:1] == "-" and val[1:].isdigit())):
+        return int(val)
+    raise BadValue(_bad("intValue", val, "an integer (JSON integer or decimal text)"))
 
 
 def decode_attributes(
@@ -157,8 +173,10 @@ def check_values(
         if v is not None and not fits(v):
             raise BadValue(_bad(key, v, what))
     for key, v in attrs.items():
-        if type(v) is not int and key.startswith(_INT_PREFIX):
-            raise BadValue(_bad(key, v, "an integer"))
+        if type(key) is not str:
+            raise BadValue(_bad("an attribute's key", key, "a string"))
+        if key.startswith(_INT_PREFIX) and (type(v) is not int or v < 0):
+            raise BadValue(_bad(key, v, "an integer" if type(v) is not int else "a count"))
     names = attrs.get(semconv.PARAM_NAMES)
     if names:
         for key in (semconv.PARAM_PLACEMENTS, semconv.PARAM_SHAPES):
@@ -167,6 +185,9 @@ def check_values(
                 raise BadValue(_bad(key, values, f"an array of {len(names)} values, one per "
                                                  f"name in {semconv.PARAM_NAMES}"))
     for _name, ev in events:
+        for key in ev:
+            if type(key) is not str:
+                raise BadValue(_bad("an event attribute's key", key, "a string"))
         for key, fits, what in _EVENT_TYPES:
             v = ev.get(key)
             if v is not None and not fits(v):
@@ -238,13 +259,16 @@ def walk(
                             v = a["value"]
                             text = v.get("stringValue")  # most of them: skip the decoder
                             attrs[k] = text if text is not None else decode(v)
-                        elif int_prefix is not None and k.startswith(int_prefix):
+                        elif int_prefix is not None and type(k) is str and \
+                                k.startswith(int_prefix):
                             v = a["value"]
                             n = v.get("intValue")
                             try:
-                                attrs[k] = int(n) if n is not None else decode(v)
+                                attrs[k] = _int_value(n) if n is not None else decode(v)
                             except (TypeError, ValueError):  # (check_values names it)
                                 attrs[k] = v
+                        elif type(k) is not str:
+                            raise BadValue(_bad("an attribute's key", k, "a string"))
                 events = [
                     (e.get("name", ""), decode_attributes(e.get("attributes"), event_keys))
                     for e in s.get("events") or ()
@@ -254,6 +278,8 @@ def walk(
                         or type(s.get("spanId", "")) not in _ID_TYPES
                         or type(s.get("parentSpanId", "")) not in _ID_TYPES):
                     raise BadValue(_bad_ids(s))
+                if type(s.get("name", "")) is not str:
+                    raise BadValue(_bad("name", s["name"], "a string"))
                 append((resource, s, attrs, events))
     return out
 
@@ -961,6 +987,15 @@ def request_spans(doc: dict[str, Any]) -> list[SpanRecord]:
     return list(_records(doc))
 
 
+def _time(obj: Mapping[str, Any], key: str) -> int:
+    """A timestamp of a span or event (``0`` when absent), as :func:`_int_value` reads
+    an integer."""
+    v = obj.get(key, 0)
+    if type(v) is int or type(v) is str and v.isascii() and v.isdigit():
+        return int(v)
+    raise BadValue(_bad(key, v, "an integer (nanoseconds)"))
+
+
 def _records(doc: dict[str, Any]) -> Iterator[SpanRecord]:
     for res, s, attributes, events in walk(doc):
         status = s.get("status") or {}
@@ -969,11 +1004,11 @@ def _records(doc: dict[str, Any]) -> Iterator[SpanRecord]:
             trace_id=s.get("traceId") or "",
             span_id=s.get("spanId") or "",
             parent_span_id=s.get("parentSpanId") or "",
-            start_time=int(s.get("startTimeUnixNano", 0)),
-            end_time=int(s.get("endTimeUnixNano", 0)),
+            start_time=_time(s, "startTimeUnixNano"),
+            end_time=_time(s, "endTimeUnixNano"),
             attributes=attributes,
             events=events,
-            event_times=[int(e.get("timeUnixNano", 0)) for e in s.get("events") or ()],
+            event_times=[_time(e, "timeUnixNano") for e in s.get("events") or ()],
             status_code=int(status.get("code", 0) or 0),
             status_message=status.get("message", ""),
             rank=rank_value(res.get(semconv.RANK)),
