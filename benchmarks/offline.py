@@ -22,7 +22,8 @@ ranks one by one on the fake process group would take the best part of an hour):
 Then each command runs as ``python -m commspan.cli ...`` in a process of its own
 (wall time, peak RSS), ``Aggregator.from_jsonl(dir, rank="all")`` is timed in a
 process of its own, and, for comparison, ``summary`` runs on the first 16 rank
-files without their digests.
+files without their digests (digested in memory as their lines are parsed), and
+with ``--no-digest`` (the lines' reader, every span held as a record).
 """
 
 from __future__ import annotations
@@ -212,13 +213,15 @@ def run_offline(world: int = 1024, steps: int = 20) -> dict[str, Any]:
             commands[name]["output_mb"] = written.stat().st_size / 1e6 if written.exists() \
                 else None
         from_jsonl = run_in_subprocess(_from_jsonl, str(run_dir), timeout_s=1800)
-        # the same command without digests, on a few ranks (all of them would not fit
-        # in memory: every span is held as a record)
+        # the same command without digests, on a few ranks: the files digested in
+        # memory as their lines are parsed, and the lines' reader (--no-digest), which
+        # holds every span as a record (all 1,024 ranks' take some 11 GB)
         few = Path(work) / "few"
         few.mkdir()
         for f in files[:_BASELINE_RANKS]:
             shutil.copy(f, few / f.name)
         baseline = _run_cli(["summary", str(few), "--rank", "all"])
+        baseline_lines = _run_cli(["summary", str(few), "--rank", "all", "--no-digest"])
         with_digest = _run_cli(["summary", str(run_dir), "--rank", "all"])  # warm, again
         return {
             "world": world,
@@ -235,6 +238,9 @@ def run_offline(world: int = 1024, steps: int = 20) -> dict[str, Any]:
                 "ranks": _BASELINE_RANKS,
                 "summary": baseline,
                 "projected_seconds": baseline["seconds"] * world / _BASELINE_RANKS,
+                "summary_no_digest": baseline_lines,
+                "projected_seconds_no_digest":
+                    baseline_lines["seconds"] * world / _BASELINE_RANKS,
             },
         }
     finally:

@@ -386,7 +386,13 @@ def _offline_section(data: dict[str, Any]) -> str:
                  f"{f['events']:,} collective events, {f['events_per_s']:,.0f} events/s"])
     w = data["without_digests"]
     rows.append([f"summary without digests, {w['ranks']} ranks", f"{w['summary']['seconds']:.1f} s",
-                 f"projected to {data['world']} ranks: {w['projected_seconds']:,.0f} s"])
+                 f"peak RSS {w['summary']['peak_rss_mb']:,.0f} MB; projected to "
+                 f"{data['world']} ranks: {w['projected_seconds']:,.0f} s"])
+    lines = w.get("summary_no_digest")  # (not in results older than 2026-11-29)
+    if lines is not None:
+        rows.append([f"summary --no-digest, {w['ranks']} ranks", f"{lines['seconds']:.1f} s",
+                     f"peak RSS {lines['peak_rss_mb']:,.0f} MB; projected to "
+                     f"{data['world']} ranks: {w['projected_seconds_no_digest']:,.0f} s"])
     g = data["generate_seconds"]
     head = (
         f"Offline at scale: {data['files']} rank files x {data['steps']} steps "

@@ -328,9 +328,10 @@ def test_over_long_line_names_the_option(
     path = _copy_with(run_dir, tmp_path, {2: long_line})
     code, out, err = _cli(capsys, "table", str(path), "--max-line-mib", "1")
     assert code == 1 and out.startswith("Global\n")
-    assert err.splitlines()[0] == (
-        f"ValueError: {path}:2: line longer than --max-line-mib 1; the rest of the file was "
-        "not read (raise --max-line-mib if the line is genuine)")
+    # (first, unless the lines put work outside steps after line 2: the export thread's
+    # timing decides, and then a note that it may be short comes before)
+    assert (f"ValueError: {path}:2: line longer than --max-line-mib 1; the rest of the file "
+            "was not read (raise --max-line-mib if the line is genuine)") in err.splitlines()
     assert _cli(capsys, "table", str(path), "--max-line-mib", "2")[0] == 0
     if Path("/dev/zero").exists():
         code, out, err = _cli(capsys, "table", "/dev/zero", "--max-line-mib", "1")
@@ -352,7 +353,7 @@ def test_keyboard_interrupt_exits_130(
     def interrupted(*args: object, **kwargs: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(Reader, "read", interrupted)
+    monkeypatch.setattr(Reader, "files", interrupted)  # (every read lists the files first)
     try:
         code, out, err = _cli(capsys, "table", str(run_dir), "--rank", "all")
     except KeyboardInterrupt:

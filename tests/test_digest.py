@@ -7,6 +7,7 @@ digests: the line-by-line parse that predates digests.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import logging
@@ -14,7 +15,7 @@ import os
 import re
 import shutil
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from commspan import Aggregator, CommSpanMode, semconv
+from commspan.analysis import digest as digest_mod
 from commspan.analysis.digest import digest_path, read_digest, write_digest
 from commspan.exporters import JsonlSpanExporter, ReadReport
 from commspan.testing import fake_mesh
@@ -167,20 +169,52 @@ def _profiles(folder: Path) -> list[Any]:
     return out
 
 
+_LOAD_PARTS = digest_mod.load_parts
+
+
+@pytest.fixture(autouse=True)
+def _lines_where_a_digest_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reference of this module: the spans of the lines wherever a file has no
+    digest, as the readers read before files without one were digested in memory
+    (``load_parts`` parses and digests their lines itself: :func:`_same_answers`
+    compares that with both, through :func:`_in_memory`)."""
+    def lines_where_undigested(files: Sequence[Path], *args: Any, **kwargs: Any) -> Any:
+        if any(read_digest(f) is None for f in files):
+            return None
+        return _LOAD_PARTS(files, *args, **kwargs)
+
+    monkeypatch.setattr(digest_mod, "load_parts", lines_where_undigested)
+
+
+@contextlib.contextmanager
+def _in_memory() -> Iterator[None]:
+    """The readers as they are: a file without a digest digested in memory."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(digest_mod, "load_parts", _LOAD_PARTS)
+        yield
+
+
 def _same_answers(capsys: pytest.CaptureFixture[str], digested: Path, plain: Path) -> list[Any]:
-    """The answers of every reader are the same from ``digested`` as from ``plain``;
-    returns what diff folded (:func:`_profiles`)."""
+    """The answers of every reader are the same from ``digested`` (its digest files) as
+    from ``plain``'s lines, and from ``plain`` digested in memory as its lines are
+    parsed (:func:`_in_memory`); returns what diff folded (:func:`_profiles`)."""
     assert any(f.name.endswith(".digest") for f in digested.iterdir())
-    assert _answers(capsys, digested) == _answers(capsys, plain)
-    for run in ("all", *_run_ids(plain)):
-        assert _agg(digested, rank="all", run=run) == _agg(plain, rank="all", run=run)
-        assert _agg(digested, rank=1, run=run) == _agg(plain, rank=1, run=run)
+    assert not any(f.name.endswith(".digest") for f in plain.iterdir())
+    answers = _answers(capsys, plain)
+    aggs = {(run, rank): _agg(plain, rank=rank, run=run)
+            for run in ("all", *_run_ids(plain)) for rank in ("all", 1)}
     profiles = _profiles(plain)
-    assert _profiles(digested) == profiles
-    for api_run in (None, *_run_ids(plain)):
-        for steps in (None, [1, 2], [99]):
-            assert (_api(digested, run=api_run, steps=steps)
-                    == _api(plain, run=api_run, steps=steps)), (api_run, steps)
+    apis = {(api_run, steps): _api(plain, run=api_run, steps=steps)
+            for api_run in (None, *_run_ids(plain)) for steps in (None, (1, 2), (99,))}
+    for folder, way in ((digested, contextlib.nullcontext()), (plain, _in_memory())):
+        with way:
+            assert _answers(capsys, folder) == answers, folder.name
+            for (run, rank), agg in aggs.items():
+                assert _agg(folder, rank=rank, run=run) == agg, (folder.name, run, rank)
+            assert _profiles(folder) == profiles, folder.name
+            for (api_run, steps), api in apis.items():
+                assert _api(folder, run=api_run, steps=steps) == api, (folder.name, api_run,
+                                                                      steps)
     return profiles
 
 
@@ -484,8 +518,8 @@ def test_a_digested_side_names_no_damaged_line_of_the_other(
     a = _without_digests(base, tmp_path / "a")
     f = a / "commspan-rank1.jsonl"
     lines = f.read_bytes().splitlines(keepends=True)
-    lines[1] = b'{"resourceSpans": [garbage\n'
-    f.write_bytes(b"".join(lines))
+    lines[min(1, len(lines) - 1)] = b'{"resourceSpans": [garbage\n'  # (one line: the
+    f.write_bytes(b"".join(lines))  # export thread may have written the steps at once)
     plain = _without_digests(base, tmp_path / "b")
     expected = run_cli(capsys, "diff", str(a), str(plain))
     assert expected[2].count("is damaged") == 1
@@ -1102,8 +1136,12 @@ def test_digests_keep_each_collectives_owner(tmp_path: Path, fake_pg: None) -> N
         f.write_text("\n".join(out) + "\n")
     from commspan.analysis.digest import load_parts
 
-    assert load_parts(sorted(v2.glob("*.jsonl"))) is not None
-    assert load_parts(sorted(v1.glob("*.jsonl"))) is None  # no usable digest line
+    assert all(digest_mod.read_digest(f) is None for f in v1.glob("*.jsonl"))  # (none usable)
+    # so their lines are parsed and digested in memory: the owners are the lines'
+    assert load_parts(sorted(v1.glob("*.jsonl"))) is None  # (this module's reference)
+    parsed = _LOAD_PARTS(sorted(v1.glob("*.jsonl")))  # (the readers': parsed, digested)
+    assert parsed is not None
+    assert sorted(digest_mod.run_from_parts(parsed, False).collectives) == lines
     assert sorted(load_run(v1, module_spans=False).collectives) == lines
 
 

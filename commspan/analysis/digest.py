@@ -1263,36 +1263,41 @@ def load_parts(
     module_spans: bool = False,
 ) -> list[DigestPart] | None:
     """The parts of every line of ``files``, from their digests, and the lines the
-    digests do not cover parsed and digested here; ``None`` when a file has no digest,
-    a line is longer than ``max_line_bytes``, or an uncovered line holds what parts
-    cannot (a hang record): read the spans then.
+    digests do not cover parsed and digested here (all of a file's lines when it has
+    no digest, or none of this version: digested in memory, not written); ``None``
+    when a line is longer than ``max_line_bytes``, or an uncovered line holds what
+    parts cannot (a hang record): read the spans then.
 
     What was read is added to ``report`` only when parts are returned. Damaged lines
     are skipped (``strict=False``). ``module_spans``: read each part's module spans
     too (``commspan stragglers``; :func:`run_from_parts` with ``module_spans=True``).
     """
-    digests = []
+    digests: list[FileDigest | None] = []
     for f in files:
         digest = read_digest(f, module_spans)
+        digests.append(digest)
         if digest is None:
-            return None
+            continue  # (its lines are parsed below, as the lines a digest leaves out)
         if any(end - start > max_line_bytes for start, end in digest.covered):
             return None  # a line longer than the limit: the lines' reader stops there
         if max_line_bytes < DEFAULT_MAX_LINE_BYTES and starts_compressed(f):
             # a tighter limit than the default, on lines whose decompressed length the
             # digest does not know (it holds their compressed length)
             return None
-        digests.append(digest)
     scratch = ReadReport()
     parts: list[DigestPart] = []
     regions: dict[str, list[tuple[int, int, int]]] = {}
+    whole: set[str] = set()  # files without a digest: every line parsed
     for path, digest in zip(files, digests):
+        if digest is None:
+            whole.add(os.fspath(path))
+            continue
         for line_parts in digest.used(scratch):
             parts.extend(line_parts)
         gaps = digest.gaps()
         if gaps:
             regions[os.fspath(path)] = gaps
-    if regions:
+    if regions or whole:
         # digested a line at a time, as the digests are: a line and its copy stay two
         # parts (found below), not one part of both
         extra: list[DigestPart] | None = []
@@ -1308,7 +1313,8 @@ def load_parts(
                 extra.extend(got)
 
         for _ in read_spans_in(
-            [f for f in files if os.fspath(f) in regions], strict=False, report=scratch,
+            [f for f in files if os.fspath(f) in regions or os.fspath(f) in whole],
+            strict=False, report=scratch,
             max_line_bytes=max_line_bytes, regions=regions, on_line=per_line,
         ):
             if extra is None:

@@ -530,10 +530,12 @@ def load_run(
 ) -> Run:
     """Read the JSONL files of a run into a :class:`Run`.
 
-    Where every file has a digest (``JsonlSpanExporter(digest=True)`` or ``commspan
+    Where the files have digests (``JsonlSpanExporter(digest=True)`` or ``commspan
     digest``; docs/jsonl.md, "Digests") and every line reads cleanly, the digests are
     read instead of the lines, as the ``commspan`` commands read them: the same
-    :class:`Run`, in seconds instead of minutes over a thousand ranks.
+    :class:`Run`, in seconds instead of minutes over a thousand ranks. A file without
+    one is digested in memory as its lines are parsed, so that the run never holds
+    every span at once (a thousand ranks' spans take some 11 GB).
 
     Args:
         paths: JSONL files written by ``JsonlSpanExporter``, or directories of them.

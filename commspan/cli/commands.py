@@ -413,9 +413,9 @@ class Reader:
     def _digested(self, paths: Sequence[str], label: str, module_spans: bool = False,
                   ) -> tuple[list[DigestPart], ReadReport, list[Path]] | None:
         """The parts of ``paths``' digests, what reading them read, and the files;
-        ``None`` when the lines are to be read instead: ``--no-digest``, a file
-        without a digest of this version (said on stderr), no commspan span (the
-        lines' reader says so), or a damaged line (the steps it may have held are
+        ``None`` when the lines are to be read instead: ``--no-digest``, no commspan
+        span (the lines' reader says so), a line a part cannot hold (a hang record), or
+        a damaged line (the steps it may have held are
         found among the lines around it, which the lines' reader names)."""
         from commspan.analysis.digest import load_parts
 
@@ -424,8 +424,8 @@ class Reader:
         files = self.files(paths, label)
         read = ReadReport()
         parts = load_parts(files, read, self.args.max_line_mib * _MIB, module_spans)
+        self._older_digests(files)  # (their lines were parsed, here or by the lines' reader)
         if parts is None:
-            self._older_digests(files)
             return None
         if not any(p["commspan_spans"] for p in parts) or read.damaged:
             return None
