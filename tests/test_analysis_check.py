@@ -2405,3 +2405,82 @@ def test_step_and_rank_lists_write_ranges_of_negative_numbers_with_two_dots() ->
     assert _list([-3, -2, -1, 5]) == "-3..-1, 5"
     assert _list([0, 1, 2, 3, 7]) == "0-3, 7"
     assert _list([4, 5]) == "4, 5"
+
+
+@pytest.mark.parametrize("rooted", ["gather", "broadcast"])
+def test_a_hang_at_a_rooted_collective_is_not_taken_for_completed(rooted: str) -> None:
+    """Each step: a gather (or broadcast) to rank 0, then an all_reduce. In step 1 rank 3
+    skips the rooted op: its seq 3 is the all_reduce. Ranks 1 and 2 completed their
+    part of the rooted op (sent to the root, which does not need them all there) and
+    wait in the all_reduce, seq 4; rank 0, the root, waits in the rooted op. The records
+    of ranks 0 and 3 at seq 3 are still pending, not completed because a rank of the
+    group completed its part of seq 3 (rank 3's is even another op): the finding is
+    seq 3, the ops differ, rank 0 is in `Net.log`, rank 3 in `Net.tail`. (It used to
+    say seq 4, with ranks 0 and 3 "never issued it".)"""
+    b = SpanBuilder(world=4)
+    for r in range(4):
+        s = b.rank(r, 0)
+        s.coll(rooted, fqn="Net.log", reduce_op=None, duration_ns=MS)
+        s.coll("all_reduce", fqn="Net.tail", duration_ns=MS)
+    stuck: dict[int, list[dict[str, Any]]] = {}
+    for r in range(4):
+        s = b.rank(r, 1, finished=False)
+        if r in (1, 2):
+            s.coll(rooted, fqn="Net.log", reduce_op=None, duration_ns=MS)
+            s.coll("all_reduce", fqn="Net.tail")
+            stuck[r] = [b.event_attrs(rooted, fqn="Net.log", phase="forward",
+                                      group=WORLD_GROUP, ranks=range(4), seq=3,
+                                      reduce_op=None, state=semconv.STATE_COMPLETED),
+                        b.event_attrs("all_reduce", fqn="Net.tail", phase="forward",
+                                      group=WORLD_GROUP, ranks=range(4), seq=4,
+                                      state=semconv.STATE_ISSUED)]
+        else:
+            op, fqn = (rooted, "Net.log") if r == 0 else ("all_reduce", "Net.tail")
+            s.coll(op, fqn=fqn, reduce_op=None if op == rooted else "sum")
+            stuck[r] = [b.event_attrs(op, fqn=fqn, phase="forward", group=WORLD_GROUP,
+                                      ranks=range(4), seq=3, state=semconv.STATE_ISSUED,
+                                      reduce_op=None if op == rooted else "sum")]
+    for r, colls in stuck.items():
+        fqn = "Net.log" if r == 0 else "Net.tail"
+        b.hang(r, 1, stack=[("Net", "forward"), (fqn, "forward")], collectives=colls)
+    result = check(build_run(b.spans()))
+    hangs = [f for f in result.findings if f.kind == KIND_HANG]
+    assert [f.seq for f in hangs] == [3], [f.message for f in hangs]
+    (f,) = hangs
+    assert "issued different collectives (op" in f.message, f.message
+    assert (f.ranks[0]["op"], f.ranks[0]["fqn"]) == (rooted, "Net.log")
+    assert (f.ranks[3]["op"], f.ranks[3]["fqn"]) == ("all_reduce", "Net.tail")
+    assert f.details["root"] is True and not f.details.get("never_issued")
+
+
+def test_a_send_and_a_collective_waiting_on_each_other_are_a_deadlock() -> None:
+    """Schema 3, 2 ranks; each step rank 0 sends to rank 1 in Net.pp, then both
+    all_reduce in Net.tail. In step 1 rank 1 skips its receive: rank 0 waits in the send
+    (its receiver is in the all_reduce), rank 1 in the all_reduce (rank 0 never reaches
+    it). Each finding names a rank blocked elsewhere, yet nothing outside the two causes
+    them: both are root, with the deadlock's ranks and group (a send's finding and the
+    group's collectives' were not matched, as they share the group: both root false)."""
+    b = SpanBuilder(world=2, schema=3)
+    for r in range(2):
+        s = b.rank(r, 0)
+        s.coll("send" if r == 0 else "recv", fqn="Net.pp", kind=semconv.KIND_P2P,
+               peer=1 - r, duration_ns=MS)
+        s.coll("all_reduce", fqn="Net.tail", duration_ns=MS)
+    assert b.rank(0, 1, finished=False).coll("send", fqn="Net.pp", kind=semconv.KIND_P2P,
+                                             peer=1) == 2
+    assert b.rank(1, 1, finished=False).coll("all_reduce", fqn="Net.tail") == 2
+    b.hang(0, 1, stack=[("Net", "forward"), ("Net.pp", "forward")], collectives=[
+        b.event_attrs("send", fqn="Net.pp", phase="forward", group=WORLD_GROUP,
+                      ranks=range(2), seq=None, p2p_seq=2, kind=semconv.KIND_P2P, peer=1,
+                      state=semconv.STATE_ISSUED)])
+    b.hang(1, 1, stack=[("Net", "forward"), ("Net.tail", "forward")], collectives=[
+        b.event_attrs("all_reduce", fqn="Net.tail", phase="forward", group=WORLD_GROUP,
+                      ranks=range(2), seq=2, state=semconv.STATE_ISSUED)])
+    hangs = [f for f in check(build_run(b.spans())).findings if f.kind == KIND_HANG]
+    assert sorted((f.details.get("p2p") is not None, f.details["never_issued"])
+                  for f in hangs) == [(False, [0]), (True, [1])], [f.message for f in hangs]
+    for f in hangs:
+        assert f.details["root"] is True, f.message
+        assert f.details["deadlock"] == {"groups": [WORLD_GROUP], "ranks": [0, 1]}
+        assert f.message.endswith(f"a deadlock: ranks 0, 1 wait for each other on group "
+                                  f"{WORLD_GROUP}"), f.message

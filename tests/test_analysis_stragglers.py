@@ -24,9 +24,12 @@ WORLD = 4
 MS = 1_000_000
 
 
-def timed_run(durations: dict[tuple[int, str], list[int]], steps: int = 2) -> SpanBuilder:
+def timed_run(durations: dict[tuple[int, str], list[int]], steps: int = 2,
+              blocking: bool = True) -> SpanBuilder:
     """Every rank issues, each step, one all_reduce in each module of ``durations``;
-    ``durations[(rank, fqn)][step]`` is its duration on that rank."""
+    ``durations[(rank, fqn)][step]`` is its duration on that rank. ``blocking``: each
+    rank's clock moves past a collective's end before the next is issued (else the
+    collectives of a step are in flight together, 1 µs apart)."""
     b = SpanBuilder(WORLD)
     fqns = sorted({fqn for _, fqn in durations})
     for step in range(steps):
@@ -34,6 +37,8 @@ def timed_run(durations: dict[tuple[int, str], list[int]], steps: int = 2) -> Sp
             s = b.rank(r, step)
             for fqn in fqns:
                 s.coll("all_reduce", fqn=fqn, duration_ns=durations[(r, fqn)][step])
+                if blocking:
+                    s._tick(durations[(r, fqn)][step])
     return b
 
 
@@ -648,3 +653,23 @@ def test_the_median_of_collective_time_leaves_out_ranks_not_timed() -> None:
     median = re.split(r"\s{2,}", text.split("\nmedian", 1)[1].splitlines()[0].strip())
     assert median[1] == f"{statistics.median(100 + r for r in range(world)):.2f} ms"
     assert median[6] == "5.00 ms", median
+
+
+def test_collectives_in_flight_together_count_a_ranks_wait_once() -> None:
+    """DDP's buckets: two all_reduces issued back to back (1 µs apart here) and waited
+    together; rank 3 arrives last at both, 79 ms after the others. Each row (one per
+    module) holds its collective's wait, 3 x 79 ms; rank 3's total is the time the other
+    ranks spent waiting for it, 3 x 79 ms once, not twice (it said 468 ms for 240 ms of
+    waiting in a review's 4-rank DDP run)."""
+    d: dict[tuple[int, str], list[int]] = {}
+    for r in range(WORLD):
+        for fqn in ("DDP.module.l0", "DDP.module.l1"):
+            d[(r, fqn)] = [1 * MS if r == 3 else 80 * MS]
+    rows, ranks, _ = straggler_report(build_run(timed_run(d, steps=1, blocking=False).spans()))
+    assert sorted((row.fqn, row.rank, row.wait_ns) for row in rows) == [
+        ("DDP.module.l0", 3, 3 * 79 * MS), ("DDP.module.l1", 3, 3 * 79 * MS)]
+    (late,) = ranks
+    assert late.rank == 3 and late.times_last == 2
+    # once each, and the microsecond between the two issues
+    assert 3 * 79 * MS <= late.wait_ns <= 3 * (79 * MS + 10_000), late.wait_ns
+    assert late.passed_on_ns <= late.wait_ns

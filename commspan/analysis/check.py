@@ -55,6 +55,7 @@ from typing import Any
 
 from commspan import semconv
 from commspan.analysis.records import (
+    ROOTED_OPS,
     CollectiveRecord,
     HangRecord,
     RankStep,
@@ -912,8 +913,8 @@ def hang_findings(run: Run, *, diverged: Iterable[str] | None = None) -> list[Fi
                           diverged=None if diverged is None else group in set(diverged),
                           errors=errors)
         )
-    findings = _deadlocks(findings, latest, last_any)
     findings.extend(_p2p_hang_findings(run, latest, last_any, failed_p2p, errors))
+    findings = _deadlocks(findings, latest, last_any)
     # a rank that is itself stuck waiting is rarely the cause: findings that name a
     # rank that never issued its part and waits on nothing come first
     findings.sort(key=lambda f: (not f.details.get("root", True),
@@ -922,18 +923,38 @@ def hang_findings(run: Run, *, diverged: Iterable[str] | None = None) -> list[Fi
 
 
 def _blocked_in(r: int, hang: HangRecord | None,
-                last_any: Mapping[int, CollectiveRecord]) -> str | None:
-    """The group of the op rank ``r`` is blocked in: the oldest one its hang record
-    shows not completed, else its last exported op when that failed (as
+                last_any: Mapping[int, CollectiveRecord]) -> tuple[Any, ...] | None:
+    """What rank ``r`` is blocked in (:func:`_waited_on`): the oldest op its hang
+    record shows not completed, else its last exported op when that failed (as
     :func:`_waits_in` and :func:`_blocked_by_failure` say it); ``None`` when it is
     blocked in none."""
     stuck = [c for c in (hang.collectives if hang is not None else ())
              if c.state != semconv.STATE_COMPLETED]
     if stuck:
-        return min(stuck, key=lambda c: c.issued_ns).group or None
+        return _waited_on(min(stuck, key=lambda c: c.issued_ns), r)
     if _blocked_by_failure(r, hang, last_any):
-        return last_any[r].group or None
+        return _waited_on(last_any[r], r)
     return None
+
+
+def _waited_on(rec: CollectiveRecord, rank: int) -> tuple[Any, ...] | None:
+    """What a hang finding is about, as a rank blocked in op ``rec`` waits on it: a
+    group's collectives (``("group", G)``), or one send or receive numbered per peer
+    (``("p2p", G, sender, receiver, number)``)."""
+    if _per_peer(rec):
+        if not isinstance(rec.peer, int) or rec.op not in _P2P_MATCH:
+            return None
+        sender, receiver = p2p_pair(rec.op, rank, rec.peer)
+        return ("p2p", rec.group, sender, receiver, rec.p2p_seq)
+    return ("group", rec.group) if rec.group else None
+
+
+def _finding_key(f: Finding) -> tuple[Any, ...]:
+    """:func:`_waited_on` of the op hang finding ``f`` is about."""
+    p2p = f.details.get("p2p")
+    if p2p is not None:
+        return ("p2p", f.group, p2p["sender"], p2p["receiver"], p2p["p2p_seq"])
+    return ("group", f.group)
 
 
 def _deadlocks(findings: list[Finding], latest: Mapping[int, HangRecord],
@@ -941,19 +962,21 @@ def _deadlocks(findings: list[Finding], latest: Mapping[int, HangRecord],
     """Mark the collectives' hang findings that wait on each other in a cycle: the
     ranks that never issued a group's op are blocked in another group's, whose missing
     ranks are blocked, in the end, in the first (a subgroup only some of its ranks
-    entered, two groups entered in another order). Each such finding names a rank
+    entered, two groups entered in another order, a send whose receiver skipped the
+    receive and waits in a collective the sender never reaches). Each such finding
+    names a rank
     that waits in another op, which alone would make it no cause (``root`` false) and
     list it after the findings it waits for; in a cycle nothing else is the cause:
     they are the root (``root`` true, a ``deadlock`` key with the cycle's groups and
     ranks) and say so, and come first."""
-    by_group = {f.group: i for i, f in enumerate(findings)}
+    by_key = {_finding_key(f): i for i, f in enumerate(findings) if f.kind == KIND_HANG}
     edges: dict[int, set[int]] = {}
     for i, f in enumerate(findings):
         targets = set()
-        for r in f.details.get("never_issued", ()):
-            group = _blocked_in(r, latest.get(r), last_any)
-            if group is not None and group in by_group and group != f.group:
-                targets.add(by_group[group])
+        for r in f.details.get("never_issued", ()) if f.kind == KIND_HANG else ():
+            key = _blocked_in(r, latest.get(r), last_any)
+            if key is not None and key in by_key and by_key[key] != i:
+                targets.add(by_key[key])
         edges[i] = targets
 
     def reach(i: int) -> set[int]:
@@ -973,7 +996,7 @@ def _deadlocks(findings: list[Finding], latest: Mapping[int, HangRecord],
     out = list(findings)
     for i in in_cycle:
         cycle = sorted(j for j in reached[i] if i in reached[j])
-        groups = [findings[j].group for j in cycle]
+        groups = list(dict.fromkeys(findings[j].group for j in cycle))
         ranks = sorted({r for j in cycle for r in findings[j].details["never_issued"]})
         f = findings[i]
         details = dict(f.details)
@@ -981,7 +1004,8 @@ def _deadlocks(findings: list[Finding], latest: Mapping[int, HangRecord],
         out[i] = dataclasses.replace(
             f, details=details,
             message=f"{f.message}; a deadlock: ranks {_list(ranks)} wait for each other "
-                    f"on groups {', '.join(str(g) for g in groups)}")
+                    f"on group{'s' if len(groups) > 1 else ''} "
+                    f"{', '.join(str(g) for g in groups)}")
     return out
 
 
@@ -990,8 +1014,11 @@ def _superseded_dropped(run: Run, latest: Mapping[int, HangRecord]) -> dict[int,
     to have completed: a record written while a collective was slow (a straggler
     longer than ``hang_timeout_s``, a ``mode.dump()`` during a wait) says nothing of a
     hang once the collective completed. Known completed: the same rank's spans,
-    written later, show it completed; or (a collective) some rank of its group
-    completed it, which none can before every rank took part; or the same rank
+    written later, show it completed; or (a collective without a root) some rank of
+    its group completed the same op at that sequence number, which none can before
+    every rank took part (a rank other than the root of a gather, a broadcast, ...
+    can: its part done, the root may still wait; another op at that number is a
+    mismatch, not a completion); or the same rank
     completed a later collective on the same group; or (a send or receive numbered
     per peer) the peer completed the matching receive or send, the one of the same
     number and tag (a send never waited on, whose ``Work`` gloo reports completed only
@@ -1001,7 +1028,7 @@ def _superseded_dropped(run: Run, latest: Mapping[int, HangRecord]) -> dict[int,
     # (rank, group, op, peer, p2p_seq, tag) of a send or receive completed: gloo
     # matches by peer and tag, so the peer's op of another tag is not the match
     done_p2p: set[tuple[Any, ...]] = set()
-    anywhere: set[tuple[str, int]] = set()  # (group, seq) some rank completed
+    anywhere: set[tuple[str, int, str]] = set()  # (group, seq, op) some rank completed
     upto: dict[tuple[int, str], int] = {}  # (rank, group) -> highest seq it completed
     last_issued: dict[int, int] = {}
 
@@ -1010,7 +1037,8 @@ def _superseded_dropped(run: Run, latest: Mapping[int, HangRecord]) -> dict[int,
         if rec.p2p_seq is not None:
             done_p2p.add((*_op_key(rec), rec.tag))
         if rec.p2p_seq is None and rec.seq is not None and rec.group:
-            anywhere.add((rec.group, rec.seq))
+            if rec.op not in ROOTED_OPS:
+                anywhere.add((rec.group, rec.seq, rec.op))
             key = (rec.rank, rec.group)
             if rec.seq > upto.get(key, -1):
                 upto[key] = rec.seq
@@ -1039,7 +1067,8 @@ def _superseded_dropped(run: Run, latest: Mapping[int, HangRecord]) -> dict[int,
                          rec.p2p_seq, rec.tag) in done_p2p)
         if rec.seq is None or not rec.group:
             return False
-        return (rec.group, rec.seq) in anywhere or rec.seq < upto.get((rec.rank, rec.group), -1)
+        return ((rec.group, rec.seq, rec.op) in anywhere
+                or rec.seq < upto.get((rec.rank, rec.group), -1))
 
     out: dict[int, HangRecord] = {}
     for rank, hang in latest.items():

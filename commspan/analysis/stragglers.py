@@ -69,12 +69,13 @@ from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 from commspan import semconv
 from commspan.analysis.records import (
+    ROOTED_OPS,
     CollectiveRecord,
     Run,
     RunPaths,
@@ -155,7 +156,10 @@ class StragglerRow(NamedTuple):
 class RankWaits(NamedTuple):
     """One rank over the whole run: how often it arrived last, the wait it caused, its
     garbage collector's time over the run (``gc_ns``), and the part of the wait it
-    passed on (``passed_on_ns``, :attr:`StragglerRow.passed_on_ns`)."""
+    passed on (``passed_on_ns``, :attr:`StragglerRow.passed_on_ns`). The wait is each
+    other rank's time spent waiting for it, collectives in flight together (DDP's
+    buckets, all waiting for the same late rank) counted once: unlike the rows, one
+    per module, whose waits then each hold the same time."""
 
     rank: int
     times_last: int
@@ -283,8 +287,7 @@ def analyze(run: Run, context: Run | None = None) -> StragglerResult:
 
 
 # ------------------------------------------------------------------ stragglers
-_ROOTED = frozenset(("broadcast", "scatter", "gather", "reduce"))
-"""Collectives with a root, whose ranks do not all wait for the last to arrive."""
+_ROOTED = ROOTED_OPS  # (their ranks do not all wait for the last to arrive)
 
 
 def matched_collectives(
@@ -382,9 +385,18 @@ def straggler_report(
     timed = _timed(run, checked)
     waited_before = (_WaitedBefore(context, _timed(context, Counter()))
                      if context is not None else _WaitedBefore(run, timed))
+    # (last rank, waiting rank) -> when the waiting rank waited for it, on its clock:
+    # collectives in flight together (DDP's buckets) wait for one late rank at once
+    spells: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)
     for match, last, waits in timed:
         wait = sum(waits.values())
         rec = match[last]
+        d_last = rec.duration_ns or 0
+        for r, w in waits.items():
+            if w > 0:  # it waited until the last rank arrived: its end less d_last
+                other = match[r]
+                end = other.issued_ns + (other.duration_ns or 0) - d_last
+                spells[(last, r)].append((end - w, end))
         key = (rec.step, rec.charged, rec.phase)
         per_key[key] += 1
         if wait <= 0:
@@ -409,8 +421,11 @@ def straggler_report(
         if rec.seq is not None:
             slot["seqs"].append(rec.seq)
         per_rank[last][0] += 1
-        per_rank[last][1] += wait
         per_rank[last][2] += passed
+    for (last, _r), times in spells.items():
+        per_rank[last][1] += _covered(times)
+    for counts_ in per_rank.values():  # (what it passed on is part of what it caused)
+        counts_[2] = min(counts_[2], counts_[1])
     rows = [
         StragglerRow(
             step,
@@ -451,6 +466,24 @@ def straggler_report(
         "late_last": checked["late_last"],
     }
     return rows, ranks, counts
+
+
+def _covered(spans: Sequence[tuple[int, int]]) -> int:
+    """The time ``(start, end)`` spans cover, overlaps counted once.
+
+    Example:
+        >>> _covered([(0, 10), (5, 15), (20, 25)])
+        20
+    """
+    total, reach = 0, None
+    for start, end in sorted(spans):
+        if reach is None or start >= reach:
+            total += end - start
+            reach = end
+        elif end > reach:
+            total += end - reach
+            reach = end
+    return total
 
 
 def _step_key(step: int | None) -> tuple[bool, int]:
