@@ -784,3 +784,23 @@ def test_diff_holds_no_span_once_read(
     code, out, _ = run_cli(capsys, "diff", str(streamed_runs["a"]), str(streamed_runs["b"]))
     assert code == 2 and out
     assert len(seen) > 100 and alive == [1]
+
+
+def test_one_rank_whose_file_ends_early_is_divided_by_its_own_steps(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], fake_pg: None,
+) -> None:
+    """B's rank 0 wrote step 0 only (a rank that stopped), the others steps 0-2. ``diff A
+    B --rank 0`` compares rank 0's counts per step: the same as A's, divided by the one
+    step it wrote, not by the three of the run (it said "count 1 => 0.333" for every
+    row, status 1, stderr empty), and says so on stderr."""
+    from _cli_runs import write_run
+
+    a = write_run(tmp_path / "a", "early", net_step(), steps=(0, 1, 2))
+    b = write_run(tmp_path / "b", "early", net_step(), steps=(0, 1, 2), ranks=(1, 2, 3))
+    write_run(b, "early", net_step(), steps=(0,), ranks=(0,))
+    code, out, err = run_cli(capsys, "diff", str(a), str(b), "--rank", "0")
+    assert (code, out.splitlines()[-1].split(":")[0]) == (0, "no difference"), (out, err)
+    assert ("commspan: B: rank 0's spans end at step 0: its counts are per step of the 1 it "
+            "wrote, of the 3 selected") in err.splitlines(), err
+    code, out, _ = run_cli(capsys, "diff", str(a), str(b), "--rank", "1")
+    assert code == 0 and "no difference" in out

@@ -335,3 +335,31 @@ def test_max_ranks_with_digests_parses_the_files_of_the_ranks_shown_only(
         assert tree_counts(digested.read_text()).counts == tree_counts(plain.read_text()).counts
     else:
         assert digested.read_bytes() == plain.read_bytes()
+
+
+@pytest.mark.parametrize("command", ["perfetto", "html"])
+def test_output_to_stdout_is_the_output_alone(tp: Path, tmp_path: Path, command: str) -> None:
+    """``-o /dev/stdout`` (into a file, or a pipe): stdout holds the trace or report
+    alone, the line saying what was written goes to stderr (it was written on stdout,
+    over the start of the output in a file, after it in a pipe); with --json, which
+    prints on stdout too, it is refused."""
+    import subprocess
+    import sys
+
+    out = tmp_path / f"out-{command}"
+    cmd = [sys.executable, "-m", "commspan", command, str(tp), "-o", "/dev/stdout"]
+    with out.open("wb") as fh:
+        done = subprocess.run(cmd, stdout=fh, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    what = "trace" if command == "perfetto" else "report"
+    assert done.stderr.strip().endswith(f"commspan: wrote the {what} to stdout (/dev/stdout)")
+    text = out.read_text()
+    if command == "perfetto":
+        assert json.loads(text)["traceEvents"]
+    else:
+        assert text.startswith("<!doctype html>") and text.rstrip().endswith("</html>")
+    piped = subprocess.run(cmd, capture_output=True, text=True, timeout=120)  # (a pipe)
+    assert piped.returncode == 0 and piped.stdout == text
+    refused = subprocess.run([*cmd, "--json"], capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 1 and refused.stdout == ""
+    assert "is stdout, where --json prints too" in refused.stderr

@@ -162,7 +162,14 @@ def test_cli_plan_errors_are_one_line(argv: list[str], message: str, code: int) 
      "RuntimeError: {target} raised RuntimeError at {file}:2: boom in setup"),
     ("def setup():\n    def step():\n        raise RuntimeError('boom in step')\n"
      "    return step\n",
-     "RuntimeError: the step {target} returned raised RuntimeError at {file}:3: boom in step"),
+     "RuntimeError: the step that {target} returned raised RuntimeError at {file}:3: boom "
+     "in step"),
+    ("import sys\ndef setup():\n    sys.exit(3)\n",  # (it exited 3, printing nothing)
+     "RuntimeError: {target} raised SystemExit at {file}:3: 3"),
+    ("import sys\ndef setup():\n    return lambda: sys.exit(0)\n",  # (exited 0, no plan)
+     "RuntimeError: the step that {target} returned raised SystemExit at {file}:3: 0"),
+    ("setup = 3\n", "AttributeError: FILE.py:FUNCTION '{target}': 'setup' in {file} is not "
+     "a function (it is of type int)"),
     ("def setup():\n    return 3\n",
      "RuntimeError: FILE.py:FUNCTION '{target}': TypeError: setup returned int, not the step"),
 ])

@@ -242,19 +242,20 @@ def profile(
     for record in records:
         fold.add(record)
     return _folded_profile(fold.traces, fold.unfinished.cut_short(last_traces),
-                           last_traces is not None, steps)
+                           last_traces is not None, steps, rank)
 
 
 def _folded_profile(
     traces: Mapping[str, _TraceFold], cut: list[tuple[int | None, str, int | None]],
-    selected: bool, steps: int | None = None,
+    selected: bool, steps: int | None = None, rank: int | None = None,
 ) -> Profile:
     """The :class:`Profile` of folded traces: the traces ``cut`` short (a hang; no rank
     span) are left out, on every rank (their collectives are neither a whole step nor
     outside the steps); ``steps`` as :func:`profile` takes it (``None``: the numbered
-    steps left, at least 1)."""
+    steps left, at least 1; those of ``rank`` when one is given, whose file may end
+    before the others')."""
     left_out = {trace for _, trace, _ in cut}
-    numbered = {t for t, f in traces.items() if f.numbered}
+    numbered = {t for t, f in traces.items() if f.numbered and (rank is None or rank in f.ranks)}
     # a step cut short on every rank has no rank span: its hang records say its number
     steps_named = numbered | {trace for _, trace, step in cut if step is not None}
     if steps_named and steps_named <= left_out:
@@ -602,7 +603,8 @@ class FoldedSide:
         if self._extra is not None:
             cut += self._extra.unfinished.cut_short(last_traces)
             cut.sort(key=lambda p: (p[0] is None, p[0] or 0, p[1]))
-        return _folded_profile(self._traces(), cut, last_traces is not None)
+        rank = self._fold.rank if self._fold is not None else None
+        return _folded_profile(self._traces(), cut, last_traces is not None, rank=rank)
 
 
 def diff(a: Profile, b: Profile) -> DiffResult:

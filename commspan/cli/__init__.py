@@ -173,7 +173,9 @@ def _run(args: argparse.Namespace) -> int:
         if error is not None:
             _err(error)
         return failed
-    if sys.stdout is None:  # started with stdout closed (`commspan ... >&-`)
+    if outcome.to_stderr:  # (the output itself went to stdout: -o /dev/stdout)
+        _err(outcome.text)
+    elif sys.stdout is None:  # started with stdout closed (`commspan ... >&-`)
         if not outcome.written:
             _err("OSError: cannot write the output: stdout is closed; send it to a file "
                  "(> FILE) or to /dev/null")

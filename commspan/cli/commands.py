@@ -59,6 +59,9 @@ class Outcome(NamedTuple):
     """The output went to files (``html -o``, ``perfetto -o``, ``digest``): ``text``
     only says so, and a stdout that cannot take it (closed, full) fails nothing
     (``--json``, asked for on stdout, is output)."""
+    to_stderr: bool = False
+    """``text`` goes to stderr: the output file is stdout itself (``-o /dev/stdout``),
+    where a line after it would spoil it."""
 
 
 class Damaged(Exception):
@@ -753,8 +756,20 @@ def summary(args: argparse.Namespace, reader: Reader) -> Outcome:
     return Outcome(text)
 
 
+def _is_stdout(path: str | Path) -> bool:
+    """Whether ``path`` is the file (or pipe, or terminal) stdout writes to."""
+    try:
+        there, out = os.stat(path), os.fstat(1)
+    except (OSError, ValueError):
+        return False
+    return (there.st_dev, there.st_ino) == (out.st_dev, out.st_ino)
+
+
 def _written(path: Path, sel: Selection, extra: dict[str, Any], args: argparse.Namespace,
              what: str) -> Outcome:
+    if _is_stdout(path):  # (-o /dev/stdout: the output is on stdout, the line on stderr)
+        return Outcome(f"commspan: wrote the {what} to stdout ({path})", written=True,
+                       to_stderr=True)
     size = path.stat().st_size
     ranks = sorted({r.rank for r in sel.records if r.rank is not None})
     data = {
@@ -805,7 +820,7 @@ def html(args: argparse.Namespace, reader: Reader) -> Outcome:
         findings = _finding_list(document, args.findings)
         if isinstance(document, dict):
             found_in = document.get("run")
-    _output_checked(args.output, "report.html")  # before minutes of reading, not after
+    _output_checked(args.output, "report.html", args.json)  # before minutes of reading, not after
     cap = RankCap(args.max_ranks or None, builders=args.check)
     sel = reader.load_capped(args.files, cap)
     read = sel.run.run_id if sel.run else None
@@ -873,7 +888,7 @@ def perfetto(args: argparse.Namespace, reader: Reader) -> Outcome:
     """Write the Chrome trace (Perfetto) of the selected run (and steps)."""
     from commspan.render.perfetto import write_chrome_trace
 
-    _output_checked(args.output, "trace.json")
+    _output_checked(args.output, "trace.json", args.json)
     cap = RankCap(args.max_ranks or None)
     sel = reader.load_capped(args.files, cap)
     note = cap.note(sel.run.run_id if sel.run else None, "perfetto")
@@ -882,11 +897,15 @@ def perfetto(args: argparse.Namespace, reader: Reader) -> Outcome:
     return _written(path, sel, {}, args, "trace")
 
 
-def _output_checked(output: str, example: str) -> None:
+def _output_checked(output: str, example: str, json_out: bool = False) -> None:
     """``-o`` that cannot be a file to write (a directory, a path below a file) is an
-    error before the files are read, worded as :func:`_writing` words it."""
+    error before the files are read, worded as :func:`_writing` words it; so is ``-o``
+    naming stdout with ``--json``, which prints there too."""
     from commspan._errors import file_path
 
+    if json_out and _is_stdout(output):
+        raise ValueError(f"-o {output!r} is stdout, where --json prints too; pass a file "
+                         "name to -o, or leave out --json")
     _writing(output, lambda: file_path("-o", output, example), example)
 
 
@@ -1036,6 +1055,13 @@ def diff(args: argparse.Namespace, reader: Reader) -> Outcome:
         note = profiled.note(f"{name}: " if args.b is not None or args.run else "")
         if note is not None:
             reader.notes.append(note)
+        last = side.last_steps() if rank is not None else {}
+        if rank in last and last[rank] < max(last.values()):  # (its file ends early)
+            label = f"{name}: " if args.b is not None or args.run else ""
+            reader.notes.append(
+                f"commspan: {label}rank {rank}'s spans end at step "
+                f"{last[rank]}: its counts are per step of the "
+                f"{profiled.steps} it wrote, of the {len(side.selection.steps)} selected")
         ends = ends_note(side.last_steps()) if rank is None else None
         if ends is not None:
             label = f"{name}: " if args.b is not None or args.run else ""
@@ -1102,9 +1128,9 @@ def plan(args: argparse.Namespace, reader: Reader) -> Outcome:
     try:
         result = plan_step(watched_setup, world_size=args.world, rank=args.rank,
                            warmup_steps=args.warmup)
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:  # (sys.exit() in the user's code: no plan)
         who = {"setup": f"{args.target} raised",
-               "step": f"the step {args.target} returned raised"}.get(running[0])
+               "step": f"the step that {args.target} returned raised"}.get(running[0])
         if who is None:  # plan_step's own check (setup returned no step, a group exists)
             raise PlanError(f"FILE.py:FUNCTION {args.target!r}: {type(exc).__name__}: "
                             f"{exc}") from None
@@ -1214,12 +1240,15 @@ def _load_function(target: str) -> Callable[[], Any]:
         raise ModuleNotFoundError(
             f"FILE.py:FUNCTION {target!r}: importing {where} failed: {exc} (install it, or run "
             "from the directory it imports from)") from None
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:
         raise PlanError(f"importing {where} raised {type(exc).__name__}{_where(exc)}: "
                         f"{exc}") from None
     function = getattr(module, name, None)
-    if not callable(function):
+    if function is None:
         raise AttributeError(f"FILE.py:FUNCTION {target!r}: {where} has no function {name!r}")
+    if not callable(function):
+        raise AttributeError(f"FILE.py:FUNCTION {target!r}: {name!r} in {where} is not a "
+                             f"function (it is of type {type(function).__name__})")
     return function  # type: ignore[no-any-return]
 
 
