@@ -199,6 +199,12 @@ def test_step_and_steps_select(
          "--show 'colour' is not valid; pass a comma-separated"),
         (["html", "X"], "the following arguments are required: -o/--output"),
         (["stragglers", "X", "--top", "0"], "--top '0' is not valid"),
+        # what int() reads as a number but is a typo: an underscore, another script's digit
+        (["table", "X", "--step", "1_0"], "--step '1_0' is not valid"),
+        (["table", "X", "--step", "\u0661"], "--step '\u0661' is not valid"),
+        (["table", "X", "--steps", "0-1_0"], "--steps '0-1_0' is not valid"),
+        (["table", "X", "--rank", "1_0"], "--rank '1_0' is not valid"),
+        (["stragglers", "X", "--top", "\u0663"], "--top '\u0663' is not valid"),
     ],
 )
 def test_bad_arguments_exit_2(

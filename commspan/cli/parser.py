@@ -25,11 +25,23 @@ _EPILOG = (
 )
 
 
+_WHOLE = re.compile(r"-?[0-9]+", re.ASCII)
+
+
+def _whole(value: str) -> int:
+    """``int(value)`` for a whole number written in ASCII digits only (``int()`` also
+    takes ``1_0`` as 10 and other scripts' digits: a typo read as a number)."""
+    text = value.strip()
+    if not _WHOLE.fullmatch(text):
+        raise ValueError(value)
+    return int(text)
+
+
 def _rank(value: str) -> int | str:
     if value == "all":
         return "all"
     try:
-        rank = int(value)
+        rank = _whole(value)
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"--rank {value!r} is not valid; pass a rank number or 'all'"
@@ -41,7 +53,7 @@ def _rank(value: str) -> int | str:
 
 def _at_least_one(option: str, value: str, what: str, most: int | None = None) -> int:
     try:
-        n = int(value)
+        n = _whole(value)
     except ValueError:
         n = 0
     if n < 1 or (most is not None and n > most):
@@ -59,7 +71,7 @@ def _mib(value: str) -> int:
 
 def _at_least_zero(option: str, value: str, what: str) -> int:
     try:
-        n = int(value)
+        n = _whole(value)
     except ValueError:
         n = -1
     if n < 0:
@@ -69,7 +81,7 @@ def _at_least_zero(option: str, value: str, what: str) -> int:
 
 def _step(value: str) -> StepRange:
     try:
-        step = int(value)
+        step = _whole(value)
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"--step {value!r} is not valid; pass a step number (or --steps A-B for a "
@@ -78,7 +90,7 @@ def _step(value: str) -> StepRange:
 
 
 # "A-B" (or "A..B"), A and B whole numbers, negative ones too ("-3--1", "-2..1")
-_RANGE = re.compile(r"^\s*(-?\d+)\s*(?:(?:-|\.\.)\s*(-?\d+)\s*)?$")
+_RANGE = re.compile(r"^\s*(-?[0-9]+)\s*(?:(?:-|\.\.)\s*(-?[0-9]+)\s*)?$", re.ASCII)
 
 
 def _steps(value: str) -> StepRange:
@@ -116,7 +128,7 @@ MAX_RANKS = 32
 
 def _max_ranks(value: str) -> int:
     try:
-        n = int(value)
+        n = _whole(value)
     except ValueError:
         n = -1
     if n < 0:
