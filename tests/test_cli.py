@@ -225,7 +225,8 @@ def test_damaged_lines_are_skipped_and_named(
         (b'{"resourceSpans": [{"scopeSpans": [{"spans": [{"attributes": [{"key": '
          b'"commspan.module.fqn", "value": {"intValue": "x"}}]}]}]}]}\n',
          "resourceSpans[0].scopeSpans[0].spans[0].attributes[0].value is not an OTLP AnyValue "
-         "(ValueError: invalid literal for int() with base 10: 'x')"),
+         "(BadValue: intValue is 'x', not an integer (JSON integer or decimal text) as "
+         "commspan writes it (a file edited, or written by another program))"),
         (b"null\n", "null, not an OTLP/JSON trace request"),
     ],
 )

@@ -999,6 +999,13 @@ def _time(obj: Mapping[str, Any], key: str) -> int:
 def _records(doc: dict[str, Any]) -> Iterator[SpanRecord]:
     for res, s, attributes, events in walk(doc):
         status = s.get("status") or {}
+        rank = rank_value(res.get(semconv.RANK))
+        if rank is None and semconv.MODULE_FQN in attributes and \
+                rank_value(attributes.get(semconv.RANK)) is None:
+            # (commspan writes the rank in every resource: its spans would be dropped
+            # by the readers that go by rank and counted by the others)
+            raise BadValue(_bad(semconv.RANK, res.get(semconv.RANK),
+                                "a rank, in the resource of a commspan span"))
         yield SpanRecord(
             name=s.get("name", ""),
             trace_id=s.get("traceId") or "",
@@ -1011,6 +1018,6 @@ def _records(doc: dict[str, Any]) -> Iterator[SpanRecord]:
             event_times=[_time(e, "timeUnixNano") for e in s.get("events") or ()],
             status_code=int(status.get("code", 0) or 0),
             status_message=status.get("message", ""),
-            rank=rank_value(res.get(semconv.RANK)),
+            rank=rank,
             resource=res,
         )
