@@ -8,6 +8,8 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 from _cli_runs import add_durations, net_step, run_cli, session_dir, write_run
 
 
@@ -207,3 +209,56 @@ def test_stragglers_builds_the_run_as_it_reads_with_the_answer_of_all_spans_held
     assert data.pop("cut_short") == [{"rank": r, "step": s} for r, _, s in cut_short(
         sel.records, sel.last_traces)]
     assert data == json.loads(json.dumps(reference))
+
+
+class _Exchange(torch.nn.Module):
+    """One all_to_all_single with uneven splits: rank r sends r + b + 1 rows to rank b
+    (it receives a + r + 1 from rank a), but for ``wrong`` = (rank, step), whose rank
+    expects one row more from rank 0 than rank 0 sends it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wrong: tuple[int, int] | None = None
+        self.at: tuple[int, int] = (0, 0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rank, _ = self.at
+        world = dist.get_world_size()
+        ins = [rank + b + 1 for b in range(world)]
+        outs = [a + rank + 1 for a in range(world)]
+        if self.at == self.wrong:
+            outs[0] += 1
+        out = torch.empty(sum(outs), x.shape[1])
+        dist.all_to_all_single(out, torch.ones(sum(ins), x.shape[1]), outs, ins)
+        return out
+
+
+@pytest.mark.parametrize("way", ["lines", "in memory", "digests"])
+def test_an_all_to_all_whose_splits_disagree_is_a_mismatch(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], fake_pg: None, way: str,
+) -> None:
+    """Uneven all_to_all_single splits must agree across the group: what rank a sends
+    rank b (its input split) is what b receives from a (its output split). In step 1
+    rank 2 expects one row more from rank 0 than rank 0 sends: a mismatch naming the
+    splits and the two ranks (gloo ran it without an error and check said
+    "consistent"); the even steps are consistent. From the lines, from the files
+    digested in memory, and from digests written (version 8: they carry the splits)."""
+    net = _Exchange()
+    net.wrong = (2, 1)
+
+    def step(rank: int, index: int) -> None:
+        net.at = (rank, index)
+        net(torch.ones(1, 2))
+
+    run = write_run(tmp_path / "run", "a2a", step, steps=(0, 1, 2))
+    more = ["--no-digest"] if way == "lines" else []
+    if way == "digests":
+        assert run_cli(capsys, "digest", str(run))[0] == 0
+    code, out, err = run_cli(capsys, "check", str(run), "--json", *more)
+    assert code == 1, err
+    (f,) = json.loads(out)["findings"]
+    assert (f["kind"], f["step"], f["fields"]) == ("mismatch", 1, ["splits"])
+    assert f["ranks"]["2"]["splits"] == {"input": [3, 4, 5, 6], "output": [4, 4, 5, 6]}
+    assert f["ranks"]["0"]["splits"] == {"input": [1, 2, 3, 4], "output": [1, 2, 3, 4]}
+    assert f["message"].endswith("; rank 0 sends rank 2 3 rows (input_split_sizes), rank 2 "
+                                 "receives 4 from it (output_split_sizes)"), f["message"]

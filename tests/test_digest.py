@@ -503,7 +503,7 @@ def test_diff_names_older_digests_once(
     write_run(base, "first", net_step(), steps=(0, 1))
     a, b = _with_digests(base, tmp_path / "a"), _with_digests(base, tmp_path / "b")
     for side in [*a.glob("*.digest"), *b.glob("*.digest")]:
-        side.write_bytes(side.read_bytes().replace(b'{"digest":7,', b'{"digest":6,'))
+        side.write_bytes(side.read_bytes().replace(b'{"digest":8,', b'{"digest":6,'))
     err = run_cli(capsys, "diff", str(a), str(b))[2]
     assert err.count("digests of version 6") == 1, err
 
@@ -1117,7 +1117,7 @@ def test_digests_keep_each_collectives_owner(tmp_path: Path, fake_pg: None) -> N
     assert sorted(_through_digests(v2).collectives) == lines
     digests = [json.loads(x.rsplit(" ", 3)[0]) for f in v2.glob("*.digest")
                for x in f.read_text().splitlines()]
-    assert {d["digest"] for d in digests} == {digest_mod.DIGEST_VERSION} == {7}
+    assert {d["digest"] for d in digests} == {digest_mod.DIGEST_VERSION} == {8}
     # a version-1 digest: the same without the owners in its templates
     v1 = tmp_path / "v1"
     v1.mkdir()
@@ -1660,14 +1660,14 @@ def test_digests_of_an_older_version_are_named_with_the_fix(
     plain = _without_digests(run, tmp_path / "plain")
     expected = run_cli(capsys, "summary", str(plain), "--rank", "all")
     for side in run.glob("*.digest"):
-        side.write_bytes(side.read_bytes().replace(b'{"digest":7,', b'{"digest":6,'))
+        side.write_bytes(side.read_bytes().replace(b'{"digest":8,', b'{"digest":6,'))
     for command in (["summary", "--rank", "all"], ["table", "--rank", "all"], ["check"],
                     ["stragglers"], ["diff", "--step", "0", "--step", "1"]):
         code, _, err = run_cli(capsys, command[0], str(run), *command[1:])
         assert code == (1 if command[0] == "check" else 0), (command, err)  # (check:
         # ranks 2-3 of the mesh wrote nothing)
         assert "2 files have digests of version 6, which this commspan does not " \
-            "read (it reads version 7)" in err, (command, err)
+            "read (it reads version 8)" in err, (command, err)
         assert "`commspan digest` on the same files" in err
     code, out, err = run_cli(capsys, "summary", str(run), "--rank", "all", "--no-digest")
     assert (code, out) == expected[:2] and "version 6" not in err  # (lines asked for)

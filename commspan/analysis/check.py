@@ -625,6 +625,8 @@ def _compare(
         for text, who in _grouped(at, fields, errors).items():
             parts.append(f"{_who(who)} {text}")
         message = f"{label}, {where}, seq {seq}: {_differ(fields)}: " + "; ".join(parts)
+        if "splits" in fields:
+            message += _splits_words(present)
         details: dict[str, Any] = {"group_ranks": list(members), "fields": fields,
                                    "trace_id": trace}
         if "count" in fields:
@@ -1769,6 +1771,22 @@ def _who(ranks: Sequence[int]) -> str:
 
 def _group_label(group: str, members: Sequence[int]) -> str:
     return f"group {group} (ranks {_list(members)})" if members else f"group {group}"
+
+
+def _splits_words(records: Sequence[CollectiveRecord]) -> str:
+    """``"; rank 0 sends rank 1 1 row, rank 1 receives 2 from it"``: the first pair of
+    ranks whose all-to-all splits disagree (:func:`~commspan.analysis.records.splits_agree`)."""
+    by_rank = {r.rank: (r.group_ranks, r.splits) for r in records
+               if r.splits is not None and r.rank in r.group_ranks}
+    for a, (ranks_a, (ins, _)) in sorted(by_rank.items()):
+        for b, (ranks_b, (_, outs)) in sorted(by_rank.items()):
+            i, j = ranks_a.index(a), ranks_b.index(b)
+            if j < len(ins) and i < len(outs) and ins[j] != outs[i]:
+                sends, gets = ins[j], outs[i]
+                return (f"; rank {a} sends rank {b} {sends} row{'s' if sends != 1 else ''} "
+                        f"(input_split_sizes), rank {b} receives {gets} from it "
+                        "(output_split_sizes)")
+    return ""
 
 
 def _differ(fields: Sequence[str]) -> str:

@@ -113,7 +113,7 @@ __all__ = [
 
 DIGEST_SUFFIX = ".digest"
 """Appended to a JSONL file's name to name its digest."""
-DIGEST_VERSION = 7
+DIGEST_VERSION = 8
 """The version written in every digest line (``"digest"``). Readers use lines of
 this version only and parse the JSONL lines of any other: version 1 had no
 collective's owner (the module that owns a collective issued by another, as FSDP2's
@@ -124,8 +124,9 @@ status and where it was raised), version 4 only the rank span that ended last of
 step number used again (``RankStep.repeats``, its start and duration), version 5 no
 module spans and collector pauses (``commspan stragglers`` parsed every line for
 them), version 6 what ``commspan diff`` compares of each collective (its mesh
-dimension's name, its redistribution's placements: ``diff`` parsed every line).
-``commspan digest DIR`` rewrites a run's digests."""
+dimension's name, its redistribution's placements: ``diff`` parsed every line),
+version 7 an all-to-all's split sizes (``commspan check`` compares them across the
+group). ``commspan digest DIR`` rewrites a run's digests."""
 _READ_VERSIONS = (DIGEST_VERSION,)
 _SAMPLE = 64  # bytes at the middle and end of a line whose CRC-32 the digest keeps
 _HEAD = 2048  # and at its start: the resource, whose run id tells two runs' lines apart
@@ -505,18 +506,22 @@ class _Part:
         rows = []
         for row in self.coll:
             compared = row.pop()
+            splits = row.pop()
             tag = row.pop()
             owner = row.pop()
             wait = row.pop()
             seq, issued, duration, p2p_seq = row[2], row[12], row[13], row.pop()
             row[2] = row[12] = row[13] = None
-            if owner is not None or tag is not None or compared is not None:
+            more = splits is not None
+            if owner is not None or tag is not None or compared is not None or more:
                 row.append(owner)  # (version 2) a 16th field, only where it says more
-            if tag is not None or compared is not None:
+            if tag is not None or compared is not None or more:
                 row.append(tag)  # (version 3) a point-to-point op's tag, 17th
-            if compared is not None:  # (version 7) what diff compares, 18th, on a
-                row.append(compared)  # module's span: [owner or module, phase, op,
+            if compared is not None or more:  # (version 7) what diff compares, 18th, on
+                row.append(compared)  # a module's span: [owner or module, phase, op,
                 # placements "src->dst" or null, mesh dimension or group]
+            if more:  # (version 8) an all-to-all's [input splits, output splits], 19th
+                row.append([list(splits[0]), list(splits[1])])
             text = orjson.dumps(row).decode()
             index = templates.setdefault(text, len(templates))
             # a point-to-point op's number per peer (schema 3) comes fifth, a functional
@@ -1121,12 +1126,12 @@ def run_from_parts(parts: Sequence[DigestPart],
         made = [_template(text, cache) for text in part["tmpls"]]
         append = run.collectives.append
         for row in orjson.loads(part["coll"]):
-            head, fqn, phase, state, owner, tag, _ = made[row[0]]
+            head, fqn, phase, state, owner, tag, _, splits = made[row[0]]
             group, members, op, kind, dtype, shape, nbytes, reduce_op, peer = head
             append(CollectiveRecord(rank, step, trace, group, members, row[1], op, kind,
                                     dtype, shape, nbytes, reduce_op, peer, fqn, phase, row[2],
                                     row[3], state, row[4] if len(row) > 4 else None,
-                                    row[5] if len(row) > 5 else None, owner, tag))
+                                    row[5] if len(row) > 5 else None, owner, tag, splits))
         for t, attrs in part["gc"]:
             pause = gc_event_fields(attrs)
             if pause is None:
@@ -1249,9 +1254,11 @@ def _template(text: str, cache: dict[str, tuple[Any, ...]]) -> tuple[Any, ...]:
         head = (group, tuple(ranks), op, kind, dtype,
                 tuple(shape) if shape is not None else None, nbytes, reduce_op,
                 tuple(peer) if isinstance(peer, list) else peer)
+        splits = fields[18] if len(fields) > 18 else None
         made = cache[text] = (head, fqn, phase, state, fields[15] if len(fields) > 15 else None,
                               fields[16] if len(fields) > 16 else None,
-                              fields[17] if len(fields) > 17 else None)
+                              fields[17] if len(fields) > 17 else None,
+                              (tuple(splits[0]), tuple(splits[1])) if splits else None)
     return made
 
 

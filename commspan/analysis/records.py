@@ -101,6 +101,9 @@ class CollectiveRecord(NamedTuple):
             :attr:`charged`.
         tag: a point-to-point op's tag (``commspan.p2p.tag``) when not 0; ``None``
             for tag 0 and in files of schema 3 and before, which did not write it.
+        splits: an ``all_to_all_single``'s ``(input split sizes, output split
+            sizes)``, the rows it sends to and receives from each rank of its group,
+            when it was given them (uneven splits); else ``None``.
     """
 
     rank: int
@@ -125,6 +128,7 @@ class CollectiveRecord(NamedTuple):
     wait_ns: int | None = None
     owner: str | None = None
     tag: int | None = None
+    splits: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
     @property
     def charged(self) -> str:
@@ -154,9 +158,13 @@ _NO_DTYPE = frozenset({"scatter"})
 
 
 def field_value(rec: CollectiveRecord, name: str) -> Any:
-    """Field ``name`` of ``rec`` as compared across ranks (a shape as a list)."""
+    """Field ``name`` of ``rec`` as compared across ranks (a shape as a list; an
+    all-to-all's ``splits`` as ``{"input": [...], "output": [...]}``)."""
     if name == "shape":
         return list(rec.shape) if rec.shape is not None else None
+    if name == "splits":
+        return ({"input": list(rec.splits[0]), "output": list(rec.splits[1])}
+                if rec.splits is not None else None)
     return getattr(rec, name)
 
 
@@ -164,8 +172,10 @@ def differing_fields(records: Sequence[CollectiveRecord]) -> list[str]:
     """The fields of :data:`COMPARED` on which ``records`` (one collective as several
     ranks issued it) disagree. Inputs that legitimately differ between ranks are not
     compared: the shapes of an all-to-all (uneven splits) and of a scatter, a scatter's
-    dtype (only its root has inputs). The one rule of ``commspan check`` (a mismatch)
-    and ``commspan stragglers`` (a collective it cannot match)."""
+    dtype (only its root has inputs); an all-to-all's splits must agree instead: what
+    each rank sends another is what that rank receives from it (``"splits"``). The
+    one rule of ``commspan check`` (a mismatch) and ``commspan stragglers`` (a
+    collective it cannot match)."""
     ops = {r.op for r in records}
     out = []
     for name in COMPARED:
@@ -176,7 +186,39 @@ def differing_fields(records: Sequence[CollectiveRecord]) -> list[str]:
         values = {repr(field_value(r, name)) for r in records if field_value(r, name) is not None}
         if len(values) > 1:
             out.append(name)
+    if "op" not in out and not splits_agree(records):
+        out.append("splits")
     return out
+
+
+def splits_agree(records: Sequence[CollectiveRecord]) -> bool:
+    """Whether the all-to-all ``records`` (one per rank of its group) that carry split
+    sizes agree: rank ``a``'s input split for rank ``b`` is ``b``'s output split from
+    ``a`` (positions in the group's ranks). Records without splits, or of ranks not in
+    the group, are not compared.
+
+    Example:
+        >>> from commspan.analysis.records import CollectiveRecord
+        >>> def rec(rank, ins, outs):
+        ...     return CollectiveRecord(rank, 0, "t", "0", (0, 1), 1, "all_to_all_single",
+        ...                             "collective", "float32", None, None, None, None,
+        ...                             "M", "forward", 0, None, "completed",
+        ...                             splits=(ins, outs))
+        >>> splits_agree([rec(0, (1, 2), (1, 3)), rec(1, (3, 4), (2, 4))])
+        True
+        >>> splits_agree([rec(0, (1, 2), (1, 3)), rec(1, (3, 4), (1, 4))])
+        False
+    """
+    by_index: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+    for r in records:
+        if r.splits is None or r.rank not in r.group_ranks:
+            continue
+        by_index[r.group_ranks.index(r.rank)] = r.splits
+    for a, (ins, _) in by_index.items():
+        for b, (_, outs) in by_index.items():
+            if a < len(outs) and b < len(ins) and ins[b] != outs[a]:
+                return False
+    return True
 
 
 def p2p_pair(op: str, rank: int, peer: int) -> tuple[int, int]:
@@ -1058,7 +1100,17 @@ def _collective(
         wait_ns=_int(attrs.get(semconv.COLL_WAIT_NS)),
         owner=one(owner) if owner is not None and owner != fqn else None,
         tag=_int(attrs.get(semconv.P2P_TAG)),
+        splits=_splits(attrs),
     )
+
+
+def _splits(attrs: Mapping[str, Any]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """``(input, output)`` split sizes of an all-to-all event, when it has both."""
+    ins, outs = attrs.get(semconv.COLL_INPUT_SPLITS), attrs.get(semconv.COLL_OUTPUT_SPLITS)
+    if type(ins) is not list or type(outs) is not list or not all(
+            type(n) is int for n in (*ins, *outs)):
+        return None
+    return tuple(ins), tuple(outs)
 
 
 def _hang(rank: int, span: SpanRecord, step: int | None) -> HangRecord:
