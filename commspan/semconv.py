@@ -30,6 +30,7 @@ __all__ = [
     "COLL_OUTPUT_SPLITS",
     "COLL_OVERLOAD",
     "COLL_PEER",
+    "COLL_ROOT",
     "COLL_REDUCE_OP",
     "COLL_SEQ",
     "COLL_STATE",
@@ -259,6 +260,7 @@ P2P_SEQ = "commspan.p2p.seq"
 P2P_TAG = "commspan.p2p.tag"
 COLL_REDUCE_OP = "commspan.collective.reduce_op"
 COLL_PEER = "commspan.collective.peer"
+COLL_ROOT = "commspan.collective.root"
 COLL_INPUT_SPLITS = "commspan.collective.input_split_sizes"
 COLL_OUTPUT_SPLITS = "commspan.collective.output_split_sizes"
 COLL_DURATION_NS = "commspan.collective.duration_ns"
@@ -466,6 +468,9 @@ ATTRIBUTES: dict[str, str] = {
     "each rank of the group (int array); absent when the caller passes none.",
     COLL_PEER: "Global rank of the peer of a point-to-point op (ops take group ranks; "
     "commspan maps them through the group's ranks).",
+    COLL_ROOT: "Global rank of the root of a collective that has one (``broadcast``'s "
+    "source, ``gather``'s and ``reduce``'s destination, ``scatter``'s source): every rank "
+    "of the group must name the same (``commspan check`` compares it).",
     PG_NAME: "Process group name.",
     PG_SIZE: "Process group size.",
     PG_RANKS: "Global ranks of the process group.",

@@ -262,3 +262,46 @@ def test_an_all_to_all_whose_splits_disagree_is_a_mismatch(
     assert f["ranks"]["0"]["splits"] == {"input": [1, 2, 3, 4], "output": [1, 2, 3, 4]}
     assert f["message"].endswith("; rank 0 sends rank 2 3 rows (input_split_sizes), rank 2 "
                                  "receives 4 from it (output_split_sizes)"), f["message"]
+
+
+class _Announce(torch.nn.Module):
+    """A broadcast from rank 0; at ``wrong`` = (rank, step) that rank names rank 1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wrong: tuple[int, int] | None = None
+        self.at: tuple[int, int] = (0, 0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dist.broadcast(x, src=1 if self.at == self.wrong else 0)
+        return x
+
+
+@pytest.mark.parametrize("way", ["lines", "in memory", "digests"])
+def test_a_broadcast_whose_ranks_name_another_source_is_a_mismatch(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], fake_pg: None, way: str,
+) -> None:
+    """Every rank of a rooted collective must name the same root: rank 3 broadcasting
+    from rank 1 in step 1 where the others broadcast from rank 0 (gloo hangs there, or
+    not; check said "consistent" of the steps that completed) is a mismatch of field
+    root_rank, each rank's root named; the other steps are consistent."""
+    net = _Announce()
+    net.wrong = (3, 1)
+
+    def step(rank: int, index: int) -> None:
+        net.at = (rank, index)
+        net(torch.ones(2))
+
+    run = write_run(tmp_path / "run", "bcast", step, steps=(0, 1, 2))
+    more = ["--no-digest"] if way == "lines" else []
+    if way == "digests":
+        assert run_cli(capsys, "digest", str(run))[0] == 0
+    code, out, err = run_cli(capsys, "check", str(run), "--json", *more)
+    assert code == 1, err
+    (f,) = json.loads(out)["findings"]
+    assert (f["kind"], f["step"], f["fields"]) == ("mismatch", 1, ["root_rank"])
+    assert {r: e["root_rank"] for r, e in f["ranks"].items()} == {"0": 0, "1": 0, "2": 0,
+                                                                   "3": 1}
+    assert ("root_rank differs: ranks 0-2 issued broadcast with root rank 0 in `_Announce` "
+            "forward; rank 3 issued broadcast with root rank 1 in `_Announce` forward"
+            ) in f["message"], f["message"]

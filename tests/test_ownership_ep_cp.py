@@ -216,3 +216,23 @@ def test_context_parallel_ring_send_recv_owned_by_attention(world: None) -> None
     assert all(a[semconv.OWNER_FQN] == "CPModel.attention" for a in events)
     assert all(a[semconv.COLL_KIND] == "p2p" for a in events)
     assert cap.mode.stats()["internal_errors"] == 0
+
+
+def test_a_rooted_collective_names_its_root_as_a_global_rank(world: None) -> None:
+    """broadcast, reduce, gather and scatter take their root as a rank of their group
+    (c10d maps the global src or dst the caller gave); the event names the global rank
+    (``commspan.collective.root``), as a point-to-point op's peer: on the group of
+    ranks 0, 2, 3, global rank 3 is the group's rank 2. Functional broadcast too."""
+    group = dist.new_group([0, 2, 3])
+    t = torch.ones(4)
+    with capture() as cap:
+        with cap.mode.step(0):
+            dist.broadcast(t, src=3, group=group)
+            dist.reduce(t, dst=2, group=group)
+            dist.gather(t, [torch.empty(4) for _ in range(3)], dst=0, group=group)
+            dist.scatter(t, None, src=3, group=group)
+            funcol.broadcast(t, 1, dist.group.WORLD).wait()
+            dist.all_reduce(t)
+    got = [(a[semconv.COLL_OP], a.get(semconv.COLL_ROOT)) for a in _events(cap)]
+    assert got == [("broadcast", 3), ("reduce", 2), ("gather", 0), ("scatter", 3),
+                   ("broadcast", 1), ("all_reduce", None)]

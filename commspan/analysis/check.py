@@ -682,6 +682,11 @@ def _describe(rec: CollectiveRecord, fields: Iterable[str]) -> str:
             bits.append("[" + ", ".join(map(str, value)) + "]" if value is not None else "[?]")
         elif name == "reduce_op":
             bits.append(f"({value})")
+        elif name == "root_rank":
+            bits.append(f"with root rank {value}" if value is not None else "(root unknown)")
+        elif name == "splits":
+            bits.append(f"sending {value['input']}, receiving {value['output']}"
+                        if value is not None else "(splits unknown)")
         else:
             bits.append(str(value))
     return f"issued {' '.join(bits)} in {rec.where()}"
@@ -1717,6 +1722,10 @@ def _hang_finding(
         # the ranks did not issue the same collective there: it can never complete
         parts.insert(0, f"the ranks issued different collectives ({', '.join(differ)} "
                         "differ), which cannot complete")
+        for r, rec in issued.items():  # (each rank's values of what differs)
+            if r in ranks:
+                for name in differ:
+                    ranks[r].setdefault(name, field_value(rec, name))
     message = f"{_group_label(group, members)}, seq {seq}: " + "; ".join(parts)
     details: dict[str, Any] = {
         "group_ranks": list(members),

@@ -125,8 +125,8 @@ step number used again (``RankStep.repeats``, its start and duration), version 5
 module spans and collector pauses (``commspan stragglers`` parsed every line for
 them), version 6 what ``commspan diff`` compares of each collective (its mesh
 dimension's name, its redistribution's placements: ``diff`` parsed every line),
-version 7 an all-to-all's split sizes (``commspan check`` compares them across the
-group). ``commspan digest DIR`` rewrites a run's digests."""
+version 7 an all-to-all's split sizes and a rooted collective's root (``commspan
+check`` compares them across the group). ``commspan digest DIR`` rewrites a run's digests."""
 _READ_VERSIONS = (DIGEST_VERSION,)
 _SAMPLE = 64  # bytes at the middle and end of a line whose CRC-32 the digest keeps
 _HEAD = 2048  # and at its start: the resource, whose run id tells two runs' lines apart
@@ -506,13 +506,14 @@ class _Part:
         rows = []
         for row in self.coll:
             compared = row.pop()
+            root = row.pop()
             splits = row.pop()
             tag = row.pop()
             owner = row.pop()
             wait = row.pop()
             seq, issued, duration, p2p_seq = row[2], row[12], row[13], row.pop()
             row[2] = row[12] = row[13] = None
-            more = splits is not None
+            more = splits is not None or root is not None
             if owner is not None or tag is not None or compared is not None or more:
                 row.append(owner)  # (version 2) a 16th field, only where it says more
             if tag is not None or compared is not None or more:
@@ -520,8 +521,9 @@ class _Part:
             if compared is not None or more:  # (version 7) what diff compares, 18th, on
                 row.append(compared)  # a module's span: [owner or module, phase, op,
                 # placements "src->dst" or null, mesh dimension or group]
-            if more:  # (version 8) an all-to-all's [input splits, output splits], 19th
-                row.append([list(splits[0]), list(splits[1])])
+            if more:  # (version 8) an all-to-all's [input splits, output splits], 19th,
+                row.append([list(splits[0]), list(splits[1])] if splits else None)
+                row.append(root)  # and the root of a collective that has one, 20th
             text = orjson.dumps(row).decode()
             index = templates.setdefault(text, len(templates))
             # a point-to-point op's number per peer (schema 3) comes fifth, a functional
@@ -1126,12 +1128,13 @@ def run_from_parts(parts: Sequence[DigestPart],
         made = [_template(text, cache) for text in part["tmpls"]]
         append = run.collectives.append
         for row in orjson.loads(part["coll"]):
-            head, fqn, phase, state, owner, tag, _, splits = made[row[0]]
+            head, fqn, phase, state, owner, tag, _, splits, root = made[row[0]]
             group, members, op, kind, dtype, shape, nbytes, reduce_op, peer = head
             append(CollectiveRecord(rank, step, trace, group, members, row[1], op, kind,
                                     dtype, shape, nbytes, reduce_op, peer, fqn, phase, row[2],
                                     row[3], state, row[4] if len(row) > 4 else None,
-                                    row[5] if len(row) > 5 else None, owner, tag, splits))
+                                    row[5] if len(row) > 5 else None, owner, tag, splits,
+                                    root))
         for t, attrs in part["gc"]:
             pause = gc_event_fields(attrs)
             if pause is None:
@@ -1258,7 +1261,8 @@ def _template(text: str, cache: dict[str, tuple[Any, ...]]) -> tuple[Any, ...]:
         made = cache[text] = (head, fqn, phase, state, fields[15] if len(fields) > 15 else None,
                               fields[16] if len(fields) > 16 else None,
                               fields[17] if len(fields) > 17 else None,
-                              (tuple(splits[0]), tuple(splits[1])) if splits else None)
+                              (tuple(splits[0]), tuple(splits[1])) if splits else None,
+                              fields[19] if len(fields) > 19 else None)
     return made
 
 

@@ -104,6 +104,9 @@ class CollectiveRecord(NamedTuple):
         splits: an ``all_to_all_single``'s ``(input split sizes, output split
             sizes)``, the rows it sends to and receives from each rank of its group,
             when it was given them (uneven splits); else ``None``.
+        root_rank: the global rank of the root of a collective that has one
+            (``commspan.collective.root``: broadcast, gather, scatter, reduce); else
+            ``None`` (and in files written before it was recorded).
     """
 
     rank: int
@@ -129,6 +132,7 @@ class CollectiveRecord(NamedTuple):
     owner: str | None = None
     tag: int | None = None
     splits: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    root_rank: int | None = None
 
     @property
     def charged(self) -> str:
@@ -149,7 +153,7 @@ ROOTED_OPS = frozenset(("broadcast", "scatter", "gather", "reduce"))
 every rank took part (its data sent to a root not yet there), and they do not all
 wait for the last rank to arrive."""
 
-COMPARED = ("op", "dtype", "shape", "reduce_op")
+COMPARED = ("op", "dtype", "shape", "reduce_op", "root_rank")
 """Fields of a collective that must be equal on every rank of its group."""
 
 # inputs that legitimately differ between ranks: uneven splits, root-only inputs
@@ -1101,6 +1105,7 @@ def _collective(
         owner=one(owner) if owner is not None and owner != fqn else None,
         tag=_int(attrs.get(semconv.P2P_TAG)),
         splits=_splits(attrs),
+        root_rank=_int(attrs.get(semconv.COLL_ROOT)),
     )
 
 

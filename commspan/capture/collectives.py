@@ -111,6 +111,8 @@ _INPUT_ARGS = ("input_tensors", "input_tensor", "inputs", "input", "input_list",
 _GROUP_ARGS = ("group_name", "process_group")
 _REDUCE_ARGS = ("reduce_op", "reduceOp")
 _PEER_ARGS = ("dst", "src", "peer_list")
+_ROOT_ARGS = ("root_rank", "src", "dst")  # (a rank of the op's group, in every schema)
+_ROOTED = frozenset(("broadcast", "gather", "scatter", "reduce"))
 _RANKS_ARGS = ("ranks",)
 _ASYNC_ARGS = ("async_op",)
 _SPLIT_IN_ARGS = ("input_split_sizes",)
@@ -139,6 +141,8 @@ class CollectiveInfo:
         split_in_index / split_out_index: positions of the input and output
             split sizes of an ``all_to_all_single`` (``-1`` when absent).
         tag_index: position of a point-to-point op's ``tag`` (``-1`` when absent).
+        root_index: position of the root (a rank of the group) of a collective that
+            has one: ``broadcast``, ``gather``, ``scatter``, ``reduce`` (``-1`` otherwise).
         script_indices: positions of the arguments whose schema type is a TorchBind
             class (``c10d`` ops' process group and reduce op), or holds one.
     """
@@ -160,6 +164,7 @@ class CollectiveInfo:
     split_out_index: int = -1
     tag_index: int = -1
     script_indices: tuple[int, ...] = ()
+    root_index: int = -1
 
 
 def canonical_names() -> list[str]:
@@ -221,6 +226,7 @@ def _info(overload: Any, canonical: str, kind: str) -> CollectiveInfo:
         split_in_index=_index(names, _SPLIT_IN_ARGS),
         split_out_index=_index(names, _SPLIT_OUT_ARGS),
         tag_index=_index(names, ("tag",)) if kind == semconv.KIND_P2P else -1,
+        root_index=_index(names, _ROOT_ARGS) if canonical in _ROOTED else -1,
         script_indices=tuple(i for i, a in enumerate(overload._schema.arguments)
                              if "__torch__.torch.classes." in str(a.type)),
     )

@@ -996,6 +996,10 @@ def describe(
             splits = _arg(info, args, kwargs, index) if index >= 0 else None
             if splits and all(type(n) is int for n in splits):
                 attrs[key] = list(splits)
+    if info.root_index >= 0:
+        root = _arg(info, args, kwargs, info.root_index)
+        if type(root) is int:
+            attrs[semconv.COLL_ROOT] = _global_rank(root, ranks)
     if info.peer_index >= 0:
         peer = _arg(info, args, kwargs, info.peer_index)
         if not info.peer_is_group_rank:
