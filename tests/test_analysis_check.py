@@ -594,7 +594,7 @@ def test_hang_without_a_record_from_the_missing_rank_uses_its_last_collective() 
     assert f.kind == KIND_HANG and f.details["never_issued"] == [1]
     assert f.ranks[1]["hang_record"] is None
     assert f.ranks[1]["fqn"] == "Net.blocks.1"
-    assert ("rank 1 wrote no record of it and no hang record (stopped?); its last "
+    assert ("rank 1 wrote no record of it and no hang record (stopped, or stuck outside collectives?); its last "
             "exported collective was "
             "all_gather_into_tensor in `Net.blocks.1` forward") in f.message
 
@@ -1482,7 +1482,7 @@ def test_a_killed_rank_is_the_root_and_a_rank_whose_own_collective_failed_waits(
     assert ("rank 2 wrote no record of it and no hang record; its last exported collective "
             "was `Net.b` forward all_reduce on group 2 (seq 2), in step 1, and it failed: "
             "it was blocked there") in world.message
-    assert "rank 3 wrote no record of it and no hang record (stopped?)" in world.message
+    assert "rank 3 wrote no record of it and no hang record (stopped, or stuck outside collectives?)" in world.message
     assert result.checked["steps_interrupted"] == 1
 
 
@@ -1556,7 +1556,7 @@ def test_a_send_or_receive_that_failed_is_a_hang_finding_not_a_skipped_step() ->
     assert f.message == (
         f"group {WORLD_GROUP} (ranks 0, 1), rank 0 -> rank 1 #2: rank 0 issued send to "
         "rank 1 in `Net.p` forward and it failed there; rank 1 wrote no record of it and "
-        "no hang record (stopped?); its last exported collective was all_reduce in "
+        "no hang record (stopped, or stuck outside collectives?); its last exported collective was all_reduce in "
         "`Net.a` forward (step 1)")
     assert result.checked["steps_interrupted"] == 1
     # a receive from any source (no peer, no number) that failed: said as it is
@@ -1661,8 +1661,8 @@ def test_a_rank_that_ended_the_step_without_the_collective_is_said_to_have_skipp
     issued one collective fewer, ended all three steps, and the others wait for it
     in step 2's last all_reduce (their hang records). Its files show it ended step 2:
     the hang finding says it never issued the collective and ended that step without
-    it (it said "stopped?", as of a rank that died); a rank with no span of that
-    step keeps "stopped?"."""
+    it (it said "(stopped?)", as of a rank that died); a rank with no span of that
+    step keeps "(stopped, or stuck outside collectives?)"."""
     b = SpanBuilder(WORLD)
     for step in range(3):
         for r in range(WORLD):
@@ -1680,7 +1680,7 @@ def test_a_rank_that_ended_the_step_without_the_collective_is_said_to_have_skipp
     assert (hang.seq, hang.step, hang.details["never_issued"]) == (6, 2, [2])
     assert ("rank 2 never issued it: it ended step 2 without it (it issued fewer "
             "collectives than its peers; see the other findings)") in hang.message
-    assert "stopped?" not in hang.message
+    assert "stuck outside collectives?" not in hang.message
     mismatch = [f for f in result.findings if f.kind != KIND_HANG]
     assert mismatch and mismatch[0].step == 1  # where it skipped one
 
@@ -1992,7 +1992,7 @@ def test_a_hang_names_the_error_a_rank_left_an_earlier_step_on(
     expected = {  # (seq, step, rank 1's words before the error's)
         "shifted": (6, 2, "rank 1 never issued it: it ended step 2 without it"),
         "hung_after": (4, 1, "rank 1 never issued it and was last seen in `Net.a` forward"),
-        "old_error": (6, 2, "rank 1 wrote no record of it and no hang record (stopped?)"),
+        "old_error": (6, 2, "rank 1 wrote no record of it and no hang record (stopped, or stuck outside collectives?)"),
     }
     for name, run in ran.items():
         result = check_run(run)

@@ -1521,7 +1521,7 @@ def _unseen_words(
                    "its peers issued")
             return (f"never issued it: it ended step {ended.step} without it ({why}); its "
                     f"{_last_exported(last)}", last.fqn, last.phase)
-        return ("wrote no record of it and no hang record (stopped?); its "
+        return ("wrote no record of it and no hang record (stopped, or stuck outside collectives?); its "
                 f"{_last_exported(last)}", last.fqn, last.phase)
     # no file, or nothing in it: no evidence either way
     return "wrote nothing at all: whether it issued it is unknown", None, None
