@@ -594,8 +594,8 @@ def test_hang_without_a_record_from_the_missing_rank_uses_its_last_collective() 
     assert f.kind == KIND_HANG and f.details["never_issued"] == [1]
     assert f.ranks[1]["hang_record"] is None
     assert f.ranks[1]["fqn"] == "Net.blocks.1"
-    assert ("rank 1 wrote no record of it and no hang record (stopped, or stuck outside collectives?); its last "
-            "exported collective was "
+    assert ("rank 1 wrote no record of it and no hang record (stopped, or stuck outside "
+            "collectives?); its last exported collective was "
             "all_gather_into_tensor in `Net.blocks.1` forward") in f.message
 
 
@@ -1482,7 +1482,8 @@ def test_a_killed_rank_is_the_root_and_a_rank_whose_own_collective_failed_waits(
     assert ("rank 2 wrote no record of it and no hang record; its last exported collective "
             "was `Net.b` forward all_reduce on group 2 (seq 2), in step 1, and it failed: "
             "it was blocked there") in world.message
-    assert "rank 3 wrote no record of it and no hang record (stopped, or stuck outside collectives?)" in world.message
+    assert ("rank 3 wrote no record of it and no hang record (stopped, or stuck outside "
+            "collectives?)") in world.message
     assert result.checked["steps_interrupted"] == 1
 
 
@@ -1556,8 +1557,8 @@ def test_a_send_or_receive_that_failed_is_a_hang_finding_not_a_skipped_step() ->
     assert f.message == (
         f"group {WORLD_GROUP} (ranks 0, 1), rank 0 -> rank 1 #2: rank 0 issued send to "
         "rank 1 in `Net.p` forward and it failed there; rank 1 wrote no record of it and "
-        "no hang record (stopped, or stuck outside collectives?); its last exported collective was all_reduce in "
-        "`Net.a` forward (step 1)")
+        "no hang record (stopped, or stuck outside collectives?); its last exported "
+        "collective was all_reduce in `Net.a` forward (step 1)")
     assert result.checked["steps_interrupted"] == 1
     # a receive from any source (no peer, no number) that failed: said as it is
     for rec in spans:
@@ -1992,7 +1993,8 @@ def test_a_hang_names_the_error_a_rank_left_an_earlier_step_on(
     expected = {  # (seq, step, rank 1's words before the error's)
         "shifted": (6, 2, "rank 1 never issued it: it ended step 2 without it"),
         "hung_after": (4, 1, "rank 1 never issued it and was last seen in `Net.a` forward"),
-        "old_error": (6, 2, "rank 1 wrote no record of it and no hang record (stopped, or stuck outside collectives?)"),
+        "old_error": (6, 2, "rank 1 wrote no record of it and no hang record (stopped, or "
+                            "stuck outside collectives?)"),
     }
     for name, run in ran.items():
         result = check_run(run)
@@ -2484,3 +2486,71 @@ def test_a_send_and_a_collective_waiting_on_each_other_are_a_deadlock() -> None:
         assert f.details["deadlock"] == {"groups": [WORLD_GROUP], "ranks": [0, 1]}
         assert f.message.endswith(f"a deadlock: ranks 0, 1 wait for each other on group "
                                   f"{WORLD_GROUP}"), f.message
+
+
+def test_a_posted_send_a_rank_went_past_makes_no_deadlock() -> None:
+    """Rank 0 posts an isend to rank 1 (never waited yet: gloo reports it not
+    completed) and goes on into an all_reduce on group {0, 2}, where rank 2, stuck in
+    compute, never comes; rank 1 waits in an all_reduce on {0, 1} before its receive.
+    Rank 2 is the cause: nothing is a deadlock (a review found the send taken for where
+    rank 0 was blocked, and a cycle through it and group {0, 1} reported first)."""
+    b = SpanBuilder(world=3, schema=3)
+    g1, g2 = "1", "2"
+    s0, s1, s2 = b.rank(0, 0), b.rank(1, 0), b.rank(2, 0)
+    s0.coll("send", fqn="Net.pp", kind=semconv.KIND_P2P, peer=1, duration_ns=MS, ranks=range(3))
+    s0.coll("all_reduce", fqn="Net.a", group=g2, ranks=(0, 2), duration_ns=MS)
+    s0.coll("all_reduce", fqn="Net.b", group=g1, ranks=(0, 1), duration_ns=MS)
+    s1.coll("all_reduce", fqn="Net.b", group=g1, ranks=(0, 1), duration_ns=MS)
+    s1.coll("recv", fqn="Net.pp", kind=semconv.KIND_P2P, peer=0, duration_ns=MS, ranks=range(3))
+    s2.coll("all_reduce", fqn="Net.a", group=g2, ranks=(0, 2), duration_ns=MS)
+    r0 = b.rank(0, 1, finished=False)
+    r0.coll("send", fqn="Net.pp", kind=semconv.KIND_P2P, peer=1, ranks=range(3))
+    r0.coll("all_reduce", fqn="Net.a", group=g2, ranks=(0, 2))
+    b.rank(1, 1, finished=False).coll("all_reduce", fqn="Net.b", group=g1, ranks=(0, 1))
+    b.hang(0, 1, stack=[("Net", "forward"), ("Net.a", "forward")], collectives=[
+        b.event_attrs("send", fqn="Net.pp", phase="forward", group=WORLD_GROUP,
+                      ranks=range(3), seq=None, p2p_seq=2, kind=semconv.KIND_P2P, peer=1,
+                      state=semconv.STATE_ISSUED),
+        b.event_attrs("all_reduce", fqn="Net.a", phase="forward", group=g2, ranks=(0, 2),
+                      seq=2, state=semconv.STATE_ISSUED)])
+    b.hang(1, 1, stack=[("Net", "forward"), ("Net.b", "forward")], collectives=[
+        b.event_attrs("all_reduce", fqn="Net.b", phase="forward", group=g1, ranks=(0, 1),
+                      seq=2, state=semconv.STATE_ISSUED)])
+    hangs = [f for f in check(build_run(b.spans())).findings if f.kind == KIND_HANG]
+    assert not any("deadlock" in f.details for f in hangs), [f.message for f in hangs]
+    assert hangs[0].group == g2 and hangs[0].details["root"] is True  # rank 2 first
+    assert [f.details["root"] for f in hangs[1:]] == [False, False]
+    group1 = next(f for f in hangs if f.group == g1)
+    assert "it is itself waiting in `Net.a` forward all_reduce on group 2" in group1.message
+
+
+def test_a_receive_from_any_source_does_not_hide_a_deadlock() -> None:
+    """Ranks 0 and 1 enter group {0, 1} and the world in opposite orders (a deadlock);
+    rank 2, waiting in the world's all_reduce, also posted a receive from any source on
+    the world group. Its finding has no sequence number: it is not the world
+    collectives' finding, which stays in the cycle (it replaced it, and no finding was
+    the cause)."""
+    b = SpanBuilder(world=3, schema=3)
+    g1, world = "1", (0, 1, 2)
+    for r in world:
+        s = b.rank(r, 0)
+        if r in (0, 1):
+            s.coll("all_reduce", fqn="Net.a", group=g1, ranks=(0, 1), duration_ns=MS)
+        s.coll("all_reduce", fqn="Net.b", ranks=world, duration_ns=MS)
+    b.rank(0, 1, finished=False).coll("all_reduce", fqn="Net.a", group=g1, ranks=(0, 1))
+    b.rank(1, 1, finished=False).coll("all_reduce", fqn="Net.b", ranks=world)
+    b.rank(2, 1, finished=False).coll("all_reduce", fqn="Net.b", ranks=world)
+    b.hang(0, 1, stack=[("Net", "forward"), ("Net.a", "forward")], collectives=[
+        b.event_attrs("all_reduce", fqn="Net.a", phase="forward", group=g1, ranks=(0, 1),
+                      seq=2, state=semconv.STATE_ISSUED)])
+    on_world = b.event_attrs("all_reduce", fqn="Net.b", phase="forward", group=WORLD_GROUP,
+                             ranks=world, seq=2, state=semconv.STATE_ISSUED)
+    b.hang(1, 1, stack=[("Net", "forward"), ("Net.b", "forward")], collectives=[on_world])
+    b.hang(2, 1, stack=[("Net", "forward"), ("Net.b", "forward")], collectives=[
+        on_world, b.event_attrs("recv", fqn="Net.b", phase="forward", group=WORLD_GROUP,
+                                ranks=world, seq=None, kind=semconv.KIND_P2P, peer=None,
+                                state=semconv.STATE_ISSUED)])
+    hangs = [f for f in check(build_run(b.spans())).findings if f.kind == KIND_HANG]
+    cycle = [f for f in hangs if "deadlock" in f.details]
+    assert sorted(f.group for f in cycle) == [WORLD_GROUP, g1], [f.message for f in hangs]
+    assert all(f.details["root"] and f.details["deadlock"]["ranks"] == [0, 1] for f in cycle)

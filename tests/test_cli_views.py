@@ -360,6 +360,14 @@ def test_output_to_stdout_is_the_output_alone(tp: Path, tmp_path: Path, command:
         assert text.startswith("<!doctype html>") and text.rstrip().endswith("</html>")
     piped = subprocess.run(cmd, capture_output=True, text=True, timeout=120)  # (a pipe)
     assert piped.returncode == 0 and piped.stdout == text
+    # | head: the reader closes the pipe early; that is no error, as for the other commands
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.read(10)
+    proc.stdout.close()
+    closed_err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0, closed_err
+    assert "Traceback" not in closed_err and "cannot be written" not in closed_err
     refused = subprocess.run([*cmd, "--json"], capture_output=True, text=True, timeout=120)
     assert refused.returncode == 1 and refused.stdout == ""
     assert "is stdout, where --json prints too" in refused.stderr

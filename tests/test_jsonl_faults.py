@@ -583,10 +583,10 @@ def test_malformed_line_adds_nothing_to_the_counts(tmp_path: Path) -> None:
     span = (b'{"name":"s","attributes":[{"key":"commspan.module.fqn","value":{"stringValue":"M"}},'
             b'{"key":"commspan.collectives.forward.total","value":{"intValue":"%s"}},'
             b'{"key":"commspan.collectives.forward.all_reduce","value":{"intValue":"%s"}}]}')
-    line = (b'{"resourceSpans":[{"scopeSpans":[{"spans":[' + span % (b"1", b"1") + b","
-            + span % (b"1", b"x") + b"]}]}]}\n")
-    good = (b'{"resourceSpans":[{"scopeSpans":[{"spans":['
-            + (span % (b"1", b"1")).replace(b'"M"', b'"N"') + b"]}]}]}\n")
+    head = (b'{"resourceSpans":[{"resource":{"attributes":[{"key":"commspan.rank","value":'
+            b'{"intValue":"0"}}]},"scopeSpans":[{"spans":[')
+    line = head + span % (b"1", b"1") + b"," + span % (b"1", b"x") + b"]}]}]}\n"
+    good = head + (span % (b"1", b"1")).replace(b'"M"', b'"N"') + b"]}]}]}\n"
     path = tmp_path / "trace.jsonl"
     path.write_bytes(line + good)
     report = ReadReport()
@@ -658,8 +658,8 @@ def test_a_time_that_is_not_an_integer_is_a_damaged_line(
     good_lines: list[bytes], tmp_path: Path, value: bytes,
 ) -> None:
     """A span's start time of another type, which ``int()`` read (1.5 and true as 1, an
-    Arabic-Indic digit as its value): the readers of times name the line damaged (the
-    aggregator, which reads no time, counts the line)."""
+    Arabic-Indic digit as its value): the span readers and the aggregator (which orders
+    modules by it) name the line damaged."""
     bad = _typed_line(b"").replace(b'"name":"M forward",',
                                    b'"name":"M forward","startTimeUnixNano":' + value + b",")
     bad = bad.replace(b'"resource":{"attributes":[]}', b'"resource":{"attributes":[{"key":'
@@ -669,10 +669,23 @@ def test_a_time_that_is_not_an_integer_is_a_damaged_line(
     with pytest.raises(ValueError, match=r"trace.jsonl:2: startTimeUnixNano is .*, not an "
                                          r"integer \(nanoseconds\)"):
         list(read_spans(path))
+    _damaged_for_both_readers(path, good_lines, tmp_path)
+
+
+def _damaged_for_both_readers(path: Path, good_lines: list[bytes], tmp_path: Path) -> None:
+    """Line 2 of ``path`` (``good_lines`` with it inserted) is damaged for the span
+    reader and the aggregator alike: strict, both raise naming it; lenient, both read
+    the rest as the good lines alone."""
     good = tmp_path / "good.jsonl"
     good.write_bytes(b"".join(good_lines))
+    with pytest.raises(ValueError, match="trace.jsonl:2: "):
+        Aggregator.from_jsonl(path)
     report = ReadReport()
     assert len(list(read_spans(path, strict=False, report=report))) == len(list(read_spans(good)))
+    assert [s.line for s in report.skipped] == [2]
+    report = ReadReport()
+    lenient = Aggregator.from_jsonl(path, strict=False, report=report)
+    assert lenient.module_counts() == Aggregator.from_jsonl(good).module_counts()
     assert [s.line for s in report.skipped] == [2]
 
 
@@ -682,14 +695,10 @@ def test_a_commspan_span_without_a_rank_is_a_damaged_line(
     """A module span whose resource has no commspan.rank (commspan writes it in every
     resource): the readers that go by rank dropped it and the others counted it
     (``summary`` and ``table --show`` disagreed, ``check`` reported a mismatch that was
-    not there); the span readers name its line damaged."""
+    not there); the span readers and the aggregator name its line damaged."""
     path = tmp_path / "trace.jsonl"
     path.write_bytes(b"".join([good_lines[0], _typed_line(b""), *good_lines[1:]]))
     with pytest.raises(ValueError, match=r"trace.jsonl:2: commspan.rank is None, not a rank, "
                                          r"in the resource of a commspan span"):
         list(read_spans(path))
-    good = tmp_path / "good.jsonl"
-    good.write_bytes(b"".join(good_lines))
-    report = ReadReport()
-    assert len(list(read_spans(path, strict=False, report=report))) == len(list(read_spans(good)))
-    assert [s.line for s in report.skipped] == [2]
+    _damaged_for_both_readers(path, good_lines, tmp_path)

@@ -400,8 +400,8 @@ def test_check_names_the_collective_that_failed_when_a_rank_died(crash_run: Path
     assert hang.message == (
         f"group {world} (ranks 0-3), seq {seq}: ranks 0, 2, 3 issued all_reduce in "
         "`Hang.blocks.2` forward and it failed there; rank 1 wrote no record of it and "
-        "no hang record (stopped, or stuck outside collectives?); its last exported collective was all_reduce in "
-        f"`Hang.blocks.0` forward (step {HANG_STEP})")
+        "no hang record (stopped, or stuck outside collectives?); its last exported "
+        f"collective was all_reduce in `Hang.blocks.0` forward (step {HANG_STEP})")
     assert result.checked["steps"] == HANG_STEP and result.checked["steps_interrupted"] == 1
 
 

@@ -935,13 +935,25 @@ def _blocked_in(r: int, hang: HangRecord | None,
     record shows not completed, else its last exported op when that failed (as
     :func:`_waits_in` and :func:`_blocked_by_failure` say it); ``None`` when it is
     blocked in none."""
-    stuck = [c for c in (hang.collectives if hang is not None else ())
-             if c.state != semconv.STATE_COMPLETED]
-    if stuck:
-        return _waited_on(min(stuck, key=lambda c: c.issued_ns), r)
+    stuck = _stuck_in(hang)
+    if stuck is not None:
+        return _waited_on(stuck, r)
     if _blocked_by_failure(r, hang, last_any):
         return _waited_on(last_any[r], r)
     return None
+
+
+def _stuck_in(hang: HangRecord | None) -> CollectiveRecord | None:
+    """The op a hang record shows its rank blocked in: the oldest it shows not
+    completed, but a send only when nothing else is pending (gloo reports an ``isend``
+    never waited on as not completed whatever became of it: a rank that posted one and
+    went on is blocked in what it issued next). ``None`` when it waits in none."""
+    stuck = [c for c in (hang.collectives if hang is not None else ())
+             if c.state != semconv.STATE_COMPLETED]
+    if not stuck:
+        return None
+    others = [c for c in stuck if c.op != "send"]
+    return min(others or stuck, key=lambda c: c.issued_ns)
 
 
 def _waited_on(rec: CollectiveRecord, rank: int) -> tuple[Any, ...] | None:
@@ -956,11 +968,15 @@ def _waited_on(rec: CollectiveRecord, rank: int) -> tuple[Any, ...] | None:
     return ("group", rec.group) if rec.group else None
 
 
-def _finding_key(f: Finding) -> tuple[Any, ...]:
-    """:func:`_waited_on` of the op hang finding ``f`` is about."""
+def _finding_key(f: Finding) -> tuple[Any, ...] | None:
+    """:func:`_waited_on` of the op hang finding ``f`` is about; ``None`` for a send or
+    receive without a number per peer (a receive from any source), which no rank's
+    wait names."""
     p2p = f.details.get("p2p")
     if p2p is not None:
         return ("p2p", f.group, p2p["sender"], p2p["receiver"], p2p["p2p_seq"])
+    if f.seq is None:  # (_unmatched_p2p_finding: no sequence number in its group)
+        return None
     return ("group", f.group)
 
 
@@ -976,7 +992,8 @@ def _deadlocks(findings: list[Finding], latest: Mapping[int, HangRecord],
     list it after the findings it waits for; in a cycle nothing else is the cause:
     they are the root (``root`` true, a ``deadlock`` key with the cycle's groups and
     ranks) and say so, and come first."""
-    by_key = {_finding_key(f): i for i, f in enumerate(findings) if f.kind == KIND_HANG}
+    by_key = {key: i for i, f in enumerate(findings)
+              if f.kind == KIND_HANG and (key := _finding_key(f)) is not None}
     edges: dict[int, set[int]] = {}
     for i, f in enumerate(findings):
         targets = set()
@@ -1313,14 +1330,12 @@ def _stack(hang: HangRecord) -> list[str]:
 
 
 def _waits_in(hang: HangRecord | None) -> str:
-    """``"; it is itself waiting in ..."``: the oldest op a hang record shows not
-    completed (the rank is blocked there, so an op it never issued is no sign that it
-    is the cause); ``""`` when it waits in none."""
-    stuck = [c for c in (hang.collectives if hang is not None else ())
-             if c.state != semconv.STATE_COMPLETED]
-    if not stuck:
+    """``"; it is itself waiting in ..."``: the op a hang record shows its rank blocked
+    in (:func:`_stuck_in`; an op it never issued is then no sign that it is the cause);
+    ``""`` when it waits in none."""
+    b = _stuck_in(hang)
+    if b is None:
         return ""
-    b = min(stuck, key=lambda c: c.issued_ns)
     return f"; it is itself waiting in {b.where()} {_op_words(b)}"
 
 
@@ -1521,8 +1536,8 @@ def _unseen_words(
                    "its peers issued")
             return (f"never issued it: it ended step {ended.step} without it ({why}); its "
                     f"{_last_exported(last)}", last.fqn, last.phase)
-        return ("wrote no record of it and no hang record (stopped, or stuck outside collectives?); its "
-                f"{_last_exported(last)}", last.fqn, last.phase)
+        return ("wrote no record of it and no hang record (stopped, or stuck outside "
+                f"collectives?); its {_last_exported(last)}", last.fqn, last.phase)
     # no file, or nothing in it: no evidence either way
     return "wrote nothing at all: whether it issued it is unknown", None, None
 

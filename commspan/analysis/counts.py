@@ -33,7 +33,7 @@ from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
 from commspan import semconv
 from commspan._fork import renew_after_fork
 from commspan.analysis.tree import PHASE_ORDER, Counts, ModuleRecord, module_tree
-from commspan.otlpjson.decode import LineReader, walk
+from commspan.otlpjson.decode import LineReader, resource_rank, span_time, walk
 from commspan.otlpjson.encode import paused_gc
 from commspan.otlpjson.files import jsonl_files
 from commspan.otlpjson.records import (
@@ -795,10 +795,10 @@ def _decode_document(doc: dict[str, Any]) -> tuple[int, list[_Add]]:
             continue
         # (the values the aggregator converts were checked by walk: a line with one of
         # another type is damaged, and adds nothing)
-        r = rank_value(resource.get(semconv.RANK))
+        r = resource_rank(resource, attrs)  # (BadValue: a commspan span without one)
         run = resource.get(semconv.RUN_ID, attrs.get(semconv.RUN_ID))
         adds.append((r, "" if run is None else str(run), str(fqn), attrs,
-                     int(s.get("startTimeUnixNano", 0)), events))
+                     span_time(s, "startTimeUnixNano"), events))
     return len(decoded), adds
 
 

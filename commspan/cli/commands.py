@@ -926,6 +926,8 @@ def _writing(output: str, write: Callable[[], Path], example: str) -> Path:
             f"-o {output!r} cannot be written: {str(parent)!r} is a file, not a "
             "directory; pass a file in a directory") from None
     except OSError as exc:
+        if isinstance(exc, BrokenPipeError) and _is_stdout(output):
+            return Path(output)  # (-o /dev/stdout | head: the reader had enough)
         raise OSError(
             f"-o {output!r} cannot be written ({exc.strerror or exc}); pass a file in an "
             "existing directory you can write to") from None

@@ -987,35 +987,50 @@ def request_spans(doc: dict[str, Any]) -> list[SpanRecord]:
     return list(_records(doc))
 
 
-def _time(obj: Mapping[str, Any], key: str) -> int:
+def span_time(obj: Mapping[str, Any], key: str) -> int:
     """A timestamp of a span or event (``0`` when absent), as :func:`_int_value` reads
-    an integer."""
+    an integer.
+
+    Raises:
+        BadValue: anything else (``1.5``, ``true``, ``" 12"``, which ``int()`` took).
+    """
     v = obj.get(key, 0)
     if type(v) is int or type(v) is str and v.isascii() and v.isdigit():
         return int(v)
     raise BadValue(_bad(key, v, "an integer (nanoseconds)"))
 
 
+def resource_rank(resource: Mapping[str, Any], attrs: Mapping[str, Any]) -> int | None:
+    """The ``commspan.rank`` of a span's resource (``None``: none, as another program's
+    spans have).
+
+    Raises:
+        BadValue: a commspan span (one naming a module) with no rank in its resource nor
+            its own attributes: commspan writes it in every resource, and the readers
+            that go by rank would drop the span while the others count it.
+    """
+    rank = rank_value(resource.get(semconv.RANK))
+    if rank is None and semconv.MODULE_FQN in attrs and \
+            rank_value(attrs.get(semconv.RANK)) is None:
+        raise BadValue(_bad(semconv.RANK, resource.get(semconv.RANK),
+                            "a rank, in the resource of a commspan span"))
+    return rank
+
+
 def _records(doc: dict[str, Any]) -> Iterator[SpanRecord]:
     for res, s, attributes, events in walk(doc):
         status = s.get("status") or {}
-        rank = rank_value(res.get(semconv.RANK))
-        if rank is None and semconv.MODULE_FQN in attributes and \
-                rank_value(attributes.get(semconv.RANK)) is None:
-            # (commspan writes the rank in every resource: its spans would be dropped
-            # by the readers that go by rank and counted by the others)
-            raise BadValue(_bad(semconv.RANK, res.get(semconv.RANK),
-                                "a rank, in the resource of a commspan span"))
+        rank = resource_rank(res, attributes)
         yield SpanRecord(
             name=s.get("name", ""),
             trace_id=s.get("traceId") or "",
             span_id=s.get("spanId") or "",
             parent_span_id=s.get("parentSpanId") or "",
-            start_time=_time(s, "startTimeUnixNano"),
-            end_time=_time(s, "endTimeUnixNano"),
+            start_time=span_time(s, "startTimeUnixNano"),
+            end_time=span_time(s, "endTimeUnixNano"),
             attributes=attributes,
             events=events,
-            event_times=[_time(e, "timeUnixNano") for e in s.get("events") or ()],
+            event_times=[span_time(e, "timeUnixNano") for e in s.get("events") or ()],
             status_code=int(status.get("code", 0) or 0),
             status_message=status.get("message", ""),
             rank=rank,
