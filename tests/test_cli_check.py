@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -233,6 +234,26 @@ class _Exchange(torch.nn.Module):
         return out
 
 
+def _the_finding(capsys: pytest.CaptureFixture[str], tmp_path: Path, net: torch.nn.Module,
+                 x: torch.Tensor, way: str) -> dict[str, Any]:
+    """``net(x)`` traced on each rank for steps 0-2 (``net.at``: the rank and step), then
+    checked from the lines (``way``), the files digested in memory, or digests written:
+    status 1 and the one finding."""
+    def step(rank: int, index: int) -> None:
+        net.at = (rank, index)
+        net(x)
+
+    run = write_run(tmp_path / "run", "run", step, steps=(0, 1, 2))
+    more = ["--no-digest"] if way == "lines" else []
+    if way == "digests":
+        assert run_cli(capsys, "digest", str(run))[0] == 0
+    code, out, err = run_cli(capsys, "check", str(run), "--json", *more)
+    assert code == 1, err
+    findings: list[dict[str, Any]] = json.loads(out)["findings"]
+    assert len(findings) == 1, findings
+    return findings[0]
+
+
 @pytest.mark.parametrize("way", ["lines", "in memory", "digests"])
 def test_an_all_to_all_whose_splits_disagree_is_a_mismatch(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], fake_pg: None, way: str,
@@ -245,18 +266,7 @@ def test_an_all_to_all_whose_splits_disagree_is_a_mismatch(
     digested in memory, and from digests written (version 8: they carry the splits)."""
     net = _Exchange()
     net.wrong = (2, 1)
-
-    def step(rank: int, index: int) -> None:
-        net.at = (rank, index)
-        net(torch.ones(1, 2))
-
-    run = write_run(tmp_path / "run", "a2a", step, steps=(0, 1, 2))
-    more = ["--no-digest"] if way == "lines" else []
-    if way == "digests":
-        assert run_cli(capsys, "digest", str(run))[0] == 0
-    code, out, err = run_cli(capsys, "check", str(run), "--json", *more)
-    assert code == 1, err
-    (f,) = json.loads(out)["findings"]
+    f = _the_finding(capsys, tmp_path, net, torch.ones(1, 2), way)
     assert (f["kind"], f["step"], f["fields"]) == ("mismatch", 1, ["splits"])
     assert f["ranks"]["2"]["splits"] == {"input": [3, 4, 5, 6], "output": [4, 4, 5, 6]}
     assert f["ranks"]["0"]["splits"] == {"input": [1, 2, 3, 4], "output": [1, 2, 3, 4]}
@@ -288,17 +298,7 @@ def test_a_broadcast_whose_ranks_name_another_source_is_a_mismatch(
     net = _Announce()
     net.wrong = (3, 1)
 
-    def step(rank: int, index: int) -> None:
-        net.at = (rank, index)
-        net(torch.ones(2))
-
-    run = write_run(tmp_path / "run", "bcast", step, steps=(0, 1, 2))
-    more = ["--no-digest"] if way == "lines" else []
-    if way == "digests":
-        assert run_cli(capsys, "digest", str(run))[0] == 0
-    code, out, err = run_cli(capsys, "check", str(run), "--json", *more)
-    assert code == 1, err
-    (f,) = json.loads(out)["findings"]
+    f = _the_finding(capsys, tmp_path, net, torch.ones(2), way)
     assert (f["kind"], f["step"], f["fields"]) == ("mismatch", 1, ["root_rank"])
     assert {r: e["root_rank"] for r, e in f["ranks"].items()} == {"0": 0, "1": 0, "2": 0,
                                                                    "3": 1}
