@@ -66,6 +66,7 @@ from commspan.analysis.records import (
     field_value,
     load_run,
     p2p_pair,
+    split_disagreement,
 )
 from commspan.analysis.unread import steps_words
 from commspan.otlpjson.decode import DEFAULT_MAX_LINE_BYTES, ReadReport
@@ -1799,18 +1800,13 @@ def _group_label(group: str, members: Sequence[int]) -> str:
 
 def _splits_words(records: Sequence[CollectiveRecord]) -> str:
     """``"; rank 0 sends rank 1 1 row, rank 1 receives 2 from it"``: the first pair of
-    ranks whose all-to-all splits disagree (:func:`~commspan.analysis.records.splits_agree`)."""
-    by_rank = {r.rank: (r.group_ranks, r.splits) for r in records
-               if r.splits is not None and r.rank in r.group_ranks}
-    for a, (ranks_a, (ins, _)) in sorted(by_rank.items()):
-        for b, (ranks_b, (_, outs)) in sorted(by_rank.items()):
-            i, j = ranks_a.index(a), ranks_b.index(b)
-            if j < len(ins) and i < len(outs) and ins[j] != outs[i]:
-                sends, gets = ins[j], outs[i]
-                return (f"; rank {a} sends rank {b} {sends} row{'s' if sends != 1 else ''} "
-                        f"(input_split_sizes), rank {b} receives {gets} from it "
-                        "(output_split_sizes)")
-    return ""
+    ranks whose all-to-all splits disagree (:func:`split_disagreement`)."""
+    found = split_disagreement(records)
+    if found is None:
+        return ""
+    a, b, sends, gets = found
+    return (f"; rank {a} sends rank {b} {sends} row{'s' if sends != 1 else ''} "
+            f"(input_split_sizes), rank {b} receives {gets} from it (output_split_sizes)")
 
 
 def _differ(fields: Sequence[str]) -> str:

@@ -1283,12 +1283,14 @@ def load_parts(
     are skipped (``strict=False``). ``module_spans``: read each part's module spans
     too (``commspan stragglers``; :func:`run_from_parts` with ``module_spans=True``).
     """
-    digests: list[FileDigest | None] = []
+    digests: list[tuple[Path, FileDigest]] = []
+    whole: set[str] = set()  # files without a digest: every line parsed, below
     for f in files:
         digest = read_digest(f, module_spans)
-        digests.append(digest)
         if digest is None:
-            continue  # (its lines are parsed below, as the lines a digest leaves out)
+            whole.add(os.fspath(f))
+            continue
+        digests.append((f, digest))
         if any(end - start > max_line_bytes for start, end in digest.covered):
             return None  # a line longer than the limit: the lines' reader stops there
         if max_line_bytes < DEFAULT_MAX_LINE_BYTES and starts_compressed(f):
@@ -1298,11 +1300,7 @@ def load_parts(
     scratch = ReadReport()
     parts: list[DigestPart] = []
     regions: dict[str, list[tuple[int, int, int]]] = {}
-    whole: set[str] = set()  # files without a digest: every line parsed
-    for path, digest in zip(files, digests):
-        if digest is None:
-            whole.add(os.fspath(path))
-            continue
+    for path, digest in digests:
         for line_parts in digest.used(scratch):
             parts.extend(line_parts)
         gaps = digest.gaps()

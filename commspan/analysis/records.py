@@ -190,16 +190,20 @@ def differing_fields(records: Sequence[CollectiveRecord]) -> list[str]:
         values = {repr(field_value(r, name)) for r in records if field_value(r, name) is not None}
         if len(values) > 1:
             out.append(name)
-    if "op" not in out and not splits_agree(records):
+    if "op" not in out and split_disagreement(records) is not None:
         out.append("splits")
     return out
 
 
-def splits_agree(records: Sequence[CollectiveRecord]) -> bool:
-    """Whether the all-to-all ``records`` (one per rank of its group) that carry split
-    sizes agree: rank ``a``'s input split for rank ``b`` is ``b``'s output split from
-    ``a`` (positions in the group's ranks). Records without splits, or of ranks not in
-    the group, are not compared.
+def split_disagreement(
+    records: Sequence[CollectiveRecord],
+) -> tuple[int, int, int, int] | None:
+    """The first pair of ranks (in rank order) whose all-to-all split sizes disagree,
+    among ``records`` (one collective as the ranks of its group issued it) that carry
+    them: ``(a, b, rows a sends b, rows b receives from a)``, where rank ``a``'s input
+    split for ``b`` should be ``b``'s output split from ``a`` (positions in the group's
+    ranks); ``None`` when they agree. Records without splits, or of ranks not in the
+    group, are not compared.
 
     Example:
         >>> from commspan.analysis.records import CollectiveRecord
@@ -208,21 +212,18 @@ def splits_agree(records: Sequence[CollectiveRecord]) -> bool:
         ...                             "collective", "float32", None, None, None, None,
         ...                             "M", "forward", 0, None, "completed",
         ...                             splits=(ins, outs))
-        >>> splits_agree([rec(0, (1, 2), (1, 3)), rec(1, (3, 4), (2, 4))])
+        >>> split_disagreement([rec(0, (1, 2), (1, 3)), rec(1, (3, 4), (2, 4))]) is None
         True
-        >>> splits_agree([rec(0, (1, 2), (1, 3)), rec(1, (3, 4), (1, 4))])
-        False
+        >>> split_disagreement([rec(0, (1, 2), (1, 3)), rec(1, (3, 4), (1, 4))])
+        (0, 1, 2, 1)
     """
-    by_index: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
-    for r in records:
-        if r.splits is None or r.rank not in r.group_ranks:
-            continue
-        by_index[r.group_ranks.index(r.rank)] = r.splits
-    for a, (ins, _) in by_index.items():
-        for b, (_, outs) in by_index.items():
-            if a < len(outs) and b < len(ins) and ins[b] != outs[a]:
-                return False
-    return True
+    by_rank = {r.rank: (r.group_ranks.index(r.rank), r.splits) for r in records
+               if r.splits is not None and r.rank in r.group_ranks}
+    for a, (i, (ins, _)) in sorted(by_rank.items()):
+        for b, (j, (_, outs)) in sorted(by_rank.items()):
+            if j < len(ins) and i < len(outs) and ins[j] != outs[i]:
+                return a, b, ins[j], outs[i]
+    return None
 
 
 def p2p_pair(op: str, rank: int, peer: int) -> tuple[int, int]:

@@ -287,7 +287,6 @@ def analyze(run: Run, context: Run | None = None) -> StragglerResult:
 
 
 # ------------------------------------------------------------------ stragglers
-_ROOTED = ROOTED_OPS  # (their ranks do not all wait for the last to arrive)
 
 
 def matched_collectives(
@@ -306,7 +305,7 @@ def matched_collectives(
         if rec.kind == semconv.KIND_P2P:
             counts["point_to_point"] += 1
             continue
-        if rec.op in _ROOTED:
+        if rec.op in ROOTED_OPS:  # (their ranks do not all wait for the last to arrive)
             rooted.add((rec.group, rec.trace_id, rec.seq, rec.op))
             continue
         if not rec.group:
