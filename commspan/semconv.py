@@ -103,6 +103,7 @@ __all__ = [
     "REDIST_DST",
     "REDIST_OP",
     "REDIST_SRC",
+    "ROOTED_OPS",
     "RUN_ID",
     "SAMPLING_RANKS",
     "SCHEMA",
@@ -261,6 +262,11 @@ P2P_TAG = "commspan.p2p.tag"
 COLL_REDUCE_OP = "commspan.collective.reduce_op"
 COLL_PEER = "commspan.collective.peer"
 COLL_ROOT = "commspan.collective.root"
+ROOTED_OPS = frozenset(("broadcast", "gather", "reduce", "scatter"))
+"""The canonical ops (values of ``COLL_OP``) that have a root, so their events carry
+``COLL_ROOT``. A rank other than the root can finish its part before every rank took
+part (its data sent to a root not yet there): their ranks do not all wait for the last
+one to arrive."""
 COLL_INPUT_SPLITS = "commspan.collective.input_split_sizes"
 COLL_OUTPUT_SPLITS = "commspan.collective.output_split_sizes"
 COLL_DURATION_NS = "commspan.collective.duration_ns"

@@ -55,7 +55,6 @@ from typing import Any
 
 from commspan import semconv
 from commspan.analysis.records import (
-    ROOTED_OPS,
     CollectiveRecord,
     HangRecord,
     RankStep,
@@ -1062,7 +1061,7 @@ def _superseded_dropped(run: Run, latest: Mapping[int, HangRecord]) -> dict[int,
         if rec.p2p_seq is not None:
             done_p2p.add((*_op_key(rec), rec.tag))
         if rec.p2p_seq is None and rec.seq is not None and rec.group:
-            if rec.op not in ROOTED_OPS:
+            if rec.op not in semconv.ROOTED_OPS:
                 anywhere.add((rec.group, rec.seq, rec.op))
             key = (rec.rank, rec.group)
             if rec.seq > upto.get(key, -1):

@@ -148,11 +148,6 @@ class CollectiveRecord(NamedTuple):
         return f"`{self.fqn}` {self.phase}"
 
 
-ROOTED_OPS = frozenset(("broadcast", "scatter", "gather", "reduce"))
-"""Collectives with a root: a rank other than the root can complete its part before
-every rank took part (its data sent to a root not yet there), and they do not all
-wait for the last rank to arrive."""
-
 COMPARED = ("op", "dtype", "shape", "reduce_op", "root_rank")
 """Fields of a collective that must be equal on every rank of its group."""
 

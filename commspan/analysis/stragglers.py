@@ -75,7 +75,6 @@ from typing import Any, NamedTuple
 
 from commspan import semconv
 from commspan.analysis.records import (
-    ROOTED_OPS,
     CollectiveRecord,
     Run,
     RunPaths,
@@ -305,7 +304,7 @@ def matched_collectives(
         if rec.kind == semconv.KIND_P2P:
             counts["point_to_point"] += 1
             continue
-        if rec.op in ROOTED_OPS:  # (their ranks do not all wait for the last to arrive)
+        if rec.op in semconv.ROOTED_OPS:  # (their ranks do not all wait for the last to arrive)
             rooted.add((rec.group, rec.trace_id, rec.seq, rec.op))
             continue
         if not rec.group:

@@ -112,7 +112,6 @@ _GROUP_ARGS = ("group_name", "process_group")
 _REDUCE_ARGS = ("reduce_op", "reduceOp")
 _PEER_ARGS = ("dst", "src", "peer_list")
 _ROOT_ARGS = ("root_rank", "src")  # (a rank of the op's group, in every schema)
-_ROOTED = frozenset(("broadcast", "gather", "scatter", "reduce"))
 _RANKS_ARGS = ("ranks",)
 _ASYNC_ARGS = ("async_op",)
 _SPLIT_IN_ARGS = ("input_split_sizes",)
@@ -226,7 +225,7 @@ def _info(overload: Any, canonical: str, kind: str) -> CollectiveInfo:
         split_in_index=_index(names, _SPLIT_IN_ARGS),
         split_out_index=_index(names, _SPLIT_OUT_ARGS),
         tag_index=_index(names, ("tag",)) if kind == semconv.KIND_P2P else -1,
-        root_index=_index(names, _ROOT_ARGS) if canonical in _ROOTED else -1,
+        root_index=_index(names, _ROOT_ARGS) if canonical in semconv.ROOTED_OPS else -1,
         script_indices=tuple(i for i, a in enumerate(overload._schema.arguments)
                              if "__torch__.torch.classes." in str(a.type)),
     )
